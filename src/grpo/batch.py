@@ -1,0 +1,111 @@
+"""The training batch: a generation's rollouts as padded tensors, and the model pass that scores them.
+
+Layout (shared spec §2.1): prompt ids left-padded, completion ids right-padded, concatenated. Position ids
+come from the attention mask, as in generation, so left padding never shifts a token's position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo.generation import Rollout, left_pad, right_pad
+from grpo.logprobs import entropy_from_logits, selective_log_softmax
+
+
+@dataclass
+class TrainBatch:
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P)
+    completion_ids: torch.Tensor  # (B, C) right-padded
+    completion_attention: torch.Tensor  # (B, C) 1 on completion tokens the model attends to
+    mask: torch.Tensor  # (B, C) float, 1 on tokens the loss trains
+    advantages: torch.Tensor  # (B,)
+    sampling_logps: torch.Tensor  # (B, C) the sampler's log-probs (0 on padding)
+    truncated: torch.Tensor  # (B,) bool
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def select(self, rows: torch.Tensor | slice) -> "TrainBatch":
+        return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
+                             for f in dataclasses.fields(self)})
+
+    def to(self, device: torch.device) -> "TrainBatch":
+        return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                             for f in dataclasses.fields(self)})
+
+
+def collate(rollout: Rollout, advantages: torch.Tensor, pad_id: int, mask_truncated: bool) -> TrainBatch:
+    prompt_ids, prompt_mask = left_pad(rollout.prompt_ids, pad_id)
+    completion_ids = right_pad(rollout.completion_ids, pad_id)
+    attention = right_pad([[1] * len(c) for c in rollout.completion_ids], 0)
+    loss_mask = right_pad(rollout.loss_mask, 0)
+    truncated = torch.tensor(rollout.truncated, dtype=torch.bool)
+    if mask_truncated:
+        # truncated rows leave the loss, the token count and attention (shared spec §10.2)
+        attention = attention * (~truncated).long().unsqueeze(1)
+    return TrainBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_attention=attention,
+        mask=(attention * loss_mask).float(),
+        advantages=advantages.float(),
+        sampling_logps=right_pad(rollout.sampling_logps, 0.0, dtype=torch.float32),
+        truncated=truncated,
+    )
+
+
+def _accepts_logits_to_keep(model: Any) -> bool:
+    forward = getattr(model, "forward", None)
+    try:
+        return "logits_to_keep" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def token_logps(model: Any, batch: TrainBatch, temperature: float, with_entropy: bool = True,
+                chunk_size: int | None = None, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the completion tokens under `model` (logits divided by temperature), and their entropies.
+
+    Processes `chunk_size` rows per forward pass (all at once when None). Entropies carry a gradient only with
+    `entropy_grad` (the entropy bonus); otherwise they only feed metrics and the entropy mask."""
+    n = len(batch)
+    step = chunk_size or n
+    logps, entropies = [], []
+    for start in range(0, n, step):
+        part = batch.select(slice(start, start + step))
+        lp, ent = _forward(model, part, temperature, with_entropy, entropy_grad)
+        logps.append(lp)
+        entropies.append(ent)
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+def _forward(model: Any, batch: TrainBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    c = batch.completion_ids.shape[1]
+    kwargs = {"logits_to_keep": c + 1} if _accepts_logits_to_keep(_unwrap(model)) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False,
+                   **kwargs).logits
+    logits = logits[:, -(c + 1):-1, :] / temperature  # position t predicts completion token t
+    logps = selective_log_softmax(logits, batch.completion_ids)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return logps.float(), entropy
+
+
+def _unwrap(model: Any) -> Any:
+    while hasattr(model, "module"):
+        model = model.module
+    return model

@@ -1,0 +1,101 @@
+"""Loading the policy, its tokenizer and the frozen reference model; hardware questions (fast bfloat16?)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+
+class ModelLoadError(OSError):
+    """A model or tokenizer could not be loaded; the message names the id and what to do."""
+
+
+def model_name(model: Any) -> str:
+    """The last path segment of a model id or directory (for default output directories)."""
+    path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    return os.path.basename(os.path.normpath(path)) or type(model).__name__
+
+
+def _resolve_dtype(kwargs: dict[str, Any]) -> dict[str, Any]:
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("torch_dtype", None) or kwargs.get("dtype") or "float32"
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    kwargs["dtype"] = dtype
+    return kwargs
+
+
+def _load_error(kind: str, model_id: str, err: Exception) -> ModelLoadError:
+    where = "a local directory" if os.path.isdir(model_id) else "not a local directory"
+    return ModelLoadError(
+        f"Could not load the {kind} '{model_id}' ({where}): {type(err).__name__}: {str(err).splitlines()[0][:200]}. "
+        "If it is a Hugging Face Hub id, the Hub must be reachable (or the model already in the local cache); "
+        "otherwise pass the path of a local model directory.")
+
+
+def load_causal_lm(model_id: str, init_kwargs: dict[str, Any] | None, trust_remote_code: bool) -> PreTrainedModel:
+    kwargs = _resolve_dtype(init_kwargs or {})
+    kwargs.setdefault("trust_remote_code", trust_remote_code)
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+    except (OSError, ValueError, EnvironmentError) as err:
+        raise _load_error("model", model_id, err) from None
+
+
+def load_tokenizer(model_id: str, trust_remote_code: bool) -> Any:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _load_error("tokenizer", model_id, err) from None
+    return prepare_tokenizer(tokenizer)
+
+
+def prepare_tokenizer(tokenizer: Any) -> Any:
+    """Left padding (prompts are right-aligned for generation) and a pad token (EOS when the model has none)."""
+    if not hasattr(tokenizer, "pad_token_id"):  # a multimodal processor: pad with its text tokenizer
+        tokenizer = tokenizer.tokenizer
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def reference_model(policy: PreTrainedModel, model_id: str | None, init_kwargs: dict[str, Any] | None,
+                    trust_remote_code: bool) -> PreTrainedModel:
+    """A frozen copy of the initial policy: reloaded from its id, or deep-copied when given as an object."""
+    ref = load_causal_lm(model_id, init_kwargs, trust_remote_code) if model_id else copy.deepcopy(policy)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def fast_bf16_available(device: torch.device) -> bool:
+    """bfloat16 compute pays off on CUDA GPUs that support it and on CPUs with AMX or AVX512-BF16 units."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cpu_isa() -> str:
+    """The widest vector/matrix instruction set PyTorch's CPU kernels use here (for reports)."""
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        return "unknown"

@@ -1,0 +1,452 @@
+"""GRPOTrainer: Group Relative Policy Optimization with an explicit loop on accelerate.
+
+    trainer = GRPOTrainer(model="path/to/model", reward_funcs=my_reward, train_dataset=ds, args=GRPOConfig(...))
+    trainer.train()
+
+The algorithm as implemented (DeepSeekMath, arXiv:2402.03300, with the loss variants of `grpo.losses`):
+every `steps_per_generation * num_iterations` micro-steps, take `generation_batch_size / G` prompts, sample G
+completions for each with the current policy, score them with the reward functions, turn the rewards into
+group-relative advantages, and compute the old-policy log-probs (only when the batch will be reused off-policy)
+and the reference log-probs (only when beta > 0). Then each micro-step takes one slice of that batch and
+backpropagates the policy loss; every `gradient_accumulation_steps` micro-steps the optimizer steps. `_step`
+below is one optimizer step, top to bottom.
+
+Where grpo departs from the reference (TRL 1.16, shared spec):
+- a completion stops at the chat template's end-of-turn token as well as EOS (reference quirk 10);
+- a reward of float NaN/inf is an error (None is how a function says "does not apply");
+- the prompt order of generation k is a pure function of (seed, k), so resuming needs no sampler state;
+- position ids follow the attention mask in the training pass as in generation (the reference lets left
+  padding shift positions there);
+- generation runs with the model in eval mode (dropout off, KV cache on under gradient checkpointing);
+- `bf16=None` turns bfloat16 on only where the hardware computes it fast (the reference: always).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from transformers import PreTrainedModel, TrainerState, get_scheduler
+
+from grpo import checkpoint, data
+from grpo.advantages import compute_advantages, nanstd
+from grpo.batch import TrainBatch, collate, token_logps
+from grpo.config import GRPOConfig
+from grpo.generation import GenerationEngine, TransformersEngine
+from grpo.losses import TOKEN_SUM_LOSSES, Stat, compute_policy_loss, entropy_bonus, high_entropy_mask
+from grpo.metrics import MetricsLogger
+from grpo.modeling import (disable_dropout, fast_bf16_available, load_causal_lm, load_tokenizer, model_name,
+                           prepare_tokenizer, reference_model)
+from grpo.scoring import check_reward_funcs, reward_name, score
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss or gradient); the message names the step and what to try."""
+
+
+@dataclass
+class TrainOutput:
+    global_step: int
+    training_loss: float
+    metrics: dict[str, Any]
+
+
+def _not_yet(feature: str, issue: str) -> ValueError:
+    return ValueError(f"{feature} is not available yet in grpo ({issue}); remove it to train without it.")
+
+
+class GRPOTrainer:
+    """TRL-compatible GRPO trainer. See the module docstring for the algorithm and `GRPOConfig` for options."""
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Callable | list[Callable],
+        args: GRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
+        tools: Any = None,
+        rollout_func: Any = None,
+    ) -> None:
+        args = args or GRPOConfig(output_dir=f"{model_name(model)}-GRPO")
+        if args.output_dir is None:
+            args.output_dir = f"{model_name(model)}-GRPO"
+        self.args = args
+        self._reject_later_features(args, peft_config, tools, rollout_func, eval_dataset, callbacks)
+        data.check_dataset(train_dataset)
+        self.train_dataset = train_dataset
+        self.reward_funcs = check_reward_funcs(reward_funcs, args.reward_weights)
+        self.reward_names = [reward_name(f) for f in self.reward_funcs]
+        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
+        _warn_odd_combinations(args)
+
+        self.accelerator = self._make_accelerator(args)
+        set_seed(args.seed)
+        model_id = model if isinstance(model, str) else None
+        self.model = load_causal_lm(model, args.model_init_kwargs, args.trust_remote_code) if model_id else model
+        source = model_id or getattr(self.model.config, "_name_or_path", None)
+        self.processing_class = prepare_tokenizer(processing_class) if processing_class is not None \
+            else load_tokenizer(source, args.trust_remote_code)
+        if args.disable_dropout:
+            disable_dropout(self.model)
+        self.ref_model = None
+        if args.beta != 0.0:  # with beta == 0 no reference model is ever loaded (shared spec §1.2)
+            self.ref_model = reference_model(self.model, model_id, args.model_init_kwargs, args.trust_remote_code)
+        if args.gradient_checkpointing:
+            enable = getattr(self.model, "activation_checkpointing_enable", None) or \
+                self.model.gradient_checkpointing_enable  # renamed in transformers 5.2x
+            enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+
+        self.state = TrainerState()
+        self.max_steps = self._total_steps()
+        self.state.max_steps = self.max_steps
+        self.optimizer, self.lr_scheduler = optimizers
+        self._make_optimizer()
+        self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
+            self.model, self.optimizer, self.lr_scheduler)
+        if self.ref_model is not None:
+            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+
+        tokenizer = self.processing_class
+        model_eos = getattr(getattr(self.unwrapped_model, "generation_config", None), "eos_token_id", None)
+        self.stop_ids = data.end_of_turn_ids(tokenizer, model_eos)
+        self.engine: GenerationEngine = TransformersEngine(
+            self.unwrapped_model, args, self.stop_ids, tokenizer.pad_token_id, autocast=self.accelerator.autocast)
+        self._prompt_cache: dict[int, list[int]] = {}
+        self._buffer: list[TrainBatch] = []
+        self._micro_step = 0
+
+    # ---- construction helpers ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _reject_later_features(args, peft_config, tools, rollout_func, eval_dataset, callbacks) -> None:
+        if args.use_vllm:
+            raise _not_yet("use_vllm=True (vLLM generation)", "it comes with the vLLM issue")
+        if peft_config is not None:
+            raise _not_yet("peft_config (LoRA)", "it comes with the LoRA/multi-process issue")
+        if tools:
+            raise _not_yet("tools= (tool-calling rollouts)", "it comes with the agent issue")
+        if rollout_func is not None:
+            raise _not_yet("rollout_func", "custom rollouts come with the agent issue")
+        if eval_dataset is not None:
+            warnings.warn("eval_dataset is ignored: evaluation during training is not available yet in grpo.",
+                          stacklevel=3)
+        if callbacks:
+            warnings.warn("callbacks are ignored: grpo does not run transformers callbacks.", stacklevel=3)
+
+    def _make_accelerator(self, args: GRPOConfig) -> Accelerator:
+        cpu = args.use_cpu or not torch.cuda.is_available()
+        device = torch.device("cpu" if cpu else "cuda")
+        if args.bf16 is None:
+            args.bf16 = fast_bf16_available(device) and not args.fp16
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+        report_to = args.report_to if args.report_to not in (None, "none", ["none"]) else None
+        accelerator = Accelerator(cpu=cpu, mixed_precision=precision, log_with=report_to,
+                                  project_dir=args.output_dir)
+        if report_to:
+            accelerator.init_trackers(args.run_name or "grpo", config=_trackable(args.to_dict()))
+        return accelerator
+
+    def _total_steps(self) -> int:
+        a = self.args
+        unique = a.generation_batch_size // a.num_generations
+        blocks = data.prompts_per_generation(len(self.train_dataset), unique)
+        micro_per_epoch = blocks * a.steps_per_generation * a.num_iterations
+        self.steps_per_epoch = max(micro_per_epoch // a.gradient_accumulation_steps, 1)
+        if a.max_steps > 0:
+            return a.max_steps
+        return max(math.ceil(a.num_train_epochs * self.steps_per_epoch), 1)
+
+    def _make_optimizer(self) -> None:
+        a = self.args
+        if self.optimizer is None:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": a.weight_decay},
+                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+            self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=a.learning_rate,
+                                               betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon)
+        if self.lr_scheduler is None:
+            warmup = a.warmup_steps or math.ceil(a.warmup_ratio * self.max_steps)
+            self.lr_scheduler = get_scheduler(a.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
+                                              num_training_steps=self.max_steps,
+                                              scheduler_specific_kwargs=a.lr_scheduler_kwargs or {})
+
+    @property
+    def unwrapped_model(self) -> PreTrainedModel:
+        return self.accelerator.unwrap_model(self.model)
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        if resume_from_checkpoint:
+            raise _not_yet("resume_from_checkpoint", "resuming comes with the checkpoint issue")
+        a = self.args
+        self.model.train()
+        self.metrics = MetricsLogger(a.output_dir, self.accelerator, self.max_steps, not a.disable_tqdm)
+        total_loss = 0.0
+        with self.metrics:
+            while self.state.global_step < self.max_steps:
+                total_loss += self._step()
+        self.accelerator.end_training()
+        metrics = self.state.log_history[-1] if self.state.log_history else {}
+        return TrainOutput(self.state.global_step, total_loss / max(self.state.global_step, 1), metrics)
+
+    def _step(self) -> float:
+        """One optimizer step: gradient_accumulation_steps micro-steps, then clip, check, apply, log, save."""
+        a = self.args
+        start = time.perf_counter()
+        step_loss = 0.0
+        for micro in range(a.gradient_accumulation_steps):
+            batch = self._next_micro_batch()
+            last = micro == a.gradient_accumulation_steps - 1
+            with nullcontext() if last else self.accelerator.no_sync(self.model):
+                step_loss += self._train_on(batch)
+        grad_norm = self._clip_and_check_gradients()
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        self.state.epoch = self.state.global_step / self.steps_per_epoch
+        self.metrics.add_many({"loss": step_loss, "grad_norm": grad_norm,
+                               "learning_rate": self.lr_scheduler.get_last_lr()[0],
+                               "step_time": time.perf_counter() - start})
+        self._log_and_save()
+        return step_loss
+
+    def _next_micro_batch(self) -> TrainBatch:
+        """The micro-step's slice of the current generation; generates anew when a cycle starts."""
+        a = self.args
+        cycle = a.steps_per_generation * a.num_iterations
+        position = self._micro_step % cycle
+        if position == 0 or not self._buffer:
+            batch = self._generate_and_score(self._micro_step // cycle)
+            # split into steps_per_generation slices after a seeded shuffle (every slice mixes groups)
+            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(a.seed + self._micro_step))
+            batch = batch.select(order)
+            self._buffer = [batch.select(rows) for rows in torch.arange(len(batch)).chunk(a.steps_per_generation)]
+        self._micro_step += 1
+        return self._buffer[position % a.steps_per_generation]
+
+    # ---- phase 1: generate, score, advantages, old/ref log-probs -----------------------------------------------
+
+    def _generate_and_score(self, generation: int) -> TrainBatch:
+        a, acc = self.args, self.accelerator
+        t0 = time.perf_counter()
+        rows = self._local_rows(generation)
+        prompts = [self.train_dataset[i]["prompt"] for i in rows]
+        prompt_ids = [self._prompt_ids(i) for i in rows]
+        rollout = self.engine.generate(prompt_ids)
+        gen_time = time.perf_counter() - t0
+
+        texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        rewards_local = self._score(rows, prompts, data.completions_for_rewards(prompts, texts),
+                                    rollout.completion_ids)
+        rewards = acc.gather(rewards_local.to(acc.device)).cpu()  # groups may straddle processes: gather first
+        adv = compute_advantages(rewards, self.reward_weights, a.num_generations, a.scale_rewards,
+                                 a.multi_objective_aggregation)
+        n_local = len(rows)
+        local = slice(acc.process_index * n_local, (acc.process_index + 1) * n_local)
+        batch = collate(rollout, adv.advantages[local], self.processing_class.pad_token_id,
+                        a.mask_truncated_completions).to(acc.device)
+        self._num_items = acc.reduce(batch.mask.sum(), reduction="sum").item()
+        self._add_old_and_ref_logps(batch)
+        self._log_generation(rollout, rewards, adv, gen_time, time.perf_counter() - t0 - gen_time)
+        return batch
+
+    def _local_rows(self, generation: int) -> list[int]:
+        """Dataset rows this process generates for: each prompt repeated G times, this process's contiguous
+        share of the generation batch (shared spec §5.1-5.2)."""
+        a, acc = self.args, self.accelerator
+        unique = data.generation_prompt_indices(generation, len(self.train_dataset),
+                                                a.generation_batch_size // a.num_generations, a.seed,
+                                                a.shuffle_dataset)
+        repeated = [i for i in unique for _ in range(a.num_generations)]
+        per_process = len(repeated) // acc.num_processes
+        return repeated[acc.process_index * per_process:(acc.process_index + 1) * per_process]
+
+    def _prompt_ids(self, row: int) -> list[int]:
+        if row not in self._prompt_cache:
+            prompt = self.train_dataset[row]["prompt"]
+            self._prompt_cache[row] = data.tokenize_prompts([prompt], self.processing_class,
+                                                            self.args.chat_template_kwargs)[0]
+        return self._prompt_cache[row]
+
+    def _score(self, rows: list[int], prompts: list, completions: list, completion_ids: list) -> torch.Tensor:
+        columns: dict[str, list] = {}
+        for i in rows:
+            for key, value in self.train_dataset[i].items():
+                if key not in ("prompt", "completion", "completion_ids"):
+                    columns.setdefault(key, []).append(value)
+        kwargs = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
+                      trainer_state=self.state, log_metric=self.metrics.add, log_extra=lambda name, values: None)
+        return score(self.reward_funcs, self.reward_names, kwargs, len(rows))
+
+    def _needs_old_logps(self) -> bool:
+        a = self.args
+        return a.gradient_accumulation_steps % (a.steps_per_generation * a.num_iterations) != 0
+
+    @torch.no_grad()
+    def _add_old_and_ref_logps(self, batch: TrainBatch) -> None:
+        """Old-policy log-probs only when the batch is reused after an update (shared spec §4.1); reference
+        log-probs only when beta > 0. Chunked by the micro-batch size, no gradient checkpointing needed."""
+        a = self.args
+        chunk = a.per_device_train_batch_size
+        with self.accelerator.autocast():
+            if self._needs_old_logps():
+                batch.old_logps, _ = token_logps(self.model, batch, a.temperature, with_entropy=False,
+                                                 chunk_size=chunk)
+            if self.ref_model is not None:
+                batch.ref_logps, _ = token_logps(self.ref_model, batch, a.temperature, with_entropy=False,
+                                                 chunk_size=chunk)
+
+    # ---- phase 2: optimize ----------------------------------------------------------------------------------------
+
+    def _train_on(self, batch: TrainBatch) -> float:
+        a, acc = self.args, self.accelerator
+        t0 = time.perf_counter()
+        with acc.autocast():
+            logps, entropies = token_logps(self.model, batch, a.temperature, with_entropy=True,
+                                           entropy_grad=a.entropy_coef != 0.0)
+        entropy_mask = None
+        if a.top_entropy_quantile < 1.0:
+            active = entropies.detach()[batch.mask.bool()].float()
+            everyone = acc.pad_across_processes(active, dim=0, pad_index=-1e9)
+            everyone = acc.gather(everyone)
+            entropy_mask = high_entropy_mask(entropies.detach(), batch.mask, everyone[everyone != -1e9],
+                                             a.top_entropy_quantile)
+        ga = a.gradient_accumulation_steps
+        # dapo-family losses divide by the generation's active tokens, rescaled to one accumulation window
+        normalizer = max(self._num_items, 1.0) / acc.num_processes * ga / a.steps_per_generation
+        loss, stats = compute_policy_loss(logps, batch.old_logps, batch.advantages, batch.mask, a,
+                                          batch.ref_logps, num_items_in_batch=normalizer, entropy_mask=entropy_mask)
+        if a.loss_type not in TOKEN_SUM_LOSSES:
+            loss = loss / ga
+        if a.entropy_coef != 0.0:
+            bonus_mask = batch.mask if entropy_mask is None else batch.mask * entropy_mask
+            loss = loss - a.entropy_coef * entropy_bonus(entropies, bonus_mask) / ga
+        if not torch.isfinite(loss):
+            raise TrainingError(self._nonfinite_message("loss", loss.item()))
+        acc.backward(loss)
+        stats["entropy"] = Stat("mean", torch.stack([(entropies.detach() * batch.mask).sum(), batch.mask.sum()]))
+        self._log_loss_stats(stats)
+        n_tokens = batch.mask.sum().item()
+        self.metrics.add("timing/training_tokens_per_s", n_tokens / max(time.perf_counter() - t0, 1e-9))
+        return loss.item()
+
+    def _clip_and_check_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            norm = self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
+        norm = float(norm)
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingError(self._nonfinite_message("gradient norm", norm))
+        return norm
+
+    def _nonfinite_message(self, what: str, value: float) -> str:
+        step = self.state.global_step + 1
+        return (f"Step {step}: the {what} is {value}; training stopped before the optimizer applied it, so the "
+                "model and every saved checkpoint are as they were after the previous step. Try a lower "
+                "learning_rate, a smaller max_grad_norm, or float32 (bf16=False).")
+
+    # ---- phase 3: log and checkpoint ------------------------------------------------------------------------------
+
+    def _log_generation(self, rollout, rewards: torch.Tensor, adv, gen_time: float, score_time: float) -> None:
+        acc = self.accelerator
+        lengths = acc.gather(torch.tensor([sum(m) for m in rollout.loss_mask], device=acc.device)).float().cpu()
+        truncated = acc.gather(torch.tensor(rollout.truncated, device=acc.device)).cpu()
+        prompt_tokens = acc.reduce(torch.tensor(float(sum(len(p) for p in rollout.prompt_ids)),
+                                                device=acc.device), reduction="sum").item()
+        self.state.num_input_tokens_seen += int(prompt_tokens + lengths.sum().item())
+        terminated = lengths[~truncated]
+        m = {"num_tokens": self.state.num_input_tokens_seen,
+             "completions/mean_length": lengths.mean().item(),
+             "completions/min_length": lengths.min().item(),
+             "completions/max_length": lengths.max().item(),
+             "completions/clipped_ratio": truncated.float().mean().item(),
+             "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+             "completions/min_terminated_length": terminated.min().item() if len(terminated) else 0.0,
+             "completions/max_terminated_length": terminated.max().item() if len(terminated) else 0.0,
+             "reward": torch.nanmean(adv.rewards).item(),
+             "reward_std": _nanstd(adv.rewards),
+             "frac_reward_zero_std": adv.frac_zero_std,
+             "timing/generation_tokens_per_s": lengths.sum().item() / acc.num_processes / max(gen_time, 1e-9),
+             "timing/generation_s": gen_time,
+             "timing/scoring_s": score_time}
+        for k, name in enumerate(self.reward_names):
+            m[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
+            m[f"rewards/{name}/std"] = _nanstd(rewards[:, k])
+        self.metrics.add_many(m)
+
+    def _log_loss_stats(self, stats: dict[str, Stat]) -> None:
+        acc = self.accelerator
+        for name, stat in stats.items():
+            value = stat.value.to(acc.device).float()
+            if stat.kind == "mean":
+                total = acc.reduce(value, reduction="sum")
+                self.metrics.add(name, (total[0] / total[1].clamp(min=1.0)).item())
+            else:
+                everyone = acc.gather(value.reshape(1))
+                valid = everyone[~torch.isnan(everyone)]
+                pick = (valid.min() if stat.kind == "min" else valid.max()).item() if valid.numel() else math.nan
+                self.metrics.add(name, pick)
+
+    def _log_and_save(self) -> None:
+        a, step = self.args, self.state.global_step
+        self.metrics.advance(step)
+        log_every = _every(a.logging_steps, self.max_steps)
+        if step % log_every == 0 or step == self.max_steps:
+            row = self.metrics.log(step, self.state.epoch)
+            self.state.log_history.append(row)
+        if a.save_strategy == "steps" and step % _every(a.save_steps, self.max_steps) == 0:
+            checkpoint.save(self, step)
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Write the policy (and tokenizer) as a normal Hugging Face model directory."""
+        output_dir = output_dir or self.args.output_dir
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            checkpoint.save_pretrained(self, output_dir)
+
+
+def _every(value: float, total: int) -> int:
+    """logging_steps / save_steps: an int, or a fraction (< 1) of the total number of steps."""
+    return max(int(math.ceil(value * total)) if value < 1 else int(value), 1)
+
+
+def _nanstd(x: torch.Tensor) -> float:
+    return nanstd(x).item()
+
+
+def _trackable(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}
+
+
+def _warn_odd_combinations(a: GRPOConfig) -> None:
+    """Combinations the reference accepts with a warning (shared spec §1.7)."""
+    if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
+        warnings.warn("loss_type='luspo' is meant for importance_sampling_level='sequence'.", stacklevel=3)
+    if a.loss_type == "vespo" and a.importance_sampling_level != "token":
+        warnings.warn("loss_type='vespo' computes its own sequence weight; use importance_sampling_level='token'.",
+                      stacklevel=3)
+    if a.importance_sampling_level == "sequence" and a.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        warnings.warn(f"importance_sampling_level='sequence' with loss_type='{a.loss_type}' weights each sequence "
+                      "by its completion length; GSPO normalizes per sequence (loss_type='grpo').", stacklevel=3)
+    if a.delta is not None and a.delta <= 1 + a.epsilon_high:
+        warnings.warn(f"delta={a.delta} is not above 1 + epsilon_high; it will also cap the clipped branch.",
+                      stacklevel=3)
+

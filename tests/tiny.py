@@ -1,0 +1,44 @@
+"""Tiny models and a tokenizer built locally (no hub): character-level vocabulary, ChatML chat template whose
+end-of-turn token (<|im_end|>) differs from EOS (<eos>), and a 2-layer Llama with random weights."""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|im_start|>", "<|im_end|>"]
+CHARS = list(string.ascii_letters + string.digits + string.punctuation + " \n")
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tok.chat_template = CHATML
+    return tok
+
+
+def make_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden: int = 32, layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def save_tiny(path, seed: int = 0) -> str:
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
