@@ -24,6 +24,7 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
 from __future__ import annotations
 
 import math
+import os
 import time
 import warnings
 from contextlib import nullcontext
@@ -32,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from transformers import PreTrainedModel, TrainerState, get_scheduler
 
@@ -105,9 +107,7 @@ class GRPOTrainer:
         if args.beta != 0.0:  # with beta == 0 no reference model is ever loaded (shared spec §1.2)
             self.ref_model = reference_model(self.model, model_id, args.model_init_kwargs, args.trust_remote_code)
         if args.gradient_checkpointing:
-            enable = getattr(self.model, "activation_checkpointing_enable", None) or \
-                self.model.gradient_checkpointing_enable  # renamed in transformers 5.2x
-            enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+            _enable_checkpointing(self.model, args.gradient_checkpointing_kwargs or {"use_reentrant": False})
 
         self.state = TrainerState()
         self.max_steps = self._total_steps()
@@ -153,6 +153,11 @@ class GRPOTrainer:
             args.bf16 = fast_bf16_available(device) and not args.fp16
         precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
         report_to = args.report_to if args.report_to not in (None, "none", ["none"]) else None
+        state = AcceleratorState._shared_state
+        if state and state.get("_mixed_precision") != precision and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            # A second trainer in one process (notebooks, tests) with another precision: accelerate keeps one
+            # global state and would refuse; in a single process it is safe to start it afresh.
+            AcceleratorState._reset_state()
         accelerator = Accelerator(cpu=cpu, mixed_precision=precision, log_with=report_to,
                                   project_dir=args.output_dir)
         if report_to:
@@ -421,6 +426,13 @@ class GRPOTrainer:
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             checkpoint.save_pretrained(self, output_dir)
+
+
+def _enable_checkpointing(model: PreTrainedModel, kwargs: dict[str, Any]) -> None:
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _every(value: float, total: int) -> int:
