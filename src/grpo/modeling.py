@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 from typing import Any
 
 import torch
@@ -30,19 +31,41 @@ def _resolve_dtype(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_error(kind: str, model_id: str, err: Exception) -> ModelLoadError:
-    where = "a local directory" if os.path.isdir(model_id) else "not a local directory"
-    return ModelLoadError(
-        f"Could not load the {kind} '{model_id}' ({where}): {type(err).__name__}: {str(err).splitlines()[0][:200]}. "
-        "If it is a Hugging Face Hub id, the Hub must be reachable (or the model already in the local cache); "
-        "otherwise pass the path of a local model directory.")
+    reason = str(err).splitlines()[0][:200].rstrip(".") if str(err) else type(err).__name__
+    return ModelLoadError(f"Could not load the {kind} '{model_id}': {reason}. Pass the path of a local model "
+                          "directory, or a Hub id on a machine that can reach the Hub.")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick TCP connect to the Hub endpoint, so an offline machine fails in seconds rather than after the
+    hub client's retries (half a minute of noisy logs)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def load_causal_lm(model_id: str, init_kwargs: dict[str, Any] | None, trust_remote_code: bool) -> PreTrainedModel:
     kwargs = _resolve_dtype(init_kwargs or {})
     kwargs.setdefault("trust_remote_code", trust_remote_code)
     try:
+        if not os.path.isdir(model_id):
+            try:  # already in the local cache: no network needed
+                return AutoModelForCausalLM.from_pretrained(model_id, local_files_only=True, **kwargs)
+            except OSError:
+                if not _hub_reachable():
+                    raise OSError("the Hugging Face Hub is unreachable from this machine and the model is not in "
+                                  "the local cache") from None
         return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
-    except (OSError, ValueError, EnvironmentError) as err:
+    except (OSError, ValueError) as err:
         raise _load_error("model", model_id, err) from None
 
 

@@ -1,0 +1,154 @@
+"""Errors a user can cause: each gets one clear message naming the cause and the fix, before any saved
+checkpoint is touched."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from test_trainer import cfg, chat_dataset, length_reward
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.modeling import ModelLoadError
+from grpo.scoring import RewardFunctionError
+from grpo.trainer import TrainingError
+
+
+def test_unknown_config_field_names_the_nearest():
+    with pytest.raises(TypeError, match="num_generation'.*did you mean 'num_generations'"):
+        GRPOConfig(num_generation=4)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(per_device_train_batch_size=6, num_generations=4), r"not divisible by num_generations \(4\)"),
+    (dict(num_generations=1, per_device_train_batch_size=8), r"num_generations is 1; .*at least 2"),
+    (dict(loss_type="ppo"), r"loss_type is 'ppo'; choose one of grpo, bnpo, dr_grpo, dapo"),
+    (dict(scale_rewards="median"), r"scale_rewards is 'median'"),
+    (dict(temperature=0.0), r"temperature is 0.0"),
+    (dict(generation_batch_size=16, steps_per_generation=2), r"cannot both be set"),
+    (dict(generation_batch_size=12, per_device_train_batch_size=8), r"must be a multiple of"),
+    (dict(importance_sampling_level="tokens"), r"importance_sampling_level is 'tokens'"),
+])
+def test_invalid_config_values(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        GRPOConfig(output_dir="x", **kwargs)
+
+
+def test_config_parses_with_hf_argument_parser():
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", "o", "--scale_rewards", "false", "--reward_weights", "1", "0.5", "--generation_kwargs",
+         '{"top_k": 5}', "--loss_type", "grpo", "--beta", "0.001"])
+    assert args.scale_rewards == "none" and args.reward_weights == [1.0, 0.5]
+    assert args.generation_kwargs == {"top_k": 5} and args.beta == 0.001
+
+
+def test_reference_defaults():
+    a = GRPOConfig(output_dir="x")
+    assert (a.num_generations, a.max_completion_length, a.temperature, a.top_p, a.beta, a.loss_type) == \
+        (8, 256, 1.0, 1.0, 0.0, "dapo")
+    assert (a.scale_rewards, a.epsilon, a.num_iterations, a.mask_truncated_completions, a.reward_weights) == \
+        ("group", 0.2, 1, False, None)
+    assert (a.learning_rate, a.logging_steps, a.gradient_checkpointing, a.epsilon_high) == (1e-6, 10, True, 0.2)
+    assert a.steps_per_generation == a.gradient_accumulation_steps == 1 and a.generation_batch_size == 8
+
+
+def test_later_features_say_not_available(tiny_model_dir, tmp_path):
+    for kwargs, pattern in [(dict(peft_config=object()), "peft_config"), (dict(tools=[print]), "tools"),
+                            (dict(args=cfg(tmp_path, use_vllm=True)), "use_vllm")]:
+        kwargs.setdefault("args", cfg(tmp_path))
+        with pytest.raises(ValueError, match=f"{pattern}.*not available yet"):
+            GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), **kwargs)
+    images = Dataset.from_list([{"prompt": "a", "image": "x.png"}] * 8)
+    with pytest.raises(ValueError, match="'image' column.*not available yet"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=images, args=cfg(tmp_path))
+
+
+@pytest.mark.parametrize("dataset, pattern", [
+    (Dataset.from_list([{"question": "a"}] * 8), r"no 'prompt' column \(columns: \['question'\]\).*rename_column"),
+    (Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
+    (Dataset.from_list([{"prompt": "a"}]), r"has 1 prompts but one generation needs 2 distinct prompts"),
+])
+def test_bad_datasets(tiny_model_dir, tmp_path, dataset, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=dataset, args=cfg(tmp_path))
+
+
+def test_unreachable_model_id_fails_in_one_clear_line(tmp_path, monkeypatch):
+    with pytest.raises(ModelLoadError) as err:
+        GRPOTrainer(model="no-such-org/no-such-model", reward_funcs=length_reward, train_dataset=chat_dataset(),
+                    args=cfg(tmp_path))
+    message = str(err.value)
+    assert "no-such-org/no-such-model" in message and "local model directory" in message
+    assert "\n" not in message
+
+
+def test_reward_function_arity_and_weights_checked_up_front(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="reward_weights has 2 entries but there are 1 reward functions"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
+                    args=cfg(tmp_path, reward_weights=[1.0, 2.0]))
+    with pytest.raises(ValueError, match="reward model"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs="org/reward-model", train_dataset=chat_dataset(),
+                    args=cfg(tmp_path))
+
+
+def _tree_hash(path):
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            with open(os.path.join(root, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    (lambda n: [1.0] * (n - 1), r"'flaky' returned 7 values for 8 completions"),
+    (lambda n: ["good"] * n, r"'flaky' returned 'good' \(str\) for sample 0; rewards must be numbers"),
+    (lambda n: [0.0] * (n - 1) + [float("nan")], r"'flaky' returned nan for sample 7; .*Return None"),
+    (lambda n: [float("inf")] + [0.0] * (n - 1), r"'flaky' returned inf for sample 0"),
+    (lambda n: 1 / 0, r"'flaky' raised ZeroDivisionError"),
+])
+def test_bad_reward_stops_training_and_keeps_checkpoint(tiny_model_dir, tmp_path, bad, pattern):
+    seen = {}
+    out = str(tmp_path / "out")
+
+    def flaky(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 0:
+            return length_reward(completions)
+        seen["hash"] = _tree_hash(os.path.join(out, "checkpoint-1"))
+        return bad(len(completions))
+
+    args = cfg(tmp_path, max_steps=3, save_strategy="steps", save_steps=1)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=flaky, train_dataset=chat_dataset(), args=args)
+    with pytest.raises(RewardFunctionError, match=pattern):
+        trainer.train()
+    assert trainer.state.global_step == 1
+    assert _tree_hash(os.path.join(out, "checkpoint-1")) == seen["hash"]
+    assert not os.path.exists(os.path.join(out, "checkpoint-2"))
+
+
+def test_nonfinite_loss_stops_before_the_update(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
+                          args=cfg(tmp_path, max_steps=3))
+    poison = {"on": False}
+
+    def hook(module, inputs, output):
+        return output * float("nan") if poison["on"] and module.training else output
+
+    trainer.unwrapped_model.lm_head.register_forward_hook(hook)
+    original = trainer._step
+
+    def step():
+        poison["on"] = trainer.state.global_step == 1
+        if poison["on"]:
+            step.before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        return original()
+
+    trainer._step = step
+    with pytest.raises(TrainingError, match=r"Step 2: the loss is nan; training stopped before the optimizer"):
+        trainer.train()
+    assert all(torch.equal(p, step.before[n]) for n, p in trainer.model.named_parameters())
