@@ -34,10 +34,9 @@ def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> to
     return std if keepdim or dim is None else std.squeeze(dim)
 
 
-def weighted_sum(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Sum of weighted rewards ignoring NaN entries; NaN for rows where every function returned None."""
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    total = torch.nansum(rewards_per_func * weights.unsqueeze(0), dim=1)
+def weighted_sum(values: torch.Tensor, weights: torch.Tensor, unscorable: torch.Tensor) -> torch.Tensor:
+    """Sum of weighted values ignoring NaN entries; NaN for the unscorable rows."""
+    total = torch.nansum(values * weights.unsqueeze(0), dim=1)
     return torch.where(unscorable, torch.full_like(total, float("nan")), total)
 
 
@@ -50,26 +49,29 @@ def compute_advantages(
 ) -> Advantages:
     """A_i = (R_i - mean of its group) / (std + 1e-4), std per group ("group"), over the batch ("batch"), or no
     division ("none"). `aggregation="normalize_then_sum"` (GDPO) normalizes each function within the group
-    first, then normalizes the weighted sum over the batch; scale_rewards is ignored there."""
+    first, then normalizes the weighted sum over the batch; scale_rewards is ignored there.
+
+    A row is unscorable when every function returned None for it: its reward is NaN and its advantage 0."""
     rewards_per_func = rewards_per_func.float()
     weights = weights.to(rewards_per_func)
     n = rewards_per_func.shape[0]
     if n % num_generations != 0:
         raise ValueError(f"{n} rewards do not split into groups of num_generations={num_generations}.")
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = weighted_sum(rewards_per_func, weights, unscorable)
     if aggregation == "normalize_then_sum":
         grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
-        z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + STD_EPS)
-        rewards = weighted_sum(z.reshape(n, -1), weights)
-        std = nanstd(rewards).expand(n)
-        advantages = (rewards - torch.nanmean(rewards)) / (std + STD_EPS)
+        z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (_group_std(grouped) + STD_EPS)
+        combined = weighted_sum(z.reshape(n, -1), weights, unscorable)
+        std = nanstd(combined).expand(n)
+        advantages = (combined - torch.nanmean(combined)) / (std + STD_EPS)
     else:
-        rewards = weighted_sum(rewards_per_func, weights)
         grouped = rewards.view(-1, num_generations)
         mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
         if scale_rewards == "batch":
             std = nanstd(rewards).expand(n)
         else:
-            std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+            std = _group_std(grouped).repeat_interleave(num_generations)
         advantages = rewards - mean
         if scale_rewards != "none":
             advantages = advantages / (std + STD_EPS)
@@ -80,3 +82,11 @@ def compute_advantages(
         std=std,
         frac_zero_std=is_zero.float().mean().item(),
     )
+
+
+def _group_std(grouped: torch.Tensor) -> torch.Tensor:
+    """Std over each group (dim 1; kept for per-function (groups, G, K) input); 0 for groups of one."""
+    keep = grouped.dim() == 3
+    if grouped.shape[1] == 1:
+        return torch.zeros_like(grouped.sum(dim=1, keepdim=keep))
+    return nanstd(grouped, dim=1, keepdim=keep)
