@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from grpo.generation import Rollout, left_pad, right_pad
-from grpo.logprobs import entropy_from_logits, selective_log_softmax
+from grpo.logprobs import logps_and_entropy
 
 
 @dataclass
@@ -97,12 +97,7 @@ def _forward(model: Any, batch: TrainBatch, temperature: float, with_entropy: bo
     logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False,
                    **kwargs).logits
     logits = logits[:, -(c + 1):-1, :] / temperature  # position t predicts completion token t
-    logps = selective_log_softmax(logits, batch.completion_ids)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return logps.float(), entropy
+    return logps_and_entropy(logits, batch.completion_ids, with_entropy, entropy_grad)
 
 
 def _unwrap(model: Any) -> Any:

@@ -166,7 +166,7 @@ def _write_samples(output_dir: str, before: dict, after: dict, n: int = 12) -> N
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--output", default="runs/demo")
     parser.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M-Instruct)")
     opts = parser.parse_args(argv)

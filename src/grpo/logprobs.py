@@ -30,3 +30,19 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 1) -> torch.Tens
         logp = torch.log_softmax(chunk.float(), dim=-1)
         out.append(-(logp.exp() * logp).sum(-1))
     return torch.cat(out)
+
+
+def logps_and_entropy(logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool = True, entropy_grad: bool = False,
+                      chunk_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token log-probs (float32, with gradient) and entropies from one log_softmax per chunk of rows.
+
+    One pass over the vocabulary serves both, and only one chunk's float32 (rows, T, V) log_softmax is alive at
+    a time outside autograd. Entropies carry a gradient only with `entropy_grad`."""
+    logps, entropies = [], []
+    for chunk, chunk_ids in zip(logits.split(chunk_rows), ids.split(chunk_rows)):
+        logp = torch.log_softmax(chunk.float(), dim=-1)
+        logps.append(logp.gather(-1, chunk_ids.unsqueeze(-1)).squeeze(-1))
+        if with_entropy:
+            source = logp if entropy_grad else logp.detach()
+            entropies.append(-(source.exp() * source).sum(-1))
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)

@@ -1,0 +1,61 @@
+"""The trainer applies the loss normalizers so that gradient accumulation gives the update of one large batch
+(dapo: token mean over the whole batch; grpo: mean of per-sequence means), on fixed completions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from test_trainer import cfg, chat_dataset
+
+from grpo import GRPOTrainer
+from grpo.generation import Rollout
+
+
+class FixedEngine:
+    """Returns the same completions for a prompt every time: lengths 1..8 tokens, some truncated."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def generate(self, prompt_ids):
+        letters = self.tok.convert_tokens_to_ids(list("abcdefgh"))
+        end = self.tok.convert_tokens_to_ids("<|im_end|>")
+        completions, truncated = [], []
+        for i, p in enumerate(prompt_ids):
+            n = 1 + (sum(p) + i) % 8
+            ids = letters[:n] + ([end] if n < 8 else [])
+            completions.append(ids)
+            truncated.append(n == 8)
+        return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
+                       sampling_logps=[[0.0] * len(c) for c in completions], truncated=truncated)
+
+
+def length_reward(completion_ids, **kwargs):
+    return [float(len(c)) for c in completion_ids]
+
+
+def updated_params(tiny_model_dir, tmp_path, **kw):
+    args = cfg(tmp_path, shuffle_dataset=False, learning_rate=1e-3, gradient_checkpointing=False, **kw)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2)  # an update linear in the gradient: compares gradients
+    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args,
+                          optimizers=(sgd, None))
+    trainer.engine = FixedEngine(trainer.processing_class)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}, trainer
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo"])
+def test_accumulated_update_equals_one_batch_update(tiny_model_dir, tmp_path, loss_type):
+    one, t1 = updated_params(tiny_model_dir, tmp_path / "a", loss_type=loss_type, per_device_train_batch_size=8)
+    two, t2 = updated_params(tiny_model_dir, tmp_path / "b", loss_type=loss_type, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2)
+    assert t1.args.generation_batch_size == t2.args.generation_batch_size == 8
+    assert not t2._needs_old_logps()  # spg == GA: still on-policy, no old-log-prob pass
+    g1 = t1.state.log_history[-1]["grad_norm"]
+    g2 = t2.state.log_history[-1]["grad_norm"]
+    assert g1 > 0 and g2 == pytest.approx(g1, rel=1e-5)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-8)
