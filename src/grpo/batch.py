@@ -7,13 +7,13 @@ come from the attention mask, as in generation, so left padding never shifts a t
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
-from grpo.generation import Rollout, left_pad, right_pad
+from grpo.generation import Rollout, accepts_logits_to_keep, cache_argument, left_pad, right_pad
 from grpo.logprobs import logps_and_entropy
 
 
@@ -27,6 +27,7 @@ class TrainBatch:
     advantages: torch.Tensor  # (B,)
     sampling_logps: torch.Tensor  # (B, C) the sampler's log-probs (0 on padding)
     truncated: torch.Tensor  # (B,) bool
+    group: torch.Tensor  # (B,) prompt id: rows with the same id share the same prompt tokens
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
 
@@ -42,7 +43,8 @@ class TrainBatch:
                              for f in dataclasses.fields(self)})
 
 
-def collate(rollout: Rollout, advantages: torch.Tensor, pad_id: int, mask_truncated: bool) -> TrainBatch:
+def collate(rollout: Rollout, advantages: torch.Tensor, pad_id: int, mask_truncated: bool,
+            group: torch.Tensor | None = None) -> TrainBatch:
     prompt_ids, prompt_mask = left_pad(rollout.prompt_ids, pad_id)
     completion_ids = right_pad(rollout.completion_ids, pad_id)
     attention = right_pad([[1] * len(c) for c in rollout.completion_ids], 0)
@@ -60,44 +62,67 @@ def collate(rollout: Rollout, advantages: torch.Tensor, pad_id: int, mask_trunca
         advantages=advantages.float(),
         sampling_logps=right_pad(rollout.sampling_logps, 0.0, dtype=torch.float32),
         truncated=truncated,
+        group=group if group is not None else torch.arange(len(rollout.prompt_ids)),
     )
 
 
-def _accepts_logits_to_keep(model: Any) -> bool:
-    forward = getattr(model, "forward", None)
-    try:
-        return "logits_to_keep" in inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def token_logps(model: Any, batch: TrainBatch, temperature: float, with_entropy: bool = True,
-                chunk_size: int | None = None, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                chunk_size: int | None = None, entropy_grad: bool = False,
+                share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens under `model` (logits divided by temperature), and their entropies.
 
     Processes `chunk_size` rows per forward pass (all at once when None). Entropies carry a gradient only with
-    `entropy_grad` (the entropy bonus); otherwise they only feed metrics and the entropy mask."""
+    `entropy_grad` (the entropy bonus); otherwise they only feed metrics and the entropy mask. With
+    `share_prefix`, rows of one prompt run the prompt through the model once (see `_forward_shared`)."""
     n = len(batch)
     step = chunk_size or n
+    forward = _forward_shared if share_prefix else _forward
     logps, entropies = [], []
     for start in range(0, n, step):
         part = batch.select(slice(start, start + step))
-        lp, ent = _forward(model, part, temperature, with_entropy, entropy_grad)
+        logits = forward(model, part) / temperature
+        lp, ent = logps_and_entropy(logits, part.completion_ids, with_entropy, entropy_grad)
         logps.append(lp)
         entropies.append(ent)
     return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
 
 
-def _forward(model: Any, batch: TrainBatch, temperature: float, with_entropy: bool, entropy_grad: bool):
+def _forward(model: Any, batch: TrainBatch) -> torch.Tensor:
+    """Logits predicting each completion token: (B, C, V), from one pass over prompt + completion."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     c = batch.completion_ids.shape[1]
-    kwargs = {"logits_to_keep": c + 1} if _accepts_logits_to_keep(_unwrap(model)) else {}
+    kwargs = {"logits_to_keep": c + 1} if accepts_logits_to_keep(_unwrap(model)) else {}
     logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False,
                    **kwargs).logits
-    logits = logits[:, -(c + 1):-1, :] / temperature  # position t predicts completion token t
-    return logps_and_entropy(logits, batch.completion_ids, with_entropy, entropy_grad)
+    return logits[:, -(c + 1):-1, :]  # position t predicts completion token t
+
+
+def _forward_shared(model: Any, batch: TrainBatch) -> torch.Tensor:
+    """The same logits as `_forward`, running each distinct prompt once.
+
+    The prompt pass fills a KV cache (with gradient), whose rows are copied to the completions of that prompt;
+    the completions then attend to it. Causal attention makes this exact: a prompt token never sees the
+    completion, so its keys and values are the same for all G rows, and autograd sums their gradients back.
+    With prompts longer than completions this removes most of the training pass's work."""
+    groups, inverse = torch.unique(batch.group, return_inverse=True)
+    # one row per prompt (which one does not matter: all rows of a group hold the same prompt tokens)
+    first = torch.empty(len(groups), dtype=torch.long, device=inverse.device).scatter_(
+        0, inverse, torch.arange(len(inverse), device=inverse.device))
+    prompt_mask = batch.prompt_mask[first]
+    cache = DynamicCache()
+    cache_arg = cache_argument(_unwrap(model))
+    prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=batch.prompt_ids[first], attention_mask=prompt_mask, position_ids=prompt_positions,
+                use_cache=True, logits_to_keep=1, **{cache_arg: cache})
+    cache.batch_select_indices(inverse)
+    attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
+    c = batch.completion_ids.shape[1]
+    positions = batch.prompt_mask.sum(-1, keepdim=True) + torch.arange(c, device=attention.device)
+    rest = model(input_ids=batch.completion_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                 **{cache_arg: cache}).logits
+    return torch.cat([out.logits[inverse, -1:, :], rest[:, :-1, :]], dim=1)
 
 
 def _unwrap(model: Any) -> Any:

@@ -63,19 +63,14 @@ def greedy_accuracy(model: Any, tokenizer: Any, template: str, max_new_tokens: i
     prompts = [chat(template, a, b) for a, b in PAIRS]
     ids, mask = left_pad(tokenize_prompts(prompts, tokenizer), tokenizer.pad_token_id)
     device = next(model.parameters()).device
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=model.dtype == torch.float32 and _bf16(device)):
+    # float32, whatever the training precision: the accuracy of the weights as saved
+    with torch.autocast(device.type, enabled=False):
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                              max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
     model.train(was_training)
     texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
     results = [(p[0]["content"], t, last_integer(t) == a + b) for p, t, (a, b) in zip(prompts, texts, PAIRS)]
     return sum(r[2] for r in results) / len(results), results
-
-
-def _bf16(device: torch.device) -> bool:
-    from grpo.modeling import fast_bf16_available
-
-    return fast_bf16_available(device)
 
 
 def plot(metrics_path: str, png_path: str) -> None:
@@ -169,12 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--output", default="runs/demo")
     parser.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--learning-rate", type=float, default=2e-5)
     opts = parser.parse_args(argv)
     if opts.model is None:
         from grpo.bundled import bundled_model_path
 
         opts.model = bundled_model_path()
-    before, after = run(opts.model, opts.output, opts.seed, opts.steps)
+    before, after = run(opts.model, opts.output, opts.seed, opts.steps, learning_rate=opts.learning_rate)
     print(f"accuracy_before={before:.4f} accuracy_after={after:.4f}")
 
 

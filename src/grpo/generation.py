@@ -10,6 +10,7 @@ scores (after temperature and every logits processor), the quantity vLLM calls "
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -55,6 +56,22 @@ def right_pad(rows: Sequence[Sequence[Any]], pad: Any, dtype: torch.dtype = torc
         if len(r):
             out[i, :len(r)] = torch.tensor(r, dtype=dtype)
     return out
+
+
+def accepts_logits_to_keep(model: Any) -> bool:
+    """Whether the model's forward can skip computing logits for positions we do not need."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+def cache_argument(model: Any) -> str:
+    """The forward keyword that takes a KV cache: `cache` (transformers >= 5.2x) or `past_key_values`."""
+    try:
+        return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    except (TypeError, ValueError):
+        return "past_key_values"
 
 
 def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], bool]:

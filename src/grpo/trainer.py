@@ -23,6 +23,7 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -37,7 +38,7 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from transformers import PreTrainedModel, TrainerState, get_scheduler
 
-from grpo import checkpoint, data
+from grpo import checkpoint, data, fast_generation
 from grpo.advantages import compute_advantages, nanstd
 from grpo.batch import TrainBatch, collate, token_logps
 from grpo.config import GRPOConfig
@@ -47,6 +48,9 @@ from grpo.metrics import MetricsLogger
 from grpo.modeling import (disable_dropout, fast_bf16_available, load_causal_lm, load_tokenizer, model_name,
                            prepare_tokenizer, reference_model)
 from grpo.scoring import check_reward_funcs, reward_name, score
+
+
+logger = logging.getLogger("grpo")
 
 
 class TrainingError(RuntimeError):
@@ -116,14 +120,19 @@ class GRPOTrainer:
         self._make_optimizer()
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
             self.model, self.optimizer, self.lr_scheduler)
+        # Precision is set explicitly around each forward (accelerator.autocast()); drop accelerate's autocast
+        # wrapper on forward so that code calling the model outside those regions (evaluation) gets float32.
+        self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
         if self.ref_model is not None:
             self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
 
         tokenizer = self.processing_class
         model_eos = getattr(getattr(self.unwrapped_model, "generation_config", None), "eos_token_id", None)
         self.stop_ids = data.end_of_turn_ids(tokenizer, model_eos)
-        self.engine: GenerationEngine = TransformersEngine(
-            self.unwrapped_model, args, self.stop_ids, tokenizer.pad_token_id, autocast=self.accelerator.autocast)
+        self.engine = self._make_engine()
+        # prompt shared across a group's rows in the training pass: exact, but needs the KV cache, which
+        # gradient checkpointing turns off
+        self.share_prefix = isinstance(self.engine, fast_generation.FastEngine) and not args.gradient_checkpointing
         self._prompt_cache: dict[int, list[int]] = {}
         self._buffer: list[TrainBatch] = []
         self._micro_step = 0
@@ -190,6 +199,17 @@ class GRPOTrainer:
             self.lr_scheduler = get_scheduler(a.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
                                               num_training_steps=self.max_steps,
                                               scheduler_specific_kwargs=a.lr_scheduler_kwargs or {})
+
+    def _make_engine(self) -> GenerationEngine:
+        """The fast engine where it applies, else the plain `model.generate` path; says which and why."""
+        model, tok = self.unwrapped_model, self.processing_class
+        reason = fast_generation.supports(model, self.args)
+        if reason is None:
+            return fast_generation.FastEngine(model, self.args, self.stop_ids, tok.pad_token_id,
+                                              autocast=self.accelerator.autocast)
+        logger.info("Generating with the plain transformers path: %s.", reason)
+        return TransformersEngine(model, self.args, self.stop_ids, tok.pad_token_id,
+                                  autocast=self.accelerator.autocast)
 
     @property
     def unwrapped_model(self) -> PreTrainedModel:
@@ -267,7 +287,7 @@ class GRPOTrainer:
         n_local = len(rows)
         local = slice(acc.process_index * n_local, (acc.process_index + 1) * n_local)
         batch = collate(rollout, adv.advantages[local], self.processing_class.pad_token_id,
-                        a.mask_truncated_completions).to(acc.device)
+                        a.mask_truncated_completions, group=torch.tensor(rows)).to(acc.device)
         self._num_items = acc.reduce(batch.mask.sum(), reduction="sum").item()
         self._add_old_and_ref_logps(batch)
         self._log_generation(rollout, rewards, adv, gen_time, time.perf_counter() - t0 - gen_time)
@@ -314,10 +334,10 @@ class GRPOTrainer:
         with self.accelerator.autocast():
             if self._needs_old_logps():
                 batch.old_logps, _ = token_logps(self.model, batch, a.temperature, with_entropy=False,
-                                                 chunk_size=chunk)
+                                                 chunk_size=chunk, share_prefix=self.share_prefix)
             if self.ref_model is not None:
                 batch.ref_logps, _ = token_logps(self.ref_model, batch, a.temperature, with_entropy=False,
-                                                 chunk_size=chunk)
+                                                 chunk_size=chunk, share_prefix=self.share_prefix)
 
     # ---- phase 2: optimize ----------------------------------------------------------------------------------------
 
@@ -326,7 +346,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         with acc.autocast():
             logps, entropies = token_logps(self.model, batch, a.temperature, with_entropy=True,
-                                           entropy_grad=a.entropy_coef != 0.0)
+                                           entropy_grad=a.entropy_coef != 0.0, share_prefix=self.share_prefix)
         entropy_mask = None
         if a.top_entropy_quantile < 1.0:
             active = entropies.detach()[batch.mask.bool()].float()

@@ -1,0 +1,159 @@
+"""`FastEngine`: our own decode loop, for the rollouts GRPO makes.
+
+What it does that `model.generate` does not, each measured in `bench/` and checked against the plain path in
+the tests:
+- **prefix sharing**: the G completions of a prompt arrive as G identical consecutive rows; the prompt is
+  prefilled once and its KV cache copied to the G rows (prefill work / G);
+- **finished rows leave the batch**: a row that emitted a stop token is dropped from the decode batch and its
+  cache, so late steps run on the rows still going;
+- **lean sampling**: the processed distribution is built once per step with transformers' own logits
+  processors (repetition penalty, temperature, top-k, top-p, min-p: the plain path's semantics and order),
+  the token drawn from it, and its log-probability read from the same tensor.
+
+Models or settings it does not handle (custom generation_kwargs, caches without batch selection) use the
+plain engine; the trainer picks and logs which.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from transformers import (DynamicCache, LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from grpo.generation import Rollout, accepts_logits_to_keep, cache_argument, left_pad
+
+Sampler = Callable[[torch.Tensor], torch.Tensor]
+
+
+def logits_processors(args: Any) -> LogitsProcessorList:
+    """The plain path's processors for GRPOConfig's sampling parameters, in transformers' order."""
+    procs = LogitsProcessorList()
+    if args.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(args.repetition_penalty))
+    if args.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(args.temperature))
+    if args.top_k:
+        procs.append(TopKLogitsWarper(args.top_k))
+    if args.top_p < 1.0:
+        procs.append(TopPLogitsWarper(args.top_p))
+    if args.min_p:
+        procs.append(MinPLogitsWarper(args.min_p))
+    return procs
+
+
+def sample_from(logprobs: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from exp(logprobs) by inverting the CDF: one uniform number per row, where
+    torch.multinomial or a Gumbel race would draw one per vocabulary entry (most of a decode step's sampling
+    time at a 50k vocabulary). Float64 cumulative sums keep the bias far below sampling noise."""
+    cdf = logprobs.double().exp().cumsum(dim=-1)
+    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    # the first index whose CDF exceeds u: never a zero-probability token
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+
+
+def supports(model: Any, args: Any) -> str | None:
+    """Why the fast path cannot run this model/config (None when it can)."""
+    if args.generation_kwargs:
+        return "generation_kwargs are set (only the plain path applies arbitrary generation parameters)"
+    if not getattr(model, "_supports_cache_class", True) or getattr(model.config, "is_encoder_decoder", False):
+        return "the model does not use transformers' dynamic KV cache"
+    return None
+
+
+def group_rows(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    """Collapse runs of identical consecutive prompts: (unique prompts, row -> unique index)."""
+    unique: list[list[int]] = []
+    owner = []
+    for ids in prompt_ids:
+        if not unique or list(ids) != unique[-1]:
+            unique.append(list(ids))
+        owner.append(len(unique) - 1)
+    return unique, torch.tensor(owner, dtype=torch.long)
+
+
+class FastEngine:
+    """Prefix-shared, shrinking-batch sampling on an (unwrapped) transformers causal LM."""
+
+    def __init__(self, model: Any, args: Any, stop_ids: list[int], pad_id: int, autocast: Any = None,
+                 share_prefix: bool = True, sampler: Sampler = sample_from) -> None:
+        self.model = model
+        self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
+        self.pad_id = pad_id
+        self.max_new_tokens = args.max_completion_length
+        self.processors = logits_processors(args)
+        self.needs_history = args.repetition_penalty != 1.0
+        self.autocast = autocast
+        self.share_prefix = share_prefix
+        self.sampler = sampler
+        self.on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # (rows, logprobs): for tests
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[Sequence[int]]) -> Rollout:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.autocast() if self.autocast else torch.autocast("cpu", enabled=False):
+                tokens, logps = self._decode(prompt_ids)
+        finally:
+            self.model.train(was_training)
+        completions, sampling_logps, truncated = [], [], []
+        stops = set(self.stop_ids.tolist())
+        for row_tokens, row_logps in zip(tokens, logps):
+            completions.append(row_tokens)
+            sampling_logps.append(row_logps)
+            truncated.append(not row_tokens or row_tokens[-1] not in stops)
+        return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
+                       sampling_logps=sampling_logps, truncated=truncated)
+
+    def _decode(self, prompt_ids: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        device = next(self.model.parameters()).device
+        if self.share_prefix:
+            unique, owner = group_rows(prompt_ids)
+        else:
+            unique, owner = [list(p) for p in prompt_ids], torch.arange(len(prompt_ids))
+        ids, mask = left_pad(unique, self.pad_id)
+        ids, mask, owner = ids.to(device), mask.to(device), owner.to(device)
+        cache = DynamicCache()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        keep_last = {"logits_to_keep": 1} if accepts_logits_to_keep(self.model) else {}
+        cache_arg = cache_argument(self.model)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{cache_arg: cache}, **keep_last)
+        # copy each prompt's cache (and its last logits) to its rows
+        cache.batch_select_indices(owner)
+        logits = out.logits[owner, -1, :].float()
+        mask = mask[owner]
+        history = ids[owner] if self.needs_history else None
+        n = len(prompt_ids)
+        active = torch.arange(n, device=device)  # original row of each batch row
+        next_position = mask.sum(-1, keepdim=True)
+        stop_ids = self.stop_ids.to(device)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        for step in range(self.max_new_tokens):
+            logprobs = torch.log_softmax(self.processors(history, logits), dim=-1)
+            if self.on_step is not None:
+                self.on_step(active, logprobs)
+            chosen = self.sampler(logprobs)
+            chosen_logps = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+            for row, token, lp in zip(active.tolist(), chosen.tolist(), chosen_logps.tolist()):
+                tokens[row].append(token)
+                logps[row].append(lp)
+            going = ~torch.isin(chosen, stop_ids)
+            if step == self.max_new_tokens - 1 or not going.any():
+                break
+            if not going.all():  # finished rows leave the batch and the cache
+                keep = going.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                active, chosen, mask, next_position = active[keep], chosen[keep], mask[keep], next_position[keep]
+                history = history[keep] if history is not None else None
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)
+            if history is not None:
+                history = torch.cat([history, chosen.unsqueeze(-1)], dim=-1)
+            out = self.model(input_ids=chosen.unsqueeze(-1), attention_mask=mask, position_ids=next_position,
+                             use_cache=True, **{cache_arg: cache})
+            next_position = next_position + 1
+            logits = out.logits[:, -1, :].float()
+        return tokens, logps
