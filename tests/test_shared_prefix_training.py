@@ -3,12 +3,14 @@ rtol 1e-5 / atol 1e-6), with ragged prompts, ragged completions and shuffled row
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny import make_model, make_tokenizer
 
 from grpo.batch import collate, token_logps
 from grpo.data import tokenize_prompts
 from grpo.generation import Rollout
+from grpo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 
 
 def batch_and_model():
@@ -56,3 +58,42 @@ def test_shared_prefix_bf16_within_tolerance():
     m = batch.mask.bool()
     # bfloat16 has an 8-bit mantissa: the two paths round differently; log-probs agree to 0.05 nats
     assert (plain[m] - shared[m]).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_head_matches_full_logits(share, dtype, monkeypatch):
+    """float64: the math is the same (1e-10). float32: log-probs and entropies at rtol 1e-5 / atol 1e-6;
+    gradients at atol 1e-5, since the output projection's weight gradient sums the tokens in another order
+    (one GEMM over the kept positions instead of over all of them) and float32 rounding differs by ~1e-6."""
+    monkeypatch.setattr("grpo.batch.FULL_LOGITS_LIMIT", 0)  # chunk even these tiny logits
+    batch, model = batch_and_model()
+    model = model.to(dtype)
+    results = {}
+    for chunked in (False, True):
+        model.zero_grad()
+        logps, ent = token_logps(model, batch, temperature=0.7, share_prefix=share, chunked_head=chunked)
+        (logps * batch.mask).sum().backward()
+        results[chunked] = (logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()})
+    m = batch.mask.bool()
+    tight = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[True][0][m], results[False][0][m], **tight)
+    torch.testing.assert_close(results[True][1][m], results[False][1][m], rtol=1e-5, atol=1e-5)
+    grad_tol = tight if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for name, grad in results[False][2].items():
+        torch.testing.assert_close(results[True][2][name], grad, **grad_tol)
+
+
+def test_chunked_logps_function_matches_plain():
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 5, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    ids = torch.randint(0, 50, (3, 5))
+    lp, ent = chunked_logps_and_entropy(hidden, weight, None, ids, 0.8, chunk_tokens=4)
+    ref_lp, ref_ent = logps_and_entropy((hidden @ weight.T) / 0.8, ids)
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(ent, ref_ent)
+    g = torch.autograd.grad(lp.sum(), (hidden, weight))
+    ref_g = torch.autograd.grad(ref_lp.sum(), (hidden, weight))
+    for a, b in zip(g, ref_g):
+        torch.testing.assert_close(a, b)

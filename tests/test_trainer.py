@@ -220,3 +220,15 @@ def test_steps_per_generation_and_iterations_reuse_one_generation(tiny_model_dir
     assert calls == [8]
     rows = trainer.state.log_history
     assert max(r["clip_ratio/region_mean"] for r in rows) >= 0.0 and len(rows) == 4
+
+
+def test_report_to_tensorboard_writes_events(tiny_model_dir, tmp_path):
+    pytest.importorskip("tensorboardX")
+    args = cfg(tmp_path, max_steps=2, report_to="tensorboard", run_name="tb-run")
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    trainer.train()
+    events = [os.path.join(root, f) for root, _, files in os.walk(args.output_dir) for f in files
+              if f.startswith("events.out.tfevents")]
+    assert events
+    content = b"".join(open(e, "rb").read() for e in events)
+    assert b"completions/mean_length" in content and b"grad_norm" in content  # the scalars' tags

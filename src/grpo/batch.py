@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from grpo.generation import Rollout, accepts_logits_to_keep, cache_argument, left_pad, right_pad
-from grpo.logprobs import logps_and_entropy
+from grpo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 
 
 @dataclass
@@ -67,40 +67,86 @@ def collate(rollout: Rollout, advantages: torch.Tensor, pad_id: int, mask_trunca
 
 
 def token_logps(model: Any, batch: TrainBatch, temperature: float, with_entropy: bool = True,
-                chunk_size: int | None = None, entropy_grad: bool = False,
-                share_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                chunk_size: int | None = None, entropy_grad: bool = False, share_prefix: bool = False,
+                chunked_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens under `model` (logits divided by temperature), and their entropies.
 
     Processes `chunk_size` rows per forward pass (all at once when None). Entropies carry a gradient only with
     `entropy_grad` (the entropy bonus); otherwise they only feed metrics and the entropy mask. With
-    `share_prefix`, rows of one prompt run the prompt through the model once (see `_forward_shared`)."""
+    `share_prefix`, rows of one prompt run the prompt through the model once (see `_forward_shared`). With
+    `chunked_head`, once the float32 logits would pass FULL_LOGITS_LIMIT, the output projection runs a chunk of
+    tokens at a time and the (B, T, V) logits never exist (see `chunked_logps_and_entropy`)."""
     n = len(batch)
     step = chunk_size or n
     forward = _forward_shared if share_prefix else _forward
     logps, entropies = [], []
     for start in range(0, n, step):
         part = batch.select(slice(start, start + step))
-        logits = forward(model, part) / temperature
-        lp, ent = logps_and_entropy(logits, part.completion_ids, with_entropy, entropy_grad)
+        chunked = chunked_head and _logits_bytes(model, part) > FULL_LOGITS_LIMIT
+        outputs = forward(model, part, chunked)
+        if chunked:
+            head = _unwrap(model).get_output_embeddings()
+            lp, ent = chunked_logps_and_entropy(outputs, head.weight, head.bias, part.completion_ids, temperature,
+                                                with_entropy, entropy_grad)
+        else:
+            lp, ent = logps_and_entropy(outputs / temperature, part.completion_ids, with_entropy, entropy_grad)
         logps.append(lp)
         entropies.append(ent)
     return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
 
 
-def _forward(model: Any, batch: TrainBatch) -> torch.Tensor:
-    """Logits predicting each completion token: (B, C, V), from one pass over prompt + completion."""
+# Above this many bytes of float32 logits the output head runs chunked; below it the full logits are small and
+# one projection is faster than the chunked one's recomputation in backward.
+FULL_LOGITS_LIMIT = 256 * 2**20
+
+
+def _logits_bytes(model: Any, batch: TrainBatch) -> int:
+    vocab = _unwrap(model).get_output_embeddings().weight.shape[0]
+    return batch.completion_ids.numel() * vocab * 4
+
+
+def head_is_chunkable(model: Any) -> bool:
+    """A plain linear output head with nothing applied after it (no logit soft-capping or scaling)."""
+    model = _unwrap(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    scaled = any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    return isinstance(head, torch.nn.Linear) and not scaled
+
+
+def _outputs(model: Any, chunked_head: bool, **inputs: Any) -> torch.Tensor:
+    """The model's logits (B, T, V), or with `chunked_head` the hidden states its output head would have
+    projected (B, T, H): a pre-hook captures them and hands the head an empty slice, so no logits are made."""
+    if not chunked_head:
+        return model(**inputs).logits
+    captured = {}
+
+    def skip_head(module, args):
+        captured["hidden"] = args[0]
+        return (args[0][..., :0, :],) + tuple(args[1:])
+
+    handle = _unwrap(model).get_output_embeddings().register_forward_pre_hook(skip_head)
+    try:
+        model(**inputs)
+    finally:
+        handle.remove()
+    return captured["hidden"]
+
+
+def _forward(model: Any, batch: TrainBatch, chunked_head: bool = False) -> torch.Tensor:
+    """Outputs predicting each completion token, (B, C, V or H), from one pass over prompt + completion."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     c = batch.completion_ids.shape[1]
     kwargs = {"logits_to_keep": c + 1} if accepts_logits_to_keep(_unwrap(model)) else {}
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False,
-                   **kwargs).logits
-    return logits[:, -(c + 1):-1, :]  # position t predicts completion token t
+    out = _outputs(model, chunked_head, input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False, **kwargs)
+    return out[:, -(c + 1):-1, :]  # position t predicts completion token t
 
 
-def _forward_shared(model: Any, batch: TrainBatch) -> torch.Tensor:
-    """The same logits as `_forward`, running each distinct prompt once.
+def _forward_shared(model: Any, batch: TrainBatch, chunked_head: bool = False) -> torch.Tensor:
+    """The same outputs as `_forward`, running each distinct prompt once.
 
     The prompt pass fills a KV cache (with gradient), whose rows are copied to the completions of that prompt;
     the completions then attend to it. Causal attention makes this exact: a prompt token never sees the
@@ -114,15 +160,15 @@ def _forward_shared(model: Any, batch: TrainBatch) -> torch.Tensor:
     cache = DynamicCache()
     cache_arg = cache_argument(_unwrap(model))
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=batch.prompt_ids[first], attention_mask=prompt_mask, position_ids=prompt_positions,
-                use_cache=True, logits_to_keep=1, **{cache_arg: cache})
+    last = _outputs(model, chunked_head, input_ids=batch.prompt_ids[first], attention_mask=prompt_mask,
+                    position_ids=prompt_positions, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
     cache.batch_select_indices(inverse)
     attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
     c = batch.completion_ids.shape[1]
     positions = batch.prompt_mask.sum(-1, keepdim=True) + torch.arange(c, device=attention.device)
-    rest = model(input_ids=batch.completion_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                 **{cache_arg: cache}).logits
-    return torch.cat([out.logits[inverse, -1:, :], rest[:, :-1, :]], dim=1)
+    rest = _outputs(model, chunked_head, input_ids=batch.completion_ids, attention_mask=attention,
+                    position_ids=positions, use_cache=True, **{cache_arg: cache})
+    return torch.cat([last[inverse, -1:, :], rest[:, :-1, :]], dim=1)
 
 
 def _unwrap(model: Any) -> Any:

@@ -110,7 +110,7 @@ def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any):
     from grpo import GRPOConfig
 
     params = dict(output_dir=output_dir, seed=seed, max_steps=steps, per_device_train_batch_size=16,
-                  num_generations=8, max_completion_length=32, learning_rate=2e-5, lr_scheduler_type="constant",
+                  num_generations=8, max_completion_length=32, learning_rate=2e-5,
                   beta=0.0, logging_steps=1, save_strategy="no", gradient_checkpointing=False, temperature=1.0)
     params.update(overrides)
     return GRPOConfig(**params)
@@ -161,16 +161,19 @@ def _write_samples(output_dir: str, before: dict, after: dict, n: int = 12) -> N
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--output", default="runs/demo")
     parser.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--learning-rate", type=float, default=2e-5)
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a GRPOConfig field of the demo, e.g. --set learning_rate=3e-5")
     opts = parser.parse_args(argv)
     if opts.model is None:
         from grpo.bundled import bundled_model_path
 
         opts.model = bundled_model_path()
-    before, after = run(opts.model, opts.output, opts.seed, opts.steps, learning_rate=opts.learning_rate)
+    overrides = dict(item.split("=", 1) for item in opts.set)
+    before, after = run(opts.model, opts.output, opts.seed, opts.steps,
+                        **{k: json.loads(v) if v[:1] in "0123456789-[{tfn" else v for k, v in overrides.items()})
     print(f"accuracy_before={before:.4f} accuracy_after={after:.4f}")
 
 

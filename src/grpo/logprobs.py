@@ -7,29 +7,11 @@ more than one chunk of rows at a time, so memory stays O(chunk x V) on top of th
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 
-def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[..., ids] without keeping a second (.., V) tensor alive.
-
-    float32/float64: logit - logsumexp (exact, no (.., V) output). Lower precision: log_softmax row by row,
-    because logsumexp in bfloat16 loses too much.
-    """
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = torch.gather(logits, -1, ids.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(logits, dim=-1)
-    rows = [torch.log_softmax(row, dim=-1).gather(-1, row_ids.unsqueeze(-1)).squeeze(-1)
-            for row, row_ids in zip(logits, ids)]
-    return torch.stack(rows)
-
-
-def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = 1) -> torch.Tensor:
-    """H = -sum_v p_v log p_v (nats) per position, in float32, computed a chunk of rows at a time."""
-    out = []
-    for chunk in logits.split(chunk_rows, dim=0):
-        logp = torch.log_softmax(chunk.float(), dim=-1)
-        out.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(out)
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def logps_and_entropy(logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool = True, entropy_grad: bool = False,
@@ -40,9 +22,45 @@ def logps_and_entropy(logits: torch.Tensor, ids: torch.Tensor, with_entropy: boo
     a time outside autograd. Entropies carry a gradient only with `entropy_grad`."""
     logps, entropies = [], []
     for chunk, chunk_ids in zip(logits.split(chunk_rows), ids.split(chunk_rows)):
-        logp = torch.log_softmax(chunk.float(), dim=-1)
+        logp = torch.log_softmax(_at_least_float32(chunk), dim=-1)
         logps.append(logp.gather(-1, chunk_ids.unsqueeze(-1)).squeeze(-1))
         if with_entropy:
             source = logp if entropy_grad else logp.detach()
             entropies.append(-(source.exp() * source).sum(-1))
     return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+def _chunk_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                 temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.nn.functional.linear(hidden, weight, bias) / temperature
+    logp = torch.log_softmax(_at_least_float32(logits), dim=-1)
+    picked = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else picked.new_zeros(picked.shape)
+    return picked, entropy
+
+
+def chunked_logps_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              ids: torch.Tensor, temperature: float, with_entropy: bool = True,
+                              entropy_grad: bool = False, chunk_tokens: int = 256
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token log-probs from hidden states without ever holding the (B, T, V) logits.
+
+    The output projection, log_softmax and gather run `chunk_tokens` tokens at a time; under autograd each chunk
+    is checkpointed, so backward recomputes that chunk's logits instead of keeping them: peak extra memory is
+    one chunk's (chunk_tokens, V) float32 logits, whatever B and T are. Same values as projecting everything
+    and calling `logps_and_entropy`."""
+    shape = ids.shape
+    flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    logps, entropies = [], []
+    for start in range(0, flat_ids.shape[0], chunk_tokens):
+        h, i = flat_hidden[start:start + chunk_tokens], flat_ids[start:start + chunk_tokens]
+        if grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logps, h, weight, bias, i, temperature, with_entropy,
+                                                        use_reentrant=False)
+        else:
+            lp, ent = _chunk_logps(h, weight, bias, i, temperature, with_entropy)
+        logps.append(lp)
+        entropies.append(ent if entropy_grad else ent.detach())
+    entropy = torch.cat(entropies).reshape(shape) if with_entropy else None
+    return torch.cat(logps).reshape(shape), entropy

@@ -40,7 +40,7 @@ from transformers import PreTrainedModel, TrainerState, get_scheduler
 
 from grpo import checkpoint, data, fast_generation
 from grpo.advantages import compute_advantages, nanstd
-from grpo.batch import TrainBatch, collate, token_logps
+from grpo.batch import TrainBatch, collate, head_is_chunkable, token_logps
 from grpo.config import GRPOConfig
 from grpo.generation import GenerationEngine, TransformersEngine
 from grpo.losses import TOKEN_SUM_LOSSES, Stat, compute_policy_loss, entropy_bonus, high_entropy_mask
@@ -133,6 +133,8 @@ class GRPOTrainer:
         # prompt shared across a group's rows in the training pass: exact, but needs the KV cache, which
         # gradient checkpointing turns off
         self.share_prefix = isinstance(self.engine, fast_generation.FastEngine) and not args.gradient_checkpointing
+        # output head applied a chunk of tokens at a time: the (B, T, V) logits never exist
+        self.chunked_head = head_is_chunkable(self.model)
         self._prompt_cache: dict[int, list[int]] = {}
         self._buffer: list[TrainBatch] = []
         self._micro_step = 0
@@ -334,10 +336,12 @@ class GRPOTrainer:
         with self.accelerator.autocast():
             if self._needs_old_logps():
                 batch.old_logps, _ = token_logps(self.model, batch, a.temperature, with_entropy=False,
-                                                 chunk_size=chunk, share_prefix=self.share_prefix)
+                                                 chunk_size=chunk, share_prefix=self.share_prefix,
+                                                 chunked_head=self.chunked_head)
             if self.ref_model is not None:
                 batch.ref_logps, _ = token_logps(self.ref_model, batch, a.temperature, with_entropy=False,
-                                                 chunk_size=chunk, share_prefix=self.share_prefix)
+                                                 chunk_size=chunk, share_prefix=self.share_prefix,
+                                                 chunked_head=self.chunked_head)
 
     # ---- phase 2: optimize ----------------------------------------------------------------------------------------
 
@@ -346,7 +350,8 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         with acc.autocast():
             logps, entropies = token_logps(self.model, batch, a.temperature, with_entropy=True,
-                                           entropy_grad=a.entropy_coef != 0.0, share_prefix=self.share_prefix)
+                                           entropy_grad=a.entropy_coef != 0.0, share_prefix=self.share_prefix,
+                                                 chunked_head=self.chunked_head)
         entropy_mask = None
         if a.top_entropy_quantile < 1.0:
             active = entropies.detach()[batch.mask.bool()].float()

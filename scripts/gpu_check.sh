@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# A prepared check on a lent GPU machine (not CI): the suite on tiny models with CUDA visible, so the trainer
+# places everything on the GPU, plus a bf16 training smoke run. Wheels for packages the image lacks in .whl/.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:src:tests || exit 1
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv
+python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__, torch.cuda.is_available())"
+python3 - <<'PY'
+import sys, time, torch
+sys.path.insert(0, "tests")
+from tiny import save_tiny
+from datasets import Dataset
+from grpo import GRPOConfig, GRPOTrainer
+path = save_tiny("/tmp/tiny")
+ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Say sevens {i}"}]} for i in range(16)])
+def sevens(completions, **kw):
+    return [c[0]["content"].count("7") / max(len(c[0]["content"]), 1) for c in completions]
+for bf16 in (True, False):
+    args = GRPOConfig(output_dir="/tmp/o", per_device_train_batch_size=32, num_generations=8, max_completion_length=8,
+                      max_steps=40, learning_rate=2e-2, lr_scheduler_type="constant", logging_steps=1, disable_tqdm=True,
+                      save_strategy="no", gradient_checkpointing=False, seed=0, bf16=bf16)
+    t = GRPOTrainer(model=path, reward_funcs=sevens, train_dataset=ds, args=args)
+    assert next(t.model.parameters()).device.type == "cuda", "trainer did not use the GPU"
+    t0 = time.time(); t.train()
+    r = [row["reward"] for row in t.state.log_history]
+    print(f"gpu bf16={bf16}: engine={type(t.engine).__name__} share_prefix={t.share_prefix} "
+          f"reward first5={sum(r[:5])/5:.3f} last5={sum(r[-5:])/5:.3f} time={time.time()-t0:.1f}s")
+PY
+python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_bundled.py --ignore=tests/test_demo.py -x 2>&1 | tail -25
