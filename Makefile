@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test bench lint install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +32,8 @@ clean:
 SEED ?= 0
 demo: $(STAMP)
 	$(PY) -m grpo.demo --seed $(SEED) --output runs/demo
+
+# grpo against TRL 1.16 on the same workload, each in a fresh process (TRL installed only here).
+bench: $(STAMP)
+	$(PIP) install -q -c constraints.txt -e ".[bench]"
+	$(PY) bench/harness.py

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from test_trainer import cfg, chat_dataset
 
 from grpo import GRPOTrainer
 from grpo.generation import Rollout
+from test_trainer import cfg, chat_dataset
 
 
 class FixedEngine:

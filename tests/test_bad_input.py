@@ -9,12 +9,12 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from test_trainer import cfg, chat_dataset, length_reward
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.modeling import ModelLoadError
 from grpo.scoring import RewardFunctionError
 from grpo.trainer import TrainingError
+from test_trainer import cfg, chat_dataset, length_reward
 
 
 def test_unknown_config_field_names_the_nearest():

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import make_model, make_tokenizer
 
 from grpo import GRPOConfig
 from grpo.batch import collate, token_logps
 from grpo.data import end_of_turn_ids, tokenize_prompts
 from grpo.fast_generation import FastEngine, group_rows, sample_from
 from grpo.generation import TransformersEngine
+from tiny import make_model, make_tokenizer
 
 
 def setup(**kw):

@@ -4,12 +4,12 @@ order; the training batch layout."""
 from __future__ import annotations
 
 import torch
-from tiny import make_model, make_tokenizer
 
 from grpo import GRPOConfig
 from grpo.batch import collate, token_logps
 from grpo.data import end_of_turn_ids, generation_prompt_indices, tokenize_prompts
 from grpo.generation import TransformersEngine, cut_at_stop
+from tiny import make_model, make_tokenizer
 
 
 def engine_for(model, tok, **kw):

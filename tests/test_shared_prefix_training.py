@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import make_model, make_tokenizer
 
 from grpo.batch import collate, token_logps
 from grpo.data import tokenize_prompts
 from grpo.generation import Rollout
 from grpo.logprobs import chunked_logps_and_entropy, logps_and_entropy
+from tiny import make_model, make_tokenizer
 
 
 def batch_and_model():

@@ -11,10 +11,10 @@ import re
 import pytest
 import torch
 from datasets import Dataset
-from tiny import make_tokenizer
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import LOSS_TYPES
+from tiny import make_tokenizer
 
 
 def cfg(tmp_path, **kw):

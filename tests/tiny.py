@@ -26,7 +26,8 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def make_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden: int = 32, layers: int = 2) -> LlamaForCausalLM:
+def make_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden: int = 32,
+               layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,

@@ -34,11 +34,11 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
-    def select(self, rows: torch.Tensor | slice) -> "TrainBatch":
+    def select(self, rows: torch.Tensor | slice) -> TrainBatch:
         return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
                              for f in dataclasses.fields(self)})
 
-    def to(self, device: torch.device) -> "TrainBatch":
+    def to(self, device: torch.device) -> TrainBatch:
         return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
                              for f in dataclasses.fields(self)})
 

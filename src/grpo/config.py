@@ -34,7 +34,8 @@ class GRPOConfig:
                                       "None: '<model name>-GRPO'.")
     run_name: Optional[str] = _help("Run name shown to trackers.")
     logging_steps: float = _help("Log every N optimizer steps (a float < 1 is a fraction of max_steps).", 10)
-    report_to: Union[None, str, list[str]] = _help("Trackers: 'none', 'all', or names such as 'tensorboard', 'wandb', 'trackio'.", "none")
+    report_to: Union[None, str, list[str]] = _help(
+        "Trackers: 'none', 'all', or names such as 'tensorboard', 'wandb', 'trackio'.", "none")
     save_steps: float = _help("Save a checkpoint every N optimizer steps (float < 1: fraction of max_steps).", 500)
     save_strategy: str = _help("'steps' or 'no'.", "steps")
     save_total_limit: Optional[int] = _help("Keep at most this many checkpoints (the newest).")
@@ -66,7 +67,8 @@ class GRPOConfig:
     use_cpu: bool = _help("Train on the CPU even when an accelerator is present.", False)
 
     # ---- model --------------------------------------------------------------------------------------------------
-    model_init_kwargs: Optional[Union[dict, str]] = _help("from_pretrained kwargs when `model` is a string (dtype float32 "
+    model_init_kwargs: Optional[Union[dict, str]] = _help(
+        "from_pretrained kwargs when `model` is a string (dtype float32 "
                                               "unless given).")
     trust_remote_code: bool = _help("Allow custom model code from the model repository.", False)
     disable_dropout: bool = _help("Set every dropout probability to 0 in the policy and reference.", False)
@@ -84,7 +86,8 @@ class GRPOConfig:
     top_k: int = _help("Keep only the k most likely tokens (0 disables).", 0)
     min_p: Optional[float] = _help("Drop tokens below min_p times the top probability.")
     repetition_penalty: float = _help("Penalty for tokens already present (1.0 disables).", 1.0)
-    generation_kwargs: Optional[Union[dict, str]] = _help("Extra generation parameters, applied over the built-in ones.")
+    generation_kwargs: Optional[Union[dict, str]] = _help(
+        "Extra generation parameters, applied over the built-in ones.")
     chat_template_kwargs: Optional[Union[dict, str]] = _help("Passed to every apply_chat_template call.")
     cache_implementation: Optional[str] = _help("transformers KV-cache implementation for generation.")
 

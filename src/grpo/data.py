@@ -6,7 +6,8 @@ resumed run sees exactly the prompts the uninterrupted one would have seen.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -51,7 +52,8 @@ def render_prompts(prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs:
     return texts
 
 
-def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None) -> list[list[int]]:
+def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any,
+                     chat_template_kwargs: dict | None = None) -> list[list[int]]:
     """Token ids per prompt. The chat template already writes its special tokens, so rendered conversations
     are tokenized without adding any; standard prompts get the tokenizer's defaults (e.g. BOS)."""
     texts = render_prompts(prompts, tokenizer, chat_template_kwargs)

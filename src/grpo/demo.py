@@ -110,7 +110,7 @@ def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any):
     from grpo import GRPOConfig
 
     params = dict(output_dir=output_dir, seed=seed, max_steps=steps, per_device_train_batch_size=16,
-                  num_generations=8, max_completion_length=32, learning_rate=2e-5,
+                  num_generations=8, max_completion_length=24, learning_rate=2e-5,
                   beta=0.0, logging_steps=1, save_strategy="no", gradient_checkpointing=False, temperature=1.0)
     params.update(overrides)
     return GRPOConfig(**params)

@@ -11,8 +11,9 @@ scores (after temperature and every logits processor), the quantity vLLM calls "
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from transformers import GenerationConfig

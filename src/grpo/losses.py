@@ -21,8 +21,9 @@ Metrics are returned as sufficient statistics (`Stat`) so a distributed caller c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

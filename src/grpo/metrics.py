@@ -32,7 +32,7 @@ class MetricsLogger:
                                      console=self.console, transient=False)
             self.task = self.progress.add_task("train", total=total_steps, shown="")
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         if self.progress is not None:
             self.progress.start()
         return self

@@ -10,7 +10,8 @@ import inspect
 import math
 import numbers
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -66,7 +67,9 @@ class _BackgroundLoop:
 
 def _is_async(func: Any) -> bool:
     target = func.func if isinstance(func, functools.partial) else func
-    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))
+    # a callable object with `async def __call__`
+    method = next((k.__dict__["__call__"] for k in type(target).__mro__ if "__call__" in k.__dict__), None)
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(method)
 
 
 def _check_values(name: str, values: Any, n: int) -> list[float]:

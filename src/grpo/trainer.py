@@ -28,9 +28,10 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -45,10 +46,16 @@ from grpo.config import GRPOConfig
 from grpo.generation import GenerationEngine, TransformersEngine
 from grpo.losses import TOKEN_SUM_LOSSES, Stat, compute_policy_loss, entropy_bonus, high_entropy_mask
 from grpo.metrics import MetricsLogger
-from grpo.modeling import (disable_dropout, fast_bf16_available, load_causal_lm, load_tokenizer, model_name,
-                           prepare_tokenizer, reference_model)
+from grpo.modeling import (
+    disable_dropout,
+    fast_bf16_available,
+    load_causal_lm,
+    load_tokenizer,
+    model_name,
+    prepare_tokenizer,
+    reference_model,
+)
 from grpo.scoring import check_reward_funcs, reward_name, score
-
 
 logger = logging.getLogger("grpo")
 

@@ -1,0 +1,105 @@
+"""`make bench`: grpo against TRL 1.16 on one workload (workload.py), each run in a fresh process.
+
+Throughput = completion tokens generated in all steps (EOS counted, padding not) / the wall time of the whole
+training call (warm-up step included, model loading excluded), measured the same way for both. Peak memory is
+the largest resident set of the run's whole process tree, sampled every 20 ms. The last line is
+`speedup_vs_trl=<bf16 ratio> memory_vs_trl=<larger peak ratio> speedup_vs_trl_fp32=<fp32 ratio>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc] + proc.children(recursive=True):
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def run(framework: str, precision: str, overrides: dict | None = None) -> dict:
+    cmd = [sys.executable, os.path.join(HERE, f"run_{framework}.py"), precision, json.dumps(overrides or {})]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    ps = psutil.Process(proc.pid)
+    peak = [0]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            try:
+                peak[0] = max(peak[0], tree_rss(ps))
+            except psutil.Error:
+                pass
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    output = proc.stdout.read()
+    proc.wait()
+    done.set()
+    watcher.join()
+    lines = [line for line in output.splitlines() if line.startswith("BENCH_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{framework} {precision} failed (exit {proc.returncode}):\n{output[-3000:]}")
+    result = json.loads(lines[-1][len("BENCH_RESULT "):])
+    result["peak_gb"] = peak[0] / 1e9
+    result["tokens_per_s"] = result["tokens"] / result["seconds"]
+    return result
+
+
+def table(results: list[dict], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("framework", "precision", "tokens/s", "gen tokens/s", "train tokens/s", "seconds", "tokens",
+                "peak GB", "engine", "CPU ISA"):
+        t.add_column(col)
+    for r in results:
+        t.add_row(r["framework"], r["precision"], f"{r['tokens_per_s']:.1f}", _fmt(r["generation_tokens_per_s"]),
+                  _fmt(r["training_tokens_per_s"]), f"{r['seconds']:.1f}", str(r["tokens"]), f"{r['peak_gb']:.2f}",
+                  r["engine"], r["isa"])
+    return t
+
+
+def _fmt(x):
+    return "-" if x is None else f"{x:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", choices=["grpo", "trl"], help="run one framework (no ratios)")
+    opts = parser.parse_args()
+    console = Console()
+    frameworks = [opts.only] if opts.only else ["grpo", "trl"]
+    results = {}
+    for precision in ("bf16", "fp32"):
+        for framework in frameworks:
+            console.print(f"running {framework} {precision} ...")
+            results[(framework, precision)] = run(framework, precision)
+    console.print(table(list(results.values()), "grpo vs TRL 1.16 on the demo workload"))
+    with open(os.path.join(HERE, "results.json"), "w") as f:
+        json.dump([dict(r) for r in results.values()], f, indent=1)
+    if opts.only:
+        return
+    speed = {p: results[("grpo", p)]["tokens_per_s"] / results[("trl", p)]["tokens_per_s"] for p in ("bf16", "fp32")}
+    memory = max(results[("grpo", p)]["peak_gb"] / results[("trl", p)]["peak_gb"] for p in ("bf16", "fp32"))
+    print(f"speedup_vs_trl={speed['bf16']:.2f} memory_vs_trl={memory:.2f} speedup_vs_trl_fp32={speed['fp32']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""One grpo run of the workload, in its own process: python bench/run_grpo.py {bf16|fp32} [json overrides]."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from workload import WORKLOAD, TokenCounter, report, timed
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.bundled import bundled_model_path
+from grpo.demo import correctness_reward, train_dataset
+from grpo.modeling import cpu_isa
+
+
+def main() -> None:
+    precision = sys.argv[1]
+    overrides = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    counter = TokenCounter(correctness_reward)
+    args = GRPOConfig(output_dir="/tmp/grpo-bench", bf16=precision == "bf16", disable_tqdm=True,
+                      **{**WORKLOAD, **overrides})
+    trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=counter, train_dataset=train_dataset(0), args=args)
+    seconds = timed(trainer.train)
+    rows = trainer.state.log_history
+    report({"framework": "grpo", "precision": precision, "seconds": seconds, "tokens": counter.tokens,
+            "step_times": [r["step_time"] for r in rows],
+            "generation_tokens_per_s": sum(r["timing/generation_tokens_per_s"] for r in rows) / len(rows),
+            "training_tokens_per_s": sum(r["timing/training_tokens_per_s"] for r in rows) / len(rows),
+            "engine": type(trainer.engine).__name__, "isa": cpu_isa()})
+
+
+if __name__ == "__main__":
+    main()

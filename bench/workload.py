@@ -1,0 +1,54 @@
+"""The benchmark workload, written once: both frameworks read this dict (issue: fast rollouts and lean memory).
+
+1 warm-up step then 3 timed steps of the demo task on the bundled SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+WORKLOAD = dict(
+    per_device_train_batch_size=16,
+    gradient_accumulation_steps=1,
+    num_generations=8,
+    max_completion_length=64,
+    temperature=1.0,
+    learning_rate=1e-5,
+    gradient_checkpointing=False,
+    beta=0.0,
+    loss_type="dapo",
+    seed=0,
+    max_steps=4,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+)
+
+
+class TokenCounter:
+    """A reward function wrapper counting the completion tokens actually generated (EOS counted, padding not):
+    both frameworks hand reward functions the trimmed completion ids."""
+
+    def __init__(self, reward):
+        self.reward = reward
+        self.tokens = 0
+        self.__name__ = reward.__name__
+
+    def __call__(self, completions, completion_ids, **kwargs):
+        self.tokens += sum(len(ids) for ids in completion_ids)
+        return self.reward(completions=completions, completion_ids=completion_ids, **kwargs)
+
+
+def report(result: dict) -> None:
+    """The one line a runner prints for the harness."""
+    print("BENCH_RESULT " + json.dumps(result), flush=True)
+
+
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
