@@ -97,3 +97,39 @@ def test_chunked_logps_function_matches_plain():
     ref_g = torch.autograd.grad(ref_lp.sum(), (hidden, weight))
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b)
+
+
+def reference_logps(model, batch, temperature):
+    """The plainest path: one forward over the whole padded batch, full logits."""
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+    attn = torch.cat([batch.prompt_mask, batch.completion_attention], 1)
+    logits = model(ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
+    c = batch.completion_ids.shape[1]
+    return logps_and_entropy(logits[:, -c - 1:-1] / temperature, batch.completion_ids)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_length_sorted_trimmed_pieces_match_one_padded_pass(chunk_size):
+    batch, model = batch_and_model()
+    model.zero_grad()
+    ref_lp, ref_ent = reference_logps(model, batch, 0.9)
+    (ref_lp * batch.mask).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    lp, ent = token_logps(model, batch, 0.9, chunk_size=chunk_size, share_prefix=True)
+    (lp * batch.mask).sum().backward()
+    m = batch.mask.bool()
+    torch.testing.assert_close(lp[m], ref_lp[m], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent[m], ref_ent[m], rtol=1e-5, atol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-5, atol=1e-6)
+
+
+def test_pieces_split_where_padding_is_least():
+    from grpo.batch import _pieces
+
+    lengths = torch.tensor([30, 2, 3, 2, 31, 3])
+    pieces = _pieces(lengths, None)
+    assert [sorted(p.tolist()) for p in pieces] == [[1, 2, 3, 5], [0, 4]]
+    assert [len(p) for p in _pieces(lengths, 4)] == [4, 2]
+    assert len(_pieces(torch.tensor([5, 5, 5]), None)) == 1

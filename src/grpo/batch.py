@@ -38,6 +38,14 @@ class TrainBatch:
         return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
                              for f in dataclasses.fields(self)})
 
+    def trim(self, width: int) -> TrainBatch:
+        """Keep the first `width` completion positions (dropping padding columns)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in ("completion_ids", "completion_attention", "mask", "sampling_logps", "old_logps", "ref_logps"):
+            if fields[name] is not None:
+                fields[name] = fields[name][:, :width]
+        return TrainBatch(**fields)
+
     def to(self, device: torch.device) -> TrainBatch:
         return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
                              for f in dataclasses.fields(self)})
@@ -69,19 +77,22 @@ def collate(rollout: Rollout, advantages: torch.Tensor, pad_id: int, mask_trunca
 def token_logps(model: Any, batch: TrainBatch, temperature: float, with_entropy: bool = True,
                 chunk_size: int | None = None, entropy_grad: bool = False, share_prefix: bool = False,
                 chunked_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the completion tokens under `model` (logits divided by temperature), and their entropies.
+    """Log-probs of the completion tokens under `model` (logits divided by temperature), and their entropies,
+    as (B, C) tensors (values on padding positions are meaningless: the mask removes them).
 
-    Processes `chunk_size` rows per forward pass (all at once when None). Entropies carry a gradient only with
-    `entropy_grad` (the entropy bonus); otherwise they only feed metrics and the entropy mask. With
-    `share_prefix`, rows of one prompt run the prompt through the model once (see `_forward_shared`). With
-    `chunked_head`, once the float32 logits would pass FULL_LOGITS_LIMIT, the output projection runs a chunk of
-    tokens at a time and the (B, T, V) logits never exist (see `chunked_logps_and_entropy`)."""
-    n = len(batch)
-    step = chunk_size or n
+    Rows are sorted by completion length and cut into pieces (`chunk_size` rows each, or the two-way split that
+    pads least when None); each piece is trimmed to its own longest completion, so short completions do not pay
+    for the longest one's padding. Padding never changes a real token's outputs (causal attention, masked
+    keys), so this is exact. Entropies carry a gradient only with `entropy_grad` (the entropy bonus). With
+    `share_prefix`, rows of one prompt run the prompt once (see `_forward_shared`). With `chunked_head`, once
+    the float32 logits would pass FULL_LOGITS_LIMIT, the output projection runs a chunk of tokens at a time and
+    the (B, T, V) logits never exist (see `chunked_logps_and_entropy`)."""
     forward = _forward_shared if share_prefix else _forward
-    logps, entropies = [], []
-    for start in range(0, n, step):
-        part = batch.select(slice(start, start + step))
+    lengths = batch.completion_attention.sum(-1)
+    logps = entropies = None
+    for rows in _pieces(lengths, chunk_size):
+        width = max(int(lengths[rows].max()), 1)
+        part = batch.select(rows).trim(width)
         chunked = chunked_head and _logits_bytes(model, part) > FULL_LOGITS_LIMIT
         outputs = forward(model, part, chunked)
         if chunked:
@@ -90,9 +101,25 @@ def token_logps(model: Any, batch: TrainBatch, temperature: float, with_entropy:
                                                 with_entropy, entropy_grad)
         else:
             lp, ent = logps_and_entropy(outputs / temperature, part.completion_ids, with_entropy, entropy_grad)
-        logps.append(lp)
-        entropies.append(ent)
-    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+        where = (rows.unsqueeze(1), torch.arange(width, device=rows.device))
+        logps = (lp.new_zeros(batch.completion_ids.shape) if logps is None else logps).index_put(where, lp)
+        if with_entropy:
+            entropies = (ent.new_zeros(batch.completion_ids.shape) if entropies is None else entropies)
+            entropies = entropies.index_put(where, ent)
+    return logps, entropies
+
+
+def _pieces(lengths: torch.Tensor, chunk_size: int | None) -> list[torch.Tensor]:
+    """Row indices sorted by length, cut into chunk_size pieces or into the two pieces that pad least."""
+    order = torch.argsort(lengths, stable=True)
+    n = len(order)
+    if chunk_size:
+        return list(order.split(chunk_size))
+    ordered = lengths[order]
+    # tokens computed when the first i rows (shortest) form one piece and the rest another
+    cost = [n * int(ordered[-1])] + [i * int(ordered[i - 1]) + (n - i) * int(ordered[-1]) for i in range(1, n)]
+    split = min(range(n), key=cost.__getitem__)
+    return [order] if split == 0 else [order[:split], order[split:]]
 
 
 # Above this many bytes of float32 logits the output head runs chunked; below it the full logits are small and

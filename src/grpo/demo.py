@@ -7,6 +7,10 @@ integer of the completion is a+b. Before and after training, greedy accuracy is 
 that phrasing and with one never trained on ("What is {a} plus {b}? Give just the number."). Everything goes
 to the output directory: metrics.jsonl, sample completions, a plot, and the trained model. The last line
 printed is `accuracy_before=<a> accuracy_after=<b>` (greedy, first phrasing).
+
+Training: 2 prompts x 8 completions per step, max 32 new tokens, learning rate 2e-5 decaying linearly over
+25 steps, beta 0, loss dapo, bfloat16 compute where the CPU has fast bfloat16. Accuracy is measured in float32
+(the weights as saved), so it does not depend on the training precision.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any):
     from grpo import GRPOConfig
 
     params = dict(output_dir=output_dir, seed=seed, max_steps=steps, per_device_train_batch_size=16,
-                  num_generations=8, max_completion_length=24, learning_rate=2e-5,
+                  num_generations=8, max_completion_length=32, learning_rate=2e-5,
                   beta=0.0, logging_steps=1, save_strategy="no", gradient_checkpointing=False, temperature=1.0)
     params.update(overrides)
     return GRPOConfig(**params)
