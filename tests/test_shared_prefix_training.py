@@ -125,11 +125,9 @@ def test_length_sorted_trimmed_pieces_match_one_padded_pass(chunk_size):
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-5, atol=1e-6)
 
 
-def test_pieces_split_where_padding_is_least():
+def test_pieces_are_length_sorted_chunks():
     from grpo.batch import _pieces
 
     lengths = torch.tensor([30, 2, 3, 2, 31, 3])
-    pieces = _pieces(lengths, None)
-    assert [sorted(p.tolist()) for p in pieces] == [[1, 2, 3, 5], [0, 4]]
-    assert [len(p) for p in _pieces(lengths, 4)] == [4, 2]
-    assert len(_pieces(torch.tensor([5, 5, 5]), None)) == 1
+    assert [p.tolist() for p in _pieces(lengths, 4)] == [[1, 3, 2, 5], [0, 4]]
+    assert [p.tolist() for p in _pieces(lengths, None)] == [[1, 3, 2, 5, 0, 4]]
