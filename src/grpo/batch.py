@@ -82,10 +82,11 @@ def token_logps(model: Any, batch: TrainBatch, temperature: float, with_entropy:
 
     Rows are sorted by completion length and cut into pieces of `chunk_size` rows (one piece when None); each
     piece is trimmed to its own longest completion, so short completions do not pay for a long one's padding.
-    Padding never changes a real token's outputs (causal attention, masked keys), so this is exact. Entropies carry a gradient only with `entropy_grad` (the entropy bonus). With
-    `share_prefix`, rows of one prompt run the prompt once (see `_forward_shared`). With `chunked_head`, once
-    the float32 logits would pass FULL_LOGITS_LIMIT, the output projection runs a chunk of tokens at a time and
-    the (B, T, V) logits never exist (see `chunked_logps_and_entropy`)."""
+    Padding never changes a real token's outputs (causal attention, masked keys), so this is exact. Entropies
+    carry a gradient only with `entropy_grad` (the entropy bonus). With `share_prefix`, rows of one prompt run
+    the prompt once (see `_forward_shared`). With `chunked_head`, once the float32 logits would pass
+    FULL_LOGITS_LIMIT, the output projection runs a chunk of tokens at a time and the (B, T, V) logits never
+    exist (see `chunked_logps_and_entropy`)."""
     forward = _forward_shared if share_prefix else _forward
     lengths = batch.completion_attention.sum(-1)
     logps = entropies = None
