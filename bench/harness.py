@@ -84,7 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=["grpo", "trl"], help="run one framework (no ratios)")
     opts = parser.parse_args()
-    console = Console()
+    console = Console(width=150)
     frameworks = [opts.only] if opts.only else ["grpo", "trl"]
     results = {}
     for precision in ("bf16", "fp32"):
