@@ -65,28 +65,27 @@ def test_truncation_and_masking_truncated_rows():
     assert kept.mask.sum() == 20
 
 
-def test_sampling_logps_equal_training_logps_at_temperature():
+def sample_and_score(**sampling):
+    """Sample with the plain engine, then score the same tokens with the training pass."""
     tok = make_tokenizer()
     model = make_model(tok).eval()
     torch.manual_seed(0)
-    engine, args = engine_for(model, tok, temperature=0.7)
-    rollout = engine.generate(prompts(tok))
-    batch = collate(rollout, torch.zeros(4), tok.pad_token_id, mask_truncated=False)
+    engine, args = engine_for(model, tok, **sampling)
+    batch = collate(engine.generate(prompts(tok)), torch.zeros(4), tok.pad_token_id, mask_truncated=False)
     with torch.no_grad():
         logps, _ = token_logps(model, batch, args.temperature, with_entropy=False)
+    return model, batch, logps
+
+
+def test_sampling_logps_equal_training_logps_at_temperature():
+    model, batch, logps = sample_and_score(temperature=0.7)
     m = batch.mask.bool()
     torch.testing.assert_close(logps[m], batch.sampling_logps[m], rtol=1e-5, atol=1e-5)
 
 
 def test_top_k_is_honoured_and_logps_are_processed():
-    tok = make_tokenizer()
-    model = make_model(tok).eval()
-    torch.manual_seed(0)
-    engine, args = engine_for(model, tok, top_k=3)
-    rollout = engine.generate(prompts(tok))
-    batch = collate(rollout, torch.zeros(4), tok.pad_token_id, mask_truncated=False)
+    model, batch, logps = sample_and_score(top_k=3)
     with torch.no_grad():
-        logps, _ = token_logps(model, batch, args.temperature, with_entropy=False)
         full = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
         attn = torch.cat([batch.prompt_mask, batch.completion_attention], 1)
         logits = model(full, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
