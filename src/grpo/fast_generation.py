@@ -17,6 +17,7 @@ plain engine; the trainer picks and logs which.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -102,7 +103,7 @@ class FastEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with self.autocast() if self.autocast else torch.autocast("cpu", enabled=False):
+            with self.autocast() if self.autocast else nullcontext():
                 tokens, logps = self._decode(prompt_ids)
         finally:
             self.model.train(was_training)

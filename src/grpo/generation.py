@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,7 +124,7 @@ class TransformersEngine:
         was_training = self.model.training
         self.model.eval()  # dropout off, and the KV cache on even when gradient checkpointing is enabled
         try:
-            with self.autocast() if self.autocast else _null():
+            with self.autocast() if self.autocast else nullcontext():
                 out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                           generation_config=self.config)
         finally:
@@ -142,10 +143,3 @@ class TransformersEngine:
         return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
                        sampling_logps=logps, truncated=truncated)
 
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
