@@ -103,3 +103,12 @@ def test_repetition_penalty_matches_plain_path_greedily():
                             num_generations=4, repetition_penalty=1.3, generation_kwargs={"do_sample": False})
     plain = TransformersEngine(model, plain_args, stop, tok.pad_token_id).generate(rows)
     assert fast.completion_ids == plain.completion_ids
+
+
+def test_settings_the_fast_path_does_not_cover_fall_back():
+    from grpo.fast_generation import supports
+
+    tok, model, args, stop, rows = setup()
+    assert supports(model, args) is None
+    assert "generation_kwargs" in supports(model, GRPOConfig(output_dir="x", generation_kwargs={"top_k": 3}))
+    assert "cache_implementation" in supports(model, GRPOConfig(output_dir="x", cache_implementation="static"))

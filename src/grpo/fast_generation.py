@@ -66,6 +66,8 @@ def supports(model: Any, args: Any) -> str | None:
     """Why the fast path cannot run this model/config (None when it can)."""
     if args.generation_kwargs:
         return "generation_kwargs are set (only the plain path applies arbitrary generation parameters)"
+    if args.cache_implementation:
+        return f"cache_implementation={args.cache_implementation!r} is set (the fast path uses a dynamic cache)"
     if not getattr(model, "_supports_cache_class", True) or getattr(model.config, "is_encoder_decoder", False):
         return "the model does not use transformers' dynamic KV cache"
     return None
