@@ -44,7 +44,7 @@ from grpo.advantages import compute_advantages, nanstd
 from grpo.batch import TrainBatch, collate, head_is_chunkable, token_logps
 from grpo.config import GRPOConfig
 from grpo.generation import GenerationEngine, TransformersEngine
-from grpo.losses import TOKEN_SUM_LOSSES, Stat, compute_policy_loss, entropy_bonus, high_entropy_mask
+from grpo.losses import TOKEN_SUM_LOSSES, Stat, compute_policy_loss, entropy_bonus, high_entropy_mask, masked_mean_stat
 from grpo.metrics import MetricsLogger
 from grpo.modeling import (
     disable_dropout,
@@ -282,13 +282,14 @@ class GRPOTrainer:
         a, acc = self.args, self.accelerator
         t0 = time.perf_counter()
         rows = self._local_rows(generation)
-        prompts = [self.train_dataset[i]["prompt"] for i in rows]
+        examples = [self.train_dataset[i] for i in rows]
+        prompts = [example["prompt"] for example in examples]
         prompt_ids = [self._prompt_ids(i) for i in rows]
         rollout = self.engine.generate(prompt_ids)
         gen_time = time.perf_counter() - t0
 
         texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        rewards_local = self._score(rows, prompts, data.completions_for_rewards(prompts, texts),
+        rewards_local = self._score(examples, data.completions_for_rewards(prompts, texts),
                                     rollout.completion_ids)
         rewards = acc.gather(rewards_local.to(acc.device)).cpu()  # groups may straddle processes: gather first
         adv = compute_advantages(rewards, self.reward_weights, a.num_generations, a.scale_rewards,
@@ -320,15 +321,17 @@ class GRPOTrainer:
                                                             self.args.chat_template_kwargs)[0]
         return self._prompt_cache[row]
 
-    def _score(self, rows: list[int], prompts: list, completions: list, completion_ids: list) -> torch.Tensor:
+    def _score(self, examples: list[dict], completions: list, completion_ids: list) -> torch.Tensor:
+        """Rewards (rows, functions); every dataset column but the prompt reaches the functions as a keyword."""
         columns: dict[str, list] = {}
-        for i in rows:
-            for key, value in self.train_dataset[i].items():
+        for example in examples:
+            for key, value in example.items():
                 if key not in ("prompt", "completion", "completion_ids"):
                     columns.setdefault(key, []).append(value)
-        kwargs = dict(columns, prompts=prompts, completions=completions, completion_ids=completion_ids,
-                      trainer_state=self.state, log_metric=self.metrics.add, log_extra=lambda name, values: None)
-        return score(self.reward_funcs, self.reward_names, kwargs, len(rows))
+        kwargs = dict(columns, prompts=[e["prompt"] for e in examples], completions=completions,
+                      completion_ids=completion_ids, trainer_state=self.state, log_metric=self.metrics.add,
+                      log_extra=lambda name, values: None)
+        return score(self.reward_funcs, self.reward_names, kwargs, len(examples))
 
     def _needs_old_logps(self) -> bool:
         a = self.args
@@ -342,13 +345,14 @@ class GRPOTrainer:
         chunk = a.per_device_train_batch_size
         with self.accelerator.autocast():
             if self._needs_old_logps():
-                batch.old_logps, _ = token_logps(self.model, batch, a.temperature, with_entropy=False,
-                                                 chunk_size=chunk, share_prefix=self.share_prefix,
-                                                 chunked_head=self.chunked_head)
+                batch.old_logps, _ = self._logps(self.model, batch, with_entropy=False, chunk_size=chunk)
             if self.ref_model is not None:
-                batch.ref_logps, _ = token_logps(self.ref_model, batch, a.temperature, with_entropy=False,
-                                                 chunk_size=chunk, share_prefix=self.share_prefix,
-                                                 chunked_head=self.chunked_head)
+                batch.ref_logps, _ = self._logps(self.ref_model, batch, with_entropy=False, chunk_size=chunk)
+
+    def _logps(self, model: Any, batch: TrainBatch, **kwargs: Any):
+        """`token_logps` with this trainer's temperature and fast-path choices."""
+        return token_logps(model, batch, self.args.temperature, share_prefix=self.share_prefix,
+                           chunked_head=self.chunked_head, **kwargs)
 
     # ---- phase 2: optimize ----------------------------------------------------------------------------------------
 
@@ -356,9 +360,7 @@ class GRPOTrainer:
         a, acc = self.args, self.accelerator
         t0 = time.perf_counter()
         with acc.autocast():
-            logps, entropies = token_logps(self.model, batch, a.temperature, with_entropy=True,
-                                           entropy_grad=a.entropy_coef != 0.0, share_prefix=self.share_prefix,
-                                                 chunked_head=self.chunked_head)
+            logps, entropies = self._logps(self.model, batch, with_entropy=True, entropy_grad=a.entropy_coef != 0.0)
         entropy_mask = None
         if a.top_entropy_quantile < 1.0:
             active = entropies.detach()[batch.mask.bool()].float()
@@ -379,7 +381,7 @@ class GRPOTrainer:
         if not torch.isfinite(loss):
             raise TrainingError(self._nonfinite_message("loss", loss.item()))
         acc.backward(loss)
-        stats["entropy"] = Stat("mean", torch.stack([(entropies.detach() * batch.mask).sum(), batch.mask.sum()]))
+        stats["entropy"] = masked_mean_stat(entropies.detach(), batch.mask)
         self._log_loss_stats(stats)
         n_tokens = batch.mask.sum().item()
         self.metrics.add("timing/training_tokens_per_s", n_tokens / max(time.perf_counter() - t0, 1e-9))
