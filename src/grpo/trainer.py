@@ -424,14 +424,14 @@ class GRPOTrainer:
              "completions/min_terminated_length": terminated.min().item() if len(terminated) else 0.0,
              "completions/max_terminated_length": terminated.max().item() if len(terminated) else 0.0,
              "reward": torch.nanmean(adv.rewards).item(),
-             "reward_std": _nanstd(adv.rewards),
+             "reward_std": nanstd(adv.rewards).item(),
              "frac_reward_zero_std": adv.frac_zero_std,
              "timing/generation_tokens_per_s": lengths.sum().item() / acc.num_processes / max(gen_time, 1e-9),
              "timing/generation_s": gen_time,
              "timing/scoring_s": score_time}
         for k, name in enumerate(self.reward_names):
             m[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
-            m[f"rewards/{name}/std"] = _nanstd(rewards[:, k])
+            m[f"rewards/{name}/std"] = nanstd(rewards[:, k]).item()
         self.metrics.add_many(m)
 
     def _log_loss_stats(self, stats: dict[str, Stat]) -> None:
@@ -475,10 +475,6 @@ def _enable_checkpointing(model: PreTrainedModel, kwargs: dict[str, Any]) -> Non
 def _every(value: float, total: int) -> int:
     """logging_steps / save_steps: an int, or a fraction (< 1) of the total number of steps."""
     return max(int(math.ceil(value * total)) if value < 1 else int(value), 1)
-
-
-def _nanstd(x: torch.Tensor) -> float:
-    return nanstd(x).item()
 
 
 def _trackable(config: dict[str, Any]) -> dict[str, Any]:
