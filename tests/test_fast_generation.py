@@ -9,7 +9,7 @@ import torch
 from grpo import GRPOConfig
 from grpo.batch import collate, token_logps
 from grpo.data import end_of_turn_ids, tokenize_prompts
-from grpo.fast_generation import FastEngine, group_rows, sample_from
+from grpo.fast_generation import FastEngine, group_rows, low_precision_linears, sample_from
 from grpo.generation import TransformersEngine
 from tiny import make_model, make_tokenizer
 
@@ -112,3 +112,30 @@ def test_settings_the_fast_path_does_not_cover_fall_back():
     assert supports(model, args) is None
     assert "generation_kwargs" in supports(model, GRPOConfig(output_dir="x", generation_kwargs={"top_k": 3}))
     assert "cache_implementation" in supports(model, GRPOConfig(output_dir="x", cache_implementation="static"))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_low_precision_linears_give_autocasts_logits_exactly(bias):
+    """Weights cast (and on CPU pre-packed) once give the very numbers bfloat16 autocast computes per forward;
+    on exit every linear is back to its own forward."""
+    tok, model, args, stop, rows = setup()
+    if bias:
+        for module in model.modules():
+            if type(module) is torch.nn.Linear and module.bias is None:
+                module.bias = torch.nn.Parameter(torch.randn(module.out_features) * 0.1)
+    ids = torch.tensor([rows[0], rows[4][: len(rows[0])]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(ids).logits
+        with low_precision_linears(model, torch.bfloat16) as ctx:
+            assert ctx.patched  # every plain linear
+            got = model(ids).logits
+        after = model(ids).logits
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+    assert torch.equal(after, expected)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_low_precision_linears_do_nothing_in_float32():
+    tok, model, args, stop, rows = setup()
+    with low_precision_linears(model, None) as ctx:
+        assert not ctx.patched

@@ -214,8 +214,9 @@ class GRPOTrainer:
         model, tok = self.unwrapped_model, self.processing_class
         reason = fast_generation.supports(model, self.args)
         if reason is None:
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
             return fast_generation.FastEngine(model, self.args, self.stop_ids, tok.pad_token_id,
-                                              autocast=self.accelerator.autocast)
+                                              autocast=self.accelerator.autocast, compute_dtype=dtype)
         logger.info("Generating with the plain transformers path: %s.", reason)
         return TransformersEngine(model, self.args, self.stop_ids, tok.pad_token_id,
                                   autocast=self.accelerator.autocast)
