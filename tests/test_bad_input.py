@@ -91,9 +91,13 @@ def test_reward_function_arity_and_weights_checked_up_front(tiny_model_dir, tmp_
     with pytest.raises(ValueError, match="reward_weights has 2 entries but there are 1 reward functions"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
                     args=cfg(tmp_path, reward_weights=[1.0, 2.0]))
-    with pytest.raises(ValueError, match="reward model"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs="org/reward-model", train_dataset=chat_dataset(),
-                    args=cfg(tmp_path))
+    # a reward model that cannot be loaded fails at construction, naming it
+    with pytest.raises(ModelLoadError, match="reward model 'no-such-org/reward-model'"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=[length_reward, "no-such-org/reward-model"],
+                    train_dataset=chat_dataset(), args=cfg(tmp_path))
+    with pytest.raises(ValueError, match="reward_processing_classes has 1 entries but there are 2"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=[length_reward, length_reward], train_dataset=chat_dataset(),
+                    args=cfg(tmp_path), reward_processing_classes=[None])
 
 
 def _tree_hash(path):

@@ -18,7 +18,7 @@ class ModelLoadError(OSError):
 def model_name(model: Any) -> str:
     """The last path segment of a model id or directory (for default output directories)."""
     path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    return os.path.basename(os.path.normpath(path)) or type(model).__name__
+    return (os.path.basename(os.path.normpath(path)) if path else "") or type(model).__name__
 
 
 def _resolve_dtype(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -54,19 +54,26 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def load_causal_lm(model_id: str, init_kwargs: dict[str, Any] | None, trust_remote_code: bool) -> PreTrainedModel:
+    return load_pretrained(AutoModelForCausalLM, "model", model_id, init_kwargs, trust_remote_code)
+
+
+def load_pretrained(auto_class: Any, kind: str, model_id: str, init_kwargs: dict[str, Any] | None,
+                    trust_remote_code: bool, **extra: Any) -> PreTrainedModel:
+    """`auto_class.from_pretrained` with an offline machine failing in seconds and one clear `ModelLoadError`."""
     kwargs = _resolve_dtype(init_kwargs or {})
     kwargs.setdefault("trust_remote_code", trust_remote_code)
+    kwargs.update(extra)
     try:
         if not os.path.isdir(model_id):
             try:  # already in the local cache: no network needed
-                return AutoModelForCausalLM.from_pretrained(model_id, local_files_only=True, **kwargs)
+                return auto_class.from_pretrained(model_id, local_files_only=True, **kwargs)
             except OSError:
                 if not _hub_reachable():
                     raise OSError("the Hugging Face Hub is unreachable from this machine and the model is not in "
                                   "the local cache") from None
-        return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+        return auto_class.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as err:
-        raise _load_error("model", model_id, err) from None
+        raise _load_error(kind, model_id, err) from None
 
 
 def load_tokenizer(model_id: str, trust_remote_code: bool) -> Any:

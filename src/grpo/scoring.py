@@ -5,11 +5,13 @@ sample and the value instead of training silently on garbage."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import math
 import numbers
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,22 +29,37 @@ def reward_name(func: Any) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
-def check_reward_funcs(reward_funcs: Any, reward_weights: Sequence[float] | None) -> list[Callable]:
-    """Normalize `reward_funcs` to a list of callables and check `reward_weights` against it."""
+def check_reward_funcs(reward_funcs: Any, reward_weights: Sequence[float] | None,
+                       processing_classes: Any = None, load_model: Callable[[Any, Any], Callable] | None = None
+                       ) -> list[Callable]:
+    """Normalize `reward_funcs` to a list of callables and check `reward_weights` against it. Reward models
+    (a model id/path or an `nn.Module`) become callables through `load_model(entry, tokenizer)`, with their
+    tokenizer from `reward_processing_classes` (one object, or one entry per function; None: the model's own)."""
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs:
         raise ValueError("reward_funcs is empty: pass at least one reward function.")
-    for func in funcs:
-        if isinstance(func, str) or isinstance(func, torch.nn.Module):
-            raise ValueError(f"reward_funcs entry {func!r} is a reward model: reward models are not available yet in "
-                             "grpo. Wrap the scoring in a Python function returning list[float] instead.")
-        if not callable(func):
+    if isinstance(processing_classes, (list, tuple)):
+        if len(processing_classes) != len(funcs):
+            raise ValueError(f"reward_processing_classes has {len(processing_classes)} entries but there are "
+                             f"{len(funcs)} reward functions: give one entry per function (None for functions).")
+        tokenizers = list(processing_classes)
+    else:
+        tokenizers = [processing_classes] * len(funcs)
+    out = []
+    for func, tokenizer in zip(funcs, tokenizers):
+        if isinstance(func, (str, torch.nn.Module)):
+            if load_model is None:
+                raise ValueError(f"reward_funcs entry {func!r:.80} is a reward model, which needs a trainer to load.")
+            func = load_model(func, tokenizer)
+        elif not callable(func):
             raise ValueError(f"reward_funcs entry {func!r} is not callable: pass functions that take the completions "
-                             "as keyword arguments and return one float (or None) per completion.")
-    if reward_weights is not None and len(reward_weights) != len(funcs):
-        raise ValueError(f"reward_weights has {len(reward_weights)} entries but there are {len(funcs)} reward "
+                             "as keyword arguments and return one float (or None) per completion, or a reward "
+                             "model (id, path or sequence-classification module).")
+        out.append(func)
+    if reward_weights is not None and len(reward_weights) != len(out):
+        raise ValueError(f"reward_weights has {len(reward_weights)} entries but there are {len(out)} reward "
                          "functions: give exactly one weight per function.")
-    return funcs
+    return out
 
 
 class _BackgroundLoop:
@@ -53,7 +70,7 @@ class _BackgroundLoop:
     _loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def run(cls, coroutines: list) -> list:
+    def submit(cls, coroutines: list) -> concurrent.futures.Future:
         with cls._lock:
             if cls._loop is None:
                 cls._loop = asyncio.new_event_loop()
@@ -62,7 +79,7 @@ class _BackgroundLoop:
         async def gather():
             return await asyncio.gather(*coroutines, return_exceptions=True)
 
-        return asyncio.run_coroutine_threadsafe(gather(), cls._loop).result()
+        return asyncio.run_coroutine_threadsafe(gather(), cls._loop)
 
 
 def _is_async(func: Any) -> bool:
@@ -99,23 +116,51 @@ def _check_values(name: str, values: Any, n: int) -> list[float]:
 
 
 def score(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict[str, Any], n: int) -> torch.Tensor:
-    """(n, K) float32 rewards, NaN where a function returned None. Raises RewardFunctionError on bad output."""
+    """(n, K) float32 rewards, NaN where a function returned None. Raises RewardFunctionError on bad output.
+
+    The `async def` functions start first, on the background loop, and run there while the sync ones run in
+    turn on this thread: a slow sync function delays nothing on the loop."""
+    is_async = [_is_async(func) for func in funcs]
+    async_ks = [k for k in range(len(funcs)) if is_async[k]]
+    pending = _BackgroundLoop.submit([_call(names[k], funcs[k], kwargs) for k in async_ks]) if async_ks else None
     results: dict[int, Any] = {}
-    pending = []
-    for k, func in enumerate(funcs):
-        if _is_async(func):
-            pending.append(k)
-            continue
-        try:
-            results[k] = func(**kwargs)
-        except Exception as err:
-            raise RewardFunctionError(f"Reward function '{names[k]}' raised {type(err).__name__}: {err}") from err
-    if pending:
-        outputs = _BackgroundLoop.run([funcs[k](**kwargs) for k in pending])
-        for k, output in zip(pending, outputs):
-            if isinstance(output, BaseException):
-                raise RewardFunctionError(f"Reward function '{names[k]}' raised {type(output).__name__}: "
-                                          f"{output}") from output
-            results[k] = output
+    try:
+        for k, func in enumerate(funcs):
+            if not is_async[k]:
+                results[k] = _call(names[k], func, kwargs)
+    finally:
+        outputs = pending.result() if pending is not None else []  # never leave the async ones running
+    for k, output in zip(async_ks, outputs):
+        if isinstance(output, BaseException):
+            raise RewardFunctionError(f"Reward function '{names[k]}' raised {type(output).__name__}: "
+                                      f"{output}") from output
+        results[k] = output
     columns = [_check_values(names[k], results[k], n) for k in range(len(funcs))]
-    return torch.tensor(columns, dtype=torch.float32).T.reshape(n, len(funcs))
+    rewards = torch.tensor(columns, dtype=torch.float32).T.reshape(n, len(funcs))
+    _warn_unscorable(rewards, kwargs)
+    return rewards
+
+
+def _call(name: str, func: Callable, kwargs: dict[str, Any]) -> Any:
+    """func(**kwargs) (for an async function: its coroutine), a raise turned into a RewardFunctionError."""
+    try:
+        return func(**kwargs)
+    except Exception as err:
+        raise RewardFunctionError(f"Reward function '{name}' raised {type(err).__name__}: {err}") from err
+
+
+def _warn_unscorable(rewards: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    rows = torch.isnan(rewards).all(dim=1).nonzero().squeeze(-1).tolist()
+    if not rows:
+        return
+    shown = []
+    for i in rows[:3]:
+        prompt = kwargs["prompts"][i]
+        completion = kwargs["completions"][i]
+        prompt = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        completion = completion[0]["content"] if isinstance(completion, list) else completion
+        shown.append(f"sample {i}: prompt {prompt!r:.120}, completion {completion!r:.120}")
+    more = f" (and {len(rows) - 3} more)" if len(rows) > 3 else ""
+    warnings.warn(f"All reward functions returned None for {len(rows)} sample(s){more}, which get advantage 0: "
+                  + "; ".join(shown) + ". Make sure at least one reward function applies to every sample.",
+                  stacklevel=3)

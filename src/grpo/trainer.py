@@ -55,6 +55,7 @@ from grpo.modeling import (
     prepare_tokenizer,
     reference_model,
 )
+from grpo.reward_models import load_reward_model
 from grpo.scoring import check_reward_funcs, reward_name, score
 
 logger = logging.getLogger("grpo")
@@ -100,12 +101,18 @@ class GRPOTrainer:
         self._reject_later_features(args, peft_config, tools, rollout_func, eval_dataset, callbacks)
         data.check_dataset(train_dataset)
         self.train_dataset = train_dataset
-        self.reward_funcs = check_reward_funcs(reward_funcs, args.reward_weights)
-        self.reward_names = [reward_name(f) for f in self.reward_funcs]
-        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
         _warn_odd_combinations(args)
 
         self.accelerator = self._make_accelerator(args)
+
+        def load_reward_model_entry(entry: Any, tokenizer: Any) -> Callable:
+            return load_reward_model(entry, tokenizer, args.model_init_kwargs, args.trust_remote_code,
+                                     args.chat_template_kwargs, self.accelerator.device)
+
+        self.reward_funcs = check_reward_funcs(reward_funcs, args.reward_weights, reward_processing_classes,
+                                               load_reward_model_entry)
+        self.reward_names = [reward_name(f) for f in self.reward_funcs]
+        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
         set_seed(args.seed)
         model_id = model if isinstance(model, str) else None
         self.model = load_causal_lm(model, args.model_init_kwargs, args.trust_remote_code) if model_id else model

@@ -1,0 +1,83 @@
+"""Reward models: a sequence-classification model (a path, Hub id or `nn.Module`) in `reward_funcs` becomes a
+reward function like any other (shared spec §5.6).
+
+The text scored is the prompt followed by the completion: for conversational data, the reward tokenizer's
+chat template applied to the prompt messages plus the completion message; for standard data, the plain
+concatenation. It is tokenized right-padded without added special tokens; the reward is logit 0.
+
+Models given as ids are loaded when the trainer is built, so a model that cannot be loaded fails there, not at
+step 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from grpo.modeling import ModelLoadError, load_pretrained, model_name
+
+
+class RewardModel:
+    """Calls a sequence-classification model as a reward function: one float per completion."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None,
+                 batch_size: int | None = None) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model.config.pad_token_id = tokenizer.pad_token_id
+        self.chat_template_kwargs = chat_template_kwargs or {}
+        self.batch_size = batch_size
+        self.__name__ = model_name(model)
+
+    def texts(self, prompts: list, completions: list) -> list[str]:
+        out = []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            if isinstance(prompt, list):  # conversational
+                out.append(self.tokenizer.apply_chat_template(prompt + completion, tokenize=False,
+                                                              **self.chat_template_kwargs))
+            else:
+                out.append(prompt + completion)
+        return out
+
+    @torch.inference_mode()
+    def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float]:
+        texts = self.texts(prompts, completions)
+        device = next(self.model.parameters()).device
+        size = self.batch_size or len(texts)
+        rewards: list[float] = []
+        for start in range(0, len(texts), size):
+            inputs = self.tokenizer(texts[start:start + size], return_tensors="pt", padding=True,
+                                    padding_side="right", add_special_tokens=False).to(device)
+            rewards.extend(self.model(**inputs).logits[:, 0].float().tolist())
+        return rewards
+
+
+def load_reward_model(entry: str | torch.nn.Module, tokenizer: Any, init_kwargs: dict[str, Any] | None,
+                      trust_remote_code: bool, chat_template_kwargs: dict[str, Any] | None,
+                      device: torch.device) -> RewardModel:
+    """A `RewardModel` for a reward_funcs entry that is a model id/path or a module."""
+    if isinstance(entry, str):
+        model = load_pretrained(AutoModelForSequenceClassification, "reward model", entry, init_kwargs,
+                                trust_remote_code, num_labels=1)
+        source = entry
+    else:
+        model = entry
+        source = getattr(model.config, "_name_or_path", None) if hasattr(model, "config") else None
+        if not hasattr(model, "config"):
+            raise ValueError(f"reward_funcs entry {type(entry).__name__} is a torch module without a transformers "
+                             "config: pass a sequence-classification model (AutoModelForSequenceClassification) "
+                             "or wrap the module in a Python reward function.")
+    if tokenizer is None:
+        if not source:
+            raise ValueError(f"No tokenizer for the reward model {type(model).__name__}: pass it in "
+                             "reward_processing_classes (one entry per reward function).")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"Could not load the tokenizer of the reward model '{source}': "
+                                 f"{str(err).splitlines()[0][:200]}. Pass it in reward_processing_classes.") from None
+    return RewardModel(model.to(device), tokenizer, chat_template_kwargs)

@@ -1,0 +1,88 @@
+"""Calling reward functions: async ones concurrently (counted in flight, not timed), sync ones on the calling
+thread while the async ones run, and a warning naming the samples no function applies to."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from grpo.scoring import RewardFunctionError, score
+
+KW = dict(prompts=["p0", "p1"], completions=["c0", "c1"])
+
+
+def test_async_reward_functions_are_in_flight_together():
+    in_flight, most = 0, []
+    everyone_started = None
+
+    def make(k):
+        async def reward(completions, **kwargs):
+            nonlocal in_flight, everyone_started
+            if everyone_started is None:
+                everyone_started = asyncio.Event()
+            in_flight += 1
+            most.append(in_flight)
+            if in_flight == 3:
+                everyone_started.set()
+            # run one at a time, the first would wait here until the timeout and fail the test
+            await asyncio.wait_for(everyone_started.wait(), timeout=30)
+            in_flight -= 1
+            return [float(k)] * len(completions)
+        reward.__name__ = f"r{k}"
+        return reward
+
+    funcs = [make(k) for k in range(3)]
+    rewards = score(funcs, [f.__name__ for f in funcs], KW, 2)
+    assert max(most) == 3
+    assert rewards.tolist() == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+
+
+def test_sync_functions_run_on_the_caller_while_async_ones_run_on_the_loop():
+    """The sync function waits for a signal the async one sends: sequential calls would never finish."""
+    async_started = threading.Event()
+    threads = {}
+
+    async def async_reward(completions, **kwargs):
+        threads["async"] = threading.current_thread()
+        async_started.set()
+        await asyncio.sleep(0)
+        return [1.0] * len(completions)
+
+    def sync_reward(completions, **kwargs):
+        threads["sync"] = threading.current_thread()
+        assert async_started.wait(timeout=30), "the async reward did not run while the sync one did"
+        return [2.0] * len(completions)
+
+    rewards = score([sync_reward, async_reward], ["sync_reward", "async_reward"], KW, 2)
+    assert rewards.tolist() == [[2.0, 1.0], [2.0, 1.0]]
+    assert threads["sync"] is threading.current_thread() and threads["async"] is not threads["sync"]
+
+
+def test_a_raising_sync_function_still_waits_for_the_async_ones():
+    finished = threading.Event()
+
+    async def slow(completions, **kwargs):
+        await asyncio.sleep(0.01)
+        finished.set()
+        return [0.0] * len(completions)
+
+    def broken(completions, **kwargs):
+        raise KeyError("solution")
+
+    with pytest.raises(RewardFunctionError, match="'broken' raised KeyError") as err:
+        score([slow, broken], ["slow", "broken"], KW, 2)
+    assert isinstance(err.value.__cause__, KeyError) and finished.is_set()
+
+
+def test_rows_no_function_applies_to_are_named_in_a_warning():
+    def math_only(completions, **kwargs):
+        return [1.0, None]
+
+    def format_only(completions, **kwargs):
+        return [None, None]
+
+    with pytest.warns(UserWarning, match=r"returned None for 1 sample.*sample 1: prompt 'p1', completion 'c1'"):
+        rewards = score([math_only, format_only], ["math_only", "format_only"], KW, 2)
+    assert rewards[0, 0] == 1.0 and rewards[1].isnan().all()
