@@ -13,6 +13,7 @@ import difflib
 import functools
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -104,6 +105,11 @@ class GRPOConfig:
     multi_objective_aggregation: str = _help("'sum_then_normalize' or 'normalize_then_sum' (GDPO).",
                                              "sum_then_normalize")
     mask_truncated_completions: bool = _help("Leave truncated completions out of the loss.", False)
+    dynamic_sampling: bool = _help("DAPO dynamic sampling: drop groups whose rewards barely differ (they carry no "
+                                   "policy gradient) and generate more prompts until the batch is full.", False)
+    dynamic_sampling_std_threshold: float = _help("A group is dropped when its reward std is below this.", 1e-6)
+    dynamic_sampling_max_attempts: int = _help("Most generation rounds per batch with dynamic_sampling; a batch "
+                                               "still short then trains on the groups it has.", 4)
     top_entropy_quantile: float = _help("Train only on tokens in this top fraction of entropy.", 1.0)
     use_bias_correction_kl: bool = _help("Multiply the KL term by the importance ratio.", False)
     entropy_coef: float = _help("Entropy bonus coefficient (0 disables).", 0.0)
@@ -204,6 +210,8 @@ def _validate(c: GRPOConfig) -> None:
     _require(0 <= c.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in [0, 1]")
     _require(c.num_iterations >= 1, "num_iterations", "must be >= 1")
     _require(c.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
+    _require(c.dynamic_sampling_max_attempts >= 1, "dynamic_sampling_max_attempts", "must be >= 1")
+    _require(c.dynamic_sampling_std_threshold >= 0, "dynamic_sampling_std_threshold", "must be >= 0")
     _require(c.steps_per_generation >= 1, "steps_per_generation", "must be >= 1")
     _require(c.learning_rate >= 0, "learning_rate", "must be >= 0")
     _require(c.max_steps != 0 and (c.max_steps > 0 or c.num_train_epochs > 0), "max_steps",
@@ -237,3 +245,19 @@ def _reject_unknown_kwargs(init):
 
 
 GRPOConfig.__init__ = _reject_unknown_kwargs(GRPOConfig.__init__)
+
+
+def warn_odd_combinations(a: GRPOConfig) -> None:
+    """Combinations the reference accepts with a warning (shared spec §1.7)."""
+    if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
+        warnings.warn("loss_type='luspo' is meant for importance_sampling_level='sequence'.", stacklevel=3)
+    if a.loss_type == "vespo" and a.importance_sampling_level != "token":
+        warnings.warn("loss_type='vespo' computes its own sequence weight; use importance_sampling_level='token'.",
+                      stacklevel=3)
+    if a.importance_sampling_level == "sequence" and a.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        warnings.warn(f"importance_sampling_level='sequence' with loss_type='{a.loss_type}' weights each sequence "
+                      "by its completion length; GSPO normalizes per sequence (loss_type='grpo').", stacklevel=3)
+    if a.delta is not None and a.delta <= 1 + a.epsilon_high:
+        warnings.warn(f"delta={a.delta} is not above 1 + epsilon_high; it will also cap the clipped branch.",
+                      stacklevel=3)
+

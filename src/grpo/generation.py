@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +33,16 @@ class Rollout:
     def __post_init__(self) -> None:
         if not self.loss_mask:
             self.loss_mask = [[1] * len(ids) for ids in self.completion_ids]
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    def select(self, rows: Sequence[int]) -> Rollout:
+        return Rollout(**{f.name: [getattr(self, f.name)[i] for i in rows] for f in fields(self)})
+
+    @staticmethod
+    def concat(parts: Sequence[Rollout]) -> Rollout:
+        return Rollout(**{f.name: [x for part in parts for x in getattr(part, f.name)] for f in fields(Rollout)})
 
 
 class GenerationEngine(Protocol):

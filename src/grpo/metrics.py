@@ -1,17 +1,22 @@
 """Metrics: collected during a logging window, averaged, then shown live, appended to
 `<output_dir>/metrics.jsonl` (one JSON object per logging step, carrying `step`) and sent to the trackers
-accelerate knows (`report_to`). Only this module talks to trackers and the terminal."""
+accelerate knows (`report_to`). With `log_completions`, the latest generation's completions are shown as a table
+and written to `<output_dir>/completions/completions_<step>.parquet`. Only this module talks to trackers and the
+terminal."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections import defaultdict
+import random
+from collections import defaultdict, deque
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 
 SHOWN = ("reward", "loss", "completions/mean_length", "kl")
 
@@ -71,3 +76,93 @@ class MetricsLogger:
         if self.accelerator.trackers:
             self.accelerator.log(trackable, step=step)
         return row
+
+
+def generation_metrics(scored: Any, adv: Any, timing: dict[str, float], reward_names: list[str]) -> dict[str, float]:
+    """Lengths, rewards and timing of one generation batch (global: every process's completions)."""
+    from grpo.advantages import nanstd
+
+    lengths = torch.tensor([sum(m) for m in scored.rollout.loss_mask], dtype=torch.float32)
+    truncated = torch.tensor(scored.rollout.truncated, dtype=torch.bool)
+    terminated = lengths[~truncated]
+    m = {"completions/mean_length": lengths.mean().item(),
+         "completions/min_length": lengths.min().item(),
+         "completions/max_length": lengths.max().item(),
+         "completions/clipped_ratio": truncated.float().mean().item(),
+         "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+         "completions/min_terminated_length": terminated.min().item() if len(terminated) else 0.0,
+         "completions/max_terminated_length": terminated.max().item() if len(terminated) else 0.0,
+         "reward": torch.nanmean(adv.rewards).item(),
+         "reward_std": nanstd(adv.rewards).item(),
+         "frac_reward_zero_std": adv.frac_zero_std,
+         # this process's own generation speed
+         "timing/generation_tokens_per_s": timing["tokens"] / max(timing["generation"], 1e-9),
+         "timing/generation_s": timing["generation"],
+         "timing/scoring_s": timing["scoring"]}
+    for k, name in enumerate(reward_names):
+        m[f"rewards/{name}/mean"] = torch.nanmean(scored.rewards[:, k]).item()
+        m[f"rewards/{name}/std"] = nanstd(scored.rewards[:, k]).item()
+    return m
+
+
+def reduce_stats(stats: dict[str, Any], accelerator: Any) -> dict[str, float]:
+    """Loss statistics (`grpo.losses.Stat`) reduced over processes: global masked means, min of mins, max of
+    maxes."""
+    out = {}
+    for name, stat in stats.items():
+        value = stat.value.to(accelerator.device).float()
+        if stat.kind == "mean":
+            total = accelerator.reduce(value, reduction="sum")
+            out[name] = (total[0] / total[1].clamp(min=1.0)).item()
+        else:
+            everyone = accelerator.gather(value.reshape(1))
+            valid = everyone[~torch.isnan(everyone)]
+            out[name] = (valid.min() if stat.kind == "min" else valid.max()).item() if valid.numel() else math.nan
+    return out
+
+
+class CompletionLog:
+    """The completions of the latest generation batch (prompt, completion, one column per reward function, the
+    columns reward functions add with `log_extra`, advantage), shown and saved at each logging step."""
+
+    def __init__(self, args: Any, reward_names: list[str]) -> None:
+        self.output_dir = args.output_dir
+        self.num_to_print = args.num_completions_to_print
+        self.reward_names = reward_names
+        self.rows: deque[dict[str, Any]] = deque(maxlen=args.generation_batch_size)
+        self.rng = random.Random(args.seed)
+
+    def record(self, scored: Any, advantages: Any, tokenizer: Any) -> None:
+        prompts = tokenizer.batch_decode(scored.rollout.prompt_ids, skip_special_tokens=False)
+        for i, (prompt, completion) in enumerate(zip(prompts, scored.texts)):
+            values = scored.rewards[i].tolist()
+            rewards = {name: None if math.isnan(v) else v for name, v in zip(self.reward_names, values)}
+            extra = {k: v[i] for k, v in scored.extra.items()}
+            self.rows.append({"prompt": prompt, "completion": completion, **rewards, **extra,
+                              "advantage": float(advantages[i])})
+
+    def flush(self, step: int, console: Console) -> str | None:
+        """Print a table of (a random sample of) the rows and write them to parquet; returns the file written."""
+        if not self.rows:
+            return None
+        import pandas as pd
+
+        rows = [{"step": step, **row} for row in self.rows]
+        path = os.path.join(self.output_dir, "completions", f"completions_{step:05d}.parquet")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        pd.DataFrame(rows).to_parquet(path, index=False)
+        shown = rows if self.num_to_print is None or self.num_to_print >= len(rows) else \
+            self.rng.sample(rows, self.num_to_print)
+        table = Table(title=f"Completions at step {step}", show_lines=True)
+        for name in ["prompt", "completion", *self.reward_names, "advantage"]:
+            table.add_column(name, overflow="fold", ratio=3 if name in ("prompt", "completion") else 1)
+        for row in shown:
+            table.add_row(*[_cell(row[name]) for name in ["prompt", "completion", *self.reward_names, "advantage"]])
+        console.print(table)
+        return path
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return "" if value is None else str(value)[-600:]

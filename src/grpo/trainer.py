@@ -18,7 +18,9 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
 - position ids follow the attention mask in the training pass as in generation (the reference lets left
   padding shift positions there);
 - generation runs with the model in eval mode (dropout off, KV cache on under gradient checkpointing);
-- `bf16=None` turns bfloat16 on only where the hardware computes it fast (the reference: always).
+- `bf16=None` turns bfloat16 on only where the hardware computes it fast (the reference: always);
+- `dynamic_sampling` (DAPO, which the reference lacks) drops groups without reward spread and draws more prompts;
+- async reward functions run while the sync ones do (the reference awaits them after the sync ones).
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ from accelerate.utils import set_seed
 from transformers import PreTrainedModel, TrainerState, get_scheduler
 
 from grpo import checkpoint, data, fast_generation
-from grpo.advantages import compute_advantages, nanstd
+from grpo.advantages import Advantages, compute_advantages
 from grpo.batch import TrainBatch, collate, head_is_chunkable, token_logps
-from grpo.config import GRPOConfig
+from grpo.config import GRPOConfig, warn_odd_combinations
 from grpo.generation import GenerationEngine, TransformersEngine
-from grpo.losses import TOKEN_SUM_LOSSES, Stat, compute_policy_loss, entropy_bonus, high_entropy_mask, masked_mean_stat
-from grpo.metrics import MetricsLogger
+from grpo.losses import TOKEN_SUM_LOSSES, compute_policy_loss, entropy_bonus, high_entropy_mask, masked_mean_stat
+from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics, reduce_stats
 from grpo.modeling import (
     disable_dropout,
     fast_bf16_available,
@@ -56,6 +58,7 @@ from grpo.modeling import (
     reference_model,
 )
 from grpo.reward_models import load_reward_model
+from grpo.scored import Scored, gather_scored, groups_with_spread, local_rows, rows_of_groups
 from grpo.scoring import check_reward_funcs, reward_name, score
 
 logger = logging.getLogger("grpo")
@@ -101,7 +104,7 @@ class GRPOTrainer:
         self._reject_later_features(args, peft_config, tools, rollout_func, eval_dataset, callbacks)
         data.check_dataset(train_dataset)
         self.train_dataset = train_dataset
-        _warn_odd_combinations(args)
+        warn_odd_combinations(args)
 
         self.accelerator = self._make_accelerator(args)
 
@@ -152,6 +155,8 @@ class GRPOTrainer:
         self._prompt_cache: dict[int, list[int]] = {}
         self._buffer: list[TrainBatch] = []
         self._micro_step = 0
+        self._data_position = 0  # prompt blocks drawn so far (more than generations with dynamic sampling)
+        self.completion_log = CompletionLog(args, self.reward_names) if args.log_completions else None
 
     # ---- construction helpers ------------------------------------------------------------------------------------
 
@@ -276,7 +281,7 @@ class GRPOTrainer:
         cycle = a.steps_per_generation * a.num_iterations
         position = self._micro_step % cycle
         if position == 0 or not self._buffer:
-            batch = self._generate_and_score(self._micro_step // cycle)
+            batch = self._generate_and_score()
             # split into steps_per_generation slices after a seeded shuffle (every slice mixes groups)
             order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(a.seed + self._micro_step))
             batch = batch.select(order)
@@ -286,30 +291,64 @@ class GRPOTrainer:
 
     # ---- phase 1: generate, score, advantages, old/ref log-probs -----------------------------------------------
 
-    def _generate_and_score(self, generation: int) -> TrainBatch:
-        a, acc = self.args, self.accelerator
-        t0 = time.perf_counter()
-        rows = self._local_rows(generation)
-        examples = [self.train_dataset[i] for i in rows]
-        prompts = [example["prompt"] for example in examples]
-        prompt_ids = [self._prompt_ids(i) for i in rows]
-        rollout = self.engine.generate(prompt_ids)
-        gen_time = time.perf_counter() - t0
-
-        texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        rewards_local = self._score(examples, data.completions_for_rewards(prompts, texts),
-                                    rollout.completion_ids)
-        rewards = acc.gather(rewards_local.to(acc.device)).cpu()  # groups may straddle processes: gather first
-        adv = compute_advantages(rewards, self.reward_weights, a.num_generations, a.scale_rewards,
+    def _generate_and_score(self) -> TrainBatch:
+        """Generate, score and normalize one generation batch; this process's share of it as a TrainBatch.
+        With dynamic_sampling, groups without reward spread are dropped and further prompts generated (the data
+        position advances) until the batch is full or dynamic_sampling_max_attempts rounds have run."""
+        a, acc, g = self.args, self.accelerator, self.args.num_generations
+        wanted = a.generation_batch_size
+        rounds = a.dynamic_sampling_max_attempts if a.dynamic_sampling else 1
+        kept: list[Scored] = []
+        dropped, attempts, timing = 0, 0, {"generation": 0.0, "scoring": 0.0, "tokens": 0}
+        while attempts < rounds and sum(len(p) for p in kept) < wanted:
+            attempts += 1
+            part = gather_scored(self._sample_round(self._data_position, timing), acc)
+            self._data_position += 1
+            last_round = part
+            if a.dynamic_sampling:
+                spread = groups_with_spread(part.rewards, self.reward_weights, g, a.dynamic_sampling_std_threshold)
+                dropped += int((~spread).sum())
+                part = part.select(rows_of_groups(spread, g))
+            kept.append(part)
+        scored = Scored.concat(kept)
+        scored = scored.select(range(min(len(scored), wanted)))
+        if a.dynamic_sampling:
+            self.metrics.add_many({"dynamic_sampling/groups_dropped": dropped, "dynamic_sampling/rounds": attempts})
+            if len(scored) == 0:  # nothing to learn from: the last round as it came (advantages all 0)
+                scored = last_round
+                logger.warning("Dynamic sampling: no group had reward spread in %d rounds; this step's policy "
+                               "gradient is zero. Check the reward functions, or raise "
+                               "dynamic_sampling_max_attempts.", attempts)
+            elif len(scored) < wanted:
+                logger.warning("Dynamic sampling: %d of %d groups have reward spread after %d rounds; this step "
+                               "trains on those.", len(scored) // g, wanted // g, attempts)
+        adv = compute_advantages(scored.rewards, self.reward_weights, g, a.scale_rewards,
                                  a.multi_objective_aggregation)
-        n_local = len(rows)
-        local = slice(acc.process_index * n_local, (acc.process_index + 1) * n_local)
-        batch = collate(rollout, adv.advantages[local], self.processing_class.pad_token_id,
-                        a.mask_truncated_completions, group=torch.tensor(rows)).to(acc.device)
+        mine = list(local_rows(len(scored), acc.process_index, acc.num_processes))
+        batch = collate(scored.rollout.select(mine), adv.advantages[mine], self.processing_class.pad_token_id,
+                        a.mask_truncated_completions, group=torch.tensor(scored.rows)[mine]).to(acc.device)
         self._num_items = acc.reduce(batch.mask.sum(), reduction="sum").item()
         self._add_old_and_ref_logps(batch)
-        self._log_generation(rollout, rewards, adv, gen_time, time.perf_counter() - t0 - gen_time)
+        self._log_generation(scored, adv, timing)
+        if self.completion_log is not None:
+            self.completion_log.record(scored, adv.advantages, self.processing_class)
         return batch
+
+    def _sample_round(self, position: int, timing: dict[str, float]) -> Scored:
+        """This process's share of one round: the prompts at data position `position`, generated and scored."""
+        t0 = time.perf_counter()
+        rows = self._local_rows(position)
+        examples = [self.train_dataset[i] for i in rows]
+        prompts = [example["prompt"] for example in examples]
+        rollout = self.engine.generate([self._prompt_ids(i) for i in rows])
+        t1 = time.perf_counter()
+        texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        extra: dict[str, list] = {}
+        rewards = self._score(examples, data.completions_for_rewards(prompts, texts), rollout.completion_ids, extra)
+        timing["generation"] += t1 - t0
+        timing["scoring"] += time.perf_counter() - t1
+        timing["tokens"] += sum(len(c) for c in rollout.completion_ids)
+        return Scored(rows=rows, prompts=prompts, rollout=rollout, texts=texts, rewards=rewards, extra=extra)
 
     def _local_rows(self, generation: int) -> list[int]:
         """Dataset rows this process generates for: each prompt repeated G times, this process's contiguous
@@ -329,8 +368,10 @@ class GRPOTrainer:
                                                             self.args.chat_template_kwargs)[0]
         return self._prompt_cache[row]
 
-    def _score(self, examples: list[dict], completions: list, completion_ids: list) -> torch.Tensor:
-        """Rewards (rows, functions); every dataset column but the prompt reaches the functions as a keyword."""
+    def _score(self, examples: list[dict], completions: list, completion_ids: list,
+               extra: dict[str, list]) -> torch.Tensor:
+        """Rewards (rows, functions); every dataset column but the prompt reaches the functions as a keyword.
+        Columns the functions pass to `log_extra` land in `extra` (for the completions table)."""
         columns: dict[str, list] = {}
         for example in examples:
             for key, value in example.items():
@@ -338,7 +379,7 @@ class GRPOTrainer:
                     columns.setdefault(key, []).append(value)
         kwargs = dict(columns, prompts=[e["prompt"] for e in examples], completions=completions,
                       completion_ids=completion_ids, trainer_state=self.state, log_metric=self.metrics.add,
-                      log_extra=lambda name, values: None)
+                      log_extra=lambda name, values: extra.__setitem__(name, list(values)))
         return score(self.reward_funcs, self.reward_names, kwargs, len(examples))
 
     def _needs_old_logps(self) -> bool:
@@ -390,7 +431,7 @@ class GRPOTrainer:
             raise TrainingError(self._nonfinite_message("loss", loss.item()))
         acc.backward(loss)
         stats["entropy"] = masked_mean_stat(entropies.detach(), batch.mask)
-        self._log_loss_stats(stats)
+        self.metrics.add_many(reduce_stats(stats, self.accelerator))
         n_tokens = batch.mask.sum().item()
         self.metrics.add("timing/training_tokens_per_s", n_tokens / max(time.perf_counter() - t0, 1e-9))
         return loss.item()
@@ -415,45 +456,11 @@ class GRPOTrainer:
 
     # ---- phase 3: log and checkpoint ------------------------------------------------------------------------------
 
-    def _log_generation(self, rollout, rewards: torch.Tensor, adv, gen_time: float, score_time: float) -> None:
-        acc = self.accelerator
-        lengths = acc.gather(torch.tensor([sum(m) for m in rollout.loss_mask], device=acc.device)).float().cpu()
-        truncated = acc.gather(torch.tensor(rollout.truncated, device=acc.device)).cpu()
-        prompt_tokens = acc.reduce(torch.tensor(float(sum(len(p) for p in rollout.prompt_ids)),
-                                                device=acc.device), reduction="sum").item()
-        self.state.num_input_tokens_seen += int(prompt_tokens + lengths.sum().item())
-        terminated = lengths[~truncated]
-        m = {"num_tokens": self.state.num_input_tokens_seen,
-             "completions/mean_length": lengths.mean().item(),
-             "completions/min_length": lengths.min().item(),
-             "completions/max_length": lengths.max().item(),
-             "completions/clipped_ratio": truncated.float().mean().item(),
-             "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
-             "completions/min_terminated_length": terminated.min().item() if len(terminated) else 0.0,
-             "completions/max_terminated_length": terminated.max().item() if len(terminated) else 0.0,
-             "reward": torch.nanmean(adv.rewards).item(),
-             "reward_std": nanstd(adv.rewards).item(),
-             "frac_reward_zero_std": adv.frac_zero_std,
-             "timing/generation_tokens_per_s": lengths.sum().item() / acc.num_processes / max(gen_time, 1e-9),
-             "timing/generation_s": gen_time,
-             "timing/scoring_s": score_time}
-        for k, name in enumerate(self.reward_names):
-            m[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
-            m[f"rewards/{name}/std"] = nanstd(rewards[:, k]).item()
-        self.metrics.add_many(m)
-
-    def _log_loss_stats(self, stats: dict[str, Stat]) -> None:
-        acc = self.accelerator
-        for name, stat in stats.items():
-            value = stat.value.to(acc.device).float()
-            if stat.kind == "mean":
-                total = acc.reduce(value, reduction="sum")
-                self.metrics.add(name, (total[0] / total[1].clamp(min=1.0)).item())
-            else:
-                everyone = acc.gather(value.reshape(1))
-                valid = everyone[~torch.isnan(everyone)]
-                pick = (valid.min() if stat.kind == "min" else valid.max()).item() if valid.numel() else math.nan
-                self.metrics.add(name, pick)
+    def _log_generation(self, scored: Scored, adv: Advantages, timing: dict[str, float]) -> None:
+        self.state.num_input_tokens_seen += sum(len(p) + len(c) for p, c in zip(scored.rollout.prompt_ids,
+                                                                                scored.rollout.completion_ids))
+        self.metrics.add("num_tokens", self.state.num_input_tokens_seen)
+        self.metrics.add_many(generation_metrics(scored, adv, timing, self.reward_names))
 
     def _log_and_save(self) -> None:
         a, step = self.args, self.state.global_step
@@ -462,6 +469,8 @@ class GRPOTrainer:
         if step % log_every == 0 or step == self.max_steps:
             row = self.metrics.log(step, self.state.epoch)
             self.state.log_history.append(row)
+            if self.completion_log is not None and self.accelerator.is_main_process:
+                self.completion_log.flush(step, self.metrics.console)
         if a.save_strategy == "steps" and step % _every(a.save_steps, self.max_steps) == 0:
             checkpoint.save(self, step)
 
@@ -487,19 +496,3 @@ def _every(value: float, total: int) -> int:
 
 def _trackable(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}
-
-
-def _warn_odd_combinations(a: GRPOConfig) -> None:
-    """Combinations the reference accepts with a warning (shared spec §1.7)."""
-    if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
-        warnings.warn("loss_type='luspo' is meant for importance_sampling_level='sequence'.", stacklevel=3)
-    if a.loss_type == "vespo" and a.importance_sampling_level != "token":
-        warnings.warn("loss_type='vespo' computes its own sequence weight; use importance_sampling_level='token'.",
-                      stacklevel=3)
-    if a.importance_sampling_level == "sequence" and a.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-        warnings.warn(f"importance_sampling_level='sequence' with loss_type='{a.loss_type}' weights each sequence "
-                      "by its completion length; GSPO normalizes per sequence (loss_type='grpo').", stacklevel=3)
-    if a.delta is not None and a.delta <= 1 + a.epsilon_high:
-        warnings.warn(f"delta={a.delta} is not above 1 + epsilon_high; it will also cap the clipped branch.",
-                      stacklevel=3)
-
