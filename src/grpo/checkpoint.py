@@ -1,22 +1,45 @@
-"""Checkpoints: `<output_dir>/checkpoint-<step>`, written under a temporary name and renamed into place, so a
-crash mid-write never leaves a directory that looks complete. Holds the model, tokenizer, optimizer, scheduler
-and trainer state."""
+"""Checkpoints that resume exactly: `<output_dir>/checkpoint-<step>`.
+
+A checkpoint is written under a temporary name and renamed into place once complete, so a crash (or SIGKILL)
+mid-write never leaves a directory a resume would pick. It holds:
+- the policy and tokenizer as a Hugging Face model directory (loadable with `from_pretrained`);
+- `optimizer.pt`, `scheduler.pt`;
+- `rng_state_<rank>.pth` per process (python, numpy, torch CPU and CUDA generators);
+- `rollouts_<rank>.pt` per process when the step falls inside a generation cycle (steps_per_generation or
+  num_iterations > 1): the buffered batches the next steps train on;
+- `trainer_state.json`: step, micro-step, data position, tokens seen, log history, the metrics of an unfinished
+  logging window, the world size, the dataset size and the config.
+
+`load` restores all of it, after checking that the checkpoint fits the model and the run (same parameter names
+and shapes, same batch geometry, seed, world size and dataset size): what differs is named in the error.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import random
 import re
 import shutil
 from typing import Any
 
+import numpy as np
 import torch
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+STATE = "trainer_state.json"
+# settings that decide which prompts, completions and batches each step sees: a resume must keep them
+RUN_GEOMETRY = ("seed", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+                "generation_batch_size", "steps_per_generation", "num_iterations", "shuffle_dataset")
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not fit this model or run; the message names what differs."""
 
 
 def save_pretrained(trainer: Any, output_dir: str) -> None:
-    """The policy and tokenizer as a Hugging Face model directory (main process only)."""
+    """The policy (or its adapter) and tokenizer as a Hugging Face model directory (main process only)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     state_dict = trainer.accelerator.get_state_dict(trainer.model)
     model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
@@ -26,23 +49,33 @@ def save_pretrained(trainer: Any, output_dir: str) -> None:
 def save(trainer: Any, step: int) -> str:
     root = trainer.args.output_dir
     final = os.path.join(root, f"checkpoint-{step}")
+    tmp = os.path.join(root, f".tmp-checkpoint-{step}")
     acc = trainer.accelerator
     acc.wait_for_everyone()
     if acc.is_main_process:
-        tmp = os.path.join(root, f".tmp-checkpoint-{step}")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
+    acc.wait_for_everyone()
+    rank = acc.process_index
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_state_{rank}.pth"))
+    if trainer._buffer and trainer._micro_step % trainer.cycle_length != 0:
+        torch.save([_batch_dict(b) for b in trainer._buffer], os.path.join(tmp, f"rollouts_{rank}.pt"))
+    acc.wait_for_everyone()
+    if acc.is_main_process:
         save_pretrained(trainer, tmp)
         torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-        state = {"global_step": step, "micro_step": trainer._micro_step, "max_steps": trainer.max_steps,
+        state = {"global_step": step, "micro_step": trainer._micro_step, "data_position": trainer._data_position,
+                 "num_items": getattr(trainer, "_num_items", 0.0), "max_steps": trainer.max_steps,
                  "num_input_tokens_seen": trainer.state.num_input_tokens_seen, "log_history": trainer.state.log_history,
+                 "metrics_window": trainer.metrics.values if trainer.metrics else {},
+                 "num_processes": acc.num_processes, "dataset_size": len(trainer.train_dataset),
                  "config": {k: v for k, v in trainer.args.to_dict().items() if _jsonable(v)}}
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+        with open(os.path.join(tmp, STATE), "w") as f:
             json.dump(state, f, indent=1)
         if os.path.exists(final):
             shutil.rmtree(final)
-        os.replace(tmp, final)
+        os.replace(tmp, final)  # the checkpoint exists only once it is complete
         _rotate(root, trainer.args.save_total_limit)
     acc.wait_for_everyone()
     return final
@@ -53,8 +86,116 @@ def checkpoints(root: str) -> list[tuple[int, str]]:
     if not os.path.isdir(root):
         return []
     found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
-             if (m := CHECKPOINT.match(name))]
+             if (m := CHECKPOINT.match(name)) and os.path.exists(os.path.join(root, name, STATE))]
     return sorted(found)
+
+
+def resolve(resume_from_checkpoint: str | bool, output_dir: str) -> str:
+    """The checkpoint directory to resume from: the newest complete one under output_dir for True."""
+    if resume_from_checkpoint is True:
+        found = checkpoints(output_dir)
+        if not found:
+            raise FileNotFoundError(f"resume_from_checkpoint=True, but {output_dir!r} holds no complete checkpoint "
+                                    "(checkpoint-<step> with trainer_state.json). Train without resuming, or pass "
+                                    "the path of a checkpoint.")
+        return found[-1][1]
+    path = str(resume_from_checkpoint)
+    if not os.path.exists(os.path.join(path, STATE)):
+        raise FileNotFoundError(f"{path!r} is not a complete grpo checkpoint (no {STATE}); pass a checkpoint-<step> "
+                                "directory, or resume_from_checkpoint=True for the newest one in output_dir.")
+    return path
+
+
+def load(trainer: Any, path: str) -> None:
+    """Restore everything `save` wrote into this trainer (every process)."""
+    with open(os.path.join(path, STATE)) as f:
+        state = json.load(f)
+    acc = trainer.accelerator
+    _check_run(trainer, state, path)
+    _load_weights(acc.unwrap_model(trainer.model), path)
+    trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=acc.device,
+                                                 weights_only=True))
+    trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
+    trainer.state.global_step = state["global_step"]
+    trainer.state.num_input_tokens_seen = state["num_input_tokens_seen"]
+    trainer.state.log_history = state["log_history"]
+    trainer.state.epoch = state["global_step"] / trainer.steps_per_epoch
+    trainer._micro_step, trainer._data_position = state["micro_step"], state["data_position"]
+    trainer._num_items = state["num_items"]
+    trainer._metrics_window = state["metrics_window"]
+    rank = acc.process_index
+    rollouts = os.path.join(path, f"rollouts_{rank}.pt")
+    trainer._buffer = []
+    if os.path.exists(rollouts):
+        from grpo.batch import TrainBatch
+
+        saved = torch.load(rollouts, map_location=acc.device, weights_only=True)
+        trainer._buffer = [TrainBatch(**fields) for fields in saved]
+    # python and numpy generator states are plain tuples/arrays; the file is this run's own
+    _set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pth"), weights_only=False))
+
+
+def _check_run(trainer: Any, state: dict[str, Any], path: str) -> None:
+    config, args = state["config"], trainer.args.to_dict()
+    differ = [f"{k}: checkpoint {config.get(k)!r}, now {args.get(k)!r}" for k in RUN_GEOMETRY
+              if config.get(k) != args.get(k)]
+    if state["num_processes"] != trainer.accelerator.num_processes:
+        differ.append(f"number of processes: checkpoint {state['num_processes']}, now "
+                      f"{trainer.accelerator.num_processes}")
+    if state["dataset_size"] != len(trainer.train_dataset):
+        differ.append(f"train_dataset rows: checkpoint {state['dataset_size']}, now {len(trainer.train_dataset)}")
+    if differ:
+        raise CheckpointMismatchError(f"Cannot resume exactly from {path}: " + "; ".join(differ) + ". Resume with "
+                                      "the run's original settings, or start a new run (another output_dir).")
+
+
+def _load_weights(model: torch.nn.Module, path: str) -> None:
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = [name for name in os.listdir(path) if name.endswith(".safetensors")]
+    saved: dict[str, torch.Tensor] = {}
+    for name in files:
+        saved.update(load_file(os.path.join(path, name)))
+    own = model.state_dict()
+    # save_pretrained writes a tied tensor once: a key missing from the file is fine if it shares storage
+    present = {t.data_ptr() for k, t in own.items() if k in saved}
+    missing = [k for k in own if k not in saved and own[k].data_ptr() not in present]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(own[k].shape)}" for k in saved
+              if k in own and saved[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        parts = [f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}" for label, items in
+                 (("missing from the checkpoint", missing), ("not in the model", unexpected),
+                  ("shape (checkpoint vs model)", shapes)) if items]
+        raise CheckpointMismatchError(f"The checkpoint at {path} does not match the model: " + "; ".join(parts)
+                                      + ". Resume with the model the run was started with.")
+    with torch.no_grad():
+        for k, tensor in saved.items():
+            own[k].copy_(tensor)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _batch_dict(batch: Any) -> dict[str, torch.Tensor | None]:
+    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
 
 
 def _rotate(root: str, limit: int | None) -> None:

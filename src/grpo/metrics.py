@@ -43,8 +43,22 @@ class MetricsLogger:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+
+    def resume(self, step: int, window: dict[str, list[float]]) -> None:
+        """Continue a run at `step`: rows a killed run wrote after it leave metrics.jsonl (they will be written
+        again), and the unfinished logging window's values come back."""
+        self.values.update({k: list(v) for k, v in window.items()})
+        if self.is_main and self.path and os.path.exists(self.path):
+            with open(self.path) as f:
+                rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+            with open(self.path, "w") as f:
+                f.writelines(rows)
+        self.advance(step)
 
     def add(self, name: str, value: float) -> None:
         self.values[name].append(float(value))

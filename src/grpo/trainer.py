@@ -57,6 +57,7 @@ from grpo.modeling import (
     prepare_tokenizer,
     reference_model,
 )
+from grpo.preemption import preemption_guard
 from grpo.reward_models import load_reward_model
 from grpo.scored import Scored, gather_scored, groups_with_spread, local_rows, rows_of_groups
 from grpo.scoring import check_reward_funcs, reward_name, score
@@ -156,6 +157,8 @@ class GRPOTrainer:
         self._buffer: list[TrainBatch] = []
         self._micro_step = 0
         self._data_position = 0  # prompt blocks drawn so far (more than generations with dynamic sampling)
+        self._metrics_window: dict[str, list[float]] = {}
+        self.metrics: MetricsLogger | None = None
         self.completion_log = CompletionLog(args, self.reward_names) if args.log_completions else None
 
     # ---- construction helpers ------------------------------------------------------------------------------------
@@ -240,18 +243,46 @@ class GRPOTrainer:
     # ---- the loop ------------------------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
-        if resume_from_checkpoint:
-            raise _not_yet("resume_from_checkpoint", "resuming comes with the checkpoint issue")
+        """Train to max_steps. `resume_from_checkpoint`: True for the newest checkpoint in output_dir, or a
+        checkpoint path; the run then continues exactly where that checkpoint left it. SIGTERM (preemption)
+        saves a checkpoint at the end of the current step and exits the process with status 0."""
         a = self.args
-        self.model.train()
         self.metrics = MetricsLogger(a.output_dir, self.accelerator, self.max_steps, not a.disable_tqdm)
+        if resume_from_checkpoint:
+            path = checkpoint.resolve(resume_from_checkpoint, a.output_dir)
+            checkpoint.load(self, path)
+            self.metrics.resume(self.state.global_step, self._metrics_window)
+            logger.info("Resumed from %s at step %d.", path, self.state.global_step)
+        self.model.train()
         total_loss = 0.0
-        with self.metrics:
+        with self.metrics, preemption_guard() as preempted:
             while self.state.global_step < self.max_steps:
                 total_loss += self._step()
+                if self._any_process(preempted.is_set()):
+                    self._save_and_exit_on_preemption()
         self.accelerator.end_training()
         metrics = self.state.log_history[-1] if self.state.log_history else {}
         return TrainOutput(self.state.global_step, total_loss / max(self.state.global_step, 1), metrics)
+
+    def _any_process(self, flag: bool) -> bool:
+        if self.accelerator.num_processes == 1:
+            return flag
+        return bool(self.accelerator.reduce(torch.tensor(float(flag), device=self.accelerator.device), "sum") > 0)
+
+    def _save_and_exit_on_preemption(self) -> None:
+        step = self.state.global_step
+        path = os.path.join(self.args.output_dir, f"checkpoint-{step}")
+        if not os.path.exists(path):
+            checkpoint.save(self, step)
+        self.metrics.close()
+        logger.warning("SIGTERM received: saved %s; exiting. Resume with trainer.train(resume_from_checkpoint=True).",
+                       path)
+        raise SystemExit(0)
+
+    @property
+    def cycle_length(self) -> int:
+        """Micro-steps that train on one generation batch."""
+        return self.args.steps_per_generation * self.args.num_iterations
 
     def _step(self) -> float:
         """One optimizer step: gradient_accumulation_steps micro-steps, then clip, check, apply, log, save."""
@@ -278,7 +309,7 @@ class GRPOTrainer:
     def _next_micro_batch(self) -> TrainBatch:
         """The micro-step's slice of the current generation; generates anew when a cycle starts."""
         a = self.args
-        cycle = a.steps_per_generation * a.num_iterations
+        cycle = self.cycle_length
         position = self._micro_step % cycle
         if position == 0 or not self._buffer:
             batch = self._generate_and_score()

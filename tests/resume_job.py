@@ -1,0 +1,83 @@
+"""A 6-step training run for the resume tests, run as its own process:
+
+    python resume_job.py OUT MODEL_DIR SPG RESUME [--pause-after N] [--block-writing N] [--term-at N]
+
+--pause-after N: once checkpoint-N is complete, print SAVED and wait (to be killed with SIGKILL);
+--block-writing N: while writing checkpoint-N, print WRITING and wait (a kill mid-write);
+--term-at N: send this process SIGTERM during step N (preemption).
+At the end the final parameters go to OUT/final_params.pt."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+from datasets import Dataset
+
+import grpo.checkpoint as ckpt
+from grpo import GRPOConfig, GRPOTrainer
+
+
+def length_reward(completions, **kwargs):
+    return [len(c if isinstance(c, str) else c[0]["content"]) / 8.0 for c in completions]
+
+
+def hang(message: str) -> None:
+    print(message, flush=True)
+    while True:
+        time.sleep(1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("model")
+    p.add_argument("spg", type=int)
+    p.add_argument("resume", type=int)
+    p.add_argument("--pause-after", type=int, default=0)
+    p.add_argument("--block-writing", type=int, default=0)
+    p.add_argument("--term-at", type=int, default=0)
+    o = p.parse_args()
+    torch.set_num_threads(1)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Solve {i}+1"}]} for i in range(8)])
+    args = GRPOConfig(output_dir=o.out, max_steps=6, save_steps=3, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, learning_rate=1e-2, logging_steps=1, disable_tqdm=True, bf16=False,
+                      seed=0, steps_per_generation=o.spg, gradient_checkpointing=False)
+    if o.pause_after:
+        save = ckpt.save
+
+        def save_then_pause(trainer, step):
+            path = save(trainer, step)
+            if step == o.pause_after:
+                hang("SAVED")
+            return path
+        ckpt.save = save_then_pause
+    if o.block_writing:
+        save_pretrained = ckpt.save_pretrained
+
+        def write_then_block(trainer, output_dir):
+            save_pretrained(trainer, output_dir)
+            if f"tmp-checkpoint-{o.block_writing}" in output_dir:
+                hang("WRITING")
+        ckpt.save_pretrained = write_then_block
+    trainer = GRPOTrainer(model=o.model, reward_funcs=length_reward, train_dataset=data, args=args)
+    if o.term_at:
+        step = trainer._step
+
+        def step_with_sigterm():
+            if trainer.state.global_step + 1 == o.term_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step()
+        trainer._step = step_with_sigterm
+    trainer.train(resume_from_checkpoint=bool(o.resume) or None)
+    torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+               os.path.join(o.out, "final_params.pt"))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

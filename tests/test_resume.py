@@ -1,0 +1,115 @@
+"""Checkpoints resume exactly: a run killed (SIGKILL) right after checkpoint-3, or in the middle of writing a
+checkpoint, or preempted with SIGTERM, then resumed, ends with parameters bit-identical to a straight run, and
+the resumed process trains (and logs) only the remaining steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from grpo import GRPOTrainer
+from grpo.checkpoint import CheckpointMismatchError
+from test_trainer import cfg, chat_dataset, length_reward
+from tiny import make_model, make_tokenizer
+
+JOB = os.path.join(os.path.dirname(__file__), "resume_job.py")
+
+
+def job(out, model, spg, resume, *extra, wait_for=None):
+    cmd = [sys.executable, JOB, str(out), model, str(spg), str(int(resume)), *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    if wait_for is None:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:
+        if line.strip() == wait_for:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
+
+
+def steps_logged(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
+def final_params(out):
+    return torch.load(os.path.join(out, "final_params.pt"))
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model_dir, tmp_path_factory):
+    """The uninterrupted 6-step runs, per steps_per_generation."""
+    runs = {}
+    for spg in (1, 2):
+        out = tmp_path_factory.mktemp(f"straight{spg}")
+        job(out, tiny_model_dir, spg, False)
+        runs[spg] = final_params(out)
+    return runs
+
+
+def assert_bit_identical(resumed, reference, initial_dir):
+    assert resumed.keys() == reference.keys()
+    for name in reference:
+        assert torch.equal(resumed[name], reference[name]), name
+
+
+@pytest.mark.parametrize("spg", [1, 2])
+def test_sigkill_after_checkpoint_then_resume_is_exact(tiny_model_dir, tmp_path, straight, spg):
+    out = tmp_path / "run"
+    job(out, tiny_model_dir, spg, False, "--pause-after", "3", wait_for="SAVED")
+    assert sorted(os.listdir(out)) == ["checkpoint-3", "metrics.jsonl"]
+    assert steps_logged(out) == [1, 2, 3]
+    if spg == 2:  # step 3 is the first half of a generation cycle: the rest of the batch was saved
+        assert os.path.exists(out / "checkpoint-3" / "rollouts_0.pt")
+    job(out, tiny_model_dir, spg, True)
+    assert steps_logged(out) == [1, 2, 3, 4, 5, 6]  # the resumed process appended steps 4-6 only
+    resumed = final_params(out)
+    at_3 = GRPOTrainer(model=str(out / "checkpoint-3"), reward_funcs=length_reward, train_dataset=chat_dataset(),
+                       args=cfg(tmp_path / "unused")).model
+    assert any(not torch.equal(resumed[n], p) for n, p in at_3.named_parameters())  # steps 4-6 moved them
+    assert_bit_identical(resumed, straight[spg], tiny_model_dir)
+
+
+def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tiny_model_dir, tmp_path, straight):
+    out = tmp_path / "run"
+    job(out, tiny_model_dir, 1, False, "--block-writing", "6", wait_for="WRITING")
+    assert "checkpoint-6" not in os.listdir(out) and ".tmp-checkpoint-6" in os.listdir(out)
+    assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
+    job(out, tiny_model_dir, 1, True)
+    assert steps_logged(out) == [1, 2, 3, 4, 5, 6]  # rows after checkpoint-3 were dropped, then rewritten
+    assert_bit_identical(final_params(out), straight[1], tiny_model_dir)
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tiny_model_dir, tmp_path, straight):
+    out = tmp_path / "run"
+    done = job(out, tiny_model_dir, 1, False, "--term-at", "2")
+    assert "SIGTERM received: saved" in done.stderr and "Traceback" not in done.stderr
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "metrics.jsonl"] and steps_logged(out) == [1, 2]
+    job(out, tiny_model_dir, 1, True)
+    assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
+    assert_bit_identical(final_params(out), straight[1], tiny_model_dir)
+
+
+def test_checkpoint_that_does_not_fit_is_named(tiny_model_dir, tmp_path):
+    args = cfg(tmp_path, save_strategy="steps", save_steps=1)
+    GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args).train()
+    with pytest.raises(CheckpointMismatchError, match=r"num_generations: checkpoint 4, now 2"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
+                    args=cfg(tmp_path, num_generations=2, max_steps=2)).train(resume_from_checkpoint=True)
+    other = make_model(make_tokenizer(), hidden=64)
+    with pytest.raises(CheckpointMismatchError, match=r"does not match the model: shape .*model.embed_tokens.weight"):
+        GRPOTrainer(model=other, processing_class=make_tokenizer(), reward_funcs=length_reward,
+                    train_dataset=chat_dataset(), args=cfg(tmp_path, max_steps=2)).train(resume_from_checkpoint=True)
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
+                    args=cfg(tmp_path / "empty")).train(resume_from_checkpoint=True)
