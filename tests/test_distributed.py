@@ -1,0 +1,47 @@
+"""Two CPU processes (torchrun, gloo) make the same update as one process on the same global batch: prompts,
+groups and rewards are distributed, rewards normalized over whole groups, metrics reduced, the loss normalized
+so that DDP's gradient average equals the one-process gradient (dapo: token sum over the global token count;
+grpo: mean of per-sequence means). bnpo is a mean of per-process token means by definition, so it is not
+compared."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+JOB = os.path.join(os.path.dirname(__file__), "distributed_job.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc, out, model_dir, loss_type):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           JOB, str(out), model_dir, loss_type]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    with open(os.path.join(out, "row.json")) as f:
+        return torch.load(os.path.join(out, "update.pt")), json.load(f)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_processes_update_like_one(tiny_model_dir, tmp_path, loss_type):
+    one, row1 = launch(1, tmp_path / "one", tiny_model_dir, loss_type)
+    two, row2 = launch(2, tmp_path / "two", tiny_model_dir, loss_type)
+    assert (row1["world"], row2["world"]) == (1, 2)
+    for name in one:
+        assert one[name].abs().sum() > 0
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-7)
+    # metrics are reduced over both processes: the same numbers as one process on the whole batch
+    for key in ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm"):
+        assert row2[key] == pytest.approx(row1[key], rel=1e-5), key
