@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpo import lora
+
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE = "trainer_state.json"
 # settings that decide which prompts, completions and batches each step sees: a resume must keep them
@@ -112,7 +114,18 @@ def load(trainer: Any, path: str) -> None:
         state = json.load(f)
     acc = trainer.accelerator
     _check_run(trainer, state, path)
-    _load_weights(acc.unwrap_model(trainer.model), path)
+    model = acc.unwrap_model(trainer.model)
+    if lora.is_peft_model(model):
+        try:
+            unexpected = lora.load_adapter(model, path)
+        except RuntimeError as err:  # a shape mismatch
+            raise CheckpointMismatchError(f"The adapter at {path} does not match the model: "
+                                          f"{str(err).splitlines()[0][:300]}") from None
+        if unexpected:
+            raise CheckpointMismatchError(f"The adapter at {path} does not match the model: it has "
+                                          f"{', '.join(unexpected[:3])}, which the model lacks.")
+    else:
+        _load_weights(model, path)
     trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=acc.device,
                                                  weights_only=True))
     trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))

@@ -70,10 +70,20 @@ def right_pad(rows: Sequence[Sequence[Any]], pad: Any, dtype: torch.dtype = torc
     return out
 
 
+def _forward_parameters(model: Any) -> Any:
+    """The keyword parameters of the transformers model's own forward, looking through DDP and PEFT wrappers
+    (which pass keywords on)."""
+    while hasattr(model, "module"):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return inspect.signature(model.forward).parameters
+
+
 def accepts_logits_to_keep(model: Any) -> bool:
     """Whether the model's forward can skip computing logits for positions we do not need."""
     try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
+        return "logits_to_keep" in _forward_parameters(model)
     except (TypeError, ValueError, AttributeError):
         return False
 
@@ -81,8 +91,8 @@ def accepts_logits_to_keep(model: Any) -> bool:
 def cache_argument(model: Any) -> str:
     """The forward keyword that takes a KV cache: `cache` (transformers >= 5.2x) or `past_key_values`."""
     try:
-        return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    except (TypeError, ValueError):
+        return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
+    except (TypeError, ValueError, AttributeError):
         return "past_key_values"
 
 

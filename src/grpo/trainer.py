@@ -41,7 +41,7 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from transformers import PreTrainedModel, TrainerState, get_scheduler
 
-from grpo import checkpoint, data, fast_generation
+from grpo import checkpoint, data, fast_generation, lora
 from grpo.advantages import Advantages, compute_advantages
 from grpo.batch import TrainBatch, collate, head_is_chunkable, token_logps
 from grpo.config import GRPOConfig, warn_odd_combinations
@@ -102,7 +102,7 @@ class GRPOTrainer:
         if args.output_dir is None:
             args.output_dir = f"{model_name(model)}-GRPO"
         self.args = args
-        self._reject_later_features(args, peft_config, tools, rollout_func, eval_dataset, callbacks)
+        self._reject_later_features(args, tools, rollout_func, eval_dataset, callbacks)
         data.check_dataset(train_dataset)
         self.train_dataset = train_dataset
         warn_odd_combinations(args)
@@ -126,10 +126,14 @@ class GRPOTrainer:
         if args.disable_dropout:
             disable_dropout(self.model)
         self.ref_model = None
-        if args.beta != 0.0:  # with beta == 0 no reference model is ever loaded (shared spec §1.2)
+        # beta > 0: the reference policy; with LoRA it is the policy with its adapters disabled (no copy)
+        self.ref_from_adapters = args.beta != 0.0 and (peft_config is not None or lora.is_peft_model(self.model))
+        if args.beta != 0.0 and not self.ref_from_adapters:  # beta == 0: never loaded (shared spec §1.2)
             self.ref_model = reference_model(self.model, model_id, args.model_init_kwargs, args.trust_remote_code)
         if args.gradient_checkpointing:
             _enable_checkpointing(self.model, args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+        if peft_config is not None:
+            self.model = lora.wrap(self.model, peft_config, args.gradient_checkpointing)
 
         self.state = TrainerState()
         self.max_steps = self._total_steps()
@@ -164,11 +168,9 @@ class GRPOTrainer:
     # ---- construction helpers ------------------------------------------------------------------------------------
 
     @staticmethod
-    def _reject_later_features(args, peft_config, tools, rollout_func, eval_dataset, callbacks) -> None:
+    def _reject_later_features(args, tools, rollout_func, eval_dataset, callbacks) -> None:
         if args.use_vllm:
             raise _not_yet("use_vllm=True (vLLM generation)", "it comes with the vLLM issue")
-        if peft_config is not None:
-            raise _not_yet("peft_config (LoRA)", "it comes with the LoRA/multi-process issue")
         if tools:
             raise _not_yet("tools= (tool-calling rollouts)", "it comes with the agent issue")
         if rollout_func is not None:
@@ -428,6 +430,9 @@ class GRPOTrainer:
                 batch.old_logps, _ = self._logps(self.model, batch, with_entropy=False, chunk_size=chunk)
             if self.ref_model is not None:
                 batch.ref_logps, _ = self._logps(self.ref_model, batch, with_entropy=False, chunk_size=chunk)
+            elif self.ref_from_adapters:
+                with lora.adapters_disabled(self.model):
+                    batch.ref_logps, _ = self._logps(self.model, batch, with_entropy=False, chunk_size=chunk)
 
     def _logps(self, model: Any, batch: TrainBatch, **kwargs: Any):
         """`token_logps` with this trainer's temperature and fast-path choices."""

@@ -1,0 +1,68 @@
+"""LoRA through PEFT, the only module that imports `peft` (lazily: it is an optional dependency).
+
+- `peft_config=LoraConfig(...)` wraps the policy; a model that already is a `PeftModel` is used as it is. Only
+  the adapter parameters require gradients, so only they reach the optimizer.
+- With beta > 0 the reference policy is the same model with its adapters disabled: no second copy of the
+  weights (`adapters_disabled`).
+- Saving writes the adapter (PEFT's `save_pretrained`); resuming loads it back (`load_adapter`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+def is_peft_model(model: Any) -> bool:
+    while hasattr(model, "module"):  # DDP and similar wrappers
+        model = model.module
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def wrap(model: torch.nn.Module, peft_config: Any, gradient_checkpointing: bool) -> torch.nn.Module:
+    """The policy with `peft_config`'s adapters added (frozen base, trainable adapters)."""
+    try:
+        from peft import get_peft_model
+    except ImportError as err:
+        raise ImportError("peft_config needs the peft package: pip install peft") from err
+    if is_peft_model(model):
+        raise ValueError("The model already is a PEFT model and peft_config is set too: pass one of them (the PEFT "
+                         "model alone trains its own adapters).")
+    if gradient_checkpointing:
+        # checkpointed blocks of a frozen base still need an input that requires grad for the adapters' grads
+        model.enable_input_require_grads()
+    with warnings.catch_warnings():  # peft reads a transformers attribute that transformers 5 deprecates
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, peft_config)
+
+
+@contextmanager
+def adapters_disabled(model: Any) -> Iterator[None]:
+    """The base model's behaviour (the reference policy) for the duration of the block."""
+    while hasattr(model, "module"):
+        model = model.module
+    with model.disable_adapter():
+        yield
+
+
+def load_adapter(model: Any, path: str) -> list[str]:
+    """Load the adapter weights saved in `path` into the PEFT model; returns the adapter keys the model lacks."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    while hasattr(model, "module"):
+        model = model.module
+    if not os.path.exists(os.path.join(path, "adapter_config.json")):
+        raise FileNotFoundError(f"{path} holds no LoRA adapter (adapter_config.json), but the model is a PEFT "
+                                "model: resume with the model the run was started with.")
+    result = set_peft_model_state_dict(model, load_peft_weights(path, device="cpu"))
+    return list(result.unexpected_keys)
