@@ -54,7 +54,18 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def load_causal_lm(model_id: str, init_kwargs: dict[str, Any] | None, trust_remote_code: bool) -> PreTrainedModel:
-    return load_pretrained(AutoModelForCausalLM, "model", model_id, init_kwargs, trust_remote_code)
+    return own_memory(load_pretrained(AutoModelForCausalLM, "model", model_id, init_kwargs, trust_remote_code))
+
+
+def own_memory(model: PreTrainedModel) -> PreTrainedModel:
+    """Copy CPU weights that still live in the checkpoint file's memory map into the process's own memory.
+    Otherwise the first optimizer step pays a copy-on-write page fault per page as it writes every weight
+    (measured: 3.6 s instead of 0.2 s for a 135M model's first AdamW step; the copy takes 0.4 s)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.device.type == "cpu" and param.requires_grad:
+                param.data = param.data.clone()
+    return model
 
 
 def load_pretrained(auto_class: Any, kind: str, model_id: str, init_kwargs: dict[str, Any] | None,
