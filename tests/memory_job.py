@@ -3,8 +3,9 @@ test_memory.py:
 
     python memory_job.py ROWS COMPLETION_LENGTH VOCAB CHUNKED
 
-Prints `logits_bytes=<B*T*V*4> peak_increase=<bytes>`: the process's peak RSS after the pass minus its RSS
-just before it (an upper bound on what the pass itself held at once)."""
+Prints `logits_bytes=<B*T*V*4> peak_increase=<bytes>`: the process's peak RSS (VmHWM) after the pass minus its
+RSS just before it (an upper bound on what the pass itself held at once). VmHWM, not getrusage's ru_maxrss:
+the latter survives exec and so can report the forking parent's size."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 def main() -> None:
     rows, length, vocab, chunked = (int(x) for x in sys.argv[1:5])
     torch.manual_seed(0)
@@ -37,7 +44,7 @@ def main() -> None:
     before = rss_bytes()
     logps, entropies = token_logps(model, batch, 1.0, with_entropy=True, chunked_head=bool(chunked))
     (logps.sum() + entropies.sum()).backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     print(f"logits_bytes={rows * length * vocab * 4} peak_increase={peak - before}")
 
 

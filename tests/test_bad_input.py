@@ -58,7 +58,10 @@ def test_reference_defaults():
 
 
 def test_later_features_say_not_available(tiny_model_dir, tmp_path):
-    for kwargs, pattern in [(dict(peft_config=object()), "peft_config"), (dict(tools=[print]), "tools"),
+    with pytest.raises(TypeError, match="peft_config is a dict; pass a peft.PeftConfig such as LoraConfig"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
+                    args=cfg(tmp_path), peft_config={"r": 8})
+    for kwargs, pattern in [(dict(tools=[print]), "tools"),
                             (dict(args=cfg(tmp_path, use_vllm=True)), "use_vllm")]:
         kwargs.setdefault("args", cfg(tmp_path))
         with pytest.raises(ValueError, match=f"{pattern}.*not available yet"):

@@ -28,7 +28,7 @@ def launch(nproc, out, model_dir, loss_type):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            JOB, str(out), model_dir, loss_type]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     with open(os.path.join(out, "row.json")) as f:
         return torch.load(os.path.join(out, "update.pt")), json.load(f)

@@ -20,6 +20,7 @@ plain engine; the trainer picks and logs which.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -36,6 +37,9 @@ from transformers import (
 )
 
 from grpo.generation import Rollout, accepts_logits_to_keep, cache_argument, left_pad
+from grpo.lean_decode import LeanDecoder, fixed_linear, unsupported_reason
+
+logger = logging.getLogger("grpo")
 
 Sampler = Callable[[torch.Tensor], torch.Tensor]
 
@@ -92,23 +96,7 @@ class low_precision_linears:  # noqa: N801 (a context manager used like a functi
 
 
 def _fixed_weight_forward(module: torch.nn.Linear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    weight = module.weight.detach().to(dtype)
-    bias = module.bias.detach().to(dtype) if module.bias is not None else None
-    if weight.device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
-        except (RuntimeError, AttributeError):  # a torch build without the op: plain bfloat16 matmul
-            packed = None
-        if packed is not None:
-            def packed_forward(x: torch.Tensor) -> torch.Tensor:
-                flat = x.reshape(-1, x.shape[-1]).to(dtype)
-                out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-                return out.reshape(*x.shape[:-1], out.shape[-1])
-            return packed_forward
-
-    def plain_forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.to(dtype), weight, bias)
-    return plain_forward
+    return fixed_linear(module.weight, module.bias, dtype)
 
 
 def supports(model: Any, args: Any) -> str | None:
@@ -138,7 +126,7 @@ class FastEngine:
 
     def __init__(self, model: Any, args: Any, stop_ids: list[int], pad_id: int, autocast: Any = None,
                  share_prefix: bool = True, sampler: Sampler = sample_from,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, lean: bool = True) -> None:
         self.model = model
         self.compute_dtype = compute_dtype  # autocast's dtype, if any: linears then use weights cast once
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
@@ -150,14 +138,21 @@ class FastEngine:
         self.share_prefix = share_prefix
         self.sampler = sampler
         self.on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # (rows, logprobs): for tests
+        self.lean_reason = unsupported_reason(model) if lean else "turned off"
+        if self.lean_reason is not None:
+            logger.info("Sampling with the transformers forward: %s.", self.lean_reason)
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]]) -> Rollout:
         was_training = self.model.training
         self.model.eval()
         try:
-            with self.autocast() if self.autocast else nullcontext(), \
-                    low_precision_linears(self.model, self.compute_dtype):
+            # the transformers forward: linear weights cast once for the whole rollout (the lean decoder
+            # casts its own)
+            lowp = low_precision_linears(self.model, self.compute_dtype) if self.lean_reason else nullcontext()
+            # the lean decoder sets every dtype itself: autocast would only add dispatch overhead
+            amp = self.autocast() if self.autocast and self.lean_reason else nullcontext()
+            with amp, lowp:
                 tokens, logps = self._decode(prompt_ids)
         finally:
             self.model.train(was_training)
@@ -178,20 +173,11 @@ class FastEngine:
             unique, owner = [list(p) for p in prompt_ids], torch.arange(len(prompt_ids))
         ids, mask = left_pad(unique, self.pad_id)
         ids, mask, owner = ids.to(device), mask.to(device), owner.to(device)
-        cache = DynamicCache()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        keep_last = {"logits_to_keep": 1} if accepts_logits_to_keep(self.model) else {}
-        cache_arg = cache_argument(self.model)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         **{cache_arg: cache}, **keep_last)
-        # copy each prompt's cache (and its last logits) to its rows
-        cache.batch_select_indices(owner)
-        logits = out.logits[owner, -1, :].float()
-        mask = mask[owner]
+        stepper = self._stepper()
+        logits = stepper.prefill(ids, mask, owner, self.max_new_tokens)
         history = ids[owner] if self.needs_history else None
         n = len(prompt_ids)
         active = torch.arange(n, device=device)  # original row of each batch row
-        next_position = mask.sum(-1, keepdim=True)
         stop_ids = self.stop_ids.to(device)
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
@@ -209,14 +195,46 @@ class FastEngine:
                 break
             if not going.all():  # finished rows leave the batch and the cache
                 keep = going.nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                active, chosen, mask, next_position = active[keep], chosen[keep], mask[keep], next_position[keep]
+                stepper.select(keep)
+                active, chosen = active[keep], chosen[keep]
                 history = history[keep] if history is not None else None
-            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)
             if history is not None:
                 history = torch.cat([history, chosen.unsqueeze(-1)], dim=-1)
-            out = self.model(input_ids=chosen.unsqueeze(-1), attention_mask=mask, position_ids=next_position,
-                             use_cache=True, **{cache_arg: cache})
-            next_position = next_position + 1
-            logits = out.logits[:, -1, :].float()
+            logits = stepper.step(chosen)
         return tokens, logps
+
+    def _stepper(self) -> Any:
+        """The lean decoder where the model allows it, else the transformers forward with a dynamic cache."""
+        if self.lean_reason is None:
+            return LeanDecoder(self.model, self.compute_dtype or next(self.model.parameters()).dtype)
+        return _TransformersStepper(self.model)
+
+
+class _TransformersStepper:
+    """`LeanDecoder`'s interface on the model's own forward and a DynamicCache."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.cache = DynamicCache()
+        self.cache_arg = cache_argument(model)
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor, max_new: int) -> torch.Tensor:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        keep_last = {"logits_to_keep": 1} if accepts_logits_to_keep(self.model) else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.cache_arg: self.cache}, **keep_last)
+        self.cache.batch_select_indices(owner)  # copy each prompt's cache to its rows
+        self.mask = mask[owner]
+        self.positions = self.mask.sum(-1, keepdim=True)
+        return out.logits[owner, -1, :].float()
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=-1)
+        out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=self.mask, position_ids=self.positions,
+                         use_cache=True, **{self.cache_arg: self.cache})
+        self.positions = self.positions + 1
+        return out.logits[:, -1, :].float()
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.mask, self.positions = self.mask[rows], self.positions[rows]

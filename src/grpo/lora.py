@@ -31,9 +31,12 @@ def is_peft_model(model: Any) -> bool:
 def wrap(model: torch.nn.Module, peft_config: Any, gradient_checkpointing: bool) -> torch.nn.Module:
     """The policy with `peft_config`'s adapters added (frozen base, trainable adapters)."""
     try:
-        from peft import get_peft_model
+        from peft import PeftConfig, get_peft_model
     except ImportError as err:
         raise ImportError("peft_config needs the peft package: pip install peft") from err
+    if not isinstance(peft_config, PeftConfig):
+        raise TypeError(f"peft_config is a {type(peft_config).__name__}; pass a peft.PeftConfig such as "
+                        "LoraConfig(r=16, target_modules='all-linear', task_type='CAUSAL_LM').")
     if is_peft_model(model):
         raise ValueError("The model already is a PEFT model and peft_config is set too: pass one of them (the PEFT "
                          "model alone trains its own adapters).")

@@ -262,9 +262,18 @@ class GRPOTrainer:
                 total_loss += self._step()
                 if self._any_process(preempted.is_set()):
                     self._save_and_exit_on_preemption()
+        self._settle_processes()
         self.accelerator.end_training()
         metrics = self.state.log_history[-1] if self.state.log_history else {}
         return TrainOutput(self.state.global_step, total_loss / max(self.state.global_step, 1), metrics)
+
+    def _settle_processes(self) -> None:
+        """Before the process group can be torn down: a barrier, then a moment without the GIL. gloo's worker
+        threads need the GIL to drop the work objects of the last collectives, and torch's gloo destructor joins
+        them while holding it: torn down too early, a CPU run hung at exit about one time in three."""
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()
+            time.sleep(0.2)
 
     def _any_process(self, flag: bool) -> bool:
         if self.accelerator.num_processes == 1:
@@ -277,6 +286,7 @@ class GRPOTrainer:
         if not os.path.exists(path):
             checkpoint.save(self, step)
         self.metrics.close()
+        self._settle_processes()
         logger.warning("SIGTERM received: saved %s; exiting. Resume with trainer.train(resume_from_checkpoint=True).",
                        path)
         raise SystemExit(0)

@@ -1,0 +1,181 @@
+"""A lean forward pass for sampling from Llama-family models (Llama, Mistral, Qwen2, SmolLM).
+
+Decoding a 135M model on a CPU spends most of each token in framework overhead: a transformers forward runs
+~500 small operators per token (module calls, per-projection matmuls, a growing KV cache concatenated each
+step, mask construction). `LeanDecoder` runs the same arithmetic with fewer, larger operators:
+- the q/k/v projections are one matmul and gate/up are one matmul (weights concatenated once per rollout);
+- each weight is cast to the compute dtype once per rollout (bfloat16 under autocast) and, on CPUs with
+  oneDNN, pre-packed for its matmul kernel;
+- keys and values go into buffers allocated once per rollout, written in place; finished rows are dropped
+  from them with one index_select.
+The numbers follow the transformers forward under autocast: float32 residual stream and RMSNorm, matmuls on
+bfloat16 inputs and weights with bfloat16 outputs, rotary embedding from the model's own rotary module, attention
+over bfloat16 keys and values. The tests compare next-token distributions against the transformers forward.
+
+Models it does not recognise, or that carry wrapped projections (LoRA, quantized layers), keep the transformers
+forward (`unsupported_reason` says why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def fixed_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+    """x -> x @ weight.T + bias computed in `dtype`, with the weight cast once now (and on CPUs with oneDNN,
+    pre-packed for bfloat16: the same kernel, without a per-call reorder). Output in `dtype`."""
+    weight = weight.detach().to(dtype)
+    bias = bias.detach().to(dtype) if bias is not None else None
+    if weight.device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+        except (RuntimeError, AttributeError):  # a torch build without the op: plain bfloat16 matmul
+            packed = None
+        if packed is not None:
+            def packed_forward(x: torch.Tensor) -> torch.Tensor:
+                flat = x.reshape(-1, x.shape[-1]).to(dtype)
+                out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+                return out.reshape(*x.shape[:-1], out.shape[-1])
+            return packed_forward
+
+    def plain_forward(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(dtype), weight, bias)
+    return plain_forward
+
+
+def _base(model: Any) -> Any:
+    """The transformers model inside DDP and PEFT wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why `LeanDecoder` cannot run this model (None when it can)."""
+    model = _base(model)
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"model type {kind!r} is not one the lean decoder knows ({', '.join(SUPPORTED)})"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "rotary_emb") or not isinstance(getattr(model, "lm_head", None),
+                                                                         torch.nn.Linear):
+        return "the model does not have the usual Llama layout"
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+        return "the model uses a non-default activation or tensor-parallel split"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "the model uses sliding-window attention"
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if type(proj) is not torch.nn.Linear:
+                kind = f"{type(proj).__module__}.{type(proj).__qualname__}"
+                return f"a projection is a {kind}, not a plain torch Linear (adapters or quantization)"
+    return None
+
+
+class LeanDecoder:
+    """The model's forward for sampling: `prefill` the prompts, then `step` one token at a time, `select` rows."""
+
+    def __init__(self, model: Any, dtype: torch.dtype) -> None:
+        model = _base(model)
+        config, inner = model.config, model.model
+        self.dtype = dtype
+        self.embed = inner.embed_tokens.weight
+        self.rotary = inner.rotary_emb
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = self.head_dim ** -0.5
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            self.layers.append(dict(
+                norm1=layer.input_layernorm, norm2=layer.post_attention_layernorm,
+                qkv=fixed_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_bias, dtype),
+                o=fixed_linear(a.o_proj.weight, a.o_proj.bias, dtype),
+                gate_up=fixed_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                                     None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias,
+                                                                                      m.up_proj.bias]), dtype),
+                down=fixed_linear(m.down_proj.weight, m.down_proj.bias, dtype),
+                intermediate=m.gate_proj.out_features))
+        self.norm = inner.norm
+        self.head = fixed_linear(model.lm_head.weight, model.lm_head.bias, dtype)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.positions: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor, max_new: int) -> torch.Tensor:
+        """Run the (left-padded) unique prompts once, copy their keys and values to the rows that share them
+        (`owner[row]` = its prompt) and leave room for `max_new` tokens. Returns each row's next-token logits."""
+        u, p = ids.shape
+        width = p + max_new
+        shape = (u, self.kv_heads, width, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=ids.device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=ids.device) for _ in self.layers]
+        self.valid = torch.zeros(u, width, dtype=torch.bool, device=ids.device)
+        self.valid[:, :p] = mask.bool()
+        self.length = 0
+        self.positions = None
+        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
+        # a padding query attends to itself only (its output is never used; an all-masked row would be NaN)
+        attend = (self.valid[:, None, None, :p] & causal) | torch.eye(p, dtype=torch.bool, device=ids.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward(ids, positions, attend)
+        self.select(owner)
+        self.positions = mask.sum(-1, keepdim=True)[owner]
+        return logits[owner]
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row; returns the next-token logits (rows, vocab) in float32."""
+        self.valid[:, self.length] = True
+        attend = self.valid[:, None, None, :self.length + 1]
+        logits = self._forward(tokens.unsqueeze(-1), self.positions, attend)
+        self.positions = self.positions + 1
+        return logits
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep these rows (in this order) of every buffer."""
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+        self.valid = self.valid.index_select(0, rows)
+        if self.positions is not None:
+            self.positions = self.positions.index_select(0, rows)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        start, end = self.length, self.length + t
+        x = F.embedding(ids, self.embed).float()
+        cos, sin = self.rotary(x, positions)
+        cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for i, layer in enumerate(self.layers):
+            qkv = layer["qkv"](layer["norm1"](x))
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = _rope(q.view(b, t, self.heads, self.head_dim).transpose(1, 2), cos, sin).to(self.dtype)
+            self.keys[i][:, :, start:end] = _rope(k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            self.values[i][:, :, start:end] = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, self.keys[i][:, :, :end], self.values[i][:, :, :end],
+                                                 attn_mask=attend, scale=self.scale,
+                                                 enable_gqa=self.kv_heads != self.heads)
+            x = x + layer["o"](out.transpose(1, 2).reshape(b, t, q_size))
+            gate, up = layer["gate_up"](layer["norm2"](x)).split(layer["intermediate"], dim=-1)
+            x = x + layer["down"](F.silu(gate) * up)
+        self.length = end
+        return self.head(self.norm(x[:, -1])).float()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
