@@ -9,7 +9,7 @@ to the output directory: metrics.jsonl, sample completions, a plot, and the trai
 printed is `accuracy_before=<a> accuracy_after=<b>` (greedy, first phrasing).
 
 Training: 2 prompts x 8 completions per step, max 32 new tokens, learning rate 2e-5 decaying linearly over
-30 steps, beta 0, loss dapo, bfloat16 compute where the CPU has fast bfloat16. Accuracy is measured in float32
+36 steps, beta 0, loss dapo, bfloat16 compute where the CPU has fast bfloat16. Accuracy is measured in float32
 (the weights as saved), so it does not depend on the training precision.
 """
 
@@ -165,7 +165,7 @@ def _write_samples(output_dir: str, before: dict, after: dict, n: int = 12) -> N
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=36)
     parser.add_argument("--output", default="runs/demo")
     parser.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
