@@ -36,12 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
-from transformers import PreTrainedModel, TrainerState, get_scheduler
+from transformers import PreTrainedModel, TrainerState
 
-from grpo import checkpoint, data, fast_generation, lora
+from grpo import checkpoint, data, fast_generation, lora, runtime
 from grpo.advantages import Advantages, compute_advantages
 from grpo.batch import TrainBatch, collate, head_is_chunkable, token_logps
 from grpo.config import GRPOConfig, warn_odd_combinations
@@ -50,7 +48,6 @@ from grpo.losses import TOKEN_SUM_LOSSES, compute_policy_loss, entropy_bonus, hi
 from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics, reduce_stats
 from grpo.modeling import (
     disable_dropout,
-    fast_bf16_available,
     load_causal_lm,
     load_tokenizer,
     model_name,
@@ -107,7 +104,7 @@ class GRPOTrainer:
         self.train_dataset = train_dataset
         warn_odd_combinations(args)
 
-        self.accelerator = self._make_accelerator(args)
+        self.accelerator = runtime.make_accelerator(args)
 
         def load_reward_model_entry(entry: Any, tokenizer: Any) -> Callable:
             return load_reward_model(entry, tokenizer, args.model_init_kwargs, args.trust_remote_code,
@@ -181,24 +178,6 @@ class GRPOTrainer:
         if callbacks:
             warnings.warn("callbacks are ignored: grpo does not run transformers callbacks.", stacklevel=3)
 
-    def _make_accelerator(self, args: GRPOConfig) -> Accelerator:
-        cpu = args.use_cpu or not torch.cuda.is_available()
-        device = torch.device("cpu" if cpu else "cuda")
-        if args.bf16 is None:
-            args.bf16 = fast_bf16_available(device) and not args.fp16
-        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
-        report_to = args.report_to if args.report_to not in (None, "none", ["none"]) else None
-        state = AcceleratorState._shared_state
-        if state and state.get("_mixed_precision") != precision and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            # A second trainer in one process (notebooks, tests) with another precision: accelerate keeps one
-            # global state and would refuse; in a single process it is safe to start it afresh.
-            AcceleratorState._reset_state()
-        accelerator = Accelerator(cpu=cpu, mixed_precision=precision, log_with=report_to,
-                                  project_dir=args.output_dir)
-        if report_to:
-            accelerator.init_trackers(args.run_name or "grpo", config=_trackable(args.to_dict()))
-        return accelerator
-
     def _total_steps(self) -> int:
         a = self.args
         unique = a.generation_batch_size // a.num_generations
@@ -210,21 +189,10 @@ class GRPOTrainer:
         return max(math.ceil(a.num_train_epochs * self.steps_per_epoch), 1)
 
     def _make_optimizer(self) -> None:
-        a = self.args
         if self.optimizer is None:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": a.weight_decay},
-                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-            # fused: one kernel for all parameters (same update as the per-tensor loop, far fewer passes)
-            fused = all(p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for p in params)
-            self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=a.learning_rate,
-                                               betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
-                                               fused=fused or None)
+            self.optimizer = runtime.default_optimizer(self.model, self.args)
         if self.lr_scheduler is None:
-            warmup = a.warmup_steps or math.ceil(a.warmup_ratio * self.max_steps)
-            self.lr_scheduler = get_scheduler(a.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
-                                              num_training_steps=self.max_steps,
-                                              scheduler_specific_kwargs=a.lr_scheduler_kwargs or {})
+            self.lr_scheduler = runtime.default_scheduler(self.optimizer, self.args, self.max_steps)
 
     def _make_engine(self) -> GenerationEngine:
         """The fast engine where it applies, else the plain `model.generate` path; says which and why."""
@@ -538,7 +506,3 @@ def _enable_checkpointing(model: PreTrainedModel, kwargs: dict[str, Any]) -> Non
 def _every(value: float, total: int) -> int:
     """logging_steps / save_steps: an int, or a fraction (< 1) of the total number of steps."""
     return max(int(math.ceil(value * total)) if value < 1 else int(value), 1)
-
-
-def _trackable(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}
