@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint install clean
+.PHONY: demo test bench bench-full lint install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,3 +37,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PIP) install -q -c constraints.txt -e ".[bench]"
 	$(PY) bench/harness.py
+
+bench-full: $(STAMP)
+	$(PIP) install -q -c constraints.txt -e ".[bench]"
+	$(PY) bench/harness.py --full

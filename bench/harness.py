@@ -83,6 +83,7 @@ def _fmt(x):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=["grpo", "trl"], help="run one framework (no ratios)")
+    parser.add_argument("--full", action="store_true", help="also the scaling sweeps (make bench-full)")
     opts = parser.parse_args()
     console = Console(width=150)
     frameworks = [opts.only] if opts.only else ["grpo", "trl"]
@@ -98,7 +99,49 @@ def main() -> None:
         return
     speed = {p: results[("grpo", p)]["tokens_per_s"] / results[("trl", p)]["tokens_per_s"] for p in ("bf16", "fp32")}
     memory = max(results[("grpo", p)]["peak_gb"] / results[("trl", p)]["peak_gb"] for p in ("bf16", "fp32"))
+    if opts.full:
+        sweeps(console)
     print(f"speedup_vs_trl={speed['bf16']:.2f} memory_vs_trl={memory:.2f} speedup_vs_trl_fp32={speed['fp32']:.2f}")
+
+
+SWEEPS = {
+    # completions that run to the cap, 2 prompts x 8
+    "max_completion_length": [{"dataset": "story", "max_completion_length": n, "max_steps": 3}
+                              for n in (64, 128, 256)],
+    # 2 prompts per step, G completions each
+    "num_generations": [{"num_generations": g, "per_device_train_batch_size": 2 * g, "max_steps": 3}
+                        for g in (4, 8, 16)],
+}
+
+
+def step_time(result: dict) -> float:
+    """Mean step time after the warm-up step."""
+    times = [t for t in result["step_times"][1:] if t is not None]
+    return sum(times) / len(times)
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def sweeps(console: Console) -> None:
+    """bf16 step time against completion length and group size; prints grpo's slope / TRL's slope per sweep."""
+    ratios = {}
+    for name, settings in SWEEPS.items():
+        t = Table(title=f"step time (s) vs {name}, bf16")
+        for col in ("framework", *[str(s[name]) for s in settings], "slope"):
+            t.add_column(col)
+        slopes = {}
+        for framework in ("grpo", "trl"):
+            console.print(f"sweep {name}: {framework} ...")
+            times = [step_time(run(framework, "bf16", dict(s))) for s in settings]
+            slopes[framework] = slope([s[name] for s in settings], times)
+            t.add_row(framework, *[f"{x:.1f}" for x in times], f"{slopes[framework]:.4f}")
+        console.print(t)
+        ratios[name] = slopes["grpo"] / slopes["trl"]
+    print(f"slope_ratio_length={ratios['max_completion_length']:.2f} "
+          f"slope_ratio_generations={ratios['num_generations']:.2f}")
 
 
 if __name__ == "__main__":

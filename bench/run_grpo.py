@@ -5,21 +5,22 @@ from __future__ import annotations
 import json
 import sys
 
-from workload import WORKLOAD, TokenCounter, report, timed
+from workload import WORKLOAD, TokenCounter, dataset, report, timed
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.bundled import bundled_model_path
-from grpo.demo import correctness_reward, train_dataset
+from grpo.demo import correctness_reward
 from grpo.modeling import cpu_isa
 
 
 def main() -> None:
     precision = sys.argv[1]
     overrides = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    prompts = dataset(overrides.pop("dataset", "demo"))
     counter = TokenCounter(correctness_reward)
     args = GRPOConfig(output_dir="/tmp/grpo-bench", bf16=precision == "bf16", disable_tqdm=True,
                       **{**WORKLOAD, **overrides})
-    trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=counter, train_dataset=train_dataset(0), args=args)
+    trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=counter, train_dataset=prompts, args=args)
     seconds = timed(trainer.train)
     rows = trainer.state.log_history
     generation = sum(r["timing/generation_s"] for r in rows)  # measured as run_trl.py measures TRL's

@@ -7,10 +7,10 @@ import json
 import sys
 import time
 
-from workload import WORKLOAD, TokenCounter, report, timed
+from workload import WORKLOAD, TokenCounter, dataset, report, timed
 
 from grpo.bundled import bundled_model_path
-from grpo.demo import correctness_reward, train_dataset
+from grpo.demo import correctness_reward
 from grpo.modeling import cpu_isa
 
 
@@ -19,10 +19,11 @@ def main() -> None:
 
     precision = sys.argv[1]
     overrides = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    prompts = dataset(overrides.pop("dataset", "demo"))
     counter = TokenCounter(correctness_reward)
     args = GRPOConfig(output_dir="/tmp/trl-bench", bf16=precision == "bf16", use_cpu=True, disable_tqdm=True,
                       **{**WORKLOAD, **overrides})
-    trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=counter, train_dataset=train_dataset(0), args=args)
+    trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=counter, train_dataset=prompts, args=args)
     generation = {"seconds": 0.0}
     original = trainer._generate  # time TRL's generation phase to split generation from training
 

@@ -52,3 +52,20 @@ def timed(fn):
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+TOPICS = ["a lighthouse keeper", "a lost robot", "the first winter on Mars", "a baker's apprentice", "a river",
+          "an old clock", "two rival chess players", "a city under the sea"]
+
+
+def dataset(name: str, seed: int = 0):
+    """The prompts of a run: the demo task, or ("story") prompts whose completions run to the length cap."""
+    from grpo.demo import train_dataset
+
+    if name != "story":
+        return train_dataset(seed)
+    from datasets import Dataset
+
+    rows = [{"prompt": [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}],
+             "a": 0, "b": 0} for i in range(64)]
+    return Dataset.from_list(rows)
