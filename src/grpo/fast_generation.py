@@ -85,7 +85,7 @@ class low_precision_linears:  # noqa: N801 (a context manager used like a functi
             return self
         for module in self.model.modules():
             if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32:
-                module.forward = _fixed_weight_forward(module, self.dtype)
+                module.forward = fixed_linear(module.weight, module.bias, self.dtype)
                 self.patched.append(module)
         return self
 
@@ -93,10 +93,6 @@ class low_precision_linears:  # noqa: N801 (a context manager used like a functi
         for module in self.patched:
             del module.forward  # back to the class's forward
         self.patched.clear()
-
-
-def _fixed_weight_forward(module: torch.nn.Linear, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    return fixed_linear(module.weight, module.bias, dtype)
 
 
 def supports(model: Any, args: Any) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any
 
 import torch
@@ -48,6 +49,29 @@ def default_scheduler(optimizer: torch.optim.Optimizer, args: Any, max_steps: in
     warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
     return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max_steps,
                          scheduler_specific_kwargs=args.lr_scheduler_kwargs or {})
+
+
+def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def any_process(accelerator: Accelerator, flag: bool) -> bool:
+    """True on every process when the flag is set on any of them."""
+    if accelerator.num_processes == 1:
+        return flag
+    return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum") > 0)
+
+
+def settle_processes(accelerator: Accelerator) -> None:
+    """Before the process group can be torn down: a barrier, then a moment without the GIL. gloo's worker threads
+    need the GIL to drop the work objects of the last collectives, and torch's gloo destructor joins them while
+    holding it: torn down too early, a CPU run hung at exit about one time in three."""
+    if accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+        time.sleep(0.2)
 
 
 def _trackable(config: dict[str, Any]) -> dict[str, Any]:

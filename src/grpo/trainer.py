@@ -128,7 +128,7 @@ class GRPOTrainer:
         if args.beta != 0.0 and not self.ref_from_adapters:  # beta == 0: never loaded (shared spec §1.2)
             self.ref_model = reference_model(self.model, model_id, args.model_init_kwargs, args.trust_remote_code)
         if args.gradient_checkpointing:
-            _enable_checkpointing(self.model, args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+            runtime.enable_checkpointing(self.model, args.gradient_checkpointing_kwargs or {"use_reentrant": False})
         if peft_config is not None:
             self.model = lora.wrap(self.model, peft_config, args.gradient_checkpointing)
 
@@ -228,25 +228,12 @@ class GRPOTrainer:
         with self.metrics, preemption_guard() as preempted:
             while self.state.global_step < self.max_steps:
                 total_loss += self._step()
-                if self._any_process(preempted.is_set()):
+                if runtime.any_process(self.accelerator, preempted.is_set()):
                     self._save_and_exit_on_preemption()
-        self._settle_processes()
+        runtime.settle_processes(self.accelerator)
         self.accelerator.end_training()
         metrics = self.state.log_history[-1] if self.state.log_history else {}
         return TrainOutput(self.state.global_step, total_loss / max(self.state.global_step, 1), metrics)
-
-    def _settle_processes(self) -> None:
-        """Before the process group can be torn down: a barrier, then a moment without the GIL. gloo's worker
-        threads need the GIL to drop the work objects of the last collectives, and torch's gloo destructor joins
-        them while holding it: torn down too early, a CPU run hung at exit about one time in three."""
-        if self.accelerator.num_processes > 1:
-            self.accelerator.wait_for_everyone()
-            time.sleep(0.2)
-
-    def _any_process(self, flag: bool) -> bool:
-        if self.accelerator.num_processes == 1:
-            return flag
-        return bool(self.accelerator.reduce(torch.tensor(float(flag), device=self.accelerator.device), "sum") > 0)
 
     def _save_and_exit_on_preemption(self) -> None:
         step = self.state.global_step
@@ -254,7 +241,7 @@ class GRPOTrainer:
         if not os.path.exists(path):
             checkpoint.save(self, step)
         self.metrics.close()
-        self._settle_processes()
+        runtime.settle_processes(self.accelerator)
         logger.warning("SIGTERM received: saved %s; exiting. Resume with trainer.train(resume_from_checkpoint=True).",
                        path)
         raise SystemExit(0)
@@ -494,13 +481,6 @@ class GRPOTrainer:
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             checkpoint.save_pretrained(self, output_dir)
-
-
-def _enable_checkpointing(model: PreTrainedModel, kwargs: dict[str, Any]) -> None:
-    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _every(value: float, total: int) -> int:
