@@ -1,9 +1,13 @@
-"""The accelerator (device, precision, trackers), and the default optimizer and learning-rate schedule."""
+"""The accelerator (device, precision, trackers), the default optimizer and learning-rate schedule, and the
+process-level settings a CPU run needs (allocator policy, teardown of the process group)."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import os
+import platform
 import time
 from typing import Any
 
@@ -13,6 +17,8 @@ from accelerate.state import AcceleratorState
 from transformers import get_scheduler
 
 from grpo.modeling import fast_bf16_available
+
+logger = logging.getLogger("grpo")
 
 
 def make_accelerator(args: Any) -> Accelerator:
@@ -72,6 +78,32 @@ def settle_processes(accelerator: Accelerator) -> None:
     if accelerator.num_processes > 1:
         accelerator.wait_for_everyone()
         time.sleep(0.2)
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed memory for reuse instead of handing it back to the kernel (CPU training).
+
+    By default glibc serves every allocation over a few MiB with a fresh mmap and unmaps it on free, so each
+    step's logits, activations and gradients are faulted in page by page again: measured here, 300k-670k page
+    faults and 1-4 s of kernel time per training pass of the benchmark (about a third of it). With mmap
+    disabled and trimming off, large blocks come from the heap and are reused from the second step on (0 faults);
+    the peak resident size is the heap's high-water mark, which measured no larger (4.67 vs 4.82 GB). Same
+    numbers, only where memory comes from. Set GRPO_SYSTEM_MALLOC=1 to keep the system's policy. Returns whether
+    the policy was applied (glibc only)."""
+    if os.environ.get("GRPO_SYSTEM_MALLOC", "0") not in ("", "0") or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    applied = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    if applied:
+        logger.info("CPU allocator: freed memory is kept for reuse (GRPO_SYSTEM_MALLOC=1 to turn off)")
+    return applied
 
 
 def _trackable(config: dict[str, Any]) -> dict[str, Any]:

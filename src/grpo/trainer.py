@@ -105,6 +105,8 @@ class GRPOTrainer:
         warn_odd_combinations(args)
 
         self.accelerator = runtime.make_accelerator(args)
+        if self.accelerator.device.type == "cpu":
+            runtime.keep_freed_memory()
 
         def load_reward_model_entry(entry: Any, tokenizer: Any) -> Callable:
             return load_reward_model(entry, tokenizer, args.model_init_kwargs, args.trust_remote_code,
