@@ -84,18 +84,16 @@ def token_logps(model: Any, batch: TrainBatch, temperature: float, with_entropy:
     piece is trimmed to its own longest completion, so short completions do not pay for a long one's padding.
     Padding never changes a real token's outputs (causal attention, masked keys), so this is exact. Entropies
     carry a gradient only with `entropy_grad` (the entropy bonus). With `share_prefix`, rows of one prompt run
-    the prompt once (see `_forward_shared`). With `chunked_head`, once the float32 logits would pass
-    FULL_LOGITS_LIMIT, the output projection runs a chunk of tokens at a time and the (B, T, V) logits never
-    exist (see `chunked_logps_and_entropy`)."""
+    the prompt once (see `_forward_shared`). With `chunked_head`, the output projection runs inside
+    `chunked_logps_and_entropy`, a chunk of tokens at a time, and the (B, T, V) logits never exist."""
     forward = _forward_shared if share_prefix else _forward
     lengths = batch.completion_attention.sum(-1)
     logps = entropies = None
     for rows in _pieces(lengths, chunk_size):
         width = max(int(lengths[rows].max()), 1)
         part = batch.select(rows).trim(width)
-        chunked = chunked_head and _logits_bytes(model, part) > FULL_LOGITS_LIMIT
-        outputs = forward(model, part, chunked)
-        if chunked:
+        outputs = forward(model, part, chunked_head)
+        if chunked_head:
             head = _unwrap(model).get_output_embeddings()
             lp, ent = chunked_logps_and_entropy(outputs, head.weight, head.bias, part.completion_ids, temperature,
                                                 with_entropy, entropy_grad)
@@ -116,16 +114,6 @@ def _pieces(lengths: torch.Tensor, chunk_size: int | None) -> list[torch.Tensor]
     further was measured slower on CPU (one more forward costs more than the padding it saves)."""
     order = torch.argsort(lengths, stable=True)
     return list(order.split(chunk_size)) if chunk_size else [order]
-
-
-# Above this many bytes of float32 logits the output head runs chunked; below it the full logits are small and
-# one projection is faster than the chunked one's recomputation in backward.
-FULL_LOGITS_LIMIT = 256 * 2**20
-
-
-def _logits_bytes(model: Any, batch: TrainBatch) -> int:
-    vocab = _unwrap(model).get_output_embeddings().weight.shape[0]
-    return batch.completion_ids.numel() * vocab * 4
 
 
 def head_is_chunkable(model: Any) -> bool:
