@@ -3,6 +3,8 @@ rtol 1e-5 / atol 1e-6), with ragged prompts, ragged completions and shuffled row
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -160,3 +162,39 @@ def test_pieces_are_length_sorted_chunks():
     lengths = torch.tensor([30, 2, 3, 2, 31, 3])
     assert [p.tolist() for p in _pieces(lengths, 4)] == [[1, 3, 2, 5], [0, 4]]
     assert [p.tolist() for p in _pieces(lengths, None)] == [[1, 3, 2, 5, 0, 4]]
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_grouped_kv_attention_matches_repeated_heads(share, monkeypatch):
+    """The tiny model has 4 query heads over 2 key/value heads: reading them grouped (CPU flash kernel with
+    enable_gqa) gives the log-probs and gradients of repeating them (float32, rtol 1e-5 / atol 1e-6)."""
+    import grpo.batch
+
+    batch, model = batch_and_model()
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    results = {}
+    for grouped in (False, True):
+        if not grouped:  # the plain path: transformers repeats the key/value heads
+            monkeypatch.setattr(grpo.batch, "grouped_kv_attention", lambda model: contextlib.nullcontext())
+        else:
+            monkeypatch.undo()
+        model.zero_grad()
+        logps, ent = token_logps(model, batch, temperature=0.9, share_prefix=share, chunked_head=True)
+        (logps * batch.mask).sum().backward()
+        results[grouped] = (logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()})
+    m = batch.mask.bool()
+    torch.testing.assert_close(results[True][0][m], results[False][0][m], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[True][1][m], results[False][1][m], rtol=1e-5, atol=1e-5)
+    for name, grad in results[False][2].items():
+        torch.testing.assert_close(results[True][2][name], grad, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_kv_attention_is_used_and_undone():
+    import os
+
+    from grpo.batch import grouped_kv_attention
+
+    _, model = batch_and_model()
+    with grouped_kv_attention(model):
+        assert os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA") == "1"
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
