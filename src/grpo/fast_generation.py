@@ -38,6 +38,7 @@ from transformers import (
 
 from grpo.generation import Rollout, accepts_logits_to_keep, cache_argument, left_pad
 from grpo.lean_decode import LeanDecoder, fixed_linear, unsupported_reason
+from grpo.runtime import full_parameters
 
 logger = logging.getLogger("grpo")
 
@@ -148,7 +149,10 @@ class FastEngine:
             lowp = low_precision_linears(self.model, self.compute_dtype) if self.lean_reason else nullcontext()
             # the lean decoder sets every dtype itself: autocast would only add dispatch overhead
             amp = self.autocast() if self.autocast and self.lean_reason else nullcontext()
-            with amp, lowp:
+            # it also reads the weights directly: a sharded model (FSDP) is gathered for the rollout (the
+            # transformers forward gathers layer by layer through FSDP's own hooks)
+            whole = full_parameters(self.model) if self.lean_reason is None else nullcontext()
+            with amp, lowp, whole:
                 tokens, logps = self._decode(prompt_ids)
         finally:
             self.model.train(was_training)

@@ -3,6 +3,7 @@ process-level settings a CPU run needs (allocator policy, teardown of the proces
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
@@ -62,6 +63,30 @@ def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@contextlib.contextmanager
+def full_parameters(model: torch.nn.Module):
+    """Every parameter of a sharded model whole, for code that reads weights directly (the lean decoder), then
+    sharded again. FSDP2 (`fully_shard`, accelerate's fsdp_version 2): each sharded module is unsharded, its
+    parameters plain tensors again; FSDP1: `summon_full_params` without writeback. Unsharded models: nothing."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        for module in sharded:
+            module.unshard()
+        try:
+            yield
+        finally:
+            for module in sharded:
+                module.reshard()
+    elif any(isinstance(m, FSDP1) for m in model.modules()):
+        with FSDP1.summon_full_params(model, writeback=False, recurse=True):
+            yield
+    else:
+        yield
 
 
 def any_process(accelerator: Accelerator, flag: bool) -> bool:
