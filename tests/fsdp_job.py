@@ -1,10 +1,12 @@
-"""Sampling from a sharded model, launched with torchrun (gloo on CPU) by test_fsdp.py:
+"""Sampling from and training a sharded model, launched with torchrun (gloo on CPU) by test_fsdp.py:
 
     torchrun --nproc_per_node N fsdp_job.py OUT
 
 Every decoder layer and the root are sharded with FSDP2 (`fully_shard`, what accelerate's fsdp_version 2
-applies); the fast engine's lean decoder then samples greedily. The main process writes the tokens, those of the
-same model unsharded, the log-probs the sampler recorded, and whether the parameters are sharded again after."""
+applies). The fast engine's lean decoder samples greedily; then the training pass (prefix-shared forward, tiled
+output head) scores the completions and back-propagates. The main process writes the tokens, log-probs and
+gradients (gathered whole) next to those of the same model unsharded, and whether the parameters are sharded
+again after sampling."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from grpo.batch import collate, token_logps
 from grpo.fast_generation import FastEngine
 from test_fast_generation import greedy, setup
 
@@ -27,22 +30,41 @@ def sample(model, args, stop, pad_id, rows):
     return rollout.completion_ids, rollout.sampling_logps
 
 
+def train_pass(model, rollout_ids, rows, pad_id):
+    """Log-probs of the sampled completions and the gradients of their sum (whole tensors)."""
+    from grpo.generation import Rollout
+
+    rollout = Rollout(prompt_ids=rows, completion_ids=rollout_ids, sampling_logps=[[0.0] * len(c) for c in rollout_ids],
+                      truncated=[False] * len(rows))
+    batch = collate(rollout, torch.zeros(len(rows)), pad_id, mask_truncated=False,
+                    group=torch.tensor([i // 4 for i in range(len(rows))]))
+    model.zero_grad()
+    logps, _ = token_logps(model, batch, 0.9, share_prefix=True, chunked_head=True)
+    (logps * batch.mask).sum().backward()
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
+    return (logps * batch.mask).tolist(), grads
+
+
 def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     tok, model, args, stop, rows = setup()
     whole_ids, whole_logps = sample(model, args, stop, tok.pad_token_id, rows)
+    whole_train, whole_grads = train_pass(model, whole_ids, rows, tok.pad_token_id)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     assert isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
     ids, logps = sample(model, args, stop, tok.pad_token_id, rows)
     resharded = all(isinstance(p, DTensor) for p in model.parameters())
+    train, grads = train_pass(model, whole_ids, rows, tok.pad_token_id)
     if dist.get_rank() == 0:
+        torch.save({"grads": grads, "whole_grads": whole_grads}, out + ".grads.pt")
         with open(out, "w") as f:
             json.dump({"world": dist.get_world_size(), "ids": ids, "whole_ids": whole_ids, "logps": logps,
-                       "whole_logps": whole_logps, "resharded": resharded}, f)
+                       "whole_logps": whole_logps, "resharded": resharded, "train": train,
+                       "whole_train": whole_train}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -59,8 +59,8 @@ def main() -> None:
     if o.block_writing:
         save_pretrained = ckpt.save_pretrained
 
-        def write_then_block(trainer, output_dir):
-            save_pretrained(trainer, output_dir)
+        def write_then_block(trainer, output_dir, state_dict):
+            save_pretrained(trainer, output_dir, state_dict)
             if f"tmp-checkpoint-{o.block_writing}" in output_dir:
                 hang("WRITING")
         ckpt.save_pretrained = write_then_block

@@ -146,7 +146,8 @@ def test_nonfinite_loss_stops_before_the_update(tiny_model_dir, tmp_path):
     def hook(module, inputs, output):
         return output * float("nan") if poison["on"] and module.training else output
 
-    trainer.unwrapped_model.lm_head.register_forward_hook(hook)
+    # the last hidden states (the training pass projects them itself, past the model's own head)
+    trainer.unwrapped_model.model.norm.register_forward_hook(hook)
     original = trainer._step
 
     def step():

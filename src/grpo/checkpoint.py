@@ -3,7 +3,8 @@
 A checkpoint is written under a temporary name and renamed into place once complete, so a crash (or SIGKILL)
 mid-write never leaves a directory a resume would pick. It holds:
 - the policy and tokenizer as a Hugging Face model directory (loadable with `from_pretrained`);
-- `optimizer.pt`, `scheduler.pt`;
+- `optimizer.pt`, `scheduler.pt`; for a sharded model (FSDP) the model and optimizer shards instead go to
+  `sharded/`, written by every process with torch.distributed.checkpoint (the model directory is still whole);
 - `rng_state_<rank>.pth` per process (python, numpy, torch CPU and CUDA generators);
 - `rollouts_<rank>.pt` per process when the step falls inside a generation cycle (steps_per_generation or
   num_iterations > 1): the buffered batches the next steps train on;
@@ -27,10 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from grpo import lora
+from grpo import lora, runtime
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE = "trainer_state.json"
+SHARDED = "sharded"  # torch.distributed.checkpoint directory: a sharded model's and optimizer's shards
 # settings that decide which prompts, completions and batches each step sees: a resume must keep them
 RUN_GEOMETRY = ("seed", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
                 "generation_batch_size", "steps_per_generation", "num_iterations", "shuffle_dataset")
@@ -40,12 +42,42 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint does not fit this model or run; the message names what differs."""
 
 
-def save_pretrained(trainer: Any, output_dir: str) -> None:
-    """The policy (or its adapter) and tokenizer as a Hugging Face model directory (main process only)."""
+def model_state(trainer: Any) -> dict[str, torch.Tensor]:
+    """The policy's whole state dict on the main process. Every process must call it: for a sharded model it
+    gathers the shards (to CPU)."""
+    if runtime.is_sharded(trainer.model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return trainer.accelerator.get_state_dict(trainer.model)
+
+
+def save_pretrained(trainer: Any, output_dir: str, state_dict: dict[str, torch.Tensor]) -> None:
+    """The policy (or its adapter) and tokenizer as a Hugging Face model directory (main process only), from
+    `model_state`."""
     model = trainer.accelerator.unwrap_model(trainer.model)
-    state_dict = trainer.accelerator.get_state_dict(trainer.model)
     model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     trainer.processing_class.save_pretrained(output_dir)
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """Every process writes its shards of the model and optimizer state (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state_dict, "optimizer": optimizer_state_dict}, checkpoint_id=directory)
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """`save_sharded`'s shards back into a model sharded the same way, and its optimizer (every process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer)
+    state = {"model": model_state_dict, "optimizer": optimizer_state_dict}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def save(trainer: Any, step: int) -> str:
@@ -60,12 +92,17 @@ def save(trainer: Any, step: int) -> str:
     acc.wait_for_everyone()
     rank = acc.process_index
     torch.save(_rng_state(), os.path.join(tmp, f"rng_state_{rank}.pth"))
+    state_dict = model_state(trainer)
+    sharded = runtime.is_sharded(trainer.model)
+    if sharded:
+        save_sharded(trainer.model, trainer.optimizer, os.path.join(tmp, SHARDED))
     if trainer._buffer and trainer._micro_step % trainer.cycle_length != 0:
         torch.save([_batch_dict(b) for b in trainer._buffer], os.path.join(tmp, f"rollouts_{rank}.pt"))
     acc.wait_for_everyone()
     if acc.is_main_process:
-        save_pretrained(trainer, tmp)
-        torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        save_pretrained(trainer, tmp, state_dict)
+        if not sharded:
+            torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
         state = {"global_step": step, "micro_step": trainer._micro_step, "data_position": trainer._data_position,
                  "num_items": getattr(trainer, "_num_items", 0.0), "max_steps": trainer.max_steps,
@@ -124,10 +161,13 @@ def load(trainer: Any, path: str) -> None:
         if unexpected:
             raise CheckpointMismatchError(f"The adapter at {path} does not match the model: it has "
                                           f"{', '.join(unexpected[:3])}, which the model lacks.")
+    elif runtime.is_sharded(trainer.model):
+        load_sharded(trainer.model, trainer.optimizer, os.path.join(path, SHARDED))
     else:
         _load_weights(model, path)
-    trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=acc.device,
-                                                 weights_only=True))
+    if not runtime.is_sharded(trainer.model):
+        trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=acc.device,
+                                                     weights_only=True))
     trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
     trainer.state.global_step = state["global_step"]
     trainer.state.num_input_tokens_seen = state["num_input_tokens_seen"]

@@ -65,6 +65,14 @@ def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP (2 or 1) shards this model's parameters."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    return any(isinstance(m, (FSDPModule, FSDP1)) for m in model.modules())
+
+
 @contextlib.contextmanager
 def full_parameters(model: torch.nn.Module):
     """Every parameter of a sharded model whole, for code that reads weights directly (the lean decoder), then

@@ -481,8 +481,9 @@ class GRPOTrainer:
         """Write the policy (and tokenizer) as a normal Hugging Face model directory."""
         output_dir = output_dir or self.args.output_dir
         self.accelerator.wait_for_everyone()
+        state_dict = checkpoint.model_state(self)  # every process: a sharded model is gathered
         if self.accelerator.is_main_process:
-            checkpoint.save_pretrained(self, output_dir)
+            checkpoint.save_pretrained(self, output_dir, state_dict)
 
 
 def _every(value: float, total: int) -> int:
