@@ -1,5 +1,5 @@
-"""The CPU allocator policy (`runtime.keep_freed_memory`): a freed large block is reused without faulting its
-pages in again. Counted in a fresh process, by minor page faults (not time)."""
+"""The CPU allocator policy (`runtime.keep_freed_memory`): once the heap has settled, freed large blocks are
+reused without faulting their pages in again. Counted in a fresh process, by minor page faults (not time)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ def faults_of_fresh_block():
     after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     del block
     return after - before
-faults_of_fresh_block()
-print("faults", faults_of_fresh_block())
+for _ in range(4):  # the heap settles within a few rounds (a freed block may not fit the next one exactly)
+    faults_of_fresh_block()
+print("faults", sum(faults_of_fresh_block() for _ in range(4)))
 """
 
 
@@ -34,9 +35,9 @@ def faults(policy: bool) -> int:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_freed_blocks_are_reused_without_faulting_again():
-    pages = 16 * 2**20 * 4 // 4096
-    assert faults(policy=False) > pages // 2  # the system policy unmaps and faults the block in again
-    assert faults(policy=True) < pages // 50  # kept: the second block reuses the first one's pages
+    pages = 16 * 2**20 * 4 // 4096  # of one block; 4 blocks are counted
+    assert faults(policy=False) > 2 * pages  # the system policy unmaps each block and faults the next one in
+    assert faults(policy=True) < pages // 50  # kept: each new block reuses a freed one's pages
 
 
 def test_the_policy_can_be_turned_off(monkeypatch):
