@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,7 @@ def main() -> None:
                        "whole_logps": whole_logps, "resharded": resharded, "train": train,
                        "whole_train": whole_train}, f)
     dist.barrier()
+    time.sleep(0.2)  # let gloo's workers drop the last collectives before teardown (see runtime.settle_processes)
     dist.destroy_process_group()
 
 

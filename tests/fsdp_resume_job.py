@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -58,6 +59,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(state, os.path.join(out, f"{mode}.pt"))
     dist.barrier()
+    time.sleep(0.2)  # let gloo's workers drop the last collectives before teardown (see runtime.settle_processes)
     dist.destroy_process_group()
 
 

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from grpo.generation import Rollout, accepts_logits_to_keep, cache_argument, left_pad, right_pad
 from grpo.logprobs import chunked_logps_and_entropy, logps_and_entropy
+from grpo.runtime import recomputes_activations
 
 
 @dataclass
@@ -123,7 +124,7 @@ def grouped_kv_attention(model: Any):
     config = getattr(model, "config", None)
     grouped = getattr(config, "num_key_value_heads", None) not in (None, getattr(config, "num_attention_heads", None))
     cpu = next(model.parameters()).device.type == "cpu"
-    recomputes = getattr(model, "is_gradient_checkpointing", False)
+    recomputes = recomputes_activations(model)
     if not grouped or not cpu or recomputes or "TRANSFORMERS_SDPA_FORCE_GQA" in os.environ:
         yield
         return

@@ -65,6 +65,14 @@ def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def recomputes_activations(model: torch.nn.Module) -> bool:
+    """Whether gradient (activation) checkpointing is on: backward then re-runs the forward."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the first: transformers >= 5.2x
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether FSDP (2 or 1) shards this model's parameters."""
     from torch.distributed.fsdp import FSDPModule

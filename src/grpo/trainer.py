@@ -39,7 +39,7 @@ import torch
 from accelerate.utils import set_seed
 from transformers import PreTrainedModel, TrainerState
 
-from grpo import checkpoint, data, fast_generation, lora, runtime
+from grpo import checkpoint, data, fast_generation, lean_linears, lora, runtime
 from grpo.advantages import Advantages, compute_advantages
 from grpo.batch import TrainBatch, collate, head_is_chunkable, token_logps
 from grpo.config import GRPOConfig, warn_odd_combinations
@@ -156,6 +156,11 @@ class GRPOTrainer:
         self.share_prefix = isinstance(self.engine, fast_generation.FastEngine) and not args.gradient_checkpointing
         # output head applied a chunk of tokens at a time: the (B, T, V) logits never exist
         self.chunked_head = head_is_chunkable(self.model)
+        # bf16, opt-in (GRPO_LEAN_LINEARS=1): the training pass's linears keep their float32 weights for
+        # backward, not bfloat16 copies (-0.22 GB peak, ~+10% training-pass time on the benchmark)
+        opted = os.environ.get("GRPO_LEAN_LINEARS", "0") not in ("", "0")
+        low = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" and opted else None
+        self.lean_dtype = low if lean_linears.applies(self.unwrapped_model, low) is None else None
         self._prompt_cache: dict[int, list[int]] = {}
         self._buffer: list[TrainBatch] = []
         self._micro_step = 0
@@ -411,7 +416,8 @@ class GRPOTrainer:
     def _train_on(self, batch: TrainBatch) -> float:
         a, acc = self.args, self.accelerator
         t0 = time.perf_counter()
-        with acc.autocast():
+        lean = lean_linears.lean_linears(self.model, self.lean_dtype) if self.lean_dtype else nullcontext()
+        with acc.autocast(), lean:
             logps, entropies = self._logps(self.model, batch, with_entropy=True, entropy_grad=a.entropy_coef != 0.0)
         entropy_mask = None
         if a.top_entropy_quantile < 1.0:
