@@ -67,6 +67,10 @@ def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None
 
 def recomputes_activations(model: torch.nn.Module) -> bool:
     """Whether gradient (activation) checkpointing is on: backward then re-runs the forward."""
+    while hasattr(model, "module"):  # DDP
+        model = model.module
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the first: transformers >= 5.2x
         if hasattr(type(model), name):
             return bool(getattr(model, name))
