@@ -36,19 +36,27 @@ def batch_and_model():
     return batch.select(order), model
 
 
+def logps_and_grads(model, batch, **kwargs):
+    """The training pass at temperature 0.9: log-probs, entropies and every parameter's gradient of their sum."""
+    model.zero_grad()
+    logps, ent = token_logps(model, batch, temperature=0.9, **kwargs)
+    (logps * batch.mask).sum().backward()
+    return logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_pass(a, b, batch):
+    """float32: log-probs at rtol 1e-5 / atol 1e-6, entropies at atol 1e-5, gradients at rtol 1e-5 / atol 1e-6."""
+    m = batch.mask.bool()
+    torch.testing.assert_close(a[0][m], b[0][m], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a[1][m], b[1][m], rtol=1e-5, atol=1e-5)
+    for name, grad in b[2].items():
+        torch.testing.assert_close(a[2][name], grad, rtol=1e-5, atol=1e-6)
+
+
 def test_shared_prefix_logps_and_gradients_match_plain():
     batch, model = batch_and_model()
-    results = {}
-    for share in (False, True):
-        model.zero_grad()
-        logps, ent = token_logps(model, batch, temperature=0.9, share_prefix=share)
-        (logps * batch.mask).sum().backward()
-        results[share] = (logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()})
-    m = batch.mask.bool()
-    torch.testing.assert_close(results[True][0][m], results[False][0][m], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(results[True][1][m], results[False][1][m], rtol=1e-5, atol=1e-5)
-    for name, grad in results[False][2].items():
-        torch.testing.assert_close(results[True][2][name], grad, rtol=1e-5, atol=1e-6)
+    results = {share: logps_and_grads(model, batch, share_prefix=share) for share in (False, True)}
+    assert_same_pass(results[True], results[False], batch)
     assert any(g.abs().sum() > 0 for g in results[True][2].values())
 
 
@@ -178,15 +186,8 @@ def test_grouped_kv_attention_matches_repeated_heads(share, monkeypatch):
             monkeypatch.setattr(grpo.batch, "grouped_kv_attention", lambda model: contextlib.nullcontext())
         else:
             monkeypatch.undo()
-        model.zero_grad()
-        logps, ent = token_logps(model, batch, temperature=0.9, share_prefix=share, chunked_head=True)
-        (logps * batch.mask).sum().backward()
-        results[grouped] = (logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()})
-    m = batch.mask.bool()
-    torch.testing.assert_close(results[True][0][m], results[False][0][m], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(results[True][1][m], results[False][1][m], rtol=1e-5, atol=1e-5)
-    for name, grad in results[False][2].items():
-        torch.testing.assert_close(results[True][2][name], grad, rtol=1e-5, atol=1e-6)
+        results[grouped] = logps_and_grads(model, batch, share_prefix=share, chunked_head=True)
+    assert_same_pass(results[True], results[False], batch)
 
 
 def test_grouped_kv_attention_is_used_and_undone():
