@@ -19,6 +19,8 @@ from typing import Any, Protocol
 import torch
 from transformers import GenerationConfig
 
+from grpo.modeling import base_model
+
 
 @dataclass
 class Rollout:
@@ -73,11 +75,7 @@ def right_pad(rows: Sequence[Sequence[Any]], pad: Any, dtype: torch.dtype = torc
 def _forward_parameters(model: Any) -> Any:
     """The keyword parameters of the transformers model's own forward, looking through DDP and PEFT wrappers
     (which pass keywords on)."""
-    while hasattr(model, "module"):
-        model = model.module
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    return inspect.signature(model.forward).parameters
+    return inspect.signature(base_model(model).forward).parameters
 
 
 def accepts_logits_to_keep(model: Any) -> bool:

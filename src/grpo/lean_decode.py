@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from grpo.modeling import base_model
+
 SUPPORTED = ("llama", "mistral", "qwen2")
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -50,16 +52,9 @@ def fixed_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.d
     return plain_forward
 
 
-def _base(model: Any) -> Any:
-    """The transformers model inside DDP and PEFT wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def unsupported_reason(model: Any) -> str | None:
     """Why `LeanDecoder` cannot run this model (None when it can)."""
-    model = _base(model)
+    model = base_model(model)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED:
@@ -85,7 +80,7 @@ class LeanDecoder:
     """The model's forward for sampling: `prefill` the prompts, then `step` one token at a time, `select` rows."""
 
     def __init__(self, model: Any, dtype: torch.dtype) -> None:
-        model = _base(model)
+        model = base_model(model)
         config, inner = model.config, model.model
         self.dtype = dtype
         self.embed = inner.embed_tokens.weight

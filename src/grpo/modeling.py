@@ -140,3 +140,10 @@ def cpu_isa() -> str:
         return torch.backends.cpu.get_cpu_capability()
     except Exception:
         return "unknown"
+
+
+def base_model(model: Any) -> Any:
+    """The transformers model inside DDP and PEFT wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from transformers import get_scheduler
 
-from grpo.modeling import fast_bf16_available
+from grpo.modeling import base_model, fast_bf16_available
 
 logger = logging.getLogger("grpo")
 
@@ -67,10 +67,7 @@ def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None
 
 def recomputes_activations(model: torch.nn.Module) -> bool:
     """Whether gradient (activation) checkpointing is on: backward then re-runs the forward."""
-    while hasattr(model, "module"):  # DDP
-        model = model.module
-    if hasattr(model, "get_base_model"):  # PEFT
-        model = model.get_base_model()
+    model = base_model(model)
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the first: transformers >= 5.2x
         if hasattr(type(model), name):
             return bool(getattr(model, name))
@@ -93,7 +90,7 @@ def full_parameters(model: torch.nn.Module):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]  # FSDP2
     if sharded:
         for module in sharded:
             module.unshard()
@@ -102,7 +99,7 @@ def full_parameters(model: torch.nn.Module):
         finally:
             for module in sharded:
                 module.reshard()
-    elif any(isinstance(m, FSDP1) for m in model.modules()):
+    elif is_sharded(model):  # FSDP1
         with FSDP1.summon_full_params(model, writeback=False, recurse=True):
             yield
     else:
@@ -129,6 +126,11 @@ def settle_processes(accelerator: Accelerator) -> None:
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 
 
+def env_flag(name: str) -> bool:
+    """A grpo switch in the environment: set and not "0"."""
+    return os.environ.get(name, "0") not in ("", "0")
+
+
 def keep_freed_memory() -> bool:
     """Have glibc keep freed memory for reuse instead of handing it back to the kernel (CPU training).
 
@@ -139,7 +141,7 @@ def keep_freed_memory() -> bool:
     the peak resident size is the heap's high-water mark, which measured no larger (4.67 vs 4.82 GB). Same
     numbers, only where memory comes from. Set GRPO_SYSTEM_MALLOC=1 to keep the system's policy. Returns whether
     the policy was applied (glibc only)."""
-    if os.environ.get("GRPO_SYSTEM_MALLOC", "0") not in ("", "0") or platform.libc_ver()[0] != "glibc":
+    if env_flag("GRPO_SYSTEM_MALLOC") or platform.libc_ver()[0] != "glibc":
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
