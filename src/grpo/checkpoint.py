@@ -152,7 +152,10 @@ def load(trainer: Any, path: str) -> None:
     acc = trainer.accelerator
     _check_run(trainer, state, path)
     model = acc.unwrap_model(trainer.model)
-    if lora.is_peft_model(model):
+    sharded = runtime.is_sharded(trainer.model)
+    if sharded:  # the shards hold the whole trainable state, adapters included, and the optimizer's
+        load_sharded(trainer.model, trainer.optimizer, os.path.join(path, SHARDED))
+    elif lora.is_peft_model(model):
         try:
             unexpected = lora.load_adapter(model, path)
         except RuntimeError as err:  # a shape mismatch
@@ -161,11 +164,9 @@ def load(trainer: Any, path: str) -> None:
         if unexpected:
             raise CheckpointMismatchError(f"The adapter at {path} does not match the model: it has "
                                           f"{', '.join(unexpected[:3])}, which the model lacks.")
-    elif runtime.is_sharded(trainer.model):
-        load_sharded(trainer.model, trainer.optimizer, os.path.join(path, SHARDED))
     else:
         _load_weights(model, path)
-    if not runtime.is_sharded(trainer.model):
+    if not sharded:
         trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=acc.device,
                                                      weights_only=True))
     trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
