@@ -4,9 +4,9 @@
 
 Every decoder layer and the root are sharded with FSDP2 (`fully_shard`, what accelerate's fsdp_version 2
 applies). The fast engine's lean decoder samples greedily; then the training pass (prefix-shared forward, tiled
-output head) scores the completions and back-propagates. The main process writes the tokens, log-probs and
-gradients (gathered whole) next to those of the same model unsharded, and whether the parameters are sharded
-again after sampling."""
+output head, lean norm and MLP blocks) scores the completions and back-propagates. The main process writes
+the tokens, log-probs and gradients (gathered whole) next to those of the same model unsharded, and whether
+the parameters are sharded again after sampling."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from grpo.batch import collate, token_logps
 from grpo.fast_generation import FastEngine
+from grpo.lean_blocks import lean_blocks
 from test_fast_generation import greedy, setup
 
 
@@ -32,7 +33,8 @@ def sample(model, args, stop, pad_id, rows):
 
 
 def train_pass(model, rollout_ids, rows, pad_id):
-    """Log-probs of the sampled completions and the gradients of their sum (whole tensors)."""
+    """Log-probs of the sampled completions and the gradients of their sum (whole tensors), inside `lean_blocks`
+    as the trainer runs it (its own equivalence to the plain blocks: test_lean_blocks.py)."""
     from grpo.generation import Rollout
 
     rollout = Rollout(prompt_ids=rows, completion_ids=rollout_ids, sampling_logps=[[0.0] * len(c) for c in rollout_ids],
@@ -40,7 +42,8 @@ def train_pass(model, rollout_ids, rows, pad_id):
     batch = collate(rollout, torch.zeros(len(rows)), pad_id, mask_truncated=False,
                     group=torch.tensor([i // 4 for i in range(len(rows))]))
     model.zero_grad()
-    logps, _ = token_logps(model, batch, 0.9, share_prefix=True, chunked_head=True)
+    with lean_blocks(model):
+        logps, _ = token_logps(model, batch, 0.9, share_prefix=True, chunked_head=True)
     (logps * batch.mask).sum().backward()
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
     return (logps * batch.mask).tolist(), grads

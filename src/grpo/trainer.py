@@ -39,7 +39,7 @@ import torch
 from accelerate.utils import set_seed
 from transformers import PreTrainedModel, TrainerState
 
-from grpo import checkpoint, data, fast_generation, lean_linears, lora, runtime
+from grpo import checkpoint, data, fast_generation, lean_blocks, lean_linears, lora, runtime
 from grpo.advantages import Advantages, compute_advantages
 from grpo.batch import TrainBatch, collate, head_is_chunkable, token_logps
 from grpo.config import GRPOConfig, warn_odd_combinations
@@ -161,6 +161,7 @@ class GRPOTrainer:
         opted = runtime.env_flag("GRPO_LEAN_LINEARS")
         low = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" and opted else None
         self.lean_dtype = low if lean_linears.applies(self.unwrapped_model, low) is None else None
+        self.lean_blocks = lean_blocks.chosen(self.model)  # norms and MLPs that keep less for backward
         self._prompt_cache: dict[int, list[int]] = {}
         self._buffer: list[TrainBatch] = []
         self._micro_step = 0
@@ -417,7 +418,8 @@ class GRPOTrainer:
         a, acc = self.args, self.accelerator
         t0 = time.perf_counter()
         lean = lean_linears.lean_linears(self.model, self.lean_dtype) if self.lean_dtype else nullcontext()
-        with acc.autocast(), lean:
+        blocks = lean_blocks.lean_blocks(self.model) if self.lean_blocks else nullcontext()
+        with acc.autocast(), lean, blocks:
             logps, entropies = self._logps(self.model, batch, with_entropy=True, entropy_grad=a.entropy_coef != 0.0)
         entropy_mask = None
         if a.top_entropy_quantile < 1.0:
