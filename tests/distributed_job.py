@@ -1,9 +1,15 @@
 """One GRPO step on fixed completions, launched with torchrun (gloo on CPU) by test_distributed.py:
 
-    torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE
+    torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE [fsdp]
 
 Every process takes 8/N completions per micro-step, so the global batch is the same 8 completions whatever N is.
-The update (SGD, linear in the gradient) and the logged metrics go to OUT (main process)."""
+The update (SGD, linear in the gradient) and the logged metrics go to OUT (main process).
+
+With `fsdp`, the run goes through accelerate's FSDP2 path as `accelerate launch` with an FSDP config sets it up
+(ACCELERATE_USE_FSDP / FSDP_VERSION=2 in the environment): accelerate's `prepare` shards every decoder layer and
+the root. accelerate enables FSDP only on accelerators (its state keeps MULTI_CPU), while torch's FSDP2 runs on
+CPU over gloo, so the job lifts that one gate (`allow_fsdp_on_cpu`) and everything else is accelerate's own path.
+Before training, the trainer's own engine samples from the sharded model; then the trainer saves its model."""
 
 from __future__ import annotations
 
@@ -34,8 +40,34 @@ class GlobalFixedEngine(FixedEngine):
         return full.select(range(self.rank * n, self.rank * n + n))
 
 
+def allow_fsdp_on_cpu() -> None:
+    """accelerate's AcceleratorState takes an FSDP plugin on accelerators only; on CPU, take it as well."""
+    import accelerate.state as state
+
+    original = state.AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == state.DistributedType.MULTI_CPU:
+            self.distributed_type = state.DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    state.AcceleratorState.__init__ = init
+
+
+def whole(model):
+    """Every parameter, gathered whole when sharded (a collective: every process calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
 def main() -> None:
     out, model_dir, loss_type = sys.argv[1:4]
+    fsdp = sys.argv[4:5] == ["fsdp"]
+    if fsdp:
+        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+        allow_fsdp_on_cpu()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = cfg(Path(out), output_dir=out, per_device_train_batch_size=8 // world, loss_type=loss_type,
@@ -44,14 +76,25 @@ def main() -> None:
     sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
     trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args,
                           optimizers=(sgd, None))
+    extra = {}
+    if fsdp:
+        from grpo.runtime import is_sharded
+
+        extra["sharded"] = is_sharded(trainer.model)
+        from grpo.data import tokenize_prompts
+
+        rows = tokenize_prompts([chat_dataset()[0]["prompt"]] * 2, trainer.processing_class)
+        extra["sampled"] = [len(c) for c in trainer.engine.generate(rows).completion_ids]
     trainer.engine = GlobalFixedEngine(trainer.processing_class, trainer.accelerator.process_index)
-    before = {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
+    before = whole(trainer.unwrapped_model)
     trainer.train()
+    after = whole(trainer.unwrapped_model)
+    if fsdp:
+        trainer.save_model(os.path.join(out, "saved"))
     if trainer.accelerator.is_main_process:
-        update = {n: p.detach() - before[n] for n, p in trainer.unwrapped_model.named_parameters()}
-        torch.save(update, os.path.join(out, "update.pt"))
+        torch.save({n: p - before[n] for n, p in after.items()}, os.path.join(out, "update.pt"))
         with open(os.path.join(out, "row.json"), "w") as f:
-            json.dump({**trainer.state.log_history[-1], "world": trainer.accelerator.num_processes}, f)
+            json.dump({**trainer.state.log_history[-1], "world": trainer.accelerator.num_processes, **extra}, f)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc, out, model_dir, loss_type):
+def launch(nproc, out, model_dir, loss_type, *mode):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           JOB, str(out), model_dir, loss_type]
+           JOB, str(out), model_dir, loss_type, *mode]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     with open(os.path.join(out, "row.json")) as f:
@@ -45,3 +45,25 @@ def test_two_processes_update_like_one(tiny_model_dir, tmp_path, loss_type):
     # metrics are reduced over both processes: the same numbers as one process on the whole batch
     for key in ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm"):
         assert row2[key] == pytest.approx(row1[key], rel=1e-5), key
+
+
+def test_fsdp_through_accelerate_updates_like_one_process(tiny_model_dir, tmp_path):
+    """The trainer under accelerate's FSDP2 path at 2 processes (see distributed_job.py): parameters sharded,
+    the trainer's fast engine samples from the sharded model, the update equals one unsharded process's on the
+    same global batch, metrics are reduced alike, and save_model after train() writes the whole updated model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    one, row1 = launch(1, tmp_path / "one", tiny_model_dir, "dapo")
+    two, row2 = launch(2, tmp_path / "two", tiny_model_dir, "dapo", "fsdp")
+    assert row2["world"] == 2 and row2["sharded"] is True
+    assert len(row2["sampled"]) == 2 and all(1 <= n <= 8 for n in row2["sampled"])
+    for name in one:
+        assert one[name].abs().sum() > 0
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-7)
+    for key in ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm"):
+        assert row2[key] == pytest.approx(row1[key], rel=1e-5), key
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    saved = load_file(os.path.join(tmp_path / "two", "saved", "model.safetensors"))
+    for name, update in two.items():
+        torch.testing.assert_close(saved[name], initial[name].detach() + update, rtol=0, atol=1e-6)

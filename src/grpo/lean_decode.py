@@ -94,7 +94,7 @@ class LeanDecoder:
             a, m = layer.self_attn, layer.mlp
             qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
             self.layers.append(dict(
-                norm1=layer.input_layernorm, norm2=layer.post_attention_layernorm,
+                norm1=_rms_norm(layer.input_layernorm), norm2=_rms_norm(layer.post_attention_layernorm),
                 qkv=fixed_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_bias, dtype),
                 o=fixed_linear(a.o_proj.weight, a.o_proj.bias, dtype),
                 gate_up=fixed_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),
@@ -102,7 +102,7 @@ class LeanDecoder:
                                                                                       m.up_proj.bias]), dtype),
                 down=fixed_linear(m.down_proj.weight, m.down_proj.bias, dtype),
                 intermediate=m.gate_proj.out_features))
-        self.norm = inner.norm
+        self.norm = _rms_norm(inner.norm)
         self.head = fixed_linear(model.lm_head.weight, model.lm_head.bias, dtype)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -168,6 +168,16 @@ class LeanDecoder:
             x = x + layer["down"](F.silu(gate) * up)
         self.length = end
         return self.head(self.norm(x[:, -1])).float()
+
+
+def _rms_norm(module: torch.nn.Module) -> Linear:
+    """The RMSNorm module's arithmetic on its weight as it is now (the module's forward is not called: under FSDP
+    that would run its sharding hooks outside the model's forward). Float32 input, as in the lean forward."""
+    weight, eps = module.weight, module.variance_epsilon
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return norm
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

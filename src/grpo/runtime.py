@@ -3,6 +3,7 @@ process-level settings a CPU run needs (allocator policy, teardown of the proces
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import logging
@@ -111,6 +112,25 @@ def any_process(accelerator: Accelerator, flag: bool) -> bool:
     if accelerator.num_processes == 1:
         return flag
     return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum") > 0)
+
+
+def end_training(accelerator: Accelerator) -> None:
+    """The end of `train()`: trackers finished. The process group stays up, so that calls after training that
+    need every process (`save_model` gathers a sharded model) still work; it is torn down at exit, settled."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
+    if accelerator.num_processes > 1 and accelerator not in _TEARDOWN:
+        _TEARDOWN.append(accelerator)
+        atexit.register(_tear_down, accelerator)
+
+
+_TEARDOWN: list[Accelerator] = []
+
+
+def _tear_down(accelerator: Accelerator) -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        settle_processes(accelerator)
+        accelerator.state.destroy_process_group()
 
 
 def settle_processes(accelerator: Accelerator) -> None:

@@ -238,8 +238,7 @@ class GRPOTrainer:
                 total_loss += self._step()
                 if runtime.any_process(self.accelerator, preempted.is_set()):
                     self._save_and_exit_on_preemption()
-        runtime.settle_processes(self.accelerator)
-        self.accelerator.end_training()
+        runtime.end_training(self.accelerator)
         metrics = self.state.log_history[-1] if self.state.log_history else {}
         return TrainOutput(self.state.global_step, total_loss / max(self.state.global_step, 1), metrics)
 
