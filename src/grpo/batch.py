@@ -154,8 +154,7 @@ def head_is_chunkable(model: Any) -> bool:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     config = getattr(model, "config", None)
     scaled = any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    own_unit = isinstance(head, FSDPModule) and head is not model
-    return isinstance(head, torch.nn.Linear) and not scaled and not own_unit
+    return isinstance(head, torch.nn.Linear) and not scaled and not isinstance(head, FSDPModule)
 
 
 def _outputs(model: Any, chunked_head: bool, **inputs: Any) -> torch.Tensor:

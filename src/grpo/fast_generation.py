@@ -38,6 +38,7 @@ from transformers import (
 
 from grpo.generation import Rollout, accepts_logits_to_keep, cache_argument, left_pad
 from grpo.lean_decode import LeanDecoder, fixed_linear, unsupported_reason
+from grpo.modeling import swapped_forwards
 from grpo.runtime import full_parameters
 
 logger = logging.getLogger("grpo")
@@ -80,20 +81,19 @@ class low_precision_linears:  # noqa: N801 (a context manager used like a functi
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None) -> None:
         self.model, self.dtype = model, dtype
         self.patched: list[torch.nn.Module] = []
+        self.swap: Any = nullcontext()
 
     def __enter__(self) -> low_precision_linears:
-        if self.dtype not in (torch.bfloat16, torch.float16):
-            return self
-        for module in self.model.modules():
-            if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32:
-                module.forward = fixed_linear(module.weight, module.bias, self.dtype)
-                self.patched.append(module)
+        if self.dtype in (torch.bfloat16, torch.float16):
+            self.patched = [m for m in self.model.modules()
+                            if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
+            self.swap = swapped_forwards([(m, fixed_linear(m.weight, m.bias, self.dtype)) for m in self.patched])
+        self.swap.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for module in self.patched:
-            del module.forward  # back to the class's forward
-        self.patched.clear()
+        self.swap.__exit__(*exc)
+        self.patched, self.swap = [], nullcontext()
 
 
 def supports(model: Any, args: Any) -> str | None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from grpo.modeling import base_model
+from grpo.modeling import base_model, swapped_forwards
 
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
@@ -124,18 +124,13 @@ def lean_blocks(model: torch.nn.Module):
     """Within the context, the model's Llama-family RMSNorm and SiLU-gated MLP blocks compute as before but keep
     less for backward; under autocast the norms that feed projections output the autocast dtype's rounding once.
     Use around the forward only: backward needs nothing from the context."""
-    patched = []
+    forwards = []
     for layer in model.modules():
         for name, sub in layer.named_children():
             if type(sub).__name__ in NORMS and hasattr(sub, "variance_epsilon"):
                 # the block's norms feed projections; the model's final norm feeds the head (keeps float32)
-                sub.forward = _norm_forward(sub, name in ("input_layernorm", "post_attention_layernorm"))
-                patched.append(sub)
+                forwards.append((sub, _norm_forward(sub, name in ("input_layernorm", "post_attention_layernorm"))))
             elif type(sub).__name__ in MLPS and type(sub.act_fn).__name__ in ("SiLU", "SiLUActivation"):
-                sub.forward = _mlp_forward(sub)
-                patched.append(sub)
-    try:
+                forwards.append((sub, _mlp_forward(sub)))
+    with swapped_forwards(forwards):
         yield
-    finally:
-        for module in patched:
-            del module.forward  # back to the class's forward

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from grpo.modeling import swapped_forwards
+
 
 class _Linear(torch.autograd.Function):
     @staticmethod
@@ -70,13 +72,10 @@ def lean_linears(model: torch.nn.Module, dtype: torch.dtype):
         return forward
 
     patched = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype != dtype]
-    for module in patched:
-        module.forward = make_forward(module)
     try:
-        yield
+        with swapped_forwards([(module, make_forward(module)) for module in patched]):
+            yield
     finally:
-        for module in patched:
-            del module.forward  # back to the class's forward
         casts.clear()
 
 
