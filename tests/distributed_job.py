@@ -78,11 +78,10 @@ def main() -> None:
                           optimizers=(sgd, None))
     extra = {}
     if fsdp:
+        from grpo.data import tokenize_prompts
         from grpo.runtime import is_sharded
 
         extra["sharded"] = is_sharded(trainer.model)
-        from grpo.data import tokenize_prompts
-
         rows = tokenize_prompts([chat_dataset()[0]["prompt"]] * 2, trainer.processing_class)
         extra["sampled"] = [len(c) for c in trainer.engine.generate(rows).completion_ids]
     trainer.engine = GlobalFixedEngine(trainer.processing_class, trainer.accelerator.process_index)
