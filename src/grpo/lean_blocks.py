@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from grpo.lean_decode import rms_norm
 from grpo.modeling import base_model, swapped_forwards
 
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
@@ -39,10 +40,7 @@ logger = logging.getLogger("grpo")
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, out_dtype):
-        # transformers' LlamaRMSNorm, operator for operator (float32 input: the cast back is a no-op)
-        var = x.pow(2).mean(-1, keepdim=True)
-        rstd = torch.rsqrt(var + eps)
-        out = weight * (x * rstd)
+        out, rstd = rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return out if out_dtype is None else out.to(out_dtype)
 

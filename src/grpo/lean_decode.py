@@ -170,14 +170,18 @@ class LeanDecoder:
         return self.head(self.norm(x[:, -1])).float()
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Llama RMSNorm on a float32 input, operator for operator (its cast back to the input dtype is
+    then a no-op): the output, and the inverse RMS per row."""
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x * rstd), rstd
+
+
 def _rms_norm(module: torch.nn.Module) -> Linear:
     """The RMSNorm module's arithmetic on its weight as it is now (the module's forward is not called: under FSDP
     that would run its sharding hooks outside the model's forward). Float32 input, as in the lean forward."""
     weight, eps = module.weight, module.variance_epsilon
-
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-    return norm
+    return lambda x: rms_norm(x, weight, eps)[0]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
