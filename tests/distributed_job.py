@@ -1,6 +1,6 @@
 """One GRPO step on fixed completions, launched with torchrun (gloo on CPU) by test_distributed.py:
 
-    torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE [fsdp]
+    torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE [fsdp | zero2 | zero3]
 
 Every process takes 8/N completions per micro-step, so the global batch is the same 8 completions whatever N is.
 The update (SGD, linear in the gradient) and the logged metrics go to OUT (main process).
@@ -9,7 +9,11 @@ With `fsdp`, the run goes through accelerate's FSDP2 path as `accelerate launch`
 (ACCELERATE_USE_FSDP / FSDP_VERSION=2 in the environment): accelerate's `prepare` shards every decoder layer and
 the root. accelerate enables FSDP only on accelerators (its state keeps MULTI_CPU), while torch's FSDP2 runs on
 CPU over gloo, so the job lifts that one gate (`allow_fsdp_on_cpu`) and everything else is accelerate's own path.
-Before training, the trainer's own engine samples from the sharded model; then the trainer saves its model."""
+With `zero2` / `zero3`, the run goes through accelerate's DeepSpeed path as `accelerate launch --use_deepspeed
+--zero_stage N` sets it up (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_ZERO_STAGE); DeepSpeed runs on the CPU
+by itself (its CPU accelerator, gloo), nothing is lifted.
+In these modes, before training, the trainer's own engine samples from the sharded model; then the trainer saves
+its model."""
 
 from __future__ import annotations
 
@@ -59,15 +63,23 @@ def whole(model):
     """Every parameter, gathered whole when sharded (a collective: every process calls it)."""
     from torch.distributed.tensor import DTensor
 
+    from grpo import zero
+
+    if zero.is_partitioned(model):
+        with zero.gathered(model):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def main() -> None:
     out, model_dir, loss_type = sys.argv[1:4]
-    fsdp = sys.argv[4:5] == ["fsdp"]
+    mode = sys.argv[4] if len(sys.argv) > 4 else ""
+    fsdp = mode == "fsdp"
     if fsdp:
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
         allow_fsdp_on_cpu()
+    if mode.startswith("zero"):  # what `accelerate launch --use_deepspeed --zero_stage N` sets
+        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=mode[-1])
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = cfg(Path(out), output_dir=out, per_device_train_batch_size=8 // world, loss_type=loss_type,
@@ -77,18 +89,21 @@ def main() -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args,
                           optimizers=(sgd, None))
     extra = {}
-    if fsdp:
+    if mode:
         from grpo.data import tokenize_prompts
+        from grpo import zero
         from grpo.runtime import is_sharded
 
-        extra["sharded"] = is_sharded(trainer.model)
+        extra["sharded"] = is_sharded(trainer.model) or zero.is_partitioned(trainer.unwrapped_model)
+        extra["engine"] = f"zero{zero.plugin(trainer.accelerator).zero_stage}" if zero.in_use(trainer.accelerator) \
+            else "fsdp" if is_sharded(trainer.model) else "ddp"
         rows = tokenize_prompts([chat_dataset()[0]["prompt"]] * 2, trainer.processing_class)
         extra["sampled"] = [len(c) for c in trainer.engine.generate(rows).completion_ids]
     trainer.engine = GlobalFixedEngine(trainer.processing_class, trainer.accelerator.process_index)
     before = whole(trainer.unwrapped_model)
     trainer.train()
     after = whole(trainer.unwrapped_model)
-    if fsdp:
+    if mode:
         trainer.save_model(os.path.join(out, "saved"))
     if trainer.accelerator.is_main_process:
         torch.save({n: p - before[n] for n, p in after.items()}, os.path.join(out, "update.pt"))

@@ -6,6 +6,7 @@ compared."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 JOB = os.path.join(os.path.dirname(__file__), "distributed_job.py")
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed not installed")
 
 
 def free_port() -> int:
@@ -47,16 +49,21 @@ def test_two_processes_update_like_one(tiny_model_dir, tmp_path, loss_type):
         assert row2[key] == pytest.approx(row1[key], rel=1e-5), key
 
 
-def test_fsdp_through_accelerate_updates_like_one_process(tiny_model_dir, tmp_path):
-    """The trainer under accelerate's FSDP2 path at 2 processes (see distributed_job.py): parameters sharded,
+SHARDED_MODES = ["fsdp", pytest.param("zero2", marks=needs_deepspeed), pytest.param("zero3", marks=needs_deepspeed)]
+
+
+@pytest.mark.parametrize("mode", SHARDED_MODES)
+def test_sharded_training_through_accelerate_updates_like_one_process(tiny_model_dir, tmp_path, mode):
+    """The trainer under accelerate's FSDP2 path, or DeepSpeed ZeRO-2 / ZeRO-3, at 2 processes (see
+    distributed_job.py): parameters sharded (FSDP, ZeRO-3; ZeRO-2 partitions gradients and optimizer state),
     the trainer's fast engine samples from the sharded model, the update equals one unsharded process's on the
     same global batch, metrics are reduced alike, and save_model after train() writes the whole updated model."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     one, row1 = launch(1, tmp_path / "one", tiny_model_dir, "dapo")
-    two, row2 = launch(2, tmp_path / "two", tiny_model_dir, "dapo", "fsdp")
-    assert row2["world"] == 2 and row2["sharded"] is True
+    two, row2 = launch(2, tmp_path / "two", tiny_model_dir, "dapo", mode)
+    assert row2["world"] == 2 and row2["sharded"] is (mode != "zero2") and row2["engine"] == mode
     assert len(row2["sampled"]) == 2 and all(1 <= n <= 8 for n in row2["sampled"])
     for name in one:
         assert one[name].abs().sum() > 0

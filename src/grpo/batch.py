@@ -147,14 +147,18 @@ def _pieces(lengths: torch.Tensor, chunk_size: int | None) -> list[torch.Tensor]
 def head_is_chunkable(model: Any) -> bool:
     """A plain linear output head with nothing applied after it (no logit soft-capping or scaling), and not its own
     FSDP unit: the tiled kernel reads the head's weight outside the head's forward, and FSDP frees a unit's
-    gathered weight when its forward ends (a head sharded with the root unit stays gathered, and is fine)."""
+    gathered weight when its forward ends (a head sharded with the root unit stays gathered, and is fine); nor
+    partitioned by DeepSpeed ZeRO-3, which likewise releases it after the head's forward."""
     from torch.distributed.fsdp import FSDPModule
+
+    from grpo.zero import is_partitioned
 
     model = _unwrap(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     config = getattr(model, "config", None)
     scaled = any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    return isinstance(head, torch.nn.Linear) and not scaled and not isinstance(head, FSDPModule)
+    return (isinstance(head, torch.nn.Linear) and not scaled and not isinstance(head, FSDPModule)
+            and not is_partitioned(head))
 
 
 def _outputs(model: Any, chunked_head: bool, **inputs: Any) -> torch.Tensor:

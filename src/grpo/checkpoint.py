@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grpo import lora, runtime
+from grpo import lora, runtime, zero
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE = "trainer_state.json"
@@ -49,6 +49,9 @@ def model_state(trainer: Any) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    module = trainer.accelerator.unwrap_model(trainer.model)
+    if zero.is_partitioned(module):  # whatever stage3_gather_16bit_weights_on_model_save says
+        return zero.full_state_dict(module, trainer.accelerator.is_main_process)
     return trainer.accelerator.get_state_dict(trainer.model)
 
 

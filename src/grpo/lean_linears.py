@@ -82,6 +82,7 @@ def lean_linears(model: torch.nn.Module, dtype: torch.dtype):
 def applies(model: Any, autocast_dtype: torch.dtype | None) -> str | None:
     """Why `lean_linears` cannot be used for this model's training pass (None when it can)."""
     from grpo.runtime import is_sharded, recomputes_activations
+    from grpo.zero import is_partitioned
 
     if autocast_dtype is None:
         return "no autocast"
@@ -89,4 +90,6 @@ def applies(model: Any, autocast_dtype: torch.dtype | None) -> str | None:
         return "gradient checkpointing recomputes the forward outside the context"
     if is_sharded(model):
         return "sharded parameters are gathered and freed per layer by FSDP"
+    if is_partitioned(model):
+        return "partitioned parameters are gathered and freed per layer by DeepSpeed ZeRO-3"
     return None

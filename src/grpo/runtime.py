@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from accelerate.utils import InitProcessGroupKwargs
 from transformers import get_scheduler
 
 from grpo.modeling import base_model, fast_bf16_available
@@ -36,7 +37,12 @@ def make_accelerator(args: Any) -> Accelerator:
         # A second trainer in one process (notebooks, tests) with another precision: accelerate keeps one
         # global state and would refuse; in a single process it is safe to start it afresh.
         AcceleratorState._reset_state()
-    accelerator = Accelerator(cpu=cpu, mixed_precision=precision, log_with=report_to, project_dir=args.output_dir)
+    # accelerate takes DeepSpeed (set up by `accelerate launch`) only when not told cpu=True; with no
+    # accelerator it must be told the CPU's process-group backend, or it would count one process
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not args.use_cpu
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and cpu else None
+    accelerator = Accelerator(cpu=cpu and not deepspeed, mixed_precision=precision, log_with=report_to,
+                              project_dir=args.output_dir, kwargs_handlers=handlers)
     if report_to:
         accelerator.init_trackers(args.run_name or "grpo", config=_trackable(args.to_dict()))
     return accelerator
@@ -87,9 +93,12 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def full_parameters(model: torch.nn.Module):
     """Every parameter of a sharded model whole, for code that reads weights directly (the lean decoder), then
     sharded again. FSDP2 (`fully_shard`, accelerate's fsdp_version 2): each sharded module is unsharded, its
-    parameters plain tensors again; FSDP1: `summon_full_params` without writeback. Unsharded models: nothing."""
+    parameters plain tensors again; FSDP1: `summon_full_params` without writeback; DeepSpeed ZeRO-3: its
+    parameters gathered read-only. Unsharded models: nothing."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    from grpo import zero
 
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]  # FSDP2
     if sharded:
@@ -102,6 +111,9 @@ def full_parameters(model: torch.nn.Module):
                 module.reshard()
     elif is_sharded(model):  # FSDP1
         with FSDP1.summon_full_params(model, writeback=False, recurse=True):
+            yield
+    elif zero.is_partitioned(model):
+        with zero.gathered(model):
             yield
     else:
         yield

@@ -39,7 +39,7 @@ import torch
 from accelerate.utils import set_seed
 from transformers import PreTrainedModel, TrainerState
 
-from grpo import checkpoint, data, fast_generation, lean_blocks, lean_linears, lora, runtime
+from grpo import checkpoint, data, fast_generation, lean_blocks, lean_linears, lora, runtime, zero
 from grpo.advantages import Advantages, compute_advantages
 from grpo.batch import TrainBatch, collate, head_is_chunkable, token_logps
 from grpo.config import GRPOConfig, warn_odd_combinations
@@ -139,6 +139,7 @@ class GRPOTrainer:
         self.state.max_steps = self.max_steps
         self.optimizer, self.lr_scheduler = optimizers
         self._make_optimizer()
+        zero.configure(self.accelerator, args)  # DeepSpeed: its "auto" batch values from this config
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
             self.model, self.optimizer, self.lr_scheduler)
         # Precision is set explicitly around each forward (accelerator.autocast()); drop accelerate's autocast
@@ -266,7 +267,9 @@ class GRPOTrainer:
         for micro in range(a.gradient_accumulation_steps):
             batch = self._next_micro_batch()
             last = micro == a.gradient_accumulation_steps - 1
-            with nullcontext() if last else self.accelerator.no_sync(self.model):
+            # DeepSpeed accumulates (and reduces at the boundary) itself
+            sync = last or zero.in_use(self.accelerator)
+            with nullcontext() if sync else self.accelerator.no_sync(self.model):
                 step_loss += self._train_on(batch)
         grad_norm = self._clip_and_check_gradients()
         self.optimizer.step()
@@ -439,7 +442,7 @@ class GRPOTrainer:
             loss = loss - a.entropy_coef * entropy_bonus(entropies, bonus_mask) / ga
         if not torch.isfinite(loss):
             raise TrainingError(self._nonfinite_message("loss", loss.item()))
-        acc.backward(loss)
+        acc.backward(loss, **zero.backward_kwargs(acc))
         stats["entropy"] = masked_mean_stat(entropies.detach(), batch.mask)
         self.metrics.add_many(reduce_stats(stats, self.accelerator))
         n_tokens = batch.mask.sum().item()
@@ -447,6 +450,8 @@ class GRPOTrainer:
         return loss.item()
 
     def _clip_and_check_gradients(self) -> float:
+        if zero.in_use(self.accelerator):  # DeepSpeed clipped and stepped in the last backward
+            return zero.grad_norm(self.accelerator)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             norm = self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm)

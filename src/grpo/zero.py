@@ -1,0 +1,108 @@
+"""DeepSpeed ZeRO through accelerate (`accelerate launch --use_deepspeed` or an accelerate config with a
+`deepspeed_config`): what the trainer does differently when DeepSpeed owns the model and optimizer.
+
+- The DeepSpeed config's "auto" values come from GRPOConfig (micro-batch, gradient accumulation, clipping);
+  an explicit value that differs is an error naming both.
+- DeepSpeed accumulates, reduces, clips and steps inside `accelerator.backward` (at the accumulation boundary);
+  the loss is already scaled for accumulation by the trainer (`scale_wrt_gas=False`), so the update is the same
+  as the plain path's. The gradient norm is DeepSpeed's.
+- ZeRO-3 partitions every parameter: the rollout gathers them for its duration (the same as FSDP), and the
+  tiled output head, which reads the head's weight outside its forward, is not used.
+- Checkpoints: DeepSpeed's own (`engine.save_checkpoint`, every process writes its partition of the optimizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+STATE_DIR = "deepspeed"  # inside a checkpoint: DeepSpeed's engine checkpoint
+_TAG = "state"
+
+
+def plugin(accelerator: Any) -> Any:
+    """accelerate's active DeepSpeed plugin, or None when DeepSpeed is not in use."""
+    return getattr(accelerator.state, "deepspeed_plugin", None)
+
+
+def in_use(accelerator: Any) -> bool:
+    return plugin(accelerator) is not None
+
+
+def engine(accelerator: Any) -> Any:
+    """The DeepSpeed engine accelerate made in `prepare`."""
+    return accelerator.deepspeed_engine_wrapped.engine
+
+
+def configure(accelerator: Any, args: Any) -> None:
+    """Fill the DeepSpeed config's "auto" (or missing) batch, accumulation and clipping values from GRPOConfig,
+    before `accelerator.prepare`; explicit values that differ raise a ValueError naming each."""
+    ds = plugin(accelerator)
+    if ds is None:
+        return
+    config = ds.deepspeed_config
+    mb, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    wanted = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": ga,
+              "train_batch_size": mb * ga * accelerator.num_processes,
+              "gradient_clipping": float(args.max_grad_norm or 0.0)}
+    mismatches = []
+    for key, value in wanted.items():
+        given = config.get(key, "auto")
+        if given == "auto":
+            config[key] = value
+        elif float(given) != float(value):
+            mismatches.append(f"{key} is {given} in the DeepSpeed config and {value} from GRPOConfig")
+    if mismatches:
+        raise ValueError("The DeepSpeed config disagrees with GRPOConfig: " + "; ".join(mismatches) + ". Set these "
+                         "to \"auto\" in the DeepSpeed config (GRPOConfig then decides), or make them equal.")
+    ds.gradient_accumulation_steps = ga
+    accelerator.gradient_accumulation_steps = ga
+
+
+def backward_kwargs(accelerator: Any) -> dict[str, Any]:
+    """Extra arguments for `accelerator.backward`: under DeepSpeed the loss is already scaled for accumulation."""
+    return {"scale_wrt_gas": False} if in_use(accelerator) else {}
+
+
+def grad_norm(accelerator: Any) -> float:
+    """The gradient norm DeepSpeed computed (before clipping) when it stepped in the last backward."""
+    norm = engine(accelerator).get_global_grad_norm()
+    return float(norm) if norm is not None else 0.0
+
+
+def is_partitioned(model: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 partitions this model's parameters."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+@contextlib.contextmanager
+def gathered(model: torch.nn.Module):
+    """Every ZeRO-3 parameter whole (read-only) within the context, partitioned again after."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        yield
+
+
+def full_state_dict(model: torch.nn.Module, main: bool) -> dict[str, torch.Tensor]:
+    """A ZeRO-3 model's whole state dict on the main process, on CPU (every process must call it)."""
+    state = {}
+    with gathered(model):
+        if main:
+            state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
+    return state
+
+
+def save(accelerator: Any, directory: str) -> None:
+    """Every process writes its part of DeepSpeed's engine state (module, optimizer partitions)."""
+    engine(accelerator).save_checkpoint(directory, tag=_TAG)
+
+
+def load(accelerator: Any, directory: str) -> None:
+    """`save`'s state back into the engine (every process); the scheduler is restored by the trainer."""
+    path, _ = engine(accelerator).load_checkpoint(directory, tag=_TAG, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=False)
+    if path is None:
+        raise FileNotFoundError(f"No DeepSpeed state in {directory}")
