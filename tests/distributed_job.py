@@ -90,8 +90,8 @@ def main() -> None:
                           optimizers=(sgd, None))
     extra = {}
     if mode:
-        from grpo.data import tokenize_prompts
         from grpo import zero
+        from grpo.data import tokenize_prompts
         from grpo.runtime import is_sharded
 
         extra["sharded"] = is_sharded(trainer.model) or zero.is_partitioned(trainer.unwrapped_model)

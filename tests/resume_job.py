@@ -4,8 +4,11 @@
 
 --pause-after N: once checkpoint-N is complete, print SAVED and wait (to be killed with SIGKILL);
 --block-writing N: while writing checkpoint-N, print WRITING and wait (a kill mid-write);
---term-at N: send this process SIGTERM during step N (preemption).
-At the end the final parameters go to OUT/final_params.pt."""
+--term-at N: send this process SIGTERM during step N (preemption);
+--zero N: under DeepSpeed ZeRO stage N, as `accelerate launch --use_deepspeed --zero_stage N` sets it up (launch
+  with torchrun);
+--stop-after N: once checkpoint-N is complete, every process ends at once (os._exit: no cleanup, as if killed).
+At the end the final parameters go to OUT/final_params.pt (whole, from the main process)."""
 
 from __future__ import annotations
 
@@ -41,19 +44,25 @@ def main() -> None:
     p.add_argument("--pause-after", type=int, default=0)
     p.add_argument("--block-writing", type=int, default=0)
     p.add_argument("--term-at", type=int, default=0)
+    p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--stop-after", type=int, default=0)
     o = p.parse_args()
+    if o.zero:
+        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(o.zero))
     torch.set_num_threads(1)
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Solve {i}+1"}]} for i in range(8)])
     args = GRPOConfig(output_dir=o.out, max_steps=6, save_steps=3, per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=8, learning_rate=1e-2, logging_steps=1, disable_tqdm=True, bf16=False,
                       seed=0, steps_per_generation=o.spg, gradient_checkpointing=False)
-    if o.pause_after:
+    if o.pause_after or o.stop_after:
         save = ckpt.save
 
         def save_then_pause(trainer, step):
             path = save(trainer, step)
             if step == o.pause_after:
                 hang("SAVED")
+            if step == o.stop_after:
+                os._exit(0)
             return path
         ckpt.save = save_then_pause
     if o.block_writing:
@@ -74,8 +83,9 @@ def main() -> None:
             return step()
         trainer._step = step_with_sigterm
     trainer.train(resume_from_checkpoint=bool(o.resume) or None)
-    torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()},
-               os.path.join(o.out, "final_params.pt"))
+    state = ckpt.model_state(trainer)  # every process: gathered when partitioned
+    if trainer.accelerator.is_main_process:
+        torch.save(state, os.path.join(o.out, "final_params.pt"))
     sys.exit(0)
 
 

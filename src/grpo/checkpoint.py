@@ -4,7 +4,9 @@ A checkpoint is written under a temporary name and renamed into place once compl
 mid-write never leaves a directory a resume would pick. It holds:
 - the policy and tokenizer as a Hugging Face model directory (loadable with `from_pretrained`);
 - `optimizer.pt`, `scheduler.pt`; for a sharded model (FSDP) the model and optimizer shards instead go to
-  `sharded/`, written by every process with torch.distributed.checkpoint (the model directory is still whole);
+  `sharded/`, written by every process with torch.distributed.checkpoint; under DeepSpeed, its own engine
+  checkpoint goes to `deepspeed/` (every process writes its optimizer partition); the model directory is
+  always whole;
 - `rng_state_<rank>.pth` per process (python, numpy, torch CPU and CUDA generators);
 - `rollouts_<rank>.pt` per process when the step falls inside a generation cycle (steps_per_generation or
   num_iterations > 1): the buffered batches the next steps train on;
@@ -97,14 +99,17 @@ def save(trainer: Any, step: int) -> str:
     torch.save(_rng_state(), os.path.join(tmp, f"rng_state_{rank}.pth"))
     state_dict = model_state(trainer)
     sharded = runtime.is_sharded(trainer.model)
+    deepspeed = zero.in_use(acc)
     if sharded:
         save_sharded(trainer.model, trainer.optimizer, os.path.join(tmp, SHARDED))
+    elif deepspeed:  # DeepSpeed's own engine checkpoint: every process writes its optimizer partition
+        zero.save(acc, os.path.join(tmp, zero.STATE_DIR))
     if trainer._buffer and trainer._micro_step % trainer.cycle_length != 0:
         torch.save([_batch_dict(b) for b in trainer._buffer], os.path.join(tmp, f"rollouts_{rank}.pt"))
     acc.wait_for_everyone()
     if acc.is_main_process:
         save_pretrained(trainer, tmp, state_dict)
-        if not sharded:
+        if not sharded and not deepspeed:
             torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
         state = {"global_step": step, "micro_step": trainer._micro_step, "data_position": trainer._data_position,
@@ -153,11 +158,19 @@ def load(trainer: Any, path: str) -> None:
     with open(os.path.join(path, STATE)) as f:
         state = json.load(f)
     acc = trainer.accelerator
+    # where saved tensors go: accelerate numbers CPU processes' devices ("cpu:1"), which torch.load rejects
+    device = "cpu" if acc.device.type == "cpu" else acc.device
     _check_run(trainer, state, path)
     model = acc.unwrap_model(trainer.model)
-    sharded = runtime.is_sharded(trainer.model)
+    sharded, deepspeed = runtime.is_sharded(trainer.model), zero.in_use(acc)
     if sharded:  # the shards hold the whole trainable state, adapters included, and the optimizer's
         load_sharded(trainer.model, trainer.optimizer, os.path.join(path, SHARDED))
+    elif deepspeed:  # DeepSpeed's engine checkpoint: the module, and this process's optimizer partition
+        try:
+            zero.load(acc, os.path.join(path, zero.STATE_DIR))
+        except (RuntimeError, FileNotFoundError) as err:
+            raise CheckpointMismatchError(f"The DeepSpeed state in {path} does not match this run: "
+                                          f"{str(err).splitlines()[0][:300]}") from None
     elif lora.is_peft_model(model):
         try:
             unexpected = lora.load_adapter(model, path)
@@ -169,8 +182,8 @@ def load(trainer: Any, path: str) -> None:
                                           f"{', '.join(unexpected[:3])}, which the model lacks.")
     else:
         _load_weights(model, path)
-    if not sharded:
-        trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=acc.device,
+    if not sharded and not deepspeed:
+        trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device,
                                                      weights_only=True))
     trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
     trainer.state.global_step = state["global_step"]
@@ -186,7 +199,7 @@ def load(trainer: Any, path: str) -> None:
     if os.path.exists(rollouts):
         from grpo.batch import TrainBatch
 
-        saved = torch.load(rollouts, map_location=acc.device, weights_only=True)
+        saved = torch.load(rollouts, map_location=device, weights_only=True)
         trainer._buffer = [TrainBatch(**fields) for fields in saved]
     # python and numpy generator states are plain tuples/arrays; the file is this run's own
     _set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pth"), weights_only=False))

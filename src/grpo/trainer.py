@@ -140,8 +140,9 @@ class GRPOTrainer:
         self.optimizer, self.lr_scheduler = optimizers
         self._make_optimizer()
         zero.configure(self.accelerator, args)  # DeepSpeed: its "auto" batch values from this config
-        self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(
-            self.model, self.optimizer, self.lr_scheduler)
+        # the schedule is not handed to accelerate: its wrapper steps it once per process per step (it assumes
+        # a dataloader split across processes), which would end an N-process run's schedule N times too early
+        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         # Precision is set explicitly around each forward (accelerator.autocast()); drop accelerate's autocast
         # wrapper on forward so that code calling the model outside those regions (evaluation) gets float32.
         self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
