@@ -1,6 +1,6 @@
 """One GRPO step on fixed completions, launched with torchrun (gloo on CPU) by test_distributed.py:
 
-    torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE [fsdp | zero2 | zero3]
+    torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE [fsdp | zero2 | zero3 | ddp][+lora]
 
 Every process takes 8/N completions per micro-step, so the global batch is the same 8 completions whatever N is.
 The update (SGD, linear in the gradient) and the logged metrics go to OUT (main process).
@@ -73,23 +73,29 @@ def whole(model):
 
 def main() -> None:
     out, model_dir, loss_type = sys.argv[1:4]
-    mode = sys.argv[4] if len(sys.argv) > 4 else ""
-    fsdp = mode == "fsdp"
-    if fsdp:
+    mode, *options = (sys.argv[4] if len(sys.argv) > 4 else "ddp").split("+")
+    if mode == "fsdp":
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
         allow_fsdp_on_cpu()
     if mode.startswith("zero"):  # what `accelerate launch --use_deepspeed --zero_stage N` sets
         os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=mode[-1])
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    lora = "lora" in options  # LoRA adapters on q/v (random A and B, so both train), KL to the adapter-less model
     args = cfg(Path(out), output_dir=out, per_device_train_batch_size=8 // world, loss_type=loss_type,
-               shuffle_dataset=False, gradient_checkpointing=False, save_strategy="no")
+               shuffle_dataset=False, gradient_checkpointing=False, save_strategy="no", beta=0.04 if lora else 0.0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False, task_type="CAUSAL_LM"))
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args,
                           optimizers=(sgd, None))
     extra = {}
-    if mode:
+    if mode != "ddp":
         from grpo import zero
         from grpo.data import tokenize_prompts
         from grpo.runtime import is_sharded
@@ -103,10 +109,11 @@ def main() -> None:
     before = whole(trainer.unwrapped_model)
     trainer.train()
     after = whole(trainer.unwrapped_model)
-    if mode:
+    if mode != "ddp":
         trainer.save_model(os.path.join(out, "saved"))
     if trainer.accelerator.is_main_process:
         torch.save({n: p - before[n] for n, p in after.items()}, os.path.join(out, "update.pt"))
+        torch.save(before, os.path.join(out, "initial.pt"))
         with open(os.path.join(out, "row.json"), "w") as f:
             json.dump({**trainer.state.log_history[-1], "world": trainer.accelerator.num_processes, **extra}, f)
 

@@ -45,11 +45,12 @@ def test_two_processes_update_like_one(tiny_model_dir, tmp_path, loss_type):
         assert one[name].abs().sum() > 0
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-7)
     # metrics are reduced over both processes: the same numbers as one process on the whole batch
-    for key in ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm"):
-        assert row2[key] == pytest.approx(row1[key], rel=1e-5), key
+    for key in ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm", "loss"):
+        assert row2[key] == pytest.approx(row1[key], rel=1e-5, abs=1e-7), key
 
 
-SHARDED_MODES = ["fsdp", pytest.param("zero2", marks=needs_deepspeed), pytest.param("zero3", marks=needs_deepspeed)]
+SHARDED_MODES = ["fsdp", pytest.param("zero2", marks=needs_deepspeed), pytest.param("zero3", marks=needs_deepspeed),
+                 "fsdp+lora", pytest.param("zero3+lora", marks=needs_deepspeed)]
 
 
 @pytest.mark.parametrize("mode", SHARDED_MODES)
@@ -57,19 +58,33 @@ def test_sharded_training_through_accelerate_updates_like_one_process(tiny_model
     """The trainer under accelerate's FSDP2 path, or DeepSpeed ZeRO-2 / ZeRO-3, at 2 processes (see
     distributed_job.py): parameters sharded (FSDP, ZeRO-3; ZeRO-2 partitions gradients and optimizer state),
     the trainer's fast engine samples from the sharded model, the update equals one unsharded process's on the
-    same global batch, metrics are reduced alike, and save_model after train() writes the whole updated model."""
+    same global batch, metrics are reduced alike, and save_model after train() writes the whole updated model.
+    With +lora: a PEFT model with LoRA on q/v, sharded the same way, and beta > 0 with the adapter-less model as
+    the reference: only the adapters move, as in one process, and save_model writes the adapter."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    one, row1 = launch(1, tmp_path / "one", tiny_model_dir, "dapo")
+    lora = mode.endswith("+lora")
+    one, row1 = launch(1, tmp_path / "one", tiny_model_dir, "dapo", "ddp+lora" if lora else "ddp")
     two, row2 = launch(2, tmp_path / "two", tiny_model_dir, "dapo", mode)
-    assert row2["world"] == 2 and row2["sharded"] is (mode != "zero2") and row2["engine"] == mode
+    stage = mode.split("+")[0]
+    assert row2["world"] == 2 and row2["sharded"] is (stage != "zero2") and row2["engine"] == stage
     assert len(row2["sampled"]) == 2 and all(1 <= n <= 8 for n in row2["sampled"])
     for name in one:
-        assert one[name].abs().sum() > 0
+        trains = "lora_" in name or not lora
+        assert bool(one[name].abs().sum() > 0) is trains, name
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-7)
-    for key in ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm"):
-        assert row2[key] == pytest.approx(row1[key], rel=1e-5), key
+    for key in ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm", "loss") + ("kl",) * lora:
+        assert row2[key] == pytest.approx(row1[key], rel=1e-5, abs=1e-7), key
+    if lora:
+        saved = load_file(os.path.join(tmp_path / "two", "saved", "adapter_model.safetensors"))
+        initial = torch.load(os.path.join(tmp_path / "two", "initial.pt"))
+        assert set(saved) == {n.replace(".default", "") for n in two if "lora_" in n}
+        for name, update in two.items():
+            if "lora_" in name:
+                torch.testing.assert_close(saved[name.replace(".default", "")], initial[name] + update, rtol=0,
+                                           atol=1e-6)
+        return
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
     saved = load_file(os.path.join(tmp_path / "two", "saved", "model.safetensors"))
     for name, update in two.items():

@@ -119,11 +119,42 @@ def full_parameters(model: torch.nn.Module):
         yield
 
 
+def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: float | None) -> float:
+    """The gradients' total norm (before clipping), clipped to max_norm when it is set and > 0. Under DeepSpeed,
+    which clipped and stepped inside the last backward, the norm it computed."""
+    from grpo import zero
+
+    if zero.in_use(accelerator):
+        return zero.grad_norm(accelerator)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm and max_norm > 0:
+        return float(accelerator.clip_grad_norm_(params, max_norm))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in params])) if params else 0.0
+
+
+def nonfinite_message(step: int, what: str, value: float, applied: bool) -> str:
+    """The error for a non-finite loss or gradient norm at `step`; `applied`: the update was already made."""
+    fix = "Try a lower learning_rate, a smaller max_grad_norm, or float32 (bf16=False)."
+    if applied:
+        return (f"Step {step}: the {what} is {value}; DeepSpeed had already applied this step inside backward, so "
+                "the model in memory is damaged, but every saved checkpoint is intact: resume from the newest "
+                f"(resume_from_checkpoint=True). {fix}")
+    return (f"Step {step}: the {what} is {value}; training stopped before the optimizer applied it, so the model "
+            f"and every saved checkpoint are as they were after the previous step. {fix}")
+
+
 def any_process(accelerator: Accelerator, flag: bool) -> bool:
     """True on every process when the flag is set on any of them."""
     if accelerator.num_processes == 1:
         return flag
     return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum") > 0)
+
+
+def process_mean(accelerator: Accelerator, value: float) -> float:
+    """The mean of a number over processes (the same on every process)."""
+    if accelerator.num_processes == 1:
+        return value
+    return float(accelerator.reduce(torch.tensor(float(value), device=accelerator.device), "mean"))
 
 
 def end_training(accelerator: Accelerator) -> None:

@@ -272,6 +272,8 @@ class GRPOTrainer:
             sync = last or zero.in_use(self.accelerator)
             with nullcontext() if sync else self.accelerator.no_sync(self.model):
                 step_loss += self._train_on(batch)
+        # each process's loss is its share of the global one: their mean is the loss of the whole batch
+        step_loss = runtime.process_mean(self.accelerator, step_loss)
         grad_norm = self._clip_and_check_gradients()
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -451,24 +453,15 @@ class GRPOTrainer:
         return loss.item()
 
     def _clip_and_check_gradients(self) -> float:
-        if zero.in_use(self.accelerator):  # DeepSpeed clipped and stepped in the last backward
-            return zero.grad_norm(self.accelerator)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            norm = self.accelerator.clip_grad_norm_(params, self.args.max_grad_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
-        norm = float(norm)
+        norm = runtime.clip_gradients(self.accelerator, self.model, self.args.max_grad_norm)
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingError(self._nonfinite_message("gradient norm", norm))
         return norm
 
     def _nonfinite_message(self, what: str, value: float) -> str:
-        step = self.state.global_step + 1
-        return (f"Step {step}: the {what} is {value}; training stopped before the optimizer applied it, so the "
-                "model and every saved checkpoint are as they were after the previous step. Try a lower "
-                "learning_rate, a smaller max_grad_norm, or float32 (bf16=False).")
+        applied = what == "gradient norm" and zero.in_use(self.accelerator)  # DeepSpeed steps inside backward
+        return runtime.nonfinite_message(self.state.global_step + 1, what, value, applied)
 
     # ---- phase 3: log and checkpoint ------------------------------------------------------------------------------
 
