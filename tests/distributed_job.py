@@ -1,6 +1,6 @@
 """One GRPO step on fixed completions, launched with torchrun (gloo on CPU) by test_distributed.py:
 
-    torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE [fsdp | zero2 | zero3 | ddp][+lora]
+    torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE [fsdp|zero2|zero3|ddp][+lora][+kl][+bf16]
 
 Every process takes 8/N completions per micro-step, so the global batch is the same 8 completions whatever N is.
 The update (SGD, linear in the gradient) and the logged metrics go to OUT (main process).
@@ -82,8 +82,10 @@ def main() -> None:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     lora = "lora" in options  # LoRA adapters on q/v (random A and B, so both train), KL to the adapter-less model
+    kl = lora or "kl" in options  # beta > 0: without LoRA, a reference model
     args = cfg(Path(out), output_dir=out, per_device_train_batch_size=8 // world, loss_type=loss_type,
-               shuffle_dataset=False, gradient_checkpointing=False, save_strategy="no", beta=0.04 if lora else 0.0)
+               shuffle_dataset=False, gradient_checkpointing=False, save_strategy="no", beta=0.04 if kl else 0.0,
+               bf16="bf16" in options, max_steps=2 if kl else 1)  # step 2: the policy has left the reference
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -101,6 +103,8 @@ def main() -> None:
         from grpo.runtime import is_sharded
 
         extra["sharded"] = is_sharded(trainer.model) or zero.is_partitioned(trainer.unwrapped_model)
+        if trainer.ref_model is not None:
+            extra["reference_sharded"] = is_sharded(trainer.ref_model) or zero.is_partitioned(trainer.ref_model)
         extra["engine"] = f"zero{zero.plugin(trainer.accelerator).zero_stage}" if zero.in_use(trainer.accelerator) \
             else "fsdp" if is_sharded(trainer.model) else "ddp"
         rows = tokenize_prompts([chat_dataset()[0]["prompt"]] * 2, trainer.processing_class)

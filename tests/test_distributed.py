@@ -50,7 +50,8 @@ def test_two_processes_update_like_one(tiny_model_dir, tmp_path, loss_type):
 
 
 SHARDED_MODES = ["fsdp", pytest.param("zero2", marks=needs_deepspeed), pytest.param("zero3", marks=needs_deepspeed),
-                 "fsdp+lora", pytest.param("zero3+lora", marks=needs_deepspeed)]
+                 "fsdp+lora", pytest.param("zero3+lora", marks=needs_deepspeed),
+                 pytest.param("zero3+kl", marks=needs_deepspeed)]
 
 
 @pytest.mark.parametrize("mode", SHARDED_MODES)
@@ -60,21 +61,25 @@ def test_sharded_training_through_accelerate_updates_like_one_process(tiny_model
     the trainer's fast engine samples from the sharded model, the update equals one unsharded process's on the
     same global batch, metrics are reduced alike, and save_model after train() writes the whole updated model.
     With +lora: a PEFT model with LoRA on q/v, sharded the same way, and beta > 0 with the adapter-less model as
-    the reference: only the adapters move, as in one process, and save_model writes the adapter."""
+    the reference: only the adapters move, as in one process, and save_model writes the adapter. With +kl: two
+    steps with beta > 0 and a reference model, which ZeRO-3 partitions too."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    lora = mode.endswith("+lora")
-    one, row1 = launch(1, tmp_path / "one", tiny_model_dir, "dapo", "ddp+lora" if lora else "ddp")
+    stage, *options = mode.split("+")
+    lora, kl = "lora" in options, "kl" in options
+    one, row1 = launch(1, tmp_path / "one", tiny_model_dir, "dapo", "+".join(["ddp", *options]))
     two, row2 = launch(2, tmp_path / "two", tiny_model_dir, "dapo", mode)
-    stage = mode.split("+")[0]
     assert row2["world"] == 2 and row2["sharded"] is (stage != "zero2") and row2["engine"] == stage
+    if kl:
+        assert row2["step"] == 2 and row2["reference_sharded"] is True and row1["kl"] > 0
     assert len(row2["sampled"]) == 2 and all(1 <= n <= 8 for n in row2["sampled"])
     for name in one:
         trains = "lora_" in name or not lora
         assert bool(one[name].abs().sum() > 0) is trains, name
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-7)
-    for key in ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm", "loss") + ("kl",) * lora:
+    compared = ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm", "loss")
+    for key in compared + ("kl",) * (lora or kl):
         assert row2[key] == pytest.approx(row1[key], rel=1e-5, abs=1e-7), key
     if lora:
         saved = load_file(os.path.join(tmp_path / "two", "saved", "adapter_model.safetensors"))

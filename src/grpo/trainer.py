@@ -147,7 +147,8 @@ class GRPOTrainer:
         # wrapper on forward so that code calling the model outside those regions (evaluation) gets float32.
         self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
         if self.ref_model is not None:
-            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+            self.ref_model = zero.prepare_reference(self.accelerator, self.ref_model) \
+                or self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
 
         tokenizer = self.processing_class
         model_eos = getattr(getattr(self.unwrapped_model, "generation_config", None), "eos_token_id", None)

@@ -7,13 +7,15 @@
   the loss is already scaled for accumulation by the trainer (`scale_wrt_gas=False`), so the update is the same
   as the plain path's. The gradient norm is DeepSpeed's.
 - ZeRO-3 partitions every parameter: the rollout gathers them for its duration (the same as FSDP), and the
-  tiled output head, which reads the head's weight outside its forward, is not used.
+  tiled output head, which reads the head's weight outside its forward, is not used. A reference model (beta > 0
+  without LoRA) is partitioned the same way.
 - Checkpoints: DeepSpeed's own (`engine.save_checkpoint`, every process writes its partition of the optimizer).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -59,6 +61,22 @@ def configure(accelerator: Any, args: Any) -> None:
                          "to \"auto\" in the DeepSpeed config (GRPOConfig then decides), or make them equal.")
     ds.gradient_accumulation_steps = ga
     accelerator.gradient_accumulation_steps = ga
+
+
+def prepare_reference(accelerator: Any, model: torch.nn.Module) -> Any:
+    """Under ZeRO-3, the reference model partitioned like the policy (a DeepSpeed engine without optimizer), so
+    no process holds it whole; None otherwise (accelerate places it as usual)."""
+    ds = plugin(accelerator)
+    if ds is None or ds.zero_stage != 3:
+        return None
+    import deepspeed
+
+    config = copy.deepcopy(ds.deepspeed_config)  # the policy's, its "auto" values filled by then
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    reference, *_ = deepspeed.initialize(model=model, config=config)
+    reference.eval()
+    return reference
 
 
 def backward_kwargs(accelerator: Any) -> dict[str, Any]:
