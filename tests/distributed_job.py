@@ -1,6 +1,6 @@
 """One GRPO step on fixed completions, launched with torchrun (gloo on CPU) by test_distributed.py:
 
-    torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE [fsdp|zero2|zero3|ddp][+lora][+kl][+bf16]
+    torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE [fsdp|zero2|zero3|ddp][+lora][+kl][+ga2]
 
 Every process takes 8/N completions per micro-step, so the global batch is the same 8 completions whatever N is.
 The update (SGD, linear in the gradient) and the logged metrics go to OUT (main process).
@@ -83,9 +83,11 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     lora = "lora" in options  # LoRA adapters on q/v (random A and B, so both train), KL to the adapter-less model
     kl = lora or "kl" in options  # beta > 0: without LoRA, a reference model
-    args = cfg(Path(out), output_dir=out, per_device_train_batch_size=8 // world, loss_type=loss_type,
+    ga = 2 if "ga2" in options else 1  # the same 8 completions in two accumulated micro-steps
+    args = cfg(Path(out), output_dir=out, per_device_train_batch_size=8 // world // ga, loss_type=loss_type,
+               gradient_accumulation_steps=ga,
                shuffle_dataset=False, gradient_checkpointing=False, save_strategy="no", beta=0.04 if kl else 0.0,
-               bf16="bf16" in options, max_steps=2 if kl else 1)  # step 2: the policy has left the reference
+               max_steps=2 if kl else 1)  # step 2: the policy has left the reference
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if lora:
         from peft import LoraConfig, get_peft_model

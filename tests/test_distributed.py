@@ -49,9 +49,8 @@ def test_two_processes_update_like_one(tiny_model_dir, tmp_path, loss_type):
         assert row2[key] == pytest.approx(row1[key], rel=1e-5, abs=1e-7), key
 
 
-SHARDED_MODES = ["fsdp", pytest.param("zero2", marks=needs_deepspeed), pytest.param("zero3", marks=needs_deepspeed),
-                 "fsdp+lora", pytest.param("zero3+lora", marks=needs_deepspeed),
-                 pytest.param("zero3+kl", marks=needs_deepspeed)]
+SHARDED_MODES = ["fsdp+ga2", "fsdp+lora"] + [pytest.param(mode, marks=needs_deepspeed) for mode in
+                                              ("zero2+ga2", "zero3+ga2", "zero3+lora", "zero3+kl")]
 
 
 @pytest.mark.parametrize("mode", SHARDED_MODES)
@@ -62,7 +61,8 @@ def test_sharded_training_through_accelerate_updates_like_one_process(tiny_model
     same global batch, metrics are reduced alike, and save_model after train() writes the whole updated model.
     With +lora: a PEFT model with LoRA on q/v, sharded the same way, and beta > 0 with the adapter-less model as
     the reference: only the adapters move, as in one process, and save_model writes the adapter. With +kl: two
-    steps with beta > 0 and a reference model, which ZeRO-3 partitions too."""
+    steps with beta > 0 and a reference model, which ZeRO-3 partitions too. With +ga2: the same completions in
+    two accumulated micro-steps (DeepSpeed reduces, clips and steps at the boundary the trainer marks)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

@@ -269,9 +269,8 @@ class GRPOTrainer:
         for micro in range(a.gradient_accumulation_steps):
             batch = self._next_micro_batch()
             last = micro == a.gradient_accumulation_steps - 1
-            # DeepSpeed accumulates (and reduces at the boundary) itself
-            sync = last or zero.in_use(self.accelerator)
-            with nullcontext() if sync else self.accelerator.no_sync(self.model):
+            # gradients accumulate locally until the last micro-step (DeepSpeed: reduces and steps only then)
+            with nullcontext() if last else self.accelerator.no_sync(self.model), zero.boundary(self.accelerator, last):
                 step_loss += self._train_on(batch)
         # each process's loss is its share of the global one: their mean is the loss of the whole batch
         step_loss = runtime.process_mean(self.accelerator, step_loss)

@@ -3,7 +3,8 @@
 
 - The DeepSpeed config's "auto" values come from GRPOConfig (micro-batch, gradient accumulation, clipping);
   an explicit value that differs is an error naming both.
-- DeepSpeed accumulates, reduces, clips and steps inside `accelerator.backward` (at the accumulation boundary);
+- DeepSpeed accumulates, reduces, clips and steps inside `accelerator.backward` at the accumulation boundary,
+  which the trainer marks (`boundary`);
   the loss is already scaled for accumulation by the trainer (`scale_wrt_gas=False`), so the update is the same
   as the plain path's. The gradient norm is DeepSpeed's.
 - ZeRO-3 partitions every parameter: the rollout gathers them for its duration (the same as FSDP), and the
@@ -77,6 +78,21 @@ def prepare_reference(accelerator: Any, model: torch.nn.Module) -> Any:
     reference, *_ = deepspeed.initialize(model=model, config=config)
     reference.eval()
     return reference
+
+
+@contextlib.contextmanager
+def boundary(accelerator: Any, last: bool):
+    """Under DeepSpeed, tell it whether this micro-step's backward ends the accumulation window: accelerate's
+    wrapper sets DeepSpeed's boundary from its sync_gradients flag (True unless its own `accumulate` counts) and
+    steps the engine then. The HF Trainer sets the flag the same way."""
+    if not in_use(accelerator):
+        yield
+        return
+    accelerator.gradient_state._set_sync_gradients(last)
+    try:
+        yield
+    finally:
+        accelerator.gradient_state._set_sync_gradients(True)
 
 
 def backward_kwargs(accelerator: Any) -> dict[str, Any]:
