@@ -4,13 +4,13 @@
 - The DeepSpeed config's "auto" values come from GRPOConfig (micro-batch, gradient accumulation, clipping);
   an explicit value that differs is an error naming both.
 - DeepSpeed accumulates, reduces, clips and steps inside `accelerator.backward` at the accumulation boundary,
-  which the trainer marks (`boundary`);
-  the loss is already scaled for accumulation by the trainer (`scale_wrt_gas=False`), so the update is the same
-  as the plain path's. The gradient norm is DeepSpeed's.
+  which the trainer marks (`boundary`); the loss is already scaled for accumulation by the trainer
+  (`scale_wrt_gas=False`), so the update is the same as the plain path's. The gradient norm is DeepSpeed's.
 - ZeRO-3 partitions every parameter: the rollout gathers them for its duration (the same as FSDP), and the
   tiled output head, which reads the head's weight outside its forward, is not used. A reference model (beta > 0
   without LoRA) is partitioned the same way.
-- Checkpoints: DeepSpeed's own (`engine.save_checkpoint`, every process writes its partition of the optimizer).
+- Checkpoints: DeepSpeed's own (`engine.save_checkpoint`, every process writes its partition of the optimizer;
+  it holds the module's weights too, beside the checkpoint's whole model directory).
 """
 
 from __future__ import annotations
