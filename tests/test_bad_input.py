@@ -160,3 +160,71 @@ def test_nonfinite_loss_stops_before_the_update(tiny_model_dir, tmp_path):
     with pytest.raises(TrainingError, match=r"Step 2: the loss is nan; training stopped before the optimizer"):
         trainer.train()
     assert all(torch.equal(p, step.before[n]) for n, p in trainer.model.named_parameters())
+
+
+def emulate_fp16_loss_scaling(monkeypatch):
+    """Trainers made after this get accelerate's CUDA fp16 setup on the CPU: a GradScaler (torch's CPU one, starting
+    at 2^24, which overflows float16 gradients here) and fp16 autocast."""
+    from grpo import runtime
+
+    make = runtime.make_accelerator
+
+    def fp16_with_loss_scaling(args):
+        accelerator = make(args)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+        accelerator.native_amp, accelerator.state._mixed_precision = True, "fp16"
+        return accelerator
+
+    monkeypatch.setattr(runtime, "make_accelerator", fp16_with_loss_scaling)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_fp16_loss_scale_overflow_skips_the_step_and_training_goes_on(tiny_model_dir, tmp_path, monkeypatch,
+                                                                       max_grad_norm):
+    """fp16 with loss scaling, as accelerate sets it up on CUDA (a GradScaler, fp16 autocast), emulated on the CPU
+    with torch's CPU GradScaler and a start scale (2^24) that overflows float16 gradients: a step whose scaled
+    gradients overflow is skipped by the scaler, which lowers the scale. No error: the skipped step logs no
+    gradient norm, neither the weights nor the learning-rate schedule move, and the steps after train. The norm
+    logged is the true gradients' (unscaled), with clipping or without."""
+    from transformers import AutoModelForCausalLM
+
+    emulate_fp16_loss_scaling(monkeypatch)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
+    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=chat_dataset(),
+                          args=cfg(tmp_path, max_steps=8, max_grad_norm=max_grad_norm), optimizers=(sgd, None))
+    original, weights = trainer._step, []
+
+    def step():
+        loss = original()
+        weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        return loss
+
+    trainer._step = step
+    trainer.train()
+    rows = trainer.state.log_history
+    skipped = [row["grad_norm"] is None for row in rows]
+    assert skipped[0] and not all(skipped), skipped
+    assert all(row["grad_norm"] < 100 for row in rows if row["grad_norm"] is not None)  # not scaled by 2^21
+    schedule = [1e-2 * (8 - k) / 8 for k in range(1, 9)]
+    taken, previous = 0, initial
+    for row, was_skipped, after in zip(rows, skipped, weights):
+        moved = any(not torch.equal(after[n], previous[n]) for n in after)
+        assert not moved if was_skipped else moved is (row["grad_norm"] > 0)
+        taken += not was_skipped
+        assert row["learning_rate"] == pytest.approx(schedule[taken - 1] if taken else 1e-2)
+        previous = after
+    assert any(not torch.equal(weights[-1][n], initial[n]) for n in initial)
+
+
+def test_fp16_loss_scale_is_checkpointed(tiny_model_dir, tmp_path, monkeypatch):
+    emulate_fp16_loss_scaling(monkeypatch)
+    args = cfg(tmp_path, max_steps=3, save_strategy="steps", save_steps=3)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    trainer.train()
+    scale = trainer.accelerator.scaler.get_scale()
+    assert scale < 2.0**24  # lowered by the overflows
+    resumed = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    resumed.train(resume_from_checkpoint=True)  # nothing left to train: only the restore
+    assert resumed.accelerator.scaler.get_scale() == scale

@@ -3,10 +3,10 @@
 A checkpoint is written under a temporary name and renamed into place once complete, so a crash (or SIGKILL)
 mid-write never leaves a directory a resume would pick. It holds:
 - the policy and tokenizer as a Hugging Face model directory (loadable with `from_pretrained`);
-- `optimizer.pt`, `scheduler.pt`; for a sharded model (FSDP) the model and optimizer shards instead go to
-  `sharded/`, written by every process with torch.distributed.checkpoint; under DeepSpeed, its own engine
-  checkpoint goes to `deepspeed/` (every process writes its optimizer partition); the model directory is
-  always whole;
+- `optimizer.pt`, `scheduler.pt` (and `scaler.pt` with fp16 loss scaling); for a sharded model (FSDP) the
+  model and optimizer shards instead go to `sharded/`, written by every process with
+  torch.distributed.checkpoint; under DeepSpeed, its own engine checkpoint goes to `deepspeed/` (every process
+  writes its optimizer partition); the model directory is always whole;
 - `rng_state_<rank>.pth` per process (python, numpy, torch CPU and CUDA generators);
 - `rollouts_<rank>.pt` per process when the step falls inside a generation cycle (steps_per_generation or
   num_iterations > 1): the buffered batches the next steps train on;
@@ -34,6 +34,7 @@ from grpo import lora, runtime, zero
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE = "trainer_state.json"
+SCALER = "scaler.pt"  # fp16 loss scaling's state
 SHARDED = "sharded"  # torch.distributed.checkpoint directory: a sharded model's and optimizer's shards
 # settings that decide which prompts, completions and batches each step sees: a resume must keep them
 RUN_GEOMETRY = ("seed", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -112,6 +113,8 @@ def save(trainer: Any, step: int) -> str:
         if not sharded and not deepspeed:
             torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+        if acc.scaler is not None:  # fp16 loss scaling: the current scale and its growth tracker
+            torch.save(acc.scaler.state_dict(), os.path.join(tmp, SCALER))
         state = {"global_step": step, "micro_step": trainer._micro_step, "data_position": trainer._data_position,
                  "num_items": getattr(trainer, "_num_items", 0.0), "max_steps": trainer.max_steps,
                  "num_input_tokens_seen": trainer.state.num_input_tokens_seen, "log_history": trainer.state.log_history,
@@ -186,6 +189,8 @@ def load(trainer: Any, path: str) -> None:
         trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device,
                                                      weights_only=True))
     trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
+    if acc.scaler is not None and os.path.exists(os.path.join(path, SCALER)):
+        acc.scaler.load_state_dict(torch.load(os.path.join(path, SCALER), weights_only=True))
     trainer.state.global_step = state["global_step"]
     trainer.state.num_input_tokens_seen = state["num_input_tokens_seen"]
     trainer.state.log_history = state["log_history"]

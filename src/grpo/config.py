@@ -261,3 +261,22 @@ def warn_odd_combinations(a: GRPOConfig) -> None:
         warnings.warn(f"delta={a.delta} is not above 1 + epsilon_high; it will also cap the clipped branch.",
                       stacklevel=3)
 
+
+
+def reject_later_features(args: GRPOConfig, tools: Any, rollout_func: Any, eval_dataset: Any, callbacks: Any) -> None:
+    """Features of the product document that later issues bring: an error (or, where ignoring is harmless, a
+    warning) that says so."""
+    def not_yet(feature: str, issue: str) -> ValueError:
+        return ValueError(f"{feature} is not available yet in grpo ({issue}); remove it to train without it.")
+
+    if args.use_vllm:
+        raise not_yet("use_vllm=True (vLLM generation)", "it comes with the vLLM issue")
+    if tools:
+        raise not_yet("tools= (tool-calling rollouts)", "it comes with the agent issue")
+    if rollout_func is not None:
+        raise not_yet("rollout_func", "custom rollouts come with the agent issue")
+    if eval_dataset is not None:
+        warnings.warn("eval_dataset is ignored: evaluation during training is not available yet in grpo.",
+                      stacklevel=3)
+    if callbacks:
+        warnings.warn("callbacks are ignored: grpo does not run transformers callbacks.", stacklevel=3)

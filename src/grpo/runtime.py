@@ -129,6 +129,7 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
     params = [p for p in model.parameters() if p.grad is not None]
     if max_norm and max_norm > 0:
         return float(accelerator.clip_grad_norm_(params, max_norm))
+    accelerator.unscale_gradients()  # fp16 loss scaling (as clip_grad_norm_ does): the norm of the true gradients
     return float(torch.nn.utils.get_total_norm([p.grad for p in params])) if params else 0.0
 
 

@@ -29,7 +29,6 @@ import logging
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from transformers import PreTrainedModel, TrainerState
 from grpo import checkpoint, data, fast_generation, lean_blocks, lean_linears, lora, runtime, zero
 from grpo.advantages import Advantages, compute_advantages
 from grpo.batch import TrainBatch, collate, head_is_chunkable, token_logps
-from grpo.config import GRPOConfig, warn_odd_combinations
+from grpo.config import GRPOConfig, reject_later_features, warn_odd_combinations
 from grpo.generation import GenerationEngine, TransformersEngine
 from grpo.losses import TOKEN_SUM_LOSSES, compute_policy_loss, entropy_bonus, high_entropy_mask, masked_mean_stat
 from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics, reduce_stats
@@ -73,10 +72,6 @@ class TrainOutput:
     metrics: dict[str, Any]
 
 
-def _not_yet(feature: str, issue: str) -> ValueError:
-    return ValueError(f"{feature} is not available yet in grpo ({issue}); remove it to train without it.")
-
-
 class GRPOTrainer:
     """TRL-compatible GRPO trainer. See the module docstring for the algorithm and `GRPOConfig` for options."""
 
@@ -99,7 +94,7 @@ class GRPOTrainer:
         if args.output_dir is None:
             args.output_dir = f"{model_name(model)}-GRPO"
         self.args = args
-        self._reject_later_features(args, tools, rollout_func, eval_dataset, callbacks)
+        reject_later_features(args, tools, rollout_func, eval_dataset, callbacks)
         data.check_dataset(train_dataset)
         self.train_dataset = train_dataset
         warn_odd_combinations(args)
@@ -168,26 +163,13 @@ class GRPOTrainer:
         self._prompt_cache: dict[int, list[int]] = {}
         self._buffer: list[TrainBatch] = []
         self._micro_step = 0
+        self._overflows = 0  # fp16 loss-scale overflows in a row
         self._data_position = 0  # prompt blocks drawn so far (more than generations with dynamic sampling)
         self._metrics_window: dict[str, list[float]] = {}
         self.metrics: MetricsLogger | None = None
         self.completion_log = CompletionLog(args, self.reward_names) if args.log_completions else None
 
     # ---- construction helpers ------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _reject_later_features(args, tools, rollout_func, eval_dataset, callbacks) -> None:
-        if args.use_vllm:
-            raise _not_yet("use_vllm=True (vLLM generation)", "it comes with the vLLM issue")
-        if tools:
-            raise _not_yet("tools= (tool-calling rollouts)", "it comes with the agent issue")
-        if rollout_func is not None:
-            raise _not_yet("rollout_func", "custom rollouts come with the agent issue")
-        if eval_dataset is not None:
-            warnings.warn("eval_dataset is ignored: evaluation during training is not available yet in grpo.",
-                          stacklevel=3)
-        if callbacks:
-            warnings.warn("callbacks are ignored: grpo does not run transformers callbacks.", stacklevel=3)
 
     def _total_steps(self) -> int:
         a = self.args
@@ -276,7 +258,8 @@ class GRPOTrainer:
         step_loss = runtime.process_mean(self.accelerator, step_loss)
         grad_norm = self._clip_and_check_gradients()
         self.optimizer.step()
-        self.lr_scheduler.step()
+        if not self.accelerator.optimizer_step_was_skipped:  # fp16 loss scaling skips a step that overflowed
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
         self.state.epoch = self.state.global_step / self.steps_per_epoch
@@ -453,8 +436,16 @@ class GRPOTrainer:
         return loss.item()
 
     def _clip_and_check_gradients(self) -> float:
+        """The gradient norm (NaN when fp16 loss scaling overflowed: the scaler skips the step and lowers the
+        scale); a non-finite norm is an error otherwise, or after fp16 overflowed on every step of 32 in a row."""
         norm = runtime.clip_gradients(self.accelerator, self.model, self.args.max_grad_norm)
-        if not math.isfinite(norm):
+        finite = math.isfinite(norm)
+        self._overflows = 0 if finite or self.accelerator.scaler is None else self._overflows + 1
+        if 0 < self._overflows < 32:
+            logger.info("Step %d: fp16 gradients overflowed; the step is skipped and the loss scale lowered.",
+                        self.state.global_step + 1)
+            return float("nan")
+        if not finite:
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingError(self._nonfinite_message("gradient norm", norm))
         return norm
