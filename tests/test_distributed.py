@@ -26,12 +26,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc, out, model_dir, loss_type, *mode):
+def torchrun(nproc, script, *args, timeout=240):
+    """`script args` in nproc processes with torchrun (gloo on CPU, one thread each); asserts it succeeded."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           JOB, str(out), model_dir, loss_type, *mode]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+           script, *map(str, args)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def launch(nproc, out, model_dir, loss_type, *mode):
+    torchrun(nproc, JOB, out, model_dir, loss_type, *mode)
     with open(os.path.join(out, "row.json")) as f:
         return torch.load(os.path.join(out, "update.pt")), json.load(f)
 

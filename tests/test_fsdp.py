@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from test_distributed import free_port
+from test_distributed import torchrun
 
 JOB = os.path.join(os.path.dirname(__file__), "fsdp_job.py")
 
@@ -21,11 +19,7 @@ JOB = os.path.join(os.path.dirname(__file__), "fsdp_job.py")
 def test_sampling_from_a_sharded_model_equals_the_whole_model(tmp_path):
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2")
     out = tmp_path / "fsdp.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", JOB,
-           str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun(2, JOB, out)
     result = json.loads(out.read_text())
     assert result["world"] == 2
     assert result["ids"] == result["whole_ids"]
@@ -42,11 +36,7 @@ def test_sampling_from_a_sharded_model_equals_the_whole_model(tmp_path):
 
 
 def run_resume_job(out, mode):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           RESUME_JOB, str(out), mode]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun(2, RESUME_JOB, out, mode)
     return torch.load(out / f"{mode}.pt")
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointMismatchError
-from test_distributed import free_port, needs_deepspeed
+from test_distributed import needs_deepspeed, torchrun
 from test_trainer import cfg, chat_dataset, length_reward
 from tiny import make_model, make_tokenizer
 
@@ -39,13 +39,9 @@ def job(out, model, spg, resume, *extra, wait_for=None):
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
 
 
-def torchrun(out, model, spg, resume, *extra):
+def two_processes(out, model, spg, resume, *extra):
     """resume_job.py in 2 processes (gloo)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", JOB,
-           str(out), model, str(spg), str(int(resume)), *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(2, JOB, out, model, spg, int(resume), *extra, timeout=600)
 
 
 def steps_logged(out):
@@ -135,11 +131,11 @@ def test_two_process_checkpoint_resumes_exactly(tiny_model_dir, tmp_path, stage,
     buffered rollouts). The learning-rate schedule advances once per step, as in one process."""
     zero = ("--zero", str(stage)) if stage else ()
     straight_out, out = tmp_path / "straight", tmp_path / "run"
-    torchrun(straight_out, tiny_model_dir, spg, False, *zero)
-    torchrun(out, tiny_model_dir, spg, False, *zero, "--stop-after", "3")
+    two_processes(straight_out, tiny_model_dir, spg, False, *zero)
+    two_processes(out, tiny_model_dir, spg, False, *zero, "--stop-after", "3")
     assert steps_logged(out) == [1, 2, 3] and os.path.isdir(out / "checkpoint-3" / "deepspeed") is bool(stage)
     at_3 = load_file(str(out / "checkpoint-3" / "model.safetensors"))
-    torchrun(out, tiny_model_dir, spg, True, *zero)
+    two_processes(out, tiny_model_dir, spg, True, *zero)
     assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
     with open(out / "metrics.jsonl") as f:  # linear decay from 1e-2 over 6 steps, logged after each step
         assert [json.loads(line)["learning_rate"] for line in f] == pytest.approx([1e-2 * (6 - k) / 6

@@ -262,7 +262,6 @@ def warn_odd_combinations(a: GRPOConfig) -> None:
                       stacklevel=3)
 
 
-
 def reject_later_features(args: GRPOConfig, tools: Any, rollout_func: Any, eval_dataset: Any, callbacks: Any) -> None:
     """Features of the product document that later issues bring: an error (or, where ignoring is harmless, a
     warning) that says so."""
