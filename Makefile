@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-full lint install clean
+.PHONY: demo test test-slow bench bench-full lint install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,12 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
 	$(PY) -m pytest -q -m "not slow"
+
+# the tests marked slow (minutes each: real learning runs on the bundled model); not part of `make test`
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

@@ -26,22 +26,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
-from test_accumulation import FixedEngine, length_reward
+from scripted import FixedEngine, as_requests
+from test_accumulation import length_reward
 from test_trainer import cfg, chat_dataset
-
-
-class GlobalFixedEngine(FixedEngine):
-    """FixedEngine's completions, chosen by each row's index in the global batch (not the local one)."""
-
-    def __init__(self, tokenizer, rank):
-        super().__init__(tokenizer)
-        self.rank = rank
-
-    def generate(self, prompt_ids):
-        n = len(prompt_ids)
-        padded = [[]] * (self.rank * n) + list(prompt_ids)  # rows before this process's share
-        full = super().generate(padded)
-        return full.select(range(self.rank * n, self.rank * n + n))
 
 
 def allow_fsdp_on_cpu() -> None:
@@ -63,7 +50,7 @@ def whole(model):
     """Every parameter, gathered whole when sharded (a collective: every process calls it)."""
     from torch.distributed.tensor import DTensor
 
-    from grpo import zero
+    from grpo.distributed import zero
 
     if zero.is_partitioned(model):
         with zero.gathered(model):
@@ -100,18 +87,19 @@ def main() -> None:
                           optimizers=(sgd, None))
     extra = {}
     if mode != "ddp":
-        from grpo import zero
         from grpo.data import tokenize_prompts
-        from grpo.runtime import is_sharded
+        from grpo.distributed import zero
+        from grpo.distributed.sharding import is_sharded
 
         extra["sharded"] = is_sharded(trainer.model) or zero.is_partitioned(trainer.unwrapped_model)
         if trainer.ref_model is not None:
             extra["reference_sharded"] = is_sharded(trainer.ref_model) or zero.is_partitioned(trainer.ref_model)
         extra["engine"] = f"zero{zero.plugin(trainer.accelerator).zero_stage}" if zero.in_use(trainer.accelerator) \
             else "fsdp" if is_sharded(trainer.model) else "ddp"
-        rows = tokenize_prompts([chat_dataset()[0]["prompt"]] * 2, trainer.processing_class)
+        rows = as_requests(tokenize_prompts([chat_dataset()[0]["prompt"]] * 2, trainer.processing_class))
         extra["sampled"] = [len(c) for c in trainer.engine.generate(rows).completion_ids]
-    trainer.engine = GlobalFixedEngine(trainer.processing_class, trainer.accelerator.process_index)
+    rank = trainer.accelerator.process_index  # rows before this process's share of the global batch:
+    trainer.engine = FixedEngine(trainer.processing_class, offset=rank * args.generation_batch_size // world)
     before = whole(trainer.unwrapped_model)
     trainer.train()
     after = whole(trainer.unwrapped_model)

@@ -19,24 +19,26 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from grpo.batch import collate, token_logps
-from grpo.fast_generation import FastEngine
-from grpo.lean_blocks import lean_blocks
+from grpo.batch import collate
+from grpo.forward import token_logps
+from grpo.perf.blocks import lean_blocks
+from grpo.rollout.fast import FastEngine
 from test_fast_generation import greedy, setup
 
 
-def sample(model, args, stop, pad_id, rows):
-    engine = FastEngine(model, args, stop, pad_id, sampler=greedy)
+def sample(model, tok, args, stop, requests):
+    engine = FastEngine(model, tok, args, stop, sampler=greedy)
     assert engine.lean_reason is None, engine.lean_reason
-    rollout = engine.generate(rows)
+    rollout = engine.generate(requests)
     return rollout.completion_ids, rollout.sampling_logps
 
 
-def train_pass(model, rollout_ids, rows, pad_id):
+def train_pass(model, rollout_ids, requests, pad_id):
     """Log-probs of the sampled completions and the gradients of their sum (whole tensors), inside `lean_blocks`
     as the trainer runs it (its own equivalence to the plain blocks: test_lean_blocks.py)."""
-    from grpo.generation import Rollout
+    from grpo.rollout import Rollout
 
+    rows = [list(r.prompt.ids) for r in requests for _ in range(r.num_samples)]
     rollout = Rollout(prompt_ids=rows, completion_ids=rollout_ids, sampling_logps=[[0.0] * len(c) for c in rollout_ids],
                       truncated=[False] * len(rows))
     batch = collate(rollout, torch.zeros(len(rows)), pad_id, mask_truncated=False,
@@ -54,13 +56,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     tok, model, args, stop, rows = setup()
-    whole_ids, whole_logps = sample(model, args, stop, tok.pad_token_id, rows)
+    whole_ids, whole_logps = sample(model, tok, args, stop, rows)
     whole_train, whole_grads = train_pass(model, whole_ids, rows, tok.pad_token_id)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     assert isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
-    ids, logps = sample(model, args, stop, tok.pad_token_id, rows)
+    ids, logps = sample(model, tok, args, stop, rows)
     resharded = all(isinstance(p, DTensor) for p in model.parameters())
     train, grads = train_pass(model, whole_ids, rows, tok.pad_token_id)
     if dist.get_rank() == 0:
@@ -70,7 +72,7 @@ def main() -> None:
                        "whole_logps": whole_logps, "resharded": resharded, "train": train,
                        "whole_train": whole_train}, f)
     dist.barrier()
-    time.sleep(0.2)  # let gloo's workers drop the last collectives before teardown (see runtime.settle_processes)
+    time.sleep(0.2)  # let gloo's workers drop the last collectives before teardown (see settle_processes)
     dist.destroy_process_group()
 
 

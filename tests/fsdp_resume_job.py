@@ -2,8 +2,8 @@
 
     torchrun --nproc_per_node N fsdp_resume_job.py OUT straight|save|resume
 
-straight: 3 AdamW steps; save: 2 steps, then `checkpoint.save_sharded` into OUT/sharded and the whole state dict
-(`model_state`) next to it; resume: a fresh sharded model and optimizer, `checkpoint.load_sharded`, 1 step. The main
+straight: 3 AdamW steps; save: 2 steps, then `sharding.save_shards` into OUT/sharded and the whole state dict
+(`model_state`) next to it; resume: a fresh sharded model and optimizer, `sharding.load_shards`, 1 step. The main
 process writes the final whole parameters to OUT/<mode>.pt."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from grpo import checkpoint
+from grpo.distributed import sharding
 from tiny import make_model, make_tokenizer
 
 
@@ -47,14 +48,14 @@ def main() -> None:
     torch.set_num_threads(1)
     model, optimizer = sharded_model_and_optimizer()
     if mode == "resume":
-        checkpoint.load_sharded(model, optimizer, os.path.join(out, "sharded"))
+        sharding.load_shards(model, optimizer, os.path.join(out, "sharded"))
         steps = [2]
     else:
         steps = [0, 1, 2] if mode == "straight" else [0, 1]
     for k in steps:
         step(model, optimizer, k)
     if mode == "save":
-        checkpoint.save_sharded(model, optimizer, os.path.join(out, "sharded"))
+        sharding.save_shards(model, optimizer, os.path.join(out, "sharded"))
     state = whole(model)
     if dist.get_rank() == 0:
         torch.save(state, os.path.join(out, f"{mode}.pt"))

@@ -15,8 +15,9 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo.batch import collate, token_logps
-from grpo.generation import Rollout
+from grpo.batch import collate
+from grpo.forward import token_logps
+from grpo.rollout import Rollout
 
 
 def rss_bytes() -> int:

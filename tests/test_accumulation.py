@@ -8,27 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
-from grpo.generation import Rollout
+from scripted import FixedEngine
 from test_trainer import cfg, chat_dataset
-
-
-class FixedEngine:
-    """Returns the same completions for a prompt every time: lengths 1..8 tokens, some truncated."""
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-
-    def generate(self, prompt_ids):
-        letters = self.tok.convert_tokens_to_ids(list("abcdefgh"))
-        end = self.tok.convert_tokens_to_ids("<|im_end|>")
-        completions, truncated = [], []
-        for i, p in enumerate(prompt_ids):
-            n = 1 + (sum(p) + i) % 8
-            ids = letters[:n] + ([end] if n < 8 else [])
-            completions.append(ids)
-            truncated.append(n == 8)
-        return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
-                       sampling_logps=[[0.0] * len(c) for c in completions], truncated=truncated)
 
 
 def length_reward(completion_ids, **kwargs):

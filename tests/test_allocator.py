@@ -1,4 +1,4 @@
-"""The CPU allocator policy (`runtime.keep_freed_memory`): once the heap has settled, freed large blocks are
+"""The CPU allocator policy (`grpo.perf.allocator.keep_freed_memory`): once the heap has settled, freed large blocks are
 reused without faulting their pages in again. Counted in a fresh process, by minor page faults (not time)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 JOB = """
 import resource, sys, torch
-from grpo import runtime
+from grpo.perf import allocator
 if sys.argv[1] == "1":
-    assert runtime.keep_freed_memory()
+    assert allocator.keep_freed_memory()
 def faults_of_fresh_block():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     block = torch.ones(16 * 2**20)  # 64 MiB, every page written
@@ -40,8 +40,16 @@ def test_freed_blocks_are_reused_without_faulting_again():
     assert faults(policy=True) < pages // 50  # kept: each new block reuses a freed one's pages
 
 
-def test_the_policy_can_be_turned_off(monkeypatch):
-    from grpo import runtime
+def test_the_trainer_applies_the_policy_unless_turned_off(tiny_model_dir, tmp_path, monkeypatch):
+    import grpo.trainer
+    from grpo import GRPOTrainer
+    from test_accumulation import length_reward
+    from test_trainer import cfg, chat_dataset
 
-    monkeypatch.setenv("GRPO_SYSTEM_MALLOC", "1")
-    assert runtime.keep_freed_memory() is False
+    calls = []
+    monkeypatch.setattr(grpo.trainer.allocator, "keep_freed_memory", lambda: calls.append(1) or True)
+    GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=cfg(tmp_path))
+    assert calls == [1]
+    GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
+                args=cfg(tmp_path, cpu_keep_freed_memory=False))
+    assert calls == [1]

@@ -11,7 +11,8 @@ import torch
 from datasets import Dataset
 
 from grpo import GRPOTrainer
-from grpo.scored import groups_with_spread, local_rows, rows_of_groups
+from grpo.distributed.collectives import local_rows
+from grpo.groups import groups_with_spread, rows_of_groups
 from test_trainer import cfg, params, text_of
 
 
@@ -46,13 +47,13 @@ def kind_reward(completions, kind, log_extra=None, **kwargs):
 
 def train_and_watch(trainer):
     seen = []
-    original = trainer._train_on
+    original = trainer._loss_and_backward
 
     def spy(batch):
         seen.append(batch)
         return original(batch)
 
-    trainer._train_on = spy
+    trainer._loss_and_backward = spy
     trainer.train()
     return seen
 
@@ -62,14 +63,15 @@ def test_dynamic_sampling_trains_only_groups_with_spread(tiny_model_dir, tmp_pat
     args = cfg(tmp_path, dynamic_sampling=True, dynamic_sampling_max_attempts=8, max_steps=3)
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=kind_reward, train_dataset=mixed_dataset(), args=args)
     drawn = []
-    sample_round = trainer._sample_round
-    trainer._sample_round = lambda *a: drawn.append(sample_round(*a)) or drawn[-1]
+    score_round = trainer._score
+    trainer._score = lambda *a: drawn.append(score_round(*a)) or drawn[-1]
     batches = train_and_watch(trainer)
     data = mixed_dataset()
     for batch in batches:
         assert len(batch.group) == 8  # full
         assert {data[int(row)]["kind"] for row in batch.group} == {"spread"}
-    assert trainer._num_items == batches[-1].mask.sum().item()  # the dapo token count N is the kept batch's
+    for batch in batches:  # the dapo token count N is the kept batch's (spg = 1: the micro-batch is the batch)
+        assert batch.num_items_in_batch == batch.mask.sum().item() > 0
     rows = trainer.state.log_history
     # every flat group drawn is dropped, and so is a spread-kind group whose completions all scored the same
     groups = [part.rewards[k:k + 4, 0] for part in drawn for k in range(0, len(part), 4)]
@@ -77,7 +79,7 @@ def test_dynamic_sampling_trains_only_groups_with_spread(tiny_model_dir, tmp_pat
     all_equal = sum(bool((g == g[0]).all()) for g in groups)
     assert sum(r["dynamic_sampling/groups_dropped"] for r in rows) == all_equal >= flat > 0
     # the data position moved by every round run, more than one per step
-    assert trainer._data_position == len(drawn) == sum(r["dynamic_sampling/rounds"] for r in rows) > 3
+    assert trainer.loop.data_position == len(drawn) == sum(r["dynamic_sampling/rounds"] for r in rows) > 3
 
 
 def test_dynamic_sampling_short_batch_trains_on_what_it_has(tiny_model_dir, tmp_path, caplog):
@@ -88,7 +90,7 @@ def test_dynamic_sampling_short_batch_trains_on_what_it_has(tiny_model_dir, tmp_
                                else "flat"} for i in range(8)])
     args = cfg(tmp_path, dynamic_sampling=True, dynamic_sampling_max_attempts=2, shuffle_dataset=False)
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=spread_only_for_row_1, train_dataset=data, args=args)
-    with caplog.at_level(logging.WARNING, logger="grpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="grpo"):
         batches = train_and_watch(trainer)
     assert len(batches[0].group) == 4 and set(batches[0].group.tolist()) == {1}  # one group of two wanted
     assert "1 of 2 groups have reward spread after 2 rounds" in caplog.text
@@ -99,7 +101,7 @@ def test_dynamic_sampling_without_any_spread_makes_a_zero_update(tiny_model_dir,
     args = cfg(tmp_path, dynamic_sampling=True, dynamic_sampling_max_attempts=2)
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=kind_reward, train_dataset=data, args=args)
     before = params(trainer.model)
-    with caplog.at_level(logging.WARNING, logger="grpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="grpo"):
         trainer.train()
     assert "no group had reward spread in 2 rounds" in caplog.text
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())

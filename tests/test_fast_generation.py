@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from grpo import GRPOConfig
-from grpo.batch import collate, token_logps
+from grpo.batch import collate
 from grpo.data import end_of_turn_ids, tokenize_prompts
-from grpo.fast_generation import FastEngine, group_rows, low_precision_linears, sample_from
-from grpo.generation import TransformersEngine
+from grpo.forward import token_logps
+from grpo.rollout.fast import FastEngine, low_precision_linears, sample_from
+from grpo.rollout.plain import TransformersEngine
+from scripted import as_requests
 from tiny import make_model, make_tokenizer
 
 
@@ -21,17 +23,12 @@ def setup(**kw):
                       per_device_train_batch_size=8, num_generations=4, **kw)
     stop = end_of_turn_ids(tok, model.generation_config.eos_token_id)
     chats = [[{"role": "user", "content": text}] for text in ("hi", "what is two plus two?")]
-    rows = [ids for ids in tokenize_prompts(chats, tok) for _ in range(4)]
+    rows = as_requests([ids for ids in tokenize_prompts(chats, tok) for _ in range(4)])
     return tok, model, args, stop, rows
 
 
 def greedy(logprobs):
     return logprobs.argmax(-1)
-
-
-def test_group_rows():
-    unique, owner = group_rows([[1, 2], [1, 2], [3], [3], [1, 2]])
-    assert unique == [[1, 2], [3], [1, 2]] and owner.tolist() == [0, 0, 1, 1, 2]
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -47,10 +44,10 @@ def test_greedy_tokens_equal_plain_generate(share):
             output[0, -1, im_end] += 1e4  # the first batch row ends now and then
         return output
 
-    fast = FastEngine(model, args, stop, tok.pad_token_id, share_prefix=share, sampler=greedy)
-    plain = TransformersEngine(model, GRPOConfig(output_dir="x", max_completion_length=16,
-                                                 per_device_train_batch_size=8, num_generations=4,
-                                                 generation_kwargs={"do_sample": False}), stop, tok.pad_token_id)
+    fast = FastEngine(model, tok, args, stop, share_prefix=share, sampler=greedy)
+    plain = TransformersEngine(model, tok, GRPOConfig(output_dir="x", max_completion_length=16,
+                                                      per_device_train_batch_size=8, num_generations=4,
+                                                      generation_kwargs={"do_sample": False}), stop)
     a = fast.generate(rows)
     b = plain.generate(rows)
     assert a.completion_ids == b.completion_ids
@@ -63,25 +60,31 @@ def test_greedy_tokens_equal_plain_generate(share):
 
 
 def test_shared_and_unshared_next_token_distributions_match():
+    """Greedy sampling records each step's processed distribution; with the same tokens chosen, the rows still
+    going are the same at every step, so the distributions compare row for row."""
     tok, model, args, stop, rows = setup(temperature=0.7, top_k=20, top_p=0.9)
-    seen = {}
+    seen, tokens = {}, {}
     for share in (True, False):
-        engine = FastEngine(model, args, stop, tok.pad_token_id, share_prefix=share, sampler=greedy)
         steps = []
-        engine.on_step = lambda active, logprobs, steps=steps: steps.append((active.clone(), logprobs.clone()))
-        engine.generate(rows)
+
+        def recording_greedy(logprobs, steps=steps):
+            steps.append(logprobs.clone())
+            return greedy(logprobs)
+
+        engine = FastEngine(model, tok, args, stop, share_prefix=share, sampler=recording_greedy)
+        tokens[share] = engine.generate(rows).completion_ids
         seen[share] = steps
-    assert len(seen[True]) == len(seen[False])
-    for (rows_a, lp_a), (rows_b, lp_b) in zip(seen[True], seen[False]):
-        assert torch.equal(rows_a, rows_b)
+    assert tokens[True] == tokens[False] and len(seen[True]) == len(seen[False]) > 1
+    for lp_a, lp_b in zip(seen[True], seen[False]):
+        assert lp_a.shape == lp_b.shape
         torch.testing.assert_close(lp_a.exp(), lp_b.exp(), rtol=1e-5, atol=1e-6)
 
 
 def test_sampling_logps_equal_training_logps():
     tok, model, args, stop, rows = setup(temperature=0.8)
     torch.manual_seed(0)
-    rollout = FastEngine(model, args, stop, tok.pad_token_id).generate(rows)
-    batch = collate(rollout, torch.zeros(len(rows)), tok.pad_token_id, mask_truncated=False)
+    rollout = FastEngine(model, tok, args, stop).generate(rows)
+    batch = collate(rollout, torch.zeros(len(rollout)), tok.pad_token_id, mask_truncated=False)
     with torch.no_grad():
         logps, _ = token_logps(model, batch, args.temperature, with_entropy=False)
     m = batch.mask.bool()
@@ -98,15 +101,15 @@ def test_exponential_race_samples_the_distribution():
 
 def test_repetition_penalty_matches_plain_path_greedily():
     tok, model, args, stop, rows = setup(repetition_penalty=1.3)
-    fast = FastEngine(model, args, stop, tok.pad_token_id, sampler=greedy).generate(rows)
+    fast = FastEngine(model, tok, args, stop, sampler=greedy).generate(rows)
     plain_args = GRPOConfig(output_dir="x", max_completion_length=16, per_device_train_batch_size=8,
                             num_generations=4, repetition_penalty=1.3, generation_kwargs={"do_sample": False})
-    plain = TransformersEngine(model, plain_args, stop, tok.pad_token_id).generate(rows)
+    plain = TransformersEngine(model, tok, plain_args, stop).generate(rows)
     assert fast.completion_ids == plain.completion_ids
 
 
 def test_settings_the_fast_path_does_not_cover_fall_back():
-    from grpo.fast_generation import supports
+    from grpo.rollout.fast import unsupported_reason as supports
 
     tok, model, args, stop, rows = setup()
     assert supports(model, args) is None
@@ -123,7 +126,8 @@ def test_low_precision_linears_give_autocasts_logits_exactly(bias):
         for module in model.modules():
             if type(module) is torch.nn.Linear and module.bias is None:
                 module.bias = torch.nn.Parameter(torch.randn(module.out_features) * 0.1)
-    ids = torch.tensor([rows[0], rows[4][: len(rows[0])]])
+    short, long = rows[0].prompt.ids, rows[1].prompt.ids
+    ids = torch.tensor([short, long[: len(short)]])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = model(ids).logits
         with low_precision_linears(model, torch.bfloat16) as ctx:

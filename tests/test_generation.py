@@ -6,9 +6,12 @@ from __future__ import annotations
 import torch
 
 from grpo import GRPOConfig
-from grpo.batch import collate, token_logps
-from grpo.data import end_of_turn_ids, generation_prompt_indices, tokenize_prompts
-from grpo.generation import TransformersEngine, cut_at_stop
+from grpo.batch import collate
+from grpo.data import end_of_turn_ids, generation_prompt_indices, make_prompt
+from grpo.forward import token_logps
+from grpo.rollout import Request
+from grpo.rollout.base import cut_at_stop
+from grpo.rollout.plain import TransformersEngine
 from tiny import make_model, make_tokenizer
 
 
@@ -16,12 +19,12 @@ def engine_for(model, tok, **kw):
     args = GRPOConfig(output_dir="x", max_completion_length=kw.pop("max_completion_length", 12),
                       per_device_train_batch_size=4, num_generations=2, **kw)
     stop = end_of_turn_ids(tok, model.generation_config.eos_token_id)
-    return TransformersEngine(model, args, stop, tok.pad_token_id), args
+    return TransformersEngine(model, tok, args, stop), args
 
 
 def prompts(tok, n=4):
     chats = [[{"role": "user", "content": f"hello {i}" * (i + 1)}] for i in range(n)]
-    return tokenize_prompts(chats, tok)
+    return [Request(make_prompt(chat, tok)) for chat in chats]
 
 
 def test_stop_ids_include_end_of_turn_and_eos():
@@ -101,8 +104,7 @@ def test_generation_kwargs_override_builtins():
     tok = make_tokenizer()
     model = make_model(tok).eval()
     engine, _ = engine_for(model, tok, generation_kwargs={"do_sample": False})
-    twice = tokenize_prompts([[{"role": "user", "content": "same"}]] * 4, tok)
-    rollout = engine.generate(twice)
+    rollout = engine.generate([Request(make_prompt([{"role": "user", "content": "same"}], tok), num_samples=4)])
     assert all(c == rollout.completion_ids[0] for c in rollout.completion_ids)  # greedy: identical
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from grpo.lean_blocks import _RMSNorm, _SiluMul, lean_blocks
+from grpo.perf.blocks import _RMSNorm, _SiluMul, lean_blocks
 from test_lean_linears import saved_bytes
 from test_shared_prefix_training import assert_same_pass, batch_and_model, logps_and_grads
 
@@ -120,15 +120,15 @@ def test_lean_blocks_keep_less_for_backward():
 
 def test_trainer_chooses_lean_blocks(tiny_model_dir, tmp_path, monkeypatch):
     """On by default for Llama-family models; off with gradient checkpointing (the recomputation runs outside
-    the context) and with GRPO_PLAIN_BLOCKS=1; the training pass enters the context only when on."""
-    import grpo.lean_blocks
+    the context); the training pass enters the context only when on."""
+    import grpo.perf.blocks
     from grpo import GRPOTrainer
     from test_accumulation import length_reward
     from test_trainer import cfg, chat_dataset
 
     entered = []
-    original = grpo.lean_blocks.lean_blocks
-    monkeypatch.setattr(grpo.lean_blocks, "lean_blocks", lambda model: entered.append(1) or original(model))
+    original = grpo.perf.blocks.lean_blocks
+    monkeypatch.setattr(grpo.perf.blocks, "lean_blocks", lambda model: entered.append(1) or original(model))
 
     def trainer(**kwargs):
         args = cfg(tmp_path, **kwargs)
@@ -136,7 +136,8 @@ def test_trainer_chooses_lean_blocks(tiny_model_dir, tmp_path, monkeypatch):
 
     on = trainer(gradient_checkpointing=False)
     on.train()
-    assert on.lean_blocks and len(entered) == on.state.global_step > 0
-    assert not trainer(gradient_checkpointing=True).lean_blocks
-    monkeypatch.setenv("GRPO_PLAIN_BLOCKS", "1")
-    assert not trainer(gradient_checkpointing=False).lean_blocks
+    assert on.training_pass.lean_blocks and len(entered) == on.state.global_step > 0
+    off = trainer(gradient_checkpointing=True)
+    assert not off.training_pass.lean_blocks
+    off.train()
+    assert len(entered) == on.state.global_step

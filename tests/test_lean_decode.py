@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo.generation import left_pad
-from grpo.lean_decode import LeanDecoder, unsupported_reason
+from grpo.rollout.base import left_pad
+from grpo.rollout.lean_decoder import LeanDecoder, unsupported_reason
 from tiny import make_model, make_tokenizer
 
 

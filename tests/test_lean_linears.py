@@ -8,8 +8,8 @@ import contextlib
 import pytest
 import torch
 
-from grpo.batch import token_logps
-from grpo.lean_linears import lean_linears
+from grpo.forward import token_logps
+from grpo.perf.linears import lean_linears
 from test_shared_prefix_training import batch_and_model
 
 
@@ -69,27 +69,26 @@ def test_lean_linears_keep_less_for_backward():
 
 
 def test_trainer_uses_lean_linears_when_asked(tiny_model_dir, tmp_path, monkeypatch):
-    """Opt-in: with GRPO_LEAN_LINEARS=1 and bf16 the training pass runs inside `lean_linears` (its numbers are
+    """Opt-in: with lean_linears=True and bf16 the training pass runs inside `lean_linears` (its numbers are
     the tests above); without it, it does not."""
-    import grpo.lean_linears
+    import grpo.perf.linears
     from grpo import GRPOTrainer
     from test_accumulation import length_reward
     from test_trainer import cfg, chat_dataset
 
     entered = []
-    original = grpo.lean_linears.lean_linears
+    original = grpo.perf.linears.lean_linears
 
     def counting(model, dtype):
         entered.append(dtype)
         return original(model, dtype)
 
-    monkeypatch.setattr(grpo.lean_linears, "lean_linears", counting)
+    monkeypatch.setattr(grpo.perf.linears, "lean_linears", counting)
+    args = cfg(tmp_path, bf16=True, gradient_checkpointing=False, lean_linears=True)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    trainer.train()
+    assert entered == [torch.bfloat16] and trainer.training_pass.lean_dtype == torch.bfloat16
     args = cfg(tmp_path, bf16=True, gradient_checkpointing=False)
-    monkeypatch.setenv("GRPO_LEAN_LINEARS", "1")
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
     trainer.train()
-    assert entered == [torch.bfloat16] and trainer.lean_dtype == torch.bfloat16
-    monkeypatch.delenv("GRPO_LEAN_LINEARS")
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
-    trainer.train()
-    assert entered == [torch.bfloat16] and trainer.lean_dtype is None
+    assert entered == [torch.bfloat16] and trainer.training_pass.lean_dtype is None

@@ -12,9 +12,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
-from grpo.batch import token_logps
-from grpo.fast_generation import FastEngine
-from grpo.generation import TransformersEngine
+from grpo.forward import token_logps
+from grpo.rollout.fast import FastEngine
+from grpo.rollout.plain import TransformersEngine
 from test_trainer import cfg, chat_dataset, length_reward
 
 
@@ -53,8 +53,8 @@ def test_reference_is_the_base_model_with_adapters_disabled(tiny_model_dir, tmp_
     original = trainer._add_old_and_ref_logps
 
     def spy(batch):
-        original(batch)
-        seen.append(batch)
+        seen.append(original(batch))
+        return seen[-1]
 
     trainer._add_old_and_ref_logps = spy
     trainer.train()
@@ -88,7 +88,12 @@ def test_a_peft_model_as_model(tiny_model_dir, tmp_path):
     trainer = GRPOTrainer(model=model, processing_class=make_tokenizer(), reward_funcs=length_reward,
                           train_dataset=chat_dataset(), args=cfg(tmp_path, beta=0.1))
     assert trainer.ref_model is None and trainer.ref_from_adapters
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()
+    for name, p in model.named_parameters():  # the given model is the one trained: only its adapters move
+        assert torch.equal(before[name], p) != ("lora_B" in name), name
+    # lora_B starts at zero: at step 1 the policy is exactly the adapter-less reference
+    assert trainer.state.log_history[-1]["kl"] == 0.0
     with pytest.raises(ValueError, match="already is a PEFT model"):
         GRPOTrainer(model=model, processing_class=make_tokenizer(), reward_funcs=length_reward,
                     train_dataset=chat_dataset(), args=cfg(tmp_path), peft_config=lora_config())
@@ -101,11 +106,11 @@ def test_fast_engine_on_the_adapted_model_matches_plain_generate(tiny_model_dir,
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.5)
-    prompts = [trainer._prompt_ids(i) for i in (0, 0, 1, 1)]
-    fast = FastEngine(model, trainer.args, trainer.stop_ids, trainer.processing_class.pad_token_id,
-                      sampler=lambda logprobs: logprobs.argmax(-1))
+    prompts = trainer.prompts.requests([0, 0, 1, 1])
+    tok = trainer.processing_class
+    fast = FastEngine(model, tok, trainer.args, trainer.stop_ids, sampler=lambda logprobs: logprobs.argmax(-1))
     greedy_args = cfg(tmp_path, generation_kwargs={"do_sample": False})
-    plain = TransformersEngine(model, greedy_args, trainer.stop_ids, trainer.processing_class.pad_token_id)
+    plain = TransformersEngine(model, tok, greedy_args, trainer.stop_ids)
     expected = plain.generate(prompts).completion_ids
     assert fast.generate(prompts).completion_ids == expected
     with model.disable_adapter():  # and the adapters do change what is generated
@@ -120,3 +125,74 @@ def test_resume_restores_the_adapter_exactly(tiny_model_dir, tmp_path):
     assert resumed.state.global_step == 2
     for (name, p), q in zip(straight.unwrapped_model.named_parameters(), resumed.unwrapped_model.parameters()):
         assert torch.equal(p, q), name
+
+
+# ---- grpo.lora on its own --------------------------------------------------------------------------------------
+
+
+class Wrapper(torch.nn.Module):
+    """What DDP and DeepSpeed look like from outside: the model under `.module`."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def test_wrap_adds_trainable_adapters_and_is_seen_through_wrappers(tiny_model_dir):
+    from grpo import lora
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not lora.is_peft_model(base) and not lora.is_peft_model(Wrapper(base))
+    model = lora.wrap(base, lora_config(), gradient_checkpointing=False)
+    assert lora.is_peft_model(model) and lora.is_peft_model(Wrapper(model))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    with pytest.raises(ValueError, match="already is a PEFT model"):
+        lora.wrap(model, lora_config(), gradient_checkpointing=False)
+    with pytest.raises(TypeError, match="pass a peft.PeftConfig"):
+        lora.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir), {"r": 4}, gradient_checkpointing=False)
+
+
+def test_adapters_disabled_gives_the_base_model_through_a_wrapper(tiny_model_dir):
+    from grpo import lora
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = base(ids).logits
+        model = lora.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora_config(), False).eval()
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+        adapted = model(ids).logits
+        with lora.adapters_disabled(Wrapper(model)):
+            disabled = model(ids).logits
+        assert not torch.allclose(adapted, expected)
+        torch.testing.assert_close(disabled, expected)
+        torch.testing.assert_close(model(ids).logits, adapted)  # enabled again after the block
+
+
+def test_load_adapter_restores_saved_weights_and_names_what_does_not_fit(tiny_model_dir, tmp_path):
+    from grpo import lora
+
+    def adapted(seed):
+        torch.manual_seed(seed)
+        model = lora.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora_config(), False)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.normal_()
+        return model
+
+    saved = adapted(0)
+    saved.save_pretrained(tmp_path / "adapter")
+    target = adapted(1)
+    assert lora.load_adapter(Wrapper(target), str(tmp_path / "adapter")) == []
+    for (name, p), q in zip(saved.named_parameters(), target.parameters()):
+        assert torch.equal(p, q), name
+    wider = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "k_proj"], task_type="CAUSAL_LM")
+    wide = lora.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir), wider, False)
+    wide.save_pretrained(tmp_path / "wide")
+    assert any("k_proj" in key for key in lora.load_adapter(target, str(tmp_path / "wide")))
+    with pytest.raises(FileNotFoundError, match="holds no LoRA adapter"):
+        lora.load_adapter(target, str(tmp_path))

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from grpo.config import LOSS_TYPES, GRPOConfig
-from grpo.losses import entropy_bonus, high_entropy_mask, kl_k3, policy_loss
+from grpo.losses import LOSS_TYPES as TABLE
+from grpo.losses import LossParams, LossScale, entropy_bonus, high_entropy_mask, kl_k3, policy_loss
 
 F64 = torch.float64
 LN2 = math.log(2.0)
@@ -129,6 +130,43 @@ def test_dapo_divides_by_num_items_exactly_as_passed():
     # bnpo and grpo ignore num_items_in_batch
     assert run("bnpo", num_items=10.0)[0] == pytest.approx(-0.8)
     assert run("grpo", num_items=10.0)[0] == pytest.approx(-0.5)
+
+
+def test_every_loss_type_the_config_accepts_has_one_table_entry():
+    """The config accepts exactly the table's names; each entry says how accumulation normalizes it."""
+    assert set(LOSS_TYPES) == set(TABLE)
+    for name in LOSS_TYPES:
+        entry = TABLE[name]
+        assert callable(entry.objective) and callable(entry.aggregate) and "arXiv" in entry.paper
+        assert entry.normalization in ("tokens", "accumulation")
+        assert make_cfg(name).loss_type == name
+    with pytest.raises(ValueError, match="loss_type"):
+        make_cfg("ppo")
+
+
+def test_loss_params_are_the_configs_values():
+    params = LossParams.of(make_cfg("cispo", epsilon=0.3, epsilon_high=5.0, beta=0.1, delta=None))
+    assert (params.loss_type, params.epsilon_low, params.epsilon_high, params.beta) == ("cispo", 0.3, 5.0, 0.1)
+    assert LossParams.of(params) is params
+    assert LossParams.of(make_cfg("grpo", epsilon=0.25)).epsilon_high == 0.25  # None -> epsilon
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_scale_applies_the_table_normalization(loss_type):
+    """With a LossScale, "tokens" losses divide their token sum by N/P x GA/spg (TRL 1.16) and every other loss
+    is divided by GA; hand-computed from the unscaled loss."""
+    scale = LossScale(tokens=12.0, processes=2, accumulation_steps=3, steps_per_generation=2)
+    lp = torch.tensor(LOGPS, dtype=F64, requires_grad=True)
+    old = lp.detach() - torch.log(t64(RATIOS))
+    params = LossParams.of(make_cfg(loss_type))
+    if TABLE[loss_type].normalization == "tokens":
+        expected, _ = policy_loss(lp, old, t64(ADV), t64(MASK), params, num_items_in_batch=12.0 / 2 * 3 / 2)
+    else:
+        unscaled, _ = policy_loss(lp, old, t64(ADV), t64(MASK), params)
+        expected = unscaled / 3
+    scaled, _ = policy_loss(lp, old, t64(ADV), t64(MASK), params, scale=scale)
+    assert scaled.item() == pytest.approx(expected.item(), rel=1e-12)
+    assert scale.token_divisor() == 9.0 and LossScale(tokens=0.0).token_divisor() == 1.0  # never 0
 
 
 # ---- off-policy, token level, RATIOS -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from grpo import GRPOTrainer
-from grpo.reward_models import RewardModel
+from grpo.rewards.models import RewardModel
 from test_trainer import cfg, chat_dataset, length_reward, text_dataset
 from tiny import make_tokenizer
 
@@ -70,7 +70,7 @@ def test_reward_model_directory_trains_next_to_a_function(tiny_model_dir, classi
     logits for the sampled completions and are logged under the directory's name."""
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[length_reward, classifier_dir],
                           train_dataset=chat_dataset(), args=cfg(tmp_path, reward_weights=[0.0, 1.0]))
-    judge = trainer.reward_funcs[1]
+    judge = trainer.rewards.funcs[1]
     assert isinstance(judge, RewardModel) and judge.__name__ == "judge0"
     seen = {}
     original = judge.__call__
@@ -80,7 +80,7 @@ def test_reward_model_directory_trains_next_to_a_function(tiny_model_dir, classi
         seen["texts"] = judge.texts(kwargs["prompts"], kwargs["completions"])
         return seen["rewards"]
 
-    trainer.reward_funcs[1] = spy
+    trainer.rewards.funcs[1] = spy
     trainer.train()
     row = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
     with torch.no_grad():
@@ -95,10 +95,23 @@ def test_reward_model_module_with_processing_class(tiny_model_dir, tmp_path):
     module = tiny_classifier(tok, seed=1)
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[module], train_dataset=text_dataset(),
                           args=cfg(tmp_path), reward_processing_classes=[tok])
-    judge = trainer.reward_funcs[0]
+    judge = trainer.rewards.funcs[0]
     assert judge.tokenizer.pad_token == tok.eos_token and module.config.pad_token_id == tok.eos_token_id
+    seen = {}
+    original = judge.__call__
+
+    def spy(**kwargs):  # standard prompts: the text scored is prompt + completion, padded with EOS
+        seen["rewards"] = original(**kwargs)
+        seen["texts"] = [p + c for p, c in zip(kwargs["prompts"], kwargs["completions"])]
+        return seen["rewards"]
+
+    trainer.rewards.funcs[0] = spy
     trainer.train()
-    assert trainer.state.global_step == 1
+    with torch.no_grad():
+        expected = one_by_one(module, tok, seen["texts"])
+    assert seen["rewards"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    row = trainer.state.log_history[-1]
+    assert row[f"rewards/{judge.__name__}/mean"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
 
 
 def test_module_without_tokenizer_or_config_is_rejected_clearly(tiny_model_dir, tmp_path):

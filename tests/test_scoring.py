@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from grpo.scoring import RewardFunctionError, score
+from grpo.rewards.calling import RewardFunctionError, score
 
 KW = dict(prompts=["p0", "p1"], completions=["c0", "c1"])
 

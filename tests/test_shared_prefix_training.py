@@ -3,15 +3,16 @@ rtol 1e-5 / atol 1e-6), with ragged prompts, ragged completions and shuffled row
 
 from __future__ import annotations
 
-import contextlib
+import os
 
 import pytest
 import torch
 
-from grpo.batch import collate, token_logps
+from grpo.batch import collate
 from grpo.data import tokenize_prompts
-from grpo.generation import Rollout
+from grpo.forward import token_logps
 from grpo.logprobs import chunked_logps_and_entropy, logps_and_entropy
+from grpo.rollout import Rollout
 from tiny import make_model, make_tokenizer
 
 
@@ -165,7 +166,7 @@ def test_length_sorted_trimmed_pieces_match_one_padded_pass(chunk_size):
 
 
 def test_pieces_are_length_sorted_chunks():
-    from grpo.batch import _pieces
+    from grpo.forward import _pieces
 
     lengths = torch.tensor([30, 2, 3, 2, 31, 3])
     assert [p.tolist() for p in _pieces(lengths, 4)] == [[1, 3, 2, 5], [0, 4]]
@@ -175,27 +176,33 @@ def test_pieces_are_length_sorted_chunks():
 @pytest.mark.parametrize("share", [False, True])
 def test_grouped_kv_attention_matches_repeated_heads(share, monkeypatch):
     """The tiny model has 4 query heads over 2 key/value heads: reading them grouped (CPU flash kernel with
-    enable_gqa) gives the log-probs and gradients of repeating them (float32, rtol 1e-5 / atol 1e-6)."""
-    import grpo.batch
+    enable_gqa, transformers' TRANSFORMERS_SDPA_FORCE_GQA switch) gives the log-probs and gradients of repeating
+    them (float32, rtol 1e-5 / atol 1e-6)."""
+    from grpo.perf.attention import SWITCH
 
     batch, model = batch_and_model()
     assert model.config.num_key_value_heads < model.config.num_attention_heads
     results = {}
     for grouped in (False, True):
-        if not grouped:  # the plain path: transformers repeats the key/value heads
-            monkeypatch.setattr(grpo.batch, "grouped_kv_attention", lambda model: contextlib.nullcontext())
-        else:
-            monkeypatch.undo()
+        if grouped:
+            monkeypatch.setenv(SWITCH, "1")
+        else:  # the plain path: transformers repeats the key/value heads
+            monkeypatch.delenv(SWITCH, raising=False)
         results[grouped] = logps_and_grads(model, batch, share_prefix=share, chunked_head=True)
     assert_same_pass(results[True], results[False], batch)
 
 
-def test_grouped_kv_attention_is_used_and_undone():
-    import os
-
-    from grpo.batch import grouped_kv_attention
+def test_grouped_heads_switch_is_set_once_for_cpu_models_with_grouped_heads(monkeypatch):
+    """Set for a CPU model with grouped heads (and logged), never over the user's own value, not for a model with
+    one key/value head per query head."""
+    from grpo.perf import attention
 
     _, model = batch_and_model()
-    with grouped_kv_attention(model):
-        assert os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA") == "1"
-    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+    monkeypatch.delenv(attention.SWITCH, raising=False)
+    assert attention.use_grouped_heads(model) and os.environ[attention.SWITCH] == "1"
+    monkeypatch.setenv(attention.SWITCH, "0")
+    assert not attention.use_grouped_heads(model) and os.environ[attention.SWITCH] == "0"
+    monkeypatch.delenv(attention.SWITCH)
+    model.config.num_key_value_heads = model.config.num_attention_heads
+    assert "one key/value head" in attention.unsupported_reason(model)
+    assert not attention.use_grouped_heads(model) and attention.SWITCH not in os.environ

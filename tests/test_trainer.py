@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 
@@ -14,6 +15,8 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import LOSS_TYPES
+from grpo.rollout.base import assemble, expand
+from scripted import ScriptedEngine
 from tiny import make_tokenizer
 
 
@@ -57,7 +60,7 @@ def test_one_step_changes_every_trainable_parameter(tiny_model_dir, tmp_path, bf
     assert [n for n in before if torch.equal(before[n], after[n])] == []
     assert trainer.state.global_step == 1
     row = trainer.state.log_history[-1]
-    assert row["grad_norm"] > 0 and row["loss"] == pytest.approx(row["loss"])
+    assert row["grad_norm"] > 0 and math.isfinite(row["loss"])
 
 
 def test_standard_prompts_and_extra_columns_reach_rewards(tiny_model_dir, tmp_path):
@@ -122,13 +125,29 @@ def test_multiple_weighted_multitask_and_async_rewards(tiny_model_dir, tmp_path)
     assert 0.5 < row["reward"] < 2.5 + 1e-6
 
 
+class BoxedAnswers(ScriptedEngine):
+    """Sample j of a "Solve i+1" prompt answers \\boxed{i+1} when j is even, \\boxed{0} (never right) when odd."""
+
+    def generate(self, requests):
+        ids = []
+        for request in requests:
+            question = request.prompt.messages[-1]["content"]
+            right = str(int(question.split()[-1].split("+")[0]) + 1)
+            for j in range(request.num_samples):
+                text = "\\boxed{" + (right if j % 2 == 0 else "0") + "}"
+                ids.append(self.tok.convert_tokens_to_ids(list(text)) + [self.end])
+        return assemble(expand(requests), ids, [[0.0] * len(c) for c in ids], {self.end}, self.tok)
+
+
 def test_accuracy_reward_quick_start(tiny_model_dir, tmp_path):
     from grpo.rewards import accuracy_reward
 
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=accuracy_reward, train_dataset=chat_dataset(),
                           args=cfg(tmp_path))
+    trainer.engine = BoxedAnswers(trainer.processing_class)
     trainer.train()
-    assert trainer.state.log_history[-1]["rewards/accuracy_reward/mean"] == 0.0
+    row = trainer.state.log_history[-1]
+    assert row["rewards/accuracy_reward/mean"] == 0.5 and row["frac_reward_zero_std"] == 0.0
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -138,16 +157,12 @@ def test_every_loss_type_trains(tiny_model_dir, tmp_path, loss_type):
     before = params(trainer.model)
     trainer.train()
     row = trainer.state.log_history[-1]
-    assert row["kl"] is not None and row["kl"] >= 0
-    assert math_isfinite(row["loss"])
+    assert row["kl"] > 0  # step 2: the policy has moved away from the reference
+    assert math.isfinite(row["loss"])
     expected = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean", "sapo": "entropy"}
     assert expected.get(loss_type, "clip_ratio/region_mean") in row
     changed = [n for n, p in params(trainer.model).items() if not torch.equal(p, before[n])]
     assert changed
-
-
-def math_isfinite(x):
-    return x is not None and torch.isfinite(torch.tensor(x)).item()
 
 
 def test_reference_model_only_when_beta_positive(tiny_model_dir, tmp_path):
@@ -199,7 +214,9 @@ def test_args_none_model_object_and_processing_class(tiny_model_dir, tmp_path, m
                           processing_class=make_tokenizer())
     assert trainer.args.output_dir == "tiny-llama-GRPO"
     assert trainer.args.learning_rate == 1e-6 and trainer.args.num_generations == 8
-    assert trainer.model is not None and trainer.accelerator is not None
+    assert trainer.unwrapped_model is model  # the object given is the one trained, not a copy
+    assert trainer.processing_class.get_vocab() == make_tokenizer().get_vocab()
+    assert trainer.processing_class.padding_side == "left"  # prompts are right-aligned for generation
     assert trainer.state.log_history == []
 
 
@@ -215,11 +232,16 @@ def test_steps_per_generation_and_iterations_reuse_one_generation(tiny_model_dir
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=counting_reward, train_dataset=chat_dataset(),
                           args=args)
     assert trainer._needs_old_logps()
+    seen = []
+    original = trainer._loss_and_backward
+    trainer._loss_and_backward = lambda batch: seen.append(batch) or original(batch)
     trainer.train()
-    # one generation of 8 completions feeds spg * mu = 4 micro-steps = 4 optimizer steps
-    assert calls == [8]
-    rows = trainer.state.log_history
-    assert max(r["clip_ratio/region_mean"] for r in rows) >= 0.0 and len(rows) == 4
+    # one generation of 8 completions feeds spg * mu = 4 micro-steps = 4 optimizer steps: two slices of 4, each
+    # trained on twice, against the old policy's log-probs of the generation
+    assert calls == [8] and len(trainer.state.log_history) == 4
+    assert seen[0] is seen[2] and seen[1] is seen[3] and seen[0] is not seen[1]
+    rows = torch.cat([seen[0].completion_ids, seen[1].completion_ids]).shape[0]
+    assert rows == 8 and all(b.old_logps is not None and len(b) == 4 for b in seen)
 
 
 def test_report_to_tensorboard_writes_events(tiny_model_dir, tmp_path):

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo import GRPOConfig, zero
+from grpo import GRPOConfig
+from grpo.distributed import zero
 
 
 def accelerator_with(config, processes=2):

@@ -19,7 +19,6 @@ and shapes, same batch geometry, seed, world size and dataset size): what differ
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -30,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from grpo import lora, runtime, zero
+from grpo import lora
+from grpo.distributed import sharding, zero
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE = "trainer_state.json"
@@ -48,10 +48,8 @@ class CheckpointMismatchError(ValueError):
 def model_state(trainer: Any) -> dict[str, torch.Tensor]:
     """The policy's whole state dict on the main process. Every process must call it: for a sharded model it
     gathers the shards (to CPU)."""
-    if runtime.is_sharded(trainer.model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if sharding.is_sharded(trainer.model):
+        return sharding.full_state_dict(trainer.model)
     module = trainer.accelerator.unwrap_model(trainer.model)
     if zero.is_partitioned(module):  # whatever stage3_gather_16bit_weights_on_model_save says
         return zero.full_state_dict(module, trainer.accelerator.is_main_process)
@@ -64,26 +62,6 @@ def save_pretrained(trainer: Any, output_dir: str, state_dict: dict[str, torch.T
     model = trainer.accelerator.unwrap_model(trainer.model)
     model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     trainer.processing_class.save_pretrained(output_dir)
-
-
-def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
-    """Every process writes its shards of the model and optimizer state (torch.distributed.checkpoint)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state_dict, "optimizer": optimizer_state_dict}, checkpoint_id=directory)
-
-
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
-    """`save_sharded`'s shards back into a model sharded the same way, and its optimizer (every process)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer)
-    state = {"model": model_state_dict, "optimizer": optimizer_state_dict}
-    dcp.load(state, checkpoint_id=directory)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def save(trainer: Any, step: int) -> str:
@@ -99,14 +77,14 @@ def save(trainer: Any, step: int) -> str:
     rank = acc.process_index
     torch.save(_rng_state(), os.path.join(tmp, f"rng_state_{rank}.pth"))
     state_dict = model_state(trainer)
-    sharded = runtime.is_sharded(trainer.model)
+    sharded = sharding.is_sharded(trainer.model)
     deepspeed = zero.in_use(acc)
     if sharded:
-        save_sharded(trainer.model, trainer.optimizer, os.path.join(tmp, SHARDED))
+        sharding.save_shards(trainer.model, trainer.optimizer, os.path.join(tmp, SHARDED))
     elif deepspeed:  # DeepSpeed's own engine checkpoint: every process writes its optimizer partition
         zero.save(acc, os.path.join(tmp, zero.STATE_DIR))
-    if trainer._buffer and trainer._micro_step % trainer.cycle_length != 0:
-        torch.save([_batch_dict(b) for b in trainer._buffer], os.path.join(tmp, f"rollouts_{rank}.pt"))
+    if trainer.buffer.mid_cycle(trainer.loop.micro_step):
+        torch.save(trainer.buffer.state_dict(), os.path.join(tmp, f"rollouts_{rank}.pt"))
     acc.wait_for_everyone()
     if acc.is_main_process:
         save_pretrained(trainer, tmp, state_dict)
@@ -115,10 +93,9 @@ def save(trainer: Any, step: int) -> str:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
         if acc.scaler is not None:  # fp16 loss scaling: the current scale and its growth tracker
             torch.save(acc.scaler.state_dict(), os.path.join(tmp, SCALER))
-        state = {"global_step": step, "micro_step": trainer._micro_step, "data_position": trainer._data_position,
-                 "num_items": getattr(trainer, "_num_items", 0.0), "max_steps": trainer.max_steps,
+        state = {"global_step": step, **trainer.loop.state_dict(), "max_steps": trainer.max_steps,
                  "num_input_tokens_seen": trainer.state.num_input_tokens_seen, "log_history": trainer.state.log_history,
-                 "metrics_window": trainer.metrics.values if trainer.metrics else {},
+                 "metrics_window": trainer.metrics.state_dict(),
                  "num_processes": acc.num_processes, "dataset_size": len(trainer.train_dataset),
                  "config": {k: v for k, v in trainer.args.to_dict().items() if _jsonable(v)}}
         with open(os.path.join(tmp, STATE), "w") as f:
@@ -165,9 +142,9 @@ def load(trainer: Any, path: str) -> None:
     device = "cpu" if acc.device.type == "cpu" else acc.device
     _check_run(trainer, state, path)
     model = acc.unwrap_model(trainer.model)
-    sharded, deepspeed = runtime.is_sharded(trainer.model), zero.in_use(acc)
+    sharded, deepspeed = sharding.is_sharded(trainer.model), zero.in_use(acc)
     if sharded:  # the shards hold the whole trainable state, adapters included, and the optimizer's
-        load_sharded(trainer.model, trainer.optimizer, os.path.join(path, SHARDED))
+        sharding.load_shards(trainer.model, trainer.optimizer, os.path.join(path, SHARDED))
     elif deepspeed:  # DeepSpeed's engine checkpoint: the module, and this process's optimizer partition
         try:
             zero.load(acc, os.path.join(path, zero.STATE_DIR))
@@ -195,17 +172,16 @@ def load(trainer: Any, path: str) -> None:
     trainer.state.num_input_tokens_seen = state["num_input_tokens_seen"]
     trainer.state.log_history = state["log_history"]
     trainer.state.epoch = state["global_step"] / trainer.steps_per_epoch
-    trainer._micro_step, trainer._data_position = state["micro_step"], state["data_position"]
-    trainer._num_items = state["num_items"]
-    trainer._metrics_window = state["metrics_window"]
+    trainer.loop.load_state_dict(state)
+    trainer.metrics.load_state_dict(state["metrics_window"])
     rank = acc.process_index
     rollouts = os.path.join(path, f"rollouts_{rank}.pt")
-    trainer._buffer = []
-    if os.path.exists(rollouts):
-        from grpo.batch import TrainBatch
-
-        saved = torch.load(rollouts, map_location=device, weights_only=True)
-        trainer._buffer = [TrainBatch(**fields) for fields in saved]
+    saved = torch.load(rollouts, map_location=device, weights_only=True) if os.path.exists(rollouts) else []
+    for batch in saved:  # written by grpo 0.1.0 before the rollout interface: the token count was run state
+        if "truncated" in batch:
+            del batch["truncated"]
+            batch["num_items_in_batch"] = state["num_items"]
+    trainer.buffer.load_state_dict(saved, device)
     # python and numpy generator states are plain tuples/arrays; the file is this run's own
     _set_rng_state(torch.load(os.path.join(path, f"rng_state_{rank}.pth"), weights_only=False))
 
@@ -267,10 +243,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _batch_dict(batch: Any) -> dict[str, torch.Tensor | None]:
-    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
 
 
 def _rotate(root: str, limit: int | None) -> None:

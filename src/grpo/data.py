@@ -1,4 +1,4 @@
-"""Prompts in, token ids out; completions back to what reward functions see (shared spec §5).
+"""Prompts in, `Prompt` records out (shared spec §5.3): the one place prompts are rendered and tokenized.
 
 Also the prompt order: which dataset rows feed generation number k. It is a pure function of (seed, k), so a
 resumed run sees exactly the prompts the uninterrupted one would have seen.
@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from grpo.rollout.base import Prompt, Request
 
 UNSUPPORTED_COLUMNS = ("image", "images")
 
@@ -63,6 +65,38 @@ def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any,
     return ids
 
 
+def make_prompt(prompt: Any, tokenizer: Any, chat_template_kwargs: dict | None = None) -> Prompt:
+    """A dataset prompt (string or messages) as a tokenized `Prompt` record."""
+    ids = tokenize_prompts([prompt], tokenizer, chat_template_kwargs)[0]
+    messages = tuple(dict(m) for m in prompt) if is_conversational(prompt) else None
+    return Prompt(ids=tuple(ids), messages=messages)
+
+
+class PromptSource:
+    """The dataset's prompts as `Prompt` records, each tokenized once (on first use) and kept."""
+
+    def __init__(self, dataset: Any, tokenizer: Any, chat_template_kwargs: dict | None = None) -> None:
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs
+        self._cache: dict[int, Prompt] = {}
+
+    def __getitem__(self, row: int) -> Prompt:
+        if row not in self._cache:
+            self._cache[row] = make_prompt(self.dataset[row]["prompt"], self.tokenizer, self.chat_template_kwargs)
+        return self._cache[row]
+
+    def requests(self, rows: Sequence[int]) -> list[Request]:
+        """One request per run of equal consecutive rows (a process's share of a prompt's group), in order."""
+        requests: list[Request] = []
+        for i, row in enumerate(rows):
+            if i > 0 and rows[i - 1] == row:
+                requests[-1] = Request(requests[-1].prompt, requests[-1].num_samples + 1)
+            else:
+                requests.append(Request(self[row]))
+        return requests
+
+
 def end_of_turn_ids(tokenizer: Any, model_eos: int | list[int] | None = None) -> list[int]:
     """Every token that ends a completion: EOS, the chat template's end-of-turn token (e.g. <|im_end|>,
     <|eot_id|>) and the model's generation_config EOS ids. The reference stops at EOS only (its quirk 10),
@@ -92,12 +126,6 @@ def _template_turn_end(tokenizer: Any) -> int | None:
     suffix = tokenizer(text.split(sentinel, 1)[1], add_special_tokens=False)["input_ids"]
     special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
     return suffix[0] if suffix and suffix[0] in special else None
-
-
-def completions_for_rewards(prompts: Sequence[Any], texts: Sequence[str]) -> list[Any]:
-    """Strings for standard prompts; one assistant message for conversational ones (shared spec §5.5)."""
-    return [[{"role": "assistant", "content": text}] if is_conversational(prompt) else text
-            for prompt, text in zip(prompts, texts)]
 
 
 def prompts_per_generation(num_rows: int, unique_per_generation: int) -> int:

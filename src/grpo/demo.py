@@ -27,6 +27,12 @@ from typing import Any
 import torch
 from datasets import Dataset
 
+from grpo.bundled import bundled_model_path
+from grpo.config import GRPOConfig
+from grpo.data import tokenize_prompts
+from grpo.rollout.base import left_pad
+from grpo.trainer import GRPOTrainer
+
 TRAIN_TEMPLATE = "Compute {a}+{b}. Reply with only the final number."
 HELDOUT_TEMPLATE = "What is {a} plus {b}? Give just the number."
 PAIRS = [(a, b) for a in range(1, 10) for b in range(1, 10)]
@@ -59,9 +65,6 @@ def train_dataset(seed: int, size: int = 2048) -> Dataset:
 @torch.no_grad()
 def greedy_accuracy(model: Any, tokenizer: Any, template: str, max_new_tokens: int = 24) -> tuple[float, list]:
     """Greedy accuracy on all 81 pairs, and the (prompt, completion, correct) triples."""
-    from grpo.data import tokenize_prompts
-    from grpo.generation import left_pad
-
     was_training = model.training
     model.eval()
     prompts = [chat(template, a, b) for a, b in PAIRS]
@@ -110,9 +113,7 @@ def fresh_output_dir(path: str) -> None:
     os.makedirs(path)
 
 
-def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any):
-    from grpo import GRPOConfig
-
+def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any) -> GRPOConfig:
     params = dict(output_dir=output_dir, seed=seed, max_steps=steps, per_device_train_batch_size=16,
                   num_generations=8, max_completion_length=32, learning_rate=2e-5,
                   beta=0.0, logging_steps=1, save_strategy="no", gradient_checkpointing=False, temperature=1.0)
@@ -121,8 +122,6 @@ def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any):
 
 
 def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: Any) -> tuple[float, float]:
-    from grpo import GRPOTrainer
-
     fresh_output_dir(output_dir)
     args = demo_config(output_dir, seed, steps, **overrides)
     trainer = GRPOTrainer(model=model_path, reward_funcs=correctness_reward, train_dataset=train_dataset(seed),
@@ -172,8 +171,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="override a GRPOConfig field of the demo, e.g. --set learning_rate=3e-5")
     opts = parser.parse_args(argv)
     if opts.model is None:
-        from grpo.bundled import bundled_model_path
-
         opts.model = bundled_model_path()
     overrides = dict(item.split("=", 1) for item in opts.set)
     before, after = run(opts.model, opts.output, opts.seed, opts.steps,

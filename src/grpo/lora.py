@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from grpo.modeling import unwrap
+
 
 def is_peft_model(model: Any) -> bool:
-    while hasattr(model, "module"):  # DDP and similar wrappers
-        model = model.module
+    model = unwrap(model, keep_peft=True)
     try:
         from peft import PeftModel
     except ImportError:
@@ -51,9 +52,7 @@ def wrap(model: torch.nn.Module, peft_config: Any, gradient_checkpointing: bool)
 @contextmanager
 def adapters_disabled(model: Any) -> Iterator[None]:
     """The base model's behaviour (the reference policy) for the duration of the block."""
-    while hasattr(model, "module"):
-        model = model.module
-    with model.disable_adapter():
+    with unwrap(model, keep_peft=True).disable_adapter():
         yield
 
 
@@ -62,8 +61,7 @@ def load_adapter(model: Any, path: str) -> list[str]:
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
-    while hasattr(model, "module"):
-        model = model.module
+    model = unwrap(model, keep_peft=True)
     if not os.path.exists(os.path.join(path, "adapter_config.json")):
         raise FileNotFoundError(f"{path} holds no LoRA adapter (adapter_config.json), but the model is a PEFT "
                                 "model: resume with the model the run was started with.")

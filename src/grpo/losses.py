@@ -1,34 +1,37 @@
-"""Policy losses of GRPO and its descendants, as pure functions of tensors.
+"""Policy losses of GRPO and its descendants, as pure functions of tensors: one table, one entry per loss type.
 
-Call `policy_loss(logps, old_logps, advantages, mask, args)` to get one process's loss for one micro-batch and
-its metrics. The math follows the shared spec §2 (TRL 1.16):
+    loss, metrics = policy_loss(logps, old_logps, advantages, mask, params)
 
+The math follows the shared spec §2 (TRL 1.16):
 1. importance weight `r = exp(log w)`, with `log w = logp - old` per token, or its masked mean per sequence
    (`importance_sampling_level="sequence"`, GSPO);
-2. a per-token objective chosen by `loss_type` from `PER_TOKEN_LOSSES` (one function per paper);
+2. the loss type's per-token objective (`LOSS_TYPES[name].objective`, one function per paper);
 3. multiplicative masks (the entropy mask), then `+ beta * kl` (k3 estimator), so the KL term is not masked
    by them;
-4. aggregation chosen by `loss_type` from `AGGREGATIONS`.
+4. the loss type's aggregation over tokens and rows (`LOSS_TYPES[name].aggregate`);
+5. its normalization for gradient accumulation (`LOSS_TYPES[name].normalization`): given a `LossScale` (the
+   generation's active-token count, processes, accumulation steps, steps_per_generation), "tokens" losses divide
+   their token sum by the generation's active tokens per process and accumulation window, and "accumulation"
+   losses divide their micro-batch value by the number of accumulation steps. Without a `LossScale` the loss is
+   one process's loss for one micro-batch (token-sum losses divide by `num_items_in_batch`, default the mask's sum).
 
-Gradient accumulation, process count and steps_per_generation are the caller's business: for the
-token-sum losses (`TOKEN_SUM_LOSSES`) the caller passes the normalizer as `num_items_in_batch`; every other
-loss type is divided by the number of accumulation steps by the caller.
+Parameters come as a frozen `LossParams`, built once from the config (`LossParams.of(config)`; `policy_loss` also
+takes the config itself). Metrics are sufficient statistics (`Stat`) so a distributed caller can reduce them
+exactly (global masked means, not means of means); the returned `LossMetrics` reads as name -> float for one
+process.
 
-Metrics are returned as sufficient statistics (`Stat`) so a distributed caller can reduce them exactly
-(global masked means, not means of means); `policy_loss` turns them into floats for one process.
+A new loss type is one `LossType` entry in `LOSS_TYPES` (with a test and a paper reference); `GRPOConfig` accepts
+exactly the names in the table.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-
-TOKEN_SUM_LOSSES = frozenset({"dapo", "cispo", "vespo"})
-CLIPPED_LOSSES = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "luspo"})
 
 
 @dataclass
@@ -42,6 +45,69 @@ class Stat:
         if self.kind == "mean":
             return (self.value[0] / self.value[1].clamp(min=1.0)).item()
         return self.value.item()
+
+
+class LossMetrics(Mapping):
+    """name -> float (this process's value, computed when read); `stats` keeps the reducible statistics."""
+
+    def __init__(self, stats: dict[str, Stat]) -> None:
+        self.stats = stats
+
+    def __getitem__(self, name: str) -> float:
+        return self.stats[name].local()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stats)
+
+    def __len__(self) -> int:
+        return len(self.stats)
+
+
+@dataclass(frozen=True)
+class LossParams:
+    """Everything the loss math reads, and nothing else."""
+
+    loss_type: str = "dapo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    beta: float = 0.0
+    importance_sampling_level: str = "token"
+    use_bias_correction_kl: bool = False
+    max_completion_length: int = 256
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    @classmethod
+    def of(cls, config: Any) -> LossParams:
+        """The parameters of a GRPOConfig (or anything with its field names); a LossParams as it is."""
+        if isinstance(config, LossParams):
+            return config
+        values = {f.name: getattr(config, f.name) for f in fields(cls) if f.name != "epsilon_low"}
+        values["epsilon_low"] = config.epsilon
+        if values["epsilon_high"] is None:
+            values["epsilon_high"] = config.epsilon
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """How one micro-batch's loss relates to the optimizer step's: `tokens` active (trained) tokens in the whole
+    generation batch (every process), split over `processes`, fed to the optimizer in `steps_per_generation`
+    micro-steps, `accumulation_steps` of them per optimizer step."""
+
+    tokens: float
+    processes: int = 1
+    accumulation_steps: int = 1
+    steps_per_generation: int = 1
+
+    def token_divisor(self) -> float:
+        """The divisor of a token-sum loss (TRL 1.16: N/P x GA/steps_per_generation)."""
+        return max(self.tokens, 1.0) / self.processes * self.accumulation_steps / self.steps_per_generation
 
 
 @dataclass
@@ -75,19 +141,19 @@ def _nan_extreme(x: torch.Tensor, kind: str) -> Stat:
     return Stat(kind, (valid.min() if kind == "min" else valid.max()).detach())
 
 
-# ---- per-token objectives: (terms, args) -> (per_token_loss, stats) --------------------------------------------
+# ---- per-token objectives: (terms, params) -> (per_token_loss, stats) ------------------------------------------
 
 
-def clipped_surrogate(t: PolicyTerms, args: Any) -> tuple[torch.Tensor, dict[str, Stat]]:
+def clipped_surrogate(t: PolicyTerms, p: LossParams) -> tuple[torch.Tensor, dict[str, Stat]]:
     """PPO-style clipped objective (GRPO, DeepSeekMath arXiv:2402.03300; DAPO's epsilon_high, arXiv:2503.14476;
     INTELLECT-2's delta cap on the unclipped branch, arXiv:2505.07291)."""
     ratio = t.ratio
-    clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)
-    if args.delta is not None:
-        ratio = torch.clamp(ratio, max=args.delta)
+    clipped = torch.clamp(ratio, 1 - p.epsilon_low, 1 + p.epsilon_high)
+    if p.delta is not None:
+        ratio = torch.clamp(ratio, max=p.delta)
     loss = -torch.min(ratio * t.advantages, clipped * t.advantages)
-    low = ((ratio < 1 - args.epsilon) & (t.advantages < 0)).float()
-    high = ((ratio > 1 + args.epsilon_high) & (t.advantages > 0)).float()
+    low = ((ratio < 1 - p.epsilon_low) & (t.advantages < 0)).float()
+    high = ((ratio > 1 + p.epsilon_high) & (t.advantages > 0)).float()
     region = ((low + high) > 0).float()
     stats = {
         "clip_ratio/low_mean": masked_mean_stat(low, t.mask),
@@ -99,89 +165,94 @@ def clipped_surrogate(t: PolicyTerms, args: Any) -> tuple[torch.Tensor, dict[str
     return loss, stats
 
 
-def cispo(t: PolicyTerms, args: Any) -> tuple[torch.Tensor, dict[str, Stat]]:
+def cispo(t: PolicyTerms, p: LossParams) -> tuple[torch.Tensor, dict[str, Stat]]:
     """CISPO (MiniMax-M1, arXiv:2506.13585): REINFORCE weighted by the detached ratio capped at epsilon_high
     (an absolute cap, as the reference implements it)."""
-    capped = torch.clamp(t.ratio, max=args.epsilon_high).detach()
+    capped = torch.clamp(t.ratio, max=p.epsilon_high).detach()
     loss = -capped * t.advantages * t.logps
-    clipped = ((t.ratio > args.epsilon_high) & (t.advantages > 0)).float()
+    clipped = ((t.ratio > p.epsilon_high) & (t.advantages > 0)).float()
     return loss, {"cispo_clip_ratio": masked_mean_stat(clipped, t.mask)}
 
 
-def sapo(t: PolicyTerms, args: Any) -> tuple[torch.Tensor, dict[str, Stat]]:
+def sapo(t: PolicyTerms, p: LossParams) -> tuple[torch.Tensor, dict[str, Stat]]:
     """SAPO (arXiv:2511.20347): a sigmoid soft gate instead of a hard clip; gradient weight 1 at r = 1."""
-    tau = torch.where(t.advantages > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
+    tau = torch.where(t.advantages > 0, p.sapo_temperature_pos, p.sapo_temperature_neg)
     return -(torch.sigmoid(tau * (t.ratio - 1)) * 4 / tau) * t.advantages, {}
 
 
 @torch.no_grad()
-def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, args: Any) -> torch.Tensor:
+def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                  p: LossParams) -> torch.Tensor:
     """VESPO's per-sequence gamma weight phi(W) = W^k e^{lambda (1 - W)}, with W the product of token ratios."""
     floor = math.log(1e-8)
     seq_log_ratio = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
     log_w = torch.clamp(seq_log_ratio, floor, 20.0)
     nonneg = advantages >= 0
-    k = torch.where(nonneg, args.vespo_k_pos, args.vespo_k_neg)
-    lam = torch.where(nonneg, args.vespo_lambda_pos, args.vespo_lambda_neg).clamp(min=1e-4)
+    k = torch.where(nonneg, p.vespo_k_pos, p.vespo_k_neg)
+    lam = torch.where(nonneg, p.vespo_lambda_pos, p.vespo_lambda_neg).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def vespo(t: PolicyTerms, args: Any) -> tuple[torch.Tensor, dict[str, Stat]]:
+def vespo(t: PolicyTerms, p: LossParams) -> tuple[torch.Tensor, dict[str, Stat]]:
     """VESPO (arXiv:2602.10693): REINFORCE weighted by a gamma function of the sequence ratio."""
-    phi = vespo_weights(t.log_ratio, t.advantages, t.mask, args)
+    phi = vespo_weights(t.log_ratio, t.advantages, t.mask, p)
     return -phi * t.advantages * t.logps, {"vespo/phi_seq_mean": masked_mean_stat(phi, t.mask)}
 
 
-PER_TOKEN_LOSSES: dict[str, Callable[[PolicyTerms, Any], tuple[torch.Tensor, dict[str, Stat]]]] = {
-    "grpo": clipped_surrogate,
-    "bnpo": clipped_surrogate,
-    "dr_grpo": clipped_surrogate,
-    "dapo": clipped_surrogate,
-    "luspo": clipped_surrogate,
-    "cispo": cispo,
-    "sapo": sapo,
-    "vespo": vespo,
-}
+# ---- aggregation: (per_token_loss, mask, params, num_items) -> scalar ------------------------------------------
 
 
-# ---- aggregation: (per_token_loss, mask, args, num_items) -> scalar --------------------------------------------
-
-
-def _sequence_mean(loss, mask, args, num_items):
-    """grpo / sapo: token mean per sequence, then mean over sequences (length-biased, arXiv:2503.20783)."""
+def sequence_mean(loss, mask, p, num_items):
+    """Token mean per sequence, then mean over sequences (length-biased, arXiv:2503.20783)."""
     return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
-def _micro_batch_token_mean(loss, mask, args, num_items):
-    """bnpo: token mean over the local micro-batch."""
+def micro_batch_token_mean(loss, mask, p, num_items):
+    """Token mean over the local micro-batch."""
     return (loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _constant_length(loss, mask, args, num_items):
-    """dr_grpo (Dr. GRPO, arXiv:2503.20783): divide by rows x max_completion_length, a constant."""
-    return (loss * mask).sum() / (loss.shape[0] * args.max_completion_length)
+def constant_length(loss, mask, p, num_items):
+    """Divide by rows x max_completion_length, a constant (Dr. GRPO, arXiv:2503.20783)."""
+    return (loss * mask).sum() / (loss.shape[0] * p.max_completion_length)
 
 
-def _token_sum(loss, mask, args, num_items):
-    """dapo / cispo / vespo: token sum over the caller's normalizer (the batch's active tokens)."""
+def token_sum(loss, mask, p, num_items):
+    """Token sum over the caller's normalizer (the batch's active tokens)."""
     return (loss * mask).sum() / num_items
 
 
-def _length_weighted(loss, mask, args, num_items):
-    """luspo (arXiv:2602.05261): sequence loss times its length, mean over sequences (masked first, TRL 1.16)."""
+def length_weighted(loss, mask, p, num_items):
+    """Sequence loss times its length, mean over sequences (masked first, TRL 1.16)."""
     return (loss * mask).sum(-1).mean()
 
 
-AGGREGATIONS = {
-    "grpo": _sequence_mean,
-    "sapo": _sequence_mean,
-    "bnpo": _micro_batch_token_mean,
-    "dr_grpo": _constant_length,
-    "dapo": _token_sum,
-    "cispo": _token_sum,
-    "vespo": _token_sum,
-    "luspo": _length_weighted,
+Objective = Callable[[PolicyTerms, LossParams], tuple[torch.Tensor, dict[str, Stat]]]
+Aggregation = Callable[[torch.Tensor, torch.Tensor, LossParams, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One loss type: its per-token objective, its aggregation, and how accumulation normalizes it ("tokens":
+    the aggregation divides a token sum by `LossScale.token_divisor()`; "accumulation": the aggregation is a
+    micro-batch value, divided by the number of accumulation steps)."""
+
+    objective: Objective
+    aggregate: Aggregation
+    normalization: str
+    paper: str
+
+
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType(clipped_surrogate, sequence_mean, "accumulation", "DeepSeekMath, arXiv:2402.03300"),
+    "bnpo": LossType(clipped_surrogate, micro_batch_token_mean, "accumulation", "BNPO, arXiv:2506.02864"),
+    "dr_grpo": LossType(clipped_surrogate, constant_length, "accumulation", "Dr. GRPO, arXiv:2503.20783"),
+    "dapo": LossType(clipped_surrogate, token_sum, "tokens", "DAPO, arXiv:2503.14476"),
+    "cispo": LossType(cispo, token_sum, "tokens", "MiniMax-M1, arXiv:2506.13585"),
+    "sapo": LossType(sapo, sequence_mean, "accumulation", "SAPO, arXiv:2511.20347"),
+    "luspo": LossType(clipped_surrogate, length_weighted, "accumulation", "LUSPO, arXiv:2602.05261"),
+    "vespo": LossType(vespo, token_sum, "tokens", "VESPO, arXiv:2602.10693"),
 }
 
 
@@ -198,41 +269,6 @@ def importance_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: s
     return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
 
 
-def compute_policy_loss(
-    logps: torch.Tensor,
-    old_logps: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    args: Any,
-    ref_logps: torch.Tensor | None = None,
-    num_items_in_batch: torch.Tensor | float | None = None,
-    *,
-    entropy_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, Stat]]:
-    """`policy_loss` with metrics as reducible `Stat`s (the trainer's entry point)."""
-    mask = mask.to(logps.dtype)
-    old = logps.detach() if old_logps is None else old_logps
-    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    log_ratio = logps - old
-    ratio = torch.exp(importance_log_weights(log_ratio, mask, args.importance_sampling_level))
-    terms = PolicyTerms(logps=logps, log_ratio=log_ratio, ratio=ratio, advantages=advantages, mask=mask)
-    per_token_loss, stats = PER_TOKEN_LOSSES[args.loss_type](terms, args)
-    if entropy_mask is not None:
-        per_token_loss = per_token_loss * entropy_mask
-    if args.beta != 0.0:
-        if ref_logps is None:
-            raise ValueError("beta > 0 needs ref_logps, the reference model's log-probs of the same tokens.")
-        kl = kl_k3(logps, ref_logps)
-        if args.use_bias_correction_kl:
-            kl = kl * ratio
-        per_token_loss = per_token_loss + args.beta * kl
-        stats["kl"] = masked_mean_stat(kl, mask)
-    if num_items_in_batch is None:
-        num_items_in_batch = mask.sum().clamp(min=1.0)
-    loss = AGGREGATIONS[args.loss_type](per_token_loss, mask, args, num_items_in_batch)
-    return loss, stats
-
-
 def policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor | None,
@@ -243,17 +279,43 @@ def policy_loss(
     num_items_in_batch: torch.Tensor | float | None = None,
     *,
     entropy_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """One process's GRPO-family loss for one micro-batch, and its metrics as floats.
+    scale: LossScale | None = None,
+) -> tuple[torch.Tensor, LossMetrics]:
+    """The GRPO-family loss of one micro-batch, and its metrics.
 
     logps, old_logps, ref_logps, mask: (B, T); old_logps=None means on-policy (ratio 1, gradient of logp);
-    advantages: (B,) or (B, T); args: a GRPOConfig (loss_type, epsilon, epsilon_high, delta, beta, ...);
-    num_items_in_batch: the divisor of the token-sum losses (dapo, cispo, vespo), used exactly as given
-    (default: mask.sum()); entropy_mask: optional (B, T) mask applied to the policy term only.
+    advantages: (B,) or (B, T); args: `LossParams`, or a GRPOConfig; num_items_in_batch: the divisor of the
+    token-sum losses (dapo, cispo, vespo), used exactly as given (default: mask.sum()); entropy_mask: optional
+    (B, T) mask applied to the policy term only; scale: the micro-batch's place in the optimizer step (see
+    `LossScale`), which applies the loss type's normalization for accumulation and replaces num_items_in_batch.
     """
-    loss, stats = compute_policy_loss(logps, old_logps, advantages, mask, args, ref_logps, num_items_in_batch,
-                                      entropy_mask=entropy_mask)
-    return loss, {name: stat.local() for name, stat in stats.items()}
+    p = LossParams.of(args)
+    loss_type = LOSS_TYPES[p.loss_type]
+    mask = mask.to(logps.dtype)
+    old = logps.detach() if old_logps is None else old_logps
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    log_ratio = logps - old
+    ratio = torch.exp(importance_log_weights(log_ratio, mask, p.importance_sampling_level))
+    terms = PolicyTerms(logps=logps, log_ratio=log_ratio, ratio=ratio, advantages=advantages, mask=mask)
+    per_token_loss, stats = loss_type.objective(terms, p)
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if p.beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs ref_logps, the reference model's log-probs of the same tokens.")
+        kl = kl_k3(logps, ref_logps)
+        if p.use_bias_correction_kl:
+            kl = kl * ratio
+        per_token_loss = per_token_loss + p.beta * kl
+        stats["kl"] = masked_mean_stat(kl, mask)
+    if scale is not None and loss_type.normalization == "tokens":
+        num_items_in_batch = scale.token_divisor()
+    elif num_items_in_batch is None:
+        num_items_in_batch = mask.sum().clamp(min=1.0)
+    loss = loss_type.aggregate(per_token_loss, mask, p, num_items_in_batch)
+    if scale is not None and loss_type.normalization == "accumulation":
+        loss = loss / scale.accumulation_steps
+    return loss, LossMetrics(stats)
 
 
 def entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from grpo.advantages import Advantages, nanstd
+from grpo.groups import GenerationBatch
+
 SHOWN = ("reward", "loss", "completions/mean_length", "kl")
 
 
@@ -49,10 +52,17 @@ class MetricsLogger:
         if self.progress is not None:
             self.progress.stop()
 
-    def resume(self, step: int, window: dict[str, list[float]]) -> None:
-        """Continue a run at `step`: rows a killed run wrote after it leave metrics.jsonl (they will be written
-        again), and the unfinished logging window's values come back."""
+    def state_dict(self) -> dict[str, list[float]]:
+        """The unfinished logging window's values (a checkpoint keeps them)."""
+        return {k: list(v) for k, v in self.values.items()}
+
+    def load_state_dict(self, window: dict[str, list[float]]) -> None:
+        self.values.clear()
         self.values.update({k: list(v) for k, v in window.items()})
+
+    def resume(self, step: int) -> None:
+        """Continue a run at `step`: rows a killed run wrote after it leave metrics.jsonl (they will be written
+        again)."""
         if self.is_main and self.path and os.path.exists(self.path):
             with open(self.path) as f:
                 rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
@@ -92,10 +102,10 @@ class MetricsLogger:
         return row
 
 
-def generation_metrics(scored: Any, adv: Any, timing: dict[str, float], reward_names: list[str]) -> dict[str, float]:
-    """Lengths, rewards and timing of one generation batch (global: every process's completions)."""
-    from grpo.advantages import nanstd
-
+def generation_metrics(generated: GenerationBatch, adv: Advantages, reward_names: list[str]) -> dict[str, float]:
+    """Lengths and rewards of one generation batch (global: every process's completions), and this process's
+    generation and scoring time."""
+    scored = generated.batch
     lengths = torch.tensor([sum(m) for m in scored.rollout.loss_mask], dtype=torch.float32)
     truncated = torch.tensor(scored.rollout.truncated, dtype=torch.bool)
     terminated = lengths[~truncated]
@@ -110,29 +120,13 @@ def generation_metrics(scored: Any, adv: Any, timing: dict[str, float], reward_n
          "reward_std": nanstd(adv.rewards).item(),
          "frac_reward_zero_std": adv.frac_zero_std,
          # this process's own generation speed
-         "timing/generation_tokens_per_s": timing["tokens"] / max(timing["generation"], 1e-9),
-         "timing/generation_s": timing["generation"],
-         "timing/scoring_s": timing["scoring"]}
+         "timing/generation_tokens_per_s": generated.tokens / max(generated.generation_s, 1e-9),
+         "timing/generation_s": generated.generation_s,
+         "timing/scoring_s": generated.scoring_s}
     for k, name in enumerate(reward_names):
         m[f"rewards/{name}/mean"] = torch.nanmean(scored.rewards[:, k]).item()
         m[f"rewards/{name}/std"] = nanstd(scored.rewards[:, k]).item()
     return m
-
-
-def reduce_stats(stats: dict[str, Any], accelerator: Any) -> dict[str, float]:
-    """Loss statistics (`grpo.losses.Stat`) reduced over processes: global masked means, min of mins, max of
-    maxes."""
-    out = {}
-    for name, stat in stats.items():
-        value = stat.value.to(accelerator.device).float()
-        if stat.kind == "mean":
-            total = accelerator.reduce(value, reduction="sum")
-            out[name] = (total[0] / total[1].clamp(min=1.0)).item()
-        else:
-            everyone = accelerator.gather(value.reshape(1))
-            valid = everyone[~torch.isnan(everyone)]
-            out[name] = (valid.min() if stat.kind == "min" else valid.max()).item() if valid.numel() else math.nan
-    return out
 
 
 class CompletionLog:
@@ -148,7 +142,7 @@ class CompletionLog:
 
     def record(self, scored: Any, advantages: Any, tokenizer: Any) -> None:
         prompts = tokenizer.batch_decode(scored.rollout.prompt_ids, skip_special_tokens=False)
-        for i, (prompt, completion) in enumerate(zip(prompts, scored.texts)):
+        for i, (prompt, completion) in enumerate(zip(prompts, scored.rollout.texts)):
             values = scored.rewards[i].tolist()
             rewards = {name: None if math.isnan(v) else v for name, v in zip(self.reward_names, values)}
             extra = {k: v[i] for k, v in scored.extra.items()}

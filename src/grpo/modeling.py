@@ -1,9 +1,11 @@
-"""Loading the policy, its tokenizer and the frozen reference model; hardware questions (fast bfloat16?)."""
+"""Loading the policy, its tokenizer and the frozen reference model; what a model can do (its forward's keywords,
+checkpointing) and how to reach it inside wrappers; hardware questions (fast bfloat16?)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -144,11 +146,52 @@ def cpu_isa() -> str:
         return "unknown"
 
 
-def base_model(model: Any) -> Any:
-    """The transformers model inside DDP and PEFT wrappers."""
+def unwrap(model: Any, keep_peft: bool = False) -> Any:
+    """The transformers model inside DDP/DeepSpeed (`.module`) and PEFT wrappers; with `keep_peft`, the PEFT model
+    itself."""
     while hasattr(model, "module"):
         model = model.module
+    if keep_peft:
+        return model
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def recomputes_activations(model: torch.nn.Module) -> bool:
+    """Whether gradient (activation) checkpointing is on: backward then re-runs the forward."""
+    model = unwrap(model)
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the first: transformers >= 5.2x
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def _forward_parameters(model: Any) -> Any:
+    """The keyword parameters of the transformers model's own forward, looking through DDP and PEFT wrappers
+    (which pass keywords on)."""
+    return inspect.signature(unwrap(model).forward).parameters
+
+
+def accepts_logits_to_keep(model: Any) -> bool:
+    """Whether the model's forward can skip computing logits for positions we do not need."""
+    try:
+        return "logits_to_keep" in _forward_parameters(model)
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+def cache_argument(model: Any) -> str:
+    """The forward keyword that takes a KV cache: `cache` (transformers >= 5.2x) or `past_key_values`."""
+    try:
+        return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
+    except (TypeError, ValueError, AttributeError):
+        return "past_key_values"
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ completions for each with the current policy, score them with the reward functio
 group-relative advantages, and compute the old-policy log-probs (only when the batch will be reused off-policy)
 and the reference log-probs (only when beta > 0). Then each micro-step takes one slice of that batch and
 backpropagates the policy loss; every `gradient_accumulation_steps` micro-steps the optimizer steps. `_step`
-below is one optimizer step, top to bottom.
+below is one optimizer step, top to bottom; each phase is one call with a typed result.
 
 Where grpo departs from the reference (TRL 1.16, shared spec):
 - a completion stops at the chat template's end-of-turn token as well as EOS (reference quirk 10);
@@ -25,12 +25,12 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,31 +38,35 @@ import torch
 from accelerate.utils import set_seed
 from transformers import PreTrainedModel, TrainerState
 
-from grpo import checkpoint, data, fast_generation, lean_blocks, lean_linears, lora, runtime, zero
+from grpo import checkpoint, data, lora, optimization
 from grpo.advantages import Advantages, compute_advantages
-from grpo.batch import TrainBatch, collate, head_is_chunkable, token_logps
+from grpo.batch import TrainBatch, collate
 from grpo.config import GRPOConfig, reject_later_features, warn_odd_combinations
-from grpo.generation import GenerationEngine, TransformersEngine
-from grpo.losses import TOKEN_SUM_LOSSES, compute_policy_loss, entropy_bonus, high_entropy_mask, masked_mean_stat
-from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics, reduce_stats
+from grpo.distributed import collectives, zero
+from grpo.distributed.accelerator import end_training, make_accelerator, settle_processes
+from grpo.distributed.accumulation import accumulating, backward
+from grpo.forward import TrainingPass
+from grpo.groups import GenerationBatch, Scored, groups_with_spread, rows_of_groups
+from grpo.loop import LoopState, RolloutBuffer
+from grpo.losses import LossParams, LossScale, entropy_bonus, high_entropy_mask, masked_mean_stat, policy_loss
+from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics
 from grpo.modeling import (
     disable_dropout,
+    enable_checkpointing,
     load_causal_lm,
     load_tokenizer,
     model_name,
     prepare_tokenizer,
     reference_model,
 )
+from grpo.optimization import TrainingError
+from grpo.perf import allocator, attention
 from grpo.preemption import preemption_guard
-from grpo.reward_models import load_reward_model
-from grpo.scored import Scored, gather_scored, groups_with_spread, local_rows, rows_of_groups
-from grpo.scoring import check_reward_funcs, reward_name, score
+from grpo.rewards.calling import RewardFunctions
+from grpo.rollout import Rollout, build_engine
 
 logger = logging.getLogger("grpo")
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (a non-finite loss or gradient); the message names the step and what to try."""
+__all__ = ["GRPOTrainer", "TrainOutput", "TrainingError"]
 
 
 @dataclass
@@ -70,6 +74,16 @@ class TrainOutput:
     global_step: int
     training_loss: float
     metrics: dict[str, Any]
+
+
+@dataclass
+class Update:
+    """One optimizer step's outcome: the loss of the whole batch, the gradient norm (NaN when fp16 loss scaling
+    skipped the step) and the learning rate of the next step (as the HF Trainer logs it)."""
+
+    loss: float
+    grad_norm: float
+    learning_rate: float
 
 
 class GRPOTrainer:
@@ -90,120 +104,96 @@ class GRPOTrainer:
         tools: Any = None,
         rollout_func: Any = None,
     ) -> None:
-        args = args or GRPOConfig(output_dir=f"{model_name(model)}-GRPO")
-        if args.output_dir is None:
-            args.output_dir = f"{model_name(model)}-GRPO"
-        self.args = args
+        self.args = args = _resolve_args(args, model)
         reject_later_features(args, tools, rollout_func, eval_dataset, callbacks)
         data.check_dataset(train_dataset)
         self.train_dataset = train_dataset
         warn_odd_combinations(args)
-
-        self.accelerator = runtime.make_accelerator(args)
-        if self.accelerator.device.type == "cpu":
-            runtime.keep_freed_memory()
-
-        def load_reward_model_entry(entry: Any, tokenizer: Any) -> Callable:
-            return load_reward_model(entry, tokenizer, args.model_init_kwargs, args.trust_remote_code,
-                                     args.chat_template_kwargs, self.accelerator.device)
-
-        self.reward_funcs = check_reward_funcs(reward_funcs, args.reward_weights, reward_processing_classes,
-                                               load_reward_model_entry)
-        self.reward_names = [reward_name(f) for f in self.reward_funcs]
-        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
+        self.accelerator = make_accelerator(args)
+        if self.accelerator.device.type == "cpu" and args.cpu_keep_freed_memory:
+            allocator.keep_freed_memory()
+        self.rewards = RewardFunctions.build(reward_funcs, args, reward_processing_classes, self.accelerator.device)
         set_seed(args.seed)
+        self._build_models(model, processing_class, peft_config)
+        self.state = TrainerState()
+        self.max_steps, self.steps_per_epoch = self._schedule_length()
+        self.state.max_steps = self.max_steps
+        self._build_optimization(*optimizers)
+        self._prepare()
+        self.stop_ids = data.end_of_turn_ids(self.processing_class, _generation_eos(self.unwrapped_model))
+        self.engine = build_engine(self.unwrapped_model, self.processing_class, args, self.stop_ids,
+                                   self.accelerator)
+        attention.use_grouped_heads(self.model)
+        self.training_pass = TrainingPass(self.model, args, self.accelerator.autocast,
+                                          self.accelerator.mixed_precision)
+        self.prompts = data.PromptSource(train_dataset, self.processing_class, args.chat_template_kwargs)
+        self.loop = LoopState()
+        self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
+        self.loss_params = LossParams.of(args)
+        self._weights_stale = True  # the engine has not seen the policy's weights yet
+        self._overflows = 0  # fp16 loss-scale overflows in a row
+        self.metrics: MetricsLogger | None = None  # made by train()
+        self.completion_log = CompletionLog(args, self.rewards.names) if args.log_completions else None
+
+    # ---- construction ----------------------------------------------------------------------------------------
+
+    def _build_models(self, model: str | PreTrainedModel, processing_class: Any, peft_config: Any) -> None:
+        """The policy and its tokenizer; the frozen reference when beta > 0 (with LoRA: the policy with its
+        adapters disabled, no copy; beta == 0: never loaded, shared spec §1.2); checkpointing and LoRA."""
+        a = self.args
         model_id = model if isinstance(model, str) else None
-        self.model = load_causal_lm(model, args.model_init_kwargs, args.trust_remote_code) if model_id else model
+        self.model = load_causal_lm(model, a.model_init_kwargs, a.trust_remote_code) if model_id else model
         source = model_id or getattr(self.model.config, "_name_or_path", None)
         self.processing_class = prepare_tokenizer(processing_class) if processing_class is not None \
-            else load_tokenizer(source, args.trust_remote_code)
-        if args.disable_dropout:
+            else load_tokenizer(source, a.trust_remote_code)
+        if a.disable_dropout:
             disable_dropout(self.model)
+        self.ref_from_adapters = a.beta != 0.0 and (peft_config is not None or lora.is_peft_model(self.model))
         self.ref_model = None
-        # beta > 0: the reference policy; with LoRA it is the policy with its adapters disabled (no copy)
-        self.ref_from_adapters = args.beta != 0.0 and (peft_config is not None or lora.is_peft_model(self.model))
-        if args.beta != 0.0 and not self.ref_from_adapters:  # beta == 0: never loaded (shared spec §1.2)
-            self.ref_model = reference_model(self.model, model_id, args.model_init_kwargs, args.trust_remote_code)
-        if args.gradient_checkpointing:
-            runtime.enable_checkpointing(self.model, args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+        if a.beta != 0.0 and not self.ref_from_adapters:
+            self.ref_model = reference_model(self.model, model_id, a.model_init_kwargs, a.trust_remote_code)
+        if a.gradient_checkpointing:
+            enable_checkpointing(self.model, a.gradient_checkpointing_kwargs or {"use_reentrant": False})
         if peft_config is not None:
-            self.model = lora.wrap(self.model, peft_config, args.gradient_checkpointing)
+            self.model = lora.wrap(self.model, peft_config, a.gradient_checkpointing)
 
-        self.state = TrainerState()
-        self.max_steps = self._total_steps()
-        self.state.max_steps = self.max_steps
-        self.optimizer, self.lr_scheduler = optimizers
-        self._make_optimizer()
-        zero.configure(self.accelerator, args)  # DeepSpeed: its "auto" batch values from this config
-        # the schedule is not handed to accelerate: its wrapper steps it once per process per step (it assumes
-        # a dataloader split across processes), which would end an N-process run's schedule N times too early
-        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+    def _schedule_length(self) -> tuple[int, int]:
+        """(max_steps, optimizer steps per epoch)."""
+        a = self.args
+        blocks = data.prompts_per_generation(len(self.train_dataset), a.generation_batch_size // a.num_generations)
+        micro_per_epoch = blocks * a.steps_per_generation * a.num_iterations
+        per_epoch = max(micro_per_epoch // a.gradient_accumulation_steps, 1)
+        if a.max_steps > 0:
+            return a.max_steps, per_epoch
+        return max(math.ceil(a.num_train_epochs * per_epoch), 1), per_epoch
+
+    def _build_optimization(self, optimizer: Any, lr_scheduler: Any) -> None:
+        """The given optimizer and schedule, or AdamW and the config's schedule."""
+        if optimizer is None:
+            optimizer = optimization.default_optimizer(self.model, self.args)
+        if lr_scheduler is None:
+            lr_scheduler = optimization.default_scheduler(optimizer, self.args, self.max_steps)
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+
+    def _prepare(self) -> None:
+        """accelerate's placement and wrapping (DDP, FSDP, DeepSpeed) of the policy, its optimizer and the
+        reference. The schedule is not handed to accelerate: its wrapper steps it once per process per step (it
+        assumes a dataloader split across processes), which would end an N-process run's schedule N times early."""
+        acc = self.accelerator
+        zero.configure(acc, self.args)  # DeepSpeed: its "auto" batch values from this config
+        self.model, self.optimizer = acc.prepare(self.model, self.optimizer)
         # Precision is set explicitly around each forward (accelerator.autocast()); drop accelerate's autocast
         # wrapper on forward so that code calling the model outside those regions (evaluation) gets float32.
-        self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
+        acc.unwrap_model(self.model, keep_fp32_wrapper=False)
         if self.ref_model is not None:
-            self.ref_model = zero.prepare_reference(self.accelerator, self.ref_model) \
-                or self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
-
-        tokenizer = self.processing_class
-        model_eos = getattr(getattr(self.unwrapped_model, "generation_config", None), "eos_token_id", None)
-        self.stop_ids = data.end_of_turn_ids(tokenizer, model_eos)
-        self.engine = self._make_engine()
-        # prompt shared across a group's rows in the training pass: exact, but needs the KV cache, which
-        # gradient checkpointing turns off
-        self.share_prefix = isinstance(self.engine, fast_generation.FastEngine) and not args.gradient_checkpointing
-        # output head applied a chunk of tokens at a time: the (B, T, V) logits never exist
-        self.chunked_head = head_is_chunkable(self.model)
-        # bf16, opt-in (GRPO_LEAN_LINEARS=1): the training pass's linears keep their float32 weights for
-        # backward, not bfloat16 copies (-0.22 GB peak, ~+10% training-pass time on the benchmark)
-        opted = runtime.env_flag("GRPO_LEAN_LINEARS")
-        low = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" and opted else None
-        self.lean_dtype = low if lean_linears.applies(self.unwrapped_model, low) is None else None
-        self.lean_blocks = lean_blocks.chosen(self.model)  # norms and MLPs that keep less for backward
-        self._prompt_cache: dict[int, list[int]] = {}
-        self._buffer: list[TrainBatch] = []
-        self._micro_step = 0
-        self._overflows = 0  # fp16 loss-scale overflows in a row
-        self._data_position = 0  # prompt blocks drawn so far (more than generations with dynamic sampling)
-        self._metrics_window: dict[str, list[float]] = {}
-        self.metrics: MetricsLogger | None = None
-        self.completion_log = CompletionLog(args, self.reward_names) if args.log_completions else None
-
-    # ---- construction helpers ------------------------------------------------------------------------------------
-
-    def _total_steps(self) -> int:
-        a = self.args
-        unique = a.generation_batch_size // a.num_generations
-        blocks = data.prompts_per_generation(len(self.train_dataset), unique)
-        micro_per_epoch = blocks * a.steps_per_generation * a.num_iterations
-        self.steps_per_epoch = max(micro_per_epoch // a.gradient_accumulation_steps, 1)
-        if a.max_steps > 0:
-            return a.max_steps
-        return max(math.ceil(a.num_train_epochs * self.steps_per_epoch), 1)
-
-    def _make_optimizer(self) -> None:
-        if self.optimizer is None:
-            self.optimizer = runtime.default_optimizer(self.model, self.args)
-        if self.lr_scheduler is None:
-            self.lr_scheduler = runtime.default_scheduler(self.optimizer, self.args, self.max_steps)
-
-    def _make_engine(self) -> GenerationEngine:
-        """The fast engine where it applies, else the plain `model.generate` path; says which and why."""
-        model, tok = self.unwrapped_model, self.processing_class
-        reason = fast_generation.supports(model, self.args)
-        if reason is None:
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
-            return fast_generation.FastEngine(model, self.args, self.stop_ids, tok.pad_token_id,
-                                              autocast=self.accelerator.autocast, compute_dtype=dtype)
-        logger.info("Generating with the plain transformers path: %s.", reason)
-        return TransformersEngine(model, self.args, self.stop_ids, tok.pad_token_id,
-                                  autocast=self.accelerator.autocast)
+            self.ref_model = zero.prepare_reference(acc, self.ref_model) \
+                or acc.prepare_model(self.ref_model, evaluation_mode=True)
 
     @property
     def unwrapped_model(self) -> PreTrainedModel:
         return self.accelerator.unwrap_model(self.model)
 
-    # ---- the loop ------------------------------------------------------------------------------------------------
+    # ---- the loop --------------------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train to max_steps. `resume_from_checkpoint`: True for the newest checkpoint in output_dir, or a
@@ -214,231 +204,174 @@ class GRPOTrainer:
         if resume_from_checkpoint:
             path = checkpoint.resolve(resume_from_checkpoint, a.output_dir)
             checkpoint.load(self, path)
-            self.metrics.resume(self.state.global_step, self._metrics_window)
+            self.metrics.resume(self.state.global_step)
+            self._weights_stale = True
             logger.info("Resumed from %s at step %d.", path, self.state.global_step)
         self.model.train()
         total_loss = 0.0
         with self.metrics, preemption_guard() as preempted:
             while self.state.global_step < self.max_steps:
                 total_loss += self._step()
-                if runtime.any_process(self.accelerator, preempted.is_set()):
+                if collectives.any_process(self.accelerator, preempted.is_set()):
                     self._save_and_exit_on_preemption()
-        runtime.end_training(self.accelerator)
+        end_training(self.accelerator)
         metrics = self.state.log_history[-1] if self.state.log_history else {}
         return TrainOutput(self.state.global_step, total_loss / max(self.state.global_step, 1), metrics)
 
-    def _save_and_exit_on_preemption(self) -> None:
-        step = self.state.global_step
-        path = os.path.join(self.args.output_dir, f"checkpoint-{step}")
-        if not os.path.exists(path):
-            checkpoint.save(self, step)
-        self.metrics.close()
-        runtime.settle_processes(self.accelerator)
-        logger.warning("SIGTERM received: saved %s; exiting. Resume with trainer.train(resume_from_checkpoint=True).",
-                       path)
-        raise SystemExit(0)
-
-    @property
-    def cycle_length(self) -> int:
-        """Micro-steps that train on one generation batch."""
-        return self.args.steps_per_generation * self.args.num_iterations
-
     def _step(self) -> float:
-        """One optimizer step: gradient_accumulation_steps micro-steps, then clip, check, apply, log, save."""
-        a = self.args
+        """One optimizer step: gradient_accumulation_steps micro-steps, then update, log, checkpoint."""
         start = time.perf_counter()
-        step_loss = 0.0
-        for micro in range(a.gradient_accumulation_steps):
-            batch = self._next_micro_batch()
-            last = micro == a.gradient_accumulation_steps - 1
-            # gradients accumulate locally until the last micro-step (DeepSpeed: reduces and steps only then)
-            with nullcontext() if last else self.accelerator.no_sync(self.model), zero.boundary(self.accelerator, last):
-                step_loss += self._train_on(batch)
-        # each process's loss is its share of the global one: their mean is the loss of the whole batch
-        step_loss = runtime.process_mean(self.accelerator, step_loss)
-        grad_norm = self._clip_and_check_gradients()
-        self.optimizer.step()
-        if not self.accelerator.optimizer_step_was_skipped:  # fp16 loss scaling skips a step that overflowed
-            self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.state.global_step += 1
-        self.state.epoch = self.state.global_step / self.steps_per_epoch
-        self.metrics.add_many({"loss": step_loss, "grad_norm": grad_norm,
-                               "learning_rate": self.lr_scheduler.get_last_lr()[0],
-                               "step_time": time.perf_counter() - start})
-        self._log_and_save()
-        return step_loss
+        losses = []
+        for micro in range(self.args.gradient_accumulation_steps):
+            if self.buffer.needs_generation(self.loop.micro_step):
+                generated = self._generation_batch()  # rounds of generate -> score
+                advantages = self._advantages(generated.batch)
+                batch = self._collate(generated.batch, advantages)
+                batch = self._add_old_and_ref_logps(batch)
+                self._log_generation(generated, advantages)
+                self.buffer.fill(batch, self.loop.micro_step)
+            batch = self.buffer.take(self.loop.micro_step)
+            self.loop.micro_step += 1
+            last = micro == self.args.gradient_accumulation_steps - 1
+            with accumulating(self.accelerator, self.model, last):
+                losses.append(self._loss_and_backward(batch))
+        update = self._update(losses)
+        self._log_step(update, time.perf_counter() - start)
+        self._checkpoint()
+        return update.loss
 
-    def _next_micro_batch(self) -> TrainBatch:
-        """The micro-step's slice of the current generation; generates anew when a cycle starts."""
+    # ---- generate, score, advantages, old/reference log-probs ------------------------------------------------
+
+    def _generation_batch(self) -> GenerationBatch:
+        """One generation batch, every process's rows. With dynamic_sampling, groups without reward spread are
+        dropped and further prompts generated (the data position advances) until the batch is full or
+        dynamic_sampling_max_attempts rounds have run."""
         a = self.args
-        cycle = self.cycle_length
-        position = self._micro_step % cycle
-        if position == 0 or not self._buffer:
-            batch = self._generate_and_score()
-            # split into steps_per_generation slices after a seeded shuffle (every slice mixes groups)
-            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(a.seed + self._micro_step))
-            batch = batch.select(order)
-            self._buffer = [batch.select(rows) for rows in torch.arange(len(batch)).chunk(a.steps_per_generation)]
-        self._micro_step += 1
-        return self._buffer[position % a.steps_per_generation]
-
-    # ---- phase 1: generate, score, advantages, old/ref log-probs -----------------------------------------------
-
-    def _generate_and_score(self) -> TrainBatch:
-        """Generate, score and normalize one generation batch; this process's share of it as a TrainBatch.
-        With dynamic_sampling, groups without reward spread are dropped and further prompts generated (the data
-        position advances) until the batch is full or dynamic_sampling_max_attempts rounds have run."""
-        a, acc, g = self.args, self.accelerator, self.args.num_generations
-        wanted = a.generation_batch_size
         rounds = a.dynamic_sampling_max_attempts if a.dynamic_sampling else 1
-        kept: list[Scored] = []
-        dropped, attempts, timing = 0, 0, {"generation": 0.0, "scoring": 0.0, "tokens": 0}
-        while attempts < rounds and sum(len(p) for p in kept) < wanted:
-            attempts += 1
-            part = gather_scored(self._sample_round(self._data_position, timing), acc)
-            self._data_position += 1
-            last_round = part
-            if a.dynamic_sampling:
-                spread = groups_with_spread(part.rewards, self.reward_weights, g, a.dynamic_sampling_std_threshold)
-                dropped += int((~spread).sum())
-                part = part.select(rows_of_groups(spread, g))
-            kept.append(part)
-        scored = Scored.concat(kept)
-        scored = scored.select(range(min(len(scored), wanted)))
-        if a.dynamic_sampling:
-            self.metrics.add_many({"dynamic_sampling/groups_dropped": dropped, "dynamic_sampling/rounds": attempts})
-            if len(scored) == 0:  # nothing to learn from: the last round as it came (advantages all 0)
-                scored = last_round
-                logger.warning("Dynamic sampling: no group had reward spread in %d rounds; this step's policy "
-                               "gradient is zero. Check the reward functions, or raise "
-                               "dynamic_sampling_max_attempts.", attempts)
-            elif len(scored) < wanted:
-                logger.warning("Dynamic sampling: %d of %d groups have reward spread after %d rounds; this step "
-                               "trains on those.", len(scored) // g, wanted // g, attempts)
-        adv = compute_advantages(scored.rewards, self.reward_weights, g, a.scale_rewards,
-                                 a.multi_objective_aggregation)
-        mine = list(local_rows(len(scored), acc.process_index, acc.num_processes))
-        batch = collate(scored.rollout.select(mine), adv.advantages[mine], self.processing_class.pad_token_id,
-                        a.mask_truncated_completions, group=torch.tensor(scored.rows)[mine]).to(acc.device)
-        self._num_items = acc.reduce(batch.mask.sum(), reduction="sum").item()
-        self._add_old_and_ref_logps(batch)
-        self._log_generation(scored, adv, timing)
-        if self.completion_log is not None:
-            self.completion_log.record(scored, adv.advantages, self.processing_class)
-        return batch
+        generated = GenerationBatch(a.num_generations)
+        while generated.rounds < rounds and generated.size < a.generation_batch_size:
+            rows = self._local_rows(self.loop.data_position)
+            with generated.timed("generation"):
+                rollout = self._generate(rows)
+            with generated.timed("scoring"):
+                scored = self._score(rows, rollout)
+            self.loop.data_position += 1
+            generated.add_round(rollout, scored, self._groups_with_spread(scored) if a.dynamic_sampling else None)
+        return generated.finish(a.generation_batch_size)
 
-    def _sample_round(self, position: int, timing: dict[str, float]) -> Scored:
-        """This process's share of one round: the prompts at data position `position`, generated and scored."""
-        t0 = time.perf_counter()
-        rows = self._local_rows(position)
-        examples = [self.train_dataset[i] for i in rows]
-        prompts = [example["prompt"] for example in examples]
-        rollout = self.engine.generate([self._prompt_ids(i) for i in rows])
-        t1 = time.perf_counter()
-        texts = self.processing_class.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        extra: dict[str, list] = {}
-        rewards = self._score(examples, data.completions_for_rewards(prompts, texts), rollout.completion_ids, extra)
-        timing["generation"] += t1 - t0
-        timing["scoring"] += time.perf_counter() - t1
-        timing["tokens"] += sum(len(c) for c in rollout.completion_ids)
-        return Scored(rows=rows, prompts=prompts, rollout=rollout, texts=texts, rewards=rewards, extra=extra)
+    def _groups_with_spread(self, scored: Scored) -> list[int]:
+        """The rows of the groups whose rewards differ (DAPO dynamic sampling keeps only those)."""
+        a = self.args
+        spread = groups_with_spread(scored.rewards, self.rewards.weights, a.num_generations,
+                                    a.dynamic_sampling_std_threshold)
+        return rows_of_groups(spread, a.num_generations)
 
-    def _local_rows(self, generation: int) -> list[int]:
-        """Dataset rows this process generates for: each prompt repeated G times, this process's contiguous
-        share of the generation batch (shared spec §5.1-5.2)."""
+    def _local_rows(self, position: int) -> list[int]:
+        """Dataset rows this process generates for at data position `position`: each prompt repeated G times,
+        this process's contiguous share of the generation batch (shared spec §5.1-5.2)."""
         a, acc = self.args, self.accelerator
-        unique = data.generation_prompt_indices(generation, len(self.train_dataset),
+        unique = data.generation_prompt_indices(position, len(self.train_dataset),
                                                 a.generation_batch_size // a.num_generations, a.seed,
                                                 a.shuffle_dataset)
         repeated = [i for i in unique for _ in range(a.num_generations)]
         per_process = len(repeated) // acc.num_processes
         return repeated[acc.process_index * per_process:(acc.process_index + 1) * per_process]
 
-    def _prompt_ids(self, row: int) -> list[int]:
-        if row not in self._prompt_cache:
-            prompt = self.train_dataset[row]["prompt"]
-            self._prompt_cache[row] = data.tokenize_prompts([prompt], self.processing_class,
-                                                            self.args.chat_template_kwargs)[0]
-        return self._prompt_cache[row]
+    def _generate(self, rows: list[int]) -> Rollout:
+        """Completions for this process's rows (one request per prompt), from the current policy's weights."""
+        if self._weights_stale:  # lazily: with steps_per_generation > 1 not after every step
+            self.engine.sync_weights(self.unwrapped_model)
+            self._weights_stale = False
+        return self.engine.generate(self.prompts.requests(rows))
 
-    def _score(self, examples: list[dict], completions: list, completion_ids: list,
-               extra: dict[str, list]) -> torch.Tensor:
-        """Rewards (rows, functions); every dataset column but the prompt reaches the functions as a keyword.
-        Columns the functions pass to `log_extra` land in `extra` (for the completions table)."""
-        columns: dict[str, list] = {}
-        for example in examples:
-            for key, value in example.items():
-                if key not in ("prompt", "completion", "completion_ids"):
-                    columns.setdefault(key, []).append(value)
-        kwargs = dict(columns, prompts=[e["prompt"] for e in examples], completions=completions,
-                      completion_ids=completion_ids, trainer_state=self.state, log_metric=self.metrics.add,
-                      log_extra=lambda name, values: extra.__setitem__(name, list(values)))
-        return score(self.reward_funcs, self.reward_names, kwargs, len(examples))
+    def _score(self, rows: list[int], rollout: Rollout) -> Scored:
+        """Rewards of this process's completions, gathered with every other process's (global order)."""
+        extra: dict[str, list] = {}
+        examples = [self.train_dataset[i] for i in rows]
+        rewards = self.rewards(examples, rollout, self.state, self.metrics.add,
+                               lambda name, values: extra.__setitem__(name, list(values)))
+        local = Scored(rows=rows, prompts=[e["prompt"] for e in examples], rollout=rollout, rewards=rewards,
+                       extra=extra)
+        return collectives.gather_scored(local, self.accelerator)
+
+    def _advantages(self, scored: Scored) -> Advantages:
+        a = self.args
+        return compute_advantages(scored.rewards, self.rewards.weights, a.num_generations, a.scale_rewards,
+                                  a.multi_objective_aggregation)
+
+    def _collate(self, scored: Scored, advantages: Advantages) -> TrainBatch:
+        """This process's share of the generation batch as tensors; its `num_items_in_batch` counts the trained
+        tokens of every process's share."""
+        acc = self.accelerator
+        mine = list(collectives.local_rows(len(scored), acc.process_index, acc.num_processes))
+        batch = collate(scored.rollout.select(mine), advantages.advantages[mine], self.processing_class.pad_token_id,
+                        self.args.mask_truncated_completions, group=torch.tensor(scored.rows)[mine]).to(acc.device)
+        tokens = acc.reduce(batch.mask.sum(), reduction="sum").item()
+        return dataclasses.replace(batch, num_items_in_batch=tokens)
 
     def _needs_old_logps(self) -> bool:
+        """Whether a generation batch is trained on after an update (shared spec §4.1)."""
         a = self.args
         return a.gradient_accumulation_steps % (a.steps_per_generation * a.num_iterations) != 0
 
-    @torch.no_grad()
-    def _add_old_and_ref_logps(self, batch: TrainBatch) -> None:
-        """Old-policy log-probs only when the batch is reused after an update (shared spec §4.1); reference
-        log-probs only when beta > 0. Chunked by the micro-batch size, no gradient checkpointing needed."""
-        a = self.args
-        chunk = a.per_device_train_batch_size
-        with self.accelerator.autocast():
-            if self._needs_old_logps():
-                batch.old_logps, _ = self._logps(self.model, batch, with_entropy=False, chunk_size=chunk)
-            if self.ref_model is not None:
-                batch.ref_logps, _ = self._logps(self.ref_model, batch, with_entropy=False, chunk_size=chunk)
-            elif self.ref_from_adapters:
-                with lora.adapters_disabled(self.model):
-                    batch.ref_logps, _ = self._logps(self.model, batch, with_entropy=False, chunk_size=chunk)
+    def _add_old_and_ref_logps(self, batch: TrainBatch) -> TrainBatch:
+        """Old-policy log-probs only when the batch is reused after an update; reference log-probs only when
+        beta > 0. Chunked by the micro-batch size, no gradient checkpointing needed."""
+        chunk = self.args.per_device_train_batch_size
+        old = ref = None
+        if self._needs_old_logps():
+            old = self.training_pass.logps(self.model, batch, chunk)
+        if self.ref_model is not None:
+            ref = self.training_pass.logps(self.ref_model, batch, chunk)
+        elif self.ref_from_adapters:
+            with lora.adapters_disabled(self.model):
+                ref = self.training_pass.logps(self.model, batch, chunk)
+        return dataclasses.replace(batch, old_logps=old, ref_logps=ref)
 
-    def _logps(self, model: Any, batch: TrainBatch, **kwargs: Any):
-        """`token_logps` with this trainer's temperature and fast-path choices."""
-        return token_logps(model, batch, self.args.temperature, share_prefix=self.share_prefix,
-                           chunked_head=self.chunked_head, **kwargs)
+    # ---- loss, backward, update ------------------------------------------------------------------------------
 
-    # ---- phase 2: optimize ----------------------------------------------------------------------------------------
-
-    def _train_on(self, batch: TrainBatch) -> float:
+    def _loss_and_backward(self, batch: TrainBatch) -> float:
+        """The micro-batch's share of the step's loss, backpropagated; returns its value."""
         a, acc = self.args, self.accelerator
         t0 = time.perf_counter()
-        lean = lean_linears.lean_linears(self.model, self.lean_dtype) if self.lean_dtype else nullcontext()
-        blocks = lean_blocks.lean_blocks(self.model) if self.lean_blocks else nullcontext()
-        with acc.autocast(), lean, blocks:
-            logps, entropies = self._logps(self.model, batch, with_entropy=True, entropy_grad=a.entropy_coef != 0.0)
+        logps, entropies = self.training_pass.train(self.model, batch, entropy_grad=a.entropy_coef != 0.0)
         entropy_mask = None
         if a.top_entropy_quantile < 1.0:
-            active = entropies.detach()[batch.mask.bool()].float()
-            everyone = acc.pad_across_processes(active, dim=0, pad_index=-1e9)
-            everyone = acc.gather(everyone)
-            entropy_mask = high_entropy_mask(entropies.detach(), batch.mask, everyone[everyone != -1e9],
-                                             a.top_entropy_quantile)
-        ga = a.gradient_accumulation_steps
-        # dapo-family losses divide by the generation's active tokens, rescaled to one accumulation window
-        normalizer = max(self._num_items, 1.0) / acc.num_processes * ga / a.steps_per_generation
-        loss, stats = compute_policy_loss(logps, batch.old_logps, batch.advantages, batch.mask, a,
-                                          batch.ref_logps, num_items_in_batch=normalizer, entropy_mask=entropy_mask)
-        if a.loss_type not in TOKEN_SUM_LOSSES:
-            loss = loss / ga
+            everyone = collectives.gather_values(entropies.detach()[batch.mask.bool()].float(), acc)
+            entropy_mask = high_entropy_mask(entropies.detach(), batch.mask, everyone, a.top_entropy_quantile)
+        scale = LossScale(batch.num_items_in_batch, acc.num_processes, a.gradient_accumulation_steps,
+                          a.steps_per_generation)
+        loss, metrics = policy_loss(logps, batch.old_logps, batch.advantages, batch.mask, self.loss_params,
+                                    batch.ref_logps, entropy_mask=entropy_mask, scale=scale)
         if a.entropy_coef != 0.0:
             bonus_mask = batch.mask if entropy_mask is None else batch.mask * entropy_mask
-            loss = loss - a.entropy_coef * entropy_bonus(entropies, bonus_mask) / ga
+            loss = loss - a.entropy_coef * entropy_bonus(entropies, bonus_mask) / a.gradient_accumulation_steps
         if not torch.isfinite(loss):
             raise TrainingError(self._nonfinite_message("loss", loss.item()))
-        acc.backward(loss, **zero.backward_kwargs(acc))
-        stats["entropy"] = masked_mean_stat(entropies.detach(), batch.mask)
-        self.metrics.add_many(reduce_stats(stats, self.accelerator))
-        n_tokens = batch.mask.sum().item()
-        self.metrics.add("timing/training_tokens_per_s", n_tokens / max(time.perf_counter() - t0, 1e-9))
+        backward(acc, loss)
+        stats = dict(metrics.stats, entropy=masked_mean_stat(entropies.detach(), batch.mask))
+        self.metrics.add_many(collectives.reduce_stats(stats, acc))
+        self.metrics.add("timing/training_tokens_per_s", batch.mask.sum().item() / max(time.perf_counter() - t0, 1e-9))
         return loss.item()
+
+    def _update(self, losses: list[float]) -> Update:
+        """Clip and check the accumulated gradients, apply them, advance the schedule."""
+        # each process's loss is its share of the global one: their mean is the loss of the whole batch
+        loss = collectives.process_mean(self.accelerator, sum(losses))
+        grad_norm = self._clip_and_check_gradients()
+        self.optimizer.step()
+        if not self.accelerator.optimizer_step_was_skipped:  # fp16 loss scaling skips a step that overflowed
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._weights_stale = True
+        self.state.global_step += 1
+        self.state.epoch = self.state.global_step / self.steps_per_epoch
+        return Update(loss, grad_norm, self.lr_scheduler.get_last_lr()[0])
 
     def _clip_and_check_gradients(self) -> float:
         """The gradient norm (NaN when fp16 loss scaling overflowed: the scaler skips the step and lowers the
         scale); a non-finite norm is an error otherwise, or after fp16 overflowed on every step of 32 in a row."""
-        norm = runtime.clip_gradients(self.accelerator, self.model, self.args.max_grad_norm)
+        norm = optimization.clip_gradients(self.accelerator, self.model, self.args.max_grad_norm)
         finite = math.isfinite(norm)
         self._overflows = 0 if finite or self.accelerator.scaler is None else self._overflows + 1
         if 0 < self._overflows < 32:
@@ -452,27 +385,47 @@ class GRPOTrainer:
 
     def _nonfinite_message(self, what: str, value: float) -> str:
         applied = what == "gradient norm" and zero.in_use(self.accelerator)  # DeepSpeed steps inside backward
-        return runtime.nonfinite_message(self.state.global_step + 1, what, value, applied)
+        return optimization.nonfinite_message(self.state.global_step + 1, what, value, applied)
 
-    # ---- phase 3: log and checkpoint ------------------------------------------------------------------------------
+    # ---- log and checkpoint ----------------------------------------------------------------------------------
 
-    def _log_generation(self, scored: Scored, adv: Advantages, timing: dict[str, float]) -> None:
-        self.state.num_input_tokens_seen += sum(len(p) + len(c) for p, c in zip(scored.rollout.prompt_ids,
-                                                                                scored.rollout.completion_ids))
+    def _log_generation(self, generated: GenerationBatch, advantages: Advantages) -> None:
+        rollout = generated.batch.rollout
+        self.state.num_input_tokens_seen += sum(len(p) + len(c) for p, c in zip(rollout.prompt_ids,
+                                                                                rollout.completion_ids))
         self.metrics.add("num_tokens", self.state.num_input_tokens_seen)
-        self.metrics.add_many(generation_metrics(scored, adv, timing, self.reward_names))
+        self.metrics.add_many(generation_metrics(generated, advantages, self.rewards.names))
+        if self.args.dynamic_sampling:
+            self.metrics.add_many({"dynamic_sampling/groups_dropped": generated.groups_dropped,
+                                   "dynamic_sampling/rounds": generated.rounds})
+        if self.completion_log is not None:
+            self.completion_log.record(generated.batch, advantages.advantages, self.processing_class)
 
-    def _log_and_save(self) -> None:
-        a, step = self.args, self.state.global_step
+    def _log_step(self, update: Update, seconds: float) -> None:
+        step = self.state.global_step
+        self.metrics.add_many({"loss": update.loss, "grad_norm": update.grad_norm,
+                               "learning_rate": update.learning_rate, "step_time": seconds})
         self.metrics.advance(step)
-        log_every = _every(a.logging_steps, self.max_steps)
-        if step % log_every == 0 or step == self.max_steps:
-            row = self.metrics.log(step, self.state.epoch)
-            self.state.log_history.append(row)
+        if step % _every(self.args.logging_steps, self.max_steps) == 0 or step == self.max_steps:
+            self.state.log_history.append(self.metrics.log(step, self.state.epoch))
             if self.completion_log is not None and self.accelerator.is_main_process:
                 self.completion_log.flush(step, self.metrics.console)
-        if a.save_strategy == "steps" and step % _every(a.save_steps, self.max_steps) == 0:
+
+    def _checkpoint(self) -> None:
+        step = self.state.global_step
+        if self.args.save_strategy == "steps" and step % _every(self.args.save_steps, self.max_steps) == 0:
             checkpoint.save(self, step)
+
+    def _save_and_exit_on_preemption(self) -> None:
+        step = self.state.global_step
+        path = os.path.join(self.args.output_dir, f"checkpoint-{step}")
+        if not os.path.exists(path):
+            checkpoint.save(self, step)
+        self.metrics.close()
+        settle_processes(self.accelerator)
+        logger.warning("SIGTERM received: saved %s; exiting. Resume with trainer.train(resume_from_checkpoint=True).",
+                       path)
+        raise SystemExit(0)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Write the policy (and tokenizer) as a normal Hugging Face model directory."""
@@ -481,6 +434,18 @@ class GRPOTrainer:
         state_dict = checkpoint.model_state(self)  # every process: a sharded model is gathered
         if self.accelerator.is_main_process:
             checkpoint.save_pretrained(self, output_dir, state_dict)
+
+
+def _resolve_args(args: GRPOConfig | None, model: Any) -> GRPOConfig:
+    """The config, with output_dir defaulting to '<model name>-GRPO'."""
+    args = args or GRPOConfig(output_dir=f"{model_name(model)}-GRPO")
+    if args.output_dir is None:
+        args.output_dir = f"{model_name(model)}-GRPO"
+    return args
+
+
+def _generation_eos(model: Any) -> Any:
+    return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
 
 
 def _every(value: float, total: int) -> int:

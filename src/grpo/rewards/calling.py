@@ -1,6 +1,9 @@
 """Calling reward functions: sync ones in turn, `async def` ones concurrently on a private event loop, and
 every returned value checked, so a broken reward stops training with a message naming the function, the
-sample and the value instead of training silently on garbage."""
+sample and the value instead of training silently on garbage.
+
+`RewardFunctions` is what the trainer holds: the functions (reward models loaded as functions), their names and
+weights, and one call that scores a rollout with every dataset column passed as a keyword."""
 
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from grpo.rewards.models import load_reward_model
+from grpo.rollout.base import Rollout
 
 
 class RewardFunctionError(ValueError):
@@ -164,3 +170,35 @@ def _warn_unscorable(rewards: torch.Tensor, kwargs: dict[str, Any]) -> None:
     warnings.warn(f"All reward functions returned None for {len(rows)} sample(s){more}, which get advantage 0: "
                   + "; ".join(shown) + ". Make sure at least one reward function applies to every sample.",
                   stacklevel=3)
+
+
+class RewardFunctions:
+    """The run's reward functions, their metric names and weights; calling it scores one rollout."""
+
+    def __init__(self, funcs: list[Callable], weights: Sequence[float] | None) -> None:
+        self.funcs = funcs
+        self.names = [reward_name(f) for f in funcs]
+        self.weights = torch.tensor(weights or [1.0] * len(funcs))
+
+    @classmethod
+    def build(cls, reward_funcs: Any, args: Any, processing_classes: Any, device: torch.device) -> RewardFunctions:
+        """From GRPOTrainer's arguments; reward models (ids, paths, modules) are loaded now, on `device`."""
+        def load(entry: Any, tokenizer: Any) -> Callable:
+            return load_reward_model(entry, tokenizer, args.model_init_kwargs, args.trust_remote_code,
+                                     args.chat_template_kwargs, device)
+
+        return cls(check_reward_funcs(reward_funcs, args.reward_weights, processing_classes, load), args.reward_weights)
+
+    def __call__(self, examples: list[dict], rollout: Rollout, trainer_state: Any,
+                 log_metric: Callable[[str, float], None], log_extra: Callable[[str, list], None]) -> torch.Tensor:
+        """(rows, functions) rewards of the rollout's completions; every dataset column but the prompt (and
+        "completion", "completion_ids") reaches the functions as a keyword, one value per completion."""
+        columns: dict[str, list] = {}
+        for example in examples:
+            for key, value in example.items():
+                if key not in ("prompt", "completion", "completion_ids"):
+                    columns.setdefault(key, []).append(value)
+        kwargs = dict(columns, prompts=[e["prompt"] for e in examples], completions=rollout.completions,
+                      completion_ids=rollout.completion_ids, trainer_state=trainer_state, log_metric=log_metric,
+                      log_extra=log_extra)
+        return score(self.funcs, self.names, kwargs, len(examples))

@@ -13,7 +13,7 @@ gradients summed in float32, where autocast sums them in bfloat16 at its single 
 Cost: each weight is cast once more per forward, in backward (a few tens of milliseconds per step for a 135M
 model). Saved: a bfloat16 copy of every weight and of the repeated inputs (~0.4 GB of saved tensors).
 Measured on the benchmark workload (bf16): peak 4.23 -> 4.01 GB, training pass ~10% slower (Python-level
-Function per layer call, the extra casts). So it is opt-in: GRPO_LEAN_LINEARS=1.
+Function per layer call, the extra casts). So it is opt-in: `GRPOConfig(lean_linears=True)`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from grpo.modeling import swapped_forwards
+from grpo.distributed.sharding import is_sharded
+from grpo.distributed.zero import is_partitioned
+from grpo.modeling import recomputes_activations, swapped_forwards
 
 
 class _Linear(torch.autograd.Function):
@@ -79,11 +81,8 @@ def lean_linears(model: torch.nn.Module, dtype: torch.dtype):
         casts.clear()
 
 
-def applies(model: Any, autocast_dtype: torch.dtype | None) -> str | None:
+def unsupported_reason(model: Any, autocast_dtype: torch.dtype | None) -> str | None:
     """Why `lean_linears` cannot be used for this model's training pass (None when it can)."""
-    from grpo.runtime import is_sharded, recomputes_activations
-    from grpo.zero import is_partitioned
-
     if autocast_dtype is None:
         return "no autocast"
     if recomputes_activations(model):

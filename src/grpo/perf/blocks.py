@@ -23,18 +23,16 @@ Not used with gradient checkpointing (its recomputation runs outside the context
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from grpo.lean_decode import rms_norm
-from grpo.modeling import base_model, swapped_forwards
+from grpo.modeling import recomputes_activations, swapped_forwards, unwrap
+from grpo.perf.kernels import rms_norm
 
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
-logger = logging.getLogger("grpo")
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -93,23 +91,11 @@ def _mlp_forward(module: torch.nn.Module):
     return forward
 
 
-def chosen(model: Any) -> bool:
-    """Whether the training pass uses `lean_blocks` for this model; logs why not when it does not."""
-    from grpo.runtime import env_flag
-
-    reason = "GRPO_PLAIN_BLOCKS is set" if env_flag("GRPO_PLAIN_BLOCKS") else unsupported_reason(model)
-    if reason is not None:
-        logger.info("Training pass keeps the model's own blocks: %s.", reason)
-    return reason is None
-
-
 def unsupported_reason(model: Any) -> str | None:
     """Why `lean_blocks` cannot be used for this model's training pass (None when it can)."""
-    from grpo.runtime import recomputes_activations
-
     if recomputes_activations(model):
         return "gradient checkpointing recomputes the forward outside the context"
-    config = getattr(base_model(model), "config", None)
+    config = getattr(unwrap(model), "config", None)
     if getattr(config, "hidden_act", None) != "silu":
         return "the model's MLP activation is not SiLU"
     if not any(type(m).__name__ in NORMS + MLPS for m in model.modules()):

@@ -2,10 +2,10 @@
 
 What it does that `model.generate` does not, each measured in `bench/` and checked against the plain path in
 the tests:
-- **prefix sharing**: the G completions of a prompt arrive as G identical consecutive rows; the prompt is
-  prefilled once and its KV cache copied to the G rows (prefill work / G);
-- **finished rows leave the batch**: a row that emitted a stop token is dropped from the decode batch and its
-  cache, so late steps run on the rows still going;
+- **prefix sharing**: a request's samples share its prompt; the prompt is prefilled once and its KV cache
+  copied to the request's rows (prefill work / G);
+- **finished rows leave the batch**: a row that emitted a stop token (or used its request's token budget) is
+  dropped from the decode batch and its cache, so late steps run on the rows still going;
 - **lean sampling**: the processed distribution is built once per step with transformers' own logits
   processors (repetition penalty, temperature, top-k, top-p, min-p: the plain path's semantics and order),
   the token drawn from it, and its log-probability read from the same tensor.
@@ -15,7 +15,7 @@ the tests:
   feeds the same bfloat16 numbers to the same matmul: identical logits, less time per token.
 
 Models or settings it does not handle (custom generation_kwargs, caches without batch selection) use the
-plain engine; the trainer picks and logs which.
+plain engine; `grpo.rollout.build_engine` picks and logs which.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from grpo.generation import Rollout, accepts_logits_to_keep, cache_argument, left_pad
-from grpo.lean_decode import LeanDecoder, fixed_linear, unsupported_reason
-from grpo.modeling import swapped_forwards
-from grpo.runtime import full_parameters
+from grpo.distributed.sharding import full_parameters
+from grpo.modeling import accepts_logits_to_keep, cache_argument, swapped_forwards
+from grpo.perf.kernels import fixed_linear
+from grpo.rollout import lean_decoder
+from grpo.rollout.base import Request, Rollout, assemble, expand, left_pad
 
 logger = logging.getLogger("grpo")
 
@@ -96,8 +97,8 @@ class low_precision_linears:  # noqa: N801 (a context manager used like a functi
         self.patched, self.swap = [], nullcontext()
 
 
-def supports(model: Any, args: Any) -> str | None:
-    """Why the fast path cannot run this model/config (None when it can)."""
+def unsupported_reason(model: Any, args: Any) -> str | None:
+    """Why the fast engine cannot run this model/config (None when it can)."""
     if args.generation_kwargs:
         return "generation_kwargs are set (only the plain path applies arbitrary generation parameters)"
     if args.cache_implementation:
@@ -107,40 +108,33 @@ def supports(model: Any, args: Any) -> str | None:
     return None
 
 
-def group_rows(prompt_ids: Sequence[Sequence[int]]) -> tuple[list[list[int]], torch.Tensor]:
-    """Collapse runs of identical consecutive prompts: (unique prompts, row -> unique index)."""
-    unique: list[list[int]] = []
-    owner = []
-    for ids in prompt_ids:
-        if not unique or list(ids) != unique[-1]:
-            unique.append(list(ids))
-        owner.append(len(unique) - 1)
-    return unique, torch.tensor(owner, dtype=torch.long)
-
-
 class FastEngine:
     """Prefix-shared, shrinking-batch sampling on an (unwrapped) transformers causal LM."""
 
-    def __init__(self, model: Any, args: Any, stop_ids: list[int], pad_id: int, autocast: Any = None,
+    name = "fast"
+
+    def __init__(self, model: Any, tokenizer: Any, args: Any, stop_ids: list[int], autocast: Any = None,
                  share_prefix: bool = True, sampler: Sampler = sample_from,
                  compute_dtype: torch.dtype | None = None, lean: bool = True) -> None:
         self.model = model
+        self.tokenizer = tokenizer
         self.compute_dtype = compute_dtype  # autocast's dtype, if any: linears then use weights cast once
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
-        self.pad_id = pad_id
         self.max_new_tokens = args.max_completion_length
         self.processors = logits_processors(args)
         self.needs_history = args.repetition_penalty != 1.0
         self.autocast = autocast
         self.share_prefix = share_prefix
         self.sampler = sampler
-        self.on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # (rows, logprobs): for tests
-        self.lean_reason = unsupported_reason(model) if lean else "turned off"
+        self.lean_reason = lean_decoder.unsupported_reason(model) if lean else "turned off"
         if self.lean_reason is not None:
             logger.info("Sampling with the transformers forward: %s.", self.lean_reason)
 
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Nothing to do: the engine samples from the training model itself (weights are read at each rollout)."""
+
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[Sequence[int]]) -> Rollout:
+    def generate(self, requests: Sequence[Request]) -> Rollout:
         was_training = self.model.training
         self.model.eval()
         try:
@@ -153,45 +147,43 @@ class FastEngine:
             # transformers forward gathers layer by layer through FSDP's own hooks)
             whole = full_parameters(self.model) if self.lean_reason is None else nullcontext()
             with amp, lowp, whole:
-                tokens, logps = self._decode(prompt_ids)
+                tokens, logps = self._decode(requests)
         finally:
             self.model.train(was_training)
-        completions, sampling_logps, truncated = [], [], []
-        stops = set(self.stop_ids.tolist())
-        for row_tokens, row_logps in zip(tokens, logps):
-            completions.append(row_tokens)
-            sampling_logps.append(row_logps)
-            truncated.append(not row_tokens or row_tokens[-1] not in stops)
-        return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completions,
-                       sampling_logps=sampling_logps, truncated=truncated)
+        return assemble(expand(requests), tokens, logps, set(self.stop_ids.tolist()), self.tokenizer)
 
-    def _decode(self, prompt_ids: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    def _decode(self, requests: Sequence[Request]) -> tuple[list[list[int]], list[list[float]]]:
         device = next(self.model.parameters()).device
-        if self.share_prefix:
-            unique, owner = group_rows(prompt_ids)
+        counts = torch.tensor([r.num_samples for r in requests], dtype=torch.long)
+        if self.share_prefix:  # one prefill per request, its cache copied to the request's rows
+            unique = [r.prompt.ids for r in requests]
+            owner = torch.arange(len(requests)).repeat_interleave(counts)
         else:
-            unique, owner = [list(p) for p in prompt_ids], torch.arange(len(prompt_ids))
-        ids, mask = left_pad(unique, self.pad_id)
-        ids, mask, owner = ids.to(device), mask.to(device), owner.to(device)
-        stepper = self._stepper()
-        logits = stepper.prefill(ids, mask, owner, self.max_new_tokens)
-        history = ids[owner] if self.needs_history else None
-        n = len(prompt_ids)
-        active = torch.arange(n, device=device)  # original row of each batch row
-        stop_ids = self.stop_ids.to(device)
+            unique = [row.prompt.ids for row in expand(requests)]
+            owner = torch.arange(len(unique))
+        budgets = torch.tensor([r.max_tokens or self.max_new_tokens for r in requests]).repeat_interleave(counts)
+        n = len(owner)
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
-        for step in range(self.max_new_tokens):
+        longest = int(budgets.max()) if n else 0
+        if longest == 0:
+            return tokens, logps
+        ids, mask = left_pad(unique, self.tokenizer.pad_token_id)
+        ids, mask, owner, budgets = ids.to(device), mask.to(device), owner.to(device), budgets.to(device)
+        stepper = self._stepper()
+        logits = stepper.prefill(ids, mask, owner, longest)
+        history = ids[owner] if self.needs_history else None
+        active = torch.arange(n, device=device)  # original row of each batch row
+        stop_ids = self.stop_ids.to(device)
+        for step in range(longest):
             logprobs = torch.log_softmax(self.processors(history, logits), dim=-1)
-            if self.on_step is not None:
-                self.on_step(active, logprobs)
             chosen = self.sampler(logprobs)
             chosen_logps = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
             for row, token, lp in zip(active.tolist(), chosen.tolist(), chosen_logps.tolist()):
                 tokens[row].append(token)
                 logps[row].append(lp)
-            going = ~torch.isin(chosen, stop_ids)
-            if step == self.max_new_tokens - 1 or not going.any():
+            going = ~torch.isin(chosen, stop_ids) & (budgets[active] > step + 1)
+            if step == longest - 1 or not going.any():
                 break
             if not going.all():  # finished rows leave the batch and the cache
                 keep = going.nonzero().squeeze(-1)
@@ -206,7 +198,7 @@ class FastEngine:
     def _stepper(self) -> Any:
         """The lean decoder where the model allows it, else the transformers forward with a dynamic cache."""
         if self.lean_reason is None:
-            return LeanDecoder(self.model, self.compute_dtype or next(self.model.parameters()).dtype)
+            return lean_decoder.LeanDecoder(self.model, self.compute_dtype or next(self.model.parameters()).dtype)
         return _TransformersStepper(self.model)
 
 

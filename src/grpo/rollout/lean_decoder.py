@@ -18,43 +18,20 @@ forward (`unsupported_reason` says why).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from grpo.modeling import base_model
+from grpo.modeling import unwrap
+from grpo.perf.kernels import Linear, fixed_linear, rms_norm
 
 SUPPORTED = ("llama", "mistral", "qwen2")
-Linear = Callable[[torch.Tensor], torch.Tensor]
-
-
-def fixed_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
-    """x -> x @ weight.T + bias computed in `dtype`, with the weight cast once now (and on CPUs with oneDNN,
-    pre-packed for bfloat16: the same kernel, without a per-call reorder). Output in `dtype`."""
-    weight = weight.detach().to(dtype)
-    bias = bias.detach().to(dtype) if bias is not None else None
-    if weight.device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
-        except (RuntimeError, AttributeError):  # a torch build without the op: plain bfloat16 matmul
-            packed = None
-        if packed is not None:
-            def packed_forward(x: torch.Tensor) -> torch.Tensor:
-                flat = x.reshape(-1, x.shape[-1]).to(dtype)
-                out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-                return out.reshape(*x.shape[:-1], out.shape[-1])
-            return packed_forward
-
-    def plain_forward(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(dtype), weight, bias)
-    return plain_forward
 
 
 def unsupported_reason(model: Any) -> str | None:
     """Why `LeanDecoder` cannot run this model (None when it can)."""
-    model = base_model(model)
+    model = unwrap(model)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED:
@@ -80,7 +57,7 @@ class LeanDecoder:
     """The model's forward for sampling: `prefill` the prompts, then `step` one token at a time, `select` rows."""
 
     def __init__(self, model: Any, dtype: torch.dtype) -> None:
-        model = base_model(model)
+        model = unwrap(model)
         config, inner = model.config, model.model
         self.dtype = dtype
         self.embed = inner.embed_tokens.weight
@@ -168,13 +145,6 @@ class LeanDecoder:
             x = x + layer["down"](F.silu(gate) * up)
         self.length = end
         return self.head(self.norm(x[:, -1])).float()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' Llama RMSNorm on a float32 input, operator for operator (its cast back to the input dtype is
-    then a no-op): the output, and the inverse RMS per row."""
-    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (x * rstd), rstd
 
 
 def _rms_norm(module: torch.nn.Module) -> Linear:

@@ -1,0 +1,62 @@
+"""Collectives the loop needs, written so that the loop reads the same on 1 and N processes: each is the identity
+(or the obvious local value) on one process."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from grpo.groups import Scored
+from grpo.losses import Stat
+
+
+def any_process(accelerator: Accelerator, flag: bool) -> bool:
+    """True on every process when the flag is set on any of them."""
+    if accelerator.num_processes == 1:
+        return flag
+    return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum") > 0)
+
+
+def process_mean(accelerator: Accelerator, value: float) -> float:
+    """The mean of a number over processes (the same on every process)."""
+    if accelerator.num_processes == 1:
+        return value
+    return float(accelerator.reduce(torch.tensor(float(value), device=accelerator.device), "mean"))
+
+
+def local_rows(n: int, process_index: int, num_processes: int) -> range:
+    """This process's contiguous, even share of n global rows."""
+    return range(process_index * n // num_processes, (process_index + 1) * n // num_processes)
+
+
+def gather_scored(local: Scored, accelerator: Accelerator) -> Scored:
+    """Every process's share of a round, in process order (the identity on one process)."""
+    if accelerator.num_processes == 1:
+        return local
+    return Scored.concat(gather_object([local]))
+
+
+def gather_values(values: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
+    """Every process's 1-d tensor of values, concatenated in process order (they may differ in length)."""
+    padded = accelerator.pad_across_processes(values, dim=0, pad_index=-1e9)
+    everyone = accelerator.gather(padded)
+    return everyone[everyone != -1e9]
+
+
+def reduce_stats(stats: dict[str, Stat], accelerator: Accelerator) -> dict[str, float]:
+    """Loss statistics (`grpo.losses.Stat`) reduced over processes: global masked means, min of mins, max of
+    maxes."""
+    out = {}
+    for name, stat in stats.items():
+        value = stat.value.to(accelerator.device).float()
+        if stat.kind == "mean":
+            total = accelerator.reduce(value, reduction="sum")
+            out[name] = (total[0] / total[1].clamp(min=1.0)).item()
+        else:
+            everyone = accelerator.gather(value.reshape(1))
+            valid = everyone[~torch.isnan(everyone)]
+            out[name] = (valid.min() if stat.kind == "min" else valid.max()).item() if valid.numel() else math.nan
+    return out

@@ -1,0 +1,63 @@
+"""The loop's own state: where the run is (micro-step, data position) and the rollout buffer that feeds the
+micro-steps from one generation batch.
+
+One generation batch feeds `steps_per_generation * num_iterations` micro-steps (a cycle): it is shuffled once
+(seeded by the micro-step it was made at) and cut into `steps_per_generation` slices, taken in order and, with
+num_iterations > 1, again. `RolloutBuffer.needs_generation` says when the next micro-step must generate.
+Both pieces have a `state_dict` / `load_state_dict` pair, which is all a checkpoint reads of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo.batch import TrainBatch
+
+
+@dataclass
+class LoopState:
+    micro_step: int = 0  # micro-steps trained so far
+    data_position: int = 0  # prompt blocks drawn so far (more than generations with dynamic sampling)
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro_step, self.data_position = int(state["micro_step"]), int(state["data_position"])
+
+
+class RolloutBuffer:
+    """The current generation batch, as the slices its micro-steps train on."""
+
+    def __init__(self, steps_per_generation: int, num_iterations: int, seed: int) -> None:
+        self.steps_per_generation = steps_per_generation
+        self.cycle = steps_per_generation * num_iterations  # micro-steps fed by one generation batch
+        self.seed = seed
+        self.slices: list[TrainBatch] = []
+
+    def needs_generation(self, micro_step: int) -> bool:
+        """Whether the micro-step `micro_step` starts a cycle (or nothing is buffered: a fresh run)."""
+        return micro_step % self.cycle == 0 or not self.slices
+
+    def mid_cycle(self, micro_step: int) -> bool:
+        """Whether the next micro-step (`micro_step`) still trains on the buffered batch."""
+        return bool(self.slices) and micro_step % self.cycle != 0
+
+    def fill(self, batch: TrainBatch, micro_step: int) -> None:
+        """Shuffle (every slice mixes groups) and cut the generation batch into steps_per_generation slices."""
+        order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(self.seed + micro_step))
+        batch = batch.select(order)
+        self.slices = [batch.select(rows) for rows in torch.arange(len(batch)).chunk(self.steps_per_generation)]
+
+    def take(self, micro_step: int) -> TrainBatch:
+        return self.slices[(micro_step % self.cycle) % self.steps_per_generation]
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [slice_.state_dict() for slice_ in self.slices]
+
+    def load_state_dict(self, state: list[dict[str, Any]], device: Any) -> None:
+        self.slices = [TrainBatch.from_state_dict(s).to(device) for s in state]

@@ -1,0 +1,140 @@
+"""The rollout interface: what the trainer asks of a generation engine, and what it gets back.
+
+    rollout = engine.generate([Request(prompt, num_samples=G), ...])   # a request's samples: consecutive rows
+    engine.sync_weights(model)                                         # before generating with newer weights
+
+A `Prompt` is tokenized once (`grpo.data.PromptSource`) and carries what it came from: the messages of a
+conversational prompt, and room for images. A `Request` asks for `num_samples` completions of one prompt (G for a
+fresh prompt, or a process's share of them; 1 for a follow-up turn of a multi-turn rollout), optionally with a
+smaller token budget. A `Rollout` holds one row per completion, request by request, with everything the training
+pass and the reward functions need. Every engine keeps the sampled tokens' log-probs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt, tokenized. `messages` is set for conversational prompts; `images` for image prompts."""
+
+    ids: tuple[int, ...]
+    messages: tuple[dict, ...] | None = None
+    images: tuple[Any, ...] | None = None
+
+    @property
+    def is_conversational(self) -> bool:
+        return self.messages is not None
+
+
+@dataclass(frozen=True)
+class Request:
+    """`num_samples` completions of `prompt`, each at most `max_tokens` long (None: the engine's limit)."""
+
+    prompt: Prompt
+    num_samples: int = 1
+    max_tokens: int | None = None
+
+
+@dataclass
+class Rollout:
+    """One row per completion, ragged lists (no padding)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]  # ends with its stop token unless truncated
+    sampling_logps: list[list[float]]  # log-prob of each sampled token under the sampler's distribution
+    truncated: list[bool]  # stopped by the token budget rather than a stop token
+    texts: list[str] = field(default_factory=list)  # the completion decoded (special tokens skipped)
+    # the completion as messages (conversational prompts), None for a standard prompt
+    messages: list[list[dict] | None] = field(default_factory=list)
+    loss_mask: list[list[int]] = field(default_factory=list)  # 1 = trained; 0 = not (tool results); default 1
+
+    def __post_init__(self) -> None:
+        if not self.loss_mask:
+            self.loss_mask = [[1] * len(ids) for ids in self.completion_ids]
+        if not self.texts:
+            self.texts = [""] * len(self.completion_ids)
+        if not self.messages:
+            self.messages = [None] * len(self.completion_ids)
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    @property
+    def completions(self) -> list[str | list[dict]]:
+        """What reward functions receive: the messages of a conversational completion, else its text."""
+        return [text if messages is None else messages for text, messages in zip(self.texts, self.messages)]
+
+    def select(self, rows: Sequence[int]) -> Rollout:
+        return Rollout(**{f.name: [getattr(self, f.name)[i] for i in rows] for f in fields(self)})
+
+    @staticmethod
+    def concat(parts: Sequence[Rollout]) -> Rollout:
+        return Rollout(**{f.name: [x for part in parts for x in getattr(part, f.name)] for f in fields(Rollout)})
+
+
+class Engine(Protocol):
+    """A generation engine. `generate` answers the requests in order, the samples of a request in consecutive
+    rows; `sync_weights` makes the engine sample from `model`'s current weights (a no-op for engines that sample
+    from the training model itself)."""
+
+    name: str
+
+    def generate(self, requests: Sequence[Request]) -> Rollout: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+
+def expand(requests: Sequence[Request]) -> list[Request]:
+    """One entry per completion row: each request repeated `num_samples` times."""
+    return [request for request in requests for _ in range(request.num_samples)]
+
+
+def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], bool]:
+    """Keep tokens up to and including the first stop token; report whether none came (truncated)."""
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: i + 1], False
+    return tokens, True
+
+
+def assemble(rows: Sequence[Request], completion_ids: list[list[int]], sampling_logps: list[list[float]],
+             stop_ids: set[int], tokenizer: Any) -> Rollout:
+    """A Rollout from each row's sampled tokens (cut after the first stop token) and their log-probs: truncated
+    where no stop token ended it, decoded once, and as one assistant message for conversational prompts."""
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return Rollout(
+        prompt_ids=[list(row.prompt.ids) for row in rows],
+        completion_ids=completion_ids,
+        sampling_logps=sampling_logps,
+        truncated=[not ids or ids[-1] not in stop_ids for ids in completion_ids],
+        texts=texts,
+        messages=[[{"role": "assistant", "content": text}] if row.prompt.is_conversational else None
+                  for row, text in zip(rows, texts)],
+    )
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask) with rows right-aligned, the layout decoder-only generation needs."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def right_pad(rows: Sequence[Sequence[Any]], pad: Any, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), pad, dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out

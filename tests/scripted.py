@@ -1,0 +1,61 @@
+"""Engines for tests that answer with completions chosen by a fixed rule, so no sampled token can flip between
+runs, and a helper that turns rows of prompt ids into requests."""
+
+from __future__ import annotations
+
+from grpo.rollout.base import Prompt, Request, assemble, expand
+
+
+def as_requests(prompt_ids, conversational=False):
+    """One request per run of equal consecutive rows of token ids (a prompt's G samples)."""
+    requests = []
+    for i, ids in enumerate(prompt_ids):
+        if i > 0 and list(ids) == list(prompt_ids[i - 1]):
+            requests[-1] = Request(requests[-1].prompt, requests[-1].num_samples + 1)
+        else:
+            messages = ({"role": "user", "content": ""},) if conversational else None
+            requests.append(Request(Prompt(tuple(ids), messages)))
+    return requests
+
+
+class ScriptedEngine:
+    """Sample j of a request gets `1 + (sum(prompt ids) + 3 j) % 8` letters (cycling through "abcdefgh" from a
+    prompt-dependent offset), then the end-of-turn token; a completion of 8 letters has no stop token (truncated)."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.letters = tokenizer.convert_tokens_to_ids(list("abcdefgh"))
+        self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.syncs = 0
+
+    def sync_weights(self, model):
+        self.syncs += 1
+
+    def completion(self, prompt_ids, j):
+        n = 1 + (sum(prompt_ids) + 3 * j) % 8
+        offset = sum(prompt_ids) % 8
+        ids = [self.letters[(offset + k) % 8] for k in range(n)]
+        return ids if n == 8 else ids + [self.end]
+
+    def generate(self, requests):
+        ids = [self.completion(r.prompt.ids, j) for r in requests for j in range(r.num_samples)]
+        return assemble(expand(requests), ids, [[0.0] * len(c) for c in ids], {self.end}, self.tok)
+
+
+class FixedEngine(ScriptedEngine):
+    """Row i of the generation batch (all processes' rows, this process's starting at `offset`) gets
+    `1 + (sum(prompt ids) + i) % 8` letters from "a", then the end-of-turn token unless it has 8."""
+
+    def __init__(self, tokenizer, offset=0):
+        super().__init__(tokenizer)
+        self.offset = offset
+
+    def generate(self, requests):
+        rows = expand(requests)
+        ids = []
+        for i, row in enumerate(rows):
+            n = 1 + (sum(row.prompt.ids) + self.offset + i) % 8
+            ids.append(self.letters[:n] + ([self.end] if n < 8 else []))
+        return assemble(rows, ids, [[0.0] * len(c) for c in ids], {self.end}, self.tok)

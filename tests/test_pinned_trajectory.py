@@ -1,0 +1,168 @@
+"""Pinned trajectories: 5 optimizer steps on a tiny model with scripted completions, float32 on the CPU, every
+numerics-relevant GRPOConfig field set explicitly. The per-step losses, gradient norms and a checksum of the final
+parameters must equal the committed values, so a refactor that changes the numbers fails loudly.
+
+Tolerance: rtol 1e-5 (float32 on one machine gives the same bits run to run; the slack covers other CPUs'
+kernels). When a change of the numbers is intended, say why in the commit and re-pin: run
+
+    .venv/bin/python tests/test_pinned_trajectory.py
+
+which prints the new `PINNED` dict to paste below.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+
+from grpo import GRPOConfig, GRPOTrainer
+from scripted import ScriptedEngine
+from tiny import make_model, make_tokenizer
+
+COMMON = dict(
+    bf16=False,
+    fp16=False,
+    use_cpu=True,
+    seed=0,
+    max_steps=5,
+    learning_rate=3e-3,
+    weight_decay=0.01,
+    adam_beta1=0.9,
+    adam_beta2=0.999,
+    adam_epsilon=1e-8,
+    max_grad_norm=1.0,
+    lr_scheduler_type="linear",
+    warmup_steps=0,
+    warmup_ratio=0.0,
+    num_generations=4,
+    max_completion_length=8,
+    temperature=0.9,
+    top_p=1.0,
+    top_k=0,
+    min_p=None,
+    repetition_penalty=1.0,
+    epsilon=0.2,
+    epsilon_high=0.28,
+    delta=None,
+    importance_sampling_level="token",
+    scale_rewards="group",
+    reward_weights=[1.0, 0.5],
+    multi_objective_aggregation="sum_then_normalize",
+    mask_truncated_completions=False,
+    top_entropy_quantile=1.0,
+    use_bias_correction_kl=False,
+    entropy_coef=0.0,
+    shuffle_dataset=True,
+    gradient_checkpointing=False,
+    disable_dropout=True,
+    logging_steps=1,
+    save_strategy="no",
+    disable_tqdm=True,
+    report_to="none",
+)
+RUNS = {
+    # steps_per_generation 4 over 2 accumulated micro-steps: one generation feeds 2 optimizer steps, off-policy
+    "dapo": dict(
+        loss_type="dapo",
+        beta=0.0,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        num_iterations=1,
+    ),
+    # two passes over each generation, a KL term against the frozen reference
+    "grpo_kl": dict(
+        loss_type="grpo",
+        beta=0.04,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=2,
+    ),
+}
+PINNED = {
+    "dapo": {
+        "loss": [
+            -0.04116620495915413,
+            -0.7805043458938599,
+            -0.21898464858531952,
+            -0.5587686896324158,
+            -0.12478451058268547,
+        ],
+        "grad_norm": [0.808553159236908, 2.448718547821045, 1.0950855016708374, 1.7066606283187866, 0.7162491083145142],
+        "reward": [1.1484375, 1.140625, 1.140625],
+        "param_sum": 158.3235914213276,
+        "param_weighted": -40.604114054180855,
+    },
+    "grpo_kl": {
+        "loss": [
+            -1.1175870895385742e-08,
+            -0.09911813586950302,
+            0.0013606492429971695,
+            -0.03258752077817917,
+            0.0024347901344299316,
+        ],
+        "grad_norm": [
+            1.737221598625183,
+            0.6956425905227661,
+            1.0735501050949097,
+            1.0212464332580566,
+            1.2452868223190308,
+        ],
+        "reward": [1.171875, 1.125, 1.171875],
+        "param_sum": 160.01126935301568,
+        "param_weighted": -42.64589893894549,
+    },
+}
+
+
+def length_reward(completion_ids, **kwargs):
+    return [len(ids) / 8.0 for ids in completion_ids]
+
+
+def variety_reward(completions, **kwargs):
+    texts = [c[0]["content"] for c in completions]
+    return [len(set(t)) / max(len(t), 1) for t in texts]
+
+
+def trajectory(name: str, output_dir: str) -> dict:
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer, seed=0)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(16)])
+    args = GRPOConfig(output_dir=output_dir, **COMMON, **RUNS[name])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[length_reward, variety_reward],
+        train_dataset=dataset,
+        args=args,
+        processing_class=tokenizer,
+    )
+    trainer.engine = ScriptedEngine(tokenizer)
+    trainer.train()
+    history = trainer.state.log_history
+    params = [p.detach().double() for p in trainer.unwrapped_model.parameters()]
+    weights = [torch.arange(p.numel(), dtype=torch.float64).remainder(7).sub(3).reshape(p.shape) for p in params]
+    return {
+        "loss": [row["loss"] for row in history],
+        "grad_norm": [row["grad_norm"] for row in history],
+        "reward": [row["reward"] for row in history if "reward" in row],
+        "param_sum": sum(p.sum().item() for p in params),
+        "param_weighted": sum((p * w).sum().item() for p, w in zip(params, weights)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_trajectory_is_pinned(tmp_path, name):
+    got = trajectory(name, str(tmp_path / name))
+    want = PINNED[name]
+    assert len(got["loss"]) == 5
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        print("PINNED = " + repr({name: trajectory(name, f"{tmp}/{name}") for name in sorted(RUNS)}))
