@@ -71,20 +71,33 @@ def main() -> None:
     lora = "lora" in options  # LoRA adapters on q/v (random A and B, so both train), KL to the adapter-less model
     kl = lora or "kl" in options  # beta > 0: without LoRA, a reference model
     ga = 2 if "ga2" in options else 1  # the same 8 completions in two accumulated micro-steps
-    args = cfg(Path(out), output_dir=out, per_device_train_batch_size=8 // world // ga, loss_type=loss_type,
-               gradient_accumulation_steps=ga,
-               shuffle_dataset=False, gradient_checkpointing=False, save_strategy="no", beta=0.04 if kl else 0.0,
-               max_steps=2 if kl else 1)  # step 2: the policy has left the reference
+    args = cfg(
+        Path(out),
+        output_dir=out,
+        per_device_train_batch_size=8 // world // ga,
+        loss_type=loss_type,
+        gradient_accumulation_steps=ga,
+        shuffle_dataset=False,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        beta=0.04 if kl else 0.0,
+        max_steps=2 if kl else 1,
+    )  # step 2: the policy has left the reference
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if lora:
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(0)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                 init_lora_weights=False, task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM"
+            ),
+        )
     sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args,
-                          optimizers=(sgd, None))
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args, optimizers=(sgd, None)
+    )
     extra = {}
     if mode != "ddp":
         from grpo.data import tokenize_prompts
@@ -94,8 +107,13 @@ def main() -> None:
         extra["sharded"] = is_sharded(trainer.model) or zero.is_partitioned(trainer.unwrapped_model)
         if trainer.ref_model is not None:
             extra["reference_sharded"] = is_sharded(trainer.ref_model) or zero.is_partitioned(trainer.ref_model)
-        extra["engine"] = f"zero{zero.plugin(trainer.accelerator).zero_stage}" if zero.in_use(trainer.accelerator) \
-            else "fsdp" if is_sharded(trainer.model) else "ddp"
+        extra["engine"] = (
+            f"zero{zero.plugin(trainer.accelerator).zero_stage}"
+            if zero.in_use(trainer.accelerator)
+            else "fsdp"
+            if is_sharded(trainer.model)
+            else "ddp"
+        )
         rows = as_requests(tokenize_prompts([chat_dataset()[0]["prompt"]] * 2, trainer.processing_class))
         extra["sampled"] = [len(c) for c in trainer.engine.generate(rows).completion_ids]
     rank = trainer.accelerator.process_index  # rows before this process's share of the global batch:

@@ -39,10 +39,19 @@ def train_pass(model, rollout_ids, requests, pad_id):
     from grpo.rollout import Rollout
 
     rows = [list(r.prompt.ids) for r in requests for _ in range(r.num_samples)]
-    rollout = Rollout(prompt_ids=rows, completion_ids=rollout_ids, sampling_logps=[[0.0] * len(c) for c in rollout_ids],
-                      truncated=[False] * len(rows))
-    batch = collate(rollout, torch.zeros(len(rows)), pad_id, mask_truncated=False,
-                    group=torch.tensor([i // 4 for i in range(len(rows))]))
+    rollout = Rollout(
+        prompt_ids=rows,
+        completion_ids=rollout_ids,
+        sampling_logps=[[0.0] * len(c) for c in rollout_ids],
+        truncated=[False] * len(rows),
+    )
+    batch = collate(
+        rollout,
+        torch.zeros(len(rows)),
+        pad_id,
+        mask_truncated=False,
+        group=torch.tensor([i // 4 for i in range(len(rows))]),
+    )
     model.zero_grad()
     with lean_blocks(model):
         logps, _ = token_logps(model, batch, 0.9, share_prefix=True, chunked_head=True)
@@ -68,9 +77,19 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save({"grads": grads, "whole_grads": whole_grads}, out + ".grads.pt")
         with open(out, "w") as f:
-            json.dump({"world": dist.get_world_size(), "ids": ids, "whole_ids": whole_ids, "logps": logps,
-                       "whole_logps": whole_logps, "resharded": resharded, "train": train,
-                       "whole_train": whole_train}, f)
+            json.dump(
+                {
+                    "world": dist.get_world_size(),
+                    "ids": ids,
+                    "whole_ids": whole_ids,
+                    "logps": logps,
+                    "whole_logps": whole_logps,
+                    "resharded": resharded,
+                    "train": train,
+                    "whole_train": whole_train,
+                },
+                f,
+            )
     dist.barrier()
     time.sleep(0.2)  # let gloo's workers drop the last collectives before teardown (see settle_processes)
     dist.destroy_process_group()

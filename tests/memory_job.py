@@ -34,13 +34,24 @@ def peak_rss_bytes() -> int:
 def main() -> None:
     rows, length, vocab, chunked = (int(x) for x in sys.argv[1:5])
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * length,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * length,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config)
     completions = torch.randint(5, vocab, (rows, length)).tolist()
-    rollout = Rollout(prompt_ids=[[1, 2, 3, 4]] * rows, completion_ids=completions,
-                      sampling_logps=[[0.0] * length] * rows, truncated=[False] * rows)
+    rollout = Rollout(
+        prompt_ids=[[1, 2, 3, 4]] * rows,
+        completion_ids=completions,
+        sampling_logps=[[0.0] * length] * rows,
+        truncated=[False] * rows,
+    )
     batch = collate(rollout, torch.ones(rows), 0, mask_truncated=False)
     before = rss_bytes()
     logps, entropies = token_logps(model, batch, 1.0, with_entropy=True, chunked_head=bool(chunked))

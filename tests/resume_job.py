@@ -51,9 +51,21 @@ def main() -> None:
         os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(o.zero))
     torch.set_num_threads(1)
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Solve {i}+1"}]} for i in range(8)])
-    args = GRPOConfig(output_dir=o.out, max_steps=6, save_steps=3, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, learning_rate=1e-2, logging_steps=1, disable_tqdm=True, bf16=False,
-                      seed=0, steps_per_generation=o.spg, gradient_checkpointing=False)
+    args = GRPOConfig(
+        output_dir=o.out,
+        max_steps=6,
+        save_steps=3,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        logging_steps=1,
+        disable_tqdm=True,
+        bf16=False,
+        seed=0,
+        steps_per_generation=o.spg,
+        gradient_checkpointing=False,
+    )
     if o.pause_after or o.stop_after:
         save = ckpt.save
 
@@ -64,6 +76,7 @@ def main() -> None:
             if step == o.stop_after:
                 os._exit(0)
             return path
+
         ckpt.save = save_then_pause
     if o.block_writing:
         save_pretrained = ckpt.save_pretrained
@@ -72,6 +85,7 @@ def main() -> None:
             save_pretrained(trainer, output_dir, state_dict)
             if f"tmp-checkpoint-{o.block_writing}" in output_dir:
                 hang("WRITING")
+
         ckpt.save_pretrained = write_then_block
     trainer = GRPOTrainer(model=o.model, reward_funcs=length_reward, train_dataset=data, args=args)
     if o.term_at:
@@ -81,6 +95,7 @@ def main() -> None:
             if trainer.state.global_step + 1 == o.term_at:
                 os.kill(os.getpid(), signal.SIGTERM)
             return step()
+
         trainer._step = step_with_sigterm
     trainer.train(resume_from_checkpoint=bool(o.resume) or None)
     state = ckpt.model_state(trainer)  # every process: gathered when partitioned

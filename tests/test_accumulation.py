@@ -20,8 +20,9 @@ def updated_params(tiny_model_dir, tmp_path, **kw):
     args = cfg(tmp_path, shuffle_dataset=False, learning_rate=1e-3, gradient_checkpointing=False, **kw)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     sgd = torch.optim.SGD(model.parameters(), lr=1e-2)  # an update linear in the gradient: compares gradients
-    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args,
-                          optimizers=(sgd, None))
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args, optimizers=(sgd, None)
+    )
     trainer.engine = FixedEngine(trainer.processing_class)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
@@ -31,8 +32,13 @@ def updated_params(tiny_model_dir, tmp_path, **kw):
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo"])
 def test_accumulated_update_equals_one_batch_update(tiny_model_dir, tmp_path, loss_type):
     one, t1 = updated_params(tiny_model_dir, tmp_path / "a", loss_type=loss_type, per_device_train_batch_size=8)
-    two, t2 = updated_params(tiny_model_dir, tmp_path / "b", loss_type=loss_type, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=2)
+    two, t2 = updated_params(
+        tiny_model_dir,
+        tmp_path / "b",
+        loss_type=loss_type,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    )
     assert t1.args.generation_batch_size == t2.args.generation_batch_size == 8
     assert not t2._needs_old_logps()  # spg == GA: still on-policy, no old-log-prob pass
     g1 = t1.state.log_history[-1]["grad_norm"]

@@ -26,8 +26,7 @@ def adv(rewards, weights=None, G=2, scale="group", agg="sum_then_normalize"):
 
 
 def close(actual: torch.Tensor, expected, tol=1e-5):
-    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), rtol=tol, atol=tol,
-                               equal_nan=True)
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), rtol=tol, atol=tol, equal_nan=True)
 
 
 # ---- nanstd ----------------------------------------------------------------------------------------------------
@@ -124,8 +123,7 @@ def test_none_rewards_literal():
     #   valid R = [2, 2, 3]: mean 7/3, std sqrt((1/9 + 1/9 + 4/9)/2) = 0.577350
     #   A = [-1/3, -1/3, 2/3]/(0.577350 + 1e-4), unscorable row -> 0
     # group 2: a single valid row (R=5): std NaN -> every advantage 0
-    rewards = [[1.0, 2.0], [NAN, 4.0], [3.0, NAN], [NAN, NAN],
-               [NAN, NAN], [5.0, NAN], [NAN, NAN], [NAN, NAN]]
+    rewards = [[1.0, 2.0], [NAN, 4.0], [3.0, NAN], [NAN, NAN], [NAN, NAN], [5.0, NAN], [NAN, NAN], [NAN, NAN]]
     out = adv(rewards, weights=[1.0, 0.5], G=4)
     close(out.rewards, [2.0, 2.0, 3.0, NAN, NAN, 5.0, NAN, NAN])
     s = 0.5772502865071343  # (1/3)/(0.577350 + 1e-4)
@@ -252,8 +250,10 @@ def reference_advantages(rpf, weights, G, scale, agg):
     groups = [list(range(s, s + G)) for s in range(0, n, G)]
     adv_out, std_out = [0.0] * n, [NAN] * n
     if agg == "sum_then_normalize":
-        R = [NAN if unscorable[i] else sum(weights[j] * rpf[i][j] for j in range(k) if not math.isnan(rpf[i][j]))
-             for i in range(n)]
+        R = [
+            NAN if unscorable[i] else sum(weights[j] * rpf[i][j] for j in range(k) if not math.isnan(rpf[i][j]))
+            for i in range(n)
+        ]
         batch_std = _nanstd(R)
         for rows in groups:
             mu = _nanmean([R[i] for i in rows])
@@ -272,8 +272,10 @@ def reference_advantages(rpf, weights, G, scale, agg):
                 mu, sigma = _nanmean(col), _nanstd(col)
                 for i in rows:
                     z[i][j] = (rpf[i][j] - mu) / (sigma + EPS)
-        R = [NAN if unscorable[i] else sum(weights[j] * z[i][j] for j in range(k) if not math.isnan(z[i][j]))
-             for i in range(n)]
+        R = [
+            NAN if unscorable[i] else sum(weights[j] * z[i][j] for j in range(k) if not math.isnan(z[i][j]))
+            for i in range(n)
+        ]
         mu, sigma = _nanmean(R), _nanstd(R)
         for i in range(n):
             a = (R[i] - mu) / (sigma + EPS)
@@ -298,7 +300,7 @@ def random_rewards(seed, n_groups=6, K=3, gdpo_safe=False):
     r[nan] = NAN
     r[:G, :] = 1.0  # group 0: every reward equal
     r[G + 1, :] = NAN  # an unscorable row
-    r[2 * G: 3 * G, :] = NAN  # a whole group of unscorable rows
+    r[2 * G : 3 * G, :] = NAN  # a whole group of unscorable rows
     if not gdpo_safe:
         r[2 * G + 2, 0] = 2.0  # ... except one row: a single valid value -> NaN group std
     weights = torch.rand(K, generator=g) * 2 - 0.5  # some negative
@@ -306,8 +308,15 @@ def random_rewards(seed, n_groups=6, K=3, gdpo_safe=False):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize(("scale", "agg"), [("group", "sum_then_normalize"), ("batch", "sum_then_normalize"),
-                                            ("none", "sum_then_normalize"), ("group", "normalize_then_sum")])
+@pytest.mark.parametrize(
+    ("scale", "agg"),
+    [
+        ("group", "sum_then_normalize"),
+        ("batch", "sum_then_normalize"),
+        ("none", "sum_then_normalize"),
+        ("group", "normalize_then_sum"),
+    ],
+)
 def test_matches_reference(scale, agg, seed):
     gdpo = agg == "normalize_then_sum"
     r, w = random_rewards(seed, gdpo_safe=gdpo)

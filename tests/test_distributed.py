@@ -29,8 +29,15 @@ def free_port() -> int:
 def torchrun(nproc, script, *args, timeout=240):
     """`script args` in nproc processes with torchrun (gloo on CPU, one thread each); asserts it succeeded."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           script, *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        script,
+        *map(str, args),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
 
@@ -54,8 +61,9 @@ def test_two_processes_update_like_one(tiny_model_dir, tmp_path, loss_type):
         assert row2[key] == pytest.approx(row1[key], rel=1e-5, abs=1e-7), key
 
 
-SHARDED_MODES = ["fsdp+ga2", "fsdp+lora"] + [pytest.param(mode, marks=needs_deepspeed) for mode in
-                                              ("zero2+ga2", "zero3+ga2", "zero3+lora", "zero3+kl")]
+SHARDED_MODES = ["fsdp+ga2", "fsdp+lora"] + [
+    pytest.param(mode, marks=needs_deepspeed) for mode in ("zero2+ga2", "zero3+ga2", "zero3+lora", "zero3+kl")
+]
 
 
 @pytest.mark.parametrize("mode", SHARDED_MODES)
@@ -92,8 +100,9 @@ def test_sharded_training_through_accelerate_updates_like_one_process(tiny_model
         assert set(saved) == {n.replace(".default", "") for n in two if "lora_" in n}
         for name, update in two.items():
             if "lora_" in name:
-                torch.testing.assert_close(saved[name.replace(".default", "")], initial[name] + update, rtol=0,
-                                           atol=1e-6)
+                torch.testing.assert_close(
+                    saved[name.replace(".default", "")], initial[name] + update, rtol=0, atol=1e-6
+                )
         return
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
     saved = load_file(os.path.join(tmp_path / "two", "saved", "model.safetensors"))

@@ -18,10 +18,26 @@ from test_trainer import cfg, params, text_of
 
 def test_groups_with_spread_hand_computed():
     nan = float("nan")
-    rewards = torch.tensor([[1.0], [1.0], [1.0], [1.0],  # no spread
-                            [0.0], [1.0], [0.0], [1.0],  # std 0.577
-                            [nan], [nan], [nan], [2.0],  # one scorable completion: no std
-                            [0.5], [0.5], [0.5], [0.5 + 1e-3]])  # std 5e-4
+    rewards = torch.tensor(
+        [
+            [1.0],
+            [1.0],
+            [1.0],
+            [1.0],  # no spread
+            [0.0],
+            [1.0],
+            [0.0],
+            [1.0],  # std 0.577
+            [nan],
+            [nan],
+            [nan],
+            [2.0],  # one scorable completion: no std
+            [0.5],
+            [0.5],
+            [0.5],
+            [0.5 + 1e-3],
+        ]
+    )  # std 5e-4
     keep = groups_with_spread(rewards, torch.ones(1), 4, threshold=1e-6)
     assert keep.tolist() == [False, True, False, True]
     assert groups_with_spread(rewards, torch.ones(1), 4, threshold=1e-3).tolist() == [False, True, False, False]
@@ -35,8 +51,12 @@ def test_groups_with_spread_hand_computed():
 
 def mixed_dataset(n=16):
     """Even rows: every completion gets the same reward. Odd rows: the reward follows the completion length."""
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Say {i}"}], "kind": "flat" if i % 2 == 0
-                               else "spread"} for i in range(n)])
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"Say {i}"}], "kind": "flat" if i % 2 == 0 else "spread"}
+            for i in range(n)
+        ]
+    )
 
 
 def kind_reward(completions, kind, log_extra=None, **kwargs):
@@ -74,7 +94,7 @@ def test_dynamic_sampling_trains_only_groups_with_spread(tiny_model_dir, tmp_pat
         assert batch.num_items_in_batch == batch.mask.sum().item() > 0
     rows = trainer.state.log_history
     # every flat group drawn is dropped, and so is a spread-kind group whose completions all scored the same
-    groups = [part.rewards[k:k + 4, 0] for part in drawn for k in range(0, len(part), 4)]
+    groups = [part.rewards[k : k + 4, 0] for part in drawn for k in range(0, len(part), 4)]
     flat = sum(data[r]["kind"] == "flat" for part in drawn for r in part.rows[::4])
     all_equal = sum(bool((g == g[0]).all()) for g in groups)
     assert sum(r["dynamic_sampling/groups_dropped"] for r in rows) == all_equal >= flat > 0
@@ -86,8 +106,12 @@ def test_dynamic_sampling_short_batch_trains_on_what_it_has(tiny_model_dir, tmp_
     def spread_only_for_row_1(completions, kind, **kwargs):
         return kind_reward(completions, kind)
 
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Say {i}"}], "kind": "spread" if i == 1
-                               else "flat"} for i in range(8)])
+    data = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"Say {i}"}], "kind": "spread" if i == 1 else "flat"}
+            for i in range(8)
+        ]
+    )
     args = cfg(tmp_path, dynamic_sampling=True, dynamic_sampling_max_attempts=2, shuffle_dataset=False)
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=spread_only_for_row_1, train_dataset=data, args=args)
     with caplog.at_level(logging.WARNING, logger="grpo"):
@@ -123,8 +147,9 @@ def test_log_completions_prints_a_table_and_writes_parquet(tiny_model_dir, tmp_p
     assert "Completions at step 1" in printed and "Completions at step 2" in printed
 
 
-@pytest.mark.parametrize("field, value", [("dynamic_sampling_max_attempts", 0),
-                                          ("dynamic_sampling_std_threshold", -1.0)])
+@pytest.mark.parametrize(
+    "field, value", [("dynamic_sampling_max_attempts", 0), ("dynamic_sampling_std_threshold", -1.0)]
+)
 def test_dynamic_sampling_settings_checked(field, value, tmp_path):
     with pytest.raises(ValueError, match=field):
         cfg(tmp_path, **{field: value})

@@ -19,8 +19,13 @@ from tiny import make_model, make_tokenizer
 def setup(**kw):
     tok = make_tokenizer()
     model = make_model(tok, hidden=64).eval()
-    args = GRPOConfig(output_dir="x", max_completion_length=kw.pop("max_completion_length", 16),
-                      per_device_train_batch_size=8, num_generations=4, **kw)
+    args = GRPOConfig(
+        output_dir="x",
+        max_completion_length=kw.pop("max_completion_length", 16),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        **kw,
+    )
     stop = end_of_turn_ids(tok, model.generation_config.eos_token_id)
     chats = [[{"role": "user", "content": text}] for text in ("hi", "what is two plus two?")]
     rows = as_requests([ids for ids in tokenize_prompts(chats, tok) for _ in range(4)])
@@ -45,9 +50,18 @@ def test_greedy_tokens_equal_plain_generate(share):
         return output
 
     fast = FastEngine(model, tok, args, stop, share_prefix=share, sampler=greedy)
-    plain = TransformersEngine(model, tok, GRPOConfig(output_dir="x", max_completion_length=16,
-                                                      per_device_train_batch_size=8, num_generations=4,
-                                                      generation_kwargs={"do_sample": False}), stop)
+    plain = TransformersEngine(
+        model,
+        tok,
+        GRPOConfig(
+            output_dir="x",
+            max_completion_length=16,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            generation_kwargs={"do_sample": False},
+        ),
+        stop,
+    )
     a = fast.generate(rows)
     b = plain.generate(rows)
     assert a.completion_ids == b.completion_ids
@@ -102,8 +116,14 @@ def test_exponential_race_samples_the_distribution():
 def test_repetition_penalty_matches_plain_path_greedily():
     tok, model, args, stop, rows = setup(repetition_penalty=1.3)
     fast = FastEngine(model, tok, args, stop, sampler=greedy).generate(rows)
-    plain_args = GRPOConfig(output_dir="x", max_completion_length=16, per_device_train_batch_size=8,
-                            num_generations=4, repetition_penalty=1.3, generation_kwargs={"do_sample": False})
+    plain_args = GRPOConfig(
+        output_dir="x",
+        max_completion_length=16,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        repetition_penalty=1.3,
+        generation_kwargs={"do_sample": False},
+    )
     plain = TransformersEngine(model, tok, plain_args, stop).generate(rows)
     assert fast.completion_ids == plain.completion_ids
 

@@ -27,8 +27,7 @@ def test_sampling_from_a_sharded_model_equals_the_whole_model(tmp_path):
     for row, whole in zip(result["logps"], result["whole_logps"]):
         assert row == pytest.approx(whole, rel=1e-5, abs=1e-6)
     assert result["resharded"]
-    torch.testing.assert_close(torch.tensor(result["train"]), torch.tensor(result["whole_train"]), rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(torch.tensor(result["train"]), torch.tensor(result["whole_train"]), rtol=1e-5, atol=1e-6)
     grads = torch.load(f"{out}.grads.pt")
     for name, whole in grads["whole_grads"].items():
         assert whole.abs().sum() > 0, name

@@ -16,8 +16,13 @@ from tiny import make_model, make_tokenizer
 
 
 def engine_for(model, tok, **kw):
-    args = GRPOConfig(output_dir="x", max_completion_length=kw.pop("max_completion_length", 12),
-                      per_device_train_batch_size=4, num_generations=2, **kw)
+    args = GRPOConfig(
+        output_dir="x",
+        max_completion_length=kw.pop("max_completion_length", 12),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        **kw,
+    )
     stop = end_of_turn_ids(tok, model.generation_config.eos_token_id)
     return TransformersEngine(model, tok, args, stop), args
 
@@ -93,7 +98,7 @@ def test_top_k_is_honoured_and_logps_are_processed():
         attn = torch.cat([batch.prompt_mask, batch.completion_attention], 1)
         logits = model(full, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
     c = batch.completion_ids.shape[1]
-    top3 = logits[:, -c - 1:-1].topk(3, dim=-1).indices
+    top3 = logits[:, -c - 1 : -1].topk(3, dim=-1).indices
     m = batch.mask.bool()
     assert (top3 == batch.completion_ids.unsqueeze(-1)).any(-1)[m].all()  # every token from the top 3
     # renormalised over 3 tokens, the sampler's log-prob is higher than the full-softmax one

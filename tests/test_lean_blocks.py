@@ -34,8 +34,10 @@ def test_rms_norm_is_autograd_bit_for_bit(dtype):
     for got, want in zip(torch.autograd.grad(out, (x, w), grad), expected, strict=True):
         assert torch.equal(got, want)
     # with an output dtype: the same values rounded once
-    assert torch.equal(_RMSNorm.apply(x.float(), w.float(), 1e-5, torch.bfloat16),
-                       _RMSNorm.apply(x.float(), w.float(), 1e-5, None).to(torch.bfloat16))
+    assert torch.equal(
+        _RMSNorm.apply(x.float(), w.float(), 1e-5, torch.bfloat16),
+        _RMSNorm.apply(x.float(), w.float(), 1e-5, None).to(torch.bfloat16),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,8 +49,9 @@ def test_silu_mul_is_autograd_bit_for_bit(dtype):
     reference = F.silu(gate) * up
     out = _SiluMul.apply(gate, up)
     assert torch.equal(out, reference)
-    for got, want in zip(torch.autograd.grad(out, (gate, up), grad), torch.autograd.grad(reference, (gate, up), grad),
-                         strict=True):
+    for got, want in zip(
+        torch.autograd.grad(out, (gate, up), grad), torch.autograd.grad(reference, (gate, up), grad), strict=True
+    ):
         assert torch.equal(got, want)
 
 
@@ -89,8 +92,12 @@ def test_lora_pass_matches_plain():
     from peft import LoraConfig, get_peft_model
 
     batch, model = batch_and_model()
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
-                                             lora_dropout=0.0, init_lora_weights=False))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0, init_lora_weights=False
+        ),
+    )
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     for p in model.parameters():  # frozen ones too, so that every gradient is compared
         p.requires_grad_(True)

@@ -58,18 +58,33 @@ def test_llama_next_token_distributions_match(dtype, atol):
 
 def test_qwen2_with_qkv_bias_and_tied_head_matches():
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     check(Qwen2ForCausalLM(config).eval(), torch.float32, 1e-5)
 
 
 def test_llama_with_biases_and_rope_scaling_matches():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                         attention_bias=True, mlp_bias=True,
-                         rope_scaling={"rope_type": "linear", "factor": 2.0})
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
     check(LlamaForCausalLM(config).eval(), torch.float32, 1e-5)
 
 

@@ -19,13 +19,17 @@ from test_trainer import cfg, chat_dataset, length_reward
 
 
 def lora_config():
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                      task_type="CAUSAL_LM")
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
 def lora_trainer(tiny_model_dir, tmp_path, **kw):
-    return GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                       args=cfg(tmp_path, **kw), peft_config=lora_config())
+    return GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, **kw),
+        peft_config=lora_config(),
+    )
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -85,8 +89,13 @@ def test_a_peft_model_as_model(tiny_model_dir, tmp_path):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora_config())
     from tiny import make_tokenizer
 
-    trainer = GRPOTrainer(model=model, processing_class=make_tokenizer(), reward_funcs=length_reward,
-                          train_dataset=chat_dataset(), args=cfg(tmp_path, beta=0.1))
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=make_tokenizer(),
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, beta=0.1),
+    )
     assert trainer.ref_model is None and trainer.ref_from_adapters
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()
@@ -95,8 +104,14 @@ def test_a_peft_model_as_model(tiny_model_dir, tmp_path):
     # lora_B starts at zero: at step 1 the policy is exactly the adapter-less reference
     assert trainer.state.log_history[-1]["kl"] == 0.0
     with pytest.raises(ValueError, match="already is a PEFT model"):
-        GRPOTrainer(model=model, processing_class=make_tokenizer(), reward_funcs=length_reward,
-                    train_dataset=chat_dataset(), args=cfg(tmp_path), peft_config=lora_config())
+        GRPOTrainer(
+            model=model,
+            processing_class=make_tokenizer(),
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path),
+            peft_config=lora_config(),
+        )
 
 
 def test_fast_engine_on_the_adapted_model_matches_plain_generate(tiny_model_dir, tmp_path):

@@ -34,30 +34,51 @@ ADV = [2.0, -1.0]
 # smaller r), 1.1 is inside the range. Row 1 (A=-1<0): 1.5 keeps r (max), 0.5 is clipped low (-> 0.8); 3.0 is padding.
 RATIOS = [[1.5, 0.5, 1.1], [1.5, 0.5, 3.0]]
 
-CLIP_KEYS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
-             "clip_ratio/high_max"}
+CLIP_KEYS = {
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+}
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 def make_cfg(loss_type: str = "dapo", **kw) -> GRPOConfig:
     kw.setdefault("max_completion_length", 4)
-    return GRPOConfig(output_dir="unused", loss_type=loss_type, per_device_train_batch_size=4, num_generations=2,
-                      **kw)
+    return GRPOConfig(output_dir="unused", loss_type=loss_type, per_device_train_batch_size=4, num_generations=2, **kw)
 
 
 def t64(x) -> torch.Tensor:
     return torch.tensor(x, dtype=F64)
 
 
-def run(loss_type="dapo", ratios=None, adv=ADV, logps=LOGPS, mask=MASK, ref_offsets=None, entropy_mask=None,
-        num_items=None, **cfg_kw):
+def run(
+    loss_type="dapo",
+    ratios=None,
+    adv=ADV,
+    logps=LOGPS,
+    mask=MASK,
+    ref_offsets=None,
+    entropy_mask=None,
+    num_items=None,
+    **cfg_kw,
+):
     """policy_loss on the hand-worked batch; returns (loss value, d loss / d logps, metrics)."""
     lp = torch.tensor(logps, dtype=F64, requires_grad=True)
     old = None if ratios is None else lp.detach() - torch.log(t64(ratios))
     ref = None if ref_offsets is None else lp.detach() + t64(ref_offsets)
     em = None if entropy_mask is None else t64(entropy_mask)
-    loss, metrics = policy_loss(lp, old, t64(adv), t64(mask), make_cfg(loss_type, **cfg_kw), ref_logps=ref,
-                                num_items_in_batch=num_items, entropy_mask=em)
+    loss, metrics = policy_loss(
+        lp,
+        old,
+        t64(adv),
+        t64(mask),
+        make_cfg(loss_type, **cfg_kw),
+        ref_logps=ref,
+        num_items_in_batch=num_items,
+        entropy_mask=em,
+    )
     (grad,) = torch.autograd.grad(loss, lp)
     return loss.item(), grad, metrics
 
@@ -97,8 +118,12 @@ ON_POLICY = {
     "vespo": (1.0, [[-0.4] * 3, [0.2, 0.2, 0.0]], {"vespo/phi_seq_mean": 1.0}),
 }
 
-EXPECTED_KEYS = {**{lt: CLIP_KEYS for lt in CLIPPED}, "cispo": {"cispo_clip_ratio"}, "sapo": set(),
-                 "vespo": {"vespo/phi_seq_mean"}}
+EXPECTED_KEYS = {
+    **{lt: CLIP_KEYS for lt in CLIPPED},
+    "cispo": {"cispo_clip_ratio"},
+    "sapo": set(),
+    "vespo": {"vespo/phi_seq_mean"},
+}
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -185,8 +210,13 @@ def test_loss_scale_applies_the_table_normalization(loss_type):
 #   low_mean = 1/5, high_mean = 1/5, region = 2/5, per-sequence low = [0, 1/2] -> low_min 0,
 #   per-sequence high = [1/3, 0] -> high_max 1/3
 RAW_GRAD = [[0.0, -1.0, -2.2], [1.5, 0.0, 0.0]]
-OFF_CLIP_METRICS = {"clip_ratio/low_mean": 0.2, "clip_ratio/high_mean": 0.2, "clip_ratio/region_mean": 0.4,
-                    "clip_ratio/low_min": 0.0, "clip_ratio/high_max": 1 / 3}
+OFF_CLIP_METRICS = {
+    "clip_ratio/low_mean": 0.2,
+    "clip_ratio/high_mean": 0.2,
+    "clip_ratio/region_mean": 0.4,
+    "clip_ratio/low_min": 0.0,
+    "clip_ratio/high_max": 1 / 3,
+}
 
 
 def _scaled(rows, scales):
@@ -244,8 +274,13 @@ def test_off_policy_sapo_literal():
     # d L_t / d logp_t = -4 s (1-s) r A, then / (|o_i| B)
     loss, grad, metrics = run("sapo", ratios=RATIOS)
     assert loss == pytest.approx(-1.080924630924301, rel=1e-6)
-    assert_grad(grad, [[-0.47000742440318904, -0.15666914146772967, -0.3657515256162416],
-                       [0.3503024337320222, 0.11676747791067407, 0.0]])
+    assert_grad(
+        grad,
+        [
+            [-0.47000742440318904, -0.15666914146772967, -0.3657515256162416],
+            [0.3503024337320222, 0.11676747791067407, 0.0],
+        ],
+    )
     assert metrics == {}
 
 
@@ -271,8 +306,9 @@ def test_off_policy_vespo_literal():
 def test_vespo_custom_k_lambda_and_clamp():
     # k_pos=1, lambda_pos=1: phi = W e^{1-W}; row0 W=0.825 -> 0.825 e^{0.175} = 0.982765.
     # k_neg=1, lambda_neg=0 -> lambda clamped to 1e-4: phi = W e^{1e-4 (1-W)} = 0.75 e^{0.000025}.
-    _, grad, metrics = run("vespo", ratios=RATIOS, vespo_k_pos=1.0, vespo_lambda_pos=1.0, vespo_k_neg=1.0,
-                           vespo_lambda_neg=0.0)
+    _, grad, metrics = run(
+        "vespo", ratios=RATIOS, vespo_k_pos=1.0, vespo_lambda_pos=1.0, vespo_k_neg=1.0, vespo_lambda_neg=0.0
+    )
     phi0 = 0.825 * math.exp(0.175)
     phi1 = 0.75 * math.exp(1e-4 * 0.25)
     assert_grad(grad, [[-2 * phi0 / 5] * 3, [phi1 / 5] * 2 + [0.0]])
@@ -292,15 +328,23 @@ def test_vespo_custom_k_lambda_and_clamp():
 # dapo: (3*(-2.289428) + 2*0.8)/5 = -1.053657; grad row0 = 3 * (-2 r0/3) / 5 = -2 r0 / 5 = -0.457886
 # metrics are per sequence: low = [0, 1] -> low_mean 0.5, high 0, region 0.5, low_min 0, high_max 0
 GSPO_RATIOS = [[1.5, 1.0, 1.0], [0.25, 1.0, 100.0]]
-GSPO_METRICS = {"clip_ratio/low_mean": 0.5, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.5,
-                "clip_ratio/low_min": 0.0, "clip_ratio/high_max": 0.0}
+GSPO_METRICS = {
+    "clip_ratio/low_mean": 0.5,
+    "clip_ratio/high_mean": 0.0,
+    "clip_ratio/region_mean": 0.5,
+    "clip_ratio/low_min": 0.0,
+    "clip_ratio/high_max": 0.0,
+}
 R0 = 1.5 ** (1 / 3)
 
 
-@pytest.mark.parametrize(("loss_type", "exp_loss", "exp_grad0"), [
-    ("grpo", -0.7447142425533319, -2 * R0 / 6),
-    ("dapo", -1.0536570910639984, -2 * R0 / 5),
-])
+@pytest.mark.parametrize(
+    ("loss_type", "exp_loss", "exp_grad0"),
+    [
+        ("grpo", -0.7447142425533319, -2 * R0 / 6),
+        ("dapo", -1.0536570910639984, -2 * R0 / 5),
+    ],
+)
 def test_sequence_level_literal(loss_type, exp_loss, exp_grad0):
     loss, grad, metrics = run(loss_type, ratios=GSPO_RATIOS, importance_sampling_level="sequence")
     assert loss == pytest.approx(exp_loss, abs=1e-9)
@@ -315,8 +359,16 @@ def test_sequence_level_high_clip():
     loss, grad, metrics = run("bnpo", ratios=[[1.5] * 3, [0.9, 0.9, 7.0]], importance_sampling_level="sequence")
     assert loss == pytest.approx(-1.08, abs=1e-9)
     assert_grad(grad, [[0.0] * 3, [0.18, 0.18, 0.0]])
-    assert_metrics(metrics, {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.5, "clip_ratio/region_mean": 0.5,
-                             "clip_ratio/low_min": 0.0, "clip_ratio/high_max": 1.0})
+    assert_metrics(
+        metrics,
+        {
+            "clip_ratio/low_mean": 0.0,
+            "clip_ratio/high_mean": 0.5,
+            "clip_ratio/region_mean": 0.5,
+            "clip_ratio/low_min": 0.0,
+            "clip_ratio/high_max": 1.0,
+        },
+    )
 
 
 # ---- epsilon_high (asymmetric), delta (two-sided) -------------------------------------------------------------
@@ -331,8 +383,16 @@ def test_epsilon_high_asymmetric():
     loss, grad, metrics = run("dapo", ratios=ASYM_RATIOS, epsilon_high=0.28)
     assert loss == pytest.approx(-0.902, abs=1e-9)
     assert_grad(grad, [[-0.5, 0.0, -0.3], [0.0, 0.25, 0.0]])
-    assert_metrics(metrics, {"clip_ratio/low_mean": 0.2, "clip_ratio/high_mean": 0.2, "clip_ratio/region_mean": 0.4,
-                             "clip_ratio/low_min": 0.0, "clip_ratio/high_max": 1 / 3})
+    assert_metrics(
+        metrics,
+        {
+            "clip_ratio/low_mean": 0.2,
+            "clip_ratio/high_mean": 0.2,
+            "clip_ratio/region_mean": 0.4,
+            "clip_ratio/low_min": 0.0,
+            "clip_ratio/high_max": 1 / 3,
+        },
+    )
     # symmetric (epsilon_high None -> 0.2): 1.25 is now clipped too: row0 -2.4 -2.4 -1.5, sum -4.25 -> -0.85
     loss, grad, metrics = run("dapo", ratios=ASYM_RATIOS)
     assert loss == pytest.approx(-0.85, abs=1e-9)
@@ -370,8 +430,16 @@ def test_delta_clip_metrics_use_delta_clamped_ratio():
     loss, grad, metrics = run("bnpo", ratios=RATIOS, delta=1.05)
     assert loss == pytest.approx(-0.64, abs=1e-9)
     assert_grad(grad, [[0.0, -0.2, 0.0], [0.0, 0.0, 0.0]])
-    assert_metrics(metrics, {"clip_ratio/low_mean": 0.2, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.2,
-                             "clip_ratio/low_min": 0.0, "clip_ratio/high_max": 0.0})
+    assert_metrics(
+        metrics,
+        {
+            "clip_ratio/low_mean": 0.2,
+            "clip_ratio/high_mean": 0.0,
+            "clip_ratio/region_mean": 0.2,
+            "clip_ratio/low_min": 0.0,
+            "clip_ratio/high_max": 0.0,
+        },
+    )
 
 
 # ---- KL (beta > 0), bias correction, entropy mask -------------------------------------------------------------
@@ -430,8 +498,7 @@ def test_entropy_mask_only_policy_term_and_normalizers_unchanged():
     assert run("dapo", entropy_mask=em)[0] == pytest.approx(-0.6, abs=1e-12)
     # a boolean entropy mask works the same
     lp = torch.tensor(LOGPS, dtype=F64, requires_grad=True)
-    loss_b, _ = policy_loss(lp, None, t64(ADV), t64(MASK), make_cfg("dapo"),
-                            entropy_mask=torch.tensor(em).bool())
+    loss_b, _ = policy_loss(lp, None, t64(ADV), t64(MASK), make_cfg("dapo"), entropy_mask=torch.tensor(em).bool())
     assert loss_b.item() == pytest.approx(-0.6, abs=1e-12)
 
 
@@ -443,8 +510,9 @@ def test_bias_correction_kl():
     loss, grad, metrics = run("bnpo", ratios=RATIOS, beta=0.04, ref_offsets=REF_OFFSETS, use_bias_correction_kl=True)
     assert metrics["kl"] == pytest.approx(0.22317766166719344, rel=1e-6)
     assert loss == pytest.approx(-0.6510728935333123, abs=1e-12)
-    assert_grad(grad, [[-0.008317766166719346, -0.2, -0.4339003048110725],
-                       [0.30831776616671935, -0.0027725887222397817, 0.0]])
+    assert_grad(
+        grad, [[-0.008317766166719346, -0.2, -0.4339003048110725], [0.30831776616671935, -0.0027725887222397817, 0.0]]
+    )
     # without the correction the ratios do not touch the KL term: kl metric 0.2, loss -0.66 + 0.008
     loss, _, metrics = run("bnpo", ratios=RATIOS, beta=0.04, ref_offsets=REF_OFFSETS)
     assert metrics["kl"] == pytest.approx(0.2, rel=1e-6)
@@ -454,8 +522,14 @@ def test_bias_correction_kl():
 def test_bias_correction_kl_sequence_level():
     # sequence level: kl_t * r_i with r_i = exp(masked mean log ratio); GSPO_RATIOS -> r0 = 1.5^(1/3), r1 = 0.5
     # kl mean = (r0 * 0.5 + 0.5 * 0.5)/5   (row0 kl sum 0.5, row1 kl sum 0.5)
-    _, _, metrics = run("grpo", ratios=GSPO_RATIOS, beta=0.04, ref_offsets=REF_OFFSETS, use_bias_correction_kl=True,
-                        importance_sampling_level="sequence")
+    _, _, metrics = run(
+        "grpo",
+        ratios=GSPO_RATIOS,
+        beta=0.04,
+        ref_offsets=REF_OFFSETS,
+        use_bias_correction_kl=True,
+        importance_sampling_level="sequence",
+    )
     assert metrics["kl"] == pytest.approx((R0 * 0.5 + 0.5 * 0.5) / 5, rel=1e-6)
 
 
@@ -494,8 +568,9 @@ def test_entropy_bonus():
 # ---- slow reference implementation (spec §2.3-2.7, §8), loops over rows and tokens -------------------------------
 
 
-def reference_policy_loss(logps, old_logps, advantages, mask, args, ref_logps=None, num_items_in_batch=None,
-                          entropy_mask=None):
+def reference_policy_loss(
+    logps, old_logps, advantages, mask, args, ref_logps=None, num_items_in_batch=None, entropy_mask=None
+):
     B, T = logps.shape
     old = logps.detach() if old_logps is None else old_logps
     lt = args.loss_type
@@ -620,8 +695,9 @@ def compare_with_reference(cfg, seed, use_old, entropy_mask=False, num_items=Non
     old = old if use_old else None
     ref = ref if cfg.beta != 0.0 else None
     em = ent_mask if entropy_mask else None
-    loss, metrics = policy_loss(logps, old, adv, mask, cfg, ref_logps=ref, num_items_in_batch=num_items,
-                                entropy_mask=em)
+    loss, metrics = policy_loss(
+        logps, old, adv, mask, cfg, ref_logps=ref, num_items_in_batch=num_items, entropy_mask=em
+    )
     (grad,) = torch.autograd.grad(loss, logps)
     exp_loss, exp_metrics = reference_policy_loss(logps, old, adv, mask, cfg, ref, num_items, em)
     (exp_grad,) = torch.autograd.grad(exp_loss, logps)
@@ -648,10 +724,22 @@ def test_matches_reference(loss_type, level, beta, use_old):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_matches_reference_all_options(loss_type, level):
-    cfg = make_cfg(loss_type, importance_sampling_level=level, beta=0.04, use_bias_correction_kl=True,
-                   epsilon=0.1, epsilon_high=1.1 if loss_type == "cispo" else 0.3, delta=1.4,
-                   sapo_temperature_pos=0.7, sapo_temperature_neg=1.3, vespo_k_pos=1.5, vespo_lambda_pos=2.5,
-                   vespo_k_neg=2.5, vespo_lambda_neg=1.5, max_completion_length=8)
+    cfg = make_cfg(
+        loss_type,
+        importance_sampling_level=level,
+        beta=0.04,
+        use_bias_correction_kl=True,
+        epsilon=0.1,
+        epsilon_high=1.1 if loss_type == "cispo" else 0.3,
+        delta=1.4,
+        sapo_temperature_pos=0.7,
+        sapo_temperature_neg=1.3,
+        vespo_k_pos=1.5,
+        vespo_lambda_pos=2.5,
+        vespo_k_neg=2.5,
+        vespo_lambda_neg=1.5,
+        max_completion_length=8,
+    )
     for seed in (2, 3):
         compare_with_reference(cfg, seed, use_old=True, entropy_mask=True, num_items=37.0)
 

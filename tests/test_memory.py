@@ -14,10 +14,19 @@ JOB = os.path.join(os.path.dirname(__file__), "memory_job.py")
 
 def peak(rows, length, vocab, chunked):
     # a clean environment: settings earlier tests left in os.environ (accelerate's, thread counts) stay out
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", ""), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, JOB, str(rows), str(length), str(vocab), str(int(chunked))],
-                          capture_output=True, text=True, env=env, timeout=900)
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": os.environ.get("HOME", ""),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    done = subprocess.run(
+        [sys.executable, JOB, str(rows), str(length), str(vocab), str(int(chunked))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     found = re.search(r"logits_bytes=(\d+) peak_increase=(-?\d+)", done.stdout)
     return int(found.group(1)), int(found.group(2))

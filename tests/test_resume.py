@@ -81,8 +81,12 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(tiny_model_dir, tmp_path,
     job(out, tiny_model_dir, spg, True)
     assert steps_logged(out) == [1, 2, 3, 4, 5, 6]  # the resumed process appended steps 4-6 only
     resumed = final_params(out)
-    at_3 = GRPOTrainer(model=str(out / "checkpoint-3"), reward_funcs=length_reward, train_dataset=chat_dataset(),
-                       args=cfg(tmp_path / "unused")).model
+    at_3 = GRPOTrainer(
+        model=str(out / "checkpoint-3"),
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path / "unused"),
+    ).model
     assert any(not torch.equal(resumed[n], p) for n, p in at_3.named_parameters())  # steps 4-6 moved them
     assert_bit_identical(resumed, straight[spg], tiny_model_dir)
 
@@ -111,19 +115,30 @@ def test_checkpoint_that_does_not_fit_is_named(tiny_model_dir, tmp_path):
     args = cfg(tmp_path, save_strategy="steps", save_steps=1)
     GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args).train()
     with pytest.raises(CheckpointMismatchError, match=r"num_generations: checkpoint 4, now 2"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                    args=cfg(tmp_path, num_generations=2, max_steps=2)).train(resume_from_checkpoint=True)
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path, num_generations=2, max_steps=2),
+        ).train(resume_from_checkpoint=True)
     other = make_model(make_tokenizer(), hidden=64)
     with pytest.raises(CheckpointMismatchError, match=r"does not match the model: shape .*model.embed_tokens.weight"):
-        GRPOTrainer(model=other, processing_class=make_tokenizer(), reward_funcs=length_reward,
-                    train_dataset=chat_dataset(), args=cfg(tmp_path, max_steps=2)).train(resume_from_checkpoint=True)
+        GRPOTrainer(
+            model=other,
+            processing_class=make_tokenizer(),
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path, max_steps=2),
+        ).train(resume_from_checkpoint=True)
     with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                    args=cfg(tmp_path / "empty")).train(resume_from_checkpoint=True)
+        GRPOTrainer(
+            model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=cfg(tmp_path / "empty")
+        ).train(resume_from_checkpoint=True)
 
 
-@pytest.mark.parametrize("stage, spg", [(0, 1), pytest.param(2, 1, marks=needs_deepspeed),
-                                        pytest.param(3, 2, marks=needs_deepspeed)])
+@pytest.mark.parametrize(
+    "stage, spg", [(0, 1), pytest.param(2, 1, marks=needs_deepspeed), pytest.param(3, 2, marks=needs_deepspeed)]
+)
 def test_two_process_checkpoint_resumes_exactly(tiny_model_dir, tmp_path, stage, spg):
     """2 processes (DDP; DeepSpeed ZeRO-2; ZeRO-3): a run that ends abruptly right after checkpoint-3 (under
     DeepSpeed, its optimizer partitions written by every process), resumed by a fresh launch, ends bit-identical
@@ -138,8 +153,9 @@ def test_two_process_checkpoint_resumes_exactly(tiny_model_dir, tmp_path, stage,
     two_processes(out, tiny_model_dir, spg, True, *zero)
     assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
     with open(out / "metrics.jsonl") as f:  # linear decay from 1e-2 over 6 steps, logged after each step
-        assert [json.loads(line)["learning_rate"] for line in f] == pytest.approx([1e-2 * (6 - k) / 6
-                                                                                   for k in range(1, 7)])
+        assert [json.loads(line)["learning_rate"] for line in f] == pytest.approx(
+            [1e-2 * (6 - k) / 6 for k in range(1, 7)]
+        )
     resumed = final_params(out)
     assert any(not torch.equal(resumed[n], t) for n, t in at_3.items())  # steps 4-6 moved them
     assert_bit_identical(resumed, final_params(straight_out), tiny_model_dir)

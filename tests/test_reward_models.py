@@ -17,9 +17,16 @@ from tiny import make_tokenizer
 
 def tiny_classifier(tok, seed=0):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_labels=1,
-                         pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )
     return LlamaForSequenceClassification(config).eval()
 
 
@@ -62,14 +69,19 @@ def test_standard_text_is_the_plain_concatenation():
     with torch.no_grad():
         expected = one_by_one(rm.model, tok, ["Solve x = 1. x is 1", "Why? Because."])
     assert rm(prompts=["Solve x = 1.", "Why?"], completions=[" x is 1", " Because."]) == pytest.approx(
-        expected, rel=1e-5, abs=1e-6)
+        expected, rel=1e-5, abs=1e-6
+    )
 
 
 def test_reward_model_directory_trains_next_to_a_function(tiny_model_dir, classifier_dir, tmp_path):
     """A directory in reward_funcs is loaded at construction with its own tokenizer; its rewards are the model's
     logits for the sampled completions and are logged under the directory's name."""
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[length_reward, classifier_dir],
-                          train_dataset=chat_dataset(), args=cfg(tmp_path, reward_weights=[0.0, 1.0]))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=[length_reward, classifier_dir],
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, reward_weights=[0.0, 1.0]),
+    )
     judge = trainer.rewards.funcs[1]
     assert isinstance(judge, RewardModel) and judge.__name__ == "judge0"
     seen = {}
@@ -93,8 +105,13 @@ def test_reward_model_module_with_processing_class(tiny_model_dir, tmp_path):
     tok = make_tokenizer()
     tok.pad_token = None  # a reward tokenizer without a pad token: EOS pads, and the model is told
     module = tiny_classifier(tok, seed=1)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[module], train_dataset=text_dataset(),
-                          args=cfg(tmp_path), reward_processing_classes=[tok])
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=[module],
+        train_dataset=text_dataset(),
+        args=cfg(tmp_path),
+        reward_processing_classes=[tok],
+    )
     judge = trainer.rewards.funcs[0]
     assert judge.tokenizer.pad_token == tok.eos_token and module.config.pad_token_id == tok.eos_token_id
     seen = {}
@@ -116,8 +133,13 @@ def test_reward_model_module_with_processing_class(tiny_model_dir, tmp_path):
 
 def test_module_without_tokenizer_or_config_is_rejected_clearly(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="No tokenizer for the reward model"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=[tiny_classifier(make_tokenizer())],
-                    train_dataset=text_dataset(), args=cfg(tmp_path))
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=[tiny_classifier(make_tokenizer())],
+            train_dataset=text_dataset(),
+            args=cfg(tmp_path),
+        )
     with pytest.raises(ValueError, match="without a transformers config"):
-        GRPOTrainer(model=tiny_model_dir, reward_funcs=[torch.nn.Linear(2, 1)], train_dataset=text_dataset(),
-                    args=cfg(tmp_path))
+        GRPOTrainer(
+            model=tiny_model_dir, reward_funcs=[torch.nn.Linear(2, 1)], train_dataset=text_dataset(), args=cfg(tmp_path)
+        )

@@ -24,9 +24,11 @@ def chat(*texts: str) -> list[list[dict[str, str]]]:
 
 def test_accuracy_reward_spec_examples_and_log_columns():
     logged = {}
-    rewards = accuracy_reward(chat(r"\boxed{\frac{63}{400}}", r"\boxed{3}", r"\boxed{42}"),
-                              solution=["63/400", "6", "Answer is forty two."],
-                              log_extra=lambda name, column: logged.__setitem__(name, column))
+    rewards = accuracy_reward(
+        chat(r"\boxed{\frac{63}{400}}", r"\boxed{3}", r"\boxed{42}"),
+        solution=["63/400", "6", "Answer is forty two."],
+        log_extra=lambda name, column: logged.__setitem__(name, column),
+    )
     assert rewards == [1.0, 0.0, None]
     assert logged["solution"] == ["63/400", "6", "Answer is forty two."]
     assert logged["gold_parsed"][2] == "[unparseable]"
@@ -34,17 +36,21 @@ def test_accuracy_reward_spec_examples_and_log_columns():
 
 
 def test_reasoning_accuracy_reward_uses_text_after_last_delimiter():
-    completions = chat(r"<think>maybe \boxed{2}</think> The answer is \boxed{\frac{1}{3}}",
-                       r"<think>maybe \boxed{\frac{1}{3}}</think> The answer is \boxed{\frac{1}{2}}",
-                       r"<think>first</think> \boxed{5} </think> \boxed{\frac{1}{3}}")
+    completions = chat(
+        r"<think>maybe \boxed{2}</think> The answer is \boxed{\frac{1}{3}}",
+        r"<think>maybe \boxed{\frac{1}{3}}</think> The answer is \boxed{\frac{1}{2}}",
+        r"<think>first</think> \boxed{5} </think> \boxed{\frac{1}{3}}",
+    )
     assert reasoning_accuracy_reward(completions, [r"\frac{1}{3}"] * 3, **TRAINER_KWARGS) == [1.0, 0.0, 1.0]
 
 
 def test_reasoning_accuracy_reward_without_delimiter_is_zero_not_none():
     logged = {}
-    rewards = reasoning_accuracy_reward(chat(r"<think>so it is \boxed{\frac{1}{3}}", "no reasoning at all"),
-                                        [r"\frac{1}{3}", "Answer is forty two."],
-                                        log_extra=lambda name, column: logged.__setitem__(name, column))
+    rewards = reasoning_accuracy_reward(
+        chat(r"<think>so it is \boxed{\frac{1}{3}}", "no reasoning at all"),
+        [r"\frac{1}{3}", "Answer is forty two."],
+        log_extra=lambda name, column: logged.__setitem__(name, column),
+    )
     assert rewards == [0.0, 0.0]  # incomplete reasoning scores 0.0 even when the gold is unparseable
     assert logged["gold_parsed"] == ["[incomplete reasoning]"] * 2
     assert logged["answer_parsed"] == ["[incomplete reasoning]"] * 2
@@ -94,16 +100,24 @@ def test_cosine_scaled_reward_defaults():
     right, wrong = r"\boxed{\frac{1}{3}}", r"\boxed{\frac{1}{2}}"
     lengths = [0, 50, 100, 300]  # p = 0, 0.5, 1 and 3 clamped to 1
     completions = chat(*[right] * 4, *[wrong] * 4)
-    rewards = reward(completions=completions, solution=[r"\frac{1}{3}"] * 8,
-                     completion_ids=[[7] * n for n in lengths * 2], **TRAINER_KWARGS)
+    rewards = reward(
+        completions=completions,
+        solution=[r"\frac{1}{3}"] * 8,
+        completion_ids=[[7] * n for n in lengths * 2],
+        **TRAINER_KWARGS,
+    )
     assert rewards == pytest.approx([1.0, 0.75, 0.5, 0.5, -1.0, -0.75, -0.5, -0.5])
 
 
 def test_cosine_scaled_reward_custom_bounds_and_unparseable_gold():
-    reward = get_cosine_scaled_reward(max_len=40, min_value_wrong=-4.0, max_value_wrong=-2.0, min_value_correct=0.0,
-                                      max_value_correct=2.0)
-    rewards = reward(chat(r"\boxed{3}", r"\boxed{4}", r"\boxed{3}"), ["3", "3", "Answer is forty two."],
-                     [[1] * 10, [1] * 10, [1] * 10])
+    reward = get_cosine_scaled_reward(
+        max_len=40, min_value_wrong=-4.0, max_value_wrong=-2.0, min_value_correct=0.0, max_value_correct=2.0
+    )
+    rewards = reward(
+        chat(r"\boxed{3}", r"\boxed{4}", r"\boxed{3}"),
+        ["3", "3", "Answer is forty two."],
+        [[1] * 10, [1] * 10, [1] * 10],
+    )
     # p = 1/4: correct 0 + 1 * (1 + cos(pi/4)); wrong -2 + (-1) * (1 + cos(pi/4)); unparseable gold -> None.
     half_sqrt2 = math.sqrt(2) / 2
     assert rewards[:2] == pytest.approx([1 + half_sqrt2, -3 - half_sqrt2])

@@ -19,8 +19,7 @@ from tiny import make_model, make_tokenizer
 def engines(**kw):
     tok = make_tokenizer()
     model = make_model(tok).eval()
-    args = GRPOConfig(output_dir="x", max_completion_length=12, per_device_train_batch_size=4, num_generations=2,
-                      **kw)
+    args = GRPOConfig(output_dir="x", max_completion_length=12, per_device_train_batch_size=4, num_generations=2, **kw)
     stop = end_of_turn_ids(tok, model.generation_config.eos_token_id)
     # the fast engine on the transformers forward, so that a hook on the output head reaches both
     return tok, model, [FastEngine(model, tok, args, stop, lean=False), TransformersEngine(model, tok, args, stop)]
@@ -60,8 +59,7 @@ def test_build_engine_picks_the_fast_engine_and_says_why_not(caplog):
     stop = end_of_turn_ids(tok)
     assert build_engine(model, tok, GRPOConfig(output_dir="x"), stop, accelerator).name == "fast"
     with caplog.at_level("INFO", logger="grpo"):
-        engine = build_engine(model, tok, GRPOConfig(output_dir="x", generation_kwargs={"top_k": 3}), stop,
-                              accelerator)
+        engine = build_engine(model, tok, GRPOConfig(output_dir="x", generation_kwargs={"top_k": 3}), stop, accelerator)
     assert engine.name == "transformers" and "generation_kwargs" in caplog.text
 
 
@@ -80,8 +78,14 @@ def test_prompt_source_tokenizes_once_and_groups_a_process_share():
 def test_weights_are_synced_lazily_before_generating(tiny_model_dir, tmp_path):
     """Before the first generation, and before each later generation that follows an optimizer step: with
     steps_per_generation 2, every other step; again after a resume."""
-    args = cfg(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, max_steps=4, save_strategy="steps",
-               save_steps=3)
+    args = cfg(
+        tmp_path,
+        per_device_train_batch_size=4,
+        steps_per_generation=2,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=3,
+    )
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
     engine = trainer.engine = ScriptedEngine(trainer.processing_class)
     generated = []
@@ -99,8 +103,14 @@ def test_weights_are_synced_lazily_before_generating(tiny_model_dir, tmp_path):
 
 
 def test_rollout_select_and_concat_keep_rows_together():
-    rollout = Rollout(prompt_ids=[[1], [2]], completion_ids=[[3], [4, 5]], sampling_logps=[[-1.0], [-2.0, -3.0]],
-                      truncated=[False, True], texts=["c", "de"], messages=[None, [{"role": "assistant"}]])
+    rollout = Rollout(
+        prompt_ids=[[1], [2]],
+        completion_ids=[[3], [4, 5]],
+        sampling_logps=[[-1.0], [-2.0, -3.0]],
+        truncated=[False, True],
+        texts=["c", "de"],
+        messages=[None, [{"role": "assistant"}]],
+    )
     both = Rollout.concat([rollout.select([1]), rollout.select([0])])
     assert both.completion_ids == [[4, 5], [3]] and both.texts == ["de", "c"] and both.loss_mask == [[1, 1], [1]]
     assert both.messages == [[{"role": "assistant"}], None] and both.truncated == [True, False]

@@ -30,6 +30,7 @@ def test_async_reward_functions_are_in_flight_together():
             await asyncio.wait_for(everyone_started.wait(), timeout=30)
             in_flight -= 1
             return [float(k)] * len(completions)
+
         reward.__name__ = f"r{k}"
         return reward
 

@@ -27,12 +27,16 @@ def batch_and_model():
         for _ in range(4):
             rows.append(p)
             group.append(k)
-            completions.append(torch.randint(10, len(tok), (int(torch.randint(1, 9, (1,), generator=g)),),
-                                             generator=g).tolist())
-    rollout = Rollout(prompt_ids=rows, completion_ids=completions, sampling_logps=[[0.0] * len(c) for c in completions],
-                      truncated=[False] * len(rows))
-    batch = collate(rollout, torch.zeros(len(rows)), tok.pad_token_id, mask_truncated=False,
-                    group=torch.tensor(group))
+            completions.append(
+                torch.randint(10, len(tok), (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+            )
+    rollout = Rollout(
+        prompt_ids=rows,
+        completion_ids=completions,
+        sampling_logps=[[0.0] * len(c) for c in completions],
+        truncated=[False] * len(rows),
+    )
+    batch = collate(rollout, torch.zeros(len(rows)), tok.pad_token_id, mask_truncated=False, group=torch.tensor(group))
     order = torch.randperm(len(rows), generator=g)
     return batch.select(order), model
 
@@ -106,10 +110,10 @@ def test_chunked_logps_function_matches_plain(bias, entropy_grad):
     b = torch.randn(50, dtype=torch.float64, requires_grad=True) if bias else None
     ids = torch.randint(0, 50, (3, 5))
     coef = torch.randn(3, 5, dtype=torch.float64)
-    lp, ent = chunked_logps_and_entropy(hidden, weight, b, ids, 0.8, entropy_grad=entropy_grad, chunk_rows=4,
-                                        block=7)
-    ref_lp, ref_ent = logps_and_entropy(torch.nn.functional.linear(hidden, weight, b) / 0.8, ids,
-                                        entropy_grad=entropy_grad)
+    lp, ent = chunked_logps_and_entropy(hidden, weight, b, ids, 0.8, entropy_grad=entropy_grad, chunk_rows=4, block=7)
+    ref_lp, ref_ent = logps_and_entropy(
+        torch.nn.functional.linear(hidden, weight, b) / 0.8, ids, entropy_grad=entropy_grad
+    )
     torch.testing.assert_close(lp, ref_lp)
     torch.testing.assert_close(ent, ref_ent)
     inputs = (hidden, weight) + ((b,) if bias else ())
@@ -145,7 +149,7 @@ def reference_logps(model, batch, temperature):
     attn = torch.cat([batch.prompt_mask, batch.completion_attention], 1)
     logits = model(ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
     c = batch.completion_ids.shape[1]
-    return logps_and_entropy(logits[:, -c - 1:-1] / temperature, batch.completion_ids)
+    return logps_and_entropy(logits[:, -c - 1 : -1] / temperature, batch.completion_ids)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 5])

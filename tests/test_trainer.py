@@ -21,16 +21,34 @@ from tiny import make_tokenizer
 
 
 def cfg(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
-                max_completion_length=8, max_steps=1, logging_steps=1, learning_rate=1e-2, disable_tqdm=True,
-                save_strategy="no", bf16=False, seed=0)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=1,
+        logging_steps=1,
+        learning_rate=1e-2,
+        disable_tqdm=True,
+        save_strategy="no",
+        bf16=False,
+        seed=0,
+    )
     base.update(kw)
     return GRPOConfig(**base)
 
 
 def chat_dataset(n=8):
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Solve {i}+1"}], "solution": str(i + 1),
-                               "task": "math" if i % 2 == 0 else "format"} for i in range(n)])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"Solve {i}+1"}],
+                "solution": str(i + 1),
+                "task": "math" if i % 2 == 0 else "format",
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def text_dataset(n=8):
@@ -52,8 +70,12 @@ def params(model):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_one_step_changes_every_trainable_parameter(tiny_model_dir, tmp_path, bf16):
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                          args=cfg(tmp_path, weight_decay=0.0, bf16=bf16))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, weight_decay=0.0, bf16=bf16),
+    )
     before = params(trainer.model)
     trainer.train()
     after = params(trainer.model)
@@ -72,8 +94,9 @@ def test_standard_prompts_and_extra_columns_reach_rewards(tiny_model_dir, tmp_pa
         contents = [m.group(1) if m else "" for m in matches]
         return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
 
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=reward_func, train_dataset=text_dataset(),
-                          args=cfg(tmp_path))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=reward_func, train_dataset=text_dataset(), args=cfg(tmp_path)
+    )
     trainer.train()
     prompts, truths, completions, ids, step = seen[0]
     assert len(prompts) == 8 and all(isinstance(c, str) for c in completions)
@@ -93,8 +116,12 @@ def test_conversational_completions_are_messages_and_stop_at_end_of_turn(tiny_mo
         pattern = r"^<think>.*?</think><answer>.*?</answer>$"
         return [1.0 if re.match(pattern, c[0]["content"]) else 0.0 for c in completions]
 
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=format_reward_func, train_dataset=chat_dataset(),
-                          args=cfg(tmp_path, max_completion_length=64))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=format_reward_func,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, max_completion_length=64),
+    )
     trainer.train()
     assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in seen["completions"])
     im_end = make_tokenizer().convert_tokens_to_ids("<|im_end|>")
@@ -114,9 +141,12 @@ def test_multiple_weighted_multitask_and_async_rewards(tiny_model_dir, tmp_path)
         await asyncio.sleep(0)
         return [0.5] * len(completions)
 
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=[math_reward, format_reward, async_reward],
-                          train_dataset=chat_dataset(),
-                          args=cfg(tmp_path, reward_weights=[2.0, 1.0, 1.0], shuffle_dataset=False))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=[math_reward, format_reward, async_reward],
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, reward_weights=[2.0, 1.0, 1.0], shuffle_dataset=False),
+    )
     trainer.train()
     row = trainer.state.log_history[-1]
     assert row["rewards/math_reward/mean"] == 1.0 and row["rewards/async_reward/mean"] == 0.5
@@ -142,8 +172,9 @@ class BoxedAnswers(ScriptedEngine):
 def test_accuracy_reward_quick_start(tiny_model_dir, tmp_path):
     from grpo.rewards import accuracy_reward
 
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=accuracy_reward, train_dataset=chat_dataset(),
-                          args=cfg(tmp_path))
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=accuracy_reward, train_dataset=chat_dataset(), args=cfg(tmp_path)
+    )
     trainer.engine = BoxedAnswers(trainer.processing_class)
     trainer.train()
     row = trainer.state.log_history[-1]
@@ -166,13 +197,18 @@ def test_every_loss_type_trains(tiny_model_dir, tmp_path, loss_type):
 
 
 def test_reference_model_only_when_beta_positive(tiny_model_dir, tmp_path):
-    plain = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                        args=cfg(tmp_path))
+    plain = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=cfg(tmp_path)
+    )
     assert plain.ref_model is None
     plain.train()
     assert "kl" not in plain.state.log_history[-1]
-    with_kl = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                          args=cfg(tmp_path, beta=0.1, max_steps=2))
+    with_kl = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, beta=0.1, max_steps=2),
+    )
     assert with_kl.ref_model is not None
     ref_before = params(with_kl.ref_model)
     with_kl.train()
@@ -189,12 +225,29 @@ def test_metrics_file_checkpoints_and_save_model(tiny_model_dir, tmp_path):
     out = args.output_dir
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [2, 4]
-    for key in ("reward", "reward_std", "rewards/length_reward/mean", "rewards/length_reward/std",
-                "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
-                "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
-                "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                "clip_ratio/low_min", "clip_ratio/high_max", "loss", "grad_norm", "learning_rate", "num_tokens",
-                "step_time"):
+    for key in (
+        "reward",
+        "reward_std",
+        "rewards/length_reward/mean",
+        "rewards/length_reward/std",
+        "frac_reward_zero_std",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "completions/mean_terminated_length",
+        "entropy",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "num_tokens",
+        "step_time",
+    ):
         assert key in rows[-1], key
     assert rows[-1]["num_tokens"] > rows[0]["num_tokens"]
     assert sorted(os.listdir(out)) == ["checkpoint-4", "metrics.jsonl"]  # save_total_limit=1 kept the newest
@@ -210,8 +263,9 @@ def test_args_none_model_object_and_processing_class(tiny_model_dir, tmp_path, m
 
     monkeypatch.chdir(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, train_dataset=chat_dataset(),
-                          processing_class=make_tokenizer())
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), processing_class=make_tokenizer()
+    )
     assert trainer.args.output_dir == "tiny-llama-GRPO"
     assert trainer.args.learning_rate == 1e-6 and trainer.args.num_generations == 8
     assert trainer.unwrapped_model is model  # the object given is the one trained, not a copy
@@ -227,10 +281,15 @@ def test_steps_per_generation_and_iterations_reuse_one_generation(tiny_model_dir
         calls.append(len(completions))
         return length_reward(completions)
 
-    args = cfg(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, num_iterations=2, max_steps=4,
-               gradient_accumulation_steps=1)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=counting_reward, train_dataset=chat_dataset(),
-                          args=args)
+    args = cfg(
+        tmp_path,
+        per_device_train_batch_size=4,
+        steps_per_generation=2,
+        num_iterations=2,
+        max_steps=4,
+        gradient_accumulation_steps=1,
+    )
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=counting_reward, train_dataset=chat_dataset(), args=args)
     assert trainer._needs_old_logps()
     seen = []
     original = trainer._loss_and_backward
@@ -249,8 +308,12 @@ def test_report_to_tensorboard_writes_events(tiny_model_dir, tmp_path):
     args = cfg(tmp_path, max_steps=2, report_to="tensorboard", run_name="tb-run")
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
     trainer.train()
-    events = [os.path.join(root, f) for root, _, files in os.walk(args.output_dir) for f in files
-              if f.startswith("events.out.tfevents")]
+    events = [
+        os.path.join(root, f)
+        for root, _, files in os.walk(args.output_dir)
+        for f in files
+        if f.startswith("events.out.tfevents")
+    ]
     assert events
     content = b"".join(open(e, "rb").read() for e in events)
     assert b"completions/mean_length" in content and b"grad_norm" in content  # the scalars' tags

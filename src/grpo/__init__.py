@@ -1,6 +1,6 @@
 """grpo: Group Relative Policy Optimization for language models, TRL-compatible.
 
-    from grpo import GRPOConfig, GRPOTrainer
+from grpo import GRPOConfig, GRPOTrainer
 """
 
 from grpo.config import GRPOConfig

@@ -63,8 +63,9 @@ class TrainBatch:
         return TrainBatch(**state)
 
 
-def collate(rollout: Rollout, advantages: torch.Tensor, pad_id: int, mask_truncated: bool,
-            group: torch.Tensor | None = None) -> TrainBatch:
+def collate(
+    rollout: Rollout, advantages: torch.Tensor, pad_id: int, mask_truncated: bool, group: torch.Tensor | None = None
+) -> TrainBatch:
     prompt_ids, prompt_mask = left_pad(rollout.prompt_ids, pad_id)
     completion_ids = right_pad(rollout.completion_ids, pad_id)
     attention = right_pad([[1] * len(c) for c in rollout.completion_ids], 0)

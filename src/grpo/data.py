@@ -18,8 +18,7 @@ UNSUPPORTED_COLUMNS = ("image", "images")
 
 def is_conversational(prompt: Any) -> bool:
     """A prompt is conversational when it is a list of messages (dicts with a "role")."""
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict) \
-        and "role" in prompt[0]
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict) and "role" in prompt[0]
 
 
 def check_dataset(dataset: Any) -> None:
@@ -30,13 +29,17 @@ def check_dataset(dataset: Any) -> None:
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty: it needs at least one row with a 'prompt'.")
     if "prompt" not in columns:
-        raise ValueError(f"train_dataset has no 'prompt' column (columns: {columns}). Rename the column that holds "
-                         "the prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt').")
+        raise ValueError(
+            f"train_dataset has no 'prompt' column (columns: {columns}). Rename the column that holds "
+            "the prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+        )
     for name in UNSUPPORTED_COLUMNS:
         if name in columns:
-            raise ValueError(f"train_dataset has an '{name}' column: image prompts for vision-language models are "
-                             f"not available yet in grpo. Remove the column (dataset.remove_columns('{name}')) to "
-                             "train on text only.")
+            raise ValueError(
+                f"train_dataset has an '{name}' column: image prompts for vision-language models are "
+                f"not available yet in grpo. Remove the column (dataset.remove_columns('{name}')) to "
+                "train on text only."
+            )
 
 
 def render_prompts(prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None) -> list[str]:
@@ -44,18 +47,24 @@ def render_prompts(prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs:
     texts = []
     for prompt in prompts:
         if is_conversational(prompt):
-            texts.append(tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True,
-                                                       **(chat_template_kwargs or {})))
+            texts.append(
+                tokenizer.apply_chat_template(
+                    list(prompt), tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+                )
+            )
         elif isinstance(prompt, str):
             texts.append(prompt)
         else:
-            raise ValueError(f"A prompt must be a string or a list of {{'role', 'content'}} messages; got "
-                             f"{type(prompt).__name__}: {str(prompt)[:80]!r}.")
+            raise ValueError(
+                f"A prompt must be a string or a list of {{'role', 'content'}} messages; got "
+                f"{type(prompt).__name__}: {str(prompt)[:80]!r}."
+            )
     return texts
 
 
-def tokenize_prompts(prompts: Sequence[Any], tokenizer: Any,
-                     chat_template_kwargs: dict | None = None) -> list[list[int]]:
+def tokenize_prompts(
+    prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None
+) -> list[list[int]]:
     """Token ids per prompt. The chat template already writes its special tokens, so rendered conversations
     are tokenized without adding any; standard prompts get the tokenizer's defaults (e.g. BOS)."""
     texts = render_prompts(prompts, tokenizer, chat_template_kwargs)
@@ -117,8 +126,9 @@ def _template_turn_end(tokenizer: Any) -> int | None:
         return None
     sentinel = "GRPOSENTINEL"
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
-                                              {"role": "assistant", "content": sentinel}], tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": sentinel}], tokenize=False
+        )
     except Exception:  # templates that refuse this shape simply have no detectable end-of-turn
         return None
     if sentinel not in text:
@@ -132,14 +142,17 @@ def prompts_per_generation(num_rows: int, unique_per_generation: int) -> int:
     """Whole blocks of unique prompts per epoch; an incomplete last block is dropped (as the reference)."""
     blocks = num_rows // unique_per_generation
     if blocks == 0:
-        raise ValueError(f"train_dataset has {num_rows} prompts but one generation needs {unique_per_generation} "
-                         "distinct prompts (generation_batch_size / num_generations). Add prompts or lower "
-                         "per_device_train_batch_size / steps_per_generation.")
+        raise ValueError(
+            f"train_dataset has {num_rows} prompts but one generation needs {unique_per_generation} "
+            "distinct prompts (generation_batch_size / num_generations). Add prompts or lower "
+            "per_device_train_batch_size / steps_per_generation."
+        )
     return blocks
 
 
-def generation_prompt_indices(generation: int, num_rows: int, unique_per_generation: int, seed: int,
-                              shuffle: bool) -> list[int]:
+def generation_prompt_indices(
+    generation: int, num_rows: int, unique_per_generation: int, seed: int, shuffle: bool
+) -> list[int]:
     """Dataset row indices of generation number `generation` (0-based), unique prompts only.
 
     Epoch e uses the permutation drawn from a generator seeded with (seed, e), so the order is a pure function
@@ -151,4 +164,4 @@ def generation_prompt_indices(generation: int, num_rows: int, unique_per_generat
         order = torch.randperm(num_rows, generator=gen).tolist()
     else:
         order = list(range(num_rows))
-    return order[block * unique_per_generation:(block + 1) * unique_per_generation]
+    return order[block * unique_per_generation : (block + 1) * unique_per_generation]

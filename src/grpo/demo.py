@@ -72,10 +72,15 @@ def greedy_accuracy(model: Any, tokenizer: Any, template: str, max_new_tokens: i
     device = next(model.parameters()).device
     # float32, whatever the training precision: the accuracy of the weights as saved
     with torch.autocast(device.type, enabled=False):
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     model.train(was_training)
-    texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
     results = [(p[0]["content"], t, last_integer(t) == a + b) for p, t, (a, b) in zip(prompts, texts, PAIRS)]
     return sum(r[2] for r in results) / len(results), results
 
@@ -94,8 +99,9 @@ def plot(metrics_path: str, png_path: str) -> None:
     ax1.set_ylabel("mean reward", color="tab:blue")
     ax1.set_ylim(-0.05, 1.05)
     ax2 = ax1.twinx()
-    ax2.plot(steps, [r["completions/mean_length"] for r in rows], color="tab:orange", marker=".",
-             label="completion length")
+    ax2.plot(
+        steps, [r["completions/mean_length"] for r in rows], color="tab:orange", marker=".", label="completion length"
+    )
     ax2.set_ylabel("mean completion length (tokens)", color="tab:orange")
     ax1.set_title("GRPO on SmolLM2-135M-Instruct: single-digit addition")
     fig.tight_layout()
@@ -114,9 +120,20 @@ def fresh_output_dir(path: str) -> None:
 
 
 def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any) -> GRPOConfig:
-    params = dict(output_dir=output_dir, seed=seed, max_steps=steps, per_device_train_batch_size=16,
-                  num_generations=8, max_completion_length=32, learning_rate=2e-5,
-                  beta=0.0, logging_steps=1, save_strategy="no", gradient_checkpointing=False, temperature=1.0)
+    params = dict(
+        output_dir=output_dir,
+        seed=seed,
+        max_steps=steps,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=32,
+        learning_rate=2e-5,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        temperature=1.0,
+    )
     params.update(overrides)
     return GRPOConfig(**params)
 
@@ -124,28 +141,44 @@ def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any) -> GRP
 def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: Any) -> tuple[float, float]:
     fresh_output_dir(output_dir)
     args = demo_config(output_dir, seed, steps, **overrides)
-    trainer = GRPOTrainer(model=model_path, reward_funcs=correctness_reward, train_dataset=train_dataset(seed),
-                          args=args)
+    trainer = GRPOTrainer(
+        model=model_path, reward_funcs=correctness_reward, train_dataset=train_dataset(seed), args=args
+    )
     model, tokenizer = trainer.unwrapped_model, trainer.processing_class
-    before = {name: greedy_accuracy(model, tokenizer, t) for name, t in
-              (("train", TRAIN_TEMPLATE), ("heldout", HELDOUT_TEMPLATE))}
-    print(f"Before training: greedy accuracy {before['train'][0]:.3f} (trained phrasing), "
-          f"{before['heldout'][0]:.3f} (unseen phrasing)")
+    before = {
+        name: greedy_accuracy(model, tokenizer, t)
+        for name, t in (("train", TRAIN_TEMPLATE), ("heldout", HELDOUT_TEMPLATE))
+    }
+    print(
+        f"Before training: greedy accuracy {before['train'][0]:.3f} (trained phrasing), "
+        f"{before['heldout'][0]:.3f} (unseen phrasing)"
+    )
     start = time.perf_counter()
     trainer.train()
     train_time = time.perf_counter() - start
-    after = {name: greedy_accuracy(model, tokenizer, t) for name, t in
-             (("train", TRAIN_TEMPLATE), ("heldout", HELDOUT_TEMPLATE))}
+    after = {
+        name: greedy_accuracy(model, tokenizer, t)
+        for name, t in (("train", TRAIN_TEMPLATE), ("heldout", HELDOUT_TEMPLATE))
+    }
     trainer.save_model(os.path.join(output_dir, "model"))
     _write_samples(output_dir, before, after)
     plot(os.path.join(output_dir, "metrics.jsonl"), os.path.join(output_dir, "reward.png"))
-    summary = {"seed": seed, "steps": steps, "train_seconds": round(train_time, 1),
-               **{f"accuracy_{when}_{name}": round(acc[name][0], 4)
-                  for when, acc in (("before", before), ("after", after)) for name in acc}}
+    summary = {
+        "seed": seed,
+        "steps": steps,
+        "train_seconds": round(train_time, 1),
+        **{
+            f"accuracy_{when}_{name}": round(acc[name][0], 4)
+            for when, acc in (("before", before), ("after", after))
+            for name in acc
+        },
+    }
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"Training took {train_time:.0f} s for {steps} steps. Files in {output_dir}: metrics.jsonl, samples.md, "
-          "reward.png, summary.json, model/")
+    print(
+        f"Training took {train_time:.0f} s for {steps} steps. Files in {output_dir}: metrics.jsonl, samples.md, "
+        "reward.png, summary.json, model/"
+    )
     print(f"Greedy accuracy, trained phrasing: {before['train'][0]:.3f} -> {after['train'][0]:.3f}")
     print(f"Greedy accuracy, unseen phrasing:  {before['heldout'][0]:.3f} -> {after['heldout'][0]:.3f}")
     return before["train"][0], after["train"][0]
@@ -156,8 +189,10 @@ def _write_samples(output_dir: str, before: dict, after: dict, n: int = 12) -> N
         for name in ("train", "heldout"):
             f.write(f"## {name} phrasing: greedy completions before -> after\n\n")
             for (prompt, old, ok_old), (_, new, ok_new) in list(zip(before[name][1], after[name][1]))[:: 81 // n]:
-                f.write(f"- {prompt}\n  - before ({'ok' if ok_old else 'wrong'}): {old!r}\n"
-                        f"  - after ({'ok' if ok_new else 'wrong'}): {new!r}\n")
+                f.write(
+                    f"- {prompt}\n  - before ({'ok' if ok_old else 'wrong'}): {old!r}\n"
+                    f"  - after ({'ok' if ok_new else 'wrong'}): {new!r}\n"
+                )
             f.write("\n")
 
 
@@ -167,14 +202,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=36)
     parser.add_argument("--output", default="runs/demo")
     parser.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a GRPOConfig field of the demo, e.g. --set learning_rate=3e-5")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a GRPOConfig field of the demo, e.g. --set learning_rate=3e-5",
+    )
     opts = parser.parse_args(argv)
     if opts.model is None:
         opts.model = bundled_model_path()
     overrides = dict(item.split("=", 1) for item in opts.set)
-    before, after = run(opts.model, opts.output, opts.seed, opts.steps,
-                        **{k: json.loads(v) if v[:1] in "0123456789-[{tfn" else v for k, v in overrides.items()})
+    before, after = run(
+        opts.model,
+        opts.output,
+        opts.seed,
+        opts.steps,
+        **{k: json.loads(v) if v[:1] in "0123456789-[{tfn" else v for k, v in overrides.items()},
+    )
     print(f"accuracy_before={before:.4f} accuracy_after={after:.4f}")
 
 

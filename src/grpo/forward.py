@@ -55,8 +55,15 @@ class TrainingPass:
     def logps(self, model: Any, batch: TrainBatch, chunk_size: int | None = None) -> torch.Tensor:
         """Token log-probs without gradient, under the run's precision, `chunk_size` rows at a time."""
         with torch.no_grad(), self.autocast():
-            logps, _ = token_logps(model, batch, self.temperature, with_entropy=False, chunk_size=chunk_size,
-                                   share_prefix=self.share_prefix, chunked_head=self.chunked_head)
+            logps, _ = token_logps(
+                model,
+                batch,
+                self.temperature,
+                with_entropy=False,
+                chunk_size=chunk_size,
+                share_prefix=self.share_prefix,
+                chunked_head=self.chunked_head,
+            )
         return logps
 
     def train(self, model: Any, batch: TrainBatch, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +71,15 @@ class TrainingPass:
         lean = linears.lean_linears(model, self.lean_dtype) if self.lean_dtype else contextlib.nullcontext()
         kept = blocks.lean_blocks(model) if self.lean_blocks else contextlib.nullcontext()
         with self.autocast(), lean, kept:
-            return token_logps(model, batch, self.temperature, with_entropy=True, entropy_grad=entropy_grad,
-                               share_prefix=self.share_prefix, chunked_head=self.chunked_head)
+            return token_logps(
+                model,
+                batch,
+                self.temperature,
+                with_entropy=True,
+                entropy_grad=entropy_grad,
+                share_prefix=self.share_prefix,
+                chunked_head=self.chunked_head,
+            )
 
 
 def prefix_sharing_unsupported_reason(model: Any) -> str | None:
@@ -78,9 +92,16 @@ def prefix_sharing_unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def token_logps(model: Any, batch: TrainBatch, temperature: float, with_entropy: bool = True,
-                chunk_size: int | None = None, entropy_grad: bool = False, share_prefix: bool = False,
-                chunked_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logps(
+    model: Any,
+    batch: TrainBatch,
+    temperature: float,
+    with_entropy: bool = True,
+    chunk_size: int | None = None,
+    entropy_grad: bool = False,
+    share_prefix: bool = False,
+    chunked_head: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens under `model` (logits divided by temperature), and their entropies,
     as (B, C) tensors (values on padding positions are meaningless: the mask removes them).
 
@@ -99,7 +120,7 @@ def token_logps(model: Any, batch: TrainBatch, temperature: float, with_entropy:
         where = (rows.unsqueeze(1), torch.arange(lp.shape[1], device=rows.device))
         logps = (lp.new_zeros(batch.completion_ids.shape) if logps is None else logps).index_put(where, lp)
         if with_entropy:
-            entropies = (ent.new_zeros(batch.completion_ids.shape) if entropies is None else entropies)
+            entropies = ent.new_zeros(batch.completion_ids.shape) if entropies is None else entropies
             entropies = entropies.index_put(where, ent)
     return logps, entropies
 
@@ -108,8 +129,9 @@ def _piece_logps(model, part, forward, temperature, with_entropy, entropy_grad, 
     outputs = forward(model, part, chunked_head)
     if chunked_head:
         head = unwrap(model).get_output_embeddings()
-        return chunked_logps_and_entropy(outputs, head.weight, head.bias, part.completion_ids, temperature,
-                                         with_entropy, entropy_grad)
+        return chunked_logps_and_entropy(
+            outputs, head.weight, head.bias, part.completion_ids, temperature, with_entropy, entropy_grad
+        )
     return logps_and_entropy(outputs / temperature, part.completion_ids, with_entropy, entropy_grad)
 
 
@@ -168,9 +190,16 @@ def _forward(model: Any, batch: TrainBatch, chunked_head: bool = False) -> torch
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     c = batch.completion_ids.shape[1]
     kwargs = {"logits_to_keep": c + 1} if accepts_logits_to_keep(unwrap(model)) else {}
-    out = _outputs(model, chunked_head, input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   use_cache=False, **kwargs)
-    return out[:, -(c + 1):-1, :]  # position t predicts completion token t
+    out = _outputs(
+        model,
+        chunked_head,
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=position_ids,
+        use_cache=False,
+        **kwargs,
+    )
+    return out[:, -(c + 1) : -1, :]  # position t predicts completion token t
 
 
 def _forward_shared(model: Any, batch: TrainBatch, chunked_head: bool = False) -> torch.Tensor:
@@ -183,17 +212,33 @@ def _forward_shared(model: Any, batch: TrainBatch, chunked_head: bool = False) -
     groups, inverse = torch.unique(batch.group, return_inverse=True)
     # one row per prompt (which one does not matter: all rows of a group hold the same prompt tokens)
     first = torch.empty(len(groups), dtype=torch.long, device=inverse.device).scatter_(
-        0, inverse, torch.arange(len(inverse), device=inverse.device))
+        0, inverse, torch.arange(len(inverse), device=inverse.device)
+    )
     prompt_mask = batch.prompt_mask[first]
     cache = DynamicCache()
     cache_arg = cache_argument(unwrap(model))
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    last = _outputs(model, chunked_head, input_ids=batch.prompt_ids[first], attention_mask=prompt_mask,
-                    position_ids=prompt_positions, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
+    last = _outputs(
+        model,
+        chunked_head,
+        input_ids=batch.prompt_ids[first],
+        attention_mask=prompt_mask,
+        position_ids=prompt_positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_arg: cache},
+    )
     cache.batch_select_indices(inverse)
     attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
     c = batch.completion_ids.shape[1]
     positions = batch.prompt_mask.sum(-1, keepdim=True) + torch.arange(c, device=attention.device)
-    rest = _outputs(model, chunked_head, input_ids=batch.completion_ids, attention_mask=attention,
-                    position_ids=positions, use_cache=True, **{cache_arg: cache})
+    rest = _outputs(
+        model,
+        chunked_head,
+        input_ids=batch.completion_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        use_cache=True,
+        **{cache_arg: cache},
+    )
     return torch.cat([last[inverse, -1:, :], rest[:, :-1, :]], dim=1)

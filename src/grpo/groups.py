@@ -36,18 +36,29 @@ class Scored:
 
     def select(self, rows: Sequence[int]) -> Scored:
         rows = list(rows)
-        return Scored(rows=[self.rows[i] for i in rows], prompts=[self.prompts[i] for i in rows],
-                      rollout=self.rollout.select(rows), rewards=self.rewards[torch.tensor(rows, dtype=torch.long)],
-                      extra={k: [v[i] for i in rows] for k, v in self.extra.items()})
+        return Scored(
+            rows=[self.rows[i] for i in rows],
+            prompts=[self.prompts[i] for i in rows],
+            rollout=self.rollout.select(rows),
+            rewards=self.rewards[torch.tensor(rows, dtype=torch.long)],
+            extra={k: [v[i] for i in rows] for k, v in self.extra.items()},
+        )
 
     @staticmethod
     def concat(parts: Sequence[Scored]) -> Scored:
         keys = [k for part in parts for k in part.extra]
         extra = {k: [x for part in parts for x in part.extra.get(k, [None] * len(part))] for k in dict.fromkeys(keys)}
-        lists = {f.name: [x for part in parts for x in getattr(part, f.name)]
-                 for f in fields(Scored) if f.name in ("rows", "prompts")}
-        return Scored(**lists, rollout=Rollout.concat([p.rollout for p in parts]),
-                      rewards=torch.cat([p.rewards for p in parts]), extra=extra)
+        lists = {
+            f.name: [x for part in parts for x in getattr(part, f.name)]
+            for f in fields(Scored)
+            if f.name in ("rows", "prompts")
+        }
+        return Scored(
+            **lists,
+            rollout=Rollout.concat([p.rollout for p in parts]),
+            rewards=torch.cat([p.rewards for p in parts]),
+            extra=extra,
+        )
 
 
 @dataclass
@@ -94,18 +105,26 @@ class GenerationBatch:
         scored = Scored.concat(self.kept)
         self.batch = scored.select(range(min(len(scored), wanted)))
         if len(self.batch) == 0 and self.last_round is not None:
-            logger.warning("Dynamic sampling: no group had reward spread in %d rounds; this step's policy gradient is "
-                           "zero. Check the reward functions, or raise dynamic_sampling_max_attempts.", self.rounds)
+            logger.warning(
+                "Dynamic sampling: no group had reward spread in %d rounds; this step's policy gradient is "
+                "zero. Check the reward functions, or raise dynamic_sampling_max_attempts.",
+                self.rounds,
+            )
             self.batch = self.last_round
         elif len(self.batch) < wanted:
             g = self.num_generations
-            logger.warning("Dynamic sampling: %d of %d groups have reward spread after %d rounds; this step trains "
-                           "on those.", len(self.batch) // g, wanted // g, self.rounds)
+            logger.warning(
+                "Dynamic sampling: %d of %d groups have reward spread after %d rounds; this step trains on those.",
+                len(self.batch) // g,
+                wanted // g,
+                self.rounds,
+            )
         return self
 
 
-def groups_with_spread(rewards: torch.Tensor, weights: torch.Tensor, num_generations: int,
-                       threshold: float) -> torch.Tensor:
+def groups_with_spread(
+    rewards: torch.Tensor, weights: torch.Tensor, num_generations: int, threshold: float
+) -> torch.Tensor:
     """(N/G,) bool: the groups whose combined reward has a std of at least `threshold` (DAPO dynamic sampling).
     A group with fewer than two scorable completions has no spread."""
     unscorable = torch.isnan(rewards).all(dim=1)

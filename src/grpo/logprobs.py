@@ -14,8 +14,9 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def logps_and_entropy(logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool = True, entropy_grad: bool = False,
-                      chunk_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+def logps_and_entropy(
+    logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool = True, entropy_grad: bool = False, chunk_rows: int = 1
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token log-probs (float32, with gradient) and entropies from one log_softmax per chunk of rows.
 
     One pass over the vocabulary serves both, and only one chunk's float32 (rows, T, V) log_softmax is alive at
@@ -104,13 +105,20 @@ class _HeadLogps(torch.autograd.Function):
                     grad_w[cols] += g.T @ h[rows]
                 if grad_b is not None:
                     grad_b[cols] += g.sum(0)
-        grads = [None if x is None else x.to(like) for x, like in
-                 ((grad_h, hidden_dtype), (grad_w, weight.dtype), (grad_b, None if bias is None else bias.dtype))]
+        grads = [
+            None if x is None else x.to(like)
+            for x, like in (
+                (grad_h, hidden_dtype),
+                (grad_w, weight.dtype),
+                (grad_b, None if bias is None else bias.dtype),
+            )
+        ]
         return (*grads, None, None, None, None, None, None, None)
 
 
-def _scaled_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cols: slice, wide: torch.dtype,
-                   temperature: float) -> torch.Tensor:
+def _scaled_logits(
+    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cols: slice, wide: torch.dtype, temperature: float
+) -> torch.Tensor:
     """One tile's logits / temperature in the wide dtype (a fresh tensor the caller may overwrite); `w` is the
     weight's block `cols`."""
     z = torch.nn.functional.linear(h, w, None if b is None else b[cols]).to(wide)
@@ -135,10 +143,17 @@ CHUNK_ROWS = 4096
 TILE_BYTES = 8 * 2**20
 
 
-def chunked_logps_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                              ids: torch.Tensor, temperature: float, with_entropy: bool = True,
-                              entropy_grad: bool = False, chunk_rows: int = CHUNK_ROWS, block: int | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_logps_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+    chunk_rows: int = CHUNK_ROWS,
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token log-probs (and entropies) of `ids` from the hidden states the output head would project, without
     ever holding the (B, T, V) logits: tiles of `chunk_rows` tokens by `block` vocabulary entries (default: a
     8 MiB float32 tile; each block of the weight is cast to the compute dtype when its tile runs).
@@ -153,6 +168,7 @@ def chunked_logps_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: 
     rows = min(chunk_rows, max(flat.shape[0], 1))
     block = block or max(256, TILE_BYTES // (4 * rows))
     with torch.autocast(device, enabled=False):
-        lp, ent = _HeadLogps.apply(flat, weight, bias, ids.reshape(-1), temperature, with_entropy, entropy_grad, dtype,
-                                   rows, block)
+        lp, ent = _HeadLogps.apply(
+            flat, weight, bias, ids.reshape(-1), temperature, with_entropy, entropy_grad, dtype, rows, block
+        )
     return lp.reshape(shape), (ent.reshape(shape) if with_entropy else None)

@@ -36,11 +36,15 @@ def wrap(model: torch.nn.Module, peft_config: Any, gradient_checkpointing: bool)
     except ImportError as err:
         raise ImportError("peft_config needs the peft package: pip install peft") from err
     if not isinstance(peft_config, PeftConfig):
-        raise TypeError(f"peft_config is a {type(peft_config).__name__}; pass a peft.PeftConfig such as "
-                        "LoraConfig(r=16, target_modules='all-linear', task_type='CAUSAL_LM').")
+        raise TypeError(
+            f"peft_config is a {type(peft_config).__name__}; pass a peft.PeftConfig such as "
+            "LoraConfig(r=16, target_modules='all-linear', task_type='CAUSAL_LM')."
+        )
     if is_peft_model(model):
-        raise ValueError("The model already is a PEFT model and peft_config is set too: pass one of them (the PEFT "
-                         "model alone trains its own adapters).")
+        raise ValueError(
+            "The model already is a PEFT model and peft_config is set too: pass one of them (the PEFT "
+            "model alone trains its own adapters)."
+        )
     if gradient_checkpointing:
         # checkpointed blocks of a frozen base still need an input that requires grad for the adapters' grads
         model.enable_input_require_grads()
@@ -63,7 +67,9 @@ def load_adapter(model: Any, path: str) -> list[str]:
 
     model = unwrap(model, keep_peft=True)
     if not os.path.exists(os.path.join(path, "adapter_config.json")):
-        raise FileNotFoundError(f"{path} holds no LoRA adapter (adapter_config.json), but the model is a PEFT "
-                                "model: resume with the model the run was started with.")
+        raise FileNotFoundError(
+            f"{path} holds no LoRA adapter (adapter_config.json), but the model is a PEFT "
+            "model: resume with the model the run was started with."
+        )
     result = set_peft_model_state_dict(model, load_peft_weights(path, device="cpu"))
     return list(result.unexpected_keys)

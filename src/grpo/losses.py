@@ -181,8 +181,7 @@ def sapo(t: PolicyTerms, p: LossParams) -> tuple[torch.Tensor, dict[str, Stat]]:
 
 
 @torch.no_grad()
-def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  p: LossParams) -> torch.Tensor:
+def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, p: LossParams) -> torch.Tensor:
     """VESPO's per-sequence gamma weight phi(W) = W^k e^{lambda (1 - W)}, with W the product of token ratios."""
     floor = math.log(1e-8)
     seq_log_ratio = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
@@ -324,8 +323,9 @@ def entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (entropies * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, all_entropies: torch.Tensor,
-                      quantile: float) -> torch.Tensor:
+def high_entropy_mask(
+    entropies: torch.Tensor, mask: torch.Tensor, all_entropies: torch.Tensor, quantile: float
+) -> torch.Tensor:
     """Keep tokens whose entropy is in the top `quantile` fraction of `all_entropies` (arXiv:2506.01939).
 
     `all_entropies` is the flat list of active-token entropies the threshold is taken over (all processes').

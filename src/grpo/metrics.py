@@ -35,9 +35,17 @@ class MetricsLogger:
         self.console = Console(stderr=True)
         self.progress = None
         if show_progress and self.is_main:
-            self.progress = Progress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                     TextColumn("<"), TimeRemainingColumn(), TextColumn("{task.fields[shown]}"),
-                                     console=self.console, transient=False)
+            self.progress = Progress(
+                TextColumn("[bold]GRPO"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("<"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[shown]}"),
+                console=self.console,
+                transient=False,
+            )
             self.task = self.progress.add_task("train", total=total_steps, shown="")
 
     def __enter__(self) -> MetricsLogger:
@@ -109,20 +117,22 @@ def generation_metrics(generated: GenerationBatch, adv: Advantages, reward_names
     lengths = torch.tensor([sum(m) for m in scored.rollout.loss_mask], dtype=torch.float32)
     truncated = torch.tensor(scored.rollout.truncated, dtype=torch.bool)
     terminated = lengths[~truncated]
-    m = {"completions/mean_length": lengths.mean().item(),
-         "completions/min_length": lengths.min().item(),
-         "completions/max_length": lengths.max().item(),
-         "completions/clipped_ratio": truncated.float().mean().item(),
-         "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
-         "completions/min_terminated_length": terminated.min().item() if len(terminated) else 0.0,
-         "completions/max_terminated_length": terminated.max().item() if len(terminated) else 0.0,
-         "reward": torch.nanmean(adv.rewards).item(),
-         "reward_std": nanstd(adv.rewards).item(),
-         "frac_reward_zero_std": adv.frac_zero_std,
-         # this process's own generation speed
-         "timing/generation_tokens_per_s": generated.tokens / max(generated.generation_s, 1e-9),
-         "timing/generation_s": generated.generation_s,
-         "timing/scoring_s": generated.scoring_s}
+    m = {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+        "completions/min_terminated_length": terminated.min().item() if len(terminated) else 0.0,
+        "completions/max_terminated_length": terminated.max().item() if len(terminated) else 0.0,
+        "reward": torch.nanmean(adv.rewards).item(),
+        "reward_std": nanstd(adv.rewards).item(),
+        "frac_reward_zero_std": adv.frac_zero_std,
+        # this process's own generation speed
+        "timing/generation_tokens_per_s": generated.tokens / max(generated.generation_s, 1e-9),
+        "timing/generation_s": generated.generation_s,
+        "timing/scoring_s": generated.scoring_s,
+    }
     for k, name in enumerate(reward_names):
         m[f"rewards/{name}/mean"] = torch.nanmean(scored.rewards[:, k]).item()
         m[f"rewards/{name}/std"] = nanstd(scored.rewards[:, k]).item()
@@ -146,8 +156,9 @@ class CompletionLog:
             values = scored.rewards[i].tolist()
             rewards = {name: None if math.isnan(v) else v for name, v in zip(self.reward_names, values)}
             extra = {k: v[i] for k, v in scored.extra.items()}
-            self.rows.append({"prompt": prompt, "completion": completion, **rewards, **extra,
-                              "advantage": float(advantages[i])})
+            self.rows.append(
+                {"prompt": prompt, "completion": completion, **rewards, **extra, "advantage": float(advantages[i])}
+            )
 
     def flush(self, step: int, console: Console) -> str | None:
         """Print a table of (a random sample of) the rows and write them to parquet; returns the file written."""
@@ -159,8 +170,11 @@ class CompletionLog:
         path = os.path.join(self.output_dir, "completions", f"completions_{step:05d}.parquet")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         pd.DataFrame(rows).to_parquet(path, index=False)
-        shown = rows if self.num_to_print is None or self.num_to_print >= len(rows) else \
-            self.rng.sample(rows, self.num_to_print)
+        shown = (
+            rows
+            if self.num_to_print is None or self.num_to_print >= len(rows)
+            else self.rng.sample(rows, self.num_to_print)
+        )
         table = Table(title=f"Completions at step {step}", show_lines=True)
         for name in ["prompt", "completion", *self.reward_names, "advantage"]:
             table.add_column(name, overflow="fold", ratio=3 if name in ("prompt", "completion") else 1)

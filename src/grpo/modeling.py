@@ -36,8 +36,10 @@ def _resolve_dtype(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _load_error(kind: str, model_id: str, err: Exception) -> ModelLoadError:
     reason = str(err).splitlines()[0][:200].rstrip(".") if str(err) else type(err).__name__
-    return ModelLoadError(f"Could not load the {kind} '{model_id}': {reason}. Pass the path of a local model "
-                          "directory, or a Hub id on a machine that can reach the Hub.")
+    return ModelLoadError(
+        f"Could not load the {kind} '{model_id}': {reason}. Pass the path of a local model "
+        "directory, or a Hub id on a machine that can reach the Hub."
+    )
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -72,8 +74,9 @@ def own_memory(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def load_pretrained(auto_class: Any, kind: str, model_id: str, init_kwargs: dict[str, Any] | None,
-                    trust_remote_code: bool, **extra: Any) -> PreTrainedModel:
+def load_pretrained(
+    auto_class: Any, kind: str, model_id: str, init_kwargs: dict[str, Any] | None, trust_remote_code: bool, **extra: Any
+) -> PreTrainedModel:
     """`auto_class.from_pretrained` with an offline machine failing in seconds and one clear `ModelLoadError`."""
     kwargs = _resolve_dtype(init_kwargs or {})
     kwargs.setdefault("trust_remote_code", trust_remote_code)
@@ -84,8 +87,9 @@ def load_pretrained(auto_class: Any, kind: str, model_id: str, init_kwargs: dict
                 return auto_class.from_pretrained(model_id, local_files_only=True, **kwargs)
             except OSError:
                 if not _hub_reachable():
-                    raise OSError("the Hugging Face Hub is unreachable from this machine and the model is not in "
-                                  "the local cache") from None
+                    raise OSError(
+                        "the Hugging Face Hub is unreachable from this machine and the model is not in the local cache"
+                    ) from None
         return auto_class.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as err:
         raise _load_error(kind, model_id, err) from None
@@ -115,8 +119,9 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def reference_model(policy: PreTrainedModel, model_id: str | None, init_kwargs: dict[str, Any] | None,
-                    trust_remote_code: bool) -> PreTrainedModel:
+def reference_model(
+    policy: PreTrainedModel, model_id: str | None, init_kwargs: dict[str, Any] | None, trust_remote_code: bool
+) -> PreTrainedModel:
     """A frozen copy of the initial policy: reloaded from its id, or deep-copied when given as an object."""
     ref = load_causal_lm(model_id, init_kwargs, trust_remote_code) if model_id else copy.deepcopy(policy)
     ref.eval()

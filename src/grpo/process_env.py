@@ -13,8 +13,13 @@ def set_for_dependency(name: str, value: str, why: str) -> bool:
     """Set `name=value` for the whole process unless the user has set it; returns whether it is now `value`."""
     if name in os.environ:
         if os.environ[name] != value:
-            logger.info("%s=%s is set in the environment; grpo leaves it (it would set %s: %s).", name,
-                        os.environ[name], value, why)
+            logger.info(
+                "%s=%s is set in the environment; grpo leaves it (it would set %s: %s).",
+                name,
+                os.environ[name],
+                value,
+                why,
+            )
         return os.environ[name] == value
     os.environ[name] = value
     logger.info("Environment: %s=%s (%s).", name, value, why)

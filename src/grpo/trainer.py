@@ -121,11 +121,9 @@ class GRPOTrainer:
         self._build_optimization(*optimizers)
         self._prepare()
         self.stop_ids = data.end_of_turn_ids(self.processing_class, _generation_eos(self.unwrapped_model))
-        self.engine = build_engine(self.unwrapped_model, self.processing_class, args, self.stop_ids,
-                                   self.accelerator)
+        self.engine = build_engine(self.unwrapped_model, self.processing_class, args, self.stop_ids, self.accelerator)
         attention.use_grouped_heads(self.model)
-        self.training_pass = TrainingPass(self.model, args, self.accelerator.autocast,
-                                          self.accelerator.mixed_precision)
+        self.training_pass = TrainingPass(self.model, args, self.accelerator.autocast, self.accelerator.mixed_precision)
         self.prompts = data.PromptSource(train_dataset, self.processing_class, args.chat_template_kwargs)
         self.loop = LoopState()
         self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
@@ -144,8 +142,11 @@ class GRPOTrainer:
         model_id = model if isinstance(model, str) else None
         self.model = load_causal_lm(model, a.model_init_kwargs, a.trust_remote_code) if model_id else model
         source = model_id or getattr(self.model.config, "_name_or_path", None)
-        self.processing_class = prepare_tokenizer(processing_class) if processing_class is not None \
+        self.processing_class = (
+            prepare_tokenizer(processing_class)
+            if processing_class is not None
             else load_tokenizer(source, a.trust_remote_code)
+        )
         if a.disable_dropout:
             disable_dropout(self.model)
         self.ref_from_adapters = a.beta != 0.0 and (peft_config is not None or lora.is_peft_model(self.model))
@@ -186,8 +187,9 @@ class GRPOTrainer:
         # wrapper on forward so that code calling the model outside those regions (evaluation) gets float32.
         acc.unwrap_model(self.model, keep_fp32_wrapper=False)
         if self.ref_model is not None:
-            self.ref_model = zero.prepare_reference(acc, self.ref_model) \
-                or acc.prepare_model(self.ref_model, evaluation_mode=True)
+            self.ref_model = zero.prepare_reference(acc, self.ref_model) or acc.prepare_model(
+                self.ref_model, evaluation_mode=True
+            )
 
     @property
     def unwrapped_model(self) -> PreTrainedModel:
@@ -262,20 +264,21 @@ class GRPOTrainer:
     def _groups_with_spread(self, scored: Scored) -> list[int]:
         """The rows of the groups whose rewards differ (DAPO dynamic sampling keeps only those)."""
         a = self.args
-        spread = groups_with_spread(scored.rewards, self.rewards.weights, a.num_generations,
-                                    a.dynamic_sampling_std_threshold)
+        spread = groups_with_spread(
+            scored.rewards, self.rewards.weights, a.num_generations, a.dynamic_sampling_std_threshold
+        )
         return rows_of_groups(spread, a.num_generations)
 
     def _local_rows(self, position: int) -> list[int]:
         """Dataset rows this process generates for at data position `position`: each prompt repeated G times,
         this process's contiguous share of the generation batch (shared spec §5.1-5.2)."""
         a, acc = self.args, self.accelerator
-        unique = data.generation_prompt_indices(position, len(self.train_dataset),
-                                                a.generation_batch_size // a.num_generations, a.seed,
-                                                a.shuffle_dataset)
+        unique = data.generation_prompt_indices(
+            position, len(self.train_dataset), a.generation_batch_size // a.num_generations, a.seed, a.shuffle_dataset
+        )
         repeated = [i for i in unique for _ in range(a.num_generations)]
         per_process = len(repeated) // acc.num_processes
-        return repeated[acc.process_index * per_process:(acc.process_index + 1) * per_process]
+        return repeated[acc.process_index * per_process : (acc.process_index + 1) * per_process]
 
     def _generate(self, rows: list[int]) -> Rollout:
         """Completions for this process's rows (one request per prompt), from the current policy's weights."""
@@ -288,24 +291,32 @@ class GRPOTrainer:
         """Rewards of this process's completions, gathered with every other process's (global order)."""
         extra: dict[str, list] = {}
         examples = [self.train_dataset[i] for i in rows]
-        rewards = self.rewards(examples, rollout, self.state, self.metrics.add,
-                               lambda name, values: extra.__setitem__(name, list(values)))
-        local = Scored(rows=rows, prompts=[e["prompt"] for e in examples], rollout=rollout, rewards=rewards,
-                       extra=extra)
+        rewards = self.rewards(
+            examples, rollout, self.state, self.metrics.add, lambda name, values: extra.__setitem__(name, list(values))
+        )
+        local = Scored(
+            rows=rows, prompts=[e["prompt"] for e in examples], rollout=rollout, rewards=rewards, extra=extra
+        )
         return collectives.gather_scored(local, self.accelerator)
 
     def _advantages(self, scored: Scored) -> Advantages:
         a = self.args
-        return compute_advantages(scored.rewards, self.rewards.weights, a.num_generations, a.scale_rewards,
-                                  a.multi_objective_aggregation)
+        return compute_advantages(
+            scored.rewards, self.rewards.weights, a.num_generations, a.scale_rewards, a.multi_objective_aggregation
+        )
 
     def _collate(self, scored: Scored, advantages: Advantages) -> TrainBatch:
         """This process's share of the generation batch as tensors; its `num_items_in_batch` counts the trained
         tokens of every process's share."""
         acc = self.accelerator
         mine = list(collectives.local_rows(len(scored), acc.process_index, acc.num_processes))
-        batch = collate(scored.rollout.select(mine), advantages.advantages[mine], self.processing_class.pad_token_id,
-                        self.args.mask_truncated_completions, group=torch.tensor(scored.rows)[mine]).to(acc.device)
+        batch = collate(
+            scored.rollout.select(mine),
+            advantages.advantages[mine],
+            self.processing_class.pad_token_id,
+            self.args.mask_truncated_completions,
+            group=torch.tensor(scored.rows)[mine],
+        ).to(acc.device)
         tokens = acc.reduce(batch.mask.sum(), reduction="sum").item()
         return dataclasses.replace(batch, num_items_in_batch=tokens)
 
@@ -339,10 +350,19 @@ class GRPOTrainer:
         if a.top_entropy_quantile < 1.0:
             everyone = collectives.gather_values(entropies.detach()[batch.mask.bool()].float(), acc)
             entropy_mask = high_entropy_mask(entropies.detach(), batch.mask, everyone, a.top_entropy_quantile)
-        scale = LossScale(batch.num_items_in_batch, acc.num_processes, a.gradient_accumulation_steps,
-                          a.steps_per_generation)
-        loss, metrics = policy_loss(logps, batch.old_logps, batch.advantages, batch.mask, self.loss_params,
-                                    batch.ref_logps, entropy_mask=entropy_mask, scale=scale)
+        scale = LossScale(
+            batch.num_items_in_batch, acc.num_processes, a.gradient_accumulation_steps, a.steps_per_generation
+        )
+        loss, metrics = policy_loss(
+            logps,
+            batch.old_logps,
+            batch.advantages,
+            batch.mask,
+            self.loss_params,
+            batch.ref_logps,
+            entropy_mask=entropy_mask,
+            scale=scale,
+        )
         if a.entropy_coef != 0.0:
             bonus_mask = batch.mask if entropy_mask is None else batch.mask * entropy_mask
             loss = loss - a.entropy_coef * entropy_bonus(entropies, bonus_mask) / a.gradient_accumulation_steps
@@ -375,8 +395,10 @@ class GRPOTrainer:
         finite = math.isfinite(norm)
         self._overflows = 0 if finite or self.accelerator.scaler is None else self._overflows + 1
         if 0 < self._overflows < 32:
-            logger.info("Step %d: fp16 gradients overflowed; the step is skipped and the loss scale lowered.",
-                        self.state.global_step + 1)
+            logger.info(
+                "Step %d: fp16 gradients overflowed; the step is skipped and the loss scale lowered.",
+                self.state.global_step + 1,
+            )
             return float("nan")
         if not finite:
             self.optimizer.zero_grad(set_to_none=True)
@@ -391,20 +413,31 @@ class GRPOTrainer:
 
     def _log_generation(self, generated: GenerationBatch, advantages: Advantages) -> None:
         rollout = generated.batch.rollout
-        self.state.num_input_tokens_seen += sum(len(p) + len(c) for p, c in zip(rollout.prompt_ids,
-                                                                                rollout.completion_ids))
+        self.state.num_input_tokens_seen += sum(
+            len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids)
+        )
         self.metrics.add("num_tokens", self.state.num_input_tokens_seen)
         self.metrics.add_many(generation_metrics(generated, advantages, self.rewards.names))
         if self.args.dynamic_sampling:
-            self.metrics.add_many({"dynamic_sampling/groups_dropped": generated.groups_dropped,
-                                   "dynamic_sampling/rounds": generated.rounds})
+            self.metrics.add_many(
+                {
+                    "dynamic_sampling/groups_dropped": generated.groups_dropped,
+                    "dynamic_sampling/rounds": generated.rounds,
+                }
+            )
         if self.completion_log is not None:
             self.completion_log.record(generated.batch, advantages.advantages, self.processing_class)
 
     def _log_step(self, update: Update, seconds: float) -> None:
         step = self.state.global_step
-        self.metrics.add_many({"loss": update.loss, "grad_norm": update.grad_norm,
-                               "learning_rate": update.learning_rate, "step_time": seconds})
+        self.metrics.add_many(
+            {
+                "loss": update.loss,
+                "grad_norm": update.grad_norm,
+                "learning_rate": update.learning_rate,
+                "step_time": seconds,
+            }
+        )
         self.metrics.advance(step)
         if step % _every(self.args.logging_steps, self.max_steps) == 0 or step == self.max_steps:
             self.state.log_history.append(self.metrics.log(step, self.state.epoch))
@@ -423,8 +456,9 @@ class GRPOTrainer:
             checkpoint.save(self, step)
         self.metrics.close()
         settle_processes(self.accelerator)
-        logger.warning("SIGTERM received: saved %s; exiting. Resume with trainer.train(resume_from_checkpoint=True).",
-                       path)
+        logger.warning(
+            "SIGTERM received: saved %s; exiting. Resume with trainer.train(resume_from_checkpoint=True).", path
+        )
         raise SystemExit(0)
 
     def save_model(self, output_dir: str | None = None) -> None:

@@ -32,8 +32,13 @@ def make_accelerator(args: Any) -> Accelerator:
     # accelerator it must be told the CPU's process-group backend, or it would count one process
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not args.use_cpu
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and cpu else None
-    accelerator = Accelerator(cpu=cpu and not deepspeed, mixed_precision=precision, log_with=report_to,
-                              project_dir=args.output_dir, kwargs_handlers=handlers)
+    accelerator = Accelerator(
+        cpu=cpu and not deepspeed,
+        mixed_precision=precision,
+        log_with=report_to,
+        project_dir=args.output_dir,
+        kwargs_handlers=handlers,
+    )
     if report_to:
         accelerator.init_trackers(args.run_name or "grpo", config=_trackable(args.to_dict()))
     return accelerator

@@ -47,9 +47,12 @@ def configure(accelerator: Any, args: Any) -> None:
         return
     config = ds.deepspeed_config
     mb, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    wanted = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": ga,
-              "train_batch_size": mb * ga * accelerator.num_processes,
-              "gradient_clipping": float(args.max_grad_norm or 0.0)}
+    wanted = {
+        "train_micro_batch_size_per_gpu": mb,
+        "gradient_accumulation_steps": ga,
+        "train_batch_size": mb * ga * accelerator.num_processes,
+        "gradient_clipping": float(args.max_grad_norm or 0.0),
+    }
     mismatches = []
     for key, value in wanted.items():
         given = config.get(key, "auto")
@@ -58,8 +61,10 @@ def configure(accelerator: Any, args: Any) -> None:
         elif float(given) != float(value):
             mismatches.append(f"{key} is {given} in the DeepSpeed config and {value} from GRPOConfig")
     if mismatches:
-        raise ValueError("The DeepSpeed config disagrees with GRPOConfig: " + "; ".join(mismatches) + ". Set these "
-                         "to \"auto\" in the DeepSpeed config (GRPOConfig then decides), or make them equal.")
+        raise ValueError(
+            "The DeepSpeed config disagrees with GRPOConfig: " + "; ".join(mismatches) + ". Set these "
+            'to "auto" in the DeepSpeed config (GRPOConfig then decides), or make them equal.'
+        )
     ds.gradient_accumulation_steps = ga
     accelerator.gradient_accumulation_steps = ga
 
@@ -136,7 +141,8 @@ def save(accelerator: Any, directory: str) -> None:
 
 def load(accelerator: Any, directory: str) -> None:
     """`save`'s state back into the engine (every process); the scheduler is restored by the trainer."""
-    path, _ = engine(accelerator).load_checkpoint(directory, tag=_TAG, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=False)
+    path, _ = engine(accelerator).load_checkpoint(
+        directory, tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
     if path is None:
         raise FileNotFoundError(f"No DeepSpeed state in {directory}")

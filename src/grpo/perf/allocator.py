@@ -30,6 +30,8 @@ def keep_freed_memory() -> bool:
         return False
     applied = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     if applied:
-        logger.info("CPU allocator (process-wide): glibc keeps freed memory for reuse instead of returning it to the "
-                    "kernel (GRPOConfig.cpu_keep_freed_memory=False turns this off).")
+        logger.info(
+            "CPU allocator (process-wide): glibc keeps freed memory for reuse instead of returning it to the "
+            "kernel (GRPOConfig.cpu_keep_freed_memory=False turns this off)."
+        )
     return applied

@@ -82,12 +82,14 @@ def _norm_forward(module: torch.nn.Module, feeds_linears: bool):
         low = torch.get_autocast_dtype(device) if feeds_linears and torch.is_autocast_enabled(device) else None
         with torch.autocast(device, enabled=False):
             return _RMSNorm.apply(x, module.weight, module.variance_epsilon, low)
+
     return forward
 
 
 def _mlp_forward(module: torch.nn.Module):
     def forward(x: torch.Tensor) -> torch.Tensor:
         return module.down_proj(_SiluMul.apply(module.gate_proj(x), module.up_proj(x)))
+
     return forward
 
 

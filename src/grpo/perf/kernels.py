@@ -23,14 +23,17 @@ def fixed_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.d
         except (RuntimeError, AttributeError):  # a torch build without the op: plain bfloat16 matmul
             packed = None
         if packed is not None:
+
             def packed_forward(x: torch.Tensor) -> torch.Tensor:
                 flat = x.reshape(-1, x.shape[-1]).to(dtype)
                 out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
                 return out.reshape(*x.shape[:-1], out.shape[-1])
+
             return packed_forward
 
     def plain_forward(x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(dtype), weight, bias)
+
     return plain_forward
 
 

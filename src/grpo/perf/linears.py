@@ -71,6 +71,7 @@ def lean_linears(model: torch.nn.Module, dtype: torch.dtype):
                 return x.new_empty(*x.shape[:-1], module.out_features, dtype=dtype)
             with torch.autocast(x.device.type, enabled=False):
                 return _Linear.apply(x, low(x), module.weight, module.bias, dtype)
+
         return forward
 
     patched = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype != dtype]

@@ -29,8 +29,9 @@ def _content(completion: Any) -> str:
     return completion if isinstance(completion, str) else completion[0]["content"]
 
 
-def _math_rewards(contents: list[str | None], solution: list[str], log_extra: Callable[[str, list], None] | None,
-                  caller: str) -> list[float | None]:
+def _math_rewards(
+    contents: list[str | None], solution: list[str], log_extra: Callable[[str, list], None] | None, caller: str
+) -> list[float | None]:
     """Scores each content against its solution with math-verify (the body of §9.1). A content of None stands for
     a completion whose reasoning never ended: it scores 0.0 and its gold is not parsed."""
     try:
@@ -45,8 +46,13 @@ def _math_rewards(contents: list[str | None], solution: list[str], log_extra: Ca
     if not on_main:
         logging.getLogger("math_verify.parser").setLevel(logging.ERROR)
         logging.getLogger("math_verify.grader").setLevel(logging.ERROR)
-    answer_config = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
-                                           boxed_match_priority=0, try_extract_without_anchor=False)]
+    answer_config = [
+        LatexExtractionConfig(
+            normalization_config=NormalizationConfig(units=True),
+            boxed_match_priority=0,
+            try_extract_without_anchor=False,
+        )
+    ]
     rewards, golds, answers = [], [], []
     for content, sol in zip(contents, solution, strict=True):
         if content is None:
@@ -60,8 +66,9 @@ def _math_rewards(contents: list[str | None], solution: list[str], log_extra: Ca
             golds.append("[unparseable]")
             answers.append("[skipped]")
             continue
-        answer = parse(content, extraction_config=answer_config, extraction_mode="first_match",
-                       parsing_timeout=parse_timeout)
+        answer = parse(
+            content, extraction_config=answer_config, extraction_mode="first_match", parsing_timeout=parse_timeout
+        )
         rewards.append(float(verify(gold, answer, timeout_seconds=verify_timeout)))
         golds.append(str(gold))
         answers.append(str(answer) if answer else "[unparseable]")
@@ -72,8 +79,9 @@ def _math_rewards(contents: list[str | None], solution: list[str], log_extra: Ca
     return rewards
 
 
-def accuracy_reward(completions: list, solution: list[str], log_extra: Callable[[str, list], None] | None = None,
-                    **kwargs: Any) -> list[float | None]:
+def accuracy_reward(
+    completions: list, solution: list[str], log_extra: Callable[[str, list], None] | None = None, **kwargs: Any
+) -> list[float | None]:
     """1.0 when math-verify finds the completion's answer equal to `solution`, else 0.0; None when the reference
     solution itself cannot be parsed (the sample is skipped rather than punished).
 
@@ -91,9 +99,13 @@ def _final_answer(content: str, delimiters: list[str]) -> str | None:
     return None
 
 
-def reasoning_accuracy_reward(completions: list, solution: list[str], reasoning_delimiters: list[str] | None = None,
-                              log_extra: Callable[[str, list], None] | None = None,
-                              **kwargs: Any) -> list[float | None]:
+def reasoning_accuracy_reward(
+    completions: list,
+    solution: list[str],
+    reasoning_delimiters: list[str] | None = None,
+    log_extra: Callable[[str, list], None] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
     """`accuracy_reward` on the final answer only: the text after the reasoning delimiter (default "</think>").
     A completion without any delimiter did not finish reasoning and gets 0.0 (not None); an unparseable
     solution still gives None."""
@@ -142,16 +154,23 @@ class _CosineScaledReward:
 
     __name__ = "cosine_scaled_reward"
 
-    def __init__(self, max_len: int, min_value_wrong: float, max_value_wrong: float, min_value_correct: float,
-                 max_value_correct: float) -> None:
+    def __init__(
+        self,
+        max_len: int,
+        min_value_wrong: float,
+        max_value_wrong: float,
+        min_value_correct: float,
+        max_value_correct: float,
+    ) -> None:
         self.max_len = max_len
         self.min_value_wrong = min_value_wrong
         self.max_value_wrong = max_value_wrong
         self.min_value_correct = min_value_correct
         self.max_value_correct = max_value_correct
 
-    def __call__(self, completions: list, solution: list[str], completion_ids: list[list[int]],
-                 **kwargs: Any) -> list[float | None]:
+    def __call__(
+        self, completions: list, solution: list[str], completion_ids: list[list[int]], **kwargs: Any
+    ) -> list[float | None]:
         rewards: list[float | None] = []
         for correct, ids in zip(accuracy_reward(completions, solution), completion_ids, strict=True):
             if correct is None:
@@ -167,8 +186,13 @@ class _CosineScaledReward:
         return rewards
 
 
-def get_cosine_scaled_reward(max_len: int, min_value_wrong: float = -1.0, max_value_wrong: float = -0.5,
-                             min_value_correct: float = 0.5, max_value_correct: float = 1.0) -> _CosineScaledReward:
+def get_cosine_scaled_reward(
+    max_len: int,
+    min_value_wrong: float = -1.0,
+    max_value_wrong: float = -0.5,
+    min_value_correct: float = 0.5,
+    max_value_correct: float = 1.0,
+) -> _CosineScaledReward:
     """A picklable reward named "cosine_scaled_reward": with p = min(len(completion_ids)/max_len, 1), a correct
     completion gets vmin + (vmax - vmin)(1 + cos(pi p))/2 with (vmin, vmax) = (min_value_correct,
     max_value_correct), a wrong one the same with (max_value_wrong, min_value_wrong), and None when the solution

@@ -35,9 +35,12 @@ def reward_name(func: Any) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
-def check_reward_funcs(reward_funcs: Any, reward_weights: Sequence[float] | None,
-                       processing_classes: Any = None, load_model: Callable[[Any, Any], Callable] | None = None
-                       ) -> list[Callable]:
+def check_reward_funcs(
+    reward_funcs: Any,
+    reward_weights: Sequence[float] | None,
+    processing_classes: Any = None,
+    load_model: Callable[[Any, Any], Callable] | None = None,
+) -> list[Callable]:
     """Normalize `reward_funcs` to a list of callables and check `reward_weights` against it. Reward models
     (a model id/path or an `nn.Module`) become callables through `load_model(entry, tokenizer)`, with their
     tokenizer from `reward_processing_classes` (one object, or one entry per function; None: the model's own)."""
@@ -46,8 +49,10 @@ def check_reward_funcs(reward_funcs: Any, reward_weights: Sequence[float] | None
         raise ValueError("reward_funcs is empty: pass at least one reward function.")
     if isinstance(processing_classes, (list, tuple)):
         if len(processing_classes) != len(funcs):
-            raise ValueError(f"reward_processing_classes has {len(processing_classes)} entries but there are "
-                             f"{len(funcs)} reward functions: give one entry per function (None for functions).")
+            raise ValueError(
+                f"reward_processing_classes has {len(processing_classes)} entries but there are "
+                f"{len(funcs)} reward functions: give one entry per function (None for functions)."
+            )
         tokenizers = list(processing_classes)
     else:
         tokenizers = [processing_classes] * len(funcs)
@@ -58,13 +63,17 @@ def check_reward_funcs(reward_funcs: Any, reward_weights: Sequence[float] | None
                 raise ValueError(f"reward_funcs entry {func!r:.80} is a reward model, which needs a trainer to load.")
             func = load_model(func, tokenizer)
         elif not callable(func):
-            raise ValueError(f"reward_funcs entry {func!r} is not callable: pass functions that take the completions "
-                             "as keyword arguments and return one float (or None) per completion, or a reward "
-                             "model (id, path or sequence-classification module).")
+            raise ValueError(
+                f"reward_funcs entry {func!r} is not callable: pass functions that take the completions "
+                "as keyword arguments and return one float (or None) per completion, or a reward "
+                "model (id, path or sequence-classification module)."
+            )
         out.append(func)
     if reward_weights is not None and len(reward_weights) != len(out):
-        raise ValueError(f"reward_weights has {len(reward_weights)} entries but there are {len(out)} reward "
-                         "functions: give exactly one weight per function.")
+        raise ValueError(
+            f"reward_weights has {len(reward_weights)} entries but there are {len(out)} reward "
+            "functions: give exactly one weight per function."
+        )
     return out
 
 
@@ -99,24 +108,32 @@ def _check_values(name: str, values: Any, n: int) -> list[float]:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise RewardFunctionError(f"Reward function '{name}' returned {type(values).__name__} {values!r:.80}; it must "
-                                  f"return a list with one float (or None) per completion ({n} here).")
+        raise RewardFunctionError(
+            f"Reward function '{name}' returned {type(values).__name__} {values!r:.80}; it must "
+            f"return a list with one float (or None) per completion ({n} here)."
+        )
     values = list(values)
     if len(values) != n:
-        raise RewardFunctionError(f"Reward function '{name}' returned {len(values)} values for {n} completions; it "
-                                  "must return exactly one float (or None) per completion.")
+        raise RewardFunctionError(
+            f"Reward function '{name}' returned {len(values)} values for {n} completions; it "
+            "must return exactly one float (or None) per completion."
+        )
     out = []
     for i, value in enumerate(values):
         if value is None:
             out.append(math.nan)
             continue
         if not isinstance(value, numbers.Real):
-            raise RewardFunctionError(f"Reward function '{name}' returned {value!r:.80} ({type(value).__name__}) for "
-                                      f"sample {i}; rewards must be numbers, or None when the function does not "
-                                      "apply to a sample.")
+            raise RewardFunctionError(
+                f"Reward function '{name}' returned {value!r:.80} ({type(value).__name__}) for "
+                f"sample {i}; rewards must be numbers, or None when the function does not "
+                "apply to a sample."
+            )
         if not math.isfinite(value):
-            raise RewardFunctionError(f"Reward function '{name}' returned {value} for sample {i}; rewards must be "
-                                      "finite. Return None to say the function does not apply to a sample.")
+            raise RewardFunctionError(
+                f"Reward function '{name}' returned {value} for sample {i}; rewards must be "
+                "finite. Return None to say the function does not apply to a sample."
+            )
         out.append(float(value))
     return out
 
@@ -138,8 +155,9 @@ def score(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict[str, Any
         outputs = pending.result() if pending is not None else []  # never leave the async ones running
     for k, output in zip(async_ks, outputs):
         if isinstance(output, BaseException):
-            raise RewardFunctionError(f"Reward function '{names[k]}' raised {type(output).__name__}: "
-                                      f"{output}") from output
+            raise RewardFunctionError(
+                f"Reward function '{names[k]}' raised {type(output).__name__}: {output}"
+            ) from output
         results[k] = output
     columns = [_check_values(names[k], results[k], n) for k in range(len(funcs))]
     rewards = torch.tensor(columns, dtype=torch.float32).T.reshape(n, len(funcs))
@@ -167,9 +185,12 @@ def _warn_unscorable(rewards: torch.Tensor, kwargs: dict[str, Any]) -> None:
         completion = completion[0]["content"] if isinstance(completion, list) else completion
         shown.append(f"sample {i}: prompt {prompt!r:.120}, completion {completion!r:.120}")
     more = f" (and {len(rows) - 3} more)" if len(rows) > 3 else ""
-    warnings.warn(f"All reward functions returned None for {len(rows)} sample(s){more}, which get advantage 0: "
-                  + "; ".join(shown) + ". Make sure at least one reward function applies to every sample.",
-                  stacklevel=3)
+    warnings.warn(
+        f"All reward functions returned None for {len(rows)} sample(s){more}, which get advantage 0: "
+        + "; ".join(shown)
+        + ". Make sure at least one reward function applies to every sample.",
+        stacklevel=3,
+    )
 
 
 class RewardFunctions:
@@ -183,14 +204,22 @@ class RewardFunctions:
     @classmethod
     def build(cls, reward_funcs: Any, args: Any, processing_classes: Any, device: torch.device) -> RewardFunctions:
         """From GRPOTrainer's arguments; reward models (ids, paths, modules) are loaded now, on `device`."""
+
         def load(entry: Any, tokenizer: Any) -> Callable:
-            return load_reward_model(entry, tokenizer, args.model_init_kwargs, args.trust_remote_code,
-                                     args.chat_template_kwargs, device)
+            return load_reward_model(
+                entry, tokenizer, args.model_init_kwargs, args.trust_remote_code, args.chat_template_kwargs, device
+            )
 
         return cls(check_reward_funcs(reward_funcs, args.reward_weights, processing_classes, load), args.reward_weights)
 
-    def __call__(self, examples: list[dict], rollout: Rollout, trainer_state: Any,
-                 log_metric: Callable[[str, float], None], log_extra: Callable[[str, list], None]) -> torch.Tensor:
+    def __call__(
+        self,
+        examples: list[dict],
+        rollout: Rollout,
+        trainer_state: Any,
+        log_metric: Callable[[str, float], None],
+        log_extra: Callable[[str, list], None],
+    ) -> torch.Tensor:
         """(rows, functions) rewards of the rollout's completions; every dataset column but the prompt (and
         "completion", "completion_ids") reaches the functions as a keyword, one value per completion."""
         columns: dict[str, list] = {}
@@ -198,7 +227,13 @@ class RewardFunctions:
             for key, value in example.items():
                 if key not in ("prompt", "completion", "completion_ids"):
                     columns.setdefault(key, []).append(value)
-        kwargs = dict(columns, prompts=[e["prompt"] for e in examples], completions=rollout.completions,
-                      completion_ids=rollout.completion_ids, trainer_state=trainer_state, log_metric=log_metric,
-                      log_extra=log_extra)
+        kwargs = dict(
+            columns,
+            prompts=[e["prompt"] for e in examples],
+            completions=rollout.completions,
+            completion_ids=rollout.completion_ids,
+            trainer_state=trainer_state,
+            log_metric=log_metric,
+            log_extra=log_extra,
+        )
         return score(self.funcs, self.names, kwargs, len(examples))

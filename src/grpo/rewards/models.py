@@ -22,8 +22,13 @@ from grpo.modeling import ModelLoadError, load_pretrained, model_name
 class RewardModel:
     """Calls a sequence-classification model as a reward function: one float per completion."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None,
-                 batch_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        batch_size: int | None = None,
+    ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         if tokenizer.pad_token is None:
@@ -37,8 +42,9 @@ class RewardModel:
         out = []
         for prompt, completion in zip(prompts, completions, strict=True):
             if isinstance(prompt, list):  # conversational
-                out.append(self.tokenizer.apply_chat_template(prompt + completion, tokenize=False,
-                                                              **self.chat_template_kwargs))
+                out.append(
+                    self.tokenizer.apply_chat_template(prompt + completion, tokenize=False, **self.chat_template_kwargs)
+                )
             else:
                 out.append(prompt + completion)
         return out
@@ -50,34 +56,51 @@ class RewardModel:
         size = self.batch_size or len(texts)
         rewards: list[float] = []
         for start in range(0, len(texts), size):
-            inputs = self.tokenizer(texts[start:start + size], return_tensors="pt", padding=True,
-                                    padding_side="right", add_special_tokens=False).to(device)
+            inputs = self.tokenizer(
+                texts[start : start + size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                add_special_tokens=False,
+            ).to(device)
             rewards.extend(self.model(**inputs).logits[:, 0].float().tolist())
         return rewards
 
 
-def load_reward_model(entry: str | torch.nn.Module, tokenizer: Any, init_kwargs: dict[str, Any] | None,
-                      trust_remote_code: bool, chat_template_kwargs: dict[str, Any] | None,
-                      device: torch.device) -> RewardModel:
+def load_reward_model(
+    entry: str | torch.nn.Module,
+    tokenizer: Any,
+    init_kwargs: dict[str, Any] | None,
+    trust_remote_code: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+    device: torch.device,
+) -> RewardModel:
     """A `RewardModel` for a reward_funcs entry that is a model id/path or a module."""
     if isinstance(entry, str):
-        model = load_pretrained(AutoModelForSequenceClassification, "reward model", entry, init_kwargs,
-                                trust_remote_code, num_labels=1)
+        model = load_pretrained(
+            AutoModelForSequenceClassification, "reward model", entry, init_kwargs, trust_remote_code, num_labels=1
+        )
         source = entry
     else:
         model = entry
         source = getattr(model.config, "_name_or_path", None) if hasattr(model, "config") else None
         if not hasattr(model, "config"):
-            raise ValueError(f"reward_funcs entry {type(entry).__name__} is a torch module without a transformers "
-                             "config: pass a sequence-classification model (AutoModelForSequenceClassification) "
-                             "or wrap the module in a Python reward function.")
+            raise ValueError(
+                f"reward_funcs entry {type(entry).__name__} is a torch module without a transformers "
+                "config: pass a sequence-classification model (AutoModelForSequenceClassification) "
+                "or wrap the module in a Python reward function."
+            )
     if tokenizer is None:
         if not source:
-            raise ValueError(f"No tokenizer for the reward model {type(model).__name__}: pass it in "
-                             "reward_processing_classes (one entry per reward function).")
+            raise ValueError(
+                f"No tokenizer for the reward model {type(model).__name__}: pass it in "
+                "reward_processing_classes (one entry per reward function)."
+            )
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:
-            raise ModelLoadError(f"Could not load the tokenizer of the reward model '{source}': "
-                                 f"{str(err).splitlines()[0][:200]}. Pass it in reward_processing_classes.") from None
+            raise ModelLoadError(
+                f"Could not load the tokenizer of the reward model '{source}': "
+                f"{str(err).splitlines()[0][:200]}. Pass it in reward_processing_classes."
+            ) from None
     return RewardModel(model.to(device), tokenizer, chat_template_kwargs)

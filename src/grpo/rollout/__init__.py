@@ -29,8 +29,9 @@ def build_engine(model: Any, tokenizer: Any, args: Any, stop_ids: list[int], acc
     reason = fast.unsupported_reason(model, args)
     if reason is None:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
-        engine: Engine = fast.FastEngine(model, tokenizer, args, stop_ids, autocast=accelerator.autocast,
-                                         compute_dtype=dtype)
+        engine: Engine = fast.FastEngine(
+            model, tokenizer, args, stop_ids, autocast=accelerator.autocast, compute_dtype=dtype
+        )
         logger.info("Generating with grpo's fast engine.")
         return engine
     logger.info("Generating with the plain transformers engine: %s.", reason)

@@ -103,8 +103,13 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], bool]
     return tokens, True
 
 
-def assemble(rows: Sequence[Request], completion_ids: list[list[int]], sampling_logps: list[list[float]],
-             stop_ids: set[int], tokenizer: Any) -> Rollout:
+def assemble(
+    rows: Sequence[Request],
+    completion_ids: list[list[int]],
+    sampling_logps: list[list[float]],
+    stop_ids: set[int],
+    tokenizer: Any,
+) -> Rollout:
     """A Rollout from each row's sampled tokens (cut after the first stop token) and their log-probs: truncated
     where no stop token ended it, decoded once, and as one assistant message for conversational prompts."""
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -114,8 +119,10 @@ def assemble(rows: Sequence[Request], completion_ids: list[list[int]], sampling_
         sampling_logps=sampling_logps,
         truncated=[not ids or ids[-1] not in stop_ids for ids in completion_ids],
         texts=texts,
-        messages=[[{"role": "assistant", "content": text}] if row.prompt.is_conversational else None
-                  for row, text in zip(rows, texts)],
+        messages=[
+            [{"role": "assistant", "content": text}] if row.prompt.is_conversational else None
+            for row, text in zip(rows, texts)
+        ],
     )
 
 
@@ -126,8 +133,8 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         if len(r):
-            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r):] = 1
+            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r) :] = 1
     return ids, mask
 
 

@@ -86,8 +86,9 @@ class low_precision_linears:  # noqa: N801 (a context manager used like a functi
 
     def __enter__(self) -> low_precision_linears:
         if self.dtype in (torch.bfloat16, torch.float16):
-            self.patched = [m for m in self.model.modules()
-                            if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
+            self.patched = [
+                m for m in self.model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+            ]
             self.swap = swapped_forwards([(m, fixed_linear(m.weight, m.bias, self.dtype)) for m in self.patched])
         self.swap.__enter__()
         return self
@@ -113,9 +114,18 @@ class FastEngine:
 
     name = "fast"
 
-    def __init__(self, model: Any, tokenizer: Any, args: Any, stop_ids: list[int], autocast: Any = None,
-                 share_prefix: bool = True, sampler: Sampler = sample_from,
-                 compute_dtype: torch.dtype | None = None, lean: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        args: Any,
+        stop_ids: list[int],
+        autocast: Any = None,
+        share_prefix: bool = True,
+        sampler: Sampler = sample_from,
+        compute_dtype: torch.dtype | None = None,
+        lean: bool = True,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.compute_dtype = compute_dtype  # autocast's dtype, if any: linears then use weights cast once
@@ -213,8 +223,14 @@ class _TransformersStepper:
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor, max_new: int) -> torch.Tensor:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         keep_last = {"logits_to_keep": 1} if accepts_logits_to_keep(self.model) else {}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         **{self.cache_arg: self.cache}, **keep_last)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self.cache_arg: self.cache},
+            **keep_last,
+        )
         self.cache.batch_select_indices(owner)  # copy each prompt's cache to its rows
         self.mask = mask[owner]
         self.positions = self.mask.sum(-1, keepdim=True)
@@ -222,8 +238,13 @@ class _TransformersStepper:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=-1)
-        out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=self.mask, position_ids=self.positions,
-                         use_cache=True, **{self.cache_arg: self.cache})
+        out = self.model(
+            input_ids=tokens.unsqueeze(-1),
+            attention_mask=self.mask,
+            position_ids=self.positions,
+            use_cache=True,
+            **{self.cache_arg: self.cache},
+        )
         self.positions = self.positions + 1
         return out.logits[:, -1, :].float()
 

@@ -37,8 +37,11 @@ def unsupported_reason(model: Any) -> str | None:
     if kind not in SUPPORTED:
         return f"model type {kind!r} is not one the lean decoder knows ({', '.join(SUPPORTED)})"
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "rotary_emb") or not isinstance(getattr(model, "lm_head", None),
-                                                                         torch.nn.Linear):
+    if (
+        inner is None
+        or not hasattr(inner, "rotary_emb")
+        or not isinstance(getattr(model, "lm_head", None), torch.nn.Linear)
+    ):
         return "the model does not have the usual Llama layout"
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
         return "the model uses a non-default activation or tensor-parallel split"
@@ -65,20 +68,26 @@ class LeanDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.layers = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            self.layers.append(dict(
-                norm1=_rms_norm(layer.input_layernorm), norm2=_rms_norm(layer.post_attention_layernorm),
-                qkv=fixed_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_bias, dtype),
-                o=fixed_linear(a.o_proj.weight, a.o_proj.bias, dtype),
-                gate_up=fixed_linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                                     None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias,
-                                                                                      m.up_proj.bias]), dtype),
-                down=fixed_linear(m.down_proj.weight, m.down_proj.bias, dtype),
-                intermediate=m.gate_proj.out_features))
+            self.layers.append(
+                dict(
+                    norm1=_rms_norm(layer.input_layernorm),
+                    norm2=_rms_norm(layer.post_attention_layernorm),
+                    qkv=fixed_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_bias, dtype),
+                    o=fixed_linear(a.o_proj.weight, a.o_proj.bias, dtype),
+                    gate_up=fixed_linear(
+                        torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+                        None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]),
+                        dtype,
+                    ),
+                    down=fixed_linear(m.down_proj.weight, m.down_proj.bias, dtype),
+                    intermediate=m.gate_proj.out_features,
+                )
+            )
         self.norm = _rms_norm(inner.norm)
         self.head = fixed_linear(model.lm_head.weight, model.lm_head.bias, dtype)
         self.keys: list[torch.Tensor] = []
@@ -111,7 +120,7 @@ class LeanDecoder:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns the next-token logits (rows, vocab) in float32."""
         self.valid[:, self.length] = True
-        attend = self.valid[:, None, None, :self.length + 1]
+        attend = self.valid[:, None, None, : self.length + 1]
         logits = self._forward(tokens.unsqueeze(-1), self.positions, attend)
         self.positions = self.positions + 1
         return logits
@@ -137,9 +146,14 @@ class LeanDecoder:
             q = _rope(q.view(b, t, self.heads, self.head_dim).transpose(1, 2), cos, sin).to(self.dtype)
             self.keys[i][:, :, start:end] = _rope(k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
             self.values[i][:, :, start:end] = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, self.keys[i][:, :, :end], self.values[i][:, :, :end],
-                                                 attn_mask=attend, scale=self.scale,
-                                                 enable_gqa=self.kv_heads != self.heads)
+            out = F.scaled_dot_product_attention(
+                q,
+                self.keys[i][:, :, :end],
+                self.values[i][:, :, :end],
+                attn_mask=attend,
+                scale=self.scale,
+                enable_gqa=self.kv_heads != self.heads,
+            )
             x = x + layer["o"](out.transpose(1, 2).reshape(b, t, q_size))
             gate, up = layer["gate_up"](layer["norm2"](x)).split(layer["intermediate"], dim=-1)
             x = x + layer["down"](F.silu(gate) * up)

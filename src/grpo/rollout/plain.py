@@ -19,10 +19,20 @@ from grpo.rollout.base import Request, Rollout, assemble, cut_at_stop, expand, l
 
 def sampling_config(args: Any, stop_ids: list[int], pad_id: int) -> GenerationConfig:
     """The generation parameters of GRPOConfig, with `generation_kwargs` applied over them."""
-    params = dict(max_new_tokens=args.max_completion_length, do_sample=True, temperature=args.temperature,
-                  top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                  eos_token_id=stop_ids, pad_token_id=pad_id, cache_implementation=args.cache_implementation,
-                  output_scores=True, return_dict_in_generate=True)
+    params = dict(
+        max_new_tokens=args.max_completion_length,
+        do_sample=True,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+        cache_implementation=args.cache_implementation,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     params.update(args.generation_kwargs or {})
     return GenerationConfig(**params)
 
@@ -32,8 +42,15 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, model: Any, tokenizer: Any, args: Any, stop_ids: list[int], autocast: Any = None,
-                 batch_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        args: Any,
+        stop_ids: list[int],
+        autocast: Any = None,
+        batch_size: int | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
@@ -51,7 +68,7 @@ class TransformersEngine:
         step = self.batch_size or len(rows)
         completions, logps = [], []
         for start in range(0, len(rows), step):
-            part_ids, part_logps = self._generate(rows[start:start + step])
+            part_ids, part_logps = self._generate(rows[start : start + step])
             completions += part_ids
             logps += part_logps
         return assemble(rows, completions, logps, self.stop_ids, self.tokenizer)
@@ -64,18 +81,27 @@ class TransformersEngine:
         self.model.eval()  # dropout off, and the KV cache on even when gradient checkpointing is enabled
         try:
             with self.autocast() if self.autocast else nullcontext():
-                out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                          generation_config=self.config, max_new_tokens=max(budgets))
+                out = self.model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    generation_config=self.config,
+                    max_new_tokens=max(budgets),
+                )
         finally:
             self.model.train(was_training)
-        new_tokens = out.sequences[:, ids.shape[1]:]
+        new_tokens = out.sequences[:, ids.shape[1] :]
         # scores[t] are the processed logits the token at step t was drawn from; one step at a time keeps the
         # extra memory at (B, V)
-        token_logps = torch.stack([torch.log_softmax(s.float(), dim=-1).gather(-1, new_tokens[:, t, None])[:, 0]
-                                   for t, s in enumerate(out.scores)], dim=1)
+        token_logps = torch.stack(
+            [
+                torch.log_softmax(s.float(), dim=-1).gather(-1, new_tokens[:, t, None])[:, 0]
+                for t, s in enumerate(out.scores)
+            ],
+            dim=1,
+        )
         completions, logps = [], []
         for row, row_logps, budget in zip(new_tokens.tolist(), token_logps.tolist(), budgets):
             kept, _ = cut_at_stop(row[:budget], self.stop_ids)
             completions.append(kept)
-            logps.append(row_logps[:len(kept)])
+            logps.append(row_logps[: len(kept)])
         return completions, logps
