@@ -4,7 +4,8 @@
 
 --pause-after N: once checkpoint-N is complete, print SAVED and wait (to be killed with SIGKILL);
 --block-writing N: while writing checkpoint-N, print WRITING and wait (a kill mid-write);
---term-at N: send this process SIGTERM during step N (preemption);
+--term-at N: send this process SIGTERM at the end of step N (preemption between steps);
+--hang-reward-at N: the reward function never returns in step N (print HUNG first; the test sends SIGTERM);
 --zero N: under DeepSpeed ZeRO stage N, as `accelerate launch --use_deepspeed --zero_stage N` sets it up (launch
   with torchrun);
 --stop-after N: once checkpoint-N is complete, every process ends at once (os._exit: no cleanup, as if killed).
@@ -24,8 +25,12 @@ from datasets import Dataset
 import grpo.checkpoint as ckpt
 from grpo import GRPOConfig, GRPOTrainer
 
+HANG_AT = 0
 
-def length_reward(completions, **kwargs):
+
+def length_reward(completions, trainer_state, **kwargs):
+    if trainer_state.global_step + 1 == HANG_AT:
+        hang("HUNG")
     return [len(c if isinstance(c, str) else c[0]["content"]) / 8.0 for c in completions]
 
 
@@ -46,7 +51,10 @@ def main() -> None:
     p.add_argument("--term-at", type=int, default=0)
     p.add_argument("--zero", type=int, default=0)
     p.add_argument("--stop-after", type=int, default=0)
+    p.add_argument("--hang-reward-at", type=int, default=0)
     o = p.parse_args()
+    global HANG_AT
+    HANG_AT = o.hang_reward_at
     if o.zero:
         os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(o.zero))
     torch.set_num_threads(1)
@@ -92,9 +100,10 @@ def main() -> None:
         step = trainer._step
 
         def step_with_sigterm():
-            if trainer.state.global_step + 1 == o.term_at:
+            loss = step()
+            if trainer.state.global_step == o.term_at:  # between steps (inside one: the hung-reward test)
                 os.kill(os.getpid(), signal.SIGTERM)
-            return step()
+            return loss
 
         trainer._step = step_with_sigterm
     trainer.train(resume_from_checkpoint=bool(o.resume) or None)

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -23,20 +24,25 @@ from tiny import make_model, make_tokenizer
 JOB = os.path.join(os.path.dirname(__file__), "resume_job.py")
 
 
-def job(out, model, spg, resume, *extra, wait_for=None):
+def job(out, model, spg, resume, *extra, wait_for=None, send=signal.SIGKILL, status=0):
+    """Run resume_job.py; with `wait_for`, send `send` once it prints that line. Returns (stderr, seconds from the
+    signal to the exit); the exit status must be `status` (-SIGKILL when killed)."""
     cmd = [sys.executable, JOB, str(out), model, str(spg), str(int(resume)), *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     if wait_for is None:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done
+        assert done.returncode == status, done.stderr[-3000:]
+        return done.stderr, 0.0
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     for line in proc.stdout:
         if line.strip() == wait_for:
-            proc.send_signal(signal.SIGKILL)
+            proc.send_signal(send)
+            sent = time.monotonic()
             break
     proc.wait(timeout=600)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
+    stderr = proc.stderr.read()
+    assert proc.returncode == (-signal.SIGKILL if send == signal.SIGKILL else status), stderr[-3000:]
+    return stderr, time.monotonic() - sent
 
 
 def two_processes(out, model, spg, resume, *extra):
@@ -74,7 +80,7 @@ def assert_bit_identical(resumed, reference, initial_dir):
 def test_sigkill_after_checkpoint_then_resume_is_exact(tiny_model_dir, tmp_path, straight, spg):
     out = tmp_path / "run"
     job(out, tiny_model_dir, spg, False, "--pause-after", "3", wait_for="SAVED")
-    assert sorted(os.listdir(out)) == ["checkpoint-3", "metrics.jsonl"]
+    assert sorted(os.listdir(out)) == [".grpo.lock", "checkpoint-3", "metrics.jsonl"]
     assert steps_logged(out) == [1, 2, 3]
     if spg == 2:  # step 3 is the first half of a generation cycle: the rest of the batch was saved
         assert os.path.exists(out / "checkpoint-3" / "rollouts_0.pt")
@@ -102,13 +108,44 @@ def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tiny_mode
 
 
 def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tiny_model_dir, tmp_path, straight):
+    """Preempted between steps: the step finishes, is saved, and the process exits with status 143 (not 0: a
+    `train && upload` script must not upload an unfinished run)."""
     out = tmp_path / "run"
-    done = job(out, tiny_model_dir, 1, False, "--term-at", "2")
-    assert "SIGTERM received: saved" in done.stderr and "Traceback" not in done.stderr
-    assert sorted(os.listdir(out)) == ["checkpoint-2", "metrics.jsonl"] and steps_logged(out) == [1, 2]
+    stderr, _ = job(out, tiny_model_dir, 1, False, "--term-at", "2", status=143)
+    assert "SIGTERM received: the newest checkpoint is" in stderr and "Traceback" not in stderr
+    assert "checkpoint-2" in stderr and "status 143" in stderr
+    assert sorted(os.listdir(out)) == [".grpo.lock", "checkpoint-2", "metrics.jsonl"] and steps_logged(out) == [1, 2]
     job(out, tiny_model_dir, 1, True)
     assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
     assert_bit_identical(final_params(out), straight[1], tiny_model_dir)
+
+
+@pytest.mark.parametrize("spg, hang_at", [(1, 3), (2, 5)])
+def test_sigterm_during_a_hung_reward_ends_promptly_and_resumes_exactly(
+    tiny_model_dir, tmp_path, straight, spg, hang_at
+):
+    """The reward function hangs in step N (no time limit would end it soon: the default is 600 s); SIGTERM ends
+    the process within seconds with status 143, having saved the state at the end of step N-1 (nothing of step N
+    was applied), and resuming from it ends bit-identical to a straight run."""
+    out = tmp_path / "run"
+    stderr, seconds = job(
+        out,
+        tiny_model_dir,
+        spg,
+        False,
+        "--hang-reward-at",
+        str(hang_at),
+        wait_for="HUNG",
+        send=signal.SIGTERM,
+        status=143,
+    )
+    assert seconds < 15, seconds
+    assert "SIGTERM received during a step" in stderr and f"checkpoint-{hang_at - 1}" in stderr
+    assert f"checkpoint-{hang_at - 1}" in os.listdir(out)
+    assert steps_logged(out) == list(range(1, hang_at))
+    job(out, tiny_model_dir, spg, True)
+    assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
+    assert_bit_identical(final_params(out), straight[spg], tiny_model_dir)
 
 
 def test_checkpoint_that_does_not_fit_is_named(tiny_model_dir, tmp_path):

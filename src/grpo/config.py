@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -40,7 +41,9 @@ class GRPOConfig:
     )
     save_steps: float = _help("Save a checkpoint every N optimizer steps (float < 1: fraction of max_steps).", 500)
     save_strategy: str = _help("'steps' or 'no'.", "steps")
-    save_total_limit: Optional[int] = _help("Keep at most this many checkpoints (the newest).")
+    save_total_limit: Optional[int] = _help(
+        "Keep at most this many checkpoints (the newest); None or a value <= 0: keep all (as the HF Trainer)."
+    )
     disable_tqdm: bool = _help("Turn the live progress display off.", False)
     log_completions: bool = _help("Print a sample of completions at each logging step.", False)
     num_completions_to_print: Optional[int] = _help("How many completions log_completions prints (None: all).")
@@ -108,6 +111,11 @@ class GRPOConfig:
     loss_type: str = _help("One of: " + ", ".join(LOSS_TYPES) + ".", "dapo")
     scale_rewards: str = _help("'group', 'batch' or 'none' (True = 'group', False = 'none').", "group")
     reward_weights: Optional[list[float]] = _help("One weight per reward function (None: all 1.0).")
+    reward_timeout: Optional[float] = _help(
+        "Seconds one call of a reward function may take; a call that takes longer stops training with an error "
+        "naming the function (None or 0: no limit).",
+        600.0,
+    )
     multi_objective_aggregation: str = _help(
         "'sum_then_normalize' or 'normalize_then_sum' (GDPO).", "sum_then_normalize"
     )
@@ -170,6 +178,9 @@ class GRPOConfig:
             self.epsilon_high = self.epsilon
         if self.output_dir is not None:
             self.output_dir = os.fspath(self.output_dir)
+        if self.save_total_limit is not None and self.save_total_limit <= 0:
+            self.save_total_limit = None  # the HF Trainer's meaning: no limit
+        _check_numbers(self)
         self._derive_generation_batch()
         _validate(self)
 
@@ -211,6 +222,24 @@ def _parse_scale_rewards(value: Any) -> str:
 def _require(ok: bool, name: str, fix: str) -> None:
     if not ok:
         raise ValueError(f"GRPOConfig.{name} {fix}.")
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _check_numbers(c: GRPOConfig) -> None:
+    """Every number in the config is finite and float32-representable: training computes in float32, where 1e39
+    is inf and inf or NaN turn into NaN weights or zero gradients."""
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        for number in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                continue
+            if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+                raise ValueError(
+                    f"GRPOConfig.{f.name} is {value!r}; it must be a finite number within float32's range "
+                    "(|x| <= 3.4e38), since training computes in float32, where it would be inf or NaN."
+                )
 
 
 def _validate(c: GRPOConfig) -> None:
@@ -261,6 +290,11 @@ def _validate(c: GRPOConfig) -> None:
     _require(c.dynamic_sampling_std_threshold >= 0, "dynamic_sampling_std_threshold", "must be >= 0")
     _require(c.steps_per_generation >= 1, "steps_per_generation", "must be >= 1")
     _require(c.learning_rate >= 0, "learning_rate", "must be >= 0")
+    _require(
+        c.reward_timeout is None or c.reward_timeout >= 0,
+        "reward_timeout",
+        "must be >= 0 seconds (0 or None: no limit)",
+    )
     _require(
         c.max_steps != 0 and (c.max_steps > 0 or c.num_train_epochs > 0),
         "max_steps",

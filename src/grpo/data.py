@@ -6,6 +6,8 @@ resumed run sees exactly the prompts the uninterrupted one would have seen.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 
 from grpo.rollout.base import Prompt, Request
 
+logger = logging.getLogger("grpo")
 UNSUPPORTED_COLUMNS = ("image", "images")
 
 
@@ -21,13 +24,20 @@ def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict) and "role" in prompt[0]
 
 
+# keywords the trainer itself passes to reward functions: a dataset column of that name would be shadowed
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+# columns not passed to reward functions, as in TRL (a dataset's own completions are not the sampled ones)
+DROPPED_COLUMNS = ("completion",)
+
+
 def check_dataset(dataset: Any) -> None:
-    """Fail early, with the fix, on datasets the trainer cannot use."""
+    """Fail early, with the fix, on datasets the trainer cannot use: the columns, and every row's prompt (its
+    shape only, no tokenization: cheap for any size)."""
     if dataset is None:
         raise ValueError("train_dataset is None: pass a datasets.Dataset (or list of dicts) with a 'prompt' column.")
-    columns = list(getattr(dataset, "column_names", None) or (dataset[0].keys() if len(dataset) else []))
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty: it needs at least one row with a 'prompt'.")
+    columns = list(getattr(dataset, "column_names", None) or dataset[0].keys())
     if "prompt" not in columns:
         raise ValueError(
             f"train_dataset has no 'prompt' column (columns: {columns}). Rename the column that holds "
@@ -40,6 +50,47 @@ def check_dataset(dataset: Any) -> None:
                 f"not available yet in grpo. Remove the column (dataset.remove_columns('{name}')) to "
                 "train on text only."
             )
+    for name in RESERVED_COLUMNS:
+        if name in columns:
+            raise ValueError(
+                f"train_dataset has a '{name}' column, but reward functions receive the trainer's own '{name}' "
+                f"under that keyword. Rename the column (dataset.rename_column('{name}', 'my_{name}'))."
+            )
+    for name in DROPPED_COLUMNS:
+        if name in columns:
+            warnings.warn(
+                f"train_dataset's '{name}' column is not passed to reward functions (they get the sampled "
+                f"completions as 'completions', as in TRL); rename it to pass it.",
+                stacklevel=3,
+            )
+    prompts = dataset["prompt"] if hasattr(dataset, "column_names") else None
+    for i in range(len(dataset)):
+        if prompts is None and "prompt" not in dataset[i]:
+            raise ValueError(f"train_dataset row {i} has no 'prompt': every row needs one.")
+        problem = _prompt_problem(prompts[i] if prompts is not None else dataset[i]["prompt"])
+        if problem:
+            raise ValueError(f"train_dataset row {i}: {problem}")
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    """What is wrong with one prompt (None: nothing)."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "the prompt is empty; give every row a non-empty prompt (or drop it)."
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return (
+            f"the prompt is {type(prompt).__name__} {prompt!r:.80}; a prompt is a non-empty string or a "
+            "list of {'role': ..., 'content': ...} messages."
+        )
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"message {j} of the prompt has no 'role'; each message is {{'role': ..., 'content': ...}}."
+        content = message.get("content")
+        if not isinstance(content, (str, list)):
+            return (
+                f"message {j} of the prompt ({message['role']}) has no text 'content' (it is "
+                f"{type(content).__name__}); give it a string."
+            )
+    return None
 
 
 def render_prompts(prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None) -> list[str]:
@@ -82,18 +133,51 @@ def make_prompt(prompt: Any, tokenizer: Any, chat_template_kwargs: dict | None =
 
 
 class PromptSource:
-    """The dataset's prompts as `Prompt` records, each tokenized once (on first use) and kept."""
+    """The dataset's prompts as `Prompt` records, each tokenized once (on first use) and kept. With the model's
+    context length, a prompt that does not fit is an error naming its row, and one that leaves less room than
+    max_completion_length a warning (once)."""
 
-    def __init__(self, dataset: Any, tokenizer: Any, chat_template_kwargs: dict | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        tokenizer: Any,
+        chat_template_kwargs: dict | None = None,
+        context: int | None = None,
+        max_completion_length: int = 0,
+    ) -> None:
         self.dataset = dataset
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs
+        self.context = context
+        self.max_completion_length = max_completion_length
         self._cache: dict[int, Prompt] = {}
+        self._warned = False
 
     def __getitem__(self, row: int) -> Prompt:
         if row not in self._cache:
-            self._cache[row] = make_prompt(self.dataset[row]["prompt"], self.tokenizer, self.chat_template_kwargs)
+            prompt = make_prompt(self.dataset[row]["prompt"], self.tokenizer, self.chat_template_kwargs)
+            self._check_length(row, len(prompt.ids))
+            self._cache[row] = prompt
         return self._cache[row]
+
+    def _check_length(self, row: int, length: int) -> None:
+        if not self.context:
+            return
+        if length >= self.context:
+            raise ValueError(
+                f"train_dataset row {row}: the prompt is {length} tokens, but the model's context is "
+                f"{self.context}: no completion fits. Shorten it, or filter long prompts out of the dataset."
+            )
+        if length + self.max_completion_length > self.context and not self._warned:
+            self._warned = True
+            logger.warning(
+                "train_dataset row %d: the prompt (%d tokens) plus max_completion_length (%d) exceeds the model's "
+                "context (%d); completions running that long go past the positions the model was trained on.",
+                row,
+                length,
+                self.max_completion_length,
+                self.context,
+            )
 
     def requests(self, rows: Sequence[int]) -> list[Request]:
         """One request per run of equal consecutive rows (a process's share of a prompt's group), in order."""

@@ -94,13 +94,14 @@ class MetricsLogger:
         row: dict[str, Any] = {"step": step, "epoch": round(epoch, 4)}
         for name, values in self.values.items():
             valid = [v for v in values if not math.isnan(v)]
-            row[name] = sum(valid) / len(valid) if valid else None
+            mean = sum(valid) / len(valid) if valid else None
+            row[name] = mean if mean is None or math.isfinite(mean) else None  # metrics.jsonl stays valid JSON
         self.values.clear()
         if self.is_main:
             if self.path:
                 os.makedirs(os.path.dirname(self.path), exist_ok=True)
                 with open(self.path, "a") as f:  # append: a resumed run never rewrites earlier rows
-                    f.write(json.dumps(row) + "\n")
+                    f.write(json.dumps(row, allow_nan=False) + "\n")
             if self.progress is not None:
                 shown = "  ".join(f"{k.split('/')[-1]}={row[k]:.3g}" for k in SHOWN if row.get(k) is not None)
                 self.progress.update(self.task, completed=step, shown=shown)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 
 class ModelLoadError(OSError):
@@ -40,6 +41,27 @@ def _load_error(kind: str, model_id: str, err: Exception) -> ModelLoadError:
         f"Could not load the {kind} '{model_id}': {reason}. Pass the path of a local model "
         "directory, or a Hub id on a machine that can reach the Hub."
     )
+
+
+def _missing_directory(model_id: str) -> str | None:
+    """For an id that can only be a local path (it starts with '.', '/' or '~', has more than one '/', or its
+    first segment is a local directory) and does not exist: what to say. None for ids that may be Hub ids."""
+    if os.path.isdir(model_id):
+        return None
+    first = model_id.split("/")[0]
+    if model_id.startswith((".", "/", "~")) or model_id.count("/") > 1 or (first != model_id and os.path.isdir(first)):
+        return f"no such directory ({os.path.abspath(os.path.expanduser(model_id))}); check the path"
+    return None
+
+
+def _local_only(auto_class: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """from_pretrained keywords that keep the call off the network. transformers' auto model classes look for a PEFT
+    adapter config with their own keywords (`adapter_kwargs`), which do not inherit local_files_only: without it
+    a missing id costs ~23 s of retried requests offline."""
+    local = dict(kwargs, local_files_only=True)
+    if issubclass(auto_class, _BaseAutoModelClass):
+        local["adapter_kwargs"] = dict(kwargs.get("adapter_kwargs") or {}, local_files_only=True)
+    return local
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -77,14 +99,24 @@ def own_memory(model: PreTrainedModel) -> PreTrainedModel:
 def load_pretrained(
     auto_class: Any, kind: str, model_id: str, init_kwargs: dict[str, Any] | None, trust_remote_code: bool, **extra: Any
 ) -> PreTrainedModel:
-    """`auto_class.from_pretrained` with an offline machine failing in seconds and one clear `ModelLoadError`."""
+    """`auto_class.from_pretrained` with `from_pretrained_checked`'s errors, `init_kwargs`' dtype resolved."""
     kwargs = _resolve_dtype(init_kwargs or {})
     kwargs.setdefault("trust_remote_code", trust_remote_code)
     kwargs.update(extra)
+    return from_pretrained_checked(auto_class, kind, model_id, **kwargs)
+
+
+def from_pretrained_checked(auto_class: Any, kind: str, model_id: str, **kwargs: Any) -> Any:
+    """`auto_class.from_pretrained(model_id)` that fails at once with one clear `ModelLoadError`: "no such
+    directory" for ids that can only be paths, the local cache tried before the network, and an unreachable Hub
+    found with one quick connection instead of the hub client's retries."""
+    missing_path = _missing_directory(model_id)
+    if missing_path is not None:
+        raise ModelLoadError(f"Could not load the {kind} '{model_id}': {missing_path}.")
     try:
         if not os.path.isdir(model_id):
             try:  # already in the local cache: no network needed
-                return auto_class.from_pretrained(model_id, local_files_only=True, **kwargs)
+                return auto_class.from_pretrained(model_id, **_local_only(auto_class, kwargs))
             except OSError:
                 if not _hub_reachable():
                     raise OSError(
@@ -96,11 +128,9 @@ def load_pretrained(
 
 
 def load_tokenizer(model_id: str, trust_remote_code: bool) -> Any:
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise _load_error("tokenizer", model_id, err) from None
-    return prepare_tokenizer(tokenizer)
+    return prepare_tokenizer(
+        from_pretrained_checked(AutoTokenizer, "tokenizer", model_id, trust_remote_code=trust_remote_code)
+    )
 
 
 def prepare_tokenizer(tokenizer: Any) -> Any:
@@ -109,6 +139,13 @@ def prepare_tokenizer(tokenizer: Any) -> Any:
         tokenizer = tokenizer.tokenizer
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"The tokenizer ({type(tokenizer).__name__}) has neither a pad token nor an EOS token: generation "
+                "needs one to pad prompts and another to end completions. Give it both, e.g. "
+                "tokenizer.add_special_tokens({'pad_token': '<pad>', 'eos_token': '</s>'}) and "
+                "model.resize_token_embeddings(len(tokenizer)), then pass it as processing_class."
+            )
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

@@ -4,9 +4,13 @@ for code that reads weights directly, and their checkpoints (torch.distributed.c
 from __future__ import annotations
 
 import contextlib
+import pickle
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -61,8 +65,46 @@ def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direct
 
 
 def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
-    """`save_shards`'s shards back into a model sharded the same way, and its optimizer (every process)."""
+    """`save_shards`'s shards back into a model sharded the same way, and its optimizer (every process). The
+    checkpoint's metadata (a pickle) is read with an unpickler that builds only checkpoint-metadata classes."""
     model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer)
     state = {"model": model_state_dict, "optimizer": optimizer_state_dict}
-    dcp.load(state, checkpoint_id=directory)
+    dcp.load(state, storage_reader=_MetadataOnlyReader(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Builds torch.distributed.checkpoint's metadata classes, torch sizes and dtypes and plain containers;
+    anything else in the file (a crafted `__reduce__`) is refused instead of run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        plain = {
+            ("collections", "OrderedDict"),
+            ("builtins", "set"),
+            ("builtins", "frozenset"),
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PureWindowsPath"),
+        }
+        if (
+            module.startswith("torch.distributed.checkpoint.")
+            or (module, name) in plain
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class _MetadataOnlyReader(FileSystemReader):
+    """torch's file-system reader, with the metadata read by `_RestrictedUnpickler` (torch's own uses pickle.load)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+            metadata = _RestrictedUnpickler(stream).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

@@ -140,9 +140,39 @@ def save(accelerator: Any, directory: str) -> None:
 
 
 def load(accelerator: Any, directory: str) -> None:
-    """`save`'s state back into the engine (every process); the scheduler is restored by the trainer."""
-    path, _ = engine(accelerator).load_checkpoint(
-        directory, tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
-    )
+    """`save`'s state back into the engine (every process); the scheduler is restored by the trainer. DeepSpeed
+    reads its files with `torch.load(weights_only=False)`; here they are read weights-only, with the few
+    DeepSpeed and Python classes its checkpoints hold allowed by name, so a crafted file cannot run code."""
+    with _weights_only_torch_load():
+        path, _ = engine(accelerator).load_checkpoint(
+            directory, tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
     if path is None:
         raise FileNotFoundError(f"No DeepSpeed state in {directory}")
+
+
+def _checkpoint_globals() -> list[Any]:
+    """The classes (besides tensors and containers) that DeepSpeed's engine checkpoints hold: the loss scaler's
+    state, the ZeRO stage, parameter fragment addresses."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def _weights_only_torch_load():
+    """While active, every `torch.load` is weights-only (whatever the caller asks), with `_checkpoint_globals`."""
+    original = torch.load
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        kwargs["weights_only"] = True
+        with torch.serialization.safe_globals(_checkpoint_globals()):
+            return original(*args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original

@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import functools
 import inspect
 import math
 import numbers
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from grpo import preemption
 from grpo.rewards.models import load_reward_model
 from grpo.rollout.base import Rollout
+
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RewardFunctionError(ValueError):
@@ -129,31 +134,49 @@ def _check_values(name: str, values: Any, n: int) -> list[float]:
                 f"sample {i}; rewards must be numbers, or None when the function does not "
                 "apply to a sample."
             )
-        if not math.isfinite(value):
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
             raise RewardFunctionError(
-                f"Reward function '{name}' returned {value} for sample {i}; rewards must be "
-                "finite. Return None to say the function does not apply to a sample."
+                f"Reward function '{name}' returned {value} for sample {i}; rewards must be finite in float32 "
+                "(|x| <= 3.4e38), the precision they are normalized in. Return None to say the function does "
+                "not apply to a sample."
             )
         out.append(float(value))
     return out
 
 
-def score(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict[str, Any], n: int) -> torch.Tensor:
-    """(n, K) float32 rewards, NaN where a function returned None. Raises RewardFunctionError on bad output.
+def score(
+    funcs: Sequence[Callable],
+    names: Sequence[str],
+    kwargs: dict[str, Any] | Callable[[], dict[str, Any]],
+    n: int,
+    timeout: float | None = None,
+) -> torch.Tensor:
+    """(n, K) float32 rewards, NaN where a function returned None. Raises RewardFunctionError on bad output, on
+    a raise, and on a call that takes longer than `timeout` seconds (None or 0: no limit).
 
-    The `async def` functions start first, on the background loop, and run there while the sync ones run in
-    turn on this thread: a slow sync function delays nothing on the loop."""
+    `kwargs` is the keywords, or a function making a fresh copy of them for each reward function (so that what one
+    function does to its arguments reaches neither the others nor the trainer). The `async def` functions start
+    first, on the background loop, each under the time limit; the sync ones run in turn, each on a daemon worker
+    thread while this thread waits (so a hung one is reported, and SIGTERM is seen: `grpo.preemption`). An error
+    is reported at once, without waiting for the other functions."""
+    fresh = kwargs if callable(kwargs) else (lambda: kwargs)
     is_async = [_is_async(func) for func in funcs]
     async_ks = [k for k in range(len(funcs)) if is_async[k]]
-    pending = _BackgroundLoop.submit([_call(names[k], funcs[k], kwargs) for k in async_ks]) if async_ks else None
+    coroutines = [_timed(names[k], funcs[k], fresh(), timeout) for k in async_ks]
+    pending = _BackgroundLoop.submit(coroutines) if async_ks else None
     results: dict[int, Any] = {}
     try:
         for k, func in enumerate(funcs):
             if not is_async[k]:
-                results[k] = _call(names[k], func, kwargs)
-    finally:
-        outputs = pending.result() if pending is not None else []  # never leave the async ones running
+                results[k] = _call_in_thread(names[k], func, fresh(), timeout)
+        outputs = _wait_for_async(pending, [names[k] for k in async_ks], timeout) if pending else []
+    except BaseException:
+        if pending is not None:
+            pending.cancel()  # never wait for the async ones after an error (a hung one would hang the run)
+        raise
     for k, output in zip(async_ks, outputs):
+        if isinstance(output, RewardFunctionError):
+            raise output
         if isinstance(output, BaseException):
             raise RewardFunctionError(
                 f"Reward function '{names[k]}' raised {type(output).__name__}: {output}"
@@ -161,7 +184,7 @@ def score(funcs: Sequence[Callable], names: Sequence[str], kwargs: dict[str, Any
         results[k] = output
     columns = [_check_values(names[k], results[k], n) for k in range(len(funcs))]
     rewards = torch.tensor(columns, dtype=torch.float32).T.reshape(n, len(funcs))
-    _warn_unscorable(rewards, kwargs)
+    _warn_unscorable(rewards, fresh())
     return rewards
 
 
@@ -171,6 +194,67 @@ def _call(name: str, func: Callable, kwargs: dict[str, Any]) -> Any:
         return func(**kwargs)
     except Exception as err:
         raise RewardFunctionError(f"Reward function '{name}' raised {type(err).__name__}: {err}") from err
+
+
+def _too_slow(names: Sequence[str], timeout: float) -> RewardFunctionError:
+    which = ", ".join(f"'{name}'" for name in names)
+    return RewardFunctionError(
+        f"Reward function {which} did not return within {timeout:g} s (GRPOConfig.reward_timeout). Make it "
+        "faster, or raise reward_timeout (None or 0: no limit); checkpoints on disk are untouched."
+    )
+
+
+async def _timed(name: str, func: Callable, kwargs: dict[str, Any], timeout: float | None) -> Any:
+    """The async function's call under the time limit, on the background loop."""
+    try:
+        return await asyncio.wait_for(_call(name, func, kwargs), timeout or None)
+    except asyncio.TimeoutError:
+        raise _too_slow([name], timeout) from None
+
+
+def _wait(done: Callable[[float], bool], names: Sequence[str], timeout: float | None) -> None:
+    """Wait until `done(poll_seconds)` says so, checking for SIGTERM in between; past `timeout` (+1 s of grace
+    for the async functions' own limits to fire) the named functions are reported as hung."""
+    deadline = time.monotonic() + timeout + 1.0 if timeout else None
+    while not done(0.05):
+        preemption.check()
+        if deadline is not None and time.monotonic() > deadline:
+            raise _too_slow(names, timeout)
+
+
+def _call_in_thread(name: str, func: Callable, kwargs: dict[str, Any], timeout: float | None) -> Any:
+    """func(**kwargs) on a daemon thread (a hung call cannot keep the process alive), waited for here."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = _call(name, func, kwargs)
+        except BaseException as err:  # handed to the waiting thread
+            box["error"] = err
+
+    worker = threading.Thread(target=run, daemon=True, name=f"grpo-reward-{name}")
+    worker.start()
+
+    def finished(poll: float) -> bool:
+        worker.join(poll)
+        return not worker.is_alive()
+
+    _wait(finished, [name], timeout)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _wait_for_async(pending: concurrent.futures.Future, names: Sequence[str], timeout: float | None) -> list:
+    def finished(poll: float) -> bool:
+        try:
+            pending.result(timeout=poll)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
+
+    _wait(finished, names, timeout)
+    return pending.result()
 
 
 def _warn_unscorable(rewards: torch.Tensor, kwargs: dict[str, Any]) -> None:
@@ -196,10 +280,11 @@ def _warn_unscorable(rewards: torch.Tensor, kwargs: dict[str, Any]) -> None:
 class RewardFunctions:
     """The run's reward functions, their metric names and weights; calling it scores one rollout."""
 
-    def __init__(self, funcs: list[Callable], weights: Sequence[float] | None) -> None:
+    def __init__(self, funcs: list[Callable], weights: Sequence[float] | None, timeout: float | None = None) -> None:
         self.funcs = funcs
         self.names = [reward_name(f) for f in funcs]
         self.weights = torch.tensor(weights or [1.0] * len(funcs))
+        self.timeout = timeout
 
     @classmethod
     def build(cls, reward_funcs: Any, args: Any, processing_classes: Any, device: torch.device) -> RewardFunctions:
@@ -210,7 +295,8 @@ class RewardFunctions:
                 entry, tokenizer, args.model_init_kwargs, args.trust_remote_code, args.chat_template_kwargs, device
             )
 
-        return cls(check_reward_funcs(reward_funcs, args.reward_weights, processing_classes, load), args.reward_weights)
+        funcs = check_reward_funcs(reward_funcs, args.reward_weights, processing_classes, load)
+        return cls(funcs, args.reward_weights, args.reward_timeout)
 
     def __call__(
         self,
@@ -221,19 +307,29 @@ class RewardFunctions:
         log_extra: Callable[[str, list], None],
     ) -> torch.Tensor:
         """(rows, functions) rewards of the rollout's completions; every dataset column but the prompt (and
-        "completion", "completion_ids") reaches the functions as a keyword, one value per completion."""
+        "completion", "completion_ids") reaches the functions as a keyword, one value per completion. Each
+        function gets its own copy of everything (the trainer state too): what it does to its arguments changes
+        nothing that is trained, nor what the other functions see."""
         columns: dict[str, list] = {}
         for example in examples:
             for key, value in example.items():
                 if key not in ("prompt", "completion", "completion_ids"):
                     columns.setdefault(key, []).append(value)
-        kwargs = dict(
+        shared = dict(
             columns,
             prompts=[e["prompt"] for e in examples],
             completions=rollout.completions,
             completion_ids=rollout.completion_ids,
-            trainer_state=trainer_state,
-            log_metric=log_metric,
-            log_extra=log_extra,
         )
-        return score(self.funcs, self.names, kwargs, len(examples))
+        history = trainer_state.log_history
+
+        def fresh() -> dict[str, Any]:
+            trainer_state.log_history = []  # rows hold numbers only: copied as new dicts, not deep-copied
+            try:
+                state = copy.deepcopy(trainer_state)
+            finally:
+                trainer_state.log_history = history
+            state.log_history = [dict(row) for row in history]
+            return dict(copy.deepcopy(shared), trainer_state=state, log_metric=log_metric, log_extra=log_extra)
+
+        return score(self.funcs, self.names, fresh, len(examples), self.timeout)

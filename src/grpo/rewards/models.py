@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from grpo.modeling import ModelLoadError, load_pretrained, model_name
+from grpo.modeling import ModelLoadError, from_pretrained_checked, load_pretrained, model_name
 
 
 class RewardModel:
@@ -97,10 +97,9 @@ def load_reward_model(
                 "reward_processing_classes (one entry per reward function)."
             )
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(
-                f"Could not load the tokenizer of the reward model '{source}': "
-                f"{str(err).splitlines()[0][:200]}. Pass it in reward_processing_classes."
-            ) from None
+            tokenizer = from_pretrained_checked(
+                AutoTokenizer, "reward model's tokenizer", source, trust_remote_code=trust_remote_code
+            )
+        except ModelLoadError as err:
+            raise ModelLoadError(f"{err} Or pass the tokenizer in reward_processing_classes.") from None
     return RewardModel(model.to(device), tokenizer, chat_template_kwargs)

@@ -12,8 +12,9 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from grpo import preemption
 from grpo.rollout.base import Request, Rollout, assemble, cut_at_stop, expand, left_pad
 
 
@@ -35,6 +36,13 @@ def sampling_config(args: Any, stop_ids: list[int], pad_id: int) -> GenerationCo
     )
     params.update(args.generation_kwargs or {})
     return GenerationConfig(**params)
+
+
+class _StopOnPreemption(StoppingCriteria):
+    """Ends `model.generate` at the next token once SIGTERM has arrived (the engine then raises `Preempted`)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), preemption.requested(), dtype=torch.bool, device=input_ids.device)
 
 
 class TransformersEngine:
@@ -86,9 +94,11 @@ class TransformersEngine:
                     attention_mask=mask.to(device),
                     generation_config=self.config,
                     max_new_tokens=max(budgets),
+                    stopping_criteria=StoppingCriteriaList([_StopOnPreemption()]),
                 )
         finally:
             self.model.train(was_training)
+        preemption.check()
         new_tokens = out.sequences[:, ids.shape[1] :]
         # scores[t] are the processed logits the token at step t was drawn from; one step at a time keeps the
         # extra memory at (B, V)

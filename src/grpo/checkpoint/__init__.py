@@ -1,0 +1,374 @@
+"""Checkpoints that resume exactly: `<output_dir>/checkpoint-<step>`.
+
+A checkpoint is written under a temporary name and renamed into place once complete, so a crash (or SIGKILL)
+mid-write never leaves a directory a resume would pick; a failed write (a full disk) removes the temporary
+directory and says which complete checkpoint is the newest. It holds:
+- the policy and tokenizer as a Hugging Face model directory (loadable with `from_pretrained`);
+- `optimizer.pt`, `scheduler.pt` (and `scaler.pt` with fp16 loss scaling); for a sharded model (FSDP) the
+  model and optimizer shards instead go to `sharded/`, written by every process with
+  torch.distributed.checkpoint; under DeepSpeed, its own engine checkpoint goes to `deepspeed/` (every process
+  writes its optimizer partition); the model directory is always whole;
+- `rng_state_<rank>.pt` per process (python, numpy, torch CPU and CUDA generators, as tensors and numbers);
+- `rollouts_<rank>.pt` per process when the step falls inside a generation cycle (steps_per_generation or
+  num_iterations > 1): the buffered batches the next steps train on;
+- `trainer_state.json`: step, micro-step, data position, tokens seen, log history, the metrics of an unfinished
+  logging window, whether rollouts were buffered, the world size, the dataset size and the config.
+
+`load` restores all of it, after checking that every file reads back (weights-only: nothing in a checkpoint can
+run code), that trainer_state.json is consistent, and that the checkpoint fits the model and the run (same
+parameter names and shapes, same batch geometry, seed, world size and dataset size): what is wrong is named in
+the error, with the next-newest complete checkpoint. Rotation (`save_total_limit`) never removes the newest.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from grpo import lora
+from grpo.checkpoint import files
+from grpo.checkpoint.files import CheckpointError, CheckpointMismatchError, checkpoints
+from grpo.distributed import collectives, sharding, zero
+
+__all__ = ["CheckpointError", "CheckpointMismatchError", "checkpoints", "load", "resolve", "save"]
+STATE = files.STATE
+SCALER = "scaler.pt"  # fp16 loss scaling's state
+SHARDED = "sharded"  # torch.distributed.checkpoint directory: a sharded model's and optimizer's shards
+# settings that decide which prompts, completions and batches each step sees: a resume must keep them
+RUN_GEOMETRY = (
+    "seed",
+    "num_generations",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "generation_batch_size",
+    "steps_per_generation",
+    "num_iterations",
+    "shuffle_dataset",
+)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, say); its temporary directory is gone and the message
+    names the newest complete checkpoint."""
+
+
+def model_state(trainer: Any) -> dict[str, torch.Tensor]:
+    """The policy's whole state dict on the main process. Every process must call it: for a sharded model it
+    gathers the shards (to CPU)."""
+    if sharding.is_sharded(trainer.model):
+        return sharding.full_state_dict(trainer.model)
+    module = trainer.accelerator.unwrap_model(trainer.model)
+    if zero.is_partitioned(module):  # whatever stage3_gather_16bit_weights_on_model_save says
+        return zero.full_state_dict(module, trainer.accelerator.is_main_process)
+    return trainer.accelerator.get_state_dict(trainer.model)
+
+
+def save_pretrained(trainer: Any, output_dir: str, state_dict: dict[str, torch.Tensor]) -> None:
+    """The policy (or its adapter) and tokenizer as a Hugging Face model directory (main process only), from
+    `model_state`."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+    trainer.processing_class.save_pretrained(output_dir)
+
+
+def save(trainer: Any, step: int) -> str:
+    """Write checkpoint-<step> (every process takes part); returns its path."""
+    acc, root = trainer.accelerator, trainer.args.output_dir
+    final, tmp = os.path.join(root, f"checkpoint-{step}"), os.path.join(root, f".tmp-checkpoint-{step}")
+    acc.wait_for_everyone()
+    _phase(trainer, step, tmp, lambda: _fresh_directory(tmp) if acc.is_main_process else None)
+    state_dict = model_state(trainer)  # a collective for sharded models
+    _phase(trainer, step, tmp, lambda: _write_process_files(trainer, tmp))
+    if acc.is_main_process:
+        _phase(trainer, step, tmp, lambda: _write_main_files(trainer, step, tmp, final, state_dict), alone=True)
+    acc.wait_for_everyone()
+    return final
+
+
+def _fresh_directory(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+
+
+def _write_process_files(trainer: Any, tmp: str) -> None:
+    """What every process writes: its generator states, its shards, its buffered rollouts."""
+    acc, rank = trainer.accelerator, trainer.accelerator.process_index
+    torch.save(files.rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
+    if sharding.is_sharded(trainer.model):
+        sharding.save_shards(trainer.model, trainer.optimizer, os.path.join(tmp, SHARDED))
+    elif zero.in_use(acc):  # DeepSpeed's own engine checkpoint: every process writes its optimizer partition
+        zero.save(acc, os.path.join(tmp, zero.STATE_DIR))
+    if trainer.buffer.mid_cycle(trainer.loop.micro_step):
+        torch.save(trainer.buffer.state_dict(), os.path.join(tmp, f"rollouts_{rank}.pt"))
+
+
+def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict: dict[str, torch.Tensor]) -> None:
+    """What the main process writes: the model directory, optimizer, schedule, trainer state; then the rename
+    that makes the checkpoint exist, and the rotation."""
+    acc = trainer.accelerator
+    save_pretrained(trainer, tmp, state_dict)
+    if not sharding.is_sharded(trainer.model) and not zero.in_use(acc):
+        torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+    if acc.scaler is not None:  # fp16 loss scaling: the current scale and its growth tracker
+        torch.save(acc.scaler.state_dict(), os.path.join(tmp, SCALER))
+    state = {
+        "global_step": step,
+        **trainer.loop.state_dict(),
+        "max_steps": trainer.max_steps,
+        "num_input_tokens_seen": trainer.state.num_input_tokens_seen,
+        "log_history": trainer.state.log_history,
+        "metrics_window": trainer.metrics.state_dict(),
+        "rollouts": trainer.buffer.mid_cycle(trainer.loop.micro_step),
+        "num_processes": acc.num_processes,
+        "dataset_size": len(trainer.train_dataset),
+        "config": {k: v for k, v in trainer.args.to_dict().items() if _jsonable(v)},
+    }
+    with open(os.path.join(tmp, STATE), "w") as f:
+        json.dump(state, f, indent=1)
+    _replace(tmp, final)  # the checkpoint exists only once it is complete
+    _rotate(trainer.args.output_dir, trainer.args.save_total_limit, keep=final)
+
+
+def _replace(tmp: str, final: str) -> None:
+    """Rename tmp to final; a checkpoint already there (the same step written again) is kept until then."""
+    if not os.path.exists(final):
+        os.replace(tmp, final)
+        return
+    old = final + ".replaced"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _phase(trainer: Any, step: int, tmp: str, work: Any, alone: bool = False) -> None:
+    """Run one part of writing a checkpoint; if it fails on any process, every process raises the same
+    CheckpointWriteError after the temporary directory is removed (`alone`: only this process runs the part)."""
+    error = None
+    try:
+        work()
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError("... unexpected pos")
+        error = err
+    failed = error is not None if alone else collectives.any_process(trainer.accelerator, error is not None)
+    if not failed:
+        return
+    if trainer.accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise CheckpointWriteError(_write_failure(trainer.args.output_dir, step, error)) from error
+
+
+def _write_failure(root: str, step: int, error: BaseException | None) -> str:
+    found = checkpoints(root)
+    newest = f"the last complete checkpoint is {found[-1][1]}" if found else "there is no complete checkpoint yet"
+    text = str(error) if error is not None else "another process failed to write its part"
+    full = (isinstance(error, OSError) and error.errno == errno.ENOSPC) or any(
+        hint in text for hint in ("No space left", "unexpected pos", "file write failed")
+    )
+    if full:
+        return (
+            f"No space left on the device while writing checkpoint-{step} in {root}; its temporary directory "
+            f"was removed and {newest}. Free some space (or set save_total_limit) and resume from it."
+        )
+    return (
+        f"Could not write checkpoint-{step} in {root} ({type(error).__name__}: {text.splitlines()[0][:200]}); "
+        f"its temporary directory was removed and {newest}."
+    )
+
+
+def resolve(resume_from_checkpoint: str | bool, output_dir: str) -> str:
+    """The checkpoint directory to resume from: the newest complete one under output_dir for True."""
+    if resume_from_checkpoint is True:
+        found = checkpoints(output_dir)
+        if not found:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=True, but {output_dir!r} holds no complete checkpoint "
+                "(checkpoint-<step> with trainer_state.json). Train without resuming, or pass "
+                "the path of a checkpoint."
+            )
+        return found[-1][1]
+    path = str(resume_from_checkpoint)
+    if not os.path.exists(os.path.join(path, STATE)):
+        raise FileNotFoundError(
+            f"{path!r} is not a complete grpo checkpoint (no {STATE}); pass a checkpoint-<step> "
+            "directory, or resume_from_checkpoint=True for the newest one in output_dir."
+        )
+    return path
+
+
+def load(trainer: Any, path: str) -> None:
+    """Restore everything `save` wrote into this trainer (every process). Nothing is changed in the trainer
+    until every file has been read and checked."""
+    acc, args = trainer.accelerator, trainer.args
+    state = files.read_state(path, trainer.max_steps, args.gradient_accumulation_steps)
+    _check_run(trainer, state, path)
+    # where saved tensors go: accelerate numbers CPU processes' devices ("cpu:1"), which torch.load rejects
+    device = "cpu" if acc.device.type == "cpu" else acc.device
+    rank = acc.process_index
+    rng = files.load_rng_state(os.path.join(path, f"rng_state_{rank}.pt"))
+    rollouts = _read_rollouts(path, rank, state, trainer.buffer.cycle, device)
+    sharded, deepspeed = sharding.is_sharded(trainer.model), zero.in_use(acc)
+    optimizer = None
+    if not sharded and not deepspeed:
+        optimizer = files.load_tensors(os.path.join(path, "optimizer.pt"), "optimizer state", device)
+    scheduler = files.load_tensors(os.path.join(path, "scheduler.pt"), "learning-rate schedule state")
+    scaler = None
+    if acc.scaler is not None and os.path.exists(os.path.join(path, SCALER)):
+        scaler = files.load_tensors(os.path.join(path, SCALER), "fp16 loss-scaler state")
+    _load_model(trainer, path, sharded, deepspeed)
+    if optimizer is not None:
+        _apply(path, "optimizer.pt", lambda: trainer.optimizer.load_state_dict(optimizer))
+    _apply(path, "scheduler.pt", lambda: trainer.lr_scheduler.load_state_dict(scheduler))
+    if scaler is not None:
+        acc.scaler.load_state_dict(scaler)
+    trainer.state.global_step = state["global_step"]
+    trainer.state.num_input_tokens_seen = state["num_input_tokens_seen"]
+    trainer.state.log_history = state["log_history"]
+    trainer.state.epoch = state["global_step"] / trainer.steps_per_epoch
+    trainer.loop.load_state_dict(state)
+    trainer.metrics.load_state_dict(state["metrics_window"])
+    trainer.buffer.load_state_dict(rollouts, device)
+    files.set_rng_state(rng)
+
+
+def _apply(path: str, name: str, load_state: Any) -> None:
+    try:
+        load_state()
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as err:
+        raise files.invalid(
+            os.path.join(path, name),
+            f"does not fit this run ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200] if str(err) else 'no detail'})",
+        ) from None
+
+
+def _read_rollouts(path: str, rank: int, state: dict[str, Any], cycle: int, device: Any) -> list[dict[str, Any]]:
+    """This process's buffered rollouts when the checkpoint was taken inside a generation cycle. A missing file
+    is an error: regenerating instead would not resume exactly."""
+    name = os.path.join(path, f"rollouts_{rank}.pt")
+    wanted = state.get("rollouts", state["micro_step"] % cycle != 0)
+    if not wanted:
+        return []
+    if not os.path.exists(name):
+        raise files.invalid(
+            name,
+            f"missing, but step {state['global_step']} falls inside a generation cycle: "
+            "the next steps train on these buffered rollouts, and generating them again would not "
+            "resume exactly",
+        )
+    saved = files.load_tensors(name, "buffered rollouts", device)
+    if not isinstance(saved, list) or not all(isinstance(b, dict) for b in saved):
+        raise files.invalid(name, "is not a list of buffered batches")
+    for batch in saved:  # written by grpo 0.1.0 before the rollout interface: the token count was run state
+        if "truncated" in batch:
+            del batch["truncated"]
+            batch["num_items_in_batch"] = state.get("num_items", 0.0)
+    return saved
+
+
+def _load_model(trainer: Any, path: str, sharded: bool, deepspeed: bool) -> None:
+    acc = trainer.accelerator
+    model = acc.unwrap_model(trainer.model)
+    if sharded:  # the shards hold the whole trainable state, adapters included, and the optimizer's
+        files.read(
+            os.path.join(path, SHARDED),
+            "sharded model and optimizer state",
+            lambda p: sharding.load_shards(trainer.model, trainer.optimizer, p),
+        )
+    elif deepspeed:  # DeepSpeed's engine checkpoint: the module, and this process's optimizer partition
+        try:
+            zero.load(acc, os.path.join(path, zero.STATE_DIR))
+        except (RuntimeError, FileNotFoundError) as err:
+            raise CheckpointMismatchError(
+                f"The DeepSpeed state in {path} does not match this run: {str(err).splitlines()[0][:300]}"
+            ) from None
+    elif lora.is_peft_model(model):
+        try:
+            unexpected = lora.load_adapter(model, path)
+        except RuntimeError as err:  # a shape mismatch
+            raise CheckpointMismatchError(
+                f"The adapter at {path} does not match the model: {str(err).splitlines()[0][:300]}"
+            ) from None
+        if unexpected:
+            raise CheckpointMismatchError(
+                f"The adapter at {path} does not match the model: it has "
+                f"{', '.join(unexpected[:3])}, which the model lacks."
+            )
+    else:
+        _load_weights(model, path)
+
+
+def _check_run(trainer: Any, state: dict[str, Any], path: str) -> None:
+    config, args = state["config"], trainer.args.to_dict()
+    differ = [
+        f"{k}: checkpoint {config.get(k)!r}, now {args.get(k)!r}" for k in RUN_GEOMETRY if config.get(k) != args.get(k)
+    ]
+    if state["num_processes"] != trainer.accelerator.num_processes:
+        differ.append(
+            f"number of processes: checkpoint {state['num_processes']}, now {trainer.accelerator.num_processes}"
+        )
+    if state["dataset_size"] != len(trainer.train_dataset):
+        differ.append(f"train_dataset rows: checkpoint {state['dataset_size']}, now {len(trainer.train_dataset)}")
+    if differ:
+        raise CheckpointMismatchError(
+            f"Cannot resume exactly from {path}: " + "; ".join(differ) + ". Resume with "
+            "the run's original settings, or start a new run (another output_dir)."
+        )
+
+
+def _load_weights(model: torch.nn.Module, path: str) -> None:
+    saved = files.load_weight_files(path)
+    own = model.state_dict()
+    # save_pretrained writes a tied tensor once: a key missing from the file is fine if it shares storage
+    present = {t.data_ptr() for k, t in own.items() if k in saved}
+    missing = [k for k in own if k not in saved and own[k].data_ptr() not in present]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(own[k].shape)}"
+        for k in saved
+        if k in own and saved[k].shape != own[k].shape
+    ]
+    if missing or unexpected or shapes:
+        parts = [
+            f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+            for label, items in (
+                ("missing from the checkpoint", missing),
+                ("not in the model", unexpected),
+                ("shape (checkpoint vs model)", shapes),
+            )
+            if items
+        ]
+        raise CheckpointMismatchError(
+            f"The checkpoint at {path} does not match the model: "
+            + "; ".join(parts)
+            + ". Resume with the model the run was started with."
+        )
+    with torch.no_grad():
+        for k, tensor in saved.items():
+            own[k].copy_(tensor)
+
+
+def _rotate(root: str, limit: int | None, keep: str) -> None:
+    """Keep the newest `limit` complete checkpoints (None: all); `keep`, the one just written, always stays."""
+    if not limit or limit < 1:
+        return
+    for _, path in checkpoints(root)[:-limit]:
+        if os.path.normpath(path) != os.path.normpath(keep):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
