@@ -11,11 +11,20 @@ A preempted run exits with status `EXIT_STATUS` (143, the shell's status for "te
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
+from grpo import checkpoint
+from grpo.checkpoint import files
+from grpo.distributed.accelerator import settle_processes
+
+logger = logging.getLogger("grpo")
 EXIT_STATUS = 143
 _requested = threading.Event()
 
@@ -49,3 +58,57 @@ def preemption_guard() -> Iterator[threading.Event]:
     finally:
         signal.signal(signal.SIGTERM, previous)
         _requested.clear()
+
+
+@dataclass
+class StepStart:
+    """What a step changes before its optimizer step (generators, loop position, buffered rollouts, the metrics
+    window, tokens seen), as the step found it."""
+
+    rng: dict[str, Any]
+    loop: dict[str, int]
+    buffer: list
+    metrics: dict[str, list[float]]
+    tokens_seen: int
+
+    @classmethod
+    def capture(cls, trainer: Any) -> StepStart:
+        return cls(
+            files.rng_state(),
+            trainer.loop.state_dict(),
+            list(trainer.buffer.slices),
+            trainer.metrics.state_dict(),
+            trainer.state.num_input_tokens_seen,
+        )
+
+    def restore(self, trainer: Any) -> None:
+        files.set_rng_state(self.rng)
+        trainer.loop.load_state_dict(self.loop)
+        trainer.buffer.slices = self.buffer
+        trainer.metrics.load_state_dict(self.metrics)
+        trainer.state.num_input_tokens_seen = self.tokens_seen
+
+
+def save_and_exit(trainer: Any, step_start: StepStart | None) -> NoReturn:
+    """After SIGTERM: save the state at the end of the last complete step when that is safe, and exit with status
+    143. Between steps (`step_start` None) it is. Inside a step it is while no optimizer step has been applied in
+    it (the model and optimizer are as the last step left them; `step_start` puts the rest back), on one process;
+    several processes, which cannot agree mid-step, save nothing then."""
+    step = trainer.state.global_step
+    mid_step = step_start is not None
+    safe = step > 0 and not (mid_step and (trainer.step_applied or trainer.accelerator.num_processes > 1))
+    if safe and mid_step:
+        step_start.restore(trainer)
+    if safe and not os.path.exists(os.path.join(trainer.args.output_dir, f"checkpoint-{step}")):
+        checkpoint.save(trainer, step)
+    trainer.metrics.close()
+    settle_processes(trainer.accelerator)
+    newest = checkpoint.checkpoints(trainer.args.output_dir)
+    where = f"the newest checkpoint is {newest[-1][1]}" if newest else "no checkpoint was written"
+    logger.warning(
+        "SIGTERM received%s: %s; exiting with status %d. Resume with trainer.train(resume_from_checkpoint=True).",
+        " during a step" if mid_step else "",
+        where,
+        EXIT_STATUS,
+    )
+    raise SystemExit(EXIT_STATUS)

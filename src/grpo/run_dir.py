@@ -9,6 +9,7 @@ left by a crashed run is never in the way (the file stays; only the lock on it c
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -16,6 +17,10 @@ import os
 import socket
 import sys
 import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from grpo.distributed import collectives
 
 LOCK_NAME = ".grpo.lock"
 
@@ -87,3 +92,23 @@ def _read_holder(fd: int) -> str:
         return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}: {holder['command']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "its details could not be read"
+
+
+@contextlib.contextmanager
+def holding(output_dir: str, accelerator: Any) -> Iterator[None]:
+    """The run lock on output_dir for the block, held by the main process; every process refuses when it is
+    taken (so that none goes on to wait in a collective)."""
+    lock = RunLock(output_dir) if accelerator.is_main_process else None
+    busy = None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except RunDirectoryBusy as err:
+            busy = err
+    if collectives.any_process(accelerator, busy is not None):
+        raise busy or RunDirectoryBusy(f"{output_dir} is in use by another grpo run (see the main process's error).")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()

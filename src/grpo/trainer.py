@@ -25,13 +25,11 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,13 +37,12 @@ import torch
 from accelerate.utils import set_seed
 from transformers import PreTrainedModel, TrainerState
 
-from grpo import checkpoint, data, lora, optimization, preemption
+from grpo import checkpoint, data, lora, optimization, preemption, run_dir
 from grpo.advantages import Advantages, compute_advantages
 from grpo.batch import TrainBatch, collate
-from grpo.checkpoint import files
 from grpo.config import GRPOConfig, reject_later_features, warn_odd_combinations
 from grpo.distributed import collectives, zero
-from grpo.distributed.accelerator import end_training, make_accelerator, settle_processes
+from grpo.distributed.accelerator import end_training, make_accelerator
 from grpo.distributed.accumulation import accumulating, backward
 from grpo.forward import TrainingPass
 from grpo.groups import GenerationBatch, Scored, groups_with_spread, rows_of_groups
@@ -66,7 +63,6 @@ from grpo.perf import allocator, attention
 from grpo.preemption import Preempted, preemption_guard
 from grpo.rewards.calling import RewardFunctions
 from grpo.rollout import Rollout, build_engine
-from grpo.run_dir import RunDirectoryBusy, RunLock, check_output_dir
 
 logger = logging.getLogger("grpo")
 __all__ = ["GRPOTrainer", "TrainOutput", "TrainingError"]
@@ -77,17 +73,6 @@ class TrainOutput:
     global_step: int
     training_loss: float
     metrics: dict[str, Any]
-
-
-@dataclass
-class StepStart:
-    """The state a step changes before its optimizer step, as the step found it."""
-
-    rng: dict[str, Any]
-    loop: dict[str, int]
-    buffer: list[TrainBatch]
-    metrics: dict[str, list[float]]
-    tokens_seen: int
 
 
 @dataclass
@@ -119,7 +104,7 @@ class GRPOTrainer:
         rollout_func: Any = None,
     ) -> None:
         self.args = args = _resolve_args(args, model)
-        check_output_dir(args.output_dir)
+        run_dir.check_output_dir(args.output_dir)
         reject_later_features(args, tools, rollout_func, eval_dataset, callbacks)
         data.check_dataset(train_dataset)
         self.train_dataset = train_dataset
@@ -148,7 +133,7 @@ class GRPOTrainer:
         self.loss_params = LossParams.of(args)
         self._weights_stale = True  # the engine has not seen the policy's weights yet
         self._overflows = 0  # fp16 loss-scale overflows in a row
-        self._applied = False  # whether the current step's optimizer step has been applied
+        self.step_applied = False  # whether the current step's optimizer step has been applied
         self.metrics: MetricsLogger | None = None  # made by train()
         self.completion_log = CompletionLog(args, self.rewards.names) if args.log_completions else None
 
@@ -222,7 +207,7 @@ class GRPOTrainer:
         output_dir for the run (a second run there is refused). SIGTERM (preemption) saves the state of the last
         complete step and exits the process with status 143 (`grpo.preemption`)."""
         a = self.args
-        with self._holding_output_dir():
+        with run_dir.holding(a.output_dir, self.accelerator):
             self.metrics = MetricsLogger(a.output_dir, self.accelerator, self.max_steps, not a.disable_tqdm)
             if resume_from_checkpoint:
                 path = checkpoint.resolve(resume_from_checkpoint, a.output_dir)
@@ -235,40 +220,20 @@ class GRPOTrainer:
             with self.metrics, preemption_guard() as preempted:
                 try:
                     while self.state.global_step < self.max_steps:
-                        self._step_start = self._snapshot()
+                        step_start = preemption.StepStart.capture(self)
                         total_loss += self._step()
                         if collectives.any_process(self.accelerator, preempted.is_set()):
-                            self._exit_preempted(mid_step=False)
+                            preemption.save_and_exit(self, None)
                 except Preempted:
-                    self._exit_preempted(mid_step=True)
+                    preemption.save_and_exit(self, step_start)
         end_training(self.accelerator)
         metrics = self.state.log_history[-1] if self.state.log_history else {}
         return TrainOutput(self.state.global_step, total_loss / max(self.state.global_step, 1), metrics)
 
-    @contextlib.contextmanager
-    def _holding_output_dir(self) -> Iterator[None]:
-        """The run lock on output_dir, held by the main process; every process refuses when it is taken."""
-        lock = RunLock(self.args.output_dir) if self.accelerator.is_main_process else None
-        busy = None
-        if lock is not None:
-            try:
-                lock.acquire()
-            except RunDirectoryBusy as err:
-                busy = err
-        if collectives.any_process(self.accelerator, busy is not None):
-            raise busy or RunDirectoryBusy(
-                f"{self.args.output_dir} is in use by another grpo run (see the main process's error)."
-            )
-        try:
-            yield
-        finally:
-            if lock is not None:
-                lock.release()
-
     def _step(self) -> float:
         """One optimizer step: gradient_accumulation_steps micro-steps, then update, log, checkpoint."""
         start = time.perf_counter()
-        self._applied = False
+        self.step_applied = False
         losses = []
         for micro in range(self.args.gradient_accumulation_steps):
             if self.buffer.needs_generation(self.loop.micro_step):
@@ -426,7 +391,7 @@ class GRPOTrainer:
         loss = collectives.process_mean(self.accelerator, sum(losses))
         grad_norm = self._clip_and_check_gradients()
         self.optimizer.step()
-        self._applied = True
+        self.step_applied = True
         if not self.accelerator.optimizer_step_was_skipped:  # fp16 loss scaling skips a step that overflowed
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -495,45 +460,6 @@ class GRPOTrainer:
         step = self.state.global_step
         if self.args.save_strategy == "steps" and step % _every(self.args.save_steps, self.max_steps) == 0:
             checkpoint.save(self, step)
-
-    def _snapshot(self) -> StepStart:
-        """What a step changes before its optimizer step, as it is when the step starts (see `_exit_preempted`)."""
-        return StepStart(
-            files.rng_state(),
-            self.loop.state_dict(),
-            list(self.buffer.slices),
-            self.metrics.state_dict(),
-            self.state.num_input_tokens_seen,
-        )
-
-    def _exit_preempted(self, mid_step: bool) -> None:
-        """SIGTERM: save the state at the end of the last complete step when that is safe, and exit with status
-        143. Between steps it is. Inside a step it is while no optimizer step has been applied in it (the model
-        and optimizer are as the last step left them; the generators, data position, buffer and metrics are put
-        back as the step found them) on one process; with several, which cannot agree mid-step, nothing is
-        saved."""
-        step, path = self.state.global_step, os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
-        safe = step > 0 and not (mid_step and (self._applied or self.accelerator.num_processes > 1))
-        if safe and mid_step:
-            start = self._step_start
-            files.set_rng_state(start.rng)
-            self.loop.load_state_dict(start.loop)
-            self.buffer.slices = start.buffer
-            self.metrics.load_state_dict(start.metrics)
-            self.state.num_input_tokens_seen = start.tokens_seen
-        if safe and not os.path.exists(path):
-            checkpoint.save(self, step)
-        self.metrics.close()
-        settle_processes(self.accelerator)
-        newest = checkpoint.checkpoints(self.args.output_dir)
-        where = f"the newest checkpoint is {newest[-1][1]}" if newest else "no checkpoint was written"
-        logger.warning(
-            "SIGTERM received%s: %s; exiting with status %d. Resume with trainer.train(resume_from_checkpoint=True).",
-            " during a step" if mid_step else "",
-            where,
-            preemption.EXIT_STATUS,
-        )
-        raise SystemExit(preemption.EXIT_STATUS)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Write the policy (and tokenizer) as a normal Hugging Face model directory."""
