@@ -26,7 +26,7 @@ for bf16 in (True, False):
     assert next(t.model.parameters()).device.type == "cuda", "trainer did not use the GPU"
     t0 = time.time(); t.train()
     r = [row["reward"] for row in t.state.log_history]
-    print(f"gpu bf16={bf16}: engine={type(t.engine).__name__} share_prefix={t.share_prefix} "
+    print(f"gpu bf16={bf16}: engine={type(t.engine).__name__} share_prefix={t.training_pass.share_prefix} "
           f"reward first5={sum(r[:5])/5:.3f} last5={sum(r[-5:])/5:.3f} time={time.time()-t0:.1f}s")
 PY
 # FSDP at world size 1 on the GPU, through accelerate's own FSDP2 prepare (native on CUDA): the trainer's engine
