@@ -1,6 +1,7 @@
 """Slow (`make test-slow`, not in the default suite): the demo's real learning run on the bundled
-SmolLM2-135M-Instruct, about a minute of training on this CPU. Greedy accuracy on all 81 digit pairs must rise
-clearly; it measured 0.69 -> 1.00 (seed 0) when this test was written."""
+SmolLM2-135M-Instruct, 36 steps. Greedy accuracy on all 81 digit pairs must rise clearly. Measured when this test
+was written, seed 0, float32 on a 2-core AVX2 CPU (no fast bfloat16) with other tests running beside it:
+0.679 -> 0.951 (unseen phrasing 0.531 -> 0.963), 9.5 minutes for the whole test."""
 
 from __future__ import annotations
 
