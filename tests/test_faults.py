@@ -340,6 +340,13 @@ def test_dataset_problems_are_named_at_construction(tiny_model_dir, tmp_path, da
         trainer(tiny_model_dir, tmp_path, dataset=dataset)
 
 
+def test_a_tool_calling_turn_without_content_is_a_valid_prompt_message():
+    from grpo.data import check_dataset
+
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    check_dataset(rows(r0={"prompt": [{"role": "user", "content": "hi"}, call, {"role": "tool", "content": "1"}]}))
+
+
 def test_a_prompt_longer_than_the_context_is_named(tiny_model_dir, tmp_path, caplog):
     long = rows(r6={"prompt": "x" * 600})  # character-level tokenizer, 512 positions
     run = trainer(tiny_model_dir, tmp_path, dataset=long, max_steps=4, shuffle_dataset=False)

@@ -85,6 +85,8 @@ def _prompt_problem(prompt: Any) -> str | None:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             return f"message {j} of the prompt has no 'role'; each message is {{'role': ..., 'content': ...}}."
         content = message.get("content")
+        if content is None and message.get("tool_calls"):  # an assistant turn that only calls tools
+            continue
         if not isinstance(content, (str, list)):
             return (
                 f"message {j} of the prompt ({message['role']}) has no text 'content' (it is "
