@@ -141,7 +141,7 @@ def save(accelerator: Any, directory: str) -> None:
 
 def load(accelerator: Any, directory: str) -> None:
     """`save`'s state back into the engine (every process); the scheduler is restored by the trainer. DeepSpeed
-    reads its files with `torch.load(weights_only=False)`; here they are read weights-only, with the few
+    reads its files with `torch.load` unrestricted (weights-only off); here they are read weights-only, with the few
     DeepSpeed and Python classes its checkpoints hold allowed by name, so a crafted file cannot run code."""
     with _weights_only_torch_load():
         path, _ = engine(accelerator).load_checkpoint(
