@@ -84,8 +84,12 @@ def save(trainer: Any, step: int) -> str:
     _phase(trainer, step, tmp, lambda: _fresh_directory(tmp) if acc.is_main_process else None)
     state_dict = model_state(trainer)  # a collective for sharded models
     _phase(trainer, step, tmp, lambda: _write_process_files(trainer, tmp))
-    if acc.is_main_process:
-        _phase(trainer, step, tmp, lambda: _write_main_files(trainer, step, tmp, final, state_dict), alone=True)
+    _phase(
+        trainer,
+        step,
+        tmp,
+        lambda: _write_main_files(trainer, step, tmp, final, state_dict) if acc.is_main_process else None,
+    )
     acc.wait_for_everyone()
     return final
 
@@ -151,16 +155,15 @@ def _replace(tmp: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _phase(trainer: Any, step: int, tmp: str, work: Any, alone: bool = False) -> None:
-    """Run one part of writing a checkpoint; if it fails on any process, every process raises the same
-    CheckpointWriteError after the temporary directory is removed (`alone`: only this process runs the part)."""
+def _phase(trainer: Any, step: int, tmp: str, work: Any) -> None:
+    """Run one part of writing a checkpoint (every process calls it); if it fails on any process, every process
+    raises a CheckpointWriteError after the temporary directory is removed, so that none waits for the others."""
     error = None
     try:
         work()
     except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError("... unexpected pos")
         error = err
-    failed = error is not None if alone else collectives.any_process(trainer.accelerator, error is not None)
-    if not failed:
+    if not collectives.any_process(trainer.accelerator, error is not None):
         return
     if trainer.accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
