@@ -3,19 +3,13 @@ runs, and a helper that turns rows of prompt ids into requests."""
 
 from __future__ import annotations
 
-from grpo.rollout.base import Prompt, Request, assemble, expand
+from grpo.rollout.base import Prompt, assemble, expand, group_requests
 
 
 def as_requests(prompt_ids, conversational=False):
     """One request per run of equal consecutive rows of token ids (a prompt's G samples)."""
-    requests = []
-    for i, ids in enumerate(prompt_ids):
-        if i > 0 and list(ids) == list(prompt_ids[i - 1]):
-            requests[-1] = Request(requests[-1].prompt, requests[-1].num_samples + 1)
-        else:
-            messages = ({"role": "user", "content": ""},) if conversational else None
-            requests.append(Request(Prompt(tuple(ids), messages)))
-    return requests
+    messages = ({"role": "user", "content": ""},) if conversational else None
+    return group_requests([Prompt(tuple(ids), messages) for ids in prompt_ids])
 
 
 class ScriptedEngine:

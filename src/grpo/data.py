@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from grpo.rollout.base import Prompt, Request
+from grpo.rollout.base import Prompt, Request, group_requests
 
 logger = logging.getLogger("grpo")
 UNSUPPORTED_COLUMNS = ("image", "images")
@@ -182,14 +182,8 @@ class PromptSource:
             )
 
     def requests(self, rows: Sequence[int]) -> list[Request]:
-        """One request per run of equal consecutive rows (a process's share of a prompt's group), in order."""
-        requests: list[Request] = []
-        for i, row in enumerate(rows):
-            if i > 0 and rows[i - 1] == row:
-                requests[-1] = Request(requests[-1].prompt, requests[-1].num_samples + 1)
-            else:
-                requests.append(Request(self[row]))
-        return requests
+        """The rows' prompts as requests, a run of equal consecutive prompts as one (`group_requests`)."""
+        return group_requests([self[row] for row in rows])
 
 
 def end_of_turn_ids(tokenizer: Any, model_eos: int | list[int] | None = None) -> list[int]:

@@ -90,6 +90,17 @@ class Engine(Protocol):
     def sync_weights(self, model: torch.nn.Module) -> None: ...
 
 
+def group_requests(prompts: Sequence[Prompt]) -> list[Request]:
+    """One request per run of equal consecutive prompts (a prompt's G samples, or a process's share of them)."""
+    requests: list[Request] = []
+    for prompt in prompts:
+        if requests and requests[-1].prompt == prompt:
+            requests[-1] = Request(prompt, requests[-1].num_samples + 1)
+        else:
+            requests.append(Request(prompt))
+    return requests
+
+
 def expand(requests: Sequence[Request]) -> list[Request]:
     """One entry per completion row: each request repeated `num_samples` times."""
     return [request for request in requests for _ in range(request.num_samples)]
