@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE [fsdp|zero2|zero3|ddp][+lora][+kl][+ga2]
 
+(+sync: beta > 0 and sync_ref_model every step; the reference's parameters go to OUT too.)
+
 Every process takes 8/N completions per micro-step, so the global batch is the same 8 completions whatever N is.
 The update (SGD, linear in the gradient) and the logged metrics go to OUT (main process).
 
@@ -26,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
+from grpo.modeling import unwrap
 from scripted import FixedEngine, as_requests
 from test_accumulation import length_reward
 from test_trainer import cfg, chat_dataset
@@ -69,7 +72,8 @@ def main() -> None:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     lora = "lora" in options  # LoRA adapters on q/v (random A and B, so both train), KL to the adapter-less model
-    kl = lora or "kl" in options  # beta > 0: without LoRA, a reference model
+    sync = "sync" in options  # sync_ref_model: the policy mixed into the reference after every step
+    kl = lora or sync or "kl" in options  # beta > 0: without LoRA, a reference model
     ga = 2 if "ga2" in options else 1  # the same 8 completions in two accumulated micro-steps
     args = cfg(
         Path(out),
@@ -82,6 +86,8 @@ def main() -> None:
         save_strategy="no",
         beta=0.04 if kl else 0.0,
         max_steps=2 if kl else 1,
+        sync_ref_model=sync,
+        ref_model_sync_steps=1,
     )  # step 2: the policy has left the reference
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if lora:
@@ -121,11 +127,14 @@ def main() -> None:
     before = whole(trainer.unwrapped_model)
     trainer.train()
     after = whole(trainer.unwrapped_model)
+    reference = whole(unwrap(trainer.ref_model)) if sync else None
     if mode != "ddp":
         trainer.save_model(os.path.join(out, "saved"))
     if trainer.accelerator.is_main_process:
         torch.save({n: p - before[n] for n, p in after.items()}, os.path.join(out, "update.pt"))
         torch.save(before, os.path.join(out, "initial.pt"))
+        if reference is not None:
+            torch.save(reference, os.path.join(out, "reference.pt"))
         with open(os.path.join(out, "row.json"), "w") as f:
             json.dump({**trainer.state.log_history[-1], "world": trainer.accelerator.num_processes, **extra}, f)
 

@@ -456,18 +456,43 @@ def test_kl_k3_values():
 
 
 def test_beta_kl_on_policy_dapo():
+    # without the bias correction (use_bias_correction_kl=False; the True default is tested below)
     # loss = -0.8 + 0.04 * 1.0/5 = -0.792
     # grad = (-A + 0.04 (1 - e^d)) m / 5: row0 (-2.04, -2, -1.98)/5, row1 (1.02, 0.96)/5
-    loss, grad, metrics = run("dapo", beta=0.04, ref_offsets=REF_OFFSETS)
+    loss, grad, metrics = run("dapo", beta=0.04, ref_offsets=REF_OFFSETS, use_bias_correction_kl=False)
     assert loss == pytest.approx(-0.792, abs=1e-12)
     assert_grad(grad, [[-0.408, -0.4, -0.396], [0.204, 0.192, 0.0]])
     assert set(metrics) == CLIP_KEYS | {"kl"}
     assert metrics["kl"] == pytest.approx(0.2, rel=1e-6)
 
 
+def test_beta_kl_on_policy_gradient_with_and_without_bias_correction():
+    # On-policy the ratio r = exp(logp - sg(logp)) is 1, but d r / d logp = 1. With d = ref - logp:
+    #   kl = e^d - d - 1                  row0 (1 - ln2, 0, ln2 - 1/2), row1 (ln2 - 1/2, 1 - ln2)
+    #   d kl / d logp = 1 - e^d           row0 (-1, 0, 1/2),           row1 (1/2, -1)
+    # without the correction:  grad = (-A + 0.04 dkl) m / 5
+    # with it (kl * r):        grad = (-A + 0.04 (dkl r + kl dr/dlogp)) m / 5 = (-A + 0.04 (dkl + kl)) m / 5,
+    #   where dkl + kl = row0 (-ln2, 0, ln2), row1 (ln2, -ln2)
+    # The loss value and the kl metric are the same either way (r = 1): -0.8 + 0.04 * 1/5 and 1/5.
+    def expected(kl_grad):
+        return [[(-a + 0.04 * g) * m / 5 for g, m in zip(gs, ms)] for a, gs, ms in zip(ADV, kl_grad, MASK)]
+
+    without = expected([[-1.0, 0.0, 0.5], [0.5, -1.0, 0.0]])  # the test above's numbers
+    with_correction = expected([[-LN2, 0.0, LN2], [LN2, -LN2, 0.0]])  # row0 -0.405545, -0.4, -0.394455
+    for correction, want in ((False, without), (True, with_correction)):
+        loss, grad, metrics = run("dapo", beta=0.04, ref_offsets=REF_OFFSETS, use_bias_correction_kl=correction)
+        assert_grad(grad, want)
+        assert loss == pytest.approx(-0.792, abs=1e-12)
+        assert metrics["kl"] == pytest.approx(0.2, rel=1e-6)
+    assert with_correction[0][0] == pytest.approx((-2 - 0.04 * LN2) / 5)
+    # the default, of LossParams and of GRPOConfig, is True (TRL 1.16)
+    assert LossParams().use_bias_correction_kl and make_cfg().use_bias_correction_kl
+    assert_grad(run("dapo", beta=0.04, ref_offsets=REF_OFFSETS)[1], with_correction)
+
+
 def test_beta_kl_grpo_sequence_mean():
     # grpo: per token -A + 0.04 kl; row0 mean (-6 + 0.04*0.5)/3, row1 mean (2 + 0.04*0.5)/2
-    # loss = ((-5.98/3) + (2.02/2))/2 = -0.491667
+    # loss = ((-5.98/3) + (2.02/2))/2 = -0.491667 (on-policy, so the same with or without the bias correction)
     loss, _, _ = run("grpo", beta=0.04, ref_offsets=REF_OFFSETS)
     assert loss == pytest.approx(((-5.98 / 3) + (2.02 / 2)) / 2, abs=1e-12)
 
@@ -481,11 +506,19 @@ def test_kl_not_affected_by_entropy_mask():
     # entropy mask drops (0,1) and (1,0) from the policy term only.
     # dapo: policy sum = -2 -2 (row0 tokens 0,2) + 1 (row1 token 1) = -3 -> -0.6; KL unchanged: + 0.008 -> -0.592
     # grad: (0,1) -> 0.04*0/5 = 0; (1,0) -> 0.04*0.5/5 = 0.004 (KL still acts); others as without the mask
+    # (gradients without the bias correction: use_bias_correction_kl=False)
     em = [[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]
-    loss, grad, metrics = run("dapo", beta=0.04, ref_offsets=REF_OFFSETS, entropy_mask=em)
+    loss, grad, metrics = run("dapo", beta=0.04, ref_offsets=REF_OFFSETS, entropy_mask=em, use_bias_correction_kl=False)
     assert loss == pytest.approx(-0.592, abs=1e-12)
     assert_grad(grad, [[-0.408, 0.0, -0.396], [0.004, 0.192, 0.0]])
     assert metrics["kl"] == pytest.approx(0.2, rel=1e-6)
+    # with it (the default), the KL gradient is 0.04 (dkl + kl) / 5 (see the test above): (0,1) still 0, (1,0)
+    # 0.04 ln2 / 5; the loss is the same (r = 1)
+    loss, grad, _ = run("dapo", beta=0.04, ref_offsets=REF_OFFSETS, entropy_mask=em, use_bias_correction_kl=True)
+    assert loss == pytest.approx(-0.592, abs=1e-12)
+    assert_grad(
+        grad, [[(-2 - 0.04 * LN2) / 5, 0.0, (-2 + 0.04 * LN2) / 5], [0.04 * LN2 / 5, (1 - 0.04 * LN2) / 5, 0.0]]
+    )
 
 
 def test_entropy_mask_only_policy_term_and_normalizers_unchanged():
@@ -514,7 +547,7 @@ def test_bias_correction_kl():
         grad, [[-0.008317766166719346, -0.2, -0.4339003048110725], [0.30831776616671935, -0.0027725887222397817, 0.0]]
     )
     # without the correction the ratios do not touch the KL term: kl metric 0.2, loss -0.66 + 0.008
-    loss, _, metrics = run("bnpo", ratios=RATIOS, beta=0.04, ref_offsets=REF_OFFSETS)
+    loss, _, metrics = run("bnpo", ratios=RATIOS, beta=0.04, ref_offsets=REF_OFFSETS, use_bias_correction_kl=False)
     assert metrics["kl"] == pytest.approx(0.2, rel=1e-6)
     assert loss == pytest.approx(-0.652, abs=1e-12)
 

@@ -153,7 +153,12 @@ def reference_logps(model, batch, temperature):
 
 
 @pytest.mark.parametrize("chunk_size", [None, 5])
-def test_length_sorted_trimmed_pieces_match_one_padded_pass(chunk_size):
+def test_length_sorted_trimmed_pieces_match_one_padded_pass(chunk_size, monkeypatch):
+    """On transformers' plain attention (repeated key/value heads), whatever an earlier trainer in this process
+    set: the grouped-heads kernel is compared with it in test_grouped_kv_attention_matches_repeated_heads."""
+    from grpo.perf.attention import SWITCH
+
+    monkeypatch.delenv(SWITCH, raising=False)
     batch, model = batch_and_model()
     model.zero_grad()
     ref_lp, ref_ent = reference_logps(model, batch, 0.9)

@@ -7,7 +7,7 @@ import string
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|im_start|>", "<|im_end|>"]
 CHARS = list(string.ascii_letters + string.digits + string.punctuation + " \n")
@@ -52,6 +52,29 @@ def make_model(
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
+
+
+def save_tiny_moe(path, seed: int = 0) -> str:
+    """A 2-layer Mixtral (4 experts, 2 per token) with random weights and the tiny tokenizer, saved to `path`."""
+    tokenizer = make_tokenizer()
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    MixtralForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
 
 
 def save_tiny(path, seed: int = 0) -> str:

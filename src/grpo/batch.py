@@ -1,8 +1,9 @@
 """The training batch: a generation's rollouts as padded tensors (shared spec §2.1).
 
-Prompt ids are left-padded, completion ids right-padded, concatenated in the training pass. `num_items_in_batch`
-is the number of trained tokens in the whole generation batch (every process's rows): the token-sum losses divide
-by it.
+Prompt ids are left-padded, completion ids right-padded, concatenated in the training pass; with
+`pad_to_multiple_of` both widths are multiples of it (the training pass keeps that when it trims padding).
+`num_items_in_batch` is the number of trained tokens in the whole generation batch (every process's rows): the
+token-sum losses divide by it.
 """
 
 from __future__ import annotations
@@ -32,9 +33,16 @@ class TrainBatch:
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     num_items_in_batch: float = 0.0  # trained tokens in the whole generation batch, all processes
+    pad_to_multiple_of: int | None = None  # prompt and completion widths are multiples of it
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
+
+    def padded_width(self, width: int) -> int:
+        """`width` completion positions rounded up to the batch's pad_to_multiple_of (never past its width)."""
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        return min(width, self.completion_ids.shape[1])
 
     def _map(self, fn: Any, names: tuple[str, ...] | None = None) -> TrainBatch:
         """A copy with fn applied to the tensor fields (those in `names` only, when given)."""
@@ -63,13 +71,26 @@ class TrainBatch:
         return TrainBatch(**state)
 
 
+def _to_multiple(x: torch.Tensor, multiple: int | None, value: Any, left: bool = False) -> torch.Tensor:
+    """x (B, T) padded with `value` on one side to a width that is a multiple of `multiple` (None: as it is)."""
+    extra = -x.shape[1] % multiple if multiple else 0
+    return torch.nn.functional.pad(x, (extra, 0) if left else (0, extra), value=value) if extra else x
+
+
 def collate(
-    rollout: Rollout, advantages: torch.Tensor, pad_id: int, mask_truncated: bool, group: torch.Tensor | None = None
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    pad_id: int,
+    mask_truncated: bool,
+    group: torch.Tensor | None = None,
+    pad_to_multiple_of: int | None = None,
 ) -> TrainBatch:
+    n = pad_to_multiple_of
     prompt_ids, prompt_mask = left_pad(rollout.prompt_ids, pad_id)
-    completion_ids = right_pad(rollout.completion_ids, pad_id)
-    attention = right_pad([[1] * len(c) for c in rollout.completion_ids], 0)
-    loss_mask = right_pad(rollout.loss_mask, 0)
+    prompt_ids, prompt_mask = _to_multiple(prompt_ids, n, pad_id, left=True), _to_multiple(prompt_mask, n, 0, True)
+    completion_ids = _to_multiple(right_pad(rollout.completion_ids, pad_id), n, pad_id)
+    attention = _to_multiple(right_pad([[1] * len(c) for c in rollout.completion_ids], 0), n, 0)
+    loss_mask = _to_multiple(right_pad(rollout.loss_mask, 0), n, 0)
     if mask_truncated:
         # truncated rows leave the loss, the token count and attention (shared spec §10.2)
         attention = attention * (~torch.tensor(rollout.truncated, dtype=torch.bool)).long().unsqueeze(1)
@@ -81,7 +102,8 @@ def collate(
         completion_attention=attention,
         mask=mask,
         advantages=advantages.float(),
-        sampling_logps=right_pad(rollout.sampling_logps, 0.0, dtype=torch.float32),
+        sampling_logps=_to_multiple(right_pad(rollout.sampling_logps, 0.0, dtype=torch.float32), n, 0.0),
         group=group if group is not None else torch.arange(len(rollout.prompt_ids)),
         num_items_in_batch=float(mask.sum()),
+        pad_to_multiple_of=n,
     )

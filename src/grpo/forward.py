@@ -4,7 +4,11 @@
 - prefix sharing: the rows of one prompt run the prompt once (exact; needs the KV cache, which gradient
   checkpointing turns off, and a cache that can select rows);
 - the tiled output head (`grpo.logprobs.chunked_logps_and_entropy`): the (B, T, V) logits never exist;
-- the memory-saving blocks and, opt-in (`lean_linears`), linears of `grpo.perf`, around the gradient pass only.
+- the memory-saving blocks and, opt-in (`lean_linears`), linears of `grpo.perf`, around the gradient pass only;
+- a mixture-of-experts model's router loss (`router_aux_loss_coef`): the gradient pass asks the model for router
+  logits and keeps the load-balancing loss it returns (`aux_loss`), computed over whole sequences (so the prompt
+  is not shared then);
+- `torch_compile`: the policy's decoder stack compiled (`grpo.perf.compilation`), in both kinds of pass.
 Position ids follow the attention mask, as in generation, so left padding never shifts a token's position.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -20,9 +25,11 @@ from transformers import DynamicCache
 
 from grpo.batch import TrainBatch
 from grpo.distributed.zero import is_partitioned
+from grpo.fp32_head import is_fp32_head
 from grpo.logprobs import chunked_logps_and_entropy, logps_and_entropy
+from grpo.loss_terms import router_aux_coef
 from grpo.modeling import accepts_logits_to_keep, cache_argument, recomputes_activations, unwrap
-from grpo.perf import blocks, linears
+from grpo.perf import blocks, compilation, linears
 
 logger = logging.getLogger("grpo")
 
@@ -34,7 +41,11 @@ class TrainingPass:
     def __init__(self, model: Any, args: Any, autocast: Any, mixed_precision: str) -> None:
         self.temperature = args.temperature
         self.autocast = autocast
+        self.router_aux = router_aux_coef(unwrap(model), args) != 0.0
+        self.aux_loss: torch.Tensor | None = None  # the last gradient pass's router loss (router_aux)
         reason = prefix_sharing_unsupported_reason(model)
+        if reason is None and self.router_aux:
+            reason = "the router's load-balancing loss is computed over whole sequences"
         if reason is not None:
             logger.info("Training pass runs each row's prompt itself: %s.", reason)
         self.share_prefix = reason is None
@@ -48,13 +59,20 @@ class TrainingPass:
             logger.info("lean_linears is not used: %s.", reason)
         self.lean_dtype = low if reason is None else None
         reason = blocks.unsupported_reason(model)
+        device = getattr(unwrap(model), "device", torch.device("cpu"))
+        self.compiled = compilation.compiled_forward(model, args, device)
+        if self.compiled is not None:  # the compiler plans the blocks' memory itself: no swapped forwards
+            reason = "torch_compile compiles the blocks as transformers writes them"
+            if self.lean_dtype is not None:
+                warnings.warn("lean_linears is not used with torch_compile (the compiler plans memory).", stacklevel=3)
+            self.lean_dtype = None
         if reason is not None:
             logger.info("Training pass keeps the model's own blocks: %s.", reason)
         self.lean_blocks = reason is None
 
     def logps(self, model: Any, batch: TrainBatch, chunk_size: int | None = None) -> torch.Tensor:
         """Token log-probs without gradient, under the run's precision, `chunk_size` rows at a time."""
-        with torch.no_grad(), self.autocast():
+        with torch.no_grad(), self.autocast(), self._compiled():
             logps, _ = token_logps(
                 model,
                 batch,
@@ -67,11 +85,13 @@ class TrainingPass:
         return logps
 
     def train(self, model: Any, batch: TrainBatch, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token log-probs and entropies with gradient (entropies only with `entropy_grad`)."""
+        """Token log-probs and entropies with gradient (entropies only with `entropy_grad`); with `router_aux`,
+        the router's load-balancing loss in `self.aux_loss`."""
         lean = linears.lean_linears(model, self.lean_dtype) if self.lean_dtype else contextlib.nullcontext()
         kept = blocks.lean_blocks(model) if self.lean_blocks else contextlib.nullcontext()
-        with self.autocast(), lean, kept:
-            return token_logps(
+        aux_losses = [] if self.router_aux else None
+        with self.autocast(), lean, kept, self._compiled():
+            logps, entropies = token_logps(
                 model,
                 batch,
                 self.temperature,
@@ -79,7 +99,14 @@ class TrainingPass:
                 entropy_grad=entropy_grad,
                 share_prefix=self.share_prefix,
                 chunked_head=self.chunked_head,
+                aux_losses=aux_losses,
             )
+        self.aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
+        return logps, entropies
+
+    def _compiled(self) -> contextlib.AbstractContextManager:
+        """torch_compile: the policy's compiled decoder stack for the pass (a reference model runs as it is)."""
+        return self.compiled() if self.compiled is not None else contextlib.nullcontext()
 
 
 def prefix_sharing_unsupported_reason(model: Any) -> str | None:
@@ -101,6 +128,7 @@ def token_logps(
     entropy_grad: bool = False,
     share_prefix: bool = False,
     chunked_head: bool = False,
+    aux_losses: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens under `model` (logits divided by temperature), and their entropies,
     as (B, C) tensors (values on padding positions are meaningless: the mask removes them).
@@ -110,13 +138,17 @@ def token_logps(
     Padding never changes a real token's outputs (causal attention, masked keys), so this is exact. Entropies
     carry a gradient only with `entropy_grad` (the entropy bonus). With `share_prefix`, rows of one prompt run
     the prompt once (see `_forward_shared`). With `chunked_head`, the output projection runs inside
-    `chunked_logps_and_entropy`, a chunk of tokens at a time, and the (B, T, V) logits never exist."""
-    forward = _forward_shared if share_prefix else _forward
+    `chunked_logps_and_entropy`, a chunk of tokens at a time, and the (B, T, V) logits never exist. A piece keeps
+    the batch's `pad_to_multiple_of` (its width is rounded up to it). With `aux_losses` (a list), the model is
+    asked for its router logits and each piece's load-balancing loss is appended (whole sequences: the prompt is
+    then not shared)."""
+    forward = _forward_shared if share_prefix and aux_losses is None else _forward
     lengths = batch.completion_attention.sum(-1)
     logps = entropies = None
     for rows in _pieces(lengths, chunk_size):
-        part = batch.select(rows).trim(max(int(lengths[rows].max()), 1))
-        lp, ent = _piece_logps(model, part, forward, temperature, with_entropy, entropy_grad, chunked_head)
+        part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
+        outputs = forward(model, part, chunked_head, aux_losses)
+        lp, ent = _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head)
         where = (rows.unsqueeze(1), torch.arange(lp.shape[1], device=rows.device))
         logps = (lp.new_zeros(batch.completion_ids.shape) if logps is None else logps).index_put(where, lp)
         if with_entropy:
@@ -125,12 +157,12 @@ def token_logps(
     return logps, entropies
 
 
-def _piece_logps(model, part, forward, temperature, with_entropy, entropy_grad, chunked_head):
-    outputs = forward(model, part, chunked_head)
+def _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head):
     if chunked_head:
         head = unwrap(model).get_output_embeddings()
+        dtype = torch.float32 if is_fp32_head(head) else None  # cast_lm_head_to_fp32: project in float32
         return chunked_logps_and_entropy(
-            outputs, head.weight, head.bias, part.completion_ids, temperature, with_entropy, entropy_grad
+            outputs, head.weight, head.bias, part.completion_ids, temperature, with_entropy, entropy_grad, dtype=dtype
         )
     return logps_and_entropy(outputs / temperature, part.completion_ids, with_entropy, entropy_grad)
 
@@ -164,11 +196,16 @@ def tiled_head_unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def _outputs(model: Any, chunked_head: bool, **inputs: Any) -> torch.Tensor:
+def _outputs(model: Any, chunked_head: bool, aux_losses: list | None = None, **inputs: Any) -> torch.Tensor:
     """The model's logits (B, T, V), or with `chunked_head` the hidden states its output head would have
-    projected (B, T, H): a pre-hook captures them and hands the head an empty slice, so no logits are made."""
+    projected (B, T, H): a pre-hook captures them and hands the head an empty slice, so no logits are made.
+    With `aux_losses`, the model's router loss is appended to it."""
+    if aux_losses is not None:
+        inputs["output_router_logits"] = True
     if not chunked_head:
-        return model(**inputs).logits
+        out = model(**inputs)
+        _keep_aux_loss(out, aux_losses)
+        return out.logits
     captured = {}
 
     def skip_head(module, args):
@@ -177,13 +214,24 @@ def _outputs(model: Any, chunked_head: bool, **inputs: Any) -> torch.Tensor:
 
     handle = unwrap(model).get_output_embeddings().register_forward_pre_hook(skip_head)
     try:
-        model(**inputs)
+        out = model(**inputs)
     finally:
         handle.remove()
+    _keep_aux_loss(out, aux_losses)
     return captured["hidden"]
 
 
-def _forward(model: Any, batch: TrainBatch, chunked_head: bool = False) -> torch.Tensor:
+def _keep_aux_loss(out: Any, aux_losses: list | None) -> None:
+    if aux_losses is not None:
+        if getattr(out, "aux_loss", None) is None:
+            raise ValueError(
+                "The model returned no aux_loss although asked for its router logits (output_router_logits=True); "
+                "set router_aux_loss_coef=0 to train without the load-balancing loss."
+            )
+        aux_losses.append(out.aux_loss)
+
+
+def _forward(model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: list | None = None) -> torch.Tensor:
     """Outputs predicting each completion token, (B, C, V or H), from one pass over prompt + completion."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
@@ -193,17 +241,18 @@ def _forward(model: Any, batch: TrainBatch, chunked_head: bool = False) -> torch
     out = _outputs(
         model,
         chunked_head,
+        aux_losses,
         input_ids=input_ids,
         attention_mask=attention,
         position_ids=position_ids,
-        use_cache=False,
         **kwargs,
     )
     return out[:, -(c + 1) : -1, :]  # position t predicts completion token t
 
 
-def _forward_shared(model: Any, batch: TrainBatch, chunked_head: bool = False) -> torch.Tensor:
-    """The same outputs as `_forward`, running each distinct prompt once.
+def _forward_shared(model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: None = None) -> torch.Tensor:
+    """The same outputs as `_forward`, running each distinct prompt once (`aux_losses` is always None here:
+    `token_logps` runs whole sequences when the router loss is wanted).
 
     The prompt pass fills a KV cache (with gradient), whose rows are copied to the completions of that prompt;
     the completions then attend to it. Causal attention makes this exact: a prompt token never sees the

@@ -153,6 +153,7 @@ def chunked_logps_and_entropy(
     entropy_grad: bool = False,
     chunk_rows: int = CHUNK_ROWS,
     block: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token log-probs (and entropies) of `ids` from the hidden states the output head would project, without
     ever holding the (B, T, V) logits: tiles of `chunk_rows` tokens by `block` vocabulary entries (default: a
@@ -160,10 +161,12 @@ def chunked_logps_and_entropy(
 
     Same values as projecting everything and calling `logps_and_entropy`, with one difference in bfloat16: the
     logits are divided by the temperature after the cast to float32 (as the sampler does), not before. Under
-    autocast the projection runs in the autocast dtype, like the model's own head would."""
+    autocast the projection runs in the autocast dtype, like the model's own head would; `dtype`, when given,
+    is the projection's dtype whatever autocast says (float32 for `cast_lm_head_to_fp32`)."""
     shape = ids.shape
     device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    if dtype is None:
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows = min(chunk_rows, max(flat.shape[0], 1))
     block = block or max(256, TILE_BYTES // (4 * rows))

@@ -29,6 +29,16 @@ def is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
+def is_adapter_layer(module: Any) -> bool:
+    """Whether the module is a PEFT layer (an adapter around a base layer, or a trained copy of one)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils import ModulesToSaveWrapper
+    except ImportError:
+        return False
+    return isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper))
+
+
 def wrap(model: torch.nn.Module, peft_config: Any, gradient_checkpointing: bool) -> torch.nn.Module:
     """The policy with `peft_config`'s adapters added (frozen base, trainable adapters)."""
     try:

@@ -73,7 +73,7 @@ class LossParams:
     delta: float | None = None
     beta: float = 0.0
     importance_sampling_level: str = "token"
-    use_bias_correction_kl: bool = False
+    use_bias_correction_kl: bool = True  # TRL 1.16 (GRPOConfig) default
     max_completion_length: int = 256
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05

@@ -10,27 +10,36 @@ import json
 import math
 import os
 import random
+import socket
+import warnings
 from collections import defaultdict, deque
-from typing import Any
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.tracking import TensorBoardTracker, WandBTracker
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from grpo.advantages import Advantages, nanstd
-from grpo.groups import GenerationBatch
+
+if TYPE_CHECKING:  # grpo.distributed.accelerator imports this module, and grpo.groups imports it back
+    from grpo.groups import GenerationBatch
 
 SHOWN = ("reward", "loss", "completions/mean_length", "kl")
+TOTAL = "total:"  # the key prefix of a running total in the logger's state_dict
 
 
 class MetricsLogger:
-    """Per-window buffers of values; `log` reduces them (NaN-ignoring mean) and writes one row."""
+    """Per-window buffers of values; `log` reduces them (NaN-ignoring mean) and writes one row. Running totals
+    (`set_total`, e.g. tokens seen) are no window's: every row carries their latest value."""
 
     def __init__(self, output_dir: str | None, accelerator: Any, total_steps: int, show_progress: bool) -> None:
         self.accelerator = accelerator
         self.path = os.path.join(output_dir, "metrics.jsonl") if output_dir else None
         self.values: dict[str, list[float]] = defaultdict(list)
+        self.totals: dict[str, float] = {}
         self.is_main = accelerator.is_main_process
         self.console = Console(stderr=True)
         self.progress = None
@@ -61,12 +70,14 @@ class MetricsLogger:
             self.progress.stop()
 
     def state_dict(self) -> dict[str, list[float]]:
-        """The unfinished logging window's values (a checkpoint keeps them)."""
-        return {k: list(v) for k, v in self.values.items()}
+        """The unfinished logging window's values and the running totals (a checkpoint keeps them), as names
+        with lists of numbers."""
+        return {**{k: list(v) for k, v in self.values.items()}, **{TOTAL + k: [v] for k, v in self.totals.items()}}
 
     def load_state_dict(self, window: dict[str, list[float]]) -> None:
         self.values.clear()
-        self.values.update({k: list(v) for k, v in window.items()})
+        self.values.update({k: list(v) for k, v in window.items() if not k.startswith(TOTAL)})
+        self.totals = {k[len(TOTAL) :]: v[-1] for k, v in window.items() if k.startswith(TOTAL) and v}
 
     def resume(self, step: int) -> None:
         """Continue a run at `step`: rows a killed run wrote after it leave metrics.jsonl (they will be written
@@ -85,6 +96,13 @@ class MetricsLogger:
         for name, value in values.items():
             self.add(name, value)
 
+    def set_total(self, name: str, value: float) -> None:
+        self.totals[name] = value
+
+    def discard(self) -> None:
+        """Drop the window unlogged (logging_strategy="no": no row will ever average it)."""
+        self.values.clear()
+
     def advance(self, step: int) -> None:
         if self.progress is not None:
             self.progress.update(self.task, completed=step)
@@ -96,6 +114,7 @@ class MetricsLogger:
             valid = [v for v in values if not math.isnan(v)]
             mean = sum(valid) / len(valid) if valid else None
             row[name] = mean if mean is None or math.isfinite(mean) else None  # metrics.jsonl stays valid JSON
+        row.update(self.totals)
         self.values.clear()
         if self.is_main:
             if self.path:
@@ -109,6 +128,49 @@ class MetricsLogger:
         if self.accelerator.trackers:
             self.accelerator.log(trackable, step=step)
         return row
+
+
+# how each tracker takes the run's name (accelerate passes the project as its first argument)
+RUN_NAME_KWARG = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "swanlab": "experiment_name"}
+UNNAMED_RUNS = ("comet_ml", "clearml", "aim", "dvclive")  # no run name grpo can pass through accelerate
+DEFAULT_PROJECT = "huggingface"  # TRL's `project`, and transformers' wandb project when WANDB_PROJECT is unset
+
+
+def tracker_init_kwargs(run_name: str | None) -> dict[str, dict[str, str]]:
+    """accelerate's per-tracker `init_kwargs` naming the run (None: each tracker names it, as in transformers)."""
+    return {} if run_name is None else {tracker: {kwarg: run_name} for tracker, kwarg in RUN_NAME_KWARG.items()}
+
+
+def tensorboard_run_dir(project: str, run_name: str | None) -> str:
+    """The TensorBoard run's directory under output_dir: `<project>/<run_name>`; an unnamed run gets the HF
+    Trainer's default name, `<month><day>_<time>_<host>`."""
+    return os.path.join(project, run_name or datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname())
+
+
+def _own_tracker(tracker: Any, args: Any, logging_dir: str) -> Any:
+    """The tracker accelerate would make, or grpo's where accelerate's defaults differ from transformers': a
+    TensorBoard run directory per run, and wandb's WANDB_PROJECT while `project` is left at its default."""
+    if str(tracker) == "tensorboard":
+        return TensorBoardTracker(tensorboard_run_dir(args.project, args.run_name), logging_dir)
+    if str(tracker) == "wandb" and args.project == DEFAULT_PROJECT and os.environ.get("WANDB_PROJECT"):
+        return WandBTracker(os.environ["WANDB_PROJECT"], **tracker_init_kwargs(args.run_name).get("wandb", {}))
+    return tracker
+
+
+def start_trackers(accelerator: Any, args: Any) -> None:
+    """Start the trackers of `report_to` (the accelerator's `log_with`) for the run `args.run_name` in the project
+    `args.project`, with the config as the run's hyperparameters."""
+    accelerator.log_with = [_own_tracker(t, args, accelerator.logging_dir) for t in accelerator.log_with]
+    unnamed = [str(t) for t in accelerator.log_with if str(t) in UNNAMED_RUNS]
+    if args.run_name is not None and unnamed:
+        warnings.warn(
+            f"run_name={args.run_name!r} is not passed to {', '.join(unnamed)} (accelerate gives them the project "
+            "only); name the run with that tracker's own setting (e.g. an environment variable).",
+            stacklevel=4,  # the GRPOTrainer(...) call
+        )
+    plain = (int, float, str, bool)
+    config = {k: v if isinstance(v, plain) or v is None else str(v) for k, v in args.to_dict().items()}
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracker_init_kwargs(args.run_name))
 
 
 def generation_metrics(generated: GenerationBatch, adv: Advantages, reward_names: list[str]) -> dict[str, float]:
@@ -142,11 +204,14 @@ def generation_metrics(generated: GenerationBatch, adv: Advantages, reward_names
 
 class CompletionLog:
     """The completions of the latest generation batch (prompt, completion, one column per reward function, the
-    columns reward functions add with `log_extra`, advantage), shown and saved at each logging step."""
+    columns reward functions add with `log_extra`, advantage), shown and saved at each logging step. With
+    `log_unique_prompts` the table shows each prompt once, on its first row (as TRL's table does); the parquet
+    file keeps every row."""
 
     def __init__(self, args: Any, reward_names: list[str]) -> None:
         self.output_dir = args.output_dir
         self.num_to_print = args.num_completions_to_print
+        self.unique_prompts = args.log_unique_prompts
         self.reward_names = reward_names
         self.rows: deque[dict[str, Any]] = deque(maxlen=args.generation_batch_size)
         self.rng = random.Random(args.seed)
@@ -171,10 +236,11 @@ class CompletionLog:
         path = os.path.join(self.output_dir, "completions", f"completions_{step:05d}.parquet")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         pd.DataFrame(rows).to_parquet(path, index=False)
+        candidates = _first_of_each_prompt(rows) if self.unique_prompts else rows
         shown = (
-            rows
-            if self.num_to_print is None or self.num_to_print >= len(rows)
-            else self.rng.sample(rows, self.num_to_print)
+            candidates
+            if self.num_to_print is None or self.num_to_print >= len(candidates)
+            else self.rng.sample(candidates, self.num_to_print)
         )
         table = Table(title=f"Completions at step {step}", show_lines=True)
         for name in ["prompt", "completion", *self.reward_names, "advantage"]:
@@ -183,6 +249,17 @@ class CompletionLog:
             table.add_row(*[_cell(row[name]) for name in ["prompt", "completion", *self.reward_names, "advantage"]])
         console.print(table)
         return path
+
+
+def _first_of_each_prompt(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first row of each prompt text: a group's rows share it, so one row per group."""
+    seen: set[str] = set()
+    first = []
+    for row in rows:
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            first.append(row)
+    return first
 
 
 def _cell(value: Any) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
@@ -198,16 +199,45 @@ def unwrap(model: Any, keep_peft: bool = False) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def enable_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+def enable_checkpointing(model: torch.nn.Module, args: Any, fsdp_plugin: Any = None) -> None:
+    """`gradient_checkpointing` (`activation_checkpointing`, which the config resolved into it) with its kwargs,
+    as transformers 5.24's Trainer applies them: `every_n_layers` and `offload` are options of the model's
+    method, every other key goes to torch.utils.checkpoint.checkpoint (default: use_reentrant=False). Under
+    FSDP whose plugin checkpoints the layers itself (`fsdp_activation_checkpointing`), both at once would
+    checkpoint twice: refused, as the HF Trainer does; with grpo's off, the plugin's does the work."""
+    plugin_checkpoints = bool(getattr(fsdp_plugin, "activation_checkpointing", False))
+    if plugin_checkpoints and args.gradient_checkpointing:
+        raise ValueError(
+            "GRPOConfig.gradient_checkpointing (activation_checkpointing) and the FSDP plugin's "
+            "activation_checkpointing are both on, which would checkpoint every layer twice. Set "
+            "gradient_checkpointing=False to use FSDP's, or turn fsdp_activation_checkpointing off in the "
+            "accelerate config."
+        )
+    if not args.gradient_checkpointing:
+        return
+    kwargs = dict(args.gradient_checkpointing_kwargs or {})
+    options = {"every_n_layers": kwargs.pop("every_n_layers", 1), "offload": kwargs.pop("offload", False)}
     if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, **options)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None, **options)
+
+
+def set_use_cache(models: list[Any], use_cache: bool) -> None:
+    """`GRPOConfig.use_cache`, set as the HF Trainer sets it: the models' `config.use_cache`, which their training
+    forwards read (a KV cache there is only kept, never read; generation passes its own)."""
+    for model in models:
+        config = getattr(unwrap(model), "config", None) if model is not None else None
+        if config is not None:
+            config.use_cache = use_cache
 
 
 def recomputes_activations(model: torch.nn.Module) -> bool:
-    """Whether gradient (activation) checkpointing is on: backward then re-runs the forward."""
+    """Whether activation checkpointing is on, transformers' or the FSDP plugin's (its checkpoint wrappers around
+    the layers): backward then re-runs the forward."""
     model = unwrap(model)
+    if any(isinstance(m, CheckpointWrapper) for m in model.modules()):
+        return True
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the first: transformers >= 5.2x
         if hasattr(type(model), name):
             return bool(getattr(model, name))

@@ -3,12 +3,14 @@ gradient norm means for the run."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from transformers import get_scheduler
+from transformers import Trainer, get_scheduler
 
 from grpo.distributed import zero
 
@@ -18,25 +20,54 @@ class TrainingError(RuntimeError):
 
 
 def default_optimizer(model: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters, no weight decay on biases and norms."""
+    """The optimizer `args.optim` names, resolved as the HF Trainer resolves it (`optim_args` included), over the
+    trainable parameters, with no weight decay on biases and norms. `adamw_torch_fused` (the default) falls back
+    to the per-tensor AdamW (the same update) where the parameters cannot be fused."""
+    name = str(args.optim)  # checked by GRPOConfig
+    try:
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    except ImportError as e:  # bitsandbytes, torchao, ... not installed
+        raise ValueError(f"GRPOConfig.optim={name!r} needs a package that is not installed: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"GRPOConfig.optim={name!r} / optim_args={args.optim_args!r}: {e}") from None
+    kwargs = dict(kwargs)
+    kwargs.update(_unconsumed_optim_args(cls, kwargs, args.optim_args))
     params = [p for p in model.parameters() if p.requires_grad]
+    if kwargs.get("fused") and not all(p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for p in params):
+        kwargs["fused"] = None  # e.g. bf16 or meta parameters: the per-tensor loop computes the same update
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    # fused: one kernel for all parameters (same update as the per-tensor loop, far fewer passes)
-    fused = all(p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        fused=fused or None,
-    )
+    return cls([g for g in groups if g["params"]], **kwargs)
+
+
+def _unconsumed_optim_args(cls: type, kwargs: dict, optim_args: str | None) -> dict[str, Any]:
+    """`optim_args` keys the HF resolver left unused (it reads only some, per optimizer): passed on when the
+    optimizer takes them, an error otherwise, so that no argument the user gave is silently dropped."""
+    extra = {}
+    accepted = inspect.signature(cls.__init__).parameters
+    for item in filter(None, (optim_args or "").replace(" ", "").split(",")):
+        key, _, text = item.partition("=")
+        if key in kwargs:
+            continue
+        if key not in accepted:
+            raise ValueError(
+                f"GRPOConfig.optim_args: {cls.__name__} takes no argument {key!r}; it takes "
+                f"{', '.join(n for n in accepted if n not in ('self', 'params'))}."
+            )
+        try:
+            extra[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            extra[key] = text
+    return extra
 
 
 def default_scheduler(optimizer: torch.optim.Optimizer, args: Any, max_steps: int) -> Any:
-    warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
+    """The config's schedule; `warmup_steps` below 1 is a fraction of the steps (transformers 5: ceil(ratio x
+    steps))."""
+    w = args.warmup_steps
+    warmup = math.ceil(w * max_steps) if 0 < w < 1 else int(w)
     return get_scheduler(
         args.lr_scheduler_type,
         optimizer,

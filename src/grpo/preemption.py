@@ -105,10 +105,16 @@ def save_and_exit(trainer: Any, step_start: StepStart | None) -> NoReturn:
     settle_processes(trainer.accelerator)
     newest = checkpoint.checkpoints(trainer.args.output_dir)
     where = f"the newest checkpoint is {newest[-1][1]}" if newest else "no checkpoint was written"
+    how = (
+        "Checkpoints hold the model only (save_only_model=True): none can resume the run."
+        if trainer.args.save_only_model
+        else "Resume with trainer.train(resume_from_checkpoint=True)."
+    )
     logger.warning(
-        "SIGTERM received%s: %s; exiting with status %d. Resume with trainer.train(resume_from_checkpoint=True).",
+        "SIGTERM received%s: %s; exiting with status %d. %s",
         " during a step" if mid_step else "",
         where,
         EXIT_STATUS,
+        how,
     )
     raise SystemExit(EXIT_STATUS)

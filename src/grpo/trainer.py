@@ -20,7 +20,9 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
 - generation runs with the model in eval mode (dropout off, KV cache on under gradient checkpointing);
 - `bf16=None` turns bfloat16 on only where the hardware computes it fast (the reference: always);
 - `dynamic_sampling` (DAPO, which the reference lacks) drops groups without reward spread and draws more prompts;
-- async reward functions run while the sync ones do (the reference awaits them after the sync ones).
+- async reward functions run while the sync ones do (the reference awaits them after the sync ones);
+- `average_tokens_across_devices=False` divides each process's token-sum loss by its own tokens (the HF
+  Trainer's meaning; the reference always counts every process's).
 """
 
 from __future__ import annotations
@@ -34,10 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate.utils import set_seed
 from transformers import PreTrainedModel, TrainerState
 
-from grpo import checkpoint, data, lora, optimization, preemption, run_dir
+from grpo import checkpoint, data, fp32_head, lora, optimization, preemption, ref_sync, reporting, run_dir, seeding
 from grpo.advantages import Advantages, compute_advantages
 from grpo.batch import TrainBatch, collate
 from grpo.config import GRPOConfig, reject_later_features, warn_odd_combinations
@@ -47,7 +48,8 @@ from grpo.distributed.accumulation import accumulating, backward
 from grpo.forward import TrainingPass
 from grpo.groups import GenerationBatch, Scored, groups_with_spread, rows_of_groups
 from grpo.loop import LoopState, RolloutBuffer
-from grpo.losses import LossParams, LossScale, entropy_bonus, high_entropy_mask, masked_mean_stat, policy_loss
+from grpo.loss_terms import LossTerms, router_aux_coef
+from grpo.losses import LossParams, LossScale, high_entropy_mask, masked_mean_stat, policy_loss
 from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics
 from grpo.modeling import (
     disable_dropout,
@@ -57,6 +59,7 @@ from grpo.modeling import (
     model_name,
     prepare_tokenizer,
     reference_model,
+    set_use_cache,
 )
 from grpo.optimization import TrainingError
 from grpo.perf import allocator, attention
@@ -110,16 +113,19 @@ class GRPOTrainer:
         self.train_dataset = train_dataset
         warn_odd_combinations(args)
         self.accelerator = make_accelerator(args)
+        reporting.configure_logging(args, self.accelerator)  # log_level(_replica), log_on_each_node
         if self.accelerator.device.type == "cpu" and args.cpu_keep_freed_memory:
             allocator.keep_freed_memory()
         self.rewards = RewardFunctions.build(reward_funcs, args, reward_processing_classes, self.accelerator.device)
-        set_seed(args.seed)
+        seeding.seed_run(args)  # full_determinism: deterministic algorithms too
         self._build_models(model, processing_class, peft_config)
         self.state = TrainerState()
         self.max_steps, self.steps_per_epoch = self._schedule_length()
         self.state.max_steps = self.max_steps
         self._build_optimization(*optimizers)
         self._prepare()
+        ref_sync.check(self)  # sync_ref_model needs a reference model of its own
+        checkpoint.strategy.check(self)  # the best checkpoint must be knowable and loadable
         self.stop_ids = data.end_of_turn_ids(self.processing_class, _generation_eos(self.unwrapped_model))
         self.engine = build_engine(self.unwrapped_model, self.processing_class, args, self.stop_ids, self.accelerator)
         attention.use_grouped_heads(self.model)
@@ -131,6 +137,7 @@ class GRPOTrainer:
         self.loop = LoopState()
         self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
         self.loss_params = LossParams.of(args)
+        self.loss_terms = LossTerms(args, router_aux_coef(self.unwrapped_model, args))  # entropy bonus, router loss
         self._weights_stale = True  # the engine has not seen the policy's weights yet
         self._overflows = 0  # fp16 loss-scale overflows in a row
         self.step_applied = False  # whether the current step's optimizer step has been applied
@@ -157,10 +164,11 @@ class GRPOTrainer:
         self.ref_model = None
         if a.beta != 0.0 and not self.ref_from_adapters:
             self.ref_model = reference_model(self.model, model_id, a.model_init_kwargs, a.trust_remote_code)
-        if a.gradient_checkpointing:
-            enable_checkpointing(self.model, a.gradient_checkpointing_kwargs or {"use_reentrant": False})
+        enable_checkpointing(self.model, a, getattr(self.accelerator.state, "fsdp_plugin", None))
+        set_use_cache([self.model, self.ref_model], a.use_cache)
         if peft_config is not None:
             self.model = lora.wrap(self.model, peft_config, a.gradient_checkpointing)
+        fp32_head.apply(a, self.model, self.ref_model)  # cast_lm_head_to_fp32
 
     def _schedule_length(self) -> tuple[int, int]:
         """(max_steps, optimizer steps per epoch)."""
@@ -203,12 +211,14 @@ class GRPOTrainer:
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train to max_steps. `resume_from_checkpoint`: True for the newest checkpoint in output_dir, or a
-        checkpoint path; the run then continues exactly where that checkpoint left it. The main process holds
+        checkpoint path (None: the config's resume_from_checkpoint); the run then continues exactly where that
+        checkpoint left it. With load_best_model_at_end, the best checkpoint's weights end it. The main process holds
         output_dir for the run (a second run there is refused). SIGTERM (preemption) saves the state of the last
         complete step and exits the process with status 143 (`grpo.preemption`)."""
         a = self.args
         with run_dir.holding(a.output_dir, self.accelerator):
             self.metrics = MetricsLogger(a.output_dir, self.accelerator, self.max_steps, not a.disable_tqdm)
+            resume_from_checkpoint = checkpoint.strategy.resume_target(resume_from_checkpoint, a.resume_from_checkpoint)
             if resume_from_checkpoint:
                 path = checkpoint.resolve(resume_from_checkpoint, a.output_dir)
                 checkpoint.load(self, path)
@@ -226,6 +236,7 @@ class GRPOTrainer:
                             preemption.save_and_exit(self, None)
                 except Preempted:
                     preemption.save_and_exit(self, step_start)
+            checkpoint.strategy.load_best_model(self, checkpoint.load_model_weights)
         end_training(self.accelerator)
         metrics = self.state.log_history[-1] if self.state.log_history else {}
         return TrainOutput(self.state.global_step, total_loss / max(self.state.global_step, 1), metrics)
@@ -241,7 +252,7 @@ class GRPOTrainer:
                 advantages = self._advantages(generated.batch)
                 batch = self._collate(generated.batch, advantages)
                 batch = self._add_old_and_ref_logps(batch)
-                self._log_generation(generated, advantages)
+                self._log_generation(generated, advantages, batch)
                 self.buffer.fill(batch, self.loop.micro_step)
             batch = self.buffer.take(self.loop.micro_step)
             self.loop.micro_step += 1
@@ -285,7 +296,11 @@ class GRPOTrainer:
         this process's contiguous share of the generation batch (shared spec §5.1-5.2)."""
         a, acc = self.args, self.accelerator
         unique = data.generation_prompt_indices(
-            position, len(self.train_dataset), a.generation_batch_size // a.num_generations, a.seed, a.shuffle_dataset
+            position,
+            len(self.train_dataset),
+            a.generation_batch_size // a.num_generations,
+            seeding.prompt_order_seed(a),
+            a.shuffle_dataset,
         )
         repeated = [i for i in unique for _ in range(a.num_generations)]
         per_process = len(repeated) // acc.num_processes
@@ -318,7 +333,7 @@ class GRPOTrainer:
 
     def _collate(self, scored: Scored, advantages: Advantages) -> TrainBatch:
         """This process's share of the generation batch as tensors; its `num_items_in_batch` counts the trained
-        tokens of every process's share."""
+        tokens of every process's share (`collectives.loss_tokens`)."""
         acc = self.accelerator
         mine = list(collectives.local_rows(len(scored), acc.process_index, acc.num_processes))
         batch = collate(
@@ -327,8 +342,9 @@ class GRPOTrainer:
             self.processing_class.pad_token_id,
             self.args.mask_truncated_completions,
             group=torch.tensor(scored.rows)[mine],
+            pad_to_multiple_of=self.args.pad_to_multiple_of,
         ).to(acc.device)
-        tokens = acc.reduce(batch.mask.sum(), reduction="sum").item()
+        tokens = collectives.loss_tokens(acc, batch.mask.sum(), self.args.average_tokens_across_devices)
         return dataclasses.replace(batch, num_items_in_batch=tokens)
 
     def _needs_old_logps(self) -> bool:
@@ -356,7 +372,7 @@ class GRPOTrainer:
         """The micro-batch's share of the step's loss, backpropagated; returns its value."""
         a, acc = self.args, self.accelerator
         t0 = time.perf_counter()
-        logps, entropies = self.training_pass.train(self.model, batch, entropy_grad=a.entropy_coef != 0.0)
+        logps, entropies = self.training_pass.train(self.model, batch, entropy_grad=self.loss_terms.entropy_grad)
         entropy_mask = None
         if a.top_entropy_quantile < 1.0:
             everyone = collectives.gather_values(entropies.detach()[batch.mask.bool()].float(), acc)
@@ -374,13 +390,12 @@ class GRPOTrainer:
             entropy_mask=entropy_mask,
             scale=scale,
         )
-        if a.entropy_coef != 0.0:
-            bonus_mask = batch.mask if entropy_mask is None else batch.mask * entropy_mask
-            loss = loss - a.entropy_coef * entropy_bonus(entropies, bonus_mask) / a.gradient_accumulation_steps
+        bonus_mask = batch.mask if entropy_mask is None else batch.mask * entropy_mask
+        loss, extra = self.loss_terms.add(loss, entropies, bonus_mask, self.training_pass.aux_loss)
         if not torch.isfinite(loss):
             raise TrainingError(self._nonfinite_message("loss", loss.item()))
         backward(acc, loss)
-        stats = dict(metrics.stats, entropy=masked_mean_stat(entropies.detach(), batch.mask))
+        stats = dict(metrics.stats, **extra, entropy=masked_mean_stat(entropies.detach(), batch.mask))
         self.metrics.add_many(collectives.reduce_stats(stats, acc))
         self.metrics.add("timing/training_tokens_per_s", batch.mask.sum().item() / max(time.perf_counter() - t0, 1e-9))
         return loss.item()
@@ -397,6 +412,8 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._weights_stale = True
         self.state.global_step += 1
+        self.metrics.add_many(self.loss_terms.end_step(self.accelerator))  # the adaptive entropy controller
+        ref_sync.after_step(self)  # sync_ref_model (TR-DPO)
         self.state.epoch = self.state.global_step / self.steps_per_epoch
         return Update(loss, grad_norm, self.lr_scheduler.get_last_lr()[0])
 
@@ -423,12 +440,9 @@ class GRPOTrainer:
 
     # ---- log and checkpoint ----------------------------------------------------------------------------------
 
-    def _log_generation(self, generated: GenerationBatch, advantages: Advantages) -> None:
-        rollout = generated.batch.rollout
-        self.state.num_input_tokens_seen += sum(
-            len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids)
-        )
-        self.metrics.add("num_tokens", self.state.num_input_tokens_seen)
+    def _log_generation(self, generated: GenerationBatch, advantages: Advantages, batch: TrainBatch) -> None:
+        mode = self.args.include_num_input_tokens_seen
+        reporting.count_tokens(self.state, self.metrics, generated.batch.rollout, batch, self.accelerator, mode)
         self.metrics.add_many(generation_metrics(generated, advantages, self.rewards.names))
         if self.args.dynamic_sampling:
             self.metrics.add_many(
@@ -451,22 +465,24 @@ class GRPOTrainer:
             }
         )
         self.metrics.advance(step)
-        if step % _every(self.args.logging_steps, self.max_steps) == 0 or step == self.max_steps:
+        if reporting.should_log(self.args, step, self.max_steps, self.steps_per_epoch):
             self.state.log_history.append(self.metrics.log(step, self.state.epoch))
             if self.completion_log is not None and self.accelerator.is_main_process:
                 self.completion_log.flush(step, self.metrics.console)
+        elif self.args.logging_strategy == "no":
+            self.metrics.discard()  # no row will ever average this window
+        reporting.release_cached_memory(self.args, step, self.accelerator.device)  # torch_empty_cache_steps
 
     def _checkpoint(self) -> None:
-        step = self.state.global_step
-        if self.args.save_strategy == "steps" and step % _every(self.args.save_steps, self.max_steps) == 0:
-            checkpoint.save(self, step)
+        if checkpoint.strategy.should_save(self):  # save_strategy, on the step just logged
+            checkpoint.save(self, self.state.global_step)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Write the policy (and tokenizer) as a normal Hugging Face model directory."""
         output_dir = output_dir or self.args.output_dir
         self.accelerator.wait_for_everyone()
         state_dict = checkpoint.model_state(self)  # every process: a sharded model is gathered
-        if self.accelerator.is_main_process:
+        if checkpoint.strategy.writer(self):  # the main process, or each node's with save_on_each_node
             checkpoint.save_pretrained(self, output_dir, state_dict)
 
 
@@ -480,8 +496,3 @@ def _resolve_args(args: GRPOConfig | None, model: Any) -> GRPOConfig:
 
 def _generation_eos(model: Any) -> Any:
     return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-
-
-def _every(value: float, total: int) -> int:
-    """logging_steps / save_steps: an int, or a fraction (< 1) of the total number of steps."""
-    return max(int(math.ceil(value * total)) if value < 1 else int(value), 1)

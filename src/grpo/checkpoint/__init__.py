@@ -17,7 +17,12 @@ directory and says which complete checkpoint is the newest. It holds:
 `load` restores all of it, after checking that every file reads back (weights-only: nothing in a checkpoint can
 run code), that trainer_state.json is consistent, and that the checkpoint fits the model and the run (same
 parameter names and shapes, same batch geometry, seed, world size and dataset size): what is wrong is named in
-the error, with the next-newest complete checkpoint. Rotation (`save_total_limit`) never removes the newest.
+the error, with the next-newest complete checkpoint. A checkpoint saved with save_only_model holds the model
+directory and trainer_state.json only, and is refused as a starting point to resume from.
+
+When to save, the best checkpoint (trainer_state.json names it: best_metric, best_global_step,
+best_model_checkpoint), rotation (`save_total_limit`: never the newest nor the best) and which processes write
+are decided in `strategy`.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from typing import Any
 
 import torch
 
-from grpo import lora
-from grpo.checkpoint import files
+from grpo import lora, ref_sync
+from grpo.checkpoint import files, strategy
 from grpo.checkpoint.files import CheckpointError, CheckpointMismatchError, checkpoints
 from grpo.distributed import collectives, sharding, zero
 
@@ -49,6 +54,7 @@ RUN_GEOMETRY = (
     "steps_per_generation",
     "num_iterations",
     "shuffle_dataset",
+    "data_seed",
 )
 
 
@@ -81,15 +87,12 @@ def save(trainer: Any, step: int) -> str:
     acc, root = trainer.accelerator, trainer.args.output_dir
     final, tmp = os.path.join(root, f"checkpoint-{step}"), os.path.join(root, f".tmp-checkpoint-{step}")
     acc.wait_for_everyone()
-    _phase(trainer, step, tmp, lambda: _fresh_directory(tmp) if acc.is_main_process else None)
+    writer = strategy.writer(trainer)  # the main process, or each node's with save_on_each_node
+    strategy.record_best(trainer, step, final)  # before trainer_state.json is written: it names the best
+    _phase(trainer, step, tmp, lambda: _fresh_directory(tmp) if writer else None)
     state_dict = model_state(trainer)  # a collective for sharded models
     _phase(trainer, step, tmp, lambda: _write_process_files(trainer, tmp))
-    _phase(
-        trainer,
-        step,
-        tmp,
-        lambda: _write_main_files(trainer, step, tmp, final, state_dict) if acc.is_main_process else None,
-    )
+    _phase(trainer, step, tmp, lambda: _write_main_files(trainer, step, tmp, final, state_dict) if writer else None)
     acc.wait_for_everyone()
     return final
 
@@ -100,8 +103,11 @@ def _fresh_directory(path: str) -> None:
 
 
 def _write_process_files(trainer: Any, tmp: str) -> None:
-    """What every process writes: its generator states, its shards, its buffered rollouts."""
+    """What every process writes: its generator states, its shards, its buffered rollouts (none of it with
+    save_only_model)."""
     acc, rank = trainer.accelerator, trainer.accelerator.process_index
+    if trainer.args.save_only_model:
+        return
     torch.save(files.rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
     if sharding.is_sharded(trainer.model):
         sharding.save_shards(trainer.model, trainer.optimizer, os.path.join(tmp, SHARDED))
@@ -109,6 +115,7 @@ def _write_process_files(trainer: Any, tmp: str) -> None:
         zero.save(acc, os.path.join(tmp, zero.STATE_DIR))
     if trainer.buffer.mid_cycle(trainer.loop.micro_step):
         torch.save(trainer.buffer.state_dict(), os.path.join(tmp, f"rollouts_{rank}.pt"))
+    ref_sync.save(trainer, tmp)  # sync_ref_model: the reference as mixed so far
 
 
 def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict: dict[str, torch.Tensor]) -> None:
@@ -116,11 +123,8 @@ def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict:
     that makes the checkpoint exist, and the rotation."""
     acc = trainer.accelerator
     save_pretrained(trainer, tmp, state_dict)
-    if not sharding.is_sharded(trainer.model) and not zero.in_use(acc):
-        torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-    if acc.scaler is not None:  # fp16 loss scaling: the current scale and its growth tracker
-        torch.save(acc.scaler.state_dict(), os.path.join(tmp, SCALER))
+    if not trainer.args.save_only_model:
+        _write_optimization(trainer, tmp)
     state = {
         "global_step": step,
         **trainer.loop.state_dict(),
@@ -128,15 +132,28 @@ def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict:
         "num_input_tokens_seen": trainer.state.num_input_tokens_seen,
         "log_history": trainer.state.log_history,
         "metrics_window": trainer.metrics.state_dict(),
+        "entropy_control": trainer.loss_terms.state_dict(),  # use_adaptive_entropy: coefficient, last entropy
         "rollouts": trainer.buffer.mid_cycle(trainer.loop.micro_step),
         "num_processes": acc.num_processes,
         "dataset_size": len(trainer.train_dataset),
+        "save_only_model": trainer.args.save_only_model,
+        **strategy.best_state(trainer.state),
         "config": {k: v for k, v in trainer.args.to_dict().items() if _jsonable(v)},
     }
     with open(os.path.join(tmp, STATE), "w") as f:
         json.dump(state, f, indent=1)
     _replace(tmp, final)  # the checkpoint exists only once it is complete
-    _rotate(trainer.args.output_dir, trainer.args.save_total_limit, keep=final)
+    strategy.rotate(trainer.args.output_dir, trainer.args.save_total_limit, final, trainer.state.best_model_checkpoint)
+
+
+def _write_optimization(trainer: Any, tmp: str) -> None:
+    """Optimizer (unless sharded: its shards hold it), schedule and fp16 loss scale."""
+    acc = trainer.accelerator
+    if not sharding.is_sharded(trainer.model) and not zero.in_use(acc):
+        torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+    if acc.scaler is not None:  # fp16 loss scaling: the current scale and its growth tracker
+        torch.save(acc.scaler.state_dict(), os.path.join(tmp, SCALER))
 
 
 def _replace(tmp: str, final: str) -> None:
@@ -165,7 +182,7 @@ def _phase(trainer: Any, step: int, tmp: str, work: Any) -> None:
         error = err
     if not collectives.any_process(trainer.accelerator, error is not None):
         return
-    if trainer.accelerator.is_main_process:
+    if strategy.writer(trainer):
         shutil.rmtree(tmp, ignore_errors=True)
     raise CheckpointWriteError(_write_failure(trainer.args.output_dir, step, error)) from error
 
@@ -213,12 +230,21 @@ def load(trainer: Any, path: str) -> None:
     until every file has been read and checked."""
     acc, args = trainer.accelerator, trainer.args
     state = files.read_state(path, trainer.max_steps, args.gradient_accumulation_steps)
+    if state.get("save_only_model"):
+        raise CheckpointError(
+            f"{path} was saved with save_only_model=True: it holds the model only (no optimizer, schedule, random "
+            f"generator states or buffered rollouts), so a run cannot resume from it. Start a new run from its "
+            f"weights (model={path!r}, without resume_from_checkpoint), or resume from a checkpoint saved with "
+            "save_only_model=False."
+        )
     _check_run(trainer, state, path)
+    best = strategy.read_best(state, path)
     # where saved tensors go: accelerate numbers CPU processes' devices ("cpu:1"), which torch.load rejects
     device = "cpu" if acc.device.type == "cpu" else acc.device
     rank = acc.process_index
     rng = files.load_rng_state(os.path.join(path, f"rng_state_{rank}.pt"))
     rollouts = _read_rollouts(path, rank, state, trainer.buffer.cycle, device)
+    reference = ref_sync.read(trainer, path, state)
     sharded, deepspeed = sharding.is_sharded(trainer.model), zero.in_use(acc)
     optimizer = None
     if not sharded and not deepspeed:
@@ -228,6 +254,7 @@ def load(trainer: Any, path: str) -> None:
     if acc.scaler is not None and os.path.exists(os.path.join(path, SCALER)):
         scaler = files.load_tensors(os.path.join(path, SCALER), "fp16 loss-scaler state")
     _load_model(trainer, path, sharded, deepspeed)
+    ref_sync.restore(trainer, reference)
     if optimizer is not None:
         _apply(path, "optimizer.pt", lambda: trainer.optimizer.load_state_dict(optimizer))
     _apply(path, "scheduler.pt", lambda: trainer.lr_scheduler.load_state_dict(scheduler))
@@ -237,8 +264,12 @@ def load(trainer: Any, path: str) -> None:
     trainer.state.num_input_tokens_seen = state["num_input_tokens_seen"]
     trainer.state.log_history = state["log_history"]
     trainer.state.epoch = state["global_step"] / trainer.steps_per_epoch
+    for name, value in best.items():
+        setattr(trainer.state, name, value)
     trainer.loop.load_state_dict(state)
+    trainer.loop.data_position = strategy.data_position_after_resume(trainer, trainer.loop.data_position)
     trainer.metrics.load_state_dict(state["metrics_window"])
+    _apply(path, STATE, lambda: trainer.loss_terms.load_state_dict(state.get("entropy_control")))
     trainer.buffer.load_state_dict(rollouts, device)
     files.set_rng_state(rng)
 
@@ -276,6 +307,12 @@ def _read_rollouts(path: str, rank: int, state: dict[str, Any], cycle: int, devi
             del batch["truncated"]
             batch["num_items_in_batch"] = state.get("num_items", 0.0)
     return saved
+
+
+def load_model_weights(trainer: Any, path: str) -> None:
+    """The model weights of checkpoint `path` into the trainer's model (every process), as a resume loads them:
+    load_best_model_at_end."""
+    _load_model(trainer, path, sharding.is_sharded(trainer.model), zero.in_use(trainer.accelerator))
 
 
 def _load_model(trainer: Any, path: str, sharded: bool, deepspeed: bool) -> None:
@@ -358,15 +395,6 @@ def _load_weights(model: torch.nn.Module, path: str) -> None:
     with torch.no_grad():
         for k, tensor in saved.items():
             own[k].copy_(tensor)
-
-
-def _rotate(root: str, limit: int | None, keep: str) -> None:
-    """Keep the newest `limit` complete checkpoints (None: all); `keep`, the one just written, always stays."""
-    if not limit or limit < 1:
-        return
-    for _, path in checkpoints(root)[:-limit]:
-        if os.path.normpath(path) != os.path.normpath(keep):
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _jsonable(value: Any) -> bool:

@@ -27,6 +27,17 @@ def process_mean(accelerator: Accelerator, value: float) -> float:
     return float(accelerator.reduce(torch.tensor(float(value), device=accelerator.device), "mean"))
 
 
+def loss_tokens(accelerator: Accelerator, local_tokens: torch.Tensor, across_processes: bool) -> float:
+    """`num_items_in_batch`, the token count the token-sum losses (dapo, cispo, vespo) divide by, over the whole
+    generation batch: every process's trained tokens (average_tokens_across_devices=True, the default; TRL 1.16
+    always counts these), or this process's own times the number of processes (False: each process normalises
+    by its own tokens, as the HF Trainer does without averaging, since `LossScale` divides the count by the
+    number of processes; DDP's gradient average then makes the update a mean of per-process token means)."""
+    if not across_processes:
+        return float(local_tokens) * accelerator.num_processes
+    return float(accelerator.reduce(local_tokens, reduction="sum"))
+
+
 def local_rows(n: int, process_index: int, num_processes: int) -> range:
     """This process's contiguous, even share of n global rows."""
     return range(process_index * n // num_processes, (process_index + 1) * n // num_processes)

@@ -117,11 +117,12 @@ def is_partitioned(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def gathered(model: torch.nn.Module):
-    """Every ZeRO-3 parameter whole (read-only) within the context, partitioned again after."""
+def gathered(model: torch.nn.Module, modifier_rank: int | None = None):
+    """Every ZeRO-3 parameter whole within the context, partitioned again after: read-only, or with
+    `modifier_rank`, written back from that process's values."""
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=modifier_rank):
         yield
 
 

@@ -7,4 +7,5 @@ with the reason logged when it does not apply, and nothing in the math modules i
 - `linears`: bf16 linears that keep float32 weights for backward (opt-in: `GRPOConfig.lean_linears`);
 - `attention`: grouped key/value heads read as they are by CPU attention;
 - `allocator`: glibc keeps freed memory for reuse on CPU (`GRPOConfig.cpu_keep_freed_memory`).
+- `compilation`: torch.compile of the training forward (`GRPOConfig.torch_compile`) and TF32 (`tf32`).
 """

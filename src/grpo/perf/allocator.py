@@ -1,10 +1,13 @@
-"""The CPU allocator policy for training: freed memory kept for reuse (glibc)."""
+"""The CPU allocator policy for training (freed memory kept for reuse, glibc), and handing cached memory back."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 import platform
+from typing import Any
+
+import torch
 
 logger = logging.getLogger("grpo")
 
@@ -35,3 +38,27 @@ def keep_freed_memory() -> bool:
             "kernel (GRPOConfig.cpu_keep_freed_memory=False turns this off)."
         )
     return applied
+
+
+def release_cached_memory(device: Any) -> bool:
+    """Hand the memory the allocator keeps cached but unused back (`torch_empty_cache_steps`): to the GPU's
+    other users on CUDA (empty_cache), to the system on the CPU (glibc's malloc_trim, which returns freed heap
+    pages even when `keep_freed_memory` turned automatic trimming off). Returns whether anything was asked."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.empty_cache()
+        return True
+    if kind == "mps":
+        torch.mps.empty_cache()
+        return True
+    if kind == "xpu":
+        torch.xpu.empty_cache()
+        return True
+    if kind != "cpu" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim(0)
+    return True

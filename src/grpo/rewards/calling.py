@@ -277,14 +277,27 @@ def _warn_unscorable(rewards: torch.Tensor, kwargs: dict[str, Any]) -> None:
     )
 
 
-class RewardFunctions:
-    """The run's reward functions, their metric names and weights; calling it scores one rollout."""
+# remove_unused_columns=True: the dataset columns reward functions still get besides the prompt (TRL 1.16's
+# GRPOTrainer keeps "prompt", "image" and "images")
+KEPT_COLUMNS = ("image", "images")
 
-    def __init__(self, funcs: list[Callable], weights: Sequence[float] | None, timeout: float | None = None) -> None:
+
+class RewardFunctions:
+    """The run's reward functions, their metric names and weights; calling it scores one rollout. `keep_columns`:
+    the only dataset columns (besides the prompt) the functions receive; None: every column."""
+
+    def __init__(
+        self,
+        funcs: list[Callable],
+        weights: Sequence[float] | None,
+        timeout: float | None = None,
+        keep_columns: Sequence[str] | None = None,
+    ) -> None:
         self.funcs = funcs
         self.names = [reward_name(f) for f in funcs]
         self.weights = torch.tensor(weights or [1.0] * len(funcs))
         self.timeout = timeout
+        self.keep_columns = keep_columns
 
     @classmethod
     def build(cls, reward_funcs: Any, args: Any, processing_classes: Any, device: torch.device) -> RewardFunctions:
@@ -296,7 +309,8 @@ class RewardFunctions:
             )
 
         funcs = check_reward_funcs(reward_funcs, args.reward_weights, processing_classes, load)
-        return cls(funcs, args.reward_weights, args.reward_timeout)
+        keep = KEPT_COLUMNS if args.remove_unused_columns else None
+        return cls(funcs, args.reward_weights, args.reward_timeout, keep)
 
     def __call__(
         self,
@@ -307,14 +321,20 @@ class RewardFunctions:
         log_extra: Callable[[str, list], None],
     ) -> torch.Tensor:
         """(rows, functions) rewards of the rollout's completions; every dataset column but the prompt (and
-        "completion", "completion_ids") reaches the functions as a keyword, one value per completion. Each
-        function gets its own copy of everything (the trainer state too): what it does to its arguments changes
-        nothing that is trained, nor what the other functions see."""
+        "completion", "completion_ids"; with `keep_columns`, only those) reaches the functions as a keyword, one
+        value per completion. Each function gets its own copy of everything (the trainer state too): what it does
+        to its arguments changes nothing that is trained, nor what the other functions see."""
         columns: dict[str, list] = {}
+        removed: set[str] = set()
         for example in examples:
             for key, value in example.items():
-                if key not in ("prompt", "completion", "completion_ids"):
-                    columns.setdefault(key, []).append(value)
+                if key in ("prompt", "completion", "completion_ids"):
+                    continue
+                if self.keep_columns is not None and key not in self.keep_columns:
+                    removed.add(key)
+                    continue
+                columns.setdefault(key, []).append(value)
+        self._check_removed_columns(removed)
         shared = dict(
             columns,
             prompts=[e["prompt"] for e in examples],
@@ -332,4 +352,32 @@ class RewardFunctions:
             state.log_history = [dict(row) for row in history]
             return dict(copy.deepcopy(shared), trainer_state=state, log_metric=log_metric, log_extra=log_extra)
 
-        return score(self.funcs, self.names, fresh, len(examples), self.timeout)
+        try:
+            return score(self.funcs, self.names, fresh, len(examples), self.timeout)
+        except RewardFunctionError as err:
+            missing = err.__cause__.args[0] if isinstance(err.__cause__, KeyError) and err.__cause__.args else None
+            if missing in removed:  # a **kwargs function reading a removed column
+                raise RewardFunctionError(f"{err}. {_removed_hint(missing)}") from err.__cause__
+            raise
+
+    def _check_removed_columns(self, removed: set[str]) -> None:
+        """A function whose signature asks (without a default) for a column remove_unused_columns removed."""
+        for name, func in zip(self.names, self.funcs):
+            try:
+                parameters = inspect.signature(func).parameters.values()
+            except (TypeError, ValueError):  # builtins and some C callables have no signature
+                continue
+            for p in parameters:
+                required = p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                if required and p.name in removed:
+                    raise RewardFunctionError(
+                        f"Reward function '{name}' takes the dataset column '{p.name}'. {_removed_hint(p.name)}"
+                    )
+
+
+def _removed_hint(column: str) -> str:
+    return (
+        f"GRPOConfig.remove_unused_columns=True keeps the column '{column}' from reward functions (they get only "
+        f"the prompt and {' / '.join(KEPT_COLUMNS)} columns, as in TRL); set remove_unused_columns=False to pass "
+        "every dataset column."
+    )

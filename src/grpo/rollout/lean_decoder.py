@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from grpo.fp32_head import is_fp32_head
 from grpo.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear, rms_norm
 
@@ -89,7 +90,8 @@ class LeanDecoder:
                 )
             )
         self.norm = _rms_norm(inner.norm)
-        self.head = fixed_linear(model.lm_head.weight, model.lm_head.bias, dtype)
+        head_dtype = torch.float32 if is_fp32_head(model.lm_head) else dtype  # cast_lm_head_to_fp32
+        self.head = fixed_linear(model.lm_head.weight, model.lm_head.bias, head_dtype)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.positions: torch.Tensor | None = None

@@ -1,0 +1,396 @@
+"""`GRPOConfig`: every field of TRL 1.16's `GRPOConfig` (its `TrainingArguments` fields included), under the same
+names and with 1.16's defaults, plus grpo's own settings.
+
+One flat dataclass to its users (`HfArgumentParser` and TRL scripts expect one), assembled from the themed field
+groups of `training.py` and `grpo_fields.py`. What grpo does with each field is listed in `trl_1_16_fields.md`:
+most work as in TRL; a few differ on purpose (`max_completion_length` is 256, as the product document says; `bf16=None`
+depends on the hardware); the rest refuse or warn about a non-default value (`compat`). `__post_init__` resolves
+derived values as 1.16 does and rejects bad values with a message that names the field and the fix; combinations the
+reference only warns about are checked by the trainer, which warns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+import logging
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from transformers.training_args import OptimizerNames
+
+from grpo.config import compat
+from grpo.config.grpo_fields import (
+    LOSS_TYPES,
+    CompletionLogFields,
+    GenerationFields,
+    GrpoOnlyFields,
+    LossFields,
+    ModelFields,
+    VLLMFields,
+)
+from grpo.config.training import (
+    CheckpointFields,
+    DistributedFields,
+    EvaluationFields,
+    HubFields,
+    LoggingFields,
+    OptimizationFields,
+    OutputFields,
+    PrecisionFields,
+)
+
+__all__ = ["GRPOConfig", "LOSS_TYPES", "reject_later_features", "warn_odd_combinations"]
+
+SCALE_REWARDS = ("group", "batch", "none")
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+LOGGING_STRATEGIES = ("no", "steps", "epoch")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
+TOKENS_SEEN = ("no", "all", "non_padding")
+JSON_FIELDS = (
+    "generation_kwargs",
+    "chat_template_kwargs",
+    "model_init_kwargs",
+    "lr_scheduler_kwargs",
+    "gradient_checkpointing_kwargs",
+    "activation_checkpointing_kwargs",
+    "transformers_continuous_batching_config",
+)
+
+
+@dataclass
+class GRPOConfig(
+    GrpoOnlyFields,
+    CompletionLogFields,
+    LossFields,
+    VLLMFields,
+    GenerationFields,
+    ModelFields,
+    HubFields,
+    DistributedFields,
+    EvaluationFields,
+    CheckpointFields,
+    LoggingFields,
+    PrecisionFields,
+    OptimizationFields,
+    OutputFields,
+):
+    """Every knob of a GRPO run; see the module docstring and `trl_1_16_fields.md`."""
+
+    def __post_init__(self) -> None:
+        for name in JSON_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str):  # command lines pass dicts as JSON
+                setattr(self, name, json.loads(value))
+        self.scale_rewards = _parse_scale_rewards(self.scale_rewards)
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if self.output_dir is not None:
+            self.output_dir = os.fspath(self.output_dir)
+        if self.save_total_limit is not None and self.save_total_limit <= 0:
+            self.save_total_limit = None  # the HF Trainer's meaning: no limit
+        self._resolve_as_trl()
+        compat.check_unsupported(self)
+        _check_numbers(self)
+        self._derive_generation_batch()
+        _validate(self)
+
+    def _resolve_as_trl(self) -> None:
+        """Derived values, resolved as TRL 1.16 on transformers 5.24 resolves them."""
+        if isinstance(self.pad_to_multiple_of, str):
+            text = self.pad_to_multiple_of.lower()
+            # "auto": 128 on Neuron (which compiles once per shape), none elsewhere; grpo does not run on Neuron
+            self.pad_to_multiple_of = None if text in ("auto", "none", "null") else int(text)
+        self.include_num_input_tokens_seen = _parse_tokens_seen(self.include_num_input_tokens_seen)
+        if self.debug is None or self.debug == []:  # HfArgumentParser passes a list field's absence as None
+            self.debug = ""
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True
+        # transformers 5.24: activation_checkpointing(_kwargs) is the name, gradient_checkpointing(_kwargs) its
+        # deprecated alias, and a set new name wins; grpo reads the old names, which carry the resolved value
+        if self.activation_checkpointing is not None:
+            self.gradient_checkpointing = self.activation_checkpointing
+        if self.activation_checkpointing_kwargs is not None:
+            self.gradient_checkpointing_kwargs = self.activation_checkpointing_kwargs
+        if self.disable_tqdm is None:  # transformers: off when logging is quieter than warnings
+            self.disable_tqdm = logging.getLogger("grpo").getEffectiveLevel() > logging.WARNING
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.warmup_ratio is not None:
+            _require(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+            if self.warmup_steps == 0:
+                self.warmup_steps = self.warmup_ratio
+        if self.auto_find_batch_size:
+            raise ValueError(
+                "GRPOConfig.auto_find_batch_size is not supported (as in TRL 1.16): halving the batch on "
+                "out-of-memory would split the groups of num_generations completions that advantages compare. Set "
+                "it to False and lower per_device_train_batch_size instead."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    def _derive_generation_batch(self) -> None:
+        per_step = self.per_device_train_batch_size * self.world_size
+        _require(per_step > 0, "per_device_train_batch_size", "must be at least 1")
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ValueError(
+                "generation_batch_size and steps_per_generation cannot both be set: "
+                "set one of them (the other is derived)."
+            )
+        if self.generation_batch_size is None:
+            if self.steps_per_generation is None:
+                self.steps_per_generation = self.gradient_accumulation_steps
+            self.generation_batch_size = per_step * self.steps_per_generation
+        elif self.generation_batch_size % per_step != 0:
+            raise ValueError(
+                f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
+                f"per_device_train_batch_size x processes ({per_step})."
+            )
+        else:
+            self.steps_per_generation = self.generation_batch_size // per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _parse_tokens_seen(value: Any) -> str:
+    if isinstance(value, bool):
+        return "all" if value else "no"
+    text = str(value).lower()
+    return {"true": "all", "false": "no"}.get(text, text)
+
+
+def _parse_scale_rewards(value: Any) -> str:
+    if isinstance(value, bool):
+        return "group" if value else "none"
+    text = str(value).lower()
+    return {"true": "group", "false": "none"}.get(text, text)
+
+
+def _require(ok: bool, name: str, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"GRPOConfig.{name} {fix}.")
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _check_numbers(c: GRPOConfig) -> None:
+    """Every number in the config is finite and float32-representable: training computes in float32, where 1e39
+    is inf and inf or NaN turn into NaN weights or zero gradients."""
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        for number in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                continue
+            if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+                raise ValueError(
+                    f"GRPOConfig.{f.name} is {value!r}; it must be a finite number within float32's range "
+                    "(|x| <= 3.4e38), since training computes in float32, where it would be inf or NaN."
+                )
+
+
+# Optimizers whose training step is not a plain optimizer.step() after backward (LOMO fuses the update into
+# backward, schedule-free ones need train()/eval() switches), that need per-module targets (GaLore, APOLLO), or
+# hardware grpo does not run on (XLA, NPU).
+UNSUPPORTED_OPTIMIZERS = re.compile(r"lomo|galore|apollo|schedule_free|xla|npu")
+
+
+def _check_optim(name: str) -> None:
+    if name not in {o.value for o in OptimizerNames}:
+        near = difflib.get_close_matches(name, [o.value for o in OptimizerNames], n=1)
+        raise ValueError(
+            f"GRPOConfig.optim={name!r} is not an optimizer name"
+            + (f"; did you mean {near[0]!r}?" if near else "; use adamw_torch_fused, adamw_torch, sgd, adafactor, ...")
+        )
+    if UNSUPPORTED_OPTIMIZERS.search(name):
+        raise ValueError(
+            f"GRPOConfig.optim={name!r} is not supported by grpo: its update is not a plain optimizer step after "
+            "backward, or it needs hardware or per-module targets grpo does not provide. Use adamw_torch_fused, "
+            "adamw_torch, sgd, adagrad, rmsprop, adafactor or a bitsandbytes optimizer (adamw_8bit, ...)."
+        )
+
+
+def _validate(c: GRPOConfig) -> None:
+    _check_optim(str(c.optim))
+    _require(c.loss_type in LOSS_TYPES, "loss_type", f"is {c.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+    _require(
+        c.num_generations >= 2,
+        "num_generations",
+        f"is {c.num_generations}; GRPO compares completions within a group, so it needs at least 2",
+    )
+    _require(
+        c.generation_batch_size % c.num_generations == 0,
+        "generation_batch_size",
+        f"({c.generation_batch_size} = per_device_train_batch_size x processes x steps_per_generation) is "
+        f"not divisible by num_generations ({c.num_generations}); make per_device_train_batch_size (or "
+        f"generation_batch_size) a multiple of {c.num_generations}, or lower num_generations",
+    )
+    _require(
+        c.scale_rewards in SCALE_REWARDS,
+        "scale_rewards",
+        f"is {c.scale_rewards!r}; use 'group', 'batch' or 'none' (or True/False)",
+    )
+    _require(
+        c.importance_sampling_level in ("token", "sequence"),
+        "importance_sampling_level",
+        f"is {c.importance_sampling_level!r}; use 'token' or 'sequence'",
+    )
+    _require(
+        c.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
+        "multi_objective_aggregation",
+        "must be 'sum_then_normalize' or 'normalize_then_sum'",
+    )
+    _require(
+        c.max_completion_length is not None and c.max_completion_length >= 1,
+        "max_completion_length",
+        "must be a positive number of tokens",
+    )
+    _require(c.temperature > 0, "temperature", f"is {c.temperature}; it must be > 0")
+    _require(0 < c.top_p <= 1, "top_p", f"is {c.top_p}; it must be in (0, 1]")
+    _require(c.top_k >= 0, "top_k", "must be >= 0 (0 disables it)")
+    _require(c.min_p is None or 0 <= c.min_p <= 1, "min_p", "must be in [0, 1]")
+    _require(c.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+    _require(c.beta >= 0, "beta", f"is {c.beta}; the KL coefficient must be >= 0")
+    _require(c.epsilon >= 0 and c.epsilon_high >= 0, "epsilon", "and epsilon_high must be >= 0")
+    _require(0 <= c.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in [0, 1]")
+    _require(c.num_iterations >= 1, "num_iterations", "must be >= 1")
+    _require(c.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
+    _require(c.dynamic_sampling_max_attempts >= 1, "dynamic_sampling_max_attempts", "must be >= 1")
+    _require(c.dynamic_sampling_std_threshold >= 0, "dynamic_sampling_std_threshold", "must be >= 0")
+    _require(c.steps_per_generation >= 1, "steps_per_generation", "must be >= 1")
+    _require(c.learning_rate >= 0, "learning_rate", "must be >= 0")
+    _require(
+        c.reward_timeout is None or c.reward_timeout >= 0,
+        "reward_timeout",
+        "must be >= 0 seconds (0 or None: no limit)",
+    )
+    _require(
+        c.max_steps != 0 and (c.max_steps > 0 or c.num_train_epochs > 0),
+        "max_steps",
+        "is 0 (or num_train_epochs is 0): nothing would be trained; set max_steps > 0 or num_train_epochs > 0",
+    )
+    _require(c.logging_steps > 0 and c.save_steps > 0, "logging_steps", "and save_steps must be > 0")
+    _require(
+        c.save_strategy in SAVE_STRATEGIES, "save_strategy", f"is {c.save_strategy!r}; use one of {SAVE_STRATEGIES}"
+    )
+    _require(
+        c.logging_strategy in LOGGING_STRATEGIES,
+        "logging_strategy",
+        f"is {c.logging_strategy!r}; use one of {LOGGING_STRATEGIES}",
+    )
+    _require(
+        c.metric_for_best_model is not None or c.save_strategy != "best",
+        "metric_for_best_model",
+        "must name a logged metric (e.g. 'reward') when save_strategy='best'",
+    )
+    for name in ("log_level", "log_level_replica"):
+        _require(getattr(c, name) in LOG_LEVELS, name, f"is {getattr(c, name)!r}; use one of {LOG_LEVELS}")
+    _require(
+        c.include_num_input_tokens_seen in TOKENS_SEEN,
+        "include_num_input_tokens_seen",
+        "must be 'all' (or True), 'non_padding' or 'no' (or False)",
+    )
+    _require(c.warmup_steps >= 0, "warmup_steps", "must be >= 0 (a value in (0, 1) is a fraction of the steps)")
+    _require(
+        c.pad_to_multiple_of is None or c.pad_to_multiple_of >= 1,
+        "pad_to_multiple_of",
+        "must be a positive number of tokens, 'auto' or None",
+    )
+    _require(
+        c.torch_empty_cache_steps is None or c.torch_empty_cache_steps >= 1,
+        "torch_empty_cache_steps",
+        "must be >= 1 or None",
+    )
+    _require(0 <= c.ref_model_mixup_alpha <= 1, "ref_model_mixup_alpha", "must be in [0, 1]")
+    _require(c.ref_model_sync_steps >= 1, "ref_model_sync_steps", "must be >= 1")
+    _require(
+        not (c.sync_ref_model and c.beta == 0.0),
+        "sync_ref_model",
+        "needs a reference model, and beta=0 loads none; set beta > 0 or sync_ref_model=False",
+    )
+    _require(
+        c.entropy_coef_min <= c.entropy_coef_max and c.entropy_coef_delta >= 0,
+        "entropy_coef_min",
+        "must be <= entropy_coef_max, and entropy_coef_delta >= 0",
+    )
+    _require(c.ddp_timeout > 0, "ddp_timeout", "must be > 0 seconds")
+    _require(not (c.bf16 and c.fp16), "bf16", "and fp16 are both set; choose one precision")
+    _require(
+        c.sapo_temperature_pos > 0 and c.sapo_temperature_neg > 0,
+        "sapo_temperature_pos",
+        "and sapo_temperature_neg must be > 0",
+    )
+    _require(
+        c.reward_weights is None or len(c.reward_weights) > 0,
+        "reward_weights",
+        "is empty; give one weight per reward function or None",
+    )
+
+
+def _reject_unknown_kwargs(init):
+    """Turn dataclass's bare 'unexpected keyword' TypeError into one that names the nearest valid field."""
+    names = [f.name for f in dataclasses.fields(GRPOConfig)]
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        for key in kwargs:
+            if key not in names:
+                near = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+                hint = f"; did you mean {near[0]!r}?" if near else "; see GRPOConfig's fields for valid names"
+                raise TypeError(f"GRPOConfig got an unknown argument {key!r}{hint}")
+        init(self, *args, **kwargs)
+
+    return checked_init
+
+
+GRPOConfig.__init__ = _reject_unknown_kwargs(GRPOConfig.__init__)
+
+
+def warn_odd_combinations(a: GRPOConfig) -> None:
+    """Combinations the reference accepts with a warning (shared spec §1.7)."""
+    if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
+        warnings.warn("loss_type='luspo' is meant for importance_sampling_level='sequence'.", stacklevel=3)
+    if a.loss_type == "vespo" and a.importance_sampling_level != "token":
+        warnings.warn(
+            "loss_type='vespo' computes its own sequence weight; use importance_sampling_level='token'.", stacklevel=3
+        )
+    if a.importance_sampling_level == "sequence" and a.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        warnings.warn(
+            f"importance_sampling_level='sequence' with loss_type='{a.loss_type}' weights each sequence "
+            "by its completion length; GSPO normalizes per sequence (loss_type='grpo').",
+            stacklevel=3,
+        )
+    if a.delta is not None and a.delta <= 1 + a.epsilon_high:
+        warnings.warn(
+            f"delta={a.delta} is not above 1 + epsilon_high; it will also cap the clipped branch.", stacklevel=3
+        )
+
+
+def reject_later_features(args: GRPOConfig, tools: Any, rollout_func: Any, eval_dataset: Any, callbacks: Any) -> None:
+    """Features of the product document that later issues bring: an error (or, where ignoring is harmless, a
+    warning) that says so."""
+
+    def not_yet(feature: str, issue: str) -> ValueError:
+        return ValueError(f"{feature} is not available yet in grpo ({issue}); remove it to train without it.")
+
+    if args.use_vllm:
+        raise not_yet("use_vllm=True (vLLM generation)", "it comes with the vLLM issue")
+    if tools:
+        raise not_yet("tools= (tool-calling rollouts)", "it comes with the agent issue")
+    if rollout_func is not None:
+        raise not_yet("rollout_func", "custom rollouts come with the agent issue")
+    if eval_dataset is not None:
+        warnings.warn("eval_dataset is ignored: evaluation during training is not available yet in grpo.", stacklevel=3)
+    if callbacks:
+        warnings.warn("callbacks are ignored: grpo does not run transformers callbacks.", stacklevel=3)

@@ -1,0 +1,92 @@
+"""The TRL 1.16 field list (`trl_1_16_fields.md`) as data, and what it makes of a config: a field grpo cannot
+honour (not applicable here, or a feature of a later release) refuses a value other than its default, or warns
+where the list says so. Nothing a user changed is silently dropped."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+FIELD_LIST = Path(__file__).with_name("trl_1_16_fields.md")
+STATUSES = ("works", "differs on purpose", "not applicable: warns", "not applicable: refuses", "grpo only")
+LATER = "later: "
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldEntry:
+    name: str
+    default: str  # TRL's default as Python source (grpo's, for "grpo only")
+    source: str  # TrainingArguments, GRPOConfig or grpo
+    status: str
+    note: str
+
+    @property
+    def later(self) -> bool:
+        return self.status.startswith(LATER)
+
+
+@functools.cache
+def field_list() -> dict[str, FieldEntry]:
+    """The list's rows by field name, in its order."""
+    entries = {}
+    for line in FIELD_LIST.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 5 or not cells[0].startswith("`"):
+            continue
+        name, default, source, status, note = cells
+        if status not in STATUSES and not status.startswith(LATER):
+            raise ValueError(f"{FIELD_LIST.name}: field {name} has an unknown status {status!r}")
+        entries[name.strip("`")] = FieldEntry(name.strip("`"), default.strip("`"), source, status, note)
+    return entries
+
+
+def check_unsupported(config: Any) -> None:
+    """Refuse (one error naming every such field) or warn about values grpo cannot honour."""
+    defaults = {f.name: _default(f) for f in dataclasses.fields(config)}
+    refused, warned = [], []
+    for entry in field_list().values():
+        value = getattr(config, entry.name)
+        if entry.status not in ("not applicable: warns", "not applicable: refuses") and not entry.later:
+            continue
+        if _same(value, defaults[entry.name]):
+            continue
+        if entry.later:
+            why = f"{entry.status[len(LATER) :]} is not available yet in grpo"
+        else:
+            why = f"not applicable in grpo: {entry.note}"
+        text = f"{entry.name}={value!r} ({why})"
+        (warned if entry.status == "not applicable: warns" else refused).append(text)
+    local_rank = os.environ.get("LOCAL_RANK")
+    if config.local_rank != -1 and local_rank is not None and int(local_rank) != config.local_rank:
+        warned.append(f"local_rank={config.local_rank} (the launcher's LOCAL_RANK={local_rank} is used)")
+    elif config.local_rank != -1 and local_rank is None:
+        warned.append(
+            f"local_rank={config.local_rank} (no launcher set LOCAL_RANK, so this process trains alone; start "
+            "several with torchrun or accelerate launch)"
+        )
+    for text in warned:
+        warnings.warn(f"GRPOConfig: {text}; it has no effect.", stacklevel=4)
+    if refused:
+        raise ValueError(
+            "GRPOConfig: "
+            + "; ".join(refused)
+            + ". Leave "
+            + ("this field" if len(refused) == 1 else "these fields")
+            + " at TRL's default (see grpo/config/trl_1_16_fields.md)."
+        )
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc]
+
+
+def _same(value: Any, default: Any) -> bool:
+    if isinstance(value, bool) != isinstance(default, bool):
+        return False
+    return value == default or (value in ("", [], {}, None) and default in ("", [], {}, None))

@@ -1,0 +1,115 @@
+"""What each TRL 1.16 config field does when set to a value other than its default: one registered check per
+field, run by `tests/test_trl_fields.py::test_each_field_set_to_a_non_default_value`.
+
+A check is registered with `@effect(field, value)` in one of the theme modules beside this file, and receives a
+`Setting`: `s.config(**more)` is a small GRPOConfig with the field set to `value`; `s.trainer(**more)` a trainer
+on the tiny local model with that config; `s.train(**more)` the same, trained (one step unless `max_steps` is
+given). The check asserts an observable effect of the value (for a field that works), or the one clear error or
+warning that names the field (for one grpo does not honour). Fields whose status is *not applicable* or *later*
+in `trl_1_16_fields.md` need no registration: the test checks their refusal or warning generically."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+EFFECTS: dict[str, Effect] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Effect:
+    field: str
+    value: Any
+    check: Callable[[Setting], None]
+
+
+def effect(field: str, value: Any) -> Callable:
+    def register(check: Callable[[Setting], None]) -> Callable[[Setting], None]:
+        if field in EFFECTS:
+            raise ValueError(f"the effect of {field} is registered twice")
+        EFFECTS[field] = Effect(field, value, check)
+        return check
+
+    return register
+
+
+BASE = dict(
+    per_device_train_batch_size=8,
+    num_generations=4,
+    max_completion_length=8,
+    max_steps=1,
+    logging_steps=1,
+    learning_rate=1e-2,
+    disable_tqdm=True,
+    save_strategy="no",
+    bf16=False,
+    seed=0,
+)
+
+
+def length_reward(completions, **kwargs):
+    """A reward with spread within groups: longer completions score more."""
+    return [len(c if isinstance(c, str) else c[0]["content"]) / 8.0 for c in completions]
+
+
+def chat_dataset(n: int = 8):
+    from datasets import Dataset
+
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"Solve {i}+1"}], "solution": str(i + 1)} for i in range(n)]
+    )
+
+
+@dataclasses.dataclass
+class Setting:
+    field: str
+    value: Any
+    tmp_path: Path
+    model_dir: str
+
+    def kwargs(self, **more: Any) -> dict[str, Any]:
+        """The config's arguments: the base, `more`, and the field (which `more` cannot override)."""
+        base = dict(BASE, output_dir=str(self.tmp_path / "out"))
+        base.update(more)
+        base[self.field] = self.value
+        return base
+
+    def config(self, **more: Any) -> Any:
+        from grpo import GRPOConfig
+
+        return GRPOConfig(**self.kwargs(**more))
+
+    def trainer(self, *, dataset: Any = None, reward_funcs: Any = None, model: Any = None, **more: Any) -> Any:
+        from grpo import GRPOTrainer
+
+        return GRPOTrainer(
+            model=model if model is not None else self.model_dir,
+            reward_funcs=reward_funcs or length_reward,
+            train_dataset=dataset if dataset is not None else chat_dataset(),
+            args=self.config(**more),
+        )
+
+    def train(self, **kw: Any) -> Any:
+        trainer = self.trainer(**kw)
+        trainer.train()
+        return trainer
+
+    def default_config(self, **more: Any) -> Any:
+        """The same config with the field at its default (for comparisons)."""
+        from grpo import GRPOConfig
+
+        kwargs = self.kwargs(**more)
+        del kwargs[self.field]
+        return GRPOConfig(**kwargs)
+
+    def default_trainer(self, *, dataset: Any = None, reward_funcs: Any = None, **more: Any) -> Any:
+        from grpo import GRPOTrainer
+
+        return GRPOTrainer(
+            model=self.model_dir,
+            reward_funcs=reward_funcs or length_reward,
+            train_dataset=dataset if dataset is not None else chat_dataset(),
+            args=self.default_config(**more),
+        )
