@@ -55,7 +55,7 @@ def state_of(path):
 @pytest.mark.parametrize(
     "strategy_, new_best, saved_steps",
     [
-        ("steps", False, [2, 4, 6]),  # save_steps 2
+        ("steps", False, [2, 4, 6, 7]),  # save_steps 2, and the last step (as the HF Trainer)
         ("epoch", False, [3, 6, 7]),  # 3 steps an epoch, and the last step (the end of a partial epoch)
         ("best", True, [1, 2, 3, 4, 5, 6, 7]),
         ("best", False, []),

@@ -37,8 +37,8 @@ BEST_FIELDS = ("best_metric", "best_global_step", "best_model_checkpoint")
 
 def save_due(strategy: str, step: int, save_every: int, steps_per_epoch: int, max_steps: int, new_best: bool) -> bool:
     """Whether optimizer step `step` ends with a checkpoint under `strategy`."""
-    if strategy == "steps":
-        return step % save_every == 0
+    if strategy == "steps":  # and the last step, as the HF Trainer (5.x) saves it
+        return step % save_every == 0 or step == max_steps
     if strategy == "epoch":
         return step % steps_per_epoch == 0 or step == max_steps
     if strategy == "best":
