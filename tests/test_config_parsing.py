@@ -120,3 +120,15 @@ def test_flags_and_a_file_together(tmp_path):
 def test_the_list_is_readable_as_data():
     entry = compat.field_list()["use_bias_correction_kl"]
     assert (entry.default, entry.source, entry.status) == ("True", "GRPOConfig", "works")
+
+
+@pytest.mark.parametrize("text, message", [("{bad", "is not valid JSON"), ("[1, 2]", "must be a dict")])
+def test_a_dict_field_given_bad_json_names_itself(text, message, tmp_path):
+    with pytest.raises(ValueError, match=f"GRPOConfig.generation_kwargs {message}"):
+        parse(["--output_dir", str(tmp_path), "--generation_kwargs", text])
+
+
+@pytest.mark.parametrize("name, value", [("seed", -1), ("seed", 2**32), ("data_seed", -5)])
+def test_seeds_out_of_range_name_the_field(name, value, tmp_path):
+    with pytest.raises(ValueError, match=rf"GRPOConfig.{name} is {value}; a seed is an integer in \[0, 2\*\*32 - 1\]"):
+        GRPOConfig(output_dir=str(tmp_path), **{name: value})

@@ -6,6 +6,7 @@ the fields grpo only warns about."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -417,3 +418,17 @@ def test_release_cached_memory_per_device(monkeypatch):
 def test_fields_that_do_not_apply_warn(field, value):
     with pytest.warns(UserWarning, match=f"{field}={value!r} \\(not applicable in grpo: .+\\); it has no effect"):
         GRPOConfig(output_dir="unused", **{field: value})
+
+
+def test_a_tracker_that_is_not_installed_is_an_error():
+    """accelerate would warn and train without it; the HF Trainer refuses, and so does grpo."""
+    from grpo.metrics import check_trackers_installed
+
+    pytest.importorskip("tensorboardX")
+    check_trackers_installed(["tensorboard"])  # installed: fine
+    check_trackers_installed(None)
+    missing = [n for n in ("wandb", "comet_ml", "swanlab") if importlib.util.find_spec(n) is None]
+    if not missing:
+        pytest.skip("every tracker probed is installed")
+    with pytest.raises(ValueError, match=rf"report_to names {missing[0]}, which is not installed: `pip install"):
+        check_trackers_installed(["tensorboard", missing[0]])

@@ -16,6 +16,7 @@ from collections import defaultdict, deque
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+import accelerate.utils.imports as accelerate_imports
 import torch
 from accelerate.tracking import TensorBoardTracker, WandBTracker
 from rich.console import Console
@@ -155,6 +156,23 @@ def _own_tracker(tracker: Any, args: Any, logging_dir: str) -> Any:
     if str(tracker) == "wandb" and args.project == DEFAULT_PROJECT and os.environ.get("WANDB_PROJECT"):
         return WandBTracker(os.environ["WANDB_PROJECT"], **tracker_init_kwargs(args.run_name).get("wandb", {}))
     return tracker
+
+
+def check_trackers_installed(report_to: Any) -> None:
+    """A tracker `report_to` names that is not installed is an error, as in the HF Trainer (accelerate would only
+    warn and train without it)."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    missing = []
+    for name in names:
+        available = getattr(accelerate_imports, f"is_{name}_available", None)
+        if name not in ("all", "none") and available is not None and not available():
+            missing.append(name)
+    if missing:
+        raise ValueError(
+            f"GRPOConfig.report_to names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+            f"installed: `pip install {' '.join(missing)}`, or leave {'it' if len(missing) == 1 else 'them'} out of "
+            "report_to."
+        )
 
 
 def start_trackers(accelerator: Any, args: Any) -> None:

@@ -87,7 +87,7 @@ class GRPOConfig(
         for name in JSON_FIELDS:
             value = getattr(self, name)
             if isinstance(value, str):  # command lines pass dicts as JSON
-                setattr(self, name, json.loads(value))
+                setattr(self, name, _json_dict(name, value))
         self.scale_rewards = _parse_scale_rewards(self.scale_rewards)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
@@ -161,6 +161,18 @@ class GRPOConfig(
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _json_dict(name: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"GRPOConfig.{name} is not valid JSON ({e}): give a dict, or a JSON object such as '{{\"key\": 1}}'."
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"GRPOConfig.{name} must be a dict (a JSON object), not {type(value).__name__}.")
+    return value
 
 
 def _parse_tokens_seen(value: Any) -> str:
@@ -270,6 +282,9 @@ def _validate(c: GRPOConfig) -> None:
     _require(c.dynamic_sampling_std_threshold >= 0, "dynamic_sampling_std_threshold", "must be >= 0")
     _require(c.steps_per_generation >= 1, "steps_per_generation", "must be >= 1")
     _require(c.learning_rate >= 0, "learning_rate", "must be >= 0")
+    for name in ("seed", "data_seed"):  # numpy's generator (seeded with every other) takes 32-bit seeds
+        value = getattr(c, name)
+        _require(value is None or 0 <= value < 2**32, name, f"is {value}; a seed is an integer in [0, 2**32 - 1]")
     _require(
         c.reward_timeout is None or c.reward_timeout >= 0,
         "reward_timeout",

@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from grpo.distributed.handlers import kwargs_handlers
-from grpo.metrics import start_trackers
+from grpo.metrics import check_trackers_installed, start_trackers
 from grpo.modeling import fast_bf16_available
 from grpo.perf.compilation import set_tf32
 
@@ -26,6 +26,7 @@ def make_accelerator(args: Any) -> Accelerator:
         args.bf16 = fast_bf16_available(device) and not args.fp16
     precision = _precision(args, cpu)
     report_to = args.report_to if args.report_to not in (None, "none", ["none"]) else None
+    check_trackers_installed(report_to)
     state = AcceleratorState._shared_state
     if state and state.get("_mixed_precision") != precision and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         # A second trainer in one process (notebooks, tests) with another precision: accelerate keeps one
