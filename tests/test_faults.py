@@ -378,7 +378,8 @@ def test_an_output_dir_that_is_a_file_or_not_writable_fails_before_any_work(tiny
 # ---- 12. model and tokenizer -----------------------------------------------------------------------------------
 
 
-def test_a_mistyped_path_says_no_such_directory(tmp_path):
+def test_a_mistyped_path_says_no_such_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the relative paths must not exist (`make demo` writes runs/demo/model here)
     started = time.monotonic()
     for path in ("./runs/my-model", str(tmp_path / "missing"), "runs/demo/model"):
         with pytest.raises(ModelLoadError, match="no such directory"):
