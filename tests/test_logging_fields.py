@@ -102,7 +102,9 @@ def test_logging_strategy_no_writes_no_rows(tiny_model_dir, tmp_path):
         args=cfg(tmp_path, max_steps=2, logging_strategy="no"),
     )
     output = trainer.train()
-    assert trainer.state.log_history == [] and output.metrics == {} and output.global_step == 2
+    assert trainer.state.log_history == [] and output.global_step == 2
+    summary = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
+    assert set(output.metrics) == summary  # no logged row, only the end-of-training summary (as the HF Trainer)
     assert not os.path.exists(os.path.join(trainer.args.output_dir, "metrics.jsonl"))
     assert trainer.metrics.values == {}  # the window is not kept growing for a row that never comes
 
@@ -432,3 +434,25 @@ def test_a_tracker_that_is_not_installed_is_an_error():
         pytest.skip("every tracker probed is installed")
     with pytest.raises(ValueError, match=rf"report_to names {missing[0]}, which is not installed: `pip install"):
         check_trackers_installed(["tensorboard", missing[0]])
+
+
+def test_train_returns_the_hf_trainer_s_summary_metrics(tiny_model_dir, tmp_path):
+    args = cfg(tmp_path, max_steps=2, gradient_accumulation_steps=2, save_strategy="steps", save_steps=1)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    out = trainer.train()
+    m = out.metrics
+    assert m["loss"] == trainer.state.log_history[-1]["loss"]  # the last logged row is still there
+    assert m["train_runtime"] > 0 and m["train_loss"] == out.training_loss and m["epoch"] == trainer.state.epoch
+    samples = 2 * 8 * 2  # steps x per_device_train_batch_size x gradient_accumulation_steps (one process)
+    # (train_runtime is rounded to 4 decimals, the rates are computed before that)
+    assert m["train_samples_per_second"] == pytest.approx(samples / m["train_runtime"], rel=1e-2)
+    assert m["train_steps_per_second"] == pytest.approx(2 / m["train_runtime"], rel=1e-2)
+    again = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, max_steps=2, gradient_accumulation_steps=2, save_strategy="no"),
+    )
+    resumed = again.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    rate = resumed.metrics["train_steps_per_second"]
+    assert rate == pytest.approx(1 / resumed.metrics["train_runtime"], rel=1e-2)  # the one step this call ran

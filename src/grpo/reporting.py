@@ -125,3 +125,19 @@ def release_cached_memory(args: Any, step: int, device: Any) -> bool:
         return False
     allocator.release_cached_memory(device)
     return True
+
+
+def train_summary(args: Any, state: Any, seconds: float, first_step: int, training_loss: float) -> dict[str, float]:
+    """The HF Trainer's end-of-training metrics for `train()`'s output: `train_runtime` (s),
+    `train_samples_per_second` (completions trained on: per_device_train_batch_size x gradient_accumulation_steps x
+    processes a step), `train_steps_per_second`, `train_loss` and `epoch`, over the steps this call ran (from
+    `first_step`, the step it resumed at)."""
+    seconds, steps_run, epoch = max(seconds, 1e-9), state.global_step - first_step, state.epoch
+    samples = steps_run * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    return {
+        "train_runtime": round(seconds, 4),
+        "train_samples_per_second": round(samples / seconds, 3),
+        "train_steps_per_second": round(steps_run / seconds, 3),
+        "train_loss": training_loss,
+        "epoch": epoch,
+    }

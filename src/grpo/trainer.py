@@ -211,11 +211,12 @@ class GRPOTrainer:
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train to max_steps. `resume_from_checkpoint`: True for the newest checkpoint in output_dir, or a
-        checkpoint path (None: the config's resume_from_checkpoint); the run then continues exactly where that
-        checkpoint left it. With load_best_model_at_end, the best checkpoint's weights end it. The main process holds
-        output_dir for the run (a second run there is refused). SIGTERM (preemption) saves the state of the last
-        complete step and exits the process with status 143 (`grpo.preemption`)."""
+        checkpoint path (None: the config's); the run then continues exactly where that checkpoint left it. With
+        load_best_model_at_end, the best checkpoint's weights end it. The main process holds output_dir for the run
+        (a second run there is refused). SIGTERM saves the last complete step and exits with status 143. The output's
+        metrics: the last logged row and the HF Trainer's train_runtime, train_samples_per_second, ..."""
         a = self.args
+        start = time.perf_counter()
         with run_dir.holding(a.output_dir, self.accelerator):
             self.metrics = MetricsLogger(a.output_dir, self.accelerator, self.max_steps, not a.disable_tqdm)
             resume_from_checkpoint = checkpoint.strategy.resume_target(resume_from_checkpoint, a.resume_from_checkpoint)
@@ -226,7 +227,7 @@ class GRPOTrainer:
                 self._weights_stale = True
                 logger.info("Resumed from %s at step %d.", path, self.state.global_step)
             self.model.train()
-            total_loss = 0.0
+            total_loss, first = 0.0, self.state.global_step
             with self.metrics, preemption_guard() as preempted:
                 try:
                     while self.state.global_step < self.max_steps:
@@ -238,8 +239,9 @@ class GRPOTrainer:
                     preemption.save_and_exit(self, step_start)
             checkpoint.strategy.load_best_model(self, checkpoint.load_model_weights)
         end_training(self.accelerator)
-        metrics = self.state.log_history[-1] if self.state.log_history else {}
-        return TrainOutput(self.state.global_step, total_loss / max(self.state.global_step, 1), metrics)
+        loss = total_loss / max(self.state.global_step, 1)
+        summary = reporting.train_summary(a, self.state, time.perf_counter() - start, first, loss)
+        return TrainOutput(self.state.global_step, loss, {**(self.state.log_history or [{}])[-1], **summary})
 
     def _step(self) -> float:
         """One optimizer step: gradient_accumulation_steps micro-steps, then update, log, checkpoint."""
