@@ -13,6 +13,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from field_effects import BASE
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config import LOSS_TYPES
 from grpo.rollout.base import assemble, expand
@@ -21,21 +22,8 @@ from tiny import make_tokenizer
 
 
 def cfg(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=1,
-        logging_steps=1,
-        learning_rate=1e-2,
-        disable_tqdm=True,
-        save_strategy="no",
-        bf16=False,
-        seed=0,
-    )
-    base.update(kw)
-    return GRPOConfig(**base)
+    """The small run most tests train (field_effects.BASE: 8 completions of at most 8 tokens, one step)."""
+    return GRPOConfig(**{**BASE, "output_dir": str(tmp_path / "out"), **kw})
 
 
 def chat_dataset(n=8):
