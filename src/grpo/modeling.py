@@ -217,10 +217,11 @@ def enable_checkpointing(model: torch.nn.Module, args: Any, fsdp_plugin: Any = N
         return
     kwargs = dict(args.gradient_checkpointing_kwargs or {})
     options = {"every_n_layers": kwargs.pop("every_n_layers", 1), "offload": kwargs.pop("offload", False)}
+    kwargs = kwargs or {"use_reentrant": False}  # transformers 5's default; older ones would use reentrant
     if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, **options)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **options)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None, **options)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **options)
 
 
 def set_use_cache(models: list[Any], use_cache: bool) -> None:

@@ -24,7 +24,7 @@ import os
 import shutil
 from typing import Any
 
-from grpo import reporting
+from grpo import data, reporting
 from grpo.checkpoint.files import CheckpointError, checkpoints
 from grpo.distributed import collectives, sharding, zero
 
@@ -238,7 +238,7 @@ def data_position_after_resume(trainer: Any, position: int) -> int:
     a = trainer.args
     if not a.ignore_data_skip:
         return position
-    blocks = len(trainer.train_dataset) // (a.generation_batch_size // a.num_generations)  # >= 1: checked when built
+    blocks = data.prompts_per_generation(len(trainer.train_dataset), a.generation_batch_size // a.num_generations)
     return epoch_start(position, blocks)
 
 

@@ -393,14 +393,12 @@ def warn_odd_combinations(a: GRPOConfig) -> None:
 
 
 def reject_later_features(args: GRPOConfig, tools: Any, rollout_func: Any, eval_dataset: Any, callbacks: Any) -> None:
-    """Features of the product document that later issues bring: an error (or, where ignoring is harmless, a
-    warning) that says so."""
+    """Trainer arguments of features that later issues bring: an error (or, where ignoring is harmless, a
+    warning) that says so. Config fields of those features are refused by the config itself (`compat`)."""
 
     def not_yet(feature: str, issue: str) -> ValueError:
         return ValueError(f"{feature} is not available yet in grpo ({issue}); remove it to train without it.")
 
-    if args.use_vllm:
-        raise not_yet("use_vllm=True (vLLM generation)", "it comes with the vLLM issue")
     if tools:
         raise not_yet("tools= (tool-calling rollouts)", "it comes with the agent issue")
     if rollout_func is not None:
