@@ -52,7 +52,12 @@ def main() -> int:
                 print(f"| `{name}` | `{default}` | {source} | ? |  |")
         elif ours[name].default != default:
             problems.append(f"{name}: TRL's default is {default}, the list says {ours[name].default}")
-    problems += [f"in the list but not in TRL: {name}" for name in ours if name not in theirs]
+    # rows marked "transformers 5.20+" are TrainingArguments fields an older transformers does not have yet
+    problems += [
+        f"in the list but not in TRL: {name}"
+        for name, entry in ours.items()
+        if name not in theirs and not entry.note.startswith("transformers 5.20+")
+    ]
     print("\n".join(problems) or f"the list matches TRL's {len(theirs)} fields", file=sys.stderr)
     return 1 if problems else 0
 

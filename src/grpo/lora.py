@@ -5,6 +5,8 @@
 - With beta > 0 the reference policy is the same model with its adapters disabled: no second copy of the
   weights (`adapters_disabled`).
 - Saving writes the adapter (PEFT's `save_pretrained`); resuming loads it back (`load_adapter`).
+- An engine with its own copy of the weights (vLLM) gets the merged weights (`merged_parameters`: base + delta
+  computed into copies, the model's own weights untouched).
 """
 
 from __future__ import annotations
@@ -68,6 +70,30 @@ def adapters_disabled(model: Any) -> Iterator[None]:
     """The base model's behaviour (the reference policy) for the duration of the block."""
     with unwrap(model, keep_peft=True).disable_adapter():
         yield
+
+
+def merged_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The PEFT model's parameters, named as in the model, with each LoRA layer's base weight replaced by base +
+    the active adapters' delta. The deltas are added to copies, never merged in place: merging and unmerging in
+    float32 would leave the trained base weights off by rounding after every copy."""
+    from peft.tuners.lora import LoraLayer
+
+    model = unwrap(model, keep_peft=True)
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or module.merged:
+            continue
+        adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
+        if any(module.use_dora.get(a, False) for a in adapters):
+            raise NotImplementedError(
+                f"{name} uses DoRA (use_dora=True), whose merged weight grpo cannot hand to a generation engine "
+                "yet: generate in-process (use_vllm=False), or use plain LoRA."
+            )
+        if adapters:
+            deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in adapters)
+    for name, param in model.named_parameters():
+        delta = deltas.get(name)
+        yield name, param.detach() if delta is None else param.detach() + delta.to(param.dtype)
 
 
 def load_adapter(model: Any, path: str) -> list[str]:

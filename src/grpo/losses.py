@@ -6,8 +6,9 @@ The math follows the shared spec §2 (TRL 1.16):
 1. importance weight `r = exp(log w)`, with `log w = logp - old` per token, or its masked mean per sequence
    (`importance_sampling_level="sequence"`, GSPO);
 2. the loss type's per-token objective (`LOSS_TYPES[name].objective`, one function per paper);
-3. multiplicative masks (the entropy mask), then `+ beta * kl` (k3 estimator), so the KL term is not masked
-   by them;
+3. multiplicative weights, in TRL 1.16's order: the off-policy sequence mask (OPSM, `off_policy_mask`), the
+   entropy mask, the sampling-mismatch importance weight rho (`grpo.sampling_correction`; vespo instead folds rho
+   into its sequence weight); then `+ beta * kl` (k3 estimator), so the KL term is weighted by none of them;
 4. the loss type's aggregation over tokens and rows (`LOSS_TYPES[name].aggregate`);
 5. its normalization for gradient accumulation (`LOSS_TYPES[name].normalization`): given a `LossScale` (the
    generation's active-token count, processes, accumulation steps, steps_per_generation), "tokens" losses divide
@@ -81,6 +82,7 @@ class LossParams:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
 
     @classmethod
     def of(cls, config: Any) -> LossParams:
@@ -119,6 +121,7 @@ class PolicyTerms:
     ratio: torch.Tensor  # importance weight r: token (B, T) or sequence (B, 1)
     advantages: torch.Tensor  # (B, 1) or (B, T)
     mask: torch.Tensor  # (B, T) float, 1 on trained tokens
+    is_ratio: torch.Tensor | None = None  # sampling-mismatch weight rho, (B, T) or (B, 1); read by vespo only
 
 
 def masked_mean_stat(x: torch.Tensor, mask: torch.Tensor) -> Stat:
@@ -181,10 +184,22 @@ def sapo(t: PolicyTerms, p: LossParams) -> tuple[torch.Tensor, dict[str, Stat]]:
 
 
 @torch.no_grad()
-def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, p: LossParams) -> torch.Tensor:
-    """VESPO's per-sequence gamma weight phi(W) = W^k e^{lambda (1 - W)}, with W the product of token ratios."""
+def vespo_weights(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    p: LossParams,
+    is_ratio: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """VESPO's per-sequence gamma weight phi(W) = W^k e^{lambda (1 - W)}, with W the product of token ratios.
+
+    A sampling-mismatch weight rho (pi_old / pi_sampler) joins W in log space: TRL 1.16 adds
+    sum_t clamp(log rho_t, log 1e-8, 20) over every position, unmasked (padding carries rho = 1, log 0).
+    """
     floor = math.log(1e-8)
     seq_log_ratio = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if is_ratio is not None:
+        seq_log_ratio = seq_log_ratio + torch.clamp(torch.log(is_ratio), floor, 20.0).sum(-1, keepdim=True)
     log_w = torch.clamp(seq_log_ratio, floor, 20.0)
     nonneg = advantages >= 0
     k = torch.where(nonneg, p.vespo_k_pos, p.vespo_k_neg)
@@ -195,7 +210,7 @@ def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
 
 def vespo(t: PolicyTerms, p: LossParams) -> tuple[torch.Tensor, dict[str, Stat]]:
     """VESPO (arXiv:2602.10693): REINFORCE weighted by a gamma function of the sequence ratio."""
-    phi = vespo_weights(t.log_ratio, t.advantages, t.mask, p)
+    phi = vespo_weights(t.log_ratio, t.advantages, t.mask, p, t.is_ratio)
     return -phi * t.advantages * t.logps, {"vespo/phi_seq_mean": masked_mean_stat(phi, t.mask)}
 
 
@@ -261,6 +276,28 @@ def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+@torch.no_grad()
+def off_policy_mask(
+    advantages: torch.Tensor,
+    logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """The off-policy sequence mask (OPSM, DeepSeek-V3.2, arXiv:2512.02556), (B, 1): 1 keeps a row, 0 drops it.
+
+    A row is dropped only when its advantage is negative and the sampler has drifted from the current policy by
+    more than `threshold`: kl_i = sum_t m_t (q_t - sg(logp_t)) / max(sum_t m_t, 1), with q the sampler's
+    log-probs. A NaN q_t (a token the engine did not score) counts as no drift, so one unscorable token cannot
+    drop a row. Advantages are (B,) or (B, 1).
+    """
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    mask = mask.to(logps.dtype)
+    drift = torch.nan_to_num(sampler_logps - logps.detach(), nan=0.0)
+    seq_kl = (drift * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (seq_kl <= threshold)).to(logps.dtype)
+
+
 def importance_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """Token-level log ratio, or its masked mean per sequence (GSPO, arXiv:2507.18071)."""
     if level == "token":
@@ -279,6 +316,8 @@ def policy_loss(
     *,
     entropy_mask: torch.Tensor | None = None,
     scale: LossScale | None = None,
+    sampler_logps: torch.Tensor | None = None,
+    is_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossMetrics]:
     """The GRPO-family loss of one micro-batch, and its metrics.
 
@@ -286,7 +325,11 @@ def policy_loss(
     advantages: (B,) or (B, T); args: `LossParams`, or a GRPOConfig; num_items_in_batch: the divisor of the
     token-sum losses (dapo, cispo, vespo), used exactly as given (default: mask.sum()); entropy_mask: optional
     (B, T) mask applied to the policy term only; scale: the micro-batch's place in the optimizer step (see
-    `LossScale`), which applies the loss type's normalization for accumulation and replaces num_items_in_batch.
+    `LossScale`), which applies the loss type's normalization for accumulation and replaces num_items_in_batch;
+    sampler_logps: the sampling engine's (B, T) log-probs, which OPSM compares with (default: old_logps, as 1.16),
+    used only when `off_policy_mask_threshold` is set; is_ratio: the sampling-mismatch weight rho
+    (`grpo.sampling_correction.sampling_ratio`, (B, T) or (B, 1)), a constant multiplier of the policy term
+    (vespo: a factor of its sequence weight instead).
     """
     p = LossParams.of(args)
     loss_type = LOSS_TYPES[p.loss_type]
@@ -295,10 +338,17 @@ def policy_loss(
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     log_ratio = logps - old
     ratio = torch.exp(importance_log_weights(log_ratio, mask, p.importance_sampling_level))
-    terms = PolicyTerms(logps=logps, log_ratio=log_ratio, ratio=ratio, advantages=advantages, mask=mask)
+    if is_ratio is not None:
+        is_ratio = is_ratio.detach()
+    terms = PolicyTerms(logps, log_ratio, ratio, advantages, mask, is_ratio if p.loss_type == "vespo" else None)
     per_token_loss, stats = loss_type.objective(terms, p)
+    if p.off_policy_mask_threshold is not None:
+        sampler = old if sampler_logps is None else sampler_logps
+        per_token_loss = per_token_loss * off_policy_mask(advantages, logps, sampler, mask, p.off_policy_mask_threshold)
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask
+    if is_ratio is not None and p.loss_type != "vespo":
+        per_token_loss = per_token_loss * is_ratio
     if p.beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps, the reference model's log-probs of the same tokens.")

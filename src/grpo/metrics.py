@@ -191,9 +191,11 @@ def start_trackers(accelerator: Any, args: Any) -> None:
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracker_init_kwargs(args.run_name))
 
 
-def generation_metrics(generated: GenerationBatch, adv: Advantages, reward_names: list[str]) -> dict[str, float]:
-    """Lengths and rewards of one generation batch (global: every process's completions), and this process's
-    generation and scoring time."""
+def generation_metrics(
+    generated: GenerationBatch, adv: Advantages, reward_names: list[str], dynamic_sampling: bool = False
+) -> dict[str, float]:
+    """Lengths and rewards of one generation batch (global: every process's completions), this process's
+    generation and scoring time, and with dynamic_sampling the groups it dropped and the rounds it took."""
     scored = generated.batch
     lengths = torch.tensor([sum(m) for m in scored.rollout.loss_mask], dtype=torch.float32)
     truncated = torch.tensor(scored.rollout.truncated, dtype=torch.bool)
@@ -217,6 +219,9 @@ def generation_metrics(generated: GenerationBatch, adv: Advantages, reward_names
     for k, name in enumerate(reward_names):
         m[f"rewards/{name}/mean"] = torch.nanmean(scored.rewards[:, k]).item()
         m[f"rewards/{name}/std"] = nanstd(scored.rewards[:, k]).item()
+    if dynamic_sampling:
+        m["dynamic_sampling/groups_dropped"] = generated.groups_dropped
+        m["dynamic_sampling/rounds"] = generated.rounds
     return m
 
 

@@ -131,6 +131,7 @@ class GRPOTrainer:
         attention.use_grouped_heads(self.model)
         self.training_pass = TrainingPass(self.model, args, self.accelerator.autocast, self.accelerator.mixed_precision)
         context = getattr(self.unwrapped_model.config, "max_position_embeddings", None)
+        context = (args.use_vllm and args.vllm_max_model_length) or context  # vLLM's own context, if set
         self.prompts = data.PromptSource(
             train_dataset, self.processing_class, args.chat_template_kwargs, context, args.max_completion_length
         )
@@ -445,14 +446,7 @@ class GRPOTrainer:
     def _log_generation(self, generated: GenerationBatch, advantages: Advantages, batch: TrainBatch) -> None:
         mode = self.args.include_num_input_tokens_seen
         reporting.count_tokens(self.state, self.metrics, generated.batch.rollout, batch, self.accelerator, mode)
-        self.metrics.add_many(generation_metrics(generated, advantages, self.rewards.names))
-        if self.args.dynamic_sampling:
-            self.metrics.add_many(
-                {
-                    "dynamic_sampling/groups_dropped": generated.groups_dropped,
-                    "dynamic_sampling/rounds": generated.rounds,
-                }
-            )
+        self.metrics.add_many(generation_metrics(generated, advantages, self.rewards.names, self.args.dynamic_sampling))
         if self.completion_log is not None:
             self.completion_log.record(generated.batch, advantages.advantages, self.processing_class)
 

@@ -27,6 +27,7 @@ from transformers.training_args import OptimizerNames
 
 from grpo.config import compat
 from grpo.config.grpo_fields import (
+    IS_MODES,
     LOSS_TYPES,
     CompletionLogFields,
     GenerationFields,
@@ -128,6 +129,14 @@ class GRPOConfig(
             _require(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
             if self.warmup_steps == 0:
                 self.warmup_steps = self.warmup_ratio
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn(
+                "vllm_importance_sampling_cap is deprecated (as in TRL 1.16): use vllm_importance_sampling_clip_max; "
+                "its value is copied there.",
+                FutureWarning,
+                stacklevel=4,
+            )
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         if self.auto_find_batch_size:
             raise ValueError(
                 "GRPOConfig.auto_find_batch_size is not supported (as in TRL 1.16): halving the batch on "
@@ -346,11 +355,49 @@ def _validate(c: GRPOConfig) -> None:
         "sapo_temperature_pos",
         "and sapo_temperature_neg must be > 0",
     )
+    _check_vllm(c)
     _require(
         c.reward_weights is None or len(c.reward_weights) > 0,
         "reward_weights",
         "is empty; give one weight per reward function or None",
     )
+
+
+def _check_vllm(c: GRPOConfig) -> None:
+    """The vLLM and importance-sampling fields (shared spec §1.4, §4.2-4.3)."""
+    _require(c.vllm_mode in ("colocate", "server"), "vllm_mode", f"is {c.vllm_mode!r}; use 'colocate' or 'server'")
+    _require(
+        c.vllm_importance_sampling_mode in IS_MODES,
+        "vllm_importance_sampling_mode",
+        f"is {c.vllm_importance_sampling_mode!r}; use one of {', '.join(IS_MODES)}",
+    )
+    low, high = c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max
+    _require(low is None or 0 <= low < math.inf, "vllm_importance_sampling_clip_min", "must be >= 0 (or None)")
+    _require(high is None or high > 0, "vllm_importance_sampling_clip_max", "must be > 0 (or None: unbounded)")
+    _require(
+        low is None or high is None or low <= high,
+        "vllm_importance_sampling_clip_min",
+        f"({low}) is above vllm_importance_sampling_clip_max ({high})",
+    )
+    _require(
+        not (
+            c.use_vllm
+            and c.loss_type == "vespo"
+            and c.vllm_importance_sampling_correction
+            and not c.vllm_importance_sampling_mode.startswith("token")
+        ),
+        "vllm_importance_sampling_mode",
+        f"is {c.vllm_importance_sampling_mode!r}, but loss_type='vespo' folds the correction into its per-token "
+        "weights (TRL 1.16): use 'token_truncate' or 'token_mask'",
+    )
+    threshold = c.off_policy_mask_threshold
+    _require(threshold is None or not math.isnan(threshold), "off_policy_mask_threshold", "is NaN; give a number")
+    _require(0 < c.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "must be in (0, 1]")
+    _require(
+        c.vllm_max_model_length is None or c.vllm_max_model_length > 1, "vllm_max_model_length", "must be > 1"
+    )
+    gib = c.vllm_kv_cache_gib
+    _require(gib is None or 0 < gib < math.inf, "vllm_kv_cache_gib", "must be a positive number of GiB (or None)")
 
 
 def _reject_unknown_kwargs(init):

@@ -9,6 +9,8 @@ from typing import Optional, Union
 from grpo.config.fields import help_field as _help
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+# vllm_importance_sampling_mode values (TRL 1.16)
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
@@ -156,4 +158,9 @@ class GrpoOnlyFields:
         "the kernel (process-wide; measured ~1-4 s less page-faulting per training "
         "pass on the benchmark, same peak). False keeps the system's policy.",
         True,
+    )
+    vllm_kv_cache_gib: Optional[float] = _help(
+        "use_vllm on a CPU: GiB of RAM for vLLM's KV cache. None: room for every sequence of one generation at "
+        "512 prompt tokens + max_completion_length (4x headroom, at least one vllm_max_model_length sequence). "
+        "GPUs size it with vllm_gpu_memory_utilization.",
     )

@@ -4,7 +4,9 @@ log-probs out.
 - `plain.TransformersEngine`: `model.generate`, every `generation_kwargs` key transformers knows;
 - `fast.FastEngine`: our own decode loop (prefix sharing, shrinking batch), on `lean_decoder.LeanDecoder` for
   Llama-family models;
-- engines that sample elsewhere (vLLM, a generation server) implement the same `generate` / `sync_weights`.
+- `vllm_engine.VLLMEngine`: a vLLM engine in the training process (`use_vllm=True`, colocate mode), sampling
+  from a copy of the policy's weights that `sync_weights` refreshes;
+- engines that sample elsewhere (a generation server) implement the same `generate` / `sync_weights`.
 
 `build_engine` picks one from the config and logs why.
 """
@@ -25,10 +27,13 @@ __all__ = ["Engine", "Prompt", "Request", "Rollout", "build_engine"]
 
 
 def build_engine(model: Any, tokenizer: Any, args: Any, stop_ids: list[int], accelerator: Any) -> Engine:
-    """The fast engine where it applies, else the plain `model.generate` engine; the log says which and why."""
+    """vLLM with use_vllm; else the fast engine where it applies, else the plain `model.generate` engine; the log
+    says which and why."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    if args.use_vllm:
+        return _vllm_engine(model, tokenizer, args, stop_ids, accelerator, dtype)
     reason = fast.unsupported_reason(model, args)
     if reason is None:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
         engine: Engine = fast.FastEngine(
             model, tokenizer, args, stop_ids, autocast=accelerator.autocast, compute_dtype=dtype
         )
@@ -36,3 +41,26 @@ def build_engine(model: Any, tokenizer: Any, args: Any, stop_ids: list[int], acc
         return engine
     logger.info("Generating with the plain transformers engine: %s.", reason)
     return TransformersEngine(model, tokenizer, args, stop_ids, autocast=accelerator.autocast)
+
+
+def _vllm_engine(
+    model: Any, tokenizer: Any, args: Any, stop_ids: list[int], accelerator: Any, dtype: torch.dtype | None
+) -> Engine:
+    from grpo.rollout.vllm_engine import VLLMEngine
+
+    device = accelerator.device.type
+    if args.vllm_enable_sleep_mode and device == "cpu":
+        raise ValueError(
+            "vllm_enable_sleep_mode=True frees GPU memory between generations; vLLM's CPU build has no sleep mode. "
+            "Set vllm_enable_sleep_mode=False on a CPU."
+        )
+    return VLLMEngine(
+        model,
+        tokenizer,
+        args,
+        stop_ids,
+        dtype=dtype or next(model.parameters()).dtype,
+        device=device,
+        process_index=accelerator.process_index,
+        rows=args.generation_batch_size // accelerator.num_processes,
+    )

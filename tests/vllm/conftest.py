@@ -1,0 +1,61 @@
+"""vLLM tests (run by `make test` in a pytest process of their own: an in-process vLLM engine initializes
+torch.distributed and binds the CPU threads for the rest of the process).
+
+Starting a vLLM engine costs seconds and its first generation more, so one engine per model and dtype serves the
+whole session: `shared_llm` replaces `vllm.LLM` with a factory that builds each engine once (from a directory of
+its own, so that the directory of the first trainer that asked for it may go) and hands the same engine to every
+later trainer; each trainer's `sync_weights` then loads its own policy into it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'grpo[vllm]')")
+
+import tiny  # noqa: E402
+
+_REAL_LLM = vllm.LLM
+_ENGINES: dict[tuple, object] = {}
+
+
+def vllm_tiny_model(path, seed: int = 0) -> str:
+    """A 2-layer Llama whose head size vLLM's CPU attention supports (32), with the tiny tokenizer."""
+    tokenizer = tiny.make_tokenizer()
+    model = tiny.make_model(tokenizer, seed, hidden=128)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _shared(model: str, **kwargs):
+    key = tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k != "seed")) + (
+        open(os.path.join(model, "config.json")).read(),
+    )
+    if key not in _ENGINES:
+        own = os.path.join(_SESSION_DIR, f"engine{len(_ENGINES)}")
+        shutil.copytree(model, own)
+        _ENGINES[key] = _REAL_LLM(model=own, **kwargs)
+    return _ENGINES[key]
+
+
+_SESSION_DIR = ""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_llm(tmp_path_factory):
+    global _SESSION_DIR
+    _SESSION_DIR = str(tmp_path_factory.mktemp("vllm-engines"))
+    vllm.LLM = _shared
+    yield
+    vllm.LLM = _REAL_LLM
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory):
+    return vllm_tiny_model(tmp_path_factory.mktemp("tiny-vllm") / "tiny-llama-h128")

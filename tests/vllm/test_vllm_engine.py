@@ -1,0 +1,165 @@
+"""The vLLM engine (colocate mode) on this CPU: its weights are the policy's after a sync (and not without one), for
+plain, bfloat16 and LoRA policies; sampling parameters, stops and budgets mean what they mean in-process; bad
+settings get one clear error."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from field_effects import BASE, chat_dataset, length_reward
+from vllm import SamplingParams
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.rollout.base import Request
+from grpo.rollout.fast import logits_processors
+
+FP32_TOL = 1e-3  # max |logp difference| per token, float32 engine vs float32 policy
+BF16_MEAN_TOL = 0.05  # bfloat16 engine vs bfloat16 (autocast) policy: mean |difference| per token ...
+BF16_MAX_TOL = 0.5  # ... and the largest one
+
+
+def make_trainer(model, tmp_path, dataset=None, peft_config=None, **cfg):
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **{**BASE, "use_vllm": True, **cfg})
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        train_dataset=dataset if dataset is not None else chat_dataset(),
+        args=args,
+        peft_config=peft_config,
+    )
+
+
+def engine_logps(engine, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """vLLM's log-probs of a fixed completion (its prompt log-probs of prompt + completion)."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+    out = engine.llm.generate([{"prompt_token_ids": prompt + completion}], params, use_tqdm=False)[0]
+    entries = out.prompt_logprobs[len(prompt) :]
+    return torch.tensor([entry[token].logprob for entry, token in zip(entries, completion)])
+
+
+@torch.no_grad()
+def policy_logps(trainer, prompt: list[int], completion: list[int], processors=None) -> torch.Tensor:
+    """The policy's log-probs of the completion (after `processors`, as the in-process engines apply them)."""
+    model = trainer.unwrapped_model
+    ids = torch.tensor([prompt + completion])
+    with trainer.accelerator.autocast():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    out = []
+    for t, token in enumerate(completion):
+        scores = logits[t : t + 1]
+        if processors is not None:
+            scores = processors(ids[:, : len(prompt) + t], scores)
+        out.append(torch.log_softmax(scores, -1)[0, token])
+    return torch.stack(out)
+
+
+def fixed_completion(trainer) -> tuple[list[int], list[int]]:
+    prompt = list(trainer.prompts[0].ids)
+    return prompt, [trainer.processing_class.convert_tokens_to_ids(c) for c in "The answer is 42."]
+
+
+def perturb(model) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+def test_after_a_sync_the_engine_scores_as_the_policy_and_without_one_it_does_not(vllm_model_dir, tmp_path):
+    trainer = make_trainer(vllm_model_dir, tmp_path)
+    prompt, completion = fixed_completion(trainer)
+    trainer.engine.sync_weights(trainer.unwrapped_model)
+    diff = (engine_logps(trainer.engine, prompt, completion) - policy_logps(trainer, prompt, completion)).abs()
+    assert diff.max() < FP32_TOL
+    perturb(trainer.unwrapped_model)  # an optimizer step's worth of change, not synced
+    stale = (engine_logps(trainer.engine, prompt, completion) - policy_logps(trainer, prompt, completion)).abs()
+    assert stale.mean() > 100 * FP32_TOL
+    trainer.engine.sync_weights(trainer.unwrapped_model)
+    fresh = (engine_logps(trainer.engine, prompt, completion) - policy_logps(trainer, prompt, completion)).abs()
+    assert fresh.max() < FP32_TOL
+
+
+def test_sampled_log_probs_are_the_policys_processed_ones(vllm_model_dir, tmp_path):
+    """temperature, top_k, top_p and repetition_penalty: the log-prob vLLM reports for each sampled token is the
+    in-process engines' (transformers' processors over the policy's logits); min_p alone likewise."""
+    for settings in (
+        dict(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3),
+        dict(temperature=1.3, min_p=0.02),
+    ):
+        trainer = make_trainer(vllm_model_dir, tmp_path, max_completion_length=12, **settings)
+        rollout = trainer._generate(list(range(4)))
+        processors = logits_processors(trainer.args)
+        for prompt, completion, logps in zip(rollout.prompt_ids, rollout.completion_ids, rollout.sampling_logps):
+            expected = policy_logps(trainer, prompt, completion, processors)
+            assert torch.allclose(torch.tensor(logps), expected, atol=FP32_TOL), settings
+
+
+def test_bfloat16_engine_matches_the_bfloat16_policy_within_its_tolerance(vllm_model_dir, tmp_path):
+    trainer = make_trainer(vllm_model_dir, tmp_path, bf16=True)
+    assert trainer.engine.llm.llm_engine.vllm_config.model_config.dtype == torch.bfloat16
+    prompt, completion = fixed_completion(trainer)
+    trainer.engine.sync_weights(trainer.unwrapped_model)
+    diff = (engine_logps(trainer.engine, prompt, completion) - policy_logps(trainer, prompt, completion)).abs()
+    assert diff.mean() < BF16_MEAN_TOL and diff.max() < BF16_MAX_TOL
+    perturb(trainer.unwrapped_model)
+    stale = (engine_logps(trainer.engine, prompt, completion) - policy_logps(trainer, prompt, completion)).abs()
+    assert stale.mean() > 4 * BF16_MEAN_TOL
+
+
+def test_lora_policy_reaches_the_engine_merged_and_its_base_weights_stay_untouched(vllm_model_dir, tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM")
+    trainer = make_trainer(vllm_model_dir, tmp_path, peft_config=lora)
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
+    prompt, completion = fixed_completion(trainer)
+    trainer.engine.sync_weights(trainer.unwrapped_model)
+    for name, param in trainer.unwrapped_model.named_parameters():
+        assert torch.equal(param, before[name]), name  # deltas added to copies, nothing merged in place
+    merged = policy_logps(trainer, prompt, completion)  # the PEFT model's forward: base + adapters
+    diff = (engine_logps(trainer.engine, prompt, completion) - merged).abs()
+    assert diff.max() < FP32_TOL
+    with trainer.unwrapped_model.disable_adapter():
+        base = policy_logps(trainer, prompt, completion)
+    assert (merged - base).abs().mean() > 100 * FP32_TOL  # the adapters matter, so the check can fail
+
+
+def test_completions_stop_at_eos_and_end_of_turn_keep_the_stop_token_and_respect_budgets(vllm_model_dir, tmp_path):
+    trainer = make_trainer(
+        vllm_model_dir,
+        tmp_path,
+        max_completion_length=24,
+        # make the chat template's end of turn likely, so both ways of ending occur
+        generation_kwargs={"logit_bias": {5: 2.5}},
+    )
+    stops = set(trainer.stop_ids)
+    rollout = trainer._generate(list(range(8)) * 2)
+    assert any(not t for t in rollout.truncated) and all(len(c) <= 24 for c in rollout.completion_ids)
+    for ids, truncated in zip(rollout.completion_ids, rollout.truncated):
+        assert truncated == (ids[-1] not in stops)
+        assert not stops & set(ids[:-1])  # nothing after the first stop token
+    short = trainer.engine.generate([Request(trainer.prompts[0], num_samples=3, max_tokens=2)])
+    assert [len(c) <= 2 for c in short.completion_ids] == [True] * 3 and len(short) == 3
+
+
+def test_structured_outputs_regex_constrains_the_completions(vllm_model_dir, tmp_path):
+    trainer = make_trainer(vllm_model_dir, tmp_path, max_completion_length=6, vllm_structured_outputs_regex="[0-9]{3}")
+    rollout = trainer._generate([0, 1, 2, 3])
+    assert all(re.fullmatch("[0-9]{3}", text) for text in rollout.texts), rollout.texts
+
+
+def test_unknown_or_owned_generation_kwargs_are_one_error_naming_vllm(vllm_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="not a parameter of vLLM's SamplingParams"):
+        make_trainer(vllm_model_dir, tmp_path, generation_kwargs={"num_beams": 2})
+    with pytest.raises(ValueError, match="sets 'n', which grpo's vLLM engine sets itself"):
+        make_trainer(vllm_model_dir, tmp_path, generation_kwargs={"n": 2})
+
+
+def test_a_prompt_longer_than_vllm_max_model_length_is_an_error_naming_its_row(vllm_model_dir, tmp_path):
+    from datasets import Dataset
+
+    rows = [{"prompt": "short"}, {"prompt": "a much longer prompt " * 4}]  # one generation uses both
+    trainer = make_trainer(vllm_model_dir, tmp_path, dataset=Dataset.from_list(rows), vllm_max_model_length=48)
+    with pytest.raises(ValueError, match="train_dataset row 1: the prompt is 84 tokens, but the model's context is 48"):
+        trainer.train()
