@@ -34,12 +34,14 @@ is NaN, which the reduction skips, where 1.16 reports 0 (so its min over process
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from grpo.losses import Stat, _nan_extreme, off_policy_mask
 
-__all__ = ["MODES", "off_policy_mask", "sampling_ratio", "sampling_stats"]
+__all__ = ["MODES", "SamplingCorrection", "off_policy_mask", "sampling_ratio", "sampling_stats"]
 
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -106,3 +108,44 @@ def sampling_stats(
         "sampling/importance_sampling_ratio/max": _nan_extreme(ratios, "max"),
         "sampling/importance_sampling_ratio/clipped_fraction": _mean(flagged.float()),
     }
+
+
+@dataclass(frozen=True)
+class SamplingCorrection:
+    """How one micro-step uses the sampler's log-probs, from the config and the engine.
+
+    The trainer's log-probs are the old policy's when the batch is reused after an update, else the training
+    pass's own, detached: on-policy they are what a separate no-grad pass would compute, so no extra forward
+    runs (TRL 1.16 runs one with vLLM). The sampling/* metrics are computed for every engine; the weight rho
+    multiplies the loss, and OPSM compares with the sampler's log-probs, only for an engine that samples from a
+    copy of the policy (`external`: vLLM), as 1.16."""
+
+    mode: str = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
+    external: bool = False
+    apply: bool = False
+
+    @classmethod
+    def of(cls, args: Any, engine: Any) -> SamplingCorrection:
+        external = bool(getattr(engine, "samples_elsewhere", False))
+        return cls(
+            mode=args.vllm_importance_sampling_mode,
+            clip_min=args.vllm_importance_sampling_clip_min,
+            clip_max=args.vllm_importance_sampling_clip_max,
+            external=external,
+            apply=external and args.vllm_importance_sampling_correction,
+        )
+
+    def __call__(
+        self,
+        logps: torch.Tensor,
+        old_logps: torch.Tensor | None,
+        sampling_logps: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, Stat]]:
+        """(is_ratio for `policy_loss` or None, sampler_logps for OPSM or None, the sampling/* metrics)."""
+        trainer = (old_logps if old_logps is not None else logps).detach()
+        rho, outside = sampling_ratio(trainer, sampling_logps, mask, self.mode, self.clip_min, self.clip_max)
+        stats = sampling_stats(trainer, sampling_logps, mask, rho, outside)
+        return (rho if self.apply else None), (sampling_logps if self.external else None), stats

@@ -66,6 +66,7 @@ from grpo.perf import allocator, attention
 from grpo.preemption import Preempted, preemption_guard
 from grpo.rewards.calling import RewardFunctions
 from grpo.rollout import Rollout, build_engine
+from grpo.sampling_correction import SamplingCorrection
 
 logger = logging.getLogger("grpo")
 __all__ = ["GRPOTrainer", "TrainOutput", "TrainingError"]
@@ -139,6 +140,7 @@ class GRPOTrainer:
         self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
         self.loss_params = LossParams.of(args)
         self.loss_terms = LossTerms(args, router_aux_coef(self.unwrapped_model, args))  # entropy bonus, router loss
+        self.correction = SamplingCorrection.of(args, self.engine)  # sampling/* metrics, vLLM's IS weight, OPSM
         self._weights_stale = True  # the engine has not seen the policy's weights yet
         self._overflows = 0  # fp16 loss-scale overflows in a row
         self.step_applied = False  # whether the current step's optimizer step has been applied
@@ -383,6 +385,7 @@ class GRPOTrainer:
         scale = LossScale(
             batch.num_items_in_batch, acc.num_processes, a.gradient_accumulation_steps, a.steps_per_generation
         )
+        is_ratio, sampler_logps, sampling = self.correction(logps, batch.old_logps, batch.sampling_logps, batch.mask)
         loss, metrics = policy_loss(
             logps,
             batch.old_logps,
@@ -392,13 +395,15 @@ class GRPOTrainer:
             batch.ref_logps,
             entropy_mask=entropy_mask,
             scale=scale,
+            sampler_logps=sampler_logps,
+            is_ratio=is_ratio,
         )
         bonus_mask = batch.mask if entropy_mask is None else batch.mask * entropy_mask
         loss, extra = self.loss_terms.add(loss, entropies, bonus_mask, self.training_pass.aux_loss)
         if not torch.isfinite(loss):
             raise TrainingError(self._nonfinite_message("loss", loss.item()))
         backward(acc, loss)
-        stats = dict(metrics.stats, **extra, entropy=masked_mean_stat(entropies.detach(), batch.mask))
+        stats = dict(metrics.stats, **sampling, **extra, entropy=masked_mean_stat(entropies.detach(), batch.mask))
         self.metrics.add_many(collectives.reduce_stats(stats, acc))
         self.metrics.add("timing/training_tokens_per_s", batch.mask.sum().item() / max(time.perf_counter() - t0, 1e-9))
         return loss.item()

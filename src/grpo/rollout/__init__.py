@@ -4,7 +4,7 @@ log-probs out.
 - `plain.TransformersEngine`: `model.generate`, every `generation_kwargs` key transformers knows;
 - `fast.FastEngine`: our own decode loop (prefix sharing, shrinking batch), on `lean_decoder.LeanDecoder` for
   Llama-family models;
-- `vllm_engine.VLLMEngine`: a vLLM engine in the training process (`use_vllm=True`, colocate mode), sampling
+- `vllm.VLLMEngine`: a vLLM engine in the training process (`use_vllm=True`, colocate mode), sampling
   from a copy of the policy's weights that `sync_weights` refreshes;
 - engines that sample elsewhere (a generation server) implement the same `generate` / `sync_weights`.
 
@@ -21,6 +21,7 @@ import torch
 from grpo.rollout import fast
 from grpo.rollout.base import Engine, Prompt, Request, Rollout
 from grpo.rollout.plain import TransformersEngine
+from grpo.rollout.vllm import VLLMEngine
 
 logger = logging.getLogger("grpo")
 __all__ = ["Engine", "Prompt", "Request", "Rollout", "build_engine"]
@@ -46,8 +47,6 @@ def build_engine(model: Any, tokenizer: Any, args: Any, stop_ids: list[int], acc
 def _vllm_engine(
     model: Any, tokenizer: Any, args: Any, stop_ids: list[int], accelerator: Any, dtype: torch.dtype | None
 ) -> Engine:
-    from grpo.rollout.vllm_engine import VLLMEngine
-
     device = accelerator.device.type
     if args.vllm_enable_sleep_mode and device == "cpu":
         raise ValueError(

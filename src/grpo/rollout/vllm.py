@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import shutil
 import tempfile
 import weakref
@@ -36,7 +35,7 @@ from typing import Any
 
 import torch
 
-from grpo import preemption
+from grpo import preemption, process_env
 from grpo.rollout.base import Request, Rollout, assemble, expand
 from grpo.rollout.weights import checkpoint_weights
 
@@ -50,8 +49,14 @@ _PROMPT_ROOM = 512
 
 def unavailable_reason() -> str | None:
     """Why vLLM cannot be used here (None when it can)."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read at import: vLLM's INFO lines would drown the run's
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights pass as tensors
+    process_env.set_for_dependency("VLLM_LOGGING_LEVEL", "WARNING", "vLLM's INFO lines would drown the run's")
+    if not process_env.set_for_dependency(
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "0", "colocate mode: the engine in this process, weights passed as tensors"
+    ):
+        return (
+            "use_vllm=True runs vLLM's engine in the training process, but VLLM_ENABLE_V1_MULTIPROCESSING is set "
+            "to another value than 0 in the environment: unset it."
+        )
     try:
         import vllm  # noqa: F401
     except ImportError as err:
@@ -143,10 +148,18 @@ def sampling_kwargs(args: Any, stop_ids: Sequence[int]) -> dict:
         logger.warning("vllm_structured_outputs_regex is set: it replaces generation_kwargs['structured_outputs'].")
     params.update(extra)
     if args.vllm_structured_outputs_regex is not None:
-        from vllm.sampling_params import StructuredOutputsParams
-
-        params["structured_outputs"] = StructuredOutputsParams(regex=args.vllm_structured_outputs_regex)
+        params["structured_outputs"] = {"regex": args.vllm_structured_outputs_regex}
     return params
+
+
+def _sampling_params(params: dict, n: int, max_tokens: int) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    structured = params.get("structured_outputs")
+    if isinstance(structured, dict):
+        params = {**params, "structured_outputs": StructuredOutputsParams(**structured)}
+    return SamplingParams(**{**params, "n": n, "max_tokens": max_tokens})
 
 
 class VLLMEngine:
@@ -215,13 +228,9 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, requests: Sequence[Request]) -> Rollout:
-        from vllm import SamplingParams
-
         preemption.check()
         inputs = [{"prompt_token_ids": list(r.prompt.ids)} for r in requests]
-        params = [
-            SamplingParams(**{**self.sampling, "n": r.num_samples, "max_tokens": self._budget(r)}) for r in requests
-        ]
+        params = [_sampling_params(self.sampling, r.num_samples, self._budget(r)) for r in requests]
         with self._awake():
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
         preemption.check()

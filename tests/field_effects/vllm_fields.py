@@ -1,0 +1,177 @@
+"""Effects of the vLLM (colocate) and importance-sampling fields. vLLM itself runs in tests/vllm (a process of its
+own); here the engine's settings are read from the functions that build them (`engine_kwargs`, `sampling_kwargs`),
+the trainer runs with a recording stand-in for the vLLM engine (its samples are the fast engine's, with log-probs
+shifted as a mismatched sampler's would be), and the correction's numbers come from `SamplingCorrection`."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from field_effects import Setting, effect
+
+SHIFT = 0.1  # the stand-in sampler's log-probs are the policy's minus this, per token
+
+
+class RecordingVLLM:
+    """Stands in for `grpo.rollout.VLLMEngine`: records how it was built and synced; samples with the fast engine
+    and reports log-probs SHIFT lower than the policy's, so the correction has a mismatch to correct."""
+
+    name = "vllm"
+    samples_elsewhere = True
+    built: list[dict] = []
+
+    def __init__(self, model, tokenizer, args, stop_ids, **kwargs):
+        from grpo.rollout.fast import FastEngine
+
+        self.inner = FastEngine(model, tokenizer, args, stop_ids)
+        self.syncs = 0
+        self.generated_after_sync = []
+        RecordingVLLM.built.append(dict(kwargs, args=args))
+
+    def sync_weights(self, model):
+        self.syncs += 1
+
+    def generate(self, requests):
+        self.generated_after_sync.append(self.syncs > 0)
+        rollout = self.inner.generate(requests)
+        rollout.sampling_logps = [[lp - SHIFT for lp in row] for row in rollout.sampling_logps]
+        return rollout
+
+
+def with_recording_vllm():
+    RecordingVLLM.built = []
+    return mock.patch("grpo.rollout.VLLMEngine", RecordingVLLM)
+
+
+def _engine_kwargs(s: Setting, device: str = "cpu", **more):
+    from grpo.rollout.vllm import engine_kwargs
+
+    config = SimpleNamespace(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, max_position_embeddings=512
+    )
+    return engine_kwargs(s.config(**more), SimpleNamespace(config=config), torch.float32, device, 0, 8)
+
+
+def _correction(config):
+    """(rho, sampler_logps, stats) of the config's correction on a fixed 2 x 3 batch whose sampler log-probs are
+    lower than the trainer's by 0.5 per token (row 1's last token is padding)."""
+    from grpo.sampling_correction import SamplingCorrection
+
+    trainer = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    sampling = (trainer - 0.5) * mask
+    engine = SimpleNamespace(samples_elsewhere=True)
+    return SamplingCorrection.of(config, engine)(trainer, None, sampling, mask)
+
+
+@effect("use_vllm", True)
+def _use_vllm(s: Setting):
+    with with_recording_vllm():
+        trainer = s.train(max_steps=2)
+    assert isinstance(trainer.engine, RecordingVLLM)
+    built = RecordingVLLM.built[0]
+    assert built["rows"] == 8 and built["device"] == "cpu" and built["dtype"] == torch.float32
+    # synced before the first generation and again after the first optimizer step
+    assert trainer.engine.generated_after_sync == [True, True] and trainer.engine.syncs == 2
+    row = trainer.state.log_history[-1]
+    # the stand-in's mismatch is corrected: a sequence ratio of exp(0.1 x tokens) per row, none above 3 here
+    assert row["sampling/importance_sampling_ratio/mean"] > 1.05
+    assert abs(row["sampling/sampling_logp_difference/mean"] - SHIFT) < 1e-4
+    assert trainer.correction.apply and trainer.correction.external
+
+
+@effect("vllm_model_impl", "transformers")
+def _model_impl(s: Setting):
+    assert _engine_kwargs(s)["model_impl"] == "transformers"
+
+
+@effect("vllm_enable_sleep_mode", True)
+def _sleep_mode(s: Setting):
+    assert _engine_kwargs(s, "cuda")["enable_sleep_mode"] is True
+    with with_recording_vllm(), pytest.raises(ValueError, match="vLLM's CPU build has no sleep mode"):
+        s.trainer(use_vllm=True)
+
+
+@effect("vllm_structured_outputs_regex", "[0-9]+")
+def _regex(s: Setting):
+    from grpo.rollout.vllm import sampling_kwargs
+
+    assert sampling_kwargs(s.config(), [1, 5])["structured_outputs"] == {"regex": "[0-9]+"}
+
+
+@effect("vllm_gpu_memory_utilization", 0.5)
+def _gpu_memory(s: Setting):
+    assert _engine_kwargs(s, "cuda")["gpu_memory_utilization"] == 0.5
+    assert "kv_cache_memory_bytes" not in _engine_kwargs(s, "cuda")
+    assert "kv_cache_memory_bytes" in _engine_kwargs(s, "cpu")  # a CPU sizes the cache itself
+
+
+@effect("vllm_max_model_length", 64)
+def _max_model_length(s: Setting):
+    assert _engine_kwargs(s)["max_model_len"] == 64
+    with with_recording_vllm():
+        trainer = s.trainer(use_vllm=True)
+    assert trainer.prompts.context == 64  # a longer prompt is refused, naming its row
+
+
+@effect("vllm_importance_sampling_correction", False)
+def _correction_off(s: Setting):
+    rho, sampler, stats = _correction(s.config(use_vllm=True))
+    assert rho is None and sampler is not None  # OPSM still reads vLLM's log-probs
+    on, _, _ = _correction(s.default_config(use_vllm=True))
+    assert on is not None and stats["sampling/importance_sampling_ratio/mean"].local() == pytest.approx(
+        on.mean().item()
+    )
+
+
+@effect("vllm_importance_sampling_mode", "token_truncate")
+def _mode(s: Setting):
+    rho, _, _ = _correction(s.config())
+    assert rho.shape == (2, 3)
+    assert torch.allclose(rho, torch.tensor([[1.6487, 1.6487, 1.6487], [1.6487, 1.6487, 1.0]]), atol=1e-4)
+    default, _, _ = _correction(s.default_config())
+    assert default.shape == (2, 1) and default[0, 0] == 0.0  # sequence_mask: exp(1.5) > 3 is masked
+
+
+@effect("vllm_importance_sampling_clip_max", 5.0)
+def _clip_max(s: Setting):
+    rho, _, _ = _correction(s.config())
+    assert rho[0, 0].item() == pytest.approx(torch.e**1.5, rel=1e-5)  # under 5: kept, where 3 masked it
+    assert rho[1, 0].item() == pytest.approx(torch.e**1.0, rel=1e-5)
+
+
+@effect("vllm_importance_sampling_clip_min", 2.8)
+def _clip_min(s: Setting):
+    rho, _, stats = _correction(s.config())
+    assert rho[1, 0].item() == 0.0  # exp(1.0) < 2.8: masked
+    assert stats["sampling/importance_sampling_ratio/clipped_fraction"].local() == 1.0
+
+
+@effect("off_policy_mask_threshold", 0.1)
+def _opsm(s: Setting):
+    from grpo.losses import LossParams, policy_loss
+
+    logps = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]], requires_grad=True)
+    sampler = logps.detach() + 0.5  # drifted by 0.5 per token: above the threshold
+    mask, adv = torch.ones(2, 2), torch.tensor([1.0, -1.0])
+    params = LossParams.of(s.config())
+    assert params.off_policy_mask_threshold == 0.1
+    loss, _ = policy_loss(logps, None, adv, mask, params, sampler_logps=sampler)
+    loss.backward()
+    assert logps.grad[1].abs().sum() == 0 and logps.grad[0].abs().sum() > 0  # the negative row is dropped
+    default, _ = policy_loss(logps, None, adv, mask, LossParams.of(s.default_config()), sampler_logps=sampler)
+    assert default.item() != loss.item()
+
+
+@effect("vllm_importance_sampling_cap", 2.0)
+def _cap(s: Setting):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = s.config()
+    assert config.vllm_importance_sampling_clip_max == 2.0
+    assert any(issubclass(w.category, FutureWarning) and "deprecated" in str(w.message) for w in caught)

@@ -1,0 +1,122 @@
+"""Training with vLLM (colocate mode) on this CPU: every parameter moves, the sampling/* metrics say the engine
+samples the policy, the importance-sampling weight enters the loss, resume continues where the checkpoint left
+off, and several processes (DDP, FSDP, LoRA) each hold the policy's weights in their own engine."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from field_effects import chat_dataset
+from test_distributed import torchrun
+from test_vllm_engine import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
+
+JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")
+
+
+def test_training_with_vllm_moves_every_parameter_and_logs_the_sampling_metrics(vllm_model_dir, tmp_path):
+    trainer = make_trainer(vllm_model_dir, tmp_path, max_steps=2)
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
+    trainer.train()
+    for name, param in trainer.unwrapped_model.named_parameters():
+        assert not torch.equal(param, before[name]), f"{name} did not change"
+    for row in trainer.state.log_history:
+        # float32 engine and policy: the same distribution up to kernel rounding
+        assert row["sampling/sampling_logp_difference/max"] < FP32_TOL
+        assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-2
+        assert row["sampling/importance_sampling_ratio/clipped_fraction"] == 0.0
+    assert trainer.correction.apply
+    # the engine holds the final weights once synced: the next generation would sample the trained policy
+    trainer.engine.sync_weights(trainer.unwrapped_model)
+    prompt, completion = fixed_completion(trainer)
+    diff = engine_logps(trainer.engine, prompt, completion) - policy_logps(trainer, prompt, completion)
+    assert diff.abs().max() < FP32_TOL
+
+
+def test_the_importance_weight_changes_the_update_and_off_turns_it_off(vllm_model_dir, tmp_path):
+    """With a mismatched sampler (its log-probs shifted, as vLLM's kernels would shift them), the correction's
+    weight changes the gradient; with vllm_importance_sampling_correction=False the loss ignores it."""
+    grads = {}
+    for correction in (True, False):
+        trainer = make_trainer(
+            vllm_model_dir,
+            tmp_path / str(correction),
+            vllm_importance_sampling_correction=correction,
+            vllm_importance_sampling_mode="token_truncate",
+        )
+        original = trainer.engine.generate
+
+        def shifted(requests, original=original):
+            rollout = original(requests)
+            rollout.sampling_logps = [[lp - 0.2 for lp in row] for row in rollout.sampling_logps]
+            return rollout
+
+        torch.manual_seed(0)
+        trainer.engine.generate = shifted
+        trainer.train()
+        grads[correction] = trainer.state.log_history[-1]["grad_norm"]
+        assert trainer.state.log_history[-1]["sampling/importance_sampling_ratio/mean"] == pytest.approx(
+            torch.exp(torch.tensor(0.2)).item(), rel=1e-3
+        )
+    assert grads[True] != pytest.approx(grads[False], rel=1e-3)
+
+
+def test_resume_with_vllm_continues_from_the_checkpoint(vllm_model_dir, tmp_path):
+    """vLLM's sampling is not bit-reproducible across runs the way the fast engine is, so the resumed run's
+    completions differ; what holds: it continues at the checkpoint's step, data position and optimizer state,
+    and its engine samples from the checkpoint's weights."""
+    first = make_trainer(vllm_model_dir, tmp_path, max_steps=3, save_strategy="steps", save_steps=2)
+    first.train()
+    position = first.loop.data_position
+    resumed = make_trainer(vllm_model_dir, tmp_path, max_steps=3, save_strategy="steps", save_steps=2)
+    checkpoint = os.path.join(str(tmp_path / "out"), "checkpoint-2")
+    synced = []
+    original = resumed.engine.sync_weights
+
+    def recording_sync(model):
+        synced.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        original(model)
+
+    resumed.engine.sync_weights = recording_sync
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.state.global_step == 3 and resumed.loop.data_position == position
+    # the first sync after resume carried the checkpoint's weights (saved in model.safetensors)
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(checkpoint, "model.safetensors"))
+    for name, tensor in synced[0].items():
+        assert torch.equal(tensor, saved[name]), name
+    step_rows = [r for r in resumed.state.log_history if "loss" in r]
+    assert [r["step"] for r in step_rows][-1] == 3
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "zero3", "ddp+lora"])
+def test_every_process_engine_holds_the_policys_weights(vllm_model_dir, tmp_path, mode):
+    torchrun(2, JOB, tmp_path, vllm_model_dir, mode, timeout=420)
+    rows = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    assert [r["world"] for r in rows] == [2, 2]
+    engines = [torch.tensor(r["engine"]) for r in rows]
+    assert torch.allclose(engines[0], engines[1], atol=1e-6)  # the same weights in both engines
+    for row in rows:
+        diff = (torch.tensor(row["engine"]) - torch.tensor(row["policy"])).abs()
+        assert diff.max() < FP32_TOL, (mode, diff.max())
+        assert row["sampling"]["sampling/sampling_logp_difference/max"] < FP32_TOL
+
+
+def test_the_engine_is_not_used_for_an_unknown_dataset_shape(vllm_model_dir, tmp_path):
+    """A careless input still gets grpo's own error before any vLLM work (the dataset is checked first)."""
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match="prompt"):
+        make_trainer(vllm_model_dir, tmp_path, dataset=Dataset.from_list([{"text": "no prompt column"}] * 8))
+
+
+def test_chat_dataset_rows_reach_vllm_as_the_rendered_prompt(vllm_model_dir, tmp_path):
+    trainer = make_trainer(vllm_model_dir, tmp_path, dataset=chat_dataset())
+    rollout = trainer._generate([0, 0, 1, 1])
+    text = trainer.processing_class.decode(rollout.prompt_ids[0])
+    assert text.startswith("<|im_start|>user\nSolve 0+1<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+    assert rollout.messages[0][0]["role"] == "assistant" and len(rollout) == 4
