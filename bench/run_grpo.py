@@ -21,7 +21,8 @@ def main() -> None:
     args = GRPOConfig(output_dir="/tmp/grpo-bench", bf16=precision == "bf16", disable_tqdm=True,
                       **{**WORKLOAD, **overrides})
     trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=counter, train_dataset=prompts, args=args)
-    seconds = timed(trainer.train)
+    # vLLM starts in the constructor (as TRL's does): its start-up counts with the run, its warm-up is in train()
+    seconds = timed(trainer.train) + getattr(trainer.engine, "startup_s", 0.0)
     rows = trainer.state.log_history
     generation = sum(r["timing/generation_s"] for r in rows)  # measured as run_trl.py measures TRL's
     report({"framework": "grpo", "precision": precision, "seconds": seconds, "tokens": counter.tokens,

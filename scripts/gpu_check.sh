@@ -36,3 +36,29 @@ python3 -c "import json; r = json.load(open('/tmp/fsdp1/row.json')); print('fsdp
 # the suite with CUDA visible; the multi-process tests (2 processes, gloo) are CPU tests and stay out
 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_bundled.py --ignore=tests/test_demo.py \
   --ignore=tests/test_distributed.py -k "not two_process" -x 2>&1 | tail -25
+# vLLM colocate (only where the image has vLLM): 3 steps on a head-size-32 tiny Llama, then the sync check: the
+# engine's log-probs of a fixed completion equal the policy's after a sync, and differ without one
+python3 - <<'PY'
+import sys, torch
+sys.path.insert(0, "tests"); sys.path.insert(0, "tests/vllm")
+try:
+    import vllm  # noqa: F401
+except Exception as err:
+    print(f"vllm colocate: skipped, vLLM is not importable here ({type(err).__name__}: {err})"); sys.exit(0)
+import tiny
+from field_effects import BASE, chat_dataset, length_reward
+from test_vllm_engine import engine_logps, fixed_completion, perturb, policy_logps
+from grpo import GRPOConfig, GRPOTrainer
+tok = tiny.make_tokenizer(); tiny.make_model(tok, hidden=128).save_pretrained("/tmp/tiny128"); tok.save_pretrained("/tmp/tiny128")
+args = GRPOConfig(output_dir="/tmp/ov", **{**BASE, "max_steps": 3, "use_vllm": True, "bf16": False})
+t = GRPOTrainer(model="/tmp/tiny128", reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+t.train()
+t.engine.sync_weights(t.unwrapped_model)
+p, c = fixed_completion(t)
+synced = (engine_logps(t.engine, p, c) - policy_logps(t, p, c)).abs().max().item()
+perturb(t.unwrapped_model)
+stale = (engine_logps(t.engine, p, c) - policy_logps(t, p, c)).abs().mean().item()
+row = t.state.log_history[-1]
+print(f"vllm colocate: device={next(t.model.parameters()).device} synced max|diff|={synced:.2e} (want < 1e-3) "
+      f"unsynced mean|diff|={stale:.2e} (want > 0.1) is_ratio_mean={row['sampling/importance_sampling_ratio/mean']:.4f}")
+PY

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 
 import pytest
 import torch
@@ -96,11 +97,22 @@ def test_later_features_say_not_available(tiny_model_dir, tmp_path):
         )
     with pytest.raises(ValueError, match="tools.*not available yet"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), tools=[print])
-    with pytest.raises(ValueError, match="use_vllm=True.*not available yet"):
-        cfg(tmp_path, use_vllm=True)  # refused by the config itself (tests/test_trl_fields.py: every later field)
+    with pytest.raises(ValueError, match="vllm_mode='server'.*not available yet"):
+        cfg(tmp_path, use_vllm=True, vllm_mode="server")  # refused by the config (test_trl_fields: every later field)
     images = Dataset.from_list([{"prompt": "a", "image": "x.png"}] * 8)
     with pytest.raises(ValueError, match="'image' column.*not available yet"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=images, args=cfg(tmp_path))
+
+
+def test_use_vllm_without_vllm_says_how_to_install_it(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(ImportError, match=r"use_vllm=True needs vLLM.*pip install 'grpo\[vllm\]'.*use_vllm=False"):
+        GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path, use_vllm=True),
+        )
 
 
 @pytest.mark.parametrize(
