@@ -8,12 +8,12 @@ import re
 
 import pytest
 import torch
+from vllm import SamplingParams
 
 from field_effects import BASE, chat_dataset, length_reward
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.rollout.base import Request
 from grpo.rollout.fast import logits_processors
-from vllm import SamplingParams
 
 FP32_TOL = 1e-3  # max |logp difference| per token, float32 engine vs float32 policy
 BF16_MEAN_TOL = 0.05  # bfloat16 engine vs bfloat16 (autocast) policy: mean |difference| per token ...
