@@ -24,10 +24,14 @@ _REAL_LLM = vllm.LLM
 _ENGINES: dict[tuple, object] = {}
 
 
-def vllm_tiny_model(path, seed: int = 0) -> str:
-    """A 2-layer Llama whose head size vLLM's CPU attention supports (32), with the tiny tokenizer."""
+def vllm_tiny_model(path, seed: int = 0, tied: bool = False) -> str:
+    """A 2-layer Llama whose head size vLLM's CPU attention supports (32), with the tiny tokenizer; `tied`: its
+    output head shares the input embedding (as SmolLM2's does)."""
     tokenizer = tiny.make_tokenizer()
     model = tiny.make_model(tokenizer, seed, hidden=128)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -59,3 +63,8 @@ def shared_llm(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory):
     return vllm_tiny_model(tmp_path_factory.mktemp("tiny-vllm") / "tiny-llama-h128")
+
+
+@pytest.fixture(scope="session")
+def vllm_tied_model_dir(tmp_path_factory):
+    return vllm_tiny_model(tmp_path_factory.mktemp("tiny-vllm-tied") / "tiny-llama-h128-tied", tied=True)

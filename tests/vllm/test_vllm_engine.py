@@ -80,6 +80,20 @@ def test_after_a_sync_the_engine_scores_as_the_policy_and_without_one_it_does_no
     assert fresh.max() < FP32_TOL
 
 
+def test_a_tied_output_head_follows_the_embedding_through_every_sync(vllm_tied_model_dir, tmp_path):
+    """vLLM's CPU backend packs the output head apart from the embedding it shares; each sync must repack it (at
+    start the engine's weights are dummies: an unrepacked head samples noise)."""
+    trainer = make_trainer(vllm_tied_model_dir, tmp_path)
+    model = trainer.unwrapped_model
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    prompt, completion = fixed_completion(trainer)
+    for _ in range(2):  # the first sync over dummy weights, then one over changed weights
+        trainer.engine.sync_weights(model)
+        diff = (engine_logps(trainer.engine, prompt, completion) - policy_logps(trainer, prompt, completion)).abs()
+        assert diff.max() < FP32_TOL
+        perturb(model)
+
+
 def test_sampled_log_probs_are_the_policys_processed_ones(vllm_model_dir, tmp_path):
     """temperature, top_k, top_p and repetition_penalty: the log-prob vLLM reports for each sampled token is the
     in-process engines' (transformers' processors over the policy's logits); min_p alone likewise."""

@@ -226,6 +226,8 @@ class VLLMEngine:
             self.sleeping = False
         with checkpoint_weights(model) as weights:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if getattr(model.config, "tie_word_embeddings", False):
+            self.llm.collective_rpc(_repack_tied_head)
         self.llm.reset_prefix_cache()
         self.policy = model
 
@@ -264,6 +266,19 @@ class VLLMEngine:
         finally:
             self.llm.sleep(level=2)
             self.sleeping = True
+
+
+def _repack_tied_head(worker: Any) -> None:
+    """Run on each vLLM worker after a reload, for a model whose output head shares the input embedding: vLLM's
+    CPU backend packs the head's matrix for its GEMM when weights are processed, and a reload reprocesses only
+    the layers that received weights, i.e. the embedding, so the head would keep sampling from the old (at
+    start: dummy) weights. Reprocessing the head packs it from the embedding's new values (on GPUs, where
+    nothing is packed, it does nothing)."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
 
 
 def _logprob(entry: Any, token: int) -> float:
