@@ -48,13 +48,15 @@ def with_recording_vllm():
     return mock.patch("grpo.rollout.VLLMEngine", RecordingVLLM)
 
 
-def _engine_kwargs(s: Setting, device: str = "cpu", **more):
+def _engine_kwargs(s: Setting, device: str = "cpu", default: bool = False):
+    """vllm.LLM's keyword arguments for the setting's config (or, with `default`, the field at its default)."""
     from grpo.rollout.vllm import engine_kwargs
 
     config = SimpleNamespace(
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, max_position_embeddings=512
     )
-    return engine_kwargs(s.config(**more), SimpleNamespace(config=config), torch.float32, device, 0, 8)
+    args = s.default_config() if default else s.config()
+    return engine_kwargs(args, SimpleNamespace(config=config), torch.float32, device, 0, 8)
 
 
 def _correction(config):
@@ -175,3 +177,19 @@ def _cap(s: Setting):
         config = s.config()
     assert config.vllm_importance_sampling_clip_max == 2.0
     assert any(issubclass(w.category, FutureWarning) and "deprecated" in str(w.message) for w in caught)
+
+
+@effect("vllm_enforce_eager", False)
+def _eager(s: Setting):
+    assert _engine_kwargs(s)["enforce_eager"] is False
+    assert _engine_kwargs(s, "cuda")["enforce_eager"] is False
+    assert _engine_kwargs(s, default=True)["enforce_eager"] is True  # None: eager on a CPU
+    assert "enforce_eager" not in _engine_kwargs(s, "cuda", default=True)  # vLLM's own default on GPUs
+
+
+@effect("vllm_kv_cache_gib", 0.5)
+def _kv_cache(s: Setting):
+    assert _engine_kwargs(s)["kv_cache_memory_bytes"] == 2**29
+    sized = _engine_kwargs(s, default=True)["kv_cache_memory_bytes"]
+    # the default: 8 rows of 512 + max_completion_length tokens, x4, at 2 layers x 2 kv heads x 32 x 4 bytes x 2
+    assert sized == 2 * 2 * 2 * 32 * 4 * 4 * 8 * (512 + s.config().max_completion_length)

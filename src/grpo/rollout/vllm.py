@@ -51,6 +51,12 @@ _PROMPT_ROOM = 512
 def unavailable_reason() -> str | None:
     """Why vLLM cannot be used here (None when it can)."""
     process_env.set_for_dependency("VLLM_LOGGING_LEVEL", "WARNING", "vLLM's INFO lines would drown the run's")
+    process_env.set_for_dependency(
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "nobind",
+        "colocate mode on a CPU: the engine shares the trainer's threads; vLLM's binding would pin them to one "
+        "logical CPU per core and keep one core for a scheduler process that colocate mode does not have",
+    )
     if not process_env.set_for_dependency(
         "VLLM_ENABLE_V1_MULTIPROCESSING", "0", "colocate mode: the engine in this process, weights passed as tensors"
     ):
@@ -104,9 +110,12 @@ def engine_kwargs(args: Any, model: Any, dtype: torch.dtype, device: str, proces
         enable_sleep_mode=args.vllm_enable_sleep_mode,
         trust_remote_code=args.trust_remote_code,
     )
+    eager = args.vllm_enforce_eager
+    if eager is None and device == "cpu":
+        eager = True  # torch.compile would cost 75-100 s at start-up (measured on the bundled model)
+    if eager is not None:
+        kwargs["enforce_eager"] = eager
     if device == "cpu":
-        # CPU: no CUDA graphs to capture, and torch.compile would cost minutes at start-up
-        kwargs["enforce_eager"] = True
         gib = args.vllm_kv_cache_gib
         kwargs["kv_cache_memory_bytes"] = (
             int(gib * 2**30)
