@@ -3,7 +3,11 @@
 Throughput = completion tokens generated in all steps (EOS counted, padding not) / the wall time of the whole
 training call (warm-up step included, model loading excluded), measured the same way for both. Peak memory is
 the largest resident set of the run's whole process tree, sampled every 20 ms. The last line is
-`speedup_vs_trl=<bf16 ratio> memory_vs_trl=<larger peak ratio> speedup_vs_trl_fp32=<fp32 ratio>`.
+`speedup_vs_trl=<bf16 ratio> memory_vs_trl=<larger peak ratio> speedup_vs_trl_fp32=<fp32 ratio>`, computed from
+the fast engine's rows. Where vLLM is installed, a `grpo+vllm` bf16 row runs the same workload with
+`use_vllm=True` (its engine's start-up counted in its time, its warm-up inside train()), and the line before gives
+`vllm_generation_vs_fast=<generation tokens/s ratio> vllm_speedup_vs_trl=<end-to-end ratio>`. TRL's own colocate
+mode is not run: on vLLM's CPU build it crashes at its first weight sync (README).
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ def tree_rss(proc: psutil.Process) -> int:
 
 
 def run(framework: str, precision: str, overrides: dict | None = None) -> dict:
-    cmd = [sys.executable, os.path.join(HERE, f"run_{framework}.py"), precision, json.dumps(overrides or {})]
+    script = "grpo" if framework == "grpo+vllm" else framework
+    if framework == "grpo+vllm":
+        overrides = {**(overrides or {}), "use_vllm": True}
+    cmd = [sys.executable, os.path.join(HERE, f"run_{script}.py"), precision, json.dumps(overrides or {})]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     ps = psutil.Process(proc.pid)
@@ -59,6 +66,7 @@ def run(framework: str, precision: str, overrides: dict | None = None) -> dict:
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{framework} {precision} failed (exit {proc.returncode}):\n{output[-3000:]}")
     result = json.loads(lines[-1][len("BENCH_RESULT "):])
+    result["framework"] = framework
     result["peak_gb"] = peak[0] / 1e9
     result["tokens_per_s"] = result["tokens"] / result["seconds"]
     return result
@@ -92,6 +100,10 @@ def main() -> None:
         for framework in frameworks:
             console.print(f"running {framework} {precision} ...")
             results[(framework, precision)] = run(framework, precision)
+    if not opts.only and vllm_available():
+        # the vLLM engine on the same workload (bf16); the three ratios below stay the fast engine's
+        console.print("running grpo+vllm bf16 ...")
+        results[("grpo+vllm", "bf16")] = run("grpo+vllm", "bf16")
     console.print(table(list(results.values()), "grpo vs TRL 1.16 on the demo workload"))
     with open(os.path.join(HERE, "results.json"), "w") as f:
         json.dump([dict(r) for r in results.values()], f, indent=1)
@@ -101,7 +113,17 @@ def main() -> None:
     memory = max(results[("grpo", p)]["peak_gb"] / results[("trl", p)]["peak_gb"] for p in ("bf16", "fp32"))
     if opts.full:
         sweeps(console)
+    if ("grpo+vllm", "bf16") in results:
+        vllm, fast, trl = results[("grpo+vllm", "bf16")], results[("grpo", "bf16")], results[("trl", "bf16")]
+        print(f"vllm_generation_vs_fast={vllm['generation_tokens_per_s'] / fast['generation_tokens_per_s']:.2f} "
+              f"vllm_speedup_vs_trl={vllm['tokens_per_s'] / trl['tokens_per_s']:.2f}")
     print(f"speedup_vs_trl={speed['bf16']:.2f} memory_vs_trl={memory:.2f} speedup_vs_trl_fp32={speed['fp32']:.2f}")
+
+
+def vllm_available() -> bool:
+    """Whether vLLM imports here (in a child process: importing it sets process-wide state)."""
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True)
+    return probe.returncode == 0
 
 
 SWEEPS = {

@@ -189,6 +189,11 @@ def cpu_isa() -> str:
         return "unknown"
 
 
+def generation_eos(model: Any) -> Any:
+    """The model's generation config's EOS id(s), if any."""
+    return getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+
+
 def unwrap(model: Any, keep_peft: bool = False) -> Any:
     """The transformers model inside DDP/DeepSpeed (`.module`) and PEFT wrappers; with `keep_peft`, the PEFT model
     itself."""

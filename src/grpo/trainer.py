@@ -22,7 +22,9 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
 - `dynamic_sampling` (DAPO, which the reference lacks) drops groups without reward spread and draws more prompts;
 - async reward functions run while the sync ones do (the reference awaits them after the sync ones);
 - `average_tokens_across_devices=False` divides each process's token-sum loss by its own tokens (the HF
-  Trainer's meaning; the reference always counts every process's).
+  Trainer's meaning; the reference always counts every process's);
+- the sampling/* metrics are logged for every engine; on-policy, vLLM's importance weight compares with the
+  training pass's own log-probs (the reference runs an extra old-policy pass for it).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics
 from grpo.modeling import (
     disable_dropout,
     enable_checkpointing,
+    generation_eos,
     load_causal_lm,
     load_tokenizer,
     model_name,
@@ -127,7 +130,7 @@ class GRPOTrainer:
         self._prepare()
         ref_sync.check(self)  # sync_ref_model needs a reference model of its own
         checkpoint.strategy.check(self)  # the best checkpoint must be knowable and loadable
-        self.stop_ids = data.end_of_turn_ids(self.processing_class, _generation_eos(self.unwrapped_model))
+        self.stop_ids = data.end_of_turn_ids(self.processing_class, generation_eos(self.unwrapped_model))
         self.engine = build_engine(self.unwrapped_model, self.processing_class, args, self.stop_ids, self.accelerator)
         attention.use_grouped_heads(self.model)
         self.training_pass = TrainingPass(self.model, args, self.accelerator.autocast, self.accelerator.mixed_precision)
@@ -493,7 +496,3 @@ def _resolve_args(args: GRPOConfig | None, model: Any) -> GRPOConfig:
     if args.output_dir is None:
         args.output_dir = f"{model_name(model)}-GRPO"
     return args
-
-
-def _generation_eos(model: Any) -> Any:
-    return getattr(getattr(model, "generation_config", None), "eos_token_id", None)

@@ -49,7 +49,7 @@ _PROMPT_ROOM = 512
 
 
 def unavailable_reason() -> str | None:
-    """Why vLLM cannot be used here (None when it can)."""
+    """Why vLLM cannot be used here (None when it can), after setting the environment vLLM reads at import."""
     process_env.set_for_dependency("VLLM_LOGGING_LEVEL", "WARNING", "vLLM's INFO lines would drown the run's")
     process_env.set_for_dependency(
         "VLLM_CPU_OMP_THREADS_BIND",
