@@ -5,6 +5,7 @@ off, and several processes (DDP, FSDP, LoRA) each hold the policy's weights in t
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -36,10 +37,10 @@ def test_training_with_vllm_moves_every_parameter_and_logs_the_sampling_metrics(
     assert diff.abs().max() < FP32_TOL
 
 
-def test_the_importance_weight_changes_the_update_and_off_turns_it_off(vllm_model_dir, tmp_path):
-    """With a mismatched sampler (its log-probs shifted, as vLLM's kernels would shift them), the correction's
-    weight changes the gradient; with vllm_importance_sampling_correction=False the loss ignores it."""
-    grads = {}
+def test_the_importance_weight_scales_the_update_and_off_turns_it_off(vllm_model_dir, tmp_path):
+    """The same vLLM rollout, its log-probs shifted down by 0.2 per token (a mismatched sampler), trained with and
+    without the correction: token_truncate's weight exp(0.2) on every token scales the gradient by exactly that."""
+    grads, fixed = {}, []
     for correction in (True, False):
         trainer = make_trainer(
             vllm_model_dir,
@@ -50,18 +51,18 @@ def test_the_importance_weight_changes_the_update_and_off_turns_it_off(vllm_mode
         original = trainer.engine.generate
 
         def shifted(requests, original=original):
-            rollout = original(requests)
-            rollout.sampling_logps = [[lp - 0.2 for lp in row] for row in rollout.sampling_logps]
-            return rollout
+            if not fixed:  # one rollout for both runs
+                rollout = original(requests)
+                rollout.sampling_logps = [[lp - 0.2 for lp in row] for row in rollout.sampling_logps]
+                fixed.append(rollout)
+            return fixed[0]
 
-        torch.manual_seed(0)
         trainer.engine.generate = shifted
         trainer.train()
-        grads[correction] = trainer.state.log_history[-1]["grad_norm"]
-        assert trainer.state.log_history[-1]["sampling/importance_sampling_ratio/mean"] == pytest.approx(
-            torch.exp(torch.tensor(0.2)).item(), rel=1e-3
-        )
-    assert grads[True] != pytest.approx(grads[False], rel=1e-3)
+        row = trainer.state.log_history[-1]
+        grads[correction] = row["grad_norm"]
+        assert row["sampling/importance_sampling_ratio/mean"] == pytest.approx(math.exp(0.2), rel=1e-3)
+    assert grads[True] / grads[False] == pytest.approx(math.exp(0.2), rel=2e-3)
 
 
 def test_resume_with_vllm_continues_from_the_checkpoint(vllm_model_dir, tmp_path):
