@@ -68,3 +68,9 @@ def vllm_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_tied_model_dir(tmp_path_factory):
     return vllm_tiny_model(tmp_path_factory.mktemp("tiny-vllm-tied") / "tiny-llama-h128-tied", tied=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_h8(tmp_path_factory):
+    """The main suite's tiny Llama (head size 8, which vLLM's CPU attention does not support)."""
+    return tiny.save_tiny(tmp_path_factory.mktemp("tiny-h8") / "tiny-llama")

@@ -177,3 +177,10 @@ def test_a_prompt_longer_than_vllm_max_model_length_is_an_error_naming_its_row(v
     trainer = make_trainer(vllm_model_dir, tmp_path, dataset=Dataset.from_list(rows), vllm_max_model_length=48)
     with pytest.raises(ValueError, match="train_dataset row 1: the prompt is 84 tokens, but the model's context is 48"):
         trainer.train()
+
+
+def test_a_model_vllm_cannot_run_is_one_error_with_the_way_out(tiny_model_dir_h8, tmp_path):
+    """vLLM's CPU attention has no kernel for head size 8: its error, deep in its stack, becomes one line."""
+    trainer = make_trainer(tiny_model_dir_h8, tmp_path)  # it starts; its first generation finds no kernel
+    with pytest.raises(RuntimeError, match=r"vLLM could not generate with this model.*head_dim=8.*use_vllm=False"):
+        trainer.train()

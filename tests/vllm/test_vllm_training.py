@@ -65,6 +65,17 @@ def test_the_importance_weight_scales_the_update_and_off_turns_it_off(vllm_model
     assert grads[True] / grads[False] == pytest.approx(math.exp(0.2), rel=2e-3)
 
 
+def test_a_reused_batch_compares_vllm_with_the_old_policy(vllm_model_dir, tmp_path):
+    """num_iterations=2: the batch is trained twice, so its old log-probs are computed at generation and the
+    importance weight compares vLLM with them (not with the moving policy): still ~1 for a float32 engine."""
+    trainer = make_trainer(vllm_model_dir, tmp_path, num_iterations=2, max_steps=2)
+    assert trainer._needs_old_logps()
+    trainer.train()
+    for row in trainer.state.log_history:
+        assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-2
+        assert row["sampling/sampling_logp_difference/max"] < FP32_TOL
+
+
 def test_resume_with_vllm_continues_from_the_checkpoint(vllm_model_dir, tmp_path):
     """vLLM's sampling is not bit-reproducible across runs the way the fast engine is, so the resumed run's
     completions differ; what holds: it continues at the checkpoint's step, data position and optimizer state,

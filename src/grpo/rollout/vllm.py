@@ -206,7 +206,9 @@ class VLLMEngine:
         path, load_format = self._model_directory(model, tokenizer, args)
         logger.info("Starting vLLM %s (%s, %s) for generation.", vllm.__version__, kwargs["dtype"], device)
         start = time.perf_counter()
-        self.llm = vllm.LLM(model=path, load_format=load_format, **kwargs)
+        self.describe = f"{type(model).__name__}, {kwargs['dtype']}, {device}"
+        with self._explained("start an engine for"):
+            self.llm = vllm.LLM(model=path, load_format=load_format, **kwargs)
         self.startup_s = time.perf_counter() - start  # reported by the benchmark with the run's time
         self.max_model_len = kwargs["max_model_len"]
         self.sleep_mode = args.vllm_enable_sleep_mode
@@ -245,7 +247,7 @@ class VLLMEngine:
         preemption.check()
         inputs = [{"prompt_token_ids": list(r.prompt.ids)} for r in requests]
         params = [_sampling_params(self.sampling, r.num_samples, self._budget(r)) for r in requests]
-        with self._awake():
+        with self._awake(), self._explained("generate with"):
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
         preemption.check()
         tokens, logps = [], []
@@ -255,6 +257,20 @@ class VLLMEngine:
                 tokens.append(ids)
                 logps.append([_logprob(entry, token) for entry, token in zip(sample.logprobs or [], ids)])
         return assemble(expand(requests), tokens, logps, self.stop_ids, self.tokenizer)
+
+    @contextlib.contextmanager
+    def _explained(self, action: str):
+        """vLLM's own errors come from deep in its stack (its first generation is where a kernel it lacks for this
+        model shows): one line that says what failed and the way out, the original chained."""
+        try:
+            yield
+        except Exception as err:
+            text = str(err).strip()
+            reason = text.splitlines()[-1][:300] if text else type(err).__name__
+            raise RuntimeError(
+                f"vLLM could not {action} this model ({self.describe}): {reason}. Set use_vllm=False to generate "
+                "with grpo's own engines."
+            ) from err
 
     def _budget(self, request: Request) -> int:
         budget = request.max_tokens or self.sampling["max_tokens"]
