@@ -207,6 +207,8 @@ class VLLMEngine:
         logger.info("Starting vLLM %s (%s, %s) for generation.", vllm.__version__, kwargs["dtype"], device)
         start = time.perf_counter()
         self.describe = f"{type(model).__name__}, {kwargs['dtype']}, {device}"
+        self.dtype = dtype
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_expected_reload_gaps)
         with self._explained("start an engine for"):
             self.llm = vllm.LLM(model=path, load_format=load_format, **kwargs)
         self.startup_s = time.perf_counter() - start  # reported by the benchmark with the run's time
@@ -236,7 +238,9 @@ class VLLMEngine:
             self.llm.wake_up(tags=["weights"])
             self.sleeping = False
         with checkpoint_weights(model) as weights:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            # in the engine's dtype: vLLM would cast each tensor itself, with a warning per parameter
+            cast = ((name, tensor.to(self.dtype)) for name, tensor in weights)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast})
         if getattr(model.config, "tie_word_embeddings", False):
             self.llm.collective_rpc(_repack_tied_head)
         self.llm.reset_prefix_cache()
@@ -291,6 +295,16 @@ class VLLMEngine:
         finally:
             self.llm.sleep(level=2)
             self.sleeping = True
+
+
+def _expected_reload_gaps(record: logging.LogRecord) -> bool:
+    """Drop vLLM's per-sync warnings about layers a checkpoint never has weights for: the rotary embedding (its
+    tables are computed) and a tied output head (its weight is the embedding's; `_repack_tied_head` repacks it)."""
+    layer = record.args[0] if isinstance(record.args, tuple) and record.args else None
+    return not (record.getMessage().endswith("Failed to load weights") and layer in _NO_CHECKPOINT_WEIGHTS)
+
+
+_NO_CHECKPOINT_WEIGHTS = ("RotaryEmbedding", "ParallelLMHead")
 
 
 def _repack_tied_head(worker: Any) -> None:
