@@ -193,3 +193,57 @@ def _kv_cache(s: Setting):
     sized = _engine_kwargs(s, default=True)["kv_cache_memory_bytes"]
     # the default: 8 rows of 512 + max_completion_length tokens, x4, at 2 layers x 2 kv heads x 32 x 4 bytes x 2
     assert sized == 2 * 2 * 2 * 32 * 4 * 4 * 8 * (512 + s.config().max_completion_length)
+
+
+def _no_server_error(s: Setting, **more) -> str:
+    """The error of a server-mode trainer with no server listening (the wait is cut to 0.2 s)."""
+    from grpo.rollout.remote import ServerError
+
+    more = {"use_vllm": True, "vllm_mode": "server", "vllm_server_timeout": 0.2, **more}
+    with pytest.raises(ServerError, match="No vLLM server answered at") as caught:
+        s.trainer(**more)
+    return str(caught.value)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@effect("vllm_mode", "server")
+def _server_mode(s: Setting):
+    message = _no_server_error(s, vllm_server_port=_free_port())
+    assert "grpo vllm-serve --model" in message and "vllm_mode='colocate'" in message
+
+
+@effect("vllm_server_base_url", "http://127.0.0.1:1/v")
+def _base_url(s: Setting):
+    assert "at http://127.0.0.1:1/v within" in _no_server_error(s, vllm_server_host="127.0.0.9")
+
+
+@effect("vllm_server_host", "127.0.0.9")
+def _host(s: Setting):
+    port = _free_port()
+    assert f"at http://127.0.0.9:{port} within" in _no_server_error(s, vllm_server_port=port)
+
+
+@effect("vllm_server_port", 1)
+def _port(s: Setting):
+    assert "at http://0.0.0.0:1 within" in _no_server_error(s)
+
+
+@effect("vllm_server_timeout", 0.3)
+def _timeout(s: Setting):
+    from grpo.rollout.remote import ServerError
+
+    with pytest.raises(ServerError, match=r"within vllm_server_timeout=0.3 s"):
+        s.trainer(use_vllm=True, vllm_mode="server", vllm_server_port=1)
+
+
+@effect("vllm_server_api_key", "s3cret")
+def _api_key(s: Setting):
+    config = s.config(use_vllm=True, vllm_mode="server")
+    assert config.vllm_server_api_key == "s3cret" and config.to_dict()["vllm_server_api_key"] == "<redacted>"

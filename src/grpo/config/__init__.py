@@ -169,7 +169,12 @@ class GRPOConfig(
             self.steps_per_generation = self.generation_batch_size // per_step
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a dict, secrets redacted (what checkpoints and trackers save)."""
+        values = dataclasses.asdict(self)
+        for name in SECRET_FIELDS:
+            if values.get(name):
+                values[name] = "<redacted>"
+        return values
 
 
 def _json_dict(name: str, text: str) -> dict:
@@ -363,8 +368,14 @@ def _validate(c: GRPOConfig) -> None:
     )
 
 
+# fields never written out: to_dict() redacts them
+SECRET_FIELDS = ("vllm_server_api_key", "hub_token")
+
+
 def _check_vllm(c: GRPOConfig) -> None:
     """The vLLM and importance-sampling fields (shared spec §1.4, §4.2-4.3)."""
+    _require(c.vllm_server_timeout > 0, "vllm_server_timeout", "must be > 0 seconds")
+    _require(0 < c.vllm_server_port < 65536, "vllm_server_port", "must be a TCP port (1-65535)")
     _require(c.vllm_mode in ("colocate", "server"), "vllm_mode", f"is {c.vllm_mode!r}; use 'colocate' or 'server'")
     _require(
         c.vllm_importance_sampling_mode in IS_MODES,

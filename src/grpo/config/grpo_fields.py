@@ -164,6 +164,10 @@ class GrpoOnlyFields:
         "512 prompt tokens + max_completion_length (4x headroom, at least one vllm_max_model_length sequence). "
         "GPUs size it with vllm_gpu_memory_utilization.",
     )
+    vllm_server_api_key: Optional[str] = _help(
+        "vllm_mode='server': the API key the server was started with (None: the GRPO_VLLM_API_KEY environment "
+        "variable, or no key). Sent on every request; never written to saved configs.",
+    )
     vllm_enforce_eager: Optional[bool] = _help(
         "use_vllm: run vLLM's model eagerly (True) or compiled (False: CUDA graphs on GPUs, torch.compile on CPUs). "
         "None: eager on a CPU (measured here: compiling costs 75-100 s at start-up for ~1.5x faster decoding, a "

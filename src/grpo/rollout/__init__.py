@@ -6,7 +6,7 @@ log-probs out.
   Llama-family models;
 - `vllm.VLLMEngine`: a vLLM engine in the training process (`use_vllm=True`, colocate mode), sampling
   from a copy of the policy's weights that `sync_weights` refreshes;
-- engines that sample elsewhere (a generation server) implement the same `generate` / `sync_weights`.
+- `remote.ServerEngine`: generation on a `grpo vllm-serve` server (`vllm_mode="server"`), weights pushed to it.
 
 `build_engine` picks one from the config and logs why.
 """
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from grpo.rollout import fast
+from grpo.rollout import fast, remote
 from grpo.rollout.base import Engine, Prompt, Request, Rollout
 from grpo.rollout.plain import TransformersEngine
-from grpo.rollout.vllm import VLLMEngine
+from grpo.rollout.vllm import VLLMEngine, sampling_kwargs
 
 logger = logging.getLogger("grpo")
 __all__ = ["Engine", "Prompt", "Request", "Rollout", "build_engine"]
@@ -31,6 +31,9 @@ def build_engine(model: Any, tokenizer: Any, args: Any, stop_ids: list[int], acc
     """vLLM with use_vllm; else the fast engine where it applies, else the plain `model.generate` engine; the log
     says which and why."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    if args.use_vllm and args.vllm_mode == "server":
+        logger.info("Generating on the vLLM server at %s.", remote.server_url(args))
+        return remote.ServerEngine(tokenizer, args, stop_ids, accelerator, sampling_kwargs(args, stop_ids, False))
     if args.use_vllm:
         return _vllm_engine(model, tokenizer, args, stop_ids, accelerator, dtype)
     reason = fast.unsupported_reason(model, args)

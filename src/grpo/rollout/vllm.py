@@ -125,8 +125,9 @@ def engine_kwargs(args: Any, model: Any, dtype: torch.dtype, device: str, proces
     return kwargs
 
 
-def sampling_kwargs(args: Any, stop_ids: Sequence[int]) -> dict:
-    """The keyword arguments of `vllm.SamplingParams` for the config, generation_kwargs applied over them."""
+def sampling_kwargs(args: Any, stop_ids: Sequence[int], validate: bool = True) -> dict:
+    """The keyword arguments of `vllm.SamplingParams` for the config, generation_kwargs applied over them (checked
+    against vLLM's SamplingParams unless `validate` is False: a server checks them itself)."""
     params = dict(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -139,7 +140,7 @@ def sampling_kwargs(args: Any, stop_ids: Sequence[int]) -> dict:
         detokenize=False,
     )
     extra = dict(args.generation_kwargs or {})
-    if extra:
+    if extra and validate:
         from vllm import SamplingParams
 
         known = {name for name in SamplingParams.__struct_fields__ if not name.startswith("_")}
