@@ -62,3 +62,24 @@ row = t.state.log_history[-1]
 print(f"vllm colocate: device={next(t.model.parameters()).device} synced max|diff|={synced:.2e} (want < 1e-3) "
       f"unsynced mean|diff|={stale:.2e} (want > 0.1) is_ratio_mean={row['sampling/importance_sampling_ratio/mean']:.4f}")
 PY
+# vLLM server mode (only where the image has vLLM): `grpo vllm-serve` on the GPU, 3 trainer steps against it
+if python3 -c "import vllm" 2>/dev/null; then
+  python3 -m grpo vllm-serve --model /tmp/tiny128 --port 8765 --dtype float32 > /tmp/serve.log 2>&1 &
+  SERVER=$!
+  python3 - <<'PY'
+import sys
+sys.path.insert(0, "tests"); sys.path.insert(0, "tests/vllm")
+from field_effects import BASE, chat_dataset, length_reward
+from grpo import GRPOConfig, GRPOTrainer
+args = GRPOConfig(output_dir="/tmp/os", **{**BASE, "max_steps": 3, "use_vllm": True, "vllm_mode": "server",
+                                            "vllm_server_port": 8765, "bf16": False})
+t = GRPOTrainer(model="/tmp/tiny128", reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+t.train()
+row = t.state.log_history[-1]
+print(f"vllm server: weight_version={t.engine.version} sampling_logp_difference/max="
+      f"{row['sampling/sampling_logp_difference/max']:.2e} (want < 1e-3)")
+PY
+  kill $SERVER
+else
+  echo "vllm server: skipped, vLLM is not importable here"
+fi

@@ -1,6 +1,6 @@
 """Training with vLLM in several processes, launched with torchrun (gloo on CPU) by test_vllm_training.py:
 
-    torchrun --nproc_per_node N vllm_job.py OUT MODEL_DIR [ddp|fsdp|zero3][+lora]
+    torchrun --nproc_per_node N vllm_job.py OUT MODEL_DIR [ddp|fsdp|zero3][+lora] | server:PORT
 
 Every process runs its own vLLM engine (colocate mode) inside a process that already has the trainer's gloo group.
 Two optimizer steps, then every process syncs its engine once more and writes, to OUT/rank<i>.json, its engine's
@@ -25,6 +25,9 @@ from test_vllm_engine import engine_logps, fixed_completion, policy_logps  # noq
 def main() -> None:
     out, model_dir = sys.argv[1:3]
     mode, *options = (sys.argv[3] if len(sys.argv) > 3 else "ddp").split("+")
+    server = {}
+    if mode.startswith("server:"):  # both processes against one `grpo vllm-serve` on that port
+        server = {"vllm_mode": "server", "vllm_server_port": int(mode.split(":")[1])}
     if mode == "fsdp":
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
         allow_fsdp_on_cpu()
@@ -44,6 +47,7 @@ def main() -> None:
             "max_steps": 2,
             "use_vllm": True,
             "report_to": [],
+            **server,
         }
     )
     trainer = GRPOTrainer(
@@ -53,7 +57,7 @@ def main() -> None:
     trainer.engine.sync_weights(trainer.unwrapped_model)
     prompt, completion = fixed_completion(trainer)
     row = {
-        "engine": engine_logps(trainer.engine, prompt, completion).tolist(),
+        "engine": engine_logps(trainer.engine, prompt, completion).tolist() if not server else [],
         "policy": policy_logps(trainer, prompt, completion).tolist(),
         "sampling": {k: v for k, v in trainer.state.log_history[-1].items() if k.startswith("sampling/")},
         "world": world,

@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -173,6 +173,23 @@ def _sampling_params(params: dict, n: int, max_tokens: int) -> Any:
     return SamplingParams(**{**params, "n": n, "max_tokens": max_tokens})
 
 
+def load_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, tied: bool) -> None:
+    """Load (name, tensor) pairs in checkpoint names into a vLLM engine in this process, in place: vLLM's reload
+    reprocesses them as its loader does, a tied output head is repacked from the new embedding, and the prefix
+    cache (computed with the old weights) is dropped. Shared by `VLLMEngine.sync_weights` and `grpo.server`."""
+    # in the engine's dtype: vLLM would cast each tensor itself, with a warning per parameter
+    cast = ((name, tensor.to(dtype)) for name, tensor in weights)
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast})
+    if tied:
+        llm.collective_rpc(_repack_tied_head)
+    llm.reset_prefix_cache()
+
+
+def quiet_expected_reload_warnings() -> None:
+    """Drop vLLM's per-reload warnings about layers a checkpoint never has weights for (`_expected_reload_gaps`)."""
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_expected_reload_gaps)
+
+
 class VLLMEngine:
     """A vLLM engine in this process, sampling from a copy of the policy's weights (see the module docstring).
     `samples_elsewhere`: its log-probs come from another implementation than the training pass, so the
@@ -209,7 +226,7 @@ class VLLMEngine:
         start = time.perf_counter()
         self.describe = f"{type(model).__name__}, {kwargs['dtype']}, {device}"
         self.dtype = dtype
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_expected_reload_gaps)
+        quiet_expected_reload_warnings()
         with self._explained("start an engine for"):
             self.llm = vllm.LLM(model=path, load_format=load_format, **kwargs)
         self.startup_s = time.perf_counter() - start  # reported by the benchmark with the run's time
@@ -239,12 +256,7 @@ class VLLMEngine:
             self.llm.wake_up(tags=["weights"])
             self.sleeping = False
         with checkpoint_weights(model) as weights:
-            # in the engine's dtype: vLLM would cast each tensor itself, with a warning per parameter
-            cast = ((name, tensor.to(self.dtype)) for name, tensor in weights)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast})
-        if getattr(model.config, "tie_word_embeddings", False):
-            self.llm.collective_rpc(_repack_tied_head)
-        self.llm.reset_prefix_cache()
+            load_weights(self.llm, weights, self.dtype, getattr(model.config, "tie_word_embeddings", False))
         self.policy = model
 
     @torch.no_grad()

@@ -1,0 +1,137 @@
+"""Training against a `grpo vllm-serve` server (`vllm_mode="server"`) on this CPU: the server samples the policy's
+weights after each push and not without one, two trainer processes share one server, a server killed mid-run
+stops the run with a clear error (checkpoints intact) and a resume continues once a server is back, and a
+server with a key refuses a trainer without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from grpo.rollout.base import Request
+from grpo.rollout.remote import ServerError
+from test_distributed import torchrun
+from test_vllm_engine import FP32_TOL, fixed_completion, make_trainer, perturb, policy_logps
+
+JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m grpo vllm-serve` in its own process on a free 127.0.0.1 port, float32."""
+
+    def __init__(self, model_dir: str, port: int | None = None, *extra: str) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "grpo", "vllm-serve", "--model", model_dir, "--port", str(self.port)]
+        cmd += ["--dtype", "float32", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    json.loads(response.read())
+                    return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not come up (exit {self.proc.poll()})") from None
+                time.sleep(0.5)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(vllm_model_dir):
+    s = Server(vllm_model_dir)
+    yield s
+    s.kill()
+
+
+def served(trainer, prompt, completion_len=12):
+    """One completion sampled by the server with its log-probs, and the policy's log-probs of the same tokens."""
+    request = Request(trainer.prompts[0], num_samples=1, max_tokens=completion_len)
+    rollout = trainer.engine.generate([request])
+    tokens = rollout.completion_ids[0]
+    return torch.tensor(rollout.sampling_logps[0]), policy_logps(trainer, list(rollout.prompt_ids[0]), tokens)
+
+
+def test_the_server_samples_the_pushed_policy_and_a_skipped_push_shows(server, vllm_model_dir, tmp_path):
+    trainer = make_trainer(vllm_model_dir, tmp_path, vllm_mode="server", vllm_server_port=server.port, max_steps=2)
+    trainer.train()
+    assert trainer.engine.version is not None
+    with urllib.request.urlopen(server.url + "/health") as response:
+        assert json.loads(response.read())["weight_version"] == trainer.engine.version
+    trainer.engine.sync_weights(trainer.unwrapped_model)
+    prompt, _ = fixed_completion(trainer)
+    server_logps, policy = served(trainer, prompt)
+    assert (server_logps - policy).abs().max() < FP32_TOL
+    perturb(trainer.unwrapped_model)  # not pushed
+    server_logps, policy = served(trainer, prompt)
+    assert (server_logps - policy).abs().mean() > 100 * FP32_TOL
+    for row in trainer.state.log_history:
+        assert row["sampling/sampling_logp_difference/max"] < FP32_TOL
+
+
+def test_two_trainer_processes_share_one_server(server, vllm_model_dir, tmp_path):
+    torchrun(2, JOB, tmp_path, vllm_model_dir, f"server:{server.port}", timeout=420)
+    rows = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    assert [r["world"] for r in rows] == [2, 2]
+    for row in rows:
+        assert row["sampling"]["sampling/sampling_logp_difference/max"] < FP32_TOL
+
+
+def test_a_server_killed_mid_run_stops_it_clearly_and_resume_continues(vllm_model_dir, tmp_path):
+    s = Server(vllm_model_dir)
+    args = dict(vllm_mode="server", vllm_server_port=s.port, vllm_server_timeout=5.0, max_steps=3)
+    trainer = make_trainer(vllm_model_dir, tmp_path, save_strategy="steps", save_steps=1, **args)
+    original, calls = trainer.engine.generate, []
+
+    def dies_on_the_second_generation(requests):
+        calls.append(1)
+        if len(calls) == 2:
+            s.kill()
+        return original(requests)
+
+    trainer.engine.generate = dies_on_the_second_generation
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=r"stopped answering|No vLLM server|refused"):
+        trainer.train()
+    assert time.monotonic() - start < 120  # no hang
+    assert os.path.isdir(tmp_path / "out" / "checkpoint-1")
+    back = Server(vllm_model_dir, s.port)
+    try:
+        resumed = make_trainer(vllm_model_dir, tmp_path, save_strategy="steps", save_steps=1, **args)
+        resumed.train(resume_from_checkpoint=True)
+        assert resumed.state.global_step == 3
+    finally:
+        back.kill()
+
+
+def test_a_server_with_a_key_refuses_a_trainer_without_it(vllm_model_dir, tmp_path):
+    s = Server(vllm_model_dir, None, "--api-key", "s3cret")
+    try:
+        trainer = make_trainer(vllm_model_dir, tmp_path, vllm_mode="server", vllm_server_port=s.port)
+        with pytest.raises(ServerError, match=r"refused /update_weights \(401\).*vllm_server_api_key"):
+            trainer.train()
+        keyed = make_trainer(
+            vllm_model_dir, tmp_path / "k", vllm_mode="server", vllm_server_port=s.port, vllm_server_api_key="s3cret"
+        )
+        keyed.train()
+        assert keyed.state.global_step == 1
+    finally:
+        s.kill()
