@@ -105,7 +105,12 @@ def test_resume_with_vllm_continues_from_the_checkpoint(vllm_model_dir, tmp_path
     assert [r["step"] for r in step_rows][-1] == 3
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "zero3", "ddp+lora"])
+# zero3 and ddp+lora (~25 s each) run with `make test-slow`: the suite's CI budget; LoRA's merged weights are
+# checked in one process by test_vllm_engine.py, gathering in two by fsdp
+@pytest.mark.parametrize(
+    "mode",
+    ["ddp", "fsdp", pytest.param("zero3", marks=pytest.mark.slow), pytest.param("ddp+lora", marks=pytest.mark.slow)],
+)
 def test_every_process_engine_holds_the_policys_weights(vllm_model_dir, tmp_path, mode):
     torchrun(2, JOB, tmp_path, vllm_model_dir, mode, timeout=420)
     rows = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
