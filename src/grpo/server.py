@@ -1,0 +1,455 @@
+"""`grpo vllm-serve`: a generation server hosting vLLM's engine in its own process, with grpo's own routes and checks.
+
+    grpo vllm-serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8000             # 127.0.0.1, no key needed
+    GRPO_VLLM_API_KEY=... grpo vllm-serve --model ./ckpt --host 0.0.0.0       # another address: a key is required
+
+vLLM's own server is not used: its weight-update routes are unauthenticated and its weight transfer needs
+NCCL/CUDA. Here weights travel as one safetensors body over HTTP and load through vLLM's in-place reload
+(`grpo.rollout.vllm.load_weights`, as the colocate engine's `sync_weights` does).
+
+Protocol (JSON bodies unless said; with a key, `Authorization: Bearer <key>` on every route but /health):
+- `GET /health` -> `{"status": "ok", "weight_version", "model", "dtype", "max_model_len"}` (never needs the key).
+- `GET /weight_version` -> `{"weight_version": int}`.
+- `POST /generate` `{"requests": [{"prompt_ids": [int, ...], "n": int = 1, "max_tokens": int}, ...],
+  "sampling": {SamplingParams keywords, as grpo.rollout.vllm.sampling_kwargs returns them}, "weight_version": int
+  | null}` -> `{"weight_version": int, "outputs": [[{"token_ids": [...], "logprobs": [...]}, ... n], ... requests]}`.
+  Log-probs are vLLM's processed ones of the sampled tokens, null where vLLM had none. A given `weight_version`
+  that is not the server's -> 409: a stale server is never sampled from silently. The server sets `n`,
+  `logprobs=0`, `detokenize=False`, `output_kind` and `prompt_logprobs` itself (`logprobs` and `detokenize` may be
+  sent with those values); `max_tokens` is capped to what the context leaves after the prompt.
+- `POST /update_weights`, body: raw safetensors bytes (`application/octet-stream`), header `X-Weight-Version: int`
+  -> `{"weight_version": int}`. The tensors must be exactly the checkpoint's (names and shapes, read from the model
+  directory at start); they are checked before anything is loaded, so a refused update leaves the old weights and
+  version. A load that fails midway leaves the weights unknown: the version becomes -1.
+- Errors: `{"error": str}` with 400 (bad input), 401 (key), 404 (route), 405 (method), 409 (version), 411 (no
+  Content-Length), 413 (body over `--max-request-bytes` for /generate, over the model's float32 size + 10% for
+  /update_weights; refused before the body is read), 500 (anything unexpected). No request stops the server.
+
+Security defaults: binds 127.0.0.1; binding any other (non-loopback) address needs an API key (`--api-key` or
+GRPO_VLLM_API_KEY), else the command refuses to start (exit status 2); with a key every route but /health checks it
+(`hmac.compare_digest`), on loopback too. Engine calls are serialized by one lock; the threaded HTTP server keeps
+/health answering during a generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from grpo import process_env
+from grpo.rollout.vllm import load_weights, quiet_expected_reload_warnings
+
+logger = logging.getLogger("grpo")
+
+KEY_ENV = "GRPO_VLLM_API_KEY"
+# SamplingParams fields the server sets itself, with the values a client may still send (sampling_kwargs sends them)
+_SERVER_SET = {"n": None, "logprobs": 0, "detokenize": False, "output_kind": None, "prompt_logprobs": None}
+_SOCKET_TIMEOUT_S = 120  # a client that announces a body and never sends it frees its thread after this
+_LINGER_S, _LINGER_BYTES = 5.0, 256 * 2**20  # how much of a refused body is read before the connection closes
+
+
+class RequestError(Exception):
+    """A request the server refuses: answered with `status` and the message, the server keeps serving."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The flags of `grpo vllm-serve` (TRL's `trl vllm-serve` names where TRL has the setting)."""
+    p = argparse.ArgumentParser(
+        prog="grpo vllm-serve", add_help=add_help, description="Serve generation from vLLM for grpo's trainer."
+    )
+    p.add_argument("--model", required=True, help="model directory (or hub id) with its tokenizer")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: needs an API key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 for now")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache size on a CPU (GiB)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation (always on CPUs)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--api-key", default=None, help=f"required bearer key (default: ${KEY_ENV})")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="largest /generate body")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def startup_refusal(args: argparse.Namespace, key: str | None) -> str | None:
+    """Why the server must not start with these flags (None when it may), decided before vLLM is imported."""
+    if not _is_loopback(args.host) and not key:
+        return (
+            f"grpo vllm-serve: refusing to bind {args.host} without an API key: anyone who can reach it could "
+            f"replace the model's weights. Pass --api-key KEY or set the environment variable {KEY_ENV} (clients "
+            "then send 'Authorization: Bearer KEY'), or bind 127.0.0.1 (the default)."
+        )
+    if args.tensor_parallel_size != 1:
+        return "grpo vllm-serve: --tensor-parallel-size > 1 is not supported yet; serve on one device (1)."
+    if args.max_request_bytes < 1:
+        return "grpo vllm-serve: --max-request-bytes must be positive."
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Start the engine and serve until interrupted; returns the exit status (2: refused flags)."""
+    key = args.api_key or os.environ.get(KEY_ENV) or None
+    refusal = startup_refusal(args, key)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    httpd = ThreadingHTTPServer((args.host, args.port), Handler)  # bound now: a busy port fails before the load
+    httpd.daemon_threads = True
+    httpd.app = Server(args, key)
+    print(f"grpo vllm-serve: serving {args.model} on http://{args.host}:{httpd.server_address[1]}", flush=True)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+    return 0
+
+
+class Server:
+    """The engine, its weight version and the checks of every route (HTTP-free: `Handler` adapts it)."""
+
+    def __init__(self, args: argparse.Namespace, key: str | None) -> None:
+        self.key = key.encode() if key else None
+        self.model = args.model
+        self.max_request_bytes = args.max_request_bytes
+        self.lock = threading.Lock()
+        self.weight_version = 0
+        self.llm = _start_engine(args)
+        config = self.llm.llm_engine.vllm_config.model_config
+        self.dtype = config.dtype
+        self.max_model_len = config.max_model_len
+        self.vocab_size = config.get_vocab_size()
+        self.tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
+        self.shapes = checkpoint_shapes(_checkpoint_dir(args.model))
+        numel = sum(math.prod(shape) for shape in self.shapes.values())
+        self.max_weight_bytes = int(numel * 4 * 1.1) + 2**20  # float32 + 10%, and room for the header
+
+    def health(self) -> dict:
+        dtype = str(self.dtype).removeprefix("torch.")
+        version, length = self.weight_version, self.max_model_len
+        return dict(status="ok", weight_version=version, model=self.model, dtype=dtype, max_model_len=length)
+
+    def authorized(self, header: str | None) -> bool:
+        if self.key is None:
+            return True
+        scheme, _, given = (header or "").partition(" ")
+        return scheme == "Bearer" and hmac.compare_digest(given.strip().encode(), self.key)
+
+    def body_limit(self, path: str) -> int:
+        return self.max_weight_bytes if path == "/update_weights" else self.max_request_bytes
+
+    def generate(self, body: bytes) -> dict:
+        payload = _json(body)
+        if not isinstance(payload, dict):
+            raise RequestError(400, "the body must be a JSON object with 'requests'")
+        unknown = set(payload) - {"requests", "sampling", "weight_version"}
+        if unknown:
+            raise RequestError(400, f"unknown fields {sorted(unknown)}: expected requests, sampling, weight_version")
+        version = payload.get("weight_version")
+        if version is not None and not _is_int(version):
+            raise RequestError(400, "weight_version must be an integer or null")
+        sampling = self._sampling(payload.get("sampling", {}))
+        requests = payload.get("requests")
+        if not isinstance(requests, list) or not requests:
+            raise RequestError(400, "'requests' must be a non-empty list")
+        inputs, params = [], []
+        for i, request in enumerate(requests):
+            prompt, n, max_tokens = self._request(i, request, sampling)
+            inputs.append({"prompt_token_ids": prompt})
+            params.append(_params(sampling, n, max_tokens, i))
+        with self.lock:
+            if version is not None and version != self.weight_version:
+                raise RequestError(
+                    409, f"the server holds weight version {self.weight_version}, the request asks for {version}"
+                )
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+            served = self.weight_version
+        return {"weight_version": served, "outputs": [_samples(output) for output in outputs]}
+
+    def _sampling(self, sampling: Any) -> dict:
+        from vllm import SamplingParams
+
+        if not isinstance(sampling, dict):
+            raise RequestError(400, "'sampling' must be an object of SamplingParams keywords")
+        known = {name for name in SamplingParams.__struct_fields__ if not name.startswith("_")}
+        for name, value in sampling.items():
+            if name in _SERVER_SET:
+                if value != _SERVER_SET[name] or type(value) is not type(_SERVER_SET[name]):
+                    raise RequestError(400, f"sampling sets {name!r}, which the server sets itself")
+            elif name not in known:
+                raise RequestError(400, f"sampling has {name!r}, which is not a parameter of vLLM's SamplingParams")
+        return {k: v for k, v in sampling.items() if k not in _SERVER_SET}
+
+    def _request(self, i: int, request: Any, sampling: dict) -> tuple[list[int], int, int]:
+        if not isinstance(request, dict) or set(request) - {"prompt_ids", "n", "max_tokens"}:
+            raise RequestError(400, f"requests[{i}] must be an object with prompt_ids, n and max_tokens")
+        prompt = request.get("prompt_ids")
+        if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
+            raise RequestError(400, f"requests[{i}].prompt_ids must be a non-empty list of integers")
+        if not all(0 <= t < self.vocab_size for t in prompt):
+            raise RequestError(400, f"requests[{i}].prompt_ids has ids outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(400, f"requests[{i}]: {len(prompt)} prompt tokens, max_model_len={self.max_model_len}")
+        n = request.get("n", 1)
+        max_tokens = request.get("max_tokens", sampling.get("max_tokens"))
+        if not _is_int(n) or n < 1:
+            raise RequestError(400, f"requests[{i}].n must be an integer >= 1")
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise RequestError(400, f"requests[{i}].max_tokens must be an integer >= 1")
+        return prompt, n, min(max_tokens, self.max_model_len - len(prompt))
+
+    def update_weights(self, body: bytes, version_header: str | None) -> dict:
+        try:
+            version = int(version_header or "")
+        except ValueError:
+            raise RequestError(400, "the X-Weight-Version header must be an integer") from None
+        weights = self._checked_weights(body)
+        with self.lock:
+            self.weight_version = -1  # unknown weights until the load completes
+            load_weights(self.llm, weights.items(), self.dtype, self.tied)
+            self.weight_version = version
+        return {"weight_version": version}
+
+    def _checked_weights(self, body: bytes) -> dict:
+        from safetensors.torch import load
+
+        if not self.shapes:
+            raise RequestError(400, f"{self.model} has no safetensors checkpoint to check updates against")
+        try:
+            weights = load(body)
+        except Exception as err:
+            raise RequestError(400, f"the body is not a safetensors file: {err}") from None
+        if self.tied and "lm_head.weight" in weights and "lm_head.weight" not in self.shapes:
+            weights.pop("lm_head.weight")  # the tied head is the embedding's: vLLM ignores it
+        unknown = sorted(set(weights) - set(self.shapes))
+        missing = sorted(set(self.shapes) - set(weights))
+        if unknown or missing:
+            raise RequestError(400, f"not the checkpoint's tensors: unknown {unknown[:5]}, missing {missing[:5]}")
+        for name, tensor in weights.items():
+            if tuple(tensor.shape) != self.shapes[name]:
+                expected = list(self.shapes[name])
+                raise RequestError(400, f"{name} has shape {list(tensor.shape)}, the model's is {expected}")
+            if not tensor.is_floating_point():
+                raise RequestError(400, f"{name} is {tensor.dtype}, not a floating-point tensor")
+        return weights
+
+
+def _start_engine(args: argparse.Namespace) -> Any:
+    process_env.set_for_dependency("VLLM_LOGGING_LEVEL", "WARNING", "vLLM's INFO lines would drown the server's")
+    if not process_env.set_for_dependency(
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "0", "grpo vllm-serve: the engine in this process, weights passed as tensors"
+    ):
+        raise SystemExit("grpo vllm-serve: VLLM_ENABLE_V1_MULTIPROCESSING must be 0 (or unset) for weight updates")
+    import vllm
+    from vllm.platforms import current_platform
+
+    cpu = current_platform.is_cpu()
+    kwargs = dict(
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        logprobs_mode="processed_logprobs",
+        seed=args.seed,
+        trust_remote_code=args.trust_remote_code,
+        enforce_eager=args.enforce_eager or cpu,  # on CPUs torch.compile costs minutes at start-up
+    )
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    if cpu:
+        kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
+        kwargs["max_num_batched_tokens"] = max(4096, args.max_model_len or 0)
+    quiet_expected_reload_warnings()
+    return vllm.LLM(model=args.model, load_format="auto", **kwargs)
+
+
+def _checkpoint_dir(model: str) -> str | None:
+    """The local directory of the model's safetensors (a hub id: vLLM's download in the cache), None if none."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, allow_patterns=["*.safetensors", "*.json"])
+    except Exception as err:
+        logger.warning("No local checkpoint for %s (%s): /update_weights will refuse updates.", model, err)
+        return None
+
+
+def checkpoint_shapes(directory: str | None) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of the checkpoint's safetensors files, read from their headers (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    if directory is None:
+        return {}
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    shapes = {}
+    for file in files:
+        with safe_open(os.path.join(directory, file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _params(sampling: dict, n: int, max_tokens: int, i: int) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = {**sampling, "n": n, "max_tokens": max_tokens, "logprobs": 0, "detokenize": False}
+    try:
+        structured = params.get("structured_outputs")
+        if structured is not None:
+            if not isinstance(structured, dict):
+                raise TypeError("structured_outputs must be an object such as {'regex': ...}")
+            params["structured_outputs"] = StructuredOutputsParams(**structured)
+        return SamplingParams(**params)
+    except (ValueError, TypeError) as err:
+        raise RequestError(400, f"requests[{i}]: invalid sampling parameters: {err}") from None
+
+
+def _samples(output: Any) -> list[dict]:
+    samples = []
+    for sample in sorted(output.outputs, key=lambda s: s.index):
+        ids = list(sample.token_ids)
+        logps = [_logprob(entry, token) for entry, token in zip(sample.logprobs or [], ids)]
+        samples.append({"token_ids": ids, "logprobs": logps})
+    return samples
+
+
+def _logprob(entry: Any, token: int) -> float | None:
+    found = entry.get(token) if entry is not None else None
+    value = getattr(found, "logprob", None)
+    return None if value is None or math.isnan(value) else float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json(body: bytes) -> Any:
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(body, parse_constant=no_constants)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise RequestError(400, f"the body is not valid JSON: {err}") from None
+
+
+class Handler(BaseHTTPRequestHandler):
+    """HTTP for `Server`: routing, the key, body limits, and one JSON answer per request whatever happens."""
+
+    timeout = _SOCKET_TIMEOUT_S
+    routes = {"/health": "GET", "/weight_version": "GET", "/generate": "POST", "/update_weights": "POST"}
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def _handle(self, method: str) -> None:
+        self.body_read = False
+        try:
+            status, answer = 200, self._route(method)
+        except RequestError as err:
+            status, answer = err.status, {"error": str(err)}
+        except Exception as err:  # never let one request take the server down
+            logger.exception("grpo vllm-serve: %s %s failed", method, self.path)
+            status, answer = 500, {"error": f"{type(err).__name__}: {err}"}
+        self._send(status, answer)
+
+    def _route(self, method: str) -> dict:
+        app: Server = self.server.app
+        path = self.path.split("?", 1)[0]
+        if path not in self.routes:
+            raise RequestError(404, f"no route {path}; routes: {', '.join(self.routes)}")
+        if self.routes[path] != method:
+            raise RequestError(405, f"{path} takes {self.routes[path]}")
+        if path == "/health":
+            return app.health()
+        if not app.authorized(self.headers.get("Authorization")):
+            raise RequestError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')")
+        if path == "/weight_version":
+            return {"weight_version": app.weight_version}
+        body = self._body(app.body_limit(path))
+        if path == "/generate":
+            return app.generate(body)
+        return app.update_weights(body, self.headers.get("X-Weight-Version"))
+
+    def _body(self, limit: int) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            raise RequestError(411, "a Content-Length header is required")
+        try:
+            size = int(length)
+        except ValueError:
+            raise RequestError(400, f"bad Content-Length {length!r}") from None
+        if size < 0:
+            raise RequestError(400, f"bad Content-Length {length!r}")
+        if size > limit:
+            raise RequestError(413, f"the body has {size} bytes; this route takes at most {limit}")
+        body = self.rfile.read(size)
+        self.body_read = True
+        if len(body) != size:
+            raise RequestError(400, f"the body ended after {len(body)} of {size} bytes")
+        return body
+
+    def _send(self, status: int, answer: dict) -> None:
+        data = json.dumps(answer).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if status >= 400:
+                self.send_header("Connection", "close")  # an unread body must not be parsed as the next request
+                self.close_connection = True
+            self.end_headers()
+            self.wfile.write(data)
+            if status >= 400 and not self.body_read and self.command == "POST":
+                self._linger()
+        except OSError:  # the client went away
+            self.close_connection = True
+
+    def _linger(self) -> None:
+        """Read (and drop) some of a refused body before closing: closing with unread bytes resets the connection,
+        and the client, still sending, would see the reset instead of the answer. Bounded in bytes and time."""
+        self.wfile.flush()
+        self.connection.shutdown(socket.SHUT_WR)
+        self.connection.settimeout(1.0)
+        deadline, drained = time.monotonic() + _LINGER_S, 0
+        while drained < _LINGER_BYTES and time.monotonic() < deadline:
+            chunk = self.rfile.read1(2**16)
+            if not chunk:
+                break
+            drained += len(chunk)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s " + format, self.address_string(), *args)
