@@ -84,6 +84,9 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--api-key", default=None, help=f"required bearer key (default: ${KEY_ENV})")
     p.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="largest /generate body")
+    p.add_argument(
+        "--max-sequences", type=int, default=4096, help="most completions (sum of n) one /generate may ask for"
+    )
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -147,6 +150,7 @@ class Server:
         self.dtype = config.dtype
         self.max_model_len = config.max_model_len
         self.vocab_size = config.get_vocab_size()
+        self.max_sequences = args.max_sequences
         self.tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
         self.shapes = checkpoint_shapes(_checkpoint_dir(args.model))
         numel = sum(math.prod(shape) for shape in self.shapes.values())
@@ -180,9 +184,14 @@ class Server:
         requests = payload.get("requests")
         if not isinstance(requests, list) or not requests:
             raise RequestError(400, "'requests' must be a non-empty list")
-        inputs, params = [], []
+        inputs, params, sequences = [], [], 0
         for i, request in enumerate(requests):
             prompt, n, max_tokens = self._request(i, request, sampling)
+            sequences += n
+            if sequences > self.max_sequences:
+                raise RequestError(
+                    413, f"the request asks for more than --max-sequences={self.max_sequences} completions"
+                )
             inputs.append({"prompt_token_ids": prompt})
             params.append(_params(sampling, n, max_tokens, i))
         with self.lock:

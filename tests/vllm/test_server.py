@@ -218,6 +218,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(servers):
     assert post({"requests": [{**good, "prompt_ids": [-1]}]}) == 400
     assert post({"requests": [{**good, "prompt_ids": [4] * 512}]}) == 400  # no room left in max_model_len
     assert post({"requests": [{**good, "n": 0}]}) == 400
+    assert post({"requests": [{**good, "n": 10**9}]}) == 413  # over --max-sequences: never handed to vLLM
     assert post({"requests": [{**good, "max_tokens": "8"}]}) == 400
     assert post({"requests": [good], "sampling": {"not_a_param": 1}}) == 400
     assert post({"requests": [good], "sampling": {"n": 4}}) == 400  # the server sets n itself
