@@ -48,7 +48,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from grpo import process_env
-from grpo.rollout.vllm import load_weights, quiet_expected_reload_warnings
+from grpo.rollout.vllm import load_weights, quiet_expected_reload_warnings, samples, sampling_params
 
 logger = logging.getLogger("grpo")
 
@@ -328,34 +328,21 @@ def checkpoint_shapes(directory: str | None) -> dict[str, tuple[int, ...]]:
 
 
 def _params(sampling: dict, n: int, max_tokens: int, i: int) -> Any:
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-
-    params = {**sampling, "n": n, "max_tokens": max_tokens, "logprobs": 0, "detokenize": False}
+    params = {**sampling, "logprobs": 0, "detokenize": False}
     try:
-        structured = params.get("structured_outputs")
-        if structured is not None:
-            if not isinstance(structured, dict):
-                raise TypeError("structured_outputs must be an object such as {'regex': ...}")
-            params["structured_outputs"] = StructuredOutputsParams(**structured)
-        return SamplingParams(**params)
+        if params.get("structured_outputs") is not None and not isinstance(params["structured_outputs"], dict):
+            raise TypeError("structured_outputs must be an object such as {'regex': ...}")
+        return sampling_params(params, n, max_tokens)
     except (ValueError, TypeError) as err:
         raise RequestError(400, f"requests[{i}]: invalid sampling parameters: {err}") from None
 
 
 def _samples(output: Any) -> list[dict]:
-    samples = []
-    for sample in sorted(output.outputs, key=lambda s: s.index):
-        ids = list(sample.token_ids)
-        logps = [_logprob(entry, token) for entry, token in zip(sample.logprobs or [], ids)]
-        samples.append({"token_ids": ids, "logprobs": logps})
-    return samples
-
-
-def _logprob(entry: Any, token: int) -> float | None:
-    found = entry.get(token) if entry is not None else None
-    value = getattr(found, "logprob", None)
-    return None if value is None or math.isnan(value) else float(value)
+    """The output's samples as JSON: NaN log-probs (tokens vLLM did not score) as null."""
+    return [
+        {"token_ids": ids, "logprobs": [None if math.isnan(lp) else lp for lp in logps]}
+        for ids, logps in samples(output)
+    ]
 
 
 def _is_int(value: Any) -> bool:

@@ -163,7 +163,9 @@ def sampling_kwargs(args: Any, stop_ids: Sequence[int], validate: bool = True) -
     return params
 
 
-def _sampling_params(params: dict, n: int, max_tokens: int) -> Any:
+def sampling_params(params: dict, n: int, max_tokens: int) -> Any:
+    """vLLM's SamplingParams from `sampling_kwargs`'s dict (a structured_outputs dict made vLLM's object), for `n`
+    samples of at most `max_tokens` tokens."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -263,16 +265,15 @@ class VLLMEngine:
     def generate(self, requests: Sequence[Request]) -> Rollout:
         preemption.check()
         inputs = [{"prompt_token_ids": list(r.prompt.ids)} for r in requests]
-        params = [_sampling_params(self.sampling, r.num_samples, self._budget(r)) for r in requests]
+        params = [sampling_params(self.sampling, r.num_samples, self._budget(r)) for r in requests]
         with self._awake(), self._explained("generate with"):
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
         preemption.check()
         tokens, logps = [], []
         for output in outputs:
-            for sample in sorted(output.outputs, key=lambda s: s.index):
-                ids = list(sample.token_ids)
+            for ids, token_logps in samples(output):
                 tokens.append(ids)
-                logps.append([_logprob(entry, token) for entry, token in zip(sample.logprobs or [], ids)])
+                logps.append(token_logps)
         return assemble(expand(requests), tokens, logps, self.stop_ids, self.tokenizer)
 
     @contextlib.contextmanager
@@ -331,6 +332,16 @@ def _repack_tied_head(worker: Any) -> None:
     method = getattr(head, "quant_method", None)
     if method is not None:
         method.process_weights_after_loading(head)
+
+
+def samples(output: Any) -> list[tuple[list[int], list[float]]]:
+    """One vLLM request output's samples in order: each one's token ids and their log-probs (NaN where vLLM had
+    none)."""
+    out = []
+    for sample in sorted(output.outputs, key=lambda s: s.index):
+        ids = list(sample.token_ids)
+        out.append((ids, [_logprob(entry, token) for entry, token in zip(sample.logprobs or [], ids)]))
+    return out
 
 
 def _logprob(entry: Any, token: int) -> float:
