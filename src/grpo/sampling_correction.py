@@ -39,11 +39,12 @@ from typing import Any
 
 import torch
 
+from grpo.config.grpo_fields import IS_MODES
 from grpo.losses import Stat, _nan_extreme, off_policy_mask
 
 __all__ = ["MODES", "SamplingCorrection", "off_policy_mask", "sampling_ratio", "sampling_stats"]
 
-MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+MODES = IS_MODES  # the config's list of vllm_importance_sampling_mode values
 
 
 @torch.no_grad()

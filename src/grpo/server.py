@@ -47,8 +47,13 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from grpo import process_env
-from grpo.rollout.vllm import load_weights, quiet_expected_reload_warnings, samples, sampling_params
+from grpo.rollout.vllm import (
+    in_process_environment,
+    load_weights,
+    quiet_expected_reload_warnings,
+    samples,
+    sampling_params,
+)
 
 logger = logging.getLogger("grpo")
 
@@ -272,11 +277,9 @@ class Server:
 
 
 def _start_engine(args: argparse.Namespace) -> Any:
-    process_env.set_for_dependency("VLLM_LOGGING_LEVEL", "WARNING", "vLLM's INFO lines would drown the server's")
-    if not process_env.set_for_dependency(
-        "VLLM_ENABLE_V1_MULTIPROCESSING", "0", "grpo vllm-serve: the engine in this process, weights passed as tensors"
-    ):
-        raise SystemExit("grpo vllm-serve: VLLM_ENABLE_V1_MULTIPROCESSING must be 0 (or unset) for weight updates")
+    reason = in_process_environment(colocate=False)  # vLLM's own thread binding stays: the process is its own
+    if reason is not None:
+        raise SystemExit(f"grpo vllm-serve: {reason}")
     import vllm
     from vllm.platforms import current_platform
 

@@ -48,22 +48,33 @@ _OWN_KEYS = ("n", "logprobs", "detokenize", "output_kind", "prompt_logprobs", "s
 _PROMPT_ROOM = 512
 
 
-def unavailable_reason() -> str | None:
-    """Why vLLM cannot be used here (None when it can), after setting the environment vLLM reads at import."""
+def in_process_environment(colocate: bool) -> str | None:
+    """Set the environment vLLM reads at import for an engine in this process (colocate mode, or the server's own
+    process); returns why it cannot run here, or None."""
     process_env.set_for_dependency("VLLM_LOGGING_LEVEL", "WARNING", "vLLM's INFO lines would drown the run's")
-    process_env.set_for_dependency(
-        "VLLM_CPU_OMP_THREADS_BIND",
-        "nobind",
-        "colocate mode on a CPU: the engine shares the trainer's threads; vLLM's binding would pin them to one "
-        "logical CPU per core and keep one core for a scheduler process that colocate mode does not have",
-    )
+    if colocate:
+        process_env.set_for_dependency(
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "nobind",
+            "colocate mode on a CPU: the engine shares the trainer's threads; vLLM's binding would pin them to one "
+            "logical CPU per core and keep one core for a scheduler process that colocate mode does not have",
+        )
     if not process_env.set_for_dependency(
-        "VLLM_ENABLE_V1_MULTIPROCESSING", "0", "colocate mode: the engine in this process, weights passed as tensors"
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "0", "the engine in this process: weights are passed to it as tensors"
     ):
         return (
-            "use_vllm=True runs vLLM's engine in the training process, but VLLM_ENABLE_V1_MULTIPROCESSING is set "
-            "to another value than 0 in the environment: unset it."
+            "vLLM's engine runs in this process (weights are passed to it as tensors), but "
+            "VLLM_ENABLE_V1_MULTIPROCESSING is set to another value than 0 in the environment: unset it."
         )
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why vLLM cannot be used here for colocate mode (None when it can), after setting the environment vLLM reads
+    at import."""
+    reason = in_process_environment(colocate=True)
+    if reason is not None:
+        return f"use_vllm=True: {reason}"
     try:
         import vllm  # noqa: F401
     except ImportError as err:
