@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from grpo import seeding
 from grpo.rollout.base import Prompt, Request, group_requests
 
 logger = logging.getLogger("grpo")
@@ -30,19 +31,43 @@ RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state",
 DROPPED_COLUMNS = ("completion",)
 
 
-def check_dataset(dataset: Any) -> None:
+def check_dataset(dataset: Any, tools: bool = False, environments: bool = False) -> None:
     """Fail early, with the fix, on datasets the trainer cannot use: the columns, and every row's prompt (its
-    shape only, no tokenization: cheap for any size)."""
+    shape only, no tokenization: cheap for any size). With tools, prompts must be conversational; with
+    environments, a row may have no prompt (its environment's reset supplies one)."""
     if dataset is None:
         raise ValueError("train_dataset is None: pass a datasets.Dataset (or list of dicts) with a 'prompt' column.")
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty: it needs at least one row with a 'prompt'.")
     columns = list(getattr(dataset, "column_names", None) or dataset[0].keys())
-    if "prompt" not in columns:
+    if "prompt" not in columns and not environments:
         raise ValueError(
             f"train_dataset has no 'prompt' column (columns: {columns}). Rename the column that holds "
             "the prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
         )
+    _check_columns(columns, environments)
+    if "prompt" not in columns:
+        return
+    prompts = dataset["prompt"] if hasattr(dataset, "column_names") else None
+    for i in range(len(dataset)):
+        if prompts is None and "prompt" not in dataset[i]:
+            if environments:
+                continue
+            raise ValueError(f"train_dataset row {i} has no 'prompt': every row needs one.")
+        prompt = prompts[i] if prompts is not None else dataset[i]["prompt"]
+        if prompt is None and environments:
+            continue
+        problem = _prompt_problem(prompt)
+        if problem is None and tools and not is_conversational(prompt):
+            problem = (
+                "tools= need conversational prompts (a list of {'role': ..., 'content': ...} messages), so that "
+                "tool results can follow as messages; this one is a string."
+            )
+        if problem:
+            raise ValueError(f"train_dataset row {i}: {problem}")
+
+
+def _check_columns(columns: list[str], environments: bool) -> None:
     for name in UNSUPPORTED_COLUMNS:
         if name in columns:
             raise ValueError(
@@ -50,7 +75,7 @@ def check_dataset(dataset: Any) -> None:
                 f"not available yet in grpo. Remove the column (dataset.remove_columns('{name}')) to "
                 "train on text only."
             )
-    for name in RESERVED_COLUMNS:
+    for name in RESERVED_COLUMNS + (("environments",) if environments else ()):
         if name in columns:
             raise ValueError(
                 f"train_dataset has a '{name}' column, but reward functions receive the trainer's own '{name}' "
@@ -61,15 +86,8 @@ def check_dataset(dataset: Any) -> None:
             warnings.warn(
                 f"train_dataset's '{name}' column is not passed to reward functions (they get the sampled "
                 f"completions as 'completions', as in TRL); rename it to pass it.",
-                stacklevel=3,
+                stacklevel=4,
             )
-    prompts = dataset["prompt"] if hasattr(dataset, "column_names") else None
-    for i in range(len(dataset)):
-        if prompts is None and "prompt" not in dataset[i]:
-            raise ValueError(f"train_dataset row {i} has no 'prompt': every row needs one.")
-        problem = _prompt_problem(prompts[i] if prompts is not None else dataset[i]["prompt"])
-        if problem:
-            raise ValueError(f"train_dataset row {i}: {problem}")
 
 
 def _prompt_problem(prompt: Any) -> str | None:
@@ -95,14 +113,21 @@ def _prompt_problem(prompt: Any) -> str | None:
     return None
 
 
-def render_prompts(prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None) -> list[str]:
-    """Conversational prompts through the chat template (with the generation prompt); strings as they are."""
+def render_prompts(
+    prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
+) -> list[str]:
+    """Conversational prompts through the chat template (with the generation prompt, and the tools' schemas when
+    there are tools); strings as they are."""
     texts = []
     for prompt in prompts:
         if is_conversational(prompt):
             texts.append(
                 tokenizer.apply_chat_template(
-                    list(prompt), tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+                    list(prompt),
+                    tools=tools or None,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **(chat_template_kwargs or {}),
                 )
             )
         elif isinstance(prompt, str):
@@ -116,20 +141,22 @@ def render_prompts(prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs:
 
 
 def tokenize_prompts(
-    prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None
+    prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
 ) -> list[list[int]]:
     """Token ids per prompt. The chat template already writes its special tokens, so rendered conversations
     are tokenized without adding any; standard prompts get the tokenizer's defaults (e.g. BOS)."""
-    texts = render_prompts(prompts, tokenizer, chat_template_kwargs)
+    texts = render_prompts(prompts, tokenizer, chat_template_kwargs, tools)
     ids = []
     for prompt, text in zip(prompts, texts):
         ids.append(tokenizer(text, add_special_tokens=not is_conversational(prompt))["input_ids"])
     return ids
 
 
-def make_prompt(prompt: Any, tokenizer: Any, chat_template_kwargs: dict | None = None) -> Prompt:
+def make_prompt(
+    prompt: Any, tokenizer: Any, chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
+) -> Prompt:
     """A dataset prompt (string or messages) as a tokenized `Prompt` record."""
-    ids = tokenize_prompts([prompt], tokenizer, chat_template_kwargs)[0]
+    ids = tokenize_prompts([prompt], tokenizer, chat_template_kwargs, tools)[0]
     messages = tuple(dict(m) for m in prompt) if is_conversational(prompt) else None
     return Prompt(ids=tuple(ids), messages=messages)
 
@@ -146,8 +173,10 @@ class PromptSource:
         chat_template_kwargs: dict | None = None,
         context: int | None = None,
         max_completion_length: int = 0,
+        tools: list[dict] | None = None,
     ) -> None:
         self.dataset = dataset
+        self.tools = tools
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs
         self.context = context
@@ -157,10 +186,14 @@ class PromptSource:
 
     def __getitem__(self, row: int) -> Prompt:
         if row not in self._cache:
-            prompt = make_prompt(self.dataset[row]["prompt"], self.tokenizer, self.chat_template_kwargs)
-            self._check_length(row, len(prompt.ids))
-            self._cache[row] = prompt
+            self._cache[row] = self.make(row, self.dataset[row]["prompt"])
         return self._cache[row]
+
+    def make(self, row: int, prompt: Any, tools: list[dict] | None = None) -> Prompt:
+        """Row `row`'s prompt (as given: an environment may have added to it) rendered, tokenized and checked."""
+        record = make_prompt(prompt, self.tokenizer, self.chat_template_kwargs, tools or self.tools)
+        self._check_length(row, len(record.ids))
+        return record
 
     def _check_length(self, row: int, length: int) -> None:
         if not self.context:
@@ -245,3 +278,38 @@ def generation_prompt_indices(
     else:
         order = list(range(num_rows))
     return order[block * unique_per_generation : (block + 1) * unique_per_generation]
+
+
+def local_rows(position: int, num_rows: int, args: Any, process_index: int, num_processes: int) -> list[int]:
+    """Dataset rows a process generates for at data position `position`: each prompt repeated G times, this
+    process's contiguous share of the generation batch (shared spec §5.1-5.2)."""
+    unique = generation_prompt_indices(
+        position,
+        num_rows,
+        args.generation_batch_size // args.num_generations,
+        seeding.prompt_order_seed(args),
+        args.shuffle_dataset,
+    )
+    repeated = [i for i in unique for _ in range(args.num_generations)]
+    per_process = len(repeated) // num_processes
+    return repeated[process_index * per_process : (process_index + 1) * per_process]
+
+
+def prompt_groups(prompt_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """(N,) an id per distinct prompt: rows with the same id have the same prompt tokens (the training pass shares
+    their prefix). Read from the tokens, since an environment's reset may give a prompt's G rollouts different text."""
+    ids: dict[tuple[int, ...], int] = {}
+    return torch.tensor([ids.setdefault(tuple(p), len(ids)) for p in prompt_ids], dtype=torch.long)
+
+
+def placeholder_dataset(dataset: Any, args: Any, environment_factory: Any) -> Any:
+    """The dataset; without one, an environment that makes its own prompts (a single environment_factory, with
+    max_steps) trains on generation_batch_size / num_generations empty user prompts, as TRL 1.16."""
+    if dataset is not None or environment_factory is None:
+        return dataset
+    if isinstance(environment_factory, dict) or args.max_steps <= 0:
+        raise ValueError(
+            "train_dataset is None: that needs a single environment_factory (not a dict, whose rows choose the "
+            "environment) and max_steps > 0 (with no dataset there are no epochs). Pass a train_dataset otherwise."
+        )
+    return [{"prompt": [{"role": "user", "content": ""}]}] * (args.generation_batch_size // args.num_generations)

@@ -92,7 +92,7 @@ class GenerationBatch:
     def add_round(self, local: Rollout, scored: Scored, keep: list[int] | None = None) -> None:
         """Record a round: this process's rollout, the gathered scored round, and the rows to keep (None: all)."""
         self.rounds += 1
-        self.tokens += sum(len(ids) for ids in local.completion_ids)
+        self.tokens += sum(sum(mask) for mask in local.loss_mask)  # sampled tokens (tool results are not)
         self.last_round = scored
         if keep is not None:
             self.groups_dropped += (len(scored) - len(keep)) // self.num_generations

@@ -192,10 +192,16 @@ def start_trackers(accelerator: Any, args: Any) -> None:
 
 
 def generation_metrics(
-    generated: GenerationBatch, adv: Advantages, reward_names: list[str], dynamic_sampling: bool = False
+    generated: GenerationBatch,
+    adv: Advantages,
+    reward_names: list[str],
+    dynamic_sampling: bool = False,
+    tools: bool = False,
 ) -> dict[str, float]:
-    """Lengths and rewards of one generation batch (global: every process's completions), this process's
-    generation and scoring time, and with dynamic_sampling the groups it dropped and the rounds it took."""
+    """Lengths (model tokens only: tool results are not counted) and rewards of one generation batch (global: every
+    process's completions), this process's generation and scoring time, with dynamic_sampling the groups it
+    dropped and the rounds it took, and with tools TRL 1.16's tools/call_frequency (calls per completion) and
+    tools/failure_frequency (failed calls per call)."""
     scored = generated.batch
     lengths = torch.tensor([sum(m) for m in scored.rollout.loss_mask], dtype=torch.float32)
     truncated = torch.tensor(scored.rollout.truncated, dtype=torch.bool)
@@ -219,6 +225,10 @@ def generation_metrics(
     for k, name in enumerate(reward_names):
         m[f"rewards/{name}/mean"] = torch.nanmean(scored.rewards[:, k]).item()
         m[f"rewards/{name}/std"] = nanstd(scored.rewards[:, k]).item()
+    if tools:
+        calls, failures = sum(scored.rollout.tool_calls), sum(scored.rollout.tool_failures)
+        m["tools/call_frequency"] = calls / max(len(scored), 1)
+        m["tools/failure_frequency"] = failures / calls if calls else 0.0
     if dynamic_sampling:
         m["dynamic_sampling/groups_dropped"] = generated.groups_dropped
         m["dynamic_sampling/rounds"] = generated.rounds

@@ -30,6 +30,7 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -42,6 +43,7 @@ from transformers import PreTrainedModel, TrainerState
 
 from grpo import checkpoint, data, fp32_head, lora, optimization, preemption, ref_sync, reporting, run_dir, seeding
 from grpo.advantages import Advantages, compute_advantages
+from grpo.agent import Environments, Generated, Rollouts
 from grpo.batch import TrainBatch, collate
 from grpo.config import GRPOConfig, reject_later_features, warn_odd_combinations
 from grpo.distributed import collectives, zero
@@ -68,7 +70,7 @@ from grpo.optimization import TrainingError
 from grpo.perf import allocator, attention
 from grpo.preemption import Preempted, preemption_guard
 from grpo.rewards.calling import RewardFunctions
-from grpo.rollout import Rollout, build_engine
+from grpo.rollout import build_engine
 from grpo.sampling_correction import SamplingCorrection
 
 logger = logging.getLogger("grpo")
@@ -109,18 +111,23 @@ class GRPOTrainer:
         peft_config: Any = None,
         tools: Any = None,
         rollout_func: Any = None,
+        environment_factory: Any = None,
     ) -> None:
         self.args = args = _resolve_args(args, model)
         run_dir.check_output_dir(args.output_dir)
-        reject_later_features(args, tools, rollout_func, eval_dataset, callbacks)
-        data.check_dataset(train_dataset)
-        self.train_dataset = train_dataset
+        reject_later_features(args, eval_dataset, callbacks)
+        self.environments = Environments(environment_factory) if environment_factory is not None else None
+        self.train_dataset = train_dataset = data.placeholder_dataset(train_dataset, args, environment_factory)
+        data.check_dataset(train_dataset, bool(tools) or self.environments is not None, self.environments is not None)
         warn_odd_combinations(args)
         self.accelerator = make_accelerator(args)
         reporting.configure_logging(args, self.accelerator)  # log_level(_replica), log_on_each_node
         if self.accelerator.device.type == "cpu" and args.cpu_keep_freed_memory:
             allocator.keep_freed_memory()
-        self.rewards = RewardFunctions.build(reward_funcs, args, reward_processing_classes, self.accelerator.device)
+        env_rewards = self.environments.reward_functions() if self.environments else ()
+        self.rewards = RewardFunctions.build(
+            reward_funcs, args, reward_processing_classes, self.accelerator.device, env_rewards
+        )
         seeding.seed_run(args)  # full_determinism: deterministic algorithms too
         self._build_models(model, processing_class, peft_config)
         self.state = TrainerState()
@@ -131,7 +138,7 @@ class GRPOTrainer:
         ref_sync.check(self)  # sync_ref_model needs a reference model of its own
         checkpoint.strategy.check(self)  # the best checkpoint must be knowable and loadable
         self.stop_ids = data.end_of_turn_ids(self.processing_class, generation_eos(self.unwrapped_model))
-        self.engine = build_engine(self.unwrapped_model, self.processing_class, args, self.stop_ids, self.accelerator)
+        engine = build_engine(self.unwrapped_model, self.processing_class, args, self.stop_ids, self.accelerator)
         attention.use_grouped_heads(self.model)
         self.training_pass = TrainingPass(self.model, args, self.accelerator.autocast, self.accelerator.mixed_precision)
         context = getattr(self.unwrapped_model.config, "max_position_embeddings", None)
@@ -139,11 +146,15 @@ class GRPOTrainer:
         self.prompts = data.PromptSource(
             train_dataset, self.processing_class, args.chat_template_kwargs, context, args.max_completion_length
         )
+        everywhere = functools.partial(collectives.any_process, self.accelerator)
+        self.rollouts = Rollouts(
+            engine, self.prompts, args, self.stop_ids, everywhere, tools, self.environments, rollout_func, self
+        )
         self.loop = LoopState()
         self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
         self.loss_params = LossParams.of(args)
         self.loss_terms = LossTerms(args, router_aux_coef(self.unwrapped_model, args))  # entropy bonus, router loss
-        self.correction = SamplingCorrection.of(args, self.engine)  # sampling/* metrics, vLLM's IS weight, OPSM
+        self.correction = SamplingCorrection.of(args, engine)  # sampling/* metrics, vLLM's IS weight, OPSM
         self._weights_stale = True  # the engine has not seen the policy's weights yet
         self._overflows = 0  # fp16 loss-scale overflows in a row
         self.step_applied = False  # whether the current step's optimizer step has been applied
@@ -212,6 +223,15 @@ class GRPOTrainer:
     @property
     def unwrapped_model(self) -> PreTrainedModel:
         return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def engine(self) -> Any:
+        """The generation engine (`grpo.rollout`); settable (tests give scripted ones)."""
+        return self.rollouts.engine
+
+    @engine.setter
+    def engine(self, engine: Any) -> None:
+        self.rollouts.engine = engine
 
     # ---- the loop --------------------------------------------------------------------------------------------
 
@@ -282,13 +302,17 @@ class GRPOTrainer:
         rounds = a.dynamic_sampling_max_attempts if a.dynamic_sampling else 1
         generated = GenerationBatch(a.num_generations)
         while generated.rounds < rounds and generated.size < a.generation_batch_size:
-            rows = self._local_rows(self.loop.data_position)
+            acc = self.accelerator
+            rows = data.local_rows(
+                self.loop.data_position, len(self.train_dataset), a, acc.process_index, acc.num_processes
+            )
             with generated.timed("generation"):
-                rollout = self._generate(rows)
+                round_ = self._generate(rows)
             with generated.timed("scoring"):
-                scored = self._score(rows, rollout)
+                scored = self._score(rows, round_)
             self.loop.data_position += 1
-            generated.add_round(rollout, scored, self._groups_with_spread(scored) if a.dynamic_sampling else None)
+            keep = self._groups_with_spread(scored) if a.dynamic_sampling else None
+            generated.add_round(round_.rollout, scored, keep)
         return generated.finish(a.generation_batch_size)
 
     def _groups_with_spread(self, scored: Scored) -> list[int]:
@@ -299,38 +323,27 @@ class GRPOTrainer:
         )
         return rows_of_groups(spread, a.num_generations)
 
-    def _local_rows(self, position: int) -> list[int]:
-        """Dataset rows this process generates for at data position `position`: each prompt repeated G times,
-        this process's contiguous share of the generation batch (shared spec §5.1-5.2)."""
-        a, acc = self.args, self.accelerator
-        unique = data.generation_prompt_indices(
-            position,
-            len(self.train_dataset),
-            a.generation_batch_size // a.num_generations,
-            seeding.prompt_order_seed(a),
-            a.shuffle_dataset,
-        )
-        repeated = [i for i in unique for _ in range(a.num_generations)]
-        per_process = len(repeated) // acc.num_processes
-        return repeated[acc.process_index * per_process : (acc.process_index + 1) * per_process]
-
-    def _generate(self, rows: list[int]) -> Rollout:
-        """Completions for this process's rows (one request per prompt), from the current policy's weights."""
+    def _generate(self, rows: list[int]) -> Generated:
+        """Completions for this process's rows (tool rounds included), from the current policy's weights."""
         if self._weights_stale:  # lazily: with steps_per_generation > 1 not after every step
             self.engine.sync_weights(self.unwrapped_model)
             self._weights_stale = False
-        return self.engine.generate(self.prompts.requests(rows))
+        return self.rollouts(rows, [self.train_dataset[i] for i in rows])
 
-    def _score(self, rows: list[int], rollout: Rollout) -> Scored:
+    def _score(self, rows: list[int], generated: Generated) -> Scored:
         """Rewards of this process's completions, gathered with every other process's (global order)."""
         extra: dict[str, list] = {}
         examples = [self.train_dataset[i] for i in rows]
         rewards = self.rewards(
-            examples, rollout, self.state, self.metrics.add, lambda name, values: extra.__setitem__(name, list(values))
+            examples,
+            generated.rollout,
+            self.state,
+            self.metrics.add,
+            lambda name, values: extra.__setitem__(name, list(values)),
+            generated.prompts,
+            generated.columns,
         )
-        local = Scored(
-            rows=rows, prompts=[e["prompt"] for e in examples], rollout=rollout, rewards=rewards, extra=extra
-        )
+        local = Scored(rows, generated.prompts, generated.rollout, rewards, extra)
         return collectives.gather_scored(local, self.accelerator)
 
     def _advantages(self, scored: Scored) -> Advantages:
@@ -349,7 +362,7 @@ class GRPOTrainer:
             advantages.advantages[mine],
             self.processing_class.pad_token_id,
             self.args.mask_truncated_completions,
-            group=torch.tensor(scored.rows)[mine],
+            group=data.prompt_groups(scored.rollout.prompt_ids)[mine],
             pad_to_multiple_of=self.args.pad_to_multiple_of,
         ).to(acc.device)
         tokens = collectives.loss_tokens(acc, batch.mask.sum(), self.args.average_tokens_across_devices)
@@ -454,7 +467,11 @@ class GRPOTrainer:
     def _log_generation(self, generated: GenerationBatch, advantages: Advantages, batch: TrainBatch) -> None:
         mode = self.args.include_num_input_tokens_seen
         reporting.count_tokens(self.state, self.metrics, generated.batch.rollout, batch, self.accelerator, mode)
-        self.metrics.add_many(generation_metrics(generated, advantages, self.rewards.names, self.args.dynamic_sampling))
+        self.metrics.add_many(
+            generation_metrics(
+                generated, advantages, self.rewards.names, self.args.dynamic_sampling, self.rollouts.uses_tools
+            )
+        )
         if self.completion_log is not None:
             self.completion_log.record(generated.batch, advantages.advantages, self.processing_class)
 

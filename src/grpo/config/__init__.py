@@ -299,10 +299,13 @@ def _validate(c: GRPOConfig) -> None:
     for name in ("seed", "data_seed"):  # numpy's generator (seeded with every other) takes 32-bit seeds
         value = getattr(c, name)
         _require(value is None or 0 <= value < 2**32, name, f"is {value}; a seed is an integer in [0, 2**32 - 1]")
+    for name in ("reward_timeout", "tool_call_timeout"):
+        value = getattr(c, name)
+        _require(value is None or value >= 0, name, "must be >= 0 seconds (0 or None: no limit)")
     _require(
-        c.reward_timeout is None or c.reward_timeout >= 0,
-        "reward_timeout",
-        "must be >= 0 seconds (0 or None: no limit)",
+        c.max_tool_calling_iterations is None or c.max_tool_calling_iterations >= 0,
+        "max_tool_calling_iterations",
+        "must be >= 0 (None: no limit but max_completion_length)",
     )
     _require(
         c.max_steps != 0 and (c.max_steps > 0 or c.num_train_epochs > 0),
@@ -448,17 +451,9 @@ def warn_odd_combinations(a: GRPOConfig) -> None:
         )
 
 
-def reject_later_features(args: GRPOConfig, tools: Any, rollout_func: Any, eval_dataset: Any, callbacks: Any) -> None:
-    """Trainer arguments of features that later issues bring: an error (or, where ignoring is harmless, a
-    warning) that says so. Config fields of those features are refused by the config itself (`compat`)."""
-
-    def not_yet(feature: str, issue: str) -> ValueError:
-        return ValueError(f"{feature} is not available yet in grpo ({issue}); remove it to train without it.")
-
-    if tools:
-        raise not_yet("tools= (tool-calling rollouts)", "it comes with the agent issue")
-    if rollout_func is not None:
-        raise not_yet("rollout_func", "custom rollouts come with the agent issue")
+def reject_later_features(args: GRPOConfig, eval_dataset: Any, callbacks: Any) -> None:
+    """Trainer arguments of features that later issues bring: a warning that says so (ignoring them is harmless).
+    Config fields of those features are refused by the config itself (`compat`)."""
     if eval_dataset is not None:
         warnings.warn("eval_dataset is ignored: evaluation during training is not available yet in grpo.", stacklevel=3)
     if callbacks:

@@ -137,6 +137,11 @@ class GrpoOnlyFields:
         "naming the function (None or 0: no limit).",
         600.0,
     )
+    tool_call_timeout: Optional[float] = _help(
+        "Seconds one tool call may take; a call that takes longer is abandoned and the model gets an error message "
+        "(it counts in tools/failure_frequency). None or 0: no limit.",
+        60.0,
+    )
     dynamic_sampling: bool = _help(
         "DAPO dynamic sampling: drop groups whose rewards barely differ (they carry no "
         "policy gradient) and generate more prompts until the batch is full.",

@@ -14,7 +14,6 @@ import functools
 import inspect
 import math
 import numbers
-import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from grpo import preemption
+from grpo.background import BackgroundLoop, DaemonCall
 from grpo.rewards.models import load_reward_model
 from grpo.rollout.base import Rollout
 
@@ -80,26 +80,6 @@ def check_reward_funcs(
             "functions: give exactly one weight per function."
         )
     return out
-
-
-class _BackgroundLoop:
-    """One event loop on a daemon thread, shared by every async reward call. Running the coroutines there (not
-    with asyncio.run) works even when the caller already runs a loop (notebooks)."""
-
-    _lock = threading.Lock()
-    _loop: asyncio.AbstractEventLoop | None = None
-
-    @classmethod
-    def submit(cls, coroutines: list) -> concurrent.futures.Future:
-        with cls._lock:
-            if cls._loop is None:
-                cls._loop = asyncio.new_event_loop()
-                threading.Thread(target=cls._loop.run_forever, daemon=True, name="grpo-rewards").start()
-
-        async def gather():
-            return await asyncio.gather(*coroutines, return_exceptions=True)
-
-        return asyncio.run_coroutine_threadsafe(gather(), cls._loop)
 
 
 def _is_async(func: Any) -> bool:
@@ -163,7 +143,7 @@ def score(
     is_async = [_is_async(func) for func in funcs]
     async_ks = [k for k in range(len(funcs)) if is_async[k]]
     coroutines = [_timed(names[k], funcs[k], fresh(), timeout) for k in async_ks]
-    pending = _BackgroundLoop.submit(coroutines) if async_ks else None
+    pending = BackgroundLoop.submit(coroutines) if async_ks else None
     results: dict[int, Any] = {}
     try:
         for k, func in enumerate(funcs):
@@ -224,25 +204,9 @@ def _wait(done: Callable[[float], bool], names: Sequence[str], timeout: float | 
 
 def _call_in_thread(name: str, func: Callable, kwargs: dict[str, Any], timeout: float | None) -> Any:
     """func(**kwargs) on a daemon thread (a hung call cannot keep the process alive), waited for here."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = _call(name, func, kwargs)
-        except BaseException as err:  # handed to the waiting thread
-            box["error"] = err
-
-    worker = threading.Thread(target=run, daemon=True, name=f"grpo-reward-{name}")
-    worker.start()
-
-    def finished(poll: float) -> bool:
-        worker.join(poll)
-        return not worker.is_alive()
-
-    _wait(finished, [name], timeout)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    call = DaemonCall(lambda: _call(name, func, kwargs), f"grpo-reward-{name}")
+    _wait(call.join, [name], timeout)
+    return call.outcome()
 
 
 def _wait_for_async(pending: concurrent.futures.Future, names: Sequence[str], timeout: float | None) -> list:
@@ -300,17 +264,33 @@ class RewardFunctions:
         self.keep_columns = keep_columns
 
     @classmethod
-    def build(cls, reward_funcs: Any, args: Any, processing_classes: Any, device: torch.device) -> RewardFunctions:
-        """From GRPOTrainer's arguments; reward models (ids, paths, modules) are loaded now, on `device`."""
+    def build(
+        cls, reward_funcs: Any, args: Any, processing_classes: Any, device: torch.device, extra: Sequence[Callable] = ()
+    ) -> RewardFunctions:
+        """From GRPOTrainer's arguments; reward models (ids, paths, modules) are loaded now, on `device`. `extra`:
+        functions that come after them with weight 1 (environments' get_reward); with those, reward_funcs may be
+        None."""
 
         def load(entry: Any, tokenizer: Any) -> Callable:
             return load_reward_model(
                 entry, tokenizer, args.model_init_kwargs, args.trust_remote_code, args.chat_template_kwargs, device
             )
 
-        funcs = check_reward_funcs(reward_funcs, args.reward_weights, processing_classes, load)
+        if extra and reward_funcs in (None, []):
+            funcs, weights = [], list(args.reward_weights or [])
+            if weights:
+                raise ValueError(
+                    "reward_weights is set but reward_funcs is empty: give one weight per reward function."
+                )
+        elif reward_funcs is None:
+            raise ValueError(
+                "No reward source: pass reward_funcs, or an environment_factory whose environments define get_reward."
+            )
+        else:
+            funcs = check_reward_funcs(reward_funcs, args.reward_weights, processing_classes, load)
+            weights = list(args.reward_weights or [1.0] * len(funcs))
         keep = KEPT_COLUMNS if args.remove_unused_columns else None
-        return cls(funcs, args.reward_weights, args.reward_timeout, keep)
+        return cls([*funcs, *extra], [*weights, *[1.0] * len(extra)], args.reward_timeout, keep)
 
     def __call__(
         self,
@@ -319,11 +299,15 @@ class RewardFunctions:
         trainer_state: Any,
         log_metric: Callable[[str, float], None],
         log_extra: Callable[[str, list], None],
+        prompts: list | None = None,
+        live: dict[str, list] | None = None,
     ) -> torch.Tensor:
         """(rows, functions) rewards of the rollout's completions; every dataset column but the prompt (and
         "completion", "completion_ids"; with `keep_columns`, only those) reaches the functions as a keyword, one
         value per completion. Each function gets its own copy of everything (the trainer state too): what it does
-        to its arguments changes nothing that is trained, nor what the other functions see."""
+        to its arguments changes nothing that is trained, nor what the other functions see. `prompts`: the prompts
+        as generated from (None: the rows'); `live`: keyword columns passed as they are, not copied (environment
+        instances, rollout_func's extra keys)."""
         columns: dict[str, list] = {}
         removed: set[str] = set()
         for example in examples:
@@ -337,7 +321,7 @@ class RewardFunctions:
         self._check_removed_columns(removed)
         shared = dict(
             columns,
-            prompts=[e["prompt"] for e in examples],
+            prompts=prompts if prompts is not None else [e["prompt"] for e in examples],
             completions=rollout.completions,
             completion_ids=rollout.completion_ids,
         )
@@ -350,7 +334,9 @@ class RewardFunctions:
             finally:
                 trainer_state.log_history = history
             state.log_history = [dict(row) for row in history]
-            return dict(copy.deepcopy(shared), trainer_state=state, log_metric=log_metric, log_extra=log_extra)
+            return dict(
+                copy.deepcopy(shared), **(live or {}), trainer_state=state, log_metric=log_metric, log_extra=log_extra
+            )
 
         try:
             return score(self.funcs, self.names, fresh, len(examples), self.timeout)

@@ -53,10 +53,16 @@ class Rollout:
     # the completion as messages (conversational prompts), None for a standard prompt
     messages: list[list[dict] | None] = field(default_factory=list)
     loss_mask: list[list[int]] = field(default_factory=list)  # 1 = trained; 0 = not (tool results); default 1
+    tool_calls: list[int] = field(default_factory=list)  # tool calls made in each completion (default 0)
+    tool_failures: list[int] = field(default_factory=list)  # of which failed
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
             self.loss_mask = [[1] * len(ids) for ids in self.completion_ids]
+        if not self.tool_calls:
+            self.tool_calls = [0] * len(self.completion_ids)
+        if not self.tool_failures:
+            self.tool_failures = [0] * len(self.completion_ids)
         if not self.texts:
             self.texts = [""] * len(self.completion_ids)
         if not self.messages:

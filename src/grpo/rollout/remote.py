@@ -168,6 +168,8 @@ class ServerEngine:
 
     def generate(self, requests: Sequence[Request]) -> Rollout:
         preemption.check()
+        if not requests:  # a follow-up turn of a tool loop where this process has no row left
+            return Rollout([], [], [], [])
         payload = {
             "requests": [
                 {"prompt_ids": list(r.prompt.ids), "n": r.num_samples, "max_tokens": r.max_tokens or self.max_tokens}

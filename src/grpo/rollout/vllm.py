@@ -275,6 +275,8 @@ class VLLMEngine:
     @torch.no_grad()
     def generate(self, requests: Sequence[Request]) -> Rollout:
         preemption.check()
+        if not requests:  # a follow-up turn of a tool loop where this process has no row left
+            return Rollout([], [], [], [])
         inputs = [{"prompt_token_ids": list(r.prompt.ids)} for r in requests]
         params = [sampling_params(self.sampling, r.num_samples, self._budget(r)) for r in requests]
         with self._awake(), self._explained("generate with"):

@@ -1,0 +1,142 @@
+"""The multi-turn tool loop (shared spec §6.2), above the engine: it works with every engine behind the rollout
+interface.
+
+After the first turn of every completion, rows whose last turn makes tool calls run them (`tools.run_calls`), get
+one tool message per call, and generate their next turn (one sample per row), until a turn makes no call,
+`max_tool_calling_iterations` rounds have run, or the tool results would not leave room for another token within
+`max_completion_length` (the whole multi-turn completion counts; the results are then not added and the row ends).
+
+The trained sequence is exactly what happened: the prompt's tokens, the model's sampled tokens, the tokens of each
+rendered tool turn (`template.tool_suffix_ids`), the next sampled tokens, and so on; nothing is re-rendered. Tool
+tokens have loss mask 0 and sampling log-prob 0.0 (a placeholder the mask hides): the model attends to them, they
+are not trained. Every process joins every round, with or without rows left, so the collectives a sharded model's
+generation runs are matched on every process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo.agent.parsing import parse_turn
+from grpo.agent.template import tool_suffix_ids
+from grpo.agent.tools import ToolSet, run_calls
+from grpo.rollout.base import Engine, Prompt, Request, Rollout
+
+
+@dataclass
+class _Row:
+    prompt_ids: list[int]
+    tools: ToolSet
+    ids: list[int] = field(default_factory=list)  # the completion so far: sampled and tool tokens
+    mask: list[int] = field(default_factory=list)  # 1 on sampled tokens, 0 on tool tokens
+    logps: list[float] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # the completion as messages
+    calls: int = 0
+    failures: int = 0
+
+    def add(self, ids: list[int], logps: list[float], sampled: bool) -> None:
+        self.ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        self.logps += logps if sampled else [0.0] * len(ids)
+
+    @property
+    def wants_tools(self) -> bool:
+        return bool(self.messages and self.messages[-1].get("tool_calls"))
+
+
+class ToolLoop:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop_ids: Sequence[int],
+        max_completion_length: int,
+        max_iterations: int | None,
+        context: int | None,
+        timeout: float | None,
+        chat_template_kwargs: dict | None,
+        any_process: Callable[[bool], bool],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop_ids = set(stop_ids)
+        self.budget = max_completion_length
+        self.max_iterations = max_iterations
+        self.context = context or float("inf")
+        self.timeout = timeout
+        self.chat_template_kwargs = chat_template_kwargs
+        self.any_process = any_process  # True everywhere when true on any process (a collective)
+
+    def run(self, engine: Engine, first: Rollout, toolsets: Sequence[ToolSet]) -> Rollout:
+        """The rollout with every row's tool rounds done (next turns from `engine`): completions as whole
+        exchanges."""
+        rows = []
+        for i, tools in enumerate(toolsets):
+            row = _Row(list(first.prompt_ids[i]), tools)
+            row.add(list(first.completion_ids[i]), list(first.sampling_logps[i]), sampled=True)
+            row.messages.append(self._parse(row, row.ids, row.prompt_ids))
+            rows.append(row)
+        active = [row for row in rows if row.wants_tools]
+        iteration = 0
+        while (self.max_iterations is None or iteration < self.max_iterations) and self.any_process(bool(active)):
+            going = self._call_tools(active)
+            turn = engine.generate(
+                [Request(Prompt(tuple(row.prompt_ids + row.ids)), 1, self.budget - len(row.ids)) for row in going]
+            )
+            for j, row in enumerate(going):
+                prefix = row.prompt_ids + row.ids
+                new = list(turn.completion_ids[j])[: self.budget - len(row.ids)]
+                row.add(new, list(turn.sampling_logps[j])[: len(new)], sampled=True)
+                if new:  # a turn cut to nothing adds no message
+                    row.messages.append(self._parse(row, new, prefix))
+            active = [row for row in going if row.wants_tools]
+            iteration += 1
+        return self._rollout(rows)
+
+    def _call_tools(self, active: list[_Row]) -> list[_Row]:
+        """Run the active rows' calls and append the results; the rows with room left for a next turn."""
+        results = run_calls([row.messages[-1]["tool_calls"] for row in active], [r.tools for r in active], self.timeout)
+        going = []
+        for row, outcome in zip(active, results):
+            row.calls += len(outcome)
+            row.failures += sum(r.failed for r in outcome)
+            tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in outcome]
+            suffix = tool_suffix_ids(self.tokenizer, tool_messages, self.stop_ids, self.chat_template_kwargs)
+            length = len(row.ids) + len(suffix)
+            if length >= self.budget or len(row.prompt_ids) + length >= self.context:
+                continue  # no room for the model's answer: the results are not added, the row ends here
+            row.messages += tool_messages
+            row.add(suffix, [], sampled=False)
+            going.append(row)
+        return going
+
+    def _parse(self, row: _Row, ids: list[int], prefix: list[int]) -> dict:
+        return parse_turn(self.tokenizer, ids, prefix, row.tools.schemas)
+
+    def _rollout(self, rows: list[_Row]) -> Rollout:
+        return Rollout(
+            prompt_ids=[row.prompt_ids for row in rows],
+            completion_ids=[row.ids for row in rows],
+            sampling_logps=[row.logps for row in rows],
+            truncated=[not row.ids or row.ids[-1] not in self.stop_ids for row in rows],
+            texts=[exchange_text(row.messages) for row in rows],
+            messages=[row.messages for row in rows],
+            loss_mask=[row.mask for row in rows],
+            tool_calls=[row.calls for row in rows],
+            tool_failures=[row.failures for row in rows],
+        )
+
+
+def exchange_text(messages: Sequence[dict]) -> str:
+    """A readable rendering of a completion's messages (the completions table shows it)."""
+    parts = []
+    for message in messages:
+        if message["role"] == "tool":
+            parts.append(f"[{message.get('name', 'tool')} -> {message['content']}]")
+            continue
+        text = message.get("content") or ""
+        calls = [
+            f"<call {c['function']['name']}({c['function'].get('arguments')})>" for c in message.get("tool_calls") or []
+        ]
+        parts.append(" ".join(p for p in [text, *calls] if p))
+    return "\n".join(parts)

@@ -1,0 +1,149 @@
+"""From dataset rows to completions, the one call the trainer makes per generation round:
+
+    generated = rollouts(rows, examples)      # Generated(rollout, prompts, columns)
+
+Single-turn: each row's prompt (tokenized once) goes to the engine. With `tools` or `environment_factory`, the
+prompts are rendered with the tools' schemas and every completion runs the tool loop (`grpo.agent.loop`);
+with environments, each rollout first gets its instance and `reset(**row)` (`grpo.agent.environments`). With
+`rollout_func` (TRL 1.16's signature, shared spec §6.4) the user's function replaces tokenization and generation,
+and the tool loop still runs on its output when there are tools.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo import data
+from grpo.agent.environments import EMPTY_PROMPT, Environments
+from grpo.agent.loop import ToolLoop
+from grpo.agent.template import check_tool_template
+from grpo.agent.tools import ToolSet
+from grpo.rollout.base import Engine, Rollout, group_requests
+
+ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+@dataclass
+class Generated:
+    rollout: Rollout
+    prompts: list  # the prompts as reward functions get them (with what an environment's reset added)
+    columns: dict[str, list] = field(default_factory=dict)  # more keywords for reward functions, one value per row
+
+
+class Rollouts:
+    def __init__(
+        self,
+        engine: Engine,
+        source: data.PromptSource,
+        args: Any,
+        stop_ids: Sequence[int],
+        any_process: Callable[[bool], bool],
+        tools: Sequence[Callable] | None = None,
+        environments: Environments | None = None,
+        rollout_func: Callable | None = None,
+        trainer: Any = None,
+    ) -> None:
+        self.engine = engine
+        self.source = source
+        self.tokenizer = source.tokenizer
+        self.stop_ids = set(stop_ids)
+        self.tools = ToolSet.of(tools or [])
+        self.environments = environments
+        self.rollout_func = rollout_func
+        self.trainer = trainer
+        self.uses_tools = bool(self.tools) or bool(environments and environments.has_tools)
+        self.loop = None
+        if self.uses_tools:
+            check_tool_template(self.tokenizer, args.chat_template_kwargs)
+            source.tools = self.tools.schemas
+            self.loop = ToolLoop(
+                self.tokenizer,
+                stop_ids,
+                args.max_completion_length,
+                args.max_tool_calling_iterations,
+                source.context,
+                args.tool_call_timeout,
+                args.chat_template_kwargs,
+                any_process,
+            )
+
+    def __call__(self, rows: Sequence[int], examples: Sequence[dict]) -> Generated:
+        prompts = [example.get("prompt") for example in examples]
+        columns: dict[str, list] = {}
+        toolsets = [self.tools] * len(rows)
+        if self.environments is not None:
+            instances, prompts = self.environments.start(examples)
+            toolsets = [self.tools + self.environments.tools_of(env) for env in instances]
+            columns["environments"] = instances
+        if self.rollout_func is not None:
+            rollout, extra = self._custom(prompts)
+            columns.update(extra)
+        else:
+            if self.environments is None:
+                requests = self.source.requests(rows)
+            else:
+                made = [self.source.make(r, p, t.schemas) for r, p, t in zip(rows, prompts, toolsets)]
+                requests = group_requests(made)
+            rollout = self.engine.generate(requests)
+        if self.loop is not None:
+            rollout = self.loop.run(self.engine, rollout, toolsets)
+        return Generated(rollout, prompts, columns)
+
+    def _custom(self, prompts: list) -> tuple[Rollout, dict[str, list]]:
+        """rollout_func(prompts, trainer)'s output as a Rollout, and its further keys as reward columns."""
+        n = len(prompts)
+        output = self.rollout_func(copy.deepcopy(prompts), self.trainer)
+        if not isinstance(output, dict):
+            raise ValueError(
+                f"rollout_func must return a dict with keys {list(ROLLOUT_KEYS)}; it returned {type(output).__name__}."
+            )
+        missing = [k for k in ROLLOUT_KEYS if k not in output]
+        if missing:
+            raise ValueError(
+                f"rollout_func must return keys {sorted(missing)} in its output dict (it returned {sorted(output)})."
+            )
+        prompt_ids, completion_ids, logprobs = (_rows(output, k, n) for k in ROLLOUT_KEYS)
+        mask = output.get("env_mask")
+        for i in range(n):
+            if len(logprobs[i]) != len(completion_ids[i]) or (
+                mask is not None and len(mask[i]) != len(completion_ids[i])
+            ):
+                raise ValueError(
+                    f"rollout_func: row {i} has {len(completion_ids[i])} completion ids but {len(logprobs[i])} "
+                    "logprobs"
+                    + ("" if mask is None else f" and {len(mask[i])} env_mask entries")
+                    + ": give one per completion token."
+                )
+        conversational = [data.is_conversational(p) for p in prompts]
+        rollout = Rollout(
+            prompt_ids=[list(p) for p in prompt_ids],
+            completion_ids=[list(c) for c in completion_ids],
+            sampling_logps=[[float(x) for x in lp] for lp in logprobs],
+            truncated=[not c or c[-1] not in self.stop_ids for c in completion_ids],
+            texts=self.tokenizer.batch_decode([list(c) for c in completion_ids], skip_special_tokens=True),
+            loss_mask=[list(m) for m in mask] if mask is not None and self.loop is None else [],
+        )
+        rollout.messages = [
+            [{"role": "assistant", "content": text}] if conv else None
+            for text, conv in zip(rollout.texts, conversational)
+        ]
+        extra = {
+            k: list(v) if isinstance(v, (list, tuple)) and len(v) == n else [v] * n
+            for k, v in output.items()
+            if k not in ROLLOUT_KEYS and k != "env_mask"
+        }
+        return rollout, extra
+
+
+def _rows(output: dict, key: str, n: int) -> list:
+    value = output[key]
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
+        raise ValueError(f"rollout_func's '{key}' must be a list with one entry per prompt ({n} here); got {got}.")
+    return list(value)
+
+
+__all__ = ["EMPTY_PROMPT", "Generated", "Rollouts"]
