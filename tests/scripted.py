@@ -53,3 +53,37 @@ class FixedEngine(ScriptedEngine):
             n = 1 + (sum(row.prompt.ids) + self.offset + i) % 8
             ids.append(self.letters[:n] + ([self.end] if n < 8 else []))
         return assemble(rows, ids, [[0.0] * len(c) for c in ids], {self.end}, self.tok)
+
+
+class TurnScript:
+    """A multi-turn scripted engine: the text of each sampled turn is `script(prompt_text, turn, j)`, where `turn`
+    counts the tool results already in the sequence and j is the sample's index in its request; the turn ends with
+    the end-of-turn token unless the text ends with "~" (then it is cut there, as a truncated turn would be).
+    Records the requests it got, and reports log-prob -0.5 per sampled token."""
+
+    name = "turns"
+
+    def __init__(self, tokenizer, script):
+        self.tok = tokenizer
+        self.script = script
+        self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.requests = []
+
+    def sync_weights(self, model):
+        pass
+
+    def turn_ids(self, text):
+        if text.endswith("~"):
+            return self.tok(text[:-1], add_special_tokens=False)["input_ids"]
+        return self.tok(text, add_special_tokens=False)["input_ids"] + [self.end]
+
+    def generate(self, requests):
+        self.requests.append(list(requests))
+        ids = []
+        for r in requests:
+            text = self.tok.decode(list(r.prompt.ids))
+            turn = text.count("<|im_start|>tool")
+            for j in range(r.num_samples):
+                sampled = self.turn_ids(self.script(text, turn, j))
+                ids.append(sampled[: r.max_tokens] if r.max_tokens else sampled)
+        return assemble(expand(requests), ids, [[-0.5] * len(c) for c in ids], {self.end}, self.tok)

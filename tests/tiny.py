@@ -35,7 +35,7 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_model(
-    tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden: int = 32, layers: int = 2
+    tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden: int = 32, layers: int = 2, context: int = 512
 ) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -45,7 +45,7 @@ def make_model(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,

@@ -85,7 +85,7 @@ def greedy_accuracy(model: Any, tokenizer: Any, template: str, max_new_tokens: i
     return sum(r[2] for r in results) / len(results), results
 
 
-def plot(metrics_path: str, png_path: str) -> None:
+def plot(metrics_path: str, png_path: str, task: str = "single-digit addition") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +103,7 @@ def plot(metrics_path: str, png_path: str) -> None:
         steps, [r["completions/mean_length"] for r in rows], color="tab:orange", marker=".", label="completion length"
     )
     ax2.set_ylabel("mean completion length (tokens)", color="tab:orange")
-    ax1.set_title("GRPO on SmolLM2-135M-Instruct: single-digit addition")
+    ax1.set_title(f"GRPO on SmolLM2-135M-Instruct: {task}")
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)

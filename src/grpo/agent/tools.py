@@ -158,10 +158,12 @@ def _start(call: Any, tools: ToolSet, timeout: float | None) -> _Pending | CallR
     if not isinstance(arguments, dict):
         return _failure(name, f"The arguments of {name} must be a JSON object, got {arguments!r:.100}.")
     arguments = coerce_arguments(arguments, tool.parameters)
+    signature = inspect.signature(tool.fn)
     try:
-        inspect.signature(tool.fn).bind(**arguments)
+        signature.bind(**arguments)
     except TypeError as err:
-        return _failure(name, f"Arguments {arguments!r:.100} do not fit {name}{inspect.signature(tool.fn)}: {err}.")
+        expected = ", ".join(signature.parameters)
+        return _failure(name, f"Arguments {arguments!r:.100} do not fit {name}({expected}): {err}.")
     return _Pending(tool, arguments, timeout)
 
 
