@@ -18,12 +18,12 @@ import sys
 import torch
 import torch.distributed as dist
 from datasets import Dataset
+
 from distributed_job import allow_fsdp_on_cpu, whole
+from grpo import GRPOConfig, GRPOTrainer
 from scripted import TurnScript
 from test_agent import CALL, multiply, tool_tokenizer
 from tiny import make_model
-
-from grpo import GRPOConfig, GRPOTrainer
 
 
 class CollectiveScript(TurnScript):
@@ -74,8 +74,13 @@ def main() -> None:
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"go {i}"}]} for i in range(8)])
     sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
     trainer = GRPOTrainer(
-        model=model, processing_class=tok, reward_funcs=reward, train_dataset=data, args=args,
-        optimizers=(sgd, None), tools=[multiply],
+        model=model,
+        processing_class=tok,
+        reward_funcs=reward,
+        train_dataset=data,
+        args=args,
+        optimizers=(sgd, None),
+        tools=[multiply],
     )
     trainer.engine = CollectiveScript(tok, script)
     before = whole(trainer.unwrapped_model)

@@ -8,14 +8,14 @@ import pandas as pd
 import pytest
 import torch
 from datasets import Dataset
-from field_effects import BASE
-from scripted import TurnScript
-from tiny import make_model, make_tokenizer
 
+from field_effects import BASE
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.batch import collate
 from grpo.losses import policy_loss
+from scripted import TurnScript
+from tiny import make_model, make_tokenizer
 
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
 CALLED = {"name": "multiply", "arguments": {"a": 2, "b": 3}}
@@ -144,7 +144,9 @@ def test_a_turn_cut_by_the_budget_is_truncated(tmp_path):
     trainer = make_trainer(tmp_path, lambda text, turn, j: CALL if turn == 0 else long_answer)
     rollout = trainer._generate(GROUPS).rollout
     assert all(len(ids) == 200 for ids in rollout.completion_ids) and all(rollout.truncated)
-    assert rollout.messages[0][-1]["content"] == "x" * (200 - rollout.loss_mask[0].index(0) - rollout.loss_mask[0].count(0))
+    assert rollout.messages[0][-1]["content"] == "x" * (
+        200 - rollout.loss_mask[0].index(0) - rollout.loss_mask[0].count(0)
+    )
 
 
 def test_failing_tools_become_messages_and_count_as_failures(tmp_path):
@@ -259,8 +261,12 @@ def test_the_document_template_check_runs_before_training(tmp_path):
     tok = make_tokenizer()  # plain ChatML: no tools
     with pytest.raises(ValueError, match="does not render the tools.*CHATML_TOOLS"):
         GRPOTrainer(
-            model=make_model(tok), processing_class=tok, reward_funcs=final_is_6, train_dataset=dataset(),
-            args=cfg(tmp_path), tools=[multiply],
+            model=make_model(tok),
+            processing_class=tok,
+            reward_funcs=final_is_6,
+            train_dataset=dataset(),
+            args=cfg(tmp_path),
+            tools=[multiply],
         )
 
 
@@ -336,8 +342,13 @@ def test_environments_by_row_and_their_errors(tmp_path):
         [{"prompt": [{"role": "user", "content": "go"}], "k": i + 1, "environment": "ab"[i % 2]} for i in range(8)]
     )
     trainer = make_trainer(
-        tmp_path, lambda t, turn, j: "done", tools=(), reward=None, data=data,
-        environment_factory={"a": Counter, "b": Other}, args=dict(shuffle_dataset=False),
+        tmp_path,
+        lambda t, turn, j: "done",
+        tools=(),
+        reward=None,
+        data=data,
+        environment_factory={"a": Counter, "b": Other},
+        args=dict(shuffle_dataset=False),
     )
     assert trainer.rewards.names == ["Counter", "Other"]
     trainer.train()
@@ -359,7 +370,12 @@ def test_environments_by_row_and_their_errors(tmp_path):
 
 def test_an_environment_without_a_dataset(tmp_path):
     trainer = make_trainer(
-        tmp_path, lambda t, turn, j: "done", tools=(), reward=None, data=None, environment_factory=Counter,
+        tmp_path,
+        lambda t, turn, j: "done",
+        tools=(),
+        reward=None,
+        data=None,
+        environment_factory=Counter,
     )
     assert len(trainer.train_dataset) == 2  # generation_batch_size / num_generations empty prompts
 
@@ -389,7 +405,9 @@ def test_rollout_func_replaces_generation_and_its_keys_reach_rewards(tmp_path):
 
     trainer = make_trainer(tmp_path, call_then_answer, tools=(), reward=reward, rollout_func=rollout_func)
     trainer.train()
-    assert len(seen["prompts"]) == 8 and seen["prompts"][0] == [{"role": "user", "content": seen["prompts"][0][0]["content"]}]
+    assert len(seen["prompts"]) == 8 and seen["prompts"][0] == [
+        {"role": "user", "content": seen["prompts"][0][0]["content"]}
+    ]
     assert seen["completions"][0] == [{"role": "assistant", "content": "abc"}] and seen["tag"] == ["t"] * 8
     row = trainer.state.log_history[-1]
     assert row["completions/mean_length"] == 3.0  # env_mask 0 is not a model token
@@ -401,10 +419,31 @@ def test_rollout_func_replaces_generation_and_its_keys_reach_rewards(tmp_path):
     [
         ({"prompt_ids": [[1]] * 8, "completion_ids": [[1]] * 8}, r"must return keys \['logprobs'\]"),
         ({"prompt_ids": [[1]] * 8, "completion_ids": [[1]] * 7, "logprobs": [[0.0]] * 8}, "one entry per prompt"),
-        ({"prompt_ids": [[1]] * 8, "completion_ids": [[1, 2]] * 8, "logprobs": [[0.0]] * 8}, "one per completion token"),
+        (
+            {"prompt_ids": [[1]] * 8, "completion_ids": [[1, 2]] * 8, "logprobs": [[0.0]] * 8},
+            "one per completion token",
+        ),
     ],
 )
 def test_rollout_func_output_errors(tmp_path, output, message):
     trainer = make_trainer(tmp_path, call_then_answer, tools=(), rollout_func=lambda prompts, trainer: output)
     with pytest.raises(ValueError, match=message):
         trainer.train()
+
+
+def test_resume_from_a_checkpoint_taken_mid_cycle_is_exact(tmp_path):
+    """steps_per_generation=2: the checkpoint after step 1 holds the second half of a generation batch of multi-turn
+    rollouts (with their masks); resuming from it ends with the same weights as the run straight through."""
+    kw = dict(steps_per_generation=2, max_steps=4, save_strategy="steps", save_steps=1, learning_rate=5e-2)
+    straight = make_trainer(tmp_path / "a", call_then_answer, args=kw)
+    straight.train()
+    resumed = make_trainer(tmp_path / "b", call_then_answer, args=kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-1"))
+    assert resumed.state.global_step == 4
+    moved = 0
+    first = make_model(tool_tokenizer(), context=4096).state_dict()
+    for name, value in straight.unwrapped_model.state_dict().items():
+        assert torch.equal(value, resumed.unwrapped_model.state_dict()[name]), name
+        moved += not torch.equal(value, first[name])
+    assert moved > 0
+    assert straight.state.log_history[0]["tools/call_frequency"] == 0.5

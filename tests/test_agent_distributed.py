@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+
 from test_distributed import torchrun
 
 JOB = os.path.join(os.path.dirname(__file__), "agent_job.py")

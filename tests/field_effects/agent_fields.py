@@ -12,11 +12,11 @@ CALL = '<tool_call>{"name": "%s", "arguments": {"x": 1}}</tool_call>'
 
 def _tool_trainer(s: Setting, tool, **more):
     from datasets import Dataset
-    from scripted import TurnScript
-    from tiny import make_model, make_tokenizer
 
     from grpo import GRPOTrainer
     from grpo.agent import CHATML_TOOLS
+    from scripted import TurnScript
+    from tiny import make_model, make_tokenizer
 
     tok = make_tokenizer()
     tok.chat_template = CHATML_TOOLS
