@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench bench-full lint install clean
+.PHONY: demo demo-agent test test-slow bench bench-full lint install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ clean:
 SEED ?= 0
 demo: $(STAMP)
 	$(PY) -m grpo.demo --seed $(SEED) --output runs/demo
+
+# Agent training: the bundled model learns to answer multiplications by calling a `multiply` tool; results in
+# runs/demo-agent.
+demo-agent: $(STAMP)
+	$(PY) -m grpo.demo_agent --seed $(SEED) --output runs/demo-agent
 
 # grpo against TRL 1.16 on the same workload, each in a fresh process (TRL installed only here).
 bench: $(STAMP)

@@ -115,3 +115,63 @@ def test_converted_model_matches_gguf(converted: str, gguf_model_and_tokenizer) 
         ours = model(**enc).logits
         ref = gguf_model(**enc).logits
     assert torch.allclose(ours, ref, atol=1e-5)
+
+
+def test_the_documents_agent_example_runs_on_the_bundled_model(converted: str, tmp_path: Path) -> None:
+    """The product document's `tools=[multiply]` example with `from grpo import GRPOTrainer` (the model swapped for
+    the bundled one, which needs a tool-capable chat template: SmolLM2's own has no tool support)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from grpo import GRPOConfig, GRPOTrainer
+    from grpo.agent import CHATML_TOOLS
+
+    def multiply(a: int, b: int) -> int:
+        """
+        Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+
+        Returns:
+            The product of the two integers.
+        """
+        return a * b
+
+    def reward_func(completions, **kwargs):
+        return [float(any(m["role"] == "tool" for m in c)) for c in completions]
+
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} times 37?"}]} for i in range(8)])
+    plain = AutoTokenizer.from_pretrained(converted)
+    with pytest.raises(ValueError, match="does not render the tools"):
+        GRPOTrainer(
+            model=converted,
+            reward_funcs=reward_func,
+            train_dataset=dataset,
+            tools=[multiply],
+            args=GRPOConfig(output_dir=str(tmp_path / "refused"), max_steps=1),
+        )
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    tokenizer.chat_template = CHATML_TOOLS
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=48,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=converted,
+        reward_funcs=reward_func,
+        train_dataset=dataset,
+        tools=[multiply],
+        args=args,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    assert plain.chat_template != CHATML_TOOLS
+    assert [("tools/call_frequency" in row) for row in trainer.state.log_history] == [True, True]

@@ -214,7 +214,7 @@ def _write_samples(output_dir: str, before: Measured, after: Measured, n: int = 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--output", default="runs/demo-agent")
     parser.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")

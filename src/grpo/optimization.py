@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import logging
 import math
 from typing import Any
 
@@ -13,6 +14,8 @@ from accelerate import Accelerator
 from transformers import Trainer, get_scheduler
 
 from grpo.distributed import zero
+
+logger = logging.getLogger("grpo")
 
 
 class TrainingError(RuntimeError):
@@ -87,6 +90,29 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
         return float(accelerator.clip_grad_norm_(params, max_norm))
     accelerator.unscale_gradients()  # fp16 loss scaling (as clip_grad_norm_ does): the norm of the true gradients
     return float(torch.nn.utils.get_total_norm([p.grad for p in params])) if params else 0.0
+
+
+class GradientCheck:
+    """Each step's gradients clipped and checked: the norm, NaN when fp16 loss scaling overflowed (the scaler skips
+    the step and lowers the scale); a non-finite norm is an error otherwise, or after fp16 overflowed on every step
+    of 32 in a row."""
+
+    def __init__(self, max_norm: float | None) -> None:
+        self.max_norm = max_norm
+        self.overflows = 0  # fp16 loss-scale overflows in a row
+
+    def __call__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, step: int) -> float:
+        norm = clip_gradients(accelerator, model, self.max_norm)
+        finite = math.isfinite(norm)
+        self.overflows = 0 if finite or accelerator.scaler is None else self.overflows + 1
+        if 0 < self.overflows < 32:
+            logger.info("Step %d: fp16 gradients overflowed; the step is skipped and the loss scale lowered.", step)
+            return float("nan")
+        if not finite:
+            optimizer.zero_grad(set_to_none=True)
+            applied = zero.in_use(accelerator)  # DeepSpeed steps inside backward
+            raise TrainingError(nonfinite_message(step, "gradient norm", norm, applied))
+        return norm
 
 
 def nonfinite_message(step: int, what: str, value: float, applied: bool) -> str:

@@ -156,7 +156,7 @@ class GRPOTrainer:
         self.loss_terms = LossTerms(args, router_aux_coef(self.unwrapped_model, args))  # entropy bonus, router loss
         self.correction = SamplingCorrection.of(args, engine)  # sampling/* metrics, vLLM's IS weight, OPSM
         self._weights_stale = True  # the engine has not seen the policy's weights yet
-        self._overflows = 0  # fp16 loss-scale overflows in a row
+        self.gradient_check = optimization.GradientCheck(args.max_grad_norm)  # clip; non-finite norms
         self.step_applied = False  # whether the current step's optimizer step has been applied
         self.metrics: MetricsLogger | None = None  # made by train()
         self.completion_log = CompletionLog(args, self.rewards.names) if args.log_completions else None
@@ -417,7 +417,7 @@ class GRPOTrainer:
         bonus_mask = batch.mask if entropy_mask is None else batch.mask * entropy_mask
         loss, extra = self.loss_terms.add(loss, entropies, bonus_mask, self.training_pass.aux_loss)
         if not torch.isfinite(loss):
-            raise TrainingError(self._nonfinite_message("loss", loss.item()))
+            raise TrainingError(optimization.nonfinite_message(self.state.global_step + 1, "loss", loss.item(), False))
         backward(acc, loss)
         stats = dict(metrics.stats, **sampling, **extra, entropy=masked_mean_stat(entropies.detach(), batch.mask))
         self.metrics.add_many(collectives.reduce_stats(stats, acc))
@@ -428,7 +428,7 @@ class GRPOTrainer:
         """Clip and check the accumulated gradients, apply them, advance the schedule."""
         # each process's loss is its share of the global one: their mean is the loss of the whole batch
         loss = collectives.process_mean(self.accelerator, sum(losses))
-        grad_norm = self._clip_and_check_gradients()
+        grad_norm = self.gradient_check(self.accelerator, self.model, self.optimizer, self.state.global_step + 1)
         self.optimizer.step()
         self.step_applied = True
         if not self.accelerator.optimizer_step_was_skipped:  # fp16 loss scaling skips a step that overflowed
@@ -440,27 +440,6 @@ class GRPOTrainer:
         ref_sync.after_step(self)  # sync_ref_model (TR-DPO)
         self.state.epoch = self.state.global_step / self.steps_per_epoch
         return Update(loss, grad_norm, self.lr_scheduler.get_last_lr()[0])
-
-    def _clip_and_check_gradients(self) -> float:
-        """The gradient norm (NaN when fp16 loss scaling overflowed: the scaler skips the step and lowers the
-        scale); a non-finite norm is an error otherwise, or after fp16 overflowed on every step of 32 in a row."""
-        norm = optimization.clip_gradients(self.accelerator, self.model, self.args.max_grad_norm)
-        finite = math.isfinite(norm)
-        self._overflows = 0 if finite or self.accelerator.scaler is None else self._overflows + 1
-        if 0 < self._overflows < 32:
-            logger.info(
-                "Step %d: fp16 gradients overflowed; the step is skipped and the loss scale lowered.",
-                self.state.global_step + 1,
-            )
-            return float("nan")
-        if not finite:
-            self.optimizer.zero_grad(set_to_none=True)
-            raise TrainingError(self._nonfinite_message("gradient norm", norm))
-        return norm
-
-    def _nonfinite_message(self, what: str, value: float) -> str:
-        applied = what == "gradient norm" and zero.in_use(self.accelerator)  # DeepSpeed steps inside backward
-        return optimization.nonfinite_message(self.state.global_step + 1, what, value, applied)
 
     # ---- log and checkpoint ----------------------------------------------------------------------------------
 
