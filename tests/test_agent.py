@@ -304,7 +304,7 @@ def test_environment_factory_tools_reset_and_reward(tmp_path):
     seen = {}
 
     def script(text, turn, j):
-        return '<tool_call>{"name": "add", "arguments": {"n": %d}}</tool_call>' % j if turn == 0 else "done"
+        return '<tool_call>{"name": "add", "arguments": {"n": ' + str(j) + "}}</tool_call>" if turn == 0 else "done"
 
     def record(prompts, environments, **kw):
         seen.update(prompts=prompts, environments=environments)
@@ -447,3 +447,17 @@ def test_resume_from_a_checkpoint_taken_mid_cycle_is_exact(tmp_path):
         moved += not torch.equal(value, first[name])
     assert moved > 0
     assert straight.state.log_history[0]["tools/call_frequency"] == 0.5
+
+
+def test_lora_with_tools_trains_the_adapters_only(tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    trainer = make_trainer(tmp_path, call_then_answer, peft_config=lora, args=dict(learning_rate=5e-2))
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
+    trainer.train()
+    after = dict(trainer.unwrapped_model.named_parameters())
+    moved = {n for n, p in after.items() if not torch.equal(p, before[n])}
+    assert moved and all("lora_" in n for n in moved)
+    assert all(not torch.equal(after[n], before[n]) for n in after if "lora_" in n)
+    assert trainer.state.log_history[-1]["tools/call_frequency"] == 0.5

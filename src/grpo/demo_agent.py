@@ -32,7 +32,8 @@ from grpo.agent.tools import ToolSet
 from grpo.bundled import bundled_model_path
 from grpo.config import GRPOConfig
 from grpo.data import end_of_turn_ids, make_prompt
-from grpo.demo import fresh_output_dir, last_integer
+from grpo.demo import demo_config as addition_config
+from grpo.demo import fresh_output_dir, last_integer, plot
 from grpo.modeling import generation_eos
 from grpo.rollout.base import Request
 from grpo.rollout.fast import FastEngine
@@ -132,25 +133,11 @@ def measure(model: Any, tokenizer: Any, pairs: list[tuple[int, int]], max_comple
 
 
 def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any) -> GRPOConfig:
+    """`make demo`'s settings, with room for a call, the tool's result and the answer."""
     params = dict(
-        output_dir=output_dir,
-        seed=seed,
-        max_steps=steps,
-        per_device_train_batch_size=16,
-        num_generations=8,
-        max_completion_length=64,
-        max_tool_calling_iterations=2,
-        learning_rate=2e-5,
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        temperature=1.0,
-        log_completions=True,
-        num_completions_to_print=2,
+        max_completion_length=64, max_tool_calling_iterations=2, log_completions=True, num_completions_to_print=2
     )
-    params.update(overrides)
-    return GRPOConfig(**params)
+    return addition_config(output_dir, seed, steps, **{**params, **overrides})
 
 
 def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: Any) -> dict:
@@ -175,8 +162,6 @@ def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: An
     after = measure(model, tokenizer, held, args.max_completion_length)
     trainer.save_model(os.path.join(output_dir, "model"))
     _write_samples(output_dir, before, after)
-    from grpo.demo import plot
-
     plot(os.path.join(output_dir, "metrics.jsonl"), os.path.join(output_dir, "reward.png"), "tool use")
     summary = {
         "seed": seed,

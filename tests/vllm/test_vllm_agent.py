@@ -1,11 +1,12 @@
-"""A tool loop through the vLLM colocate engine: the first turns (which call the tool) come from a rollout_func,
-scripted, with the policy's own log-probs; every follow-up turn after the tool result is sampled by vLLM, one
+"""A tool loop through the vLLM engines, colocate and a `grpo vllm-serve` server: the first turns (which call the
+tool) come from a rollout_func, scripted, with the policy's own log-probs; every follow-up turn after the tool result is sampled by vLLM, one
 sample per row, from the sequence so far (prompt, the call, the tool turn's tokens). The sampling/* metrics then
 compare vLLM's log-probs with the policy's on model tokens only: they agree to float32 rounding, so the tool
 tokens (whose placeholder log-prob 0.0 is far from the policy's) take no part."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import tiny
@@ -13,6 +14,7 @@ from field_effects import BASE, chat_dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.data import make_prompt
+from test_server_mode import Server
 from test_vllm_engine import FP32_TOL, policy_logps
 
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -28,12 +30,24 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-def test_follow_up_turns_are_sampled_by_vllm(tmp_path):
+@pytest.fixture(scope="module")
+def tools_model_dir(tmp_path_factory):
+    """The tiny vLLM-compatible Llama with the tool-capable template and room (2048 positions) for its schemas."""
     tok = tiny.make_tokenizer()
     tok.chat_template = CHATML_TOOLS
-    model_dir = tmp_path / "tiny-tools"
+    model_dir = tmp_path_factory.mktemp("tiny-tools") / "tiny-tools"
     tiny.make_model(tok, hidden=128, context=2048).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
+    return str(model_dir)
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_follow_up_turns_are_sampled_by_vllm(tools_model_dir, tmp_path, mode):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tools_model_dir)
+    server = Server(tools_model_dir) if mode == "server" else None
+    extra = {"vllm_mode": "server", "vllm_server_port": server.port} if server else {}
 
     def first_turns(prompts, trainer):
         schemas = trainer.rollouts.tools.schemas
@@ -44,10 +58,10 @@ def test_follow_up_turns_are_sampled_by_vllm(tmp_path):
 
     args = GRPOConfig(
         output_dir=str(tmp_path / "out"),
-        **{**BASE, "use_vllm": True, "max_completion_length": 160, "max_tool_calling_iterations": 1},
+        **{**BASE, "use_vllm": True, "max_completion_length": 160, "max_tool_calling_iterations": 1, **extra},
     )
     trainer = GRPOTrainer(
-        model=str(model_dir),
+        model=tools_model_dir,
         processing_class=tok,
         reward_funcs=lambda completions, **kw: [float(len(c[-1]["content"])) for c in completions],
         train_dataset=chat_dataset(),
@@ -55,7 +69,6 @@ def test_follow_up_turns_are_sampled_by_vllm(tmp_path):
         tools=[multiply],
         rollout_func=first_turns,
     )
-    assert trainer.engine.name == "vllm"
     asked, generate = [], trainer.engine.generate
 
     def recording(requests):
@@ -64,7 +77,11 @@ def test_follow_up_turns_are_sampled_by_vllm(tmp_path):
 
     trainer.engine.generate = recording
     before = {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if server is not None:
+            server.kill()
     assert len(asked) == 1 and [r.num_samples for r in asked[0]] == [1] * 8  # the follow-up turns, one per row
     suffix = tok("\n<|im_start|>tool\n6<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert list(asked[0][0].prompt.ids[-len(suffix) :]) == suffix
