@@ -21,7 +21,7 @@ def launch(nproc, out, *mode):
         return torch.load(os.path.join(out, "update.pt")), json.load(f)
 
 
-@pytest.mark.parametrize("mode", [(), ("fsdp",)])
+@pytest.mark.parametrize("mode", [(), pytest.param(("fsdp",), marks=pytest.mark.slow)])
 def test_processes_whose_rows_finish_at_different_rounds(tmp_path, mode):
     one, row1 = launch(1, tmp_path / "one", *mode)
     two, row2 = launch(2, tmp_path / "two", *mode)

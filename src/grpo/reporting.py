@@ -99,10 +99,10 @@ def warn_unlogged(args: Any) -> None:
 
 def count_tokens(state: Any, metrics: Any, rollout: Any, batch: Any, accelerator: Any, mode: str) -> None:
     """Count one generation batch's input tokens: `state.num_input_tokens_seen` and the `num_tokens` column
-    always (TRL's count: the rows of `rollout`, every process's, without padding); the `num_input_tokens_seen`
-    column as `mode` asks, "all" from `batch`, this process's collated share (padding included), summed over
-    the processes."""
-    state.num_input_tokens_seen += sum(len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids))
+    always (TRL's count: the rows of `rollout`, every process's, without padding, tool results not counted); the
+    `num_input_tokens_seen` column as `mode` asks, "all" from `batch`, this process's collated share (padding
+    included), summed over the processes."""
+    state.num_input_tokens_seen += sum(len(p) + sum(m) for p, m in zip(rollout.prompt_ids, rollout.loss_mask))
     metrics.set_total("num_tokens", state.num_input_tokens_seen)
     if mode == "non_padding":
         metrics.set_total(TOKENS_SEEN, state.num_input_tokens_seen)

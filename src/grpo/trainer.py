@@ -24,7 +24,9 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
 - `average_tokens_across_devices=False` divides each process's token-sum loss by its own tokens (the HF
   Trainer's meaning; the reference always counts every process's);
 - the sampling/* metrics are logged for every engine; on-policy, vLLM's importance weight compares with the
-  training pass's own log-probs (the reference runs an extra old-policy pass for it).
+  training pass's own log-probs (the reference runs an extra old-policy pass for it);
+- tool calls (`grpo.agent`): the `<tool_call>` format is read where the tokenizer has no response parser, each
+  call runs under `tool_call_timeout`, and a failing call becomes an error message to the model.
 """
 
 from __future__ import annotations
