@@ -461,3 +461,28 @@ def test_lora_with_tools_trains_the_adapters_only(tmp_path):
     assert moved and all("lora_" in n for n in moved)
     assert all(not torch.equal(after[n], before[n]) for n in after if "lora_" in n)
     assert trainer.state.log_history[-1]["tools/call_frequency"] == 0.5
+
+
+def test_an_environment_whose_reset_raises_or_whose_tool_clashes_is_named(tmp_path):
+    class Broken(Counter):
+        def reset(self, **row):
+            raise KeyError("level")
+
+    trainer = make_trainer(tmp_path, call_then_answer, tools=(), environment_factory=Broken)
+    with pytest.raises(
+        RuntimeError, match="Broken's reset\\(\\*\\*row\\) raised KeyError.*row keys: \\['k', 'prompt'\\]"
+    ):
+        trainer.train()
+
+    class Clash(Counter):
+        def multiply(self, a: int, b: int) -> int:
+            """Also multiplies.
+
+            Args:
+                a: x
+                b: y
+            """
+            return a * b
+
+    with pytest.raises(ValueError, match="Two tools are named 'multiply'"):
+        make_trainer(tmp_path, call_then_answer, environment_factory=Clash)

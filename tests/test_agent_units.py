@@ -264,3 +264,26 @@ def test_the_tool_turn_tokens_follow_the_end_of_turn_token():
     stop = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
     suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "multiply", "content": "12"}], stop)
     assert tok.decode(suffix) == "\n<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_hostile_tools_fail_without_stopping_anything():
+    class Unprintable:
+        def __str__(self):
+            raise RuntimeError("no str")
+
+    def weird(x: int) -> object:
+        """Returns something odd.
+
+        Args:
+            x: which
+        """
+        if x == 0:
+            raise SystemExit(3)
+        return Unprintable()
+
+    tools = ToolSet.of([weird, multiply])
+    calls = [call("weird", x=0), call("weird", x=1)]
+    calls.append({"type": "function", "function": {"name": "multiply", "arguments": '{"a": 2, "b": 5}'}})
+    out = run_calls([calls], [tools], 5.0)[0]
+    assert [r.failed for r in out] == [True, True, False] and out[2].content == "10"
+    assert "3" in out[0].content and "no str" in out[1].content

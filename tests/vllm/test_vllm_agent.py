@@ -1,8 +1,8 @@
 """A tool loop through the vLLM engines, colocate and a `grpo vllm-serve` server: the first turns (which call the
-tool) come from a rollout_func, scripted, with the policy's own log-probs; every follow-up turn after the tool result is sampled by vLLM, one
-sample per row, from the sequence so far (prompt, the call, the tool turn's tokens). The sampling/* metrics then
-compare vLLM's log-probs with the policy's on model tokens only: they agree to float32 rounding, so the tool
-tokens (whose placeholder log-prob 0.0 is far from the policy's) take no part."""
+tool) come from a rollout_func, scripted, with the policy's own log-probs; every follow-up turn after the tool
+result is sampled by vLLM, one sample per row, from the sequence so far (prompt, the call, the tool turn's tokens).
+The sampling/* metrics then compare vLLM's log-probs with the policy's on model tokens only: they agree to float32
+rounding, so the tool tokens (whose placeholder log-prob 0.0 is far from the policy's) take no part."""
 
 from __future__ import annotations
 

@@ -85,7 +85,13 @@ class Environments:
             handed[name] = index + 1
             environment = pool[index]
             row = {k: v for k, v in example.items() if not (self.routed and k == "environment")}
-            observation = environment.reset(**copy.deepcopy(row))
+            try:
+                observation = environment.reset(**copy.deepcopy(row))
+            except Exception as err:
+                raise RuntimeError(
+                    f"The environment {type(environment).__name__}'s reset(**row) raised {type(err).__name__}: {err} "
+                    f"(row keys: {sorted(row)}). reset receives every column of the dataset row as a keyword."
+                ) from err
             instances.append(environment)
             prompts.append(with_observation(list(example.get("prompt") or EMPTY_PROMPT), observation))
         return instances, prompts

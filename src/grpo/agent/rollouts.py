@@ -55,6 +55,9 @@ class Rollouts:
         self.rollout_func = rollout_func
         self.trainer = trainer
         self.uses_tools = bool(self.tools) or bool(environments and environments.has_tools)
+        if environments is not None:  # a tool and an environment method of the same name: refused now, not mid-run
+            for pool in environments.pool.values():
+                self.tools + environments.tools_of(pool[0])
         self.loop = None
         if self.uses_tools:
             check_tool_template(self.tokenizer, args.chat_template_kwargs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -137,12 +138,14 @@ class _Pending:
             value = self.thread.outcome() if self.thread is not None else self.future.result()[0]
             if isinstance(value, BaseException):  # gathered with return_exceptions=True
                 raise value
+            return CallResult(self.name, value if isinstance(value, list) else str(value), False)
         except (asyncio.TimeoutError, TimeoutError):
             _warn_abandoned(self.name, timeout)
             return _failure(self.name, f"Tool {self.name} did not return within {timeout:g} s.")
-        except Exception as err:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # SystemExit from a tool, or a result whose str() raises: the tool's failure
             return _failure(self.name, str(err) or type(err).__name__)
-        return CallResult(self.name, value if isinstance(value, list) else str(value), False)
 
 
 def _start(call: Any, tools: ToolSet, timeout: float | None) -> _Pending | CallResult:
@@ -155,6 +158,11 @@ def _start(call: Any, tools: ToolSet, timeout: float | None) -> _Pending | CallR
     tool = tools.tools.get(name)
     if tool is None:
         return _failure(str(name), f"Tool {name} not found.")
+    if isinstance(arguments, str):  # some formats write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
     if not isinstance(arguments, dict):
         return _failure(name, f"The arguments of {name} must be a JSON object, got {arguments!r:.100}.")
     arguments = coerce_arguments(arguments, tool.parameters)
