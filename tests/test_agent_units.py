@@ -287,3 +287,12 @@ def test_hostile_tools_fail_without_stopping_anything():
     out = run_calls([calls], [tools], 5.0)[0]
     assert [r.failed for r in out] == [True, True, False] and out[2].content == "10"
     assert "3" in out[0].content and "no str" in out[1].content
+
+
+def test_a_template_writing_calls_in_another_format_needs_a_response_parser():
+    tok = tool_tokenizer()
+    tok.chat_template = CHATML_TOOLS.replace("<tool_call>", "<call>").replace("</tool_call>", "</call>")
+    with pytest.raises(ValueError, match="no response parser.*writes them differently"):
+        check_tool_template(tok)
+    tok.response_template = {"placeholder": True}  # the tokenizer's own parser would read them
+    check_tool_template(tok)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from grpo.agent.parsing import has_response_parser
+
 CHATML_TOOLS = (
     "{% if tools %}<|im_start|>system\n"
     "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
@@ -89,6 +91,13 @@ def check_tool_template(tokenizer: Any, chat_template_kwargs: dict | None = None
         dropped.append("tool results ('tool' messages)")
     if dropped:
         raise ValueError(f"The chat template does not render {', '.join(dropped)}. {fix}")
+    if not has_response_parser(tokenizer) and "<tool_call>" not in text:
+        raise ValueError(
+            "The tokenizer has no response parser (response_template), so grpo reads tool calls in the "
+            '<tool_call>{"name": ..., "arguments": {...}}</tool_call> format, but this chat template writes them '
+            "differently: the model's calls would never be read. Set tokenizer.response_template for this model's "
+            "format (transformers' response parsing), or use a template with the <tool_call> format (CHATML_TOOLS)."
+        )
     if not preserves_prefix(tokenizer, kwargs):
         raise ValueError(
             "The chat template does not preserve prefixes: the tokens of a conversation up to an assistant tool call "
