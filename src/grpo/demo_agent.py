@@ -163,8 +163,11 @@ def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: An
     trainer.save_model(os.path.join(output_dir, "model"))
     _write_samples(output_dir, before, after)
     plot(os.path.join(output_dir, "metrics.jsonl"), os.path.join(output_dir, "reward.png"), "tool use")
+    rewards = [json.loads(line)["reward"] for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     summary = {
         "seed": seed,
+        "sampled_reward_first_step": rewards[0],  # at temperature 1, as trained
+        "sampled_reward_last_5_steps": sum(rewards[-5:]) / len(rewards[-5:]),
         "steps": steps,
         "heldout_pairs": len(held),
         "train_seconds": round(train_time, 1),
@@ -189,9 +192,11 @@ def _write_samples(output_dir: str, before: Measured, after: Measured, n: int = 
             lines.append(f"    - {m['role']}: {(m.get('content') or '')!r}{calls}")
         return "\n".join(lines)
 
+    pairs = list(zip(before.exchanges, after.exchanges))
+    pairs.sort(key=lambda pair: (pair[0][2], not pair[1][2]))  # the ones training fixed first, then the rest
     with open(os.path.join(output_dir, "samples.md"), "w") as f:
         f.write("# Greedy exchanges on held-out pairs, before -> after training\n\n")
-        for (q, old, ok_old), (_, new, ok_new) in list(zip(before.exchanges, after.exchanges))[:n]:
+        for (q, old, ok_old), (_, new, ok_new) in pairs[:n]:
             f.write(f"## {q}\n- before ({'ok' if ok_old else 'wrong'}):\n{show(old)}\n")
             f.write(f"- after ({'ok' if ok_new else 'wrong'}):\n{show(new)}\n\n")
 

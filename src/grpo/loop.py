@@ -61,3 +61,22 @@ class RolloutBuffer:
 
     def load_state_dict(self, state: list[dict[str, Any]], device: Any) -> None:
         self.slices = [TrainBatch.from_state_dict(s).to(device) for s in state]
+
+
+@dataclass
+class TrainOutput:
+    """What GRPOTrainer.train() returns (as the HF Trainer's TrainOutput)."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, Any]
+
+
+@dataclass
+class Update:
+    """One optimizer step's outcome: the loss of the whole batch, the gradient norm (NaN when fp16 loss scaling
+    skipped the step) and the learning rate of the next step (as the HF Trainer logs it)."""
+
+    loss: float
+    grad_norm: float
+    learning_rate: float

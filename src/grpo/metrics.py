@@ -117,18 +117,21 @@ class MetricsLogger:
             row[name] = mean if mean is None or math.isfinite(mean) else None  # metrics.jsonl stays valid JSON
         row.update(self.totals)
         self.values.clear()
-        if self.is_main:
-            if self.path:
-                os.makedirs(os.path.dirname(self.path), exist_ok=True)
-                with open(self.path, "a") as f:  # append: a resumed run never rewrites earlier rows
-                    f.write(json.dumps(row, allow_nan=False) + "\n")
-            if self.progress is not None:
-                shown = "  ".join(f"{k.split('/')[-1]}={row[k]:.3g}" for k in SHOWN if row.get(k) is not None)
-                self.progress.update(self.task, completed=step, shown=shown)
+        self.write_row(row)
+        if self.is_main and self.progress is not None:
+            shown = "  ".join(f"{k.split('/')[-1]}={row[k]:.3g}" for k in SHOWN if row.get(k) is not None)
+            self.progress.update(self.task, completed=step, shown=shown)
+        return row
+
+    def write_row(self, row: dict[str, Any]) -> None:
+        """A row (with "step") to metrics.jsonl (main process) and the trackers; evaluations write theirs so."""
+        if self.is_main and self.path:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "a") as f:  # append: a resumed run never rewrites earlier rows
+                f.write(json.dumps(row, allow_nan=False) + "\n")
         trackable = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
         if self.accelerator.trackers:
-            self.accelerator.log(trackable, step=step)
-        return row
+            self.accelerator.log(trackable, step=row["step"])
 
 
 # how each tracker takes the run's name (accelerate passes the project as its first argument)

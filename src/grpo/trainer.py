@@ -37,36 +37,41 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, TrainerState
 
-from grpo import checkpoint, data, fp32_head, lora, optimization, preemption, ref_sync, reporting, run_dir, seeding
+from grpo import (
+    checkpoint,
+    data,
+    evaluation,
+    lora,
+    models,
+    optimization,
+    preemption,
+    ref_sync,
+    reporting,
+    run_dir,
+    seeding,
+)
 from grpo.advantages import Advantages, compute_advantages
 from grpo.agent import Environments, Generated, Rollouts
 from grpo.batch import TrainBatch, collate
-from grpo.config import GRPOConfig, reject_later_features, warn_odd_combinations
-from grpo.distributed import collectives, zero
+from grpo.callbacks import Callbacks
+from grpo.config import GRPOConfig, warn_odd_combinations
+from grpo.distributed import collectives
 from grpo.distributed.accelerator import end_training, make_accelerator
 from grpo.distributed.accumulation import accumulating, backward
 from grpo.forward import TrainingPass
 from grpo.groups import GenerationBatch, Scored, groups_with_spread, rows_of_groups
-from grpo.loop import LoopState, RolloutBuffer
+from grpo.loop import LoopState, RolloutBuffer, TrainOutput, Update
 from grpo.loss_terms import LossTerms, router_aux_coef
 from grpo.losses import LossParams, LossScale, high_entropy_mask, masked_mean_stat, policy_loss
 from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics
 from grpo.modeling import (
-    disable_dropout,
-    enable_checkpointing,
     generation_eos,
-    load_causal_lm,
-    load_tokenizer,
     model_name,
-    prepare_tokenizer,
-    reference_model,
-    set_use_cache,
 )
 from grpo.optimization import TrainingError
 from grpo.perf import allocator, attention
@@ -77,23 +82,6 @@ from grpo.sampling_correction import SamplingCorrection
 
 logger = logging.getLogger("grpo")
 __all__ = ["GRPOTrainer", "TrainOutput", "TrainingError"]
-
-
-@dataclass
-class TrainOutput:
-    global_step: int
-    training_loss: float
-    metrics: dict[str, Any]
-
-
-@dataclass
-class Update:
-    """One optimizer step's outcome: the loss of the whole batch, the gradient norm (NaN when fp16 loss scaling
-    skipped the step) and the learning rate of the next step (as the HF Trainer logs it)."""
-
-    loss: float
-    grad_norm: float
-    learning_rate: float
 
 
 class GRPOTrainer:
@@ -117,7 +105,6 @@ class GRPOTrainer:
     ) -> None:
         self.args = args = _resolve_args(args, model)
         run_dir.check_output_dir(args.output_dir)
-        reject_later_features(args, eval_dataset, callbacks)
         self.environments = Environments(environment_factory) if environment_factory is not None else None
         self.train_dataset = train_dataset = data.placeholder_dataset(train_dataset, args, environment_factory)
         data.check_dataset(train_dataset, bool(tools) or self.environments is not None, self.environments is not None)
@@ -131,12 +118,18 @@ class GRPOTrainer:
             reward_funcs, args, reward_processing_classes, self.accelerator.device, env_rewards
         )
         seeding.seed_run(args)  # full_determinism: deterministic algorithms too
-        self._build_models(model, processing_class, peft_config)
+        built = models.build(
+            model, processing_class, peft_config, args, getattr(self.accelerator.state, "fsdp_plugin", None)
+        )
+        self.model, self.processing_class, self.ref_model = built.model, built.processing_class, built.ref_model
+        self.ref_from_adapters = built.ref_from_adapters
         self.state = TrainerState()
         self.max_steps, self.steps_per_epoch = self._schedule_length()
         self.state.max_steps = self.max_steps
         self._build_optimization(*optimizers)
-        self._prepare()
+        self.model, self.optimizer, self.ref_model = models.prepare(
+            self.accelerator, args, self.model, self.optimizer, self.ref_model
+        )
         ref_sync.check(self)  # sync_ref_model needs a reference model of its own
         checkpoint.strategy.check(self)  # the best checkpoint must be knowable and loadable
         self.stop_ids = data.end_of_turn_ids(self.processing_class, generation_eos(self.unwrapped_model))
@@ -162,32 +155,14 @@ class GRPOTrainer:
         self.step_applied = False  # whether the current step's optimizer step has been applied
         self.metrics: MetricsLogger | None = None  # made by train()
         self.completion_log = CompletionLog(args, self.rewards.names) if args.log_completions else None
+        self.eval_dataset = eval_dataset
+        self.evaluations = evaluation.build(eval_dataset, args, self.prompts, self.accelerator.num_processes)
+        self.callback_handler = Callbacks(
+            callbacks, self.model, self.processing_class, self.optimizer, self.lr_scheduler
+        )
+        self._fire("init_end")
 
     # ---- construction ----------------------------------------------------------------------------------------
-
-    def _build_models(self, model: str | PreTrainedModel, processing_class: Any, peft_config: Any) -> None:
-        """The policy and its tokenizer; the frozen reference when beta > 0 (with LoRA: the policy with its
-        adapters disabled, no copy; beta == 0: never loaded, shared spec §1.2); checkpointing and LoRA."""
-        a = self.args
-        model_id = model if isinstance(model, str) else None
-        self.model = load_causal_lm(model, a.model_init_kwargs, a.trust_remote_code) if model_id else model
-        source = model_id or getattr(self.model.config, "_name_or_path", None)
-        self.processing_class = (
-            prepare_tokenizer(processing_class)
-            if processing_class is not None
-            else load_tokenizer(source, a.trust_remote_code)
-        )
-        if a.disable_dropout:
-            disable_dropout(self.model)
-        self.ref_from_adapters = a.beta != 0.0 and (peft_config is not None or lora.is_peft_model(self.model))
-        self.ref_model = None
-        if a.beta != 0.0 and not self.ref_from_adapters:
-            self.ref_model = reference_model(self.model, model_id, a.model_init_kwargs, a.trust_remote_code)
-        enable_checkpointing(self.model, a, getattr(self.accelerator.state, "fsdp_plugin", None))
-        set_use_cache([self.model, self.ref_model], a.use_cache)
-        if peft_config is not None:
-            self.model = lora.wrap(self.model, peft_config, a.gradient_checkpointing)
-        fp32_head.apply(a, self.model, self.ref_model)  # cast_lm_head_to_fp32
 
     def _schedule_length(self) -> tuple[int, int]:
         """(max_steps, optimizer steps per epoch)."""
@@ -206,21 +181,6 @@ class GRPOTrainer:
         if lr_scheduler is None:
             lr_scheduler = optimization.default_scheduler(optimizer, self.args, self.max_steps)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-
-    def _prepare(self) -> None:
-        """accelerate's placement and wrapping (DDP, FSDP, DeepSpeed) of the policy, its optimizer and the
-        reference. The schedule is not handed to accelerate: its wrapper steps it once per process per step (it
-        assumes a dataloader split across processes), which would end an N-process run's schedule N times early."""
-        acc = self.accelerator
-        zero.configure(acc, self.args)  # DeepSpeed: its "auto" batch values from this config
-        self.model, self.optimizer = acc.prepare(self.model, self.optimizer)
-        # Precision is set explicitly around each forward (accelerator.autocast()); drop accelerate's autocast
-        # wrapper on forward so that code calling the model outside those regions (evaluation) gets float32.
-        acc.unwrap_model(self.model, keep_fp32_wrapper=False)
-        if self.ref_model is not None:
-            self.ref_model = zero.prepare_reference(acc, self.ref_model) or acc.prepare_model(
-                self.ref_model, evaluation_mode=True
-            )
 
     @property
     def unwrapped_model(self) -> PreTrainedModel:
@@ -256,9 +216,12 @@ class GRPOTrainer:
                 logger.info("Resumed from %s at step %d.", path, self.state.global_step)
             self.model.train()
             total_loss, first = 0.0, self.state.global_step
+            self._fire("train_begin")
             with self.metrics, preemption_guard() as preempted:
+                if a.eval_on_start and self.evaluations:
+                    self.evaluate()
                 try:
-                    while self.state.global_step < self.max_steps:
+                    while self.state.global_step < self.max_steps and not self.control.should_training_stop:
                         step_start = preemption.StepStart.capture(self)
                         total_loss += self._step()
                         if collectives.any_process(self.accelerator, preempted.is_set()):
@@ -266,6 +229,7 @@ class GRPOTrainer:
                 except Preempted:
                     preemption.save_and_exit(self, step_start)
             checkpoint.strategy.load_best_model(self, checkpoint.load_model_weights)
+            self._fire("train_end")
         end_training(self.accelerator)
         loss = total_loss / max(self.state.global_step, 1)
         summary = reporting.train_summary(a, self.state, time.perf_counter() - start, first, loss)
@@ -276,6 +240,9 @@ class GRPOTrainer:
         start = time.perf_counter()
         self.step_applied = False
         losses = []
+        if self.state.global_step % self.steps_per_epoch == 0:
+            self._fire("epoch_begin")
+        self._fire("step_begin")
         for micro in range(self.args.gradient_accumulation_steps):
             if self.buffer.needs_generation(self.loop.micro_step):
                 generated = self._generation_batch()  # rounds of generate -> score
@@ -289,9 +256,17 @@ class GRPOTrainer:
             last = micro == self.args.gradient_accumulation_steps - 1
             with accumulating(self.accelerator, self.model, last):
                 losses.append(self._loss_and_backward(batch))
+            if not last:
+                self._fire("substep_end")
         update = self._update(losses)
+        self._fire("step_end")
         self._log_step(update, time.perf_counter() - start)
+        step = self.state.global_step
+        if evaluation.due(self, step):  # eval_strategy, or a callback's control.should_evaluate
+            self.evaluate()
         self._checkpoint()
+        if step % self.steps_per_epoch == 0 or step == self.max_steps:
+            self._fire("epoch_end")
         return update.loss
 
     # ---- generate, score, advantages, old/reference log-probs ------------------------------------------------
@@ -431,7 +406,9 @@ class GRPOTrainer:
         # each process's loss is its share of the global one: their mean is the loss of the whole batch
         loss = collectives.process_mean(self.accelerator, sum(losses))
         grad_norm = self.gradient_check(self.accelerator, self.model, self.optimizer, self.state.global_step + 1)
+        self._fire("pre_optimizer_step")
         self.optimizer.step()
+        self._fire("optimizer_step")
         self.step_applied = True
         if not self.accelerator.optimizer_step_was_skipped:  # fp16 loss scaling skips a step that overflowed
             self.lr_scheduler.step()
@@ -448,36 +425,55 @@ class GRPOTrainer:
     def _log_generation(self, generated: GenerationBatch, advantages: Advantages, batch: TrainBatch) -> None:
         mode = self.args.include_num_input_tokens_seen
         reporting.count_tokens(self.state, self.metrics, generated.batch.rollout, batch, self.accelerator, mode)
+        a, names = self.args, self.rewards.names
         self.metrics.add_many(
-            generation_metrics(
-                generated, advantages, self.rewards.names, self.args.dynamic_sampling, self.rollouts.uses_tools
-            )
+            generation_metrics(generated, advantages, names, a.dynamic_sampling, self.rollouts.uses_tools)
         )
         if self.completion_log is not None:
             self.completion_log.record(generated.batch, advantages.advantages, self.processing_class)
 
     def _log_step(self, update: Update, seconds: float) -> None:
         step = self.state.global_step
-        self.metrics.add_many(
-            {
-                "loss": update.loss,
-                "grad_norm": update.grad_norm,
-                "learning_rate": update.learning_rate,
-                "step_time": seconds,
-            }
-        )
+        values = dict(loss=update.loss, grad_norm=update.grad_norm, learning_rate=update.learning_rate)
+        self.metrics.add_many(dict(values, step_time=seconds))
         self.metrics.advance(step)
-        if reporting.should_log(self.args, step, self.max_steps, self.steps_per_epoch):
+        if reporting.should_log(self.args, step, self.max_steps, self.steps_per_epoch) or self.control.should_log:
             self.state.log_history.append(self.metrics.log(step, self.state.epoch))
             if self.completion_log is not None and self.accelerator.is_main_process:
                 self.completion_log.flush(step, self.metrics.console)
+            self._fire("log", logs=self.state.log_history[-1])
         elif self.args.logging_strategy == "no":
             self.metrics.discard()  # no row will ever average this window
         reporting.release_cached_memory(self.args, step, self.accelerator.device)  # torch_empty_cache_steps
 
     def _checkpoint(self) -> None:
-        if checkpoint.strategy.should_save(self):  # save_strategy, on the step just logged
+        due = checkpoint.strategy.should_save(self)  # save_strategy, on the step just logged (every process)
+        if due or self.control.should_save:
             checkpoint.save(self, self.state.global_step)
+            self._fire("save")
+
+    # ---- evaluation and callbacks ----------------------------------------------------------------------------
+
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Completions of every eval prompt scored by the reward functions: the `eval_` metrics (`grpo.evaluation`),
+        logged and passed to the callbacks' on_evaluate. Changes nothing training depends on."""
+        return evaluation.evaluate(self, eval_dataset, metric_key_prefix)
+
+    @property
+    def control(self) -> Any:
+        return self.callback_handler.control
+
+    def add_callback(self, callback: Any) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        self.callback_handler.remove(callback)
+
+    def _fire(self, event: str, **kwargs: Any) -> None:
+        self.callback_handler.fire(event, self.args, self.state, **kwargs)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Write the policy (and tokenizer) as a normal Hugging Face model directory."""

@@ -73,7 +73,13 @@ class Rollouts:
                 any_process,
             )
 
-    def __call__(self, rows: Sequence[int], examples: Sequence[dict]) -> Generated:
+    def __call__(
+        self, rows: Sequence[int], examples: Sequence[dict], source: data.PromptSource | None = None, engine: Any = None
+    ) -> Generated:
+        """Completions of `examples` (rows `rows` of the source's dataset: the training one unless `source` is
+        given), from `engine` (None: the training engine)."""
+        source = source or self.source
+        engine = engine or self.engine
         prompts = [example.get("prompt") for example in examples]
         columns: dict[str, list] = {}
         toolsets = [self.tools] * len(rows)
@@ -86,18 +92,20 @@ class Rollouts:
             columns.update(extra)
         else:
             if self.environments is None:
-                requests = self.source.requests(rows)
+                requests = source.requests(rows)
             else:
-                made = [self.source.make(r, p, t.schemas) for r, p, t in zip(rows, prompts, toolsets)]
+                made = [source.make(r, p, t.schemas) for r, p, t in zip(rows, prompts, toolsets)]
                 requests = group_requests(made)
-            rollout = self.engine.generate(requests)
+            rollout = engine.generate(requests)
         if self.loop is not None:
-            rollout = self.loop.run(self.engine, rollout, toolsets)
+            rollout = self.loop.run(engine, rollout, toolsets)
         return Generated(rollout, prompts, columns)
 
     def _custom(self, prompts: list) -> tuple[Rollout, dict[str, list]]:
         """rollout_func(prompts, trainer)'s output as a Rollout, and its further keys as reward columns."""
         n = len(prompts)
+        if n == 0:  # a process with no rows in this (evaluation) batch
+            return Rollout([], [], [], []), {}
         output = self.rollout_func(copy.deepcopy(prompts), self.trainer)
         if not isinstance(output, dict):
             raise ValueError(

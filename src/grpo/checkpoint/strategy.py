@@ -5,9 +5,10 @@ save_on_each_node, resume_from_checkpoint and ignore_data_skip, for grpo's loop.
 - save_strategy "steps": every save_steps optimizer steps; "epoch": at the end of every epoch (steps_per_epoch
   optimizer steps) and at the last step, where the HF Trainer's last, possibly partial, epoch ends; "best":
   whenever the logged metric_for_best_model improves; "no": never (SIGTERM still saves, `grpo.preemption`).
-- grpo has no evaluation loop, so the metric is read where the HF Trainer would evaluate: in the row logged at a
-  step (metrics.jsonl). "eval_reward" names the logged "reward" (the HF Trainer adds that prefix to find its
-  evaluation metric). A checkpoint is ranked by the metric logged at its step; `state.best_metric`,
+- The metric is read in the row logged at a step (metrics.jsonl). With an eval dataset, an "eval_" name is the
+  evaluation's metric, read at the steps it runs (the HF Trainer's meaning); without one, "eval_reward" names the
+  logged training "reward" (the HF Trainer adds that prefix to find its evaluation metric). A checkpoint is
+  ranked by the metric logged at its step; `state.best_metric`,
   `best_global_step` and `best_model_checkpoint` describe the best checkpoint saved so far (with "best" that is
   also the best value logged) and persist in trainer_state.json.
 - Rotation (save_total_limit) keeps the newest checkpoint and the best one; load_best_model_at_end ends train()
@@ -142,6 +143,9 @@ def metric_at(trainer: Any, step: int) -> float | None:
     if name is None or not rows or rows[-1].get("step") != step:
         return None
     row = rows[-1]
+    evaluated = bool(getattr(trainer, "evaluations", None)) and name.startswith("eval_")
+    if evaluated:  # with an eval dataset, eval_ names the evaluation's metric, read at the steps it runs
+        return _number(trainer, row.get(name))
     key = metric_key(name, row)
     if key is None and not any(metric_key(name, r) for r in rows[:-1]):
         available = ", ".join(sorted(k for k in row if k not in ("step", "epoch")))
@@ -149,7 +153,11 @@ def metric_at(trainer: Any, step: int) -> float | None:
             f"GRPOConfig.metric_for_best_model={name!r} is not a logged metric (step {step} logged: {available}). "
             "Set it to one of these (an 'eval_' prefix is accepted)."
         )
-    value = row.get(key) if key is not None else None
+    return _number(trainer, row.get(key) if key is not None else None)
+
+
+def _number(trainer: Any, value: Any) -> float | None:
+    """A logged value as a finite float the same on every process (their mean), or None."""
     number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
     number = collectives.process_mean(trainer.accelerator, number)
     return number if math.isfinite(number) else None

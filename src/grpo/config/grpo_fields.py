@@ -142,6 +142,16 @@ class GrpoOnlyFields:
         "(it counts in tools/failure_frequency). None or 0: no limit.",
         60.0,
     )
+    eval_greedy: bool = _help(
+        "Evaluation samples one greedy completion per prompt (temperature 0 / top_k=1) instead of "
+        "num_generations_eval sampled ones.",
+        False,
+    )
+    eval_pass_threshold: float = _help(
+        "eval_pass@k counts a prompt as passed when one of its k completions has a weighted reward sum at least "
+        "this (1.0: a correctness reward's full mark).",
+        1.0,
+    )
     dynamic_sampling: bool = _help(
         "DAPO dynamic sampling: drop groups whose rewards barely differ (they carry no "
         "policy gradient) and generate more prompts until the batch is full.",

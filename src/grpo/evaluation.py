@@ -1,0 +1,213 @@
+"""Evaluation: `trainer.evaluate()`, and during training by `eval_strategy` / `eval_steps` / `eval_on_start`.
+
+Every prompt of the eval dataset gets `num_generations_eval` completions (default num_generations; with grpo's
+`eval_greedy`, one greedy completion), tool rounds included, through the same engine as training, scored by the same
+reward functions. The batches follow TRL 1.16: `per_device_eval_batch_size` completions per process per batch, a
+prompt's completions consecutive in the global batch. Metrics, every process's completions together, prefixed
+"eval_": `eval_reward`, `eval_reward_std`, `eval_rewards/<function>/mean` and `/std`, `eval_completions/mean_length`
+and `/clipped_ratio`, `eval_tools/*` with tools, what reward functions log with `log_metric`, `eval_runtime`, and,
+beyond TRL, `eval_pass@k`: the fraction of prompts with at least one of their k completions whose weighted reward
+sum reaches `eval_pass_threshold` (grpo, default 1.0: a correctness reward's full mark).
+
+Evaluating changes nothing that training depends on: the random generators (Python, NumPy, torch, CUDA) are put
+back as they were, the data position, rollout buffer, metrics window and completions log are untouched, and no
+parameter moves; so a run with evaluations ends with the same weights as the same run without them, and resumes as
+exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from grpo import data
+from grpo.advantages import nanstd, weighted_sum
+from grpo.distributed import collectives
+from grpo.groups import Scored
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Every random generator training draws from, restored on exit."""
+    python, numpy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def greedy(engine: Any, args: Any, rebuild: Any) -> Any:
+    """The engine sampling greedily: vLLM engines (colocate, server) with temperature 0 on a copy sharing the engine;
+    grpo's own engines rebuilt with top_k=1 (they sample from the training model, so that is cheap)."""
+    import copy
+
+    if isinstance(getattr(engine, "sampling", None), dict):
+        twin = copy.copy(engine)
+        twin.sampling = {**engine.sampling, "temperature": 0.0}
+        return twin
+    return rebuild(dataclasses.replace(args, top_k=1))
+
+
+def build(dataset: Any, args: Any, source: data.PromptSource, num_processes: int) -> dict[str | None, Evaluation]:
+    """One Evaluation per eval dataset: {None: ...} for one dataset, {name: ...} for a dict of them (metrics then
+    prefixed eval_<name>_, as the HF Trainer does); {} without one (eval_strategy then must be "no")."""
+    if dataset is None:
+        if args.eval_strategy != "no" or args.eval_on_start:
+            raise ValueError(
+                f"eval_strategy={args.eval_strategy!r} (or eval_on_start) evaluates, but there is no eval_dataset: "
+                "pass GRPOTrainer(eval_dataset=...), or set eval_strategy='no'."
+            )
+        return {}
+    named = dict(dataset) if isinstance(dataset, dict) else {None: dataset}
+    out = {}
+    for name, part in named.items():
+        data.check_dataset(part, bool(source.tools))
+        own = data.PromptSource(
+            part,
+            source.tokenizer,
+            source.chat_template_kwargs,
+            source.context,
+            source.max_completion_length,
+            source.tools,
+        )
+        out[name] = Evaluation(part, args, own, num_processes)
+    return out
+
+
+class Evaluation:
+    def __init__(self, dataset: Any, args: Any, source: data.PromptSource, num_processes: int) -> None:
+        self.dataset = dataset
+        self.args = args
+        self.source = source
+        self.k = 1 if args.eval_greedy else (args.num_generations_eval or args.num_generations)
+        batch = args.per_device_eval_batch_size * num_processes
+        if batch % self.k:
+            raise ValueError(
+                f"per_device_eval_batch_size ({args.per_device_eval_batch_size}) x {num_processes} process(es) must be "
+                f"a multiple of num_generations_eval ({self.k}): an evaluation batch holds whole groups."
+            )
+        self.prompts_per_batch = batch // self.k
+
+    def due(self, step: int, max_steps: int, steps_per_epoch: int) -> bool:
+        """Whether evaluation runs after optimizer step `step` (eval_strategy, eval_steps, eval_delay)."""
+        a = self.args
+        if a.eval_strategy == "no" or step < (a.eval_delay or 0):
+            return False
+        if a.eval_strategy == "epoch":
+            return step % steps_per_epoch == 0
+        every = a.eval_steps if a.eval_steps is not None else a.logging_steps
+        every = max(math.ceil(every * max_steps), 1) if every < 1 else int(every)
+        return step % every == 0
+
+    def run(self, trainer: Any, engine: Any) -> dict[str, float]:
+        """The eval_ metrics (the same on every process)."""
+        acc = trainer.accelerator
+        start = time.perf_counter()
+        logged: dict[str, list[float]] = {}
+        parts = []
+        n = len(self.dataset)
+        with random_state_kept(), torch.no_grad():
+            for first in range(0, n, self.prompts_per_batch):
+                rows = [i for i in range(first, min(first + self.prompts_per_batch, n)) for _ in range(self.k)]
+                share = -(-len(rows) // acc.num_processes)  # every process runs every batch, maybe with no rows
+                mine = rows[acc.process_index * share : (acc.process_index + 1) * share]
+                examples = [self.dataset[i] for i in mine]
+                generated = trainer.rollouts(mine, examples, source=self.source, engine=engine)
+                rewards = torch.zeros(0, len(trainer.rewards.names))
+                if mine:
+                    rewards = trainer.rewards(
+                        examples,
+                        generated.rollout,
+                        trainer.state,
+                        lambda name, value: logged.setdefault(name, []).append(float(value)),
+                        lambda name, values: None,
+                        generated.prompts,
+                        generated.columns,
+                    )
+                local = Scored(mine, generated.prompts, generated.rollout, rewards)
+                parts.append(collectives.gather_scored(local, acc))
+        metrics = self.metrics(Scored.concat(parts), trainer.rewards, trainer.rollouts.uses_tools)
+        for name in sorted(logged):  # every process logs the same names (the same functions ran everywhere)
+            metrics[f"eval_{name}"] = collectives.process_mean(acc, sum(logged[name]) / len(logged[name]))
+        metrics["eval_runtime"] = round(time.perf_counter() - start, 4)
+        return metrics
+
+    def metrics(self, scored: Scored, rewards: Any, tools: bool) -> dict[str, float]:
+        values = scored.rewards.float()
+        unscorable = torch.isnan(values).all(dim=1)
+        total = weighted_sum(values, rewards.weights.float(), unscorable)
+        lengths = torch.tensor([sum(m) for m in scored.rollout.loss_mask], dtype=torch.float32)
+        passed = (total >= self.args.eval_pass_threshold).view(-1, self.k).any(dim=1)
+        out = {
+            "eval_reward": torch.nanmean(total).item(),
+            "eval_reward_std": nanstd(total).item(),
+            f"eval_pass@{self.k}": passed.float().mean().item(),
+            "eval_completions/mean_length": lengths.mean().item(),
+            "eval_completions/clipped_ratio": torch.tensor(scored.rollout.truncated, dtype=torch.float32).mean().item(),
+        }
+        for k, name in enumerate(rewards.names):
+            out[f"eval_rewards/{name}/mean"] = torch.nanmean(values[:, k]).item()
+            out[f"eval_rewards/{name}/std"] = nanstd(values[:, k]).item()
+        if tools:
+            calls = sum(scored.rollout.tool_calls)
+            out["eval_tools/call_frequency"] = calls / max(len(scored), 1)
+            out["eval_tools/failure_frequency"] = sum(scored.rollout.tool_failures) / calls if calls else 0.0
+        return {k: v if math.isfinite(v) else None for k, v in out.items()}
+
+
+def due(trainer: Any, step: int) -> bool:
+    """Whether the trainer evaluates after optimizer step `step`: an eval dataset's strategy says so, or a callback
+    set control.should_evaluate."""
+    if not trainer.evaluations:
+        return False
+    strategy = any(e.due(step, trainer.max_steps, trainer.steps_per_epoch) for e in trainer.evaluations.values())
+    return strategy or trainer.control.should_evaluate
+
+
+def evaluate(trainer: Any, eval_dataset: Any, metric_key_prefix: str) -> dict[str, float]:
+    """GRPOTrainer.evaluate: the trainer's eval datasets (or `eval_dataset`), from the policy's current weights; the
+    metrics are logged (log_history, metrics.jsonl, trackers, on_log) and passed to on_evaluate."""
+    from grpo.rollout import build_engine
+
+    runs = trainer.evaluations
+    if eval_dataset is not None:
+        runs = build(eval_dataset, trainer.args, trainer.prompts, trainer.accelerator.num_processes)
+    if not runs:
+        raise ValueError("evaluate() needs an eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or here.")
+    if trainer._weights_stale:  # the policy's current weights (the ones the next generation would sync)
+        trainer.engine.sync_weights(trainer.unwrapped_model)
+        trainer._weights_stale = False
+    engine = trainer.engine
+    if trainer.args.eval_greedy:
+        model, tokenizer, stop_ids, acc = (
+            trainer.unwrapped_model,
+            trainer.processing_class,
+            trainer.stop_ids,
+            trainer.accelerator,
+        )
+        engine = greedy(engine, trainer.args, lambda args: build_engine(model, tokenizer, args, stop_ids, acc))
+    metrics: dict[str, float] = {}
+    for name, run in runs.items():
+        prefix = metric_key_prefix + (f"_{name}" if name else "")
+        metrics.update({prefix + key[len("eval") :]: value for key, value in run.run(trainer, engine).items()})
+    state = trainer.state
+    row = {**metrics, "epoch": round(state.epoch or 0.0, 4), "step": state.global_step}
+    state.log_history.append(row)
+    if trainer.metrics is not None:
+        trainer.metrics.write_row(row)
+    trainer._fire("log", logs=row)
+    trainer._fire("evaluate", metrics=metrics)
+    return metrics
