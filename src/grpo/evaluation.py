@@ -18,7 +18,6 @@ exactly.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import random
 import time
@@ -58,7 +57,9 @@ def greedy(engine: Any, args: Any, rebuild: Any) -> Any:
         twin = copy.copy(engine)
         twin.sampling = {**engine.sampling, "temperature": 0.0}
         return twin
-    return rebuild(dataclasses.replace(args, top_k=1))
+    greedy_args = copy.copy(args)  # not dataclasses.replace: the config's derived fields are already set
+    greedy_args.top_k = 1
+    return rebuild(greedy_args)
 
 
 def build(dataset: Any, args: Any, source: data.PromptSource, num_processes: int) -> dict[str | None, Evaluation]:
