@@ -4,6 +4,8 @@ the gradient of tool tokens, and the completions log."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pandas as pd
 import pytest
 import torch
@@ -486,3 +488,28 @@ def test_an_environment_whose_reset_raises_or_whose_tool_clashes_is_named(tmp_pa
 
     with pytest.raises(ValueError, match="Two tools are named 'multiply'"):
         make_trainer(tmp_path, call_then_answer, environment_factory=Clash)
+
+
+def test_rollouts_of_one_row_with_different_resets_are_not_prefix_shared(tmp_path):
+    """An environment's reset may give each of a prompt's G rollouts its own prompt: the training pass must not
+    share one prompt's tokens among them."""
+    from grpo.groups import Scored
+
+    class Numbered(Counter):
+        handed = 0
+
+        def reset(self, k, **row):
+            Numbered.handed += 1
+            return f" #{Numbered.handed}"
+
+    trainer = make_trainer(tmp_path, lambda t, turn, j: "done", tools=(), environment_factory=Numbered)
+    generated = trainer._generate(GROUPS)
+    scored = Scored(GROUPS, generated.prompts, generated.rollout, torch.zeros(8, 1))
+    groups = trainer._prompt_groups(scored)
+    assert len(set(map(tuple, generated.rollout.prompt_ids))) == 8 and len(set(groups.tolist())) == 8
+    batch = trainer._collate(scored, type("A", (), {"advantages": torch.linspace(-1, 1, 8)})())
+    shared, _ = trainer.training_pass.train(trainer.model, batch, entropy_grad=False)
+    apart, _ = trainer.training_pass.train(
+        trainer.model, dataclasses.replace(batch, group=torch.arange(8)), entropy_grad=False
+    )
+    torch.testing.assert_close(shared, apart)

@@ -31,6 +31,7 @@ from grpo import data
 from grpo.advantages import nanstd, weighted_sum
 from grpo.distributed import collectives
 from grpo.groups import Scored
+from grpo.rollout import build_engine
 
 
 @contextlib.contextmanager
@@ -181,8 +182,6 @@ def due(trainer: Any, step: int) -> bool:
 def evaluate(trainer: Any, eval_dataset: Any, metric_key_prefix: str) -> dict[str, float]:
     """GRPOTrainer.evaluate: the trainer's eval datasets (or `eval_dataset`), from the policy's current weights; the
     metrics are logged (log_history, metrics.jsonl, trackers, on_log) and passed to on_evaluate."""
-    from grpo.rollout import build_engine
-
     runs = trainer.evaluations
     if eval_dataset is not None:
         runs = build(eval_dataset, trainer.args, trainer.prompts, trainer.accelerator.num_processes)

@@ -279,10 +279,7 @@ class GRPOTrainer:
         rounds = a.dynamic_sampling_max_attempts if a.dynamic_sampling else 1
         generated = GenerationBatch(a.num_generations)
         while generated.rounds < rounds and generated.size < a.generation_batch_size:
-            acc = self.accelerator
-            rows = data.local_rows(
-                self.loop.data_position, len(self.train_dataset), a, acc.process_index, acc.num_processes
-            )
+            rows = self._local_rows(self.loop.data_position)
             with generated.timed("generation"):
                 round_ = self._generate(rows)
             with generated.timed("scoring"):
@@ -299,6 +296,10 @@ class GRPOTrainer:
             scored.rewards, self.rewards.weights, a.num_generations, a.dynamic_sampling_std_threshold
         )
         return rows_of_groups(spread, a.num_generations)
+
+    def _local_rows(self, position: int) -> list[int]:
+        acc = self.accelerator  # this process's share of data position `position`'s rows (`data.local_rows`)
+        return data.local_rows(position, len(self.train_dataset), self.args, acc.process_index, acc.num_processes)
 
     def _generate(self, rows: list[int]) -> Generated:
         """Completions for this process's rows (tool rounds included), from the current policy's weights."""
@@ -339,11 +340,16 @@ class GRPOTrainer:
             advantages.advantages[mine],
             self.processing_class.pad_token_id,
             self.args.mask_truncated_completions,
-            group=data.prompt_groups(scored.rollout.prompt_ids)[mine],
+            group=self._prompt_groups(scored)[mine],
             pad_to_multiple_of=self.args.pad_to_multiple_of,
         ).to(acc.device)
         tokens = collectives.loss_tokens(acc, batch.mask.sum(), self.args.average_tokens_across_devices)
         return dataclasses.replace(batch, num_items_in_batch=tokens)
+
+    def _prompt_groups(self, scored: Scored) -> torch.Tensor:
+        """Rows with the same id have the same prompt tokens (the training pass shares their prefix): the dataset
+        row, or with environments (whose reset may give a row's rollouts different prompts) the tokens themselves."""
+        return torch.tensor(scored.rows) if self.environments is None else data.prompt_groups(scored.rollout.prompt_ids)
 
     def _needs_old_logps(self) -> bool:
         """Whether a generation batch is trained on after an update (shared spec §4.1)."""
