@@ -7,6 +7,7 @@ resumed run sees exactly the prompts the uninterrupted one would have seen.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +38,14 @@ def check_dataset(dataset: Any, tools: bool = False, environments: bool = False)
     environments, a row may have no prompt (its environment's reset supplies one)."""
     if dataset is None:
         raise ValueError("train_dataset is None: pass a datasets.Dataset (or list of dicts) with a 'prompt' column.")
+    if is_stream(dataset):  # no length and no random access: its first row is checked; each prompt when used
+        first = next(iter(dataset), None)
+        if first is None:
+            raise ValueError("train_dataset is an empty stream: it yields no rows.")
+        if "prompt" not in first and not environments:
+            raise ValueError(f"train_dataset's rows have no 'prompt' (its first row has {sorted(first)}).")
+        _check_columns(list(first), environments)
+        return
     if len(dataset) == 0:
         raise ValueError("train_dataset is empty: it needs at least one row with a 'prompt'.")
     columns = list(getattr(dataset, "column_names", None) or dataset[0].keys())
@@ -280,16 +289,17 @@ def generation_prompt_indices(
     return order[block * unique_per_generation : (block + 1) * unique_per_generation]
 
 
-def local_rows(position: int, num_rows: int, args: Any, process_index: int, num_processes: int) -> list[int]:
+def local_rows(position: int, num_rows: int | None, args: Any, process_index: int, num_processes: int) -> list[int]:
     """Dataset rows a process generates for at data position `position`: each prompt repeated G times, this
-    process's contiguous share of the generation batch (shared spec §5.1-5.2)."""
-    unique = generation_prompt_indices(
-        position,
-        num_rows,
-        args.generation_batch_size // args.num_generations,
-        seeding.prompt_order_seed(args),
-        args.shuffle_dataset,
-    )
+    process's contiguous share of the generation batch (shared spec §5.1-5.2). A stream (num_rows None) is read in
+    order: position k takes its next generation_batch_size / G rows."""
+    per_generation = args.generation_batch_size // args.num_generations
+    if num_rows is None:
+        unique = list(range(position * per_generation, (position + 1) * per_generation))
+    else:
+        unique = generation_prompt_indices(
+            position, num_rows, per_generation, seeding.prompt_order_seed(args), args.shuffle_dataset
+        )
     repeated = [i for i in unique for _ in range(args.num_generations)]
     per_process = len(repeated) // num_processes
     return repeated[process_index * per_process : (process_index + 1) * per_process]
@@ -313,3 +323,102 @@ def placeholder_dataset(dataset: Any, args: Any, environment_factory: Any) -> An
             "environment) and max_steps > 0 (with no dataset there are no epochs). Pass a train_dataset otherwise."
         )
     return [{"prompt": [{"role": "user", "content": ""}]}] * (args.generation_batch_size // args.num_generations)
+
+
+class StreamRows:
+    """A streaming dataset (`datasets.IterableDataset`, or any iterable of rows) read as rows by position: row i is
+    the i-th row of the stream repeated end to end (a new pass when it runs out, as another epoch). Positions only
+    grow while training, so a small window of recent rows is kept; an earlier position (a resumed run) reads the
+    stream again from its start and skips to it, which is exact for a deterministic stream (a shuffled stream:
+    `IterableDataset.shuffle(seed=...)` with a fixed seed). grpo does not shuffle a stream itself."""
+
+    streaming = True
+
+    def __init__(self, dataset: Any, window: int) -> None:
+        self.dataset = dataset
+        self.window = max(window, 1)
+        self.rows: dict[int, dict] = {}
+        self._start()
+
+    def _start(self) -> None:
+        self.passes = 0
+        self._set_epoch(0)
+        self.iterator = iter(self.dataset)
+        self.next_index = 0
+        self.rows.clear()
+
+    def _set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):  # a shuffled IterableDataset reshuffles per pass
+            self.dataset.set_epoch(epoch)
+
+    def _next(self) -> dict:
+        try:
+            return next(self.iterator)
+        except StopIteration:
+            if self.next_index == 0:
+                raise ValueError("train_dataset is an empty stream: it yields no rows.") from None
+        self.passes += 1  # the stream ran out: the next pass
+        self._set_epoch(self.passes)
+        self.iterator = iter(self.dataset)
+        try:
+            return next(self.iterator)
+        except StopIteration:
+            raise ValueError(f"train_dataset's stream yields no rows on its pass {self.passes + 1}.") from None
+
+    def __getitem__(self, index: int) -> dict:
+        if index in self.rows:
+            return self.rows[index]
+        if index < self.next_index:  # behind the window: read the stream again from its start
+            self._start()
+        while self.next_index <= index:
+            row = self._next()
+            if self.next_index > index - self.window:
+                self.rows[self.next_index] = row
+            self.next_index += 1
+        for old in [i for i in self.rows if i <= index - self.window]:
+            del self.rows[old]
+        return self.rows[index]
+
+    def __len__(self) -> int:
+        raise TypeError(
+            "train_dataset is a streaming dataset: it has no length. Set max_steps (as TRL requires for an "
+            "IterableDataset)."
+        )
+
+
+def is_stream(dataset: Any) -> bool:
+    """A dataset without random access: a `datasets.IterableDataset` (or `StreamRows` over one)."""
+    if getattr(dataset, "streaming", False):
+        return True
+    try:
+        from datasets import IterableDataset
+    except ImportError:  # pragma: no cover (datasets is a dependency)
+        return False
+    return isinstance(dataset, IterableDataset)
+
+
+def dataset_size(dataset: Any) -> int | None:
+    """Rows of a map-style dataset; None for a stream."""
+    return None if is_stream(dataset) else len(dataset)
+
+
+DATA_FILES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_local(dataset: Any, split: str = "train", streaming: bool = False) -> Any:
+    """A dataset given by path: a .json/.jsonl/.parquet/.csv file (its rows as split `split`), or a directory
+    written by `save_to_disk`; anything else as it is."""
+    if not isinstance(dataset, (str, os.PathLike)):
+        return dataset
+    from datasets import load_dataset, load_from_disk
+
+    path = os.fspath(dataset)
+    if os.path.isfile(path):
+        builder = DATA_FILES.get(os.path.splitext(path)[1].lower())
+        if builder is None:
+            raise ValueError(f"{path}: a dataset file is .json, .jsonl, .parquet or .csv.")
+        return load_dataset(builder, data_files={split: path}, streaming=streaming)[split]
+    if os.path.isdir(path):
+        loaded = load_from_disk(path)
+        return loaded[split] if hasattr(loaded, "keys") and split in loaded else loaded
+    raise ValueError(f"The dataset path {path} does not exist (a data file or a save_to_disk directory).")

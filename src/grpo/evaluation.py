@@ -76,6 +76,9 @@ def build(dataset: Any, args: Any, source: data.PromptSource, num_processes: int
     named = dict(dataset) if isinstance(dataset, dict) else {None: dataset}
     out = {}
     for name, part in named.items():
+        part = data.load_local(part)
+        if data.is_stream(part):  # evaluation reads every row, in order: an eval stream is read once, here
+            part = list(part)
         data.check_dataset(part, bool(source.tools))
         own = data.PromptSource(
             part,

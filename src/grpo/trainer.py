@@ -106,8 +106,11 @@ class GRPOTrainer:
         self.args = args = _resolve_args(args, model)
         run_dir.check_output_dir(args.output_dir)
         self.environments = Environments(environment_factory) if environment_factory is not None else None
-        self.train_dataset = train_dataset = data.placeholder_dataset(train_dataset, args, environment_factory)
+        train_dataset = data.placeholder_dataset(data.load_local(train_dataset), args, environment_factory)
         data.check_dataset(train_dataset, bool(tools) or self.environments is not None, self.environments is not None)
+        if data.is_stream(train_dataset):
+            train_dataset = data.StreamRows(train_dataset, 4 * args.generation_batch_size)
+        self.train_dataset = train_dataset
         warn_odd_combinations(args)
         self.accelerator = make_accelerator(args)
         reporting.configure_logging(args, self.accelerator)  # log_level(_replica), log_on_each_node
@@ -167,6 +170,13 @@ class GRPOTrainer:
     def _schedule_length(self) -> tuple[int, int]:
         """(max_steps, optimizer steps per epoch)."""
         a = self.args
+        if data.is_stream(self.train_dataset):  # no length: max_steps is the run, and its only "epoch"
+            if a.max_steps <= 0:
+                raise ValueError(
+                    "train_dataset is a streaming dataset (no length): set max_steps, as TRL requires for an "
+                    "IterableDataset."
+                )
+            return a.max_steps, a.max_steps
         blocks = data.prompts_per_generation(len(self.train_dataset), a.generation_batch_size // a.num_generations)
         micro_per_epoch = blocks * a.steps_per_generation * a.num_iterations
         per_epoch = max(micro_per_epoch // a.gradient_accumulation_steps, 1)
@@ -299,7 +309,8 @@ class GRPOTrainer:
 
     def _local_rows(self, position: int) -> list[int]:
         acc = self.accelerator  # this process's share of data position `position`'s rows (`data.local_rows`)
-        return data.local_rows(position, len(self.train_dataset), self.args, acc.process_index, acc.num_processes)
+        rows = data.dataset_size(self.train_dataset)
+        return data.local_rows(position, rows, self.args, acc.process_index, acc.num_processes)
 
     def _generate(self, rows: list[int]) -> Generated:
         """Completions for this process's rows (tool rounds included), from the current policy's weights."""

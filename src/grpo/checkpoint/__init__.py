@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from grpo import lora, ref_sync
+from grpo import data, lora, ref_sync
 from grpo.checkpoint import files, strategy
 from grpo.checkpoint.files import CheckpointError, CheckpointMismatchError, checkpoints
 from grpo.distributed import collectives, sharding, zero
@@ -135,7 +135,7 @@ def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict:
         "entropy_control": trainer.loss_terms.state_dict(),  # use_adaptive_entropy: coefficient, last entropy
         "rollouts": trainer.buffer.mid_cycle(trainer.loop.micro_step),
         "num_processes": acc.num_processes,
-        "dataset_size": len(trainer.train_dataset),
+        "dataset_size": data.dataset_size(trainer.train_dataset),
         "save_only_model": trainer.args.save_only_model,
         **strategy.best_state(trainer.state),
         "config": {k: v for k, v in trainer.args.to_dict().items() if _jsonable(v)},
@@ -356,8 +356,9 @@ def _check_run(trainer: Any, state: dict[str, Any], path: str) -> None:
         differ.append(
             f"number of processes: checkpoint {state['num_processes']}, now {trainer.accelerator.num_processes}"
         )
-    if state["dataset_size"] != len(trainer.train_dataset):
-        differ.append(f"train_dataset rows: checkpoint {state['dataset_size']}, now {len(trainer.train_dataset)}")
+    size = data.dataset_size(trainer.train_dataset)
+    if state["dataset_size"] != size:
+        differ.append(f"train_dataset rows: checkpoint {state['dataset_size']}, now {size}")
     if differ:
         raise CheckpointMismatchError(
             f"Cannot resume exactly from {path}: " + "; ".join(differ) + ". Resume with "

@@ -92,6 +92,8 @@ def read_state(checkpoint: str, max_steps: int, accumulation_steps: int) -> dict
         raise invalid(path, f"holds a {type(state).__name__}, not the trainer state object")
     for key in _COUNTS:
         value = state.get(key)
+        if key == "dataset_size" and value is None:  # a streaming dataset has no size
+            continue
         if type(value) is not int or value < 0:
             raise invalid(path, f"{key} is {value!r}; it must be a whole number >= 0")
     step = state["global_step"]

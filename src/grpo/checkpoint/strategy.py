@@ -246,6 +246,8 @@ def data_position_after_resume(trainer: Any, position: int) -> int:
     a = trainer.args
     if not a.ignore_data_skip:
         return position
+    if data.is_stream(trainer.train_dataset):  # a stream's epoch is the run: start it over
+        return 0
     blocks = data.prompts_per_generation(len(trainer.train_dataset), a.generation_batch_size // a.num_generations)
     return epoch_start(position, blocks)
 
