@@ -505,7 +505,9 @@ def test_rollouts_of_one_row_with_different_resets_are_not_prefix_shared(tmp_pat
     trainer = make_trainer(tmp_path, lambda t, turn, j: "done", tools=(), environment_factory=Numbered)
     generated = trainer._generate(GROUPS)
     scored = Scored(GROUPS, generated.prompts, generated.rollout, torch.zeros(8, 1))
-    groups = trainer._prompt_groups(scored)
+    from grpo.data import prompt_groups
+
+    groups = prompt_groups(scored.rows, scored.rollout.prompt_ids, by_tokens=True)
     assert len(set(map(tuple, generated.rollout.prompt_ids))) == 8 and len(set(groups.tolist())) == 8
     batch = trainer._collate(scored, type("A", (), {"advantages": torch.linspace(-1, 1, 8)})())
     shared, _ = trainer.training_pass.train(trainer.model, batch, entropy_grad=False)

@@ -305,9 +305,12 @@ def local_rows(position: int, num_rows: int | None, args: Any, process_index: in
     return repeated[process_index * per_process : (process_index + 1) * per_process]
 
 
-def prompt_groups(prompt_ids: Sequence[Sequence[int]]) -> torch.Tensor:
-    """(N,) an id per distinct prompt: rows with the same id have the same prompt tokens (the training pass shares
-    their prefix). Read from the tokens, since an environment's reset may give a prompt's G rollouts different text."""
+def prompt_groups(rows: Sequence[int], prompt_ids: Sequence[Sequence[int]], by_tokens: bool) -> torch.Tensor:
+    """(N,) an id per prompt: rows with the same id have the same prompt tokens (the training pass shares their
+    prefix). The dataset row, or `by_tokens` (with environments, whose reset may give a row's G rollouts different
+    prompts) one id per distinct token sequence."""
+    if not by_tokens:
+        return torch.tensor(list(rows), dtype=torch.long)
     ids: dict[tuple[int, ...], int] = {}
     return torch.tensor([ids.setdefault(tuple(p), len(ids)) for p in prompt_ids], dtype=torch.long)
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -136,3 +137,9 @@ def groups_with_spread(
 def rows_of_groups(groups: torch.Tensor, num_generations: int) -> list[int]:
     """The completion rows of the groups marked True."""
     return [g * num_generations + j for g in groups.nonzero().squeeze(-1).tolist() for j in range(num_generations)]
+
+
+def rows_with_spread(scored: Scored, weights: torch.Tensor, args: Any) -> list[int]:
+    """The rows of the groups whose rewards differ (DAPO dynamic sampling keeps only those)."""
+    spread = groups_with_spread(scored.rewards, weights, args.num_generations, args.dynamic_sampling_std_threshold)
+    return rows_of_groups(spread, args.num_generations)

@@ -59,12 +59,13 @@ from grpo.advantages import Advantages, compute_advantages
 from grpo.agent import Environments, Generated, Rollouts
 from grpo.batch import TrainBatch, collate
 from grpo.callbacks import Callbacks
-from grpo.config import GRPOConfig, warn_odd_combinations
+from grpo.config import GRPOConfig, resolve_args, warn_odd_combinations
 from grpo.distributed import collectives
 from grpo.distributed.accelerator import end_training, make_accelerator
 from grpo.distributed.accumulation import accumulating, backward
 from grpo.forward import TrainingPass
-from grpo.groups import GenerationBatch, Scored, groups_with_spread, rows_of_groups
+from grpo.groups import GenerationBatch, Scored, rows_with_spread
+from grpo.hub import Hub
 from grpo.loop import LoopState, RolloutBuffer, TrainOutput, Update
 from grpo.loss_terms import LossTerms, router_aux_coef
 from grpo.losses import LossParams, LossScale, high_entropy_mask, masked_mean_stat, policy_loss
@@ -103,7 +104,8 @@ class GRPOTrainer:
         rollout_func: Any = None,
         environment_factory: Any = None,
     ) -> None:
-        self.args = args = _resolve_args(args, model)
+        self.args = args = resolve_args(args, model_name(model))  # output_dir defaults to '<model name>-GRPO'
+
         run_dir.check_output_dir(args.output_dir)
         self.environments = Environments(environment_factory) if environment_factory is not None else None
         train_dataset = data.placeholder_dataset(data.load_local(train_dataset), args, environment_factory)
@@ -160,6 +162,8 @@ class GRPOTrainer:
         self.completion_log = CompletionLog(args, self.rewards.names) if args.log_completions else None
         self.eval_dataset = eval_dataset
         self.evaluations = evaluation.build(eval_dataset, args, self.prompts, self.accelerator.num_processes)
+        self.hub = Hub(args, self.accelerator.is_main_process)
+        self.hub.create_repo()  # with push_to_hub, as the HF Trainer: at construction
         self.callback_handler = Callbacks(
             callbacks, self.model, self.processing_class, self.optimizer, self.lr_scheduler
         )
@@ -295,17 +299,9 @@ class GRPOTrainer:
             with generated.timed("scoring"):
                 scored = self._score(rows, round_)
             self.loop.data_position += 1
-            keep = self._groups_with_spread(scored) if a.dynamic_sampling else None
+            keep = rows_with_spread(scored, self.rewards.weights, a) if a.dynamic_sampling else None
             generated.add_round(round_.rollout, scored, keep)
         return generated.finish(a.generation_batch_size)
-
-    def _groups_with_spread(self, scored: Scored) -> list[int]:
-        """The rows of the groups whose rewards differ (DAPO dynamic sampling keeps only those)."""
-        a = self.args
-        spread = groups_with_spread(
-            scored.rewards, self.rewards.weights, a.num_generations, a.dynamic_sampling_std_threshold
-        )
-        return rows_of_groups(spread, a.num_generations)
 
     def _local_rows(self, position: int) -> list[int]:
         acc = self.accelerator  # this process's share of data position `position`'s rows (`data.local_rows`)
@@ -351,16 +347,11 @@ class GRPOTrainer:
             advantages.advantages[mine],
             self.processing_class.pad_token_id,
             self.args.mask_truncated_completions,
-            group=self._prompt_groups(scored)[mine],
+            group=data.prompt_groups(scored.rows, scored.rollout.prompt_ids, self.environments is not None)[mine],
             pad_to_multiple_of=self.args.pad_to_multiple_of,
         ).to(acc.device)
         tokens = collectives.loss_tokens(acc, batch.mask.sum(), self.args.average_tokens_across_devices)
         return dataclasses.replace(batch, num_items_in_batch=tokens)
-
-    def _prompt_groups(self, scored: Scored) -> torch.Tensor:
-        """Rows with the same id have the same prompt tokens (the training pass shares their prefix): the dataset
-        row, or with environments (whose reset may give a row's rollouts different prompts) the tokens themselves."""
-        return torch.tensor(scored.rows) if self.environments is None else data.prompt_groups(scored.rollout.prompt_ids)
 
     def _needs_old_logps(self) -> bool:
         """Whether a generation batch is trained on after an update (shared spec §4.1)."""
@@ -466,7 +457,8 @@ class GRPOTrainer:
     def _checkpoint(self) -> None:
         due = checkpoint.strategy.should_save(self)  # save_strategy, on the step just logged (every process)
         if due or self.control.should_save:
-            checkpoint.save(self, self.state.global_step)
+            path = checkpoint.save(self, self.state.global_step)
+            self.hub.after_checkpoint(self, path)  # hub_strategy (main process, in the background)
             self._fire("save")
 
     # ---- evaluation and callbacks ----------------------------------------------------------------------------
@@ -492,6 +484,10 @@ class GRPOTrainer:
     def _fire(self, event: str, **kwargs: Any) -> None:
         self.callback_handler.fire(event, self.args, self.state, **kwargs)
 
+    def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, **card: Any) -> Any:
+        """Save the model and its card to output_dir and push them to hub_model_id (`grpo.hub`)."""
+        return self.hub.push(self, commit_message, blocking, **card)
+
     def save_model(self, output_dir: str | None = None) -> None:
         """Write the policy (and tokenizer) as a normal Hugging Face model directory."""
         output_dir = output_dir or self.args.output_dir
@@ -499,11 +495,3 @@ class GRPOTrainer:
         state_dict = checkpoint.model_state(self)  # every process: a sharded model is gathered
         if checkpoint.strategy.writer(self):  # the main process, or each node's with save_on_each_node
             checkpoint.save_pretrained(self, output_dir, state_dict)
-
-
-def _resolve_args(args: GRPOConfig | None, model: Any) -> GRPOConfig:
-    """The config, with output_dir defaulting to '<model name>-GRPO'."""
-    args = args or GRPOConfig(output_dir=f"{model_name(model)}-GRPO")
-    if args.output_dir is None:
-        args.output_dir = f"{model_name(model)}-GRPO"
-    return args

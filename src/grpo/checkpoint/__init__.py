@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from grpo import data, lora, ref_sync
+from grpo import data, hub, lora, ref_sync
 from grpo.checkpoint import files, strategy
 from grpo.checkpoint.files import CheckpointError, CheckpointMismatchError, checkpoints
 from grpo.distributed import collectives, sharding, zero
@@ -80,6 +80,7 @@ def save_pretrained(trainer: Any, output_dir: str, state_dict: dict[str, torch.T
     model = trainer.accelerator.unwrap_model(trainer.model)
     model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     trainer.processing_class.save_pretrained(output_dir)
+    hub.write_model_card(trainer, output_dir)
 
 
 def save(trainer: Any, step: int) -> str:

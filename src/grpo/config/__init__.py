@@ -458,3 +458,11 @@ def reject_later_features(args: GRPOConfig, eval_dataset: Any, callbacks: Any) -
         warnings.warn("eval_dataset is ignored: evaluation during training is not available yet in grpo.", stacklevel=3)
     if callbacks:
         warnings.warn("callbacks are ignored: grpo does not run transformers callbacks.", stacklevel=3)
+
+
+def resolve_args(args: GRPOConfig | None, model_name: str) -> GRPOConfig:
+    """The trainer's config: the given one, or the defaults; output_dir defaults to '<model name>-GRPO'."""
+    args = args or GRPOConfig(output_dir=f"{model_name}-GRPO")
+    if args.output_dir is None:
+        args.output_dir = f"{model_name}-GRPO"
+    return args

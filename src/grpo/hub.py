@@ -1,0 +1,195 @@
+"""The Hub and the model card.
+
+The model card (README.md) is written locally beside every saved model, in the output directory and in every
+checkpoint, whether or not anything is pushed: the base model, the dataset, the reward functions and their weights,
+the settings that differ from TRL 1.16's defaults, the last logged metrics and the versions it was trained with,
+with the Hub's metadata header (`huggingface_hub.ModelCardData`).
+
+Pushing follows the HF Trainer's fields, through `huggingface_hub`: with `push_to_hub`, the repository
+(`hub_model_id`, default the output directory's name, in the token's namespace; private with `hub_private_repo`) is
+created when training starts; `hub_strategy` "every_save" pushes the output directory's model files at every
+checkpoint, "checkpoint" also the newest checkpoint as `last-checkpoint/` (resumable from the Hub),
+"all_checkpoints" every checkpoint under its own name, "end" nothing until `trainer.push_to_hub()`. Pushes during
+training run in the background; a new one is skipped while one is in flight (unless `hub_always_push`), and a
+failed one is a warning (the checkpoint is on disk). `push_to_hub()` waits for them, saves the model and its card
+and pushes them (an error there is raised). Only the main process talks to the Hub; `hub_token` and
+`hub_revision` go with every call.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub
+
+from grpo.config import GRPOConfig
+
+logger = logging.getLogger("grpo")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+)
+SKIPPED = ["_*", ".*", "checkpoint-*", ".tmp-checkpoint-*"]
+
+
+class Hub:
+    def __init__(self, args: Any, is_main_process: bool) -> None:
+        self.args = args
+        self.active = bool(args.push_to_hub) and is_main_process
+        self.repo_id: str | None = None
+        self.jobs: list = []
+
+    def api(self) -> huggingface_hub.HfApi:
+        return huggingface_hub.HfApi(token=self.args.hub_token)
+
+    def create_repo(self) -> None:
+        if not self.active or self.repo_id is not None:
+            return
+        name = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
+        self.repo_id = self.api().create_repo(name, private=self.args.hub_private_repo, exist_ok=True).repo_id
+
+    def after_checkpoint(self, trainer: Any, checkpoint_dir: str) -> None:
+        """hub_strategy's background pushes after a checkpoint was written."""
+        a = self.args
+        if not self.active or a.hub_strategy == "end":
+            return
+        if not a.hub_always_push and any(not job.done() for job in self.jobs):
+            return
+        self.create_repo()
+        for name in MODEL_FILES:  # the model as of this checkpoint, beside the output directory's other files
+            if os.path.isfile(os.path.join(checkpoint_dir, name)):
+                shutil.copy(os.path.join(checkpoint_dir, name), os.path.join(a.output_dir, name))
+        trainer.processing_class.save_pretrained(a.output_dir)
+        write_model_card(trainer, a.output_dir)
+        message = f"Training in progress, step {trainer.state.global_step}"
+        try:
+            self.jobs = [self._upload(a.output_dir, message, future=True)]
+            if a.hub_strategy in ("checkpoint", "all_checkpoints"):
+                where = "last-checkpoint" if a.hub_strategy == "checkpoint" else os.path.basename(checkpoint_dir)
+                self.jobs.append(
+                    self._upload(checkpoint_dir, message + ", checkpoint", future=True, path_in_repo=where)
+                )
+        except Exception as err:  # the checkpoint is on disk: a push that cannot start does not stop training
+            logger.warning("Pushing checkpoint %s to the Hub failed (%s); training goes on.", checkpoint_dir, err)
+
+    def push(self, trainer: Any, commit_message: str, blocking: bool, **card: Any) -> Any:
+        """trainer.push_to_hub: the final model and its card, after the background pushes."""
+        if not self.active and trainer.accelerator.is_main_process:
+            self.active = True  # push_to_hub() called with push_to_hub=False: push anyway, as the HF Trainer
+        trainer.save_model()
+        if not trainer.accelerator.is_main_process:
+            return None
+        self.create_repo()
+        for job in self.jobs:
+            try:
+                job.result()
+            except Exception as err:
+                logger.warning("A background push to the Hub had failed: %s", err)
+        self.jobs = []
+        write_model_card(trainer, self.args.output_dir, **card)
+        return self._upload(self.args.output_dir, commit_message, future=not blocking)
+
+    def _upload(self, folder: str, message: str, future: bool, path_in_repo: str | None = None) -> Any:
+        return self.api().upload_folder(
+            repo_id=self.repo_id,
+            folder_path=folder,
+            path_in_repo=path_in_repo,
+            commit_message=message,
+            revision=self.args.hub_revision,
+            ignore_patterns=SKIPPED,
+            run_as_future=future,
+        )
+
+
+def write_model_card(trainer: Any, directory: str, dataset_name: str | None = None, **extra: Any) -> str:
+    """README.md in `directory`, from what the trainer knows; returns its path."""
+    config = getattr(trainer.unwrapped_model, "config", None)
+    base = getattr(config, "_name_or_path", None) or None
+    dataset = dataset_name or _dataset_name(trainer.train_dataset)
+    data = huggingface_hub.ModelCardData(
+        base_model=base if base and not os.path.isabs(base) else None,
+        datasets=[dataset] if dataset else None,
+        library_name="transformers",
+        tags=["grpo", "trl", "reinforcement-learning", *extra.pop("tags", [])],
+    )
+    rewards = "\n".join(
+        f"| `{name}` | {weight:g} |" for name, weight in zip(trainer.rewards.names, trainer.rewards.weights.tolist())
+    )
+    last = next((row for row in reversed(trainer.state.log_history) if "loss" in row or "eval_reward" in row), {})
+    metrics = "\n".join(f"| `{k}` | {_cell(v)} |" for k, v in last.items())
+    body = f"""---
+{data.to_yaml()}
+---
+
+# {Path(trainer.args.output_dir).name}
+
+Trained with [grpo](https://pypi.org/project/grpo/) {_version("grpo")}: GRPO (Group Relative Policy Optimization,
+[DeepSeekMath, arXiv:2402.03300](https://arxiv.org/abs/2402.03300)), {trainer.state.global_step} optimizer steps
+from `{base or "a model object"}`{f" on `{dataset}`" if dataset else ""}.
+
+## Reward functions
+
+| function | weight |
+|---|---|
+{rewards}
+
+## Settings that differ from TRL 1.16's defaults
+
+```json
+{json.dumps(_non_default(trainer.args), indent=1, default=str)}
+```
+
+## Last logged metrics
+
+| metric | value |
+|---|---|
+{metrics or "| (none yet) | |"}
+
+## Versions
+
+{_versions()}
+"""
+    path = os.path.join(directory, "README.md")
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(body)
+    return path
+
+
+def _dataset_name(dataset: Any) -> str | None:
+    info = getattr(dataset, "info", None) or getattr(getattr(dataset, "dataset", None), "info", None)
+    name = getattr(info, "dataset_name", None)
+    return name if isinstance(name, str) and name not in ("json", "parquet", "csv", "generator") else None
+
+
+def _non_default(args: Any) -> dict[str, Any]:
+    defaults = GRPOConfig(output_dir=args.output_dir).to_dict()
+    return {k: v for k, v in args.to_dict().items() if defaults.get(k) != v and k not in ("output_dir", "logging_dir")}
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _versions() -> str:
+    return ", ".join(f"{name} {_version(name)}" for name in ("grpo", "transformers", "torch", "accelerate", "peft"))

@@ -1,0 +1,111 @@
+"""Hub upload (huggingface_hub's API replaced by a recorder: no network here) and the model card, which is written
+locally in the output directory and every checkpoint."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+from grpo import GRPOTrainer
+from test_trainer import cfg, chat_dataset, length_reward
+
+
+class FakeApi:
+    calls: list = []
+    fail = False
+
+    def __init__(self, token=None):
+        self.token = token
+
+    def create_repo(self, name, private=None, exist_ok=False):
+        FakeApi.calls.append(("create_repo", name, private, self.token))
+        return SimpleNamespace(repo_id=name if "/" in name else f"me/{name}")
+
+    def upload_folder(
+        self,
+        repo_id,
+        folder_path,
+        path_in_repo=None,
+        commit_message=None,
+        revision=None,
+        ignore_patterns=None,
+        run_as_future=False,
+    ):
+        if FakeApi.fail:
+            raise OSError("no network")
+        files = sorted(os.listdir(folder_path))
+        FakeApi.calls.append(("upload", repo_id, os.path.basename(folder_path), path_in_repo, commit_message, files))
+        future = concurrent.futures.Future()
+        future.set_result("commit")
+        return future if run_as_future else "commit"
+
+
+@pytest.fixture
+def hub():
+    FakeApi.calls, FakeApi.fail = [], False
+    with mock.patch("huggingface_hub.HfApi", FakeApi):
+        yield FakeApi
+
+
+def train(model_dir, tmp_path, **kw):
+    args = cfg(tmp_path, push_to_hub=True, hub_token="tok", max_steps=2, save_strategy="steps", save_steps=1, **kw)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    trainer.train()
+    return trainer
+
+
+def uploads(calls):
+    return [c[2:5] for c in calls if c[0] == "upload"]
+
+
+def test_every_save_pushes_the_model_and_push_to_hub_the_final_one(hub, tiny_model_dir, tmp_path):
+    trainer = train(tiny_model_dir, tmp_path, hub_model_id="me/run", hub_private_repo=True)
+    assert hub.calls[0] == ("create_repo", "me/run", True, "tok")
+    assert uploads(hub.calls) == [
+        ("out", None, "Training in progress, step 1"),
+        ("out", None, "Training in progress, step 2"),
+    ]
+    trainer.push_to_hub()
+    assert uploads(hub.calls)[-1] == ("out", None, "End of training")
+    pushed = hub.calls[-1][-1]
+    assert {"README.md", "config.json", "model.safetensors", "tokenizer_config.json"} <= set(pushed)
+
+
+@pytest.mark.parametrize(
+    "strategy, extra",
+    [
+        ("checkpoint", [("checkpoint-1", "last-checkpoint"), ("checkpoint-2", "last-checkpoint")]),
+        ("all_checkpoints", [("checkpoint-1", "checkpoint-1"), ("checkpoint-2", "checkpoint-2")]),
+        ("end", []),
+    ],
+)
+def test_hub_strategies(hub, tiny_model_dir, tmp_path, strategy, extra):
+    train(tiny_model_dir, tmp_path, hub_strategy=strategy)
+    pushed = [(folder, where) for folder, where, _ in uploads(hub.calls)]
+    models = [] if strategy == "end" else [("out", None)]
+    assert pushed == [p for step in range(2) for p in (models + extra[step : step + 1])]
+    assert hub.calls[0][1] == "out"  # hub_model_id defaults to the output directory's name
+
+
+def test_a_failed_push_during_training_is_a_warning(hub, tiny_model_dir, tmp_path, caplog):
+    hub.fail = True
+    trainer = train(tiny_model_dir, tmp_path)
+    assert trainer.state.global_step == 2 and "Pushing checkpoint" in caplog.text
+    with pytest.raises(OSError, match="no network"):
+        trainer.push_to_hub()
+
+
+def test_the_model_card_is_written_locally_without_the_hub(tiny_model_dir, tmp_path):
+    args = cfg(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, learning_rate=3e-3)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    trainer.train()
+    trainer.save_model()
+    for directory in (tmp_path / "out", tmp_path / "out" / "checkpoint-2"):
+        card = (directory / "README.md").read_text()
+        assert card.startswith("---\n") and "library_name: transformers" in card and "- grpo" in card
+        assert "| `length_reward` | 1 |" in card and '"learning_rate": 0.003' in card
+        assert "2 optimizer steps" in card and "| `reward` |" in card and "transformers 5." in card
