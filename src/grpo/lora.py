@@ -109,3 +109,10 @@ def load_adapter(model: Any, path: str) -> list[str]:
         )
     result = set_peft_model_state_dict(model, load_peft_weights(path, device="cpu"))
     return list(result.unexpected_keys)
+
+
+def lora_config(**kwargs: Any) -> Any:
+    """A peft LoraConfig (for `grpo train`'s use_peft and lora_* arguments)."""
+    from peft import LoraConfig
+
+    return LoraConfig(**kwargs)

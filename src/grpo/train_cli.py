@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from grpo import lora
 from grpo.config import GRPOConfig
 from grpo.data import load_local
 from grpo.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
@@ -180,9 +181,7 @@ def load_datasets(script: ScriptArguments, evaluate: bool) -> tuple[Any, Any]:
 def peft_config(model: ModelArguments) -> Any:
     if not model.use_peft:
         return None
-    from peft import LoraConfig
-
-    return LoraConfig(
+    return lora.lora_config(
         r=model.lora_r,
         lora_alpha=model.lora_alpha,
         lora_dropout=model.lora_dropout,
