@@ -302,3 +302,21 @@ def test_fp16_loss_scale_is_checkpointed(tiny_model_dir, tmp_path, monkeypatch):
     resumed = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
     resumed.train(resume_from_checkpoint=True)  # nothing left to train: only the restore
     assert resumed.accelerator.scaler.get_scale() == scale
+
+
+def test_quantization_config_goes_to_loading_and_needs_a_model_id(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from grpo.config import resolve_args
+
+    marker = object()
+    args = resolve_args(cfg(tmp_path), "tiny", tiny_model_dir, marker)
+    assert args.model_init_kwargs["quantization_config"] is marker
+    with pytest.raises(ValueError, match="quantization_config applies when the trainer loads the model"):
+        GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path),
+            quantization_config=marker,
+        )

@@ -7,6 +7,7 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ExportableState
 
 from grpo import GRPOTrainer
 from test_trainer import cfg, chat_dataset, length_reward
@@ -159,3 +160,39 @@ def test_early_stopping_stops_a_run(tiny_model_dir, tmp_path):
     trainer.train()
     assert trainer.state.global_step == 2
     assert trainer.state.best_metric == 1.0 and trainer.state.best_global_step == 1
+
+
+class Counting(TrainerCallback, ExportableState):
+    """Counts steps; its state is exported to checkpoints (as transformers' stateful callbacks are)."""
+
+    def __init__(self, start=0):
+        self.start, self.steps = start, start
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+    def state(self):
+        return {"args": {"start": self.start}, "attributes": {"steps": self.steps}}
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_stateful_callbacks_are_saved_and_restored(tiny_model_dir, tmp_path, restore):
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=1, restore_callback_states_from_checkpoint=restore)
+    first = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, **kw),
+        callbacks=[Counting()],
+    )
+    first.train()
+    resumed = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path / "b", **kw),
+        callbacks=[Counting(start=100)],
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    (counter,) = resumed.callback_handler.callbacks
+    assert (counter.start, counter.steps) == ((0, 2) if restore else (100, 101))

@@ -10,11 +10,12 @@ optimizer, lr_scheduler, train_dataloader=None, eval_dataloader=None, plus logs 
       epoch end
     train end
 
-What callbacks set in `control` is honoured: `should_training_stop` ends the run after the step (a final
-checkpoint is written when save_strategy is not "no"), `should_log`, `should_evaluate` and `should_save` log,
-evaluate and save at that step whatever the strategies say. The HF Trainer's own default callbacks (progress bars,
-tracker integrations, the flow callback that turns logging_steps etc. into control flags) are not added: grpo's
-loop does those itself, and `report_to` trackers are logged through accelerate.
+What callbacks set in `control` is honoured: `should_training_stop` ends the run after the step; `should_log`,
+`should_evaluate` and `should_save` log, evaluate and save at that step whatever the strategies say. Stateful
+callbacks (`ExportableState`) are saved in checkpoints and restored with restore_callback_states_from_checkpoint.
+The HF Trainer's own default callbacks (progress bars, tracker integrations, the flow callback that turns
+logging_steps etc. into control flags) are not added: grpo's loop does those itself, and `report_to` trackers are
+logged through accelerate.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from transformers import TrainerCallback
-from transformers.trainer_callback import CallbackHandler, TrainerControl
+from transformers.trainer_callback import CallbackHandler, ExportableState, TrainerControl
 from transformers.utils import logging as hf_logging
 
 
@@ -58,6 +59,22 @@ class Callbacks:
     @property
     def callbacks(self) -> list:
         return self.handler.callbacks
+
+    def states(self) -> dict[str, dict]:
+        """The stateful callbacks' states (transformers' ExportableState, e.g. EarlyStoppingCallback's patience
+        counter), by class name, for checkpoints (trainer_state.json "stateful_callbacks", as the HF Trainer)."""
+        return {type(cb).__name__: cb.state() for cb in self.callbacks if isinstance(cb, ExportableState)}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """restore_callback_states_from_checkpoint: each stateful callback rebuilt from its saved arguments and
+        attributes (a callback the checkpoint has no state for keeps its own)."""
+        for i, callback in enumerate(self.callbacks):
+            state = saved.get(type(callback).__name__) if isinstance(callback, ExportableState) else None
+            if isinstance(state, dict) and isinstance(state.get("args"), dict):
+                fresh = type(callback)(**state["args"])
+                for name, value in (state.get("attributes") or {}).items():
+                    setattr(fresh, name, value)
+                self.handler.callbacks[i] = fresh
 
 
 def check(callback: Any) -> None:

@@ -231,4 +231,5 @@ def main(argv: Sequence[str]) -> int:
     trainer.accelerator.print(f"Model saved to {args.output_dir}.")
     if args.push_to_hub:
         trainer.push_to_hub(dataset_name=script.dataset_name)
+    trainer.end()  # the trackers finished and the process group ended (as TRL's script does)
     return 0

@@ -61,7 +61,7 @@ from grpo.batch import TrainBatch, collate
 from grpo.callbacks import Callbacks
 from grpo.config import GRPOConfig, resolve_args, warn_odd_combinations
 from grpo.distributed import collectives
-from grpo.distributed.accelerator import end_training, make_accelerator
+from grpo.distributed.accelerator import end_run, end_training, make_accelerator
 from grpo.distributed.accumulation import accumulating, backward
 from grpo.forward import TrainingPass
 from grpo.groups import GenerationBatch, Scored, rows_with_spread
@@ -99,12 +99,13 @@ class GRPOTrainer:
         reward_processing_classes: Any = None,
         callbacks: Any = None,
         optimizers: tuple[Any, Any] = (None, None),
+        quantization_config: Any = None,
         peft_config: Any = None,
         tools: Any = None,
         rollout_func: Any = None,
         environment_factory: Any = None,
     ) -> None:
-        self.args = args = resolve_args(args, model_name(model))  # output_dir defaults to '<model name>-GRPO'
+        self.args = args = resolve_args(args, model_name(model), model, quantization_config)
 
         run_dir.check_output_dir(args.output_dir)
         self.environments = Environments(environment_factory) if environment_factory is not None else None
@@ -318,16 +319,9 @@ class GRPOTrainer:
     def _score(self, rows: list[int], generated: Generated) -> Scored:
         """Rewards of this process's completions, gathered with every other process's (global order)."""
         extra: dict[str, list] = {}
-        examples = [self.train_dataset[i] for i in rows]
-        rewards = self.rewards(
-            examples,
-            generated.rollout,
-            self.state,
-            self.metrics.add,
-            lambda name, values: extra.__setitem__(name, list(values)),
-            generated.prompts,
-            generated.columns,
-        )
+        log_extra = lambda name, values: extra.__setitem__(name, list(values))  # noqa: E731 (log_extra's signature)
+        examples, g = [self.train_dataset[i] for i in rows], generated
+        rewards = self.rewards(examples, g.rollout, self.state, self.metrics.add, log_extra, g.prompts, g.columns)
         local = Scored(rows, generated.prompts, generated.rollout, rewards, extra)
         return collectives.gather_scored(local, self.accelerator)
 
@@ -487,6 +481,10 @@ class GRPOTrainer:
     def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, **card: Any) -> Any:
         """Save the model and its card to output_dir and push them to hub_model_id (`grpo.hub`)."""
         return self.hub.push(self, commit_message, blocking, **card)
+
+    def end(self) -> None:
+        """Finish the trackers and end the process group: once, at the very end of a script (as the HF Trainer)."""
+        end_run(self.accelerator)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Write the policy (and tokenizer) as a normal Hugging Face model directory."""

@@ -139,6 +139,7 @@ def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict:
         "dataset_size": data.dataset_size(trainer.train_dataset),
         "save_only_model": trainer.args.save_only_model,
         **strategy.best_state(trainer.state),
+        "stateful_callbacks": trainer.callback_handler.states(),
         "config": {k: v for k, v in trainer.args.to_dict().items() if _jsonable(v)},
     }
     with open(os.path.join(tmp, STATE), "w") as f:
@@ -240,6 +241,8 @@ def load(trainer: Any, path: str) -> None:
         )
     _check_run(trainer, state, path)
     best = strategy.read_best(state, path)
+    if args.restore_callback_states_from_checkpoint:
+        trainer.callback_handler.restore(state.get("stateful_callbacks") or {})
     # where saved tensors go: accelerate numbers CPU processes' devices ("cpu:1"), which torch.load rejects
     device = "cpu" if acc.device.type == "cpu" else acc.device
     rank = acc.process_index

@@ -460,9 +460,19 @@ def reject_later_features(args: GRPOConfig, eval_dataset: Any, callbacks: Any) -
         warnings.warn("callbacks are ignored: grpo does not run transformers callbacks.", stacklevel=3)
 
 
-def resolve_args(args: GRPOConfig | None, model_name: str) -> GRPOConfig:
-    """The trainer's config: the given one, or the defaults; output_dir defaults to '<model name>-GRPO'."""
+def resolve_args(
+    args: GRPOConfig | None, model_name: str, model: Any = None, quantization_config: Any = None
+) -> GRPOConfig:
+    """The trainer's config: the given one, or the defaults; output_dir defaults to '<model name>-GRPO'; a
+    quantization_config (TRL 1.16's trainer argument) joins model_init_kwargs, for a model loaded from its id."""
     args = args or GRPOConfig(output_dir=f"{model_name}-GRPO")
     if args.output_dir is None:
         args.output_dir = f"{model_name}-GRPO"
+    if quantization_config is not None:
+        if not isinstance(model, str):
+            raise ValueError(
+                "quantization_config applies when the trainer loads the model from its id or path; this model is "
+                "already loaded: quantize it when you load it, or pass model as a string."
+            )
+        args.model_init_kwargs = {**(args.model_init_kwargs or {}), "quantization_config": quantization_config}
     return args

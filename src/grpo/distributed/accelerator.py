@@ -79,6 +79,16 @@ def end_training(accelerator: Accelerator) -> None:
         atexit.register(_tear_down, accelerator)
 
 
+def end_run(accelerator: Accelerator) -> None:
+    """GRPOTrainer.end(): the trackers finished and the process group ended now (after train, evaluate, save and
+    push, which need the other processes)."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
+    if accelerator in _TEARDOWN:
+        _TEARDOWN.remove(accelerator)
+    _tear_down(accelerator)
+
+
 _TEARDOWN: list[Accelerator] = []
 
 
