@@ -60,6 +60,7 @@ from grpo.agent import Environments, Generated, Rollouts
 from grpo.batch import TrainBatch, collate
 from grpo.callbacks import Callbacks
 from grpo.config import GRPOConfig, resolve_args, warn_odd_combinations
+from grpo.diagnostics import Diagnosis
 from grpo.distributed import collectives
 from grpo.distributed.accelerator import end_run, end_training, make_accelerator
 from grpo.distributed.accumulation import accumulating, backward
@@ -70,10 +71,7 @@ from grpo.loop import LoopState, RolloutBuffer, TrainOutput, Update
 from grpo.loss_terms import LossTerms, router_aux_coef
 from grpo.losses import LossParams, LossScale, high_entropy_mask, masked_mean_stat, policy_loss
 from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics
-from grpo.modeling import (
-    generation_eos,
-    model_name,
-)
+from grpo.modeling import generation_eos, model_name
 from grpo.optimization import TrainingError
 from grpo.perf import allocator, attention
 from grpo.preemption import Preempted, preemption_guard
@@ -163,6 +161,7 @@ class GRPOTrainer:
         self.completion_log = CompletionLog(args, self.rewards.names) if args.log_completions else None
         self.eval_dataset = eval_dataset
         self.evaluations = evaluation.build(eval_dataset, args, self.prompts, self.accelerator.num_processes)
+        self.diagnosis = Diagnosis()  # what the logged metrics say is going wrong: one warning each
         self.hub = Hub(args, self.accelerator.is_main_process)
         self.hub.create_repo()  # with push_to_hub, as the HF Trainer: at construction
         self.callback_handler = Callbacks(
@@ -444,6 +443,7 @@ class GRPOTrainer:
             if self.completion_log is not None and self.accelerator.is_main_process:
                 self.completion_log.flush(step, self.metrics.console)
             self._fire("log", logs=self.state.log_history[-1])
+            self.diagnosis.update(self.state.log_history, self.args, self.accelerator.is_main_process)
         elif self.args.logging_strategy == "no":
             self.metrics.discard()  # no row will ever average this window
         reporting.release_cached_memory(self.args, step, self.accelerator.device)  # torch_empty_cache_steps
