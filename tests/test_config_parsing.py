@@ -60,8 +60,8 @@ def test_each_honoured_field_parses_from_its_flag(name, tiny_model_dir, tmp_path
 
 
 def test_a_refused_field_from_the_command_line_names_itself(tmp_path):
-    with pytest.raises(ValueError, match=r"log_completions_hub_repo='me/completions' \(hub is not available yet"):
-        parse(["--output_dir", str(tmp_path), "--log_completions_hub_repo", "me/completions"])
+    with pytest.raises(ValueError, match=r"trackio_space_id='me/space' \(hub is not available yet"):
+        parse(["--output_dir", str(tmp_path), "--trackio_space_id", "me/space"])
 
 
 CONFIG = {

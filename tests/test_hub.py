@@ -21,8 +21,8 @@ class FakeApi:
     def __init__(self, token=None):
         self.token = token
 
-    def create_repo(self, name, private=None, exist_ok=False):
-        FakeApi.calls.append(("create_repo", name, private, self.token))
+    def create_repo(self, name, private=None, exist_ok=False, repo_type=None):
+        FakeApi.calls.append(("create_repo", name, private, self.token) + ((repo_type,) if repo_type else ()))
         return SimpleNamespace(repo_id=name if "/" in name else f"me/{name}")
 
     def upload_folder(
@@ -109,3 +109,35 @@ def test_the_model_card_is_written_locally_without_the_hub(tiny_model_dir, tmp_p
         assert card.startswith("---\n") and "library_name: transformers" in card and "- grpo" in card
         assert "| `length_reward` | 1 |" in card and '"learning_rate": 0.003' in card
         assert "2 optimizer steps" in card and "| `reward` |" in card and "transformers 5." in card
+
+
+class FakeScheduler:
+    made: list = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.triggered = kwargs, 0
+        FakeScheduler.made.append(self)
+
+    def trigger(self):
+        self.triggered += 1
+        done = concurrent.futures.Future()
+        done.set_result(None)
+        return done
+
+
+def test_completions_go_to_a_dataset_repository(hub, tiny_model_dir, tmp_path):
+    FakeScheduler.made = []
+    cards = []
+    with (
+        mock.patch("huggingface_hub.CommitScheduler", FakeScheduler),
+        mock.patch("huggingface_hub.DatasetCard.push_to_hub", lambda card, repo, **kw: cards.append((repo, kw))),
+    ):
+        args = cfg(tmp_path, log_completions=True, log_completions_hub_repo="me/completions", hub_private_repo=True)
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+        trainer.train()
+    assert ("create_repo", "me/completions", True, None, "dataset") in hub.calls
+    assert cards == [("me/completions", {"repo_type": "dataset", "token": None})]
+    (scheduler,) = FakeScheduler.made
+    assert scheduler.kwargs["repo_id"] == "me/completions" and scheduler.kwargs["repo_type"] == "dataset"
+    assert scheduler.kwargs["folder_path"] == str(tmp_path / "out" / "completions") and scheduler.triggered == 1
+    assert os.listdir(tmp_path / "out" / "completions") == ["completions_00001.parquet"]

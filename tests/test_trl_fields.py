@@ -94,5 +94,5 @@ def test_each_field_set_to_a_non_default_value(name, tiny_model_dir, tmp_path):
 
 
 def test_several_refused_fields_are_named_in_one_error(tmp_path):
-    with pytest.raises(ValueError, match=r"use_liger_kernel=True.*log_completions_hub_repo='x/y'.*Leave these fields"):
-        GRPOConfig(output_dir=str(tmp_path), log_completions_hub_repo="x/y", use_liger_kernel=True)
+    with pytest.raises(ValueError, match=r"use_liger_kernel=True.*trackio_space_id='x/y'.*Leave these fields"):
+        GRPOConfig(output_dir=str(tmp_path), trackio_space_id="x/y", use_liger_kernel=True)

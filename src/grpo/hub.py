@@ -59,6 +59,49 @@ class Hub:
         name = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
         self.repo_id = self.api().create_repo(name, private=self.args.hub_private_repo, exist_ok=True).repo_id
 
+    def start_completions_upload(self, is_main_process: bool) -> None:
+        """log_completions_hub_repo (TRL 1.16): the completions parquet files go to that dataset repository, committed
+        every 2 minutes in the background by huggingface_hub's CommitScheduler (and once more at the end)."""
+        a = self.args
+        self.completions_scheduler = None
+        if not a.log_completions_hub_repo or not is_main_process:
+            return
+        if not a.log_completions:
+            logger.warning("log_completions_hub_repo is set but log_completions is False: no completions are logged.")
+            return
+        api = self.api()
+        api.create_repo(a.log_completions_hub_repo, private=a.hub_private_repo, repo_type="dataset", exist_ok=True)
+        card = huggingface_hub.DatasetCard(
+            "---\n"
+            + huggingface_hub.DatasetCardData(
+                pretty_name="grpo completion logs", tags=["grpo", "completions"]
+            ).to_yaml()
+            + "\n---\n\n# Completions logged by grpo\n\nOne parquet file per logging step: prompt, completion, each "
+            f"reward function, advantage{f' (model: {a.hub_model_id})' if a.hub_model_id else ''}.\n"
+        )
+        card.push_to_hub(a.log_completions_hub_repo, repo_type="dataset", token=a.hub_token)
+        folder = os.path.join(a.output_dir, "completions")
+        os.makedirs(folder, exist_ok=True)
+        self.completions_scheduler = huggingface_hub.CommitScheduler(
+            repo_id=a.log_completions_hub_repo,
+            repo_type="dataset",
+            folder_path=folder,
+            every=2,
+            allow_patterns=["*.parquet"],
+            token=a.hub_token,
+        )
+
+    def finish_completions_upload(self) -> None:
+        """The last completions, committed at the end of train()."""
+        scheduler = getattr(self, "completions_scheduler", None)
+        if scheduler is not None:
+            try:
+                scheduler.trigger().result()
+            except Exception as err:
+                logger.warning(
+                    "Uploading the last completions to %s failed: %s", self.args.log_completions_hub_repo, err
+                )
+
     def after_checkpoint(self, trainer: Any, checkpoint_dir: str) -> None:
         """hub_strategy's background pushes after a checkpoint was written."""
         a = self.args

@@ -231,6 +231,7 @@ class GRPOTrainer:
             self.model.train()
             total_loss, first = 0.0, self.state.global_step
             self._fire("train_begin")
+            self.hub.start_completions_upload(self.accelerator.is_main_process)
             with self.metrics, preemption_guard() as preempted:
                 if a.eval_on_start and self.evaluations:
                     self.evaluate()
@@ -243,6 +244,7 @@ class GRPOTrainer:
                 except Preempted:
                     preemption.save_and_exit(self, step_start)
             checkpoint.strategy.load_best_model(self, checkpoint.load_model_weights)
+            self.hub.finish_completions_upload()
             self._fire("train_end")
         end_training(self.accelerator)
         loss = total_loss / max(self.state.global_step, 1)

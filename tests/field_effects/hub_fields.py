@@ -76,3 +76,17 @@ def _(s: Setting) -> None:
     with mock.patch.object(FakeApi, "upload_folder", record):
         _run(s)
     assert seen == ["dev", "dev"]
+
+
+@effect("log_completions_hub_repo", "me/completions")
+def _(s: Setting) -> None:
+    from test_hub import FakeApi, FakeScheduler
+
+    FakeApi.calls, FakeScheduler.made = [], []
+    with (
+        mock.patch("huggingface_hub.HfApi", FakeApi),
+        mock.patch("huggingface_hub.CommitScheduler", FakeScheduler),
+        mock.patch("huggingface_hub.DatasetCard.push_to_hub", lambda card, repo, **kw: None),
+    ):
+        s.train(log_completions=True)
+    assert [m.kwargs["repo_id"] for m in FakeScheduler.made] == ["me/completions"]
