@@ -31,6 +31,7 @@ from grpo import data
 from grpo.advantages import nanstd, weighted_sum
 from grpo.distributed import collectives
 from grpo.groups import Scored
+from grpo.metrics import reward_and_tool_stats
 from grpo.rollout import build_engine
 
 
@@ -163,13 +164,7 @@ class Evaluation:
             "eval_completions/mean_length": lengths.mean().item(),
             "eval_completions/clipped_ratio": torch.tensor(scored.rollout.truncated, dtype=torch.float32).mean().item(),
         }
-        for k, name in enumerate(rewards.names):
-            out[f"eval_rewards/{name}/mean"] = torch.nanmean(values[:, k]).item()
-            out[f"eval_rewards/{name}/std"] = nanstd(values[:, k]).item()
-        if tools:
-            calls = sum(scored.rollout.tool_calls)
-            out["eval_tools/call_frequency"] = calls / max(len(scored), 1)
-            out["eval_tools/failure_frequency"] = sum(scored.rollout.tool_failures) / calls if calls else 0.0
+        out.update({f"eval_{k}": v for k, v in reward_and_tool_stats(scored, rewards.names, tools).items()})
         return {k: v if math.isfinite(v) else None for k, v in out.items()}
 
 

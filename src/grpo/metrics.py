@@ -225,6 +225,18 @@ def generation_metrics(
         "timing/generation_s": generated.generation_s,
         "timing/scoring_s": generated.scoring_s,
     }
+    m.update(reward_and_tool_stats(scored, reward_names, tools))
+    if dynamic_sampling:
+        m["dynamic_sampling/groups_dropped"] = generated.groups_dropped
+        m["dynamic_sampling/rounds"] = generated.rounds
+    return m
+
+
+def reward_and_tool_stats(scored: Any, reward_names: list[str], tools: bool) -> dict[str, float]:
+    """Each reward function's mean and std over the scored completions and, with tools, TRL 1.16's
+    tools/call_frequency (calls per completion) and tools/failure_frequency (failed calls per call); training and
+    evaluation (with its eval_ prefix) log the same."""
+    m = {}
     for k, name in enumerate(reward_names):
         m[f"rewards/{name}/mean"] = torch.nanmean(scored.rewards[:, k]).item()
         m[f"rewards/{name}/std"] = nanstd(scored.rewards[:, k]).item()
@@ -232,9 +244,6 @@ def generation_metrics(
         calls, failures = sum(scored.rollout.tool_calls), sum(scored.rollout.tool_failures)
         m["tools/call_frequency"] = calls / max(len(scored), 1)
         m["tools/failure_frequency"] = failures / calls if calls else 0.0
-    if dynamic_sampling:
-        m["dynamic_sampling/groups_dropped"] = generated.groups_dropped
-        m["dynamic_sampling/rounds"] = generated.rounds
     return m
 
 
