@@ -20,7 +20,16 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+# The report's browser test opens report.html in Debian's Chromium, driven by the playwright package (which does
+# not download a browser of its own). Installed here when missing: as root, or through sudo.
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+$(CHROMIUM):
+	@if command -v apt-get >/dev/null; then \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; \
+	else echo "no apt-get here: install Chromium at $(CHROMIUM) for the report's browser test (skipped without it)"; fi
+
+test: $(STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 	$(PY) -m pytest -q -m "not slow" --ignore=tests/vllm

@@ -251,6 +251,9 @@ def test_completions_log_shows_the_whole_exchange(tmp_path):
     trainer.train()
     table = pd.read_parquet(tmp_path / "out" / "completions" / "completions_00001.parquet")
     assert (table["completion"] == "<call multiply({'a': 2, 'b': 3})>\n[multiply -> 6]\n6").sum() == 4
+    page = (tmp_path / "out" / "report.html").read_text()  # the run report shows the exchanges and tool metrics
+    assert "&lt;call multiply({&#x27;a&#x27;: 2, &#x27;b&#x27;: 3})&gt;\n[multiply -&gt; 6]\n6" in page
+    assert 'data-chart="Tool calls"' in page and "tools <b>multiply</b>" in page
 
 
 def test_string_prompts_with_tools_are_refused(tmp_path):

@@ -27,7 +27,7 @@ def test_demo_smoke_run(tiny_model_dir, tmp_path, capsys):
     for name in (
         "metrics.jsonl",
         "samples.md",
-        "reward.png",
+        "report.html",
         "summary.json",
         "model/config.json",
         "model/tokenizer_config.json",

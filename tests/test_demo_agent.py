@@ -47,7 +47,7 @@ def test_demo_agent_smoke_run(tmp_path, capsys):
     number = r"[01]\.\d{4}"
     names = ("accuracy_before", "accuracy_after", "tool_calls_before", "tool_calls_after")
     assert re.fullmatch(" ".join(f"{name}={number}" for name in names), lines[-1])
-    for name in ("metrics.jsonl", "samples.md", "reward.png", "summary.json", "model/config.json"):
+    for name in ("metrics.jsonl", "samples.md", "report.html", "summary.json", "model/config.json"):
         assert os.path.exists(os.path.join(out, name)), name
     with open(os.path.join(out, "model", "tokenizer_config.json")) as f:
         saved = json.load(f).get("chat_template") or open(os.path.join(out, "model", "chat_template.jinja")).read()

@@ -1,5 +1,6 @@
-"""The `grpo` command: `grpo train ...` (TRL's `trl grpo`, `grpo.train_cli`) and `grpo vllm-serve ...` (a
-generation server for the trainer, `grpo.server`)."""
+"""The `grpo` command: `grpo train ...` (TRL's `trl grpo`, `grpo.train_cli`), `grpo vllm-serve ...` (a
+generation server for the trainer, `grpo.server`) and `grpo report <output_dir>` (a run's report.html rebuilt
+from its files, `grpo.report`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from grpo import server, train_cli
+from grpo import report, server, train_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve generation from a vLLM engine (weights updatable by the trainer)",
         description=server.build_parser().description,
     )
+    reporting = commands.add_parser(
+        "report",
+        help="rebuild a run's report.html from its output_dir (finished or not, resumed or not)",
+        description="Write <output_dir>/report.html from the files a run left there: metrics.jsonl, completions/, "
+        "run_info.json. The diagnostics are replayed over the metrics.",
+    )
+    reporting.add_argument("output_dir", help="the run's output_dir")
+    reporting.add_argument("--output", metavar="FILE", help="write the page here instead of <output_dir>/report.html")
     return parser
 
 
@@ -34,6 +43,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "vllm-serve":
         return server.serve(args)
+    if args.command == "report":
+        try:
+            path = report.rebuild(args.output_dir, args.output)
+        except (report.ReportError, OSError) as err:
+            print(f"grpo report: {err}", file=sys.stderr)
+            return 2
+        print(path)
+        return 0
     return 2
 
 

@@ -5,8 +5,8 @@
 The task: "Compute {a}+{b}. Reply with only the final number." with a, b in 1..9; reward 1.0 when the last
 integer of the completion is a+b. Before and after training, greedy accuracy is measured on all 81 pairs with
 that phrasing and with one never trained on ("What is {a} plus {b}? Give just the number."). Everything goes
-to the output directory: metrics.jsonl, sample completions, a plot, and the trained model. The last line
-printed is `accuracy_before=<a> accuracy_after=<b>` (greedy, first phrasing).
+to the output directory: report.html (the run report), metrics.jsonl, sample completions, and the trained model.
+The last line printed is `accuracy_before=<a> accuracy_after=<b>` (greedy, first phrasing).
 
 Training: 2 prompts x 8 completions per step, max 32 new tokens, learning rate 2e-5 decaying linearly over
 36 steps, beta 0, loss dapo, bfloat16 compute where the CPU has fast bfloat16. Accuracy is measured in float32
@@ -30,6 +30,7 @@ from datasets import Dataset
 from grpo.bundled import bundled_model_path
 from grpo.config import GRPOConfig
 from grpo.data import tokenize_prompts
+from grpo.report import REPORT
 from grpo.rollout.base import left_pad
 from grpo.trainer import GRPOTrainer
 
@@ -85,38 +86,20 @@ def greedy_accuracy(model: Any, tokenizer: Any, template: str, max_new_tokens: i
     return sum(r[2] for r in results) / len(results), results
 
 
-def plot(metrics_path: str, png_path: str, task: str = "single-digit addition") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in open(metrics_path)]
-    steps = [r["step"] for r in rows]
-    fig, ax1 = plt.subplots(figsize=(7, 4))
-    ax1.plot(steps, [r["reward"] for r in rows], color="tab:blue", marker="o", label="reward")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("mean reward", color="tab:blue")
-    ax1.set_ylim(-0.05, 1.05)
-    ax2 = ax1.twinx()
-    ax2.plot(
-        steps, [r["completions/mean_length"] for r in rows], color="tab:orange", marker=".", label="completion length"
-    )
-    ax2.set_ylabel("mean completion length (tokens)", color="tab:orange")
-    ax1.set_title(f"GRPO on SmolLM2-135M-Instruct: {task}")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-
-
 def fresh_output_dir(path: str) -> None:
-    """Start a fresh run: a previous run is moved to <path>.previous (replacing an older one), and said so."""
+    """Start a fresh run: a previous run is moved to <path>.previous (replacing an older one), and said so; then
+    where the run's report will be."""
     if os.path.exists(path):
         previous = path.rstrip("/") + ".previous"
         shutil.rmtree(previous, ignore_errors=True)
         shutil.move(path, previous)
         print(f"Moved the previous run in {path} to {previous}.")
     os.makedirs(path)
+    print(f"Report: {report_path(path)} (open it in a browser; it is rewritten as training goes)")
+
+
+def report_path(output_dir: str) -> str:
+    return os.path.abspath(os.path.join(output_dir, REPORT))
 
 
 def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any) -> GRPOConfig:
@@ -133,6 +116,8 @@ def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any) -> GRP
         save_strategy="no",
         gradient_checkpointing=False,
         temperature=1.0,
+        log_completions=True,  # for the report's completions table
+        num_completions_to_print=0,  # (not printed: the console keeps the progress line)
     )
     params.update(overrides)
     return GRPOConfig(**params)
@@ -162,7 +147,6 @@ def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: An
     }
     trainer.save_model(os.path.join(output_dir, "model"))
     _write_samples(output_dir, before, after)
-    plot(os.path.join(output_dir, "metrics.jsonl"), os.path.join(output_dir, "reward.png"))
     summary = {
         "seed": seed,
         "steps": steps,
@@ -176,9 +160,10 @@ def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: An
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(
-        f"Training took {train_time:.0f} s for {steps} steps. Files in {output_dir}: metrics.jsonl, samples.md, "
-        "reward.png, summary.json, model/"
+        f"Training took {train_time:.0f} s for {steps} steps. Files in {output_dir}: report.html, metrics.jsonl, "
+        "samples.md, summary.json, completions/, model/"
     )
+    print(f"The run's report (charts, diagnostics, sampled completions): {report_path(output_dir)}")
     print(f"Greedy accuracy, trained phrasing: {before['train'][0]:.3f} -> {after['train'][0]:.3f}")
     print(f"Greedy accuracy, unseen phrasing:  {before['heldout'][0]:.3f} -> {after['heldout'][0]:.3f}")
     return before["train"][0], after["train"][0]

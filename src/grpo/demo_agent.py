@@ -7,9 +7,9 @@ has one tool, `multiply(a, b)`, described by the chat template (`grpo.agent.CHAT
 the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` format), and the prompt shows one worked example
 (a question, the assistant's call, the tool's result, the answer). Reward 1.0 when the last integer of the final
 assistant turn is a*b. Greedy accuracy and tool-call rate are measured before and after training on held-out pairs
-(no pair, and no `a` or `b`, appears in training). Everything goes to the output directory: metrics.jsonl, samples
-of whole exchanges before and after, a reward plot, summary.json and the trained `model/` (with the tool-capable
-tokenizer). The last line printed is
+(no pair, and no `a` or `b`, appears in training). Everything goes to the output directory: report.html (the run
+report), metrics.jsonl, samples of whole exchanges before and after, summary.json and the trained `model/` (with
+the tool-capable tokenizer). The last line printed is
 `accuracy_before=<a> accuracy_after=<b> tool_calls_before=<c> tool_calls_after=<d>`.
 """
 
@@ -33,7 +33,7 @@ from grpo.bundled import bundled_model_path
 from grpo.config import GRPOConfig
 from grpo.data import end_of_turn_ids, make_prompt
 from grpo.demo import demo_config as addition_config
-from grpo.demo import fresh_output_dir, last_integer, plot
+from grpo.demo import fresh_output_dir, last_integer, report_path
 from grpo.modeling import generation_eos
 from grpo.rollout.base import Request
 from grpo.rollout.fast import FastEngine
@@ -134,9 +134,7 @@ def measure(model: Any, tokenizer: Any, pairs: list[tuple[int, int]], max_comple
 
 def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any) -> GRPOConfig:
     """`make demo`'s settings, with room for a call, the tool's result and the answer."""
-    params = dict(
-        max_completion_length=64, max_tool_calling_iterations=2, log_completions=True, num_completions_to_print=2
-    )
+    params = dict(max_completion_length=64, max_tool_calling_iterations=2, num_completions_to_print=2)
     return addition_config(output_dir, seed, steps, **{**params, **overrides})
 
 
@@ -162,7 +160,6 @@ def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: An
     after = measure(model, tokenizer, held, args.max_completion_length)
     trainer.save_model(os.path.join(output_dir, "model"))
     _write_samples(output_dir, before, after)
-    plot(os.path.join(output_dir, "metrics.jsonl"), os.path.join(output_dir, "reward.png"), "tool use")
     rewards = [json.loads(line)["reward"] for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     summary = {
         "seed": seed,
@@ -179,6 +176,7 @@ def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: An
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"Training took {train_time:.0f} s for {steps} steps. Files in {output_dir}.")
+    print(f"The run's report (charts, diagnostics, sampled exchanges): {report_path(output_dir)}")
     return summary
 
 

@@ -2,17 +2,8 @@
 
 Each check is a pure function of the logged rows (`trainer.state.log_history`: training rows and evaluation rows)
 and the run's settings, and returns a `Finding` or None. The trainer runs them at every logging step and prints a
-finding as one warning line the first time it appears. The thresholds:
-
-- no reward spread: `frac_reward_zero_std` >= 0.5 in each of the last 3 logged rows (most groups teach nothing);
-- truncated completions: `completions/clipped_ratio` >= 0.5 in each of the last 3 logged rows;
-- sampling mismatch: in the latest row, `sampling/importance_sampling_ratio/mean` outside the clip range
-  [1 - epsilon, 1 + epsilon_high], or its `/max` above `vllm_importance_sampling_clip_max`;
-- entropy collapse: `entropy` below 0.05 nats per token and below a fifth of the first logged value;
-- reward up, evaluation down: over the last 3 evaluations `eval_reward` fell by more than 0.05 while the training
-  `reward` rose by more than 0.05;
-- constant reward function: `rewards/<name>/std` is 0 in each of the last 3 logged rows (no signal);
-- exploding gradient norm: the latest finite `grad_norm` is over 10x the median of the earlier ones (5 or more).
+finding as one warning line the first time it appears; the run report (`grpo.report`) states them at its top.
+Each check's threshold is in `THRESHOLDS` (stated in the report and the README too).
 """
 
 from __future__ import annotations
@@ -26,6 +17,25 @@ from typing import Any
 
 logger = logging.getLogger("grpo")
 WINDOW = 3  # logged rows a persistent condition must hold for
+
+# each diagnostic and when it fires (the report lists them)
+THRESHOLDS = (
+    ("no reward spread", f"frac_reward_zero_std >= 0.5 in each of the last {WINDOW} logged rows"),
+    ("truncated completions", f"completions/clipped_ratio >= 0.5 in each of the last {WINDOW} logged rows"),
+    (
+        "sampling mismatch",
+        "in the latest row, sampling/importance_sampling_ratio/mean outside [1 - epsilon, 1 + epsilon_high], or its "
+        "max above vllm_importance_sampling_clip_max",
+    ),
+    ("entropy collapse", "entropy below 0.05 nats per token and below a fifth of the first logged value"),
+    (
+        "reward up, evaluation down",
+        f"over the last {WINDOW} evaluations eval_reward fell by more than 0.05 while the training reward rose by "
+        "more than 0.05",
+    ),
+    ("constant reward function", f"rewards/<name>/std is 0 in each of the last {WINDOW} logged rows"),
+    ("exploding gradient norm", "the latest finite grad_norm is over 10x the median of the earlier ones (5 or more)"),
+)
 
 
 @dataclass(frozen=True)
@@ -189,10 +199,21 @@ class Diagnosis:
     def __init__(self) -> None:
         self.seen: dict[str, Finding] = {}
 
-    def update(self, rows: Sequence[dict], args: Any, is_main_process: bool = True) -> list[Finding]:
+    def update(self, rows: Sequence[dict], args: Any, is_main_process: bool = True, quiet: bool = False) -> list:
         new = [f for f in diagnose(rows, args) if f.name not in self.seen]
         for finding in new:
             self.seen[finding.name] = finding
-            if is_main_process:
+            if is_main_process and not quiet:
                 logger.warning("Step %d: %s", finding.step, finding.message)
         return new
+
+    def replay(self, rows: Sequence[dict], args: Any) -> Diagnosis:
+        """Find, without warning, what the checks found as the rows were logged one by one (a resumed run's
+        earlier findings, a report rebuilt from metrics.jsonl): each finding at the step it first appeared."""
+        for end in range(1, len(rows) + 1):
+            self.update(rows[:end], args, quiet=True)
+        return self
+
+    @property
+    def findings(self) -> list[Finding]:
+        return sorted(self.seen.values(), key=lambda f: f.step)

@@ -281,6 +281,8 @@ class CompletionLog:
         path = os.path.join(self.output_dir, "completions", f"completions_{step:05d}.parquet")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         pd.DataFrame(rows).to_parquet(path, index=False)
+        if self.num_to_print == 0:  # saved, not shown
+            return path
         candidates = _first_of_each_prompt(rows) if self.unique_prompts else rows
         shown = (
             candidates

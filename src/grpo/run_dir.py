@@ -86,6 +86,22 @@ class RunLock:
             self.fd = None
 
 
+def is_held(output_dir: str) -> bool:
+    """Whether a run holds output_dir's lock now (this process's own run included)."""
+    try:
+        fd = os.open(os.path.join(output_dir, LOCK_NAME), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def _read_holder(fd: int) -> str:
     try:
         holder = json.loads(os.pread(fd, 4096, 0) or b"{}")

@@ -75,6 +75,7 @@ from grpo.modeling import generation_eos, model_name
 from grpo.optimization import TrainingError
 from grpo.perf import allocator, attention
 from grpo.preemption import Preempted, preemption_guard
+from grpo.report import RunReport
 from grpo.rewards.calling import RewardFunctions
 from grpo.rollout import build_engine
 from grpo.sampling_correction import SamplingCorrection
@@ -162,6 +163,7 @@ class GRPOTrainer:
         self.eval_dataset = eval_dataset
         self.evaluations = evaluation.build(eval_dataset, args, self.prompts, self.accelerator.num_processes)
         self.diagnosis = Diagnosis()  # what the logged metrics say is going wrong: one warning each
+        self.run_report = RunReport.of(self)  # <output_dir>/report.html
         self.hub = Hub(args, self.accelerator.is_main_process)
         self.hub.create_repo()  # with push_to_hub, as the HF Trainer: at construction
         self.callback_handler = Callbacks(
@@ -222,17 +224,18 @@ class GRPOTrainer:
         with run_dir.holding(a.output_dir, self.accelerator):
             self.metrics = MetricsLogger(a.output_dir, self.accelerator, self.max_steps, not a.disable_tqdm)
             resume_from_checkpoint = checkpoint.strategy.resume_target(resume_from_checkpoint, a.resume_from_checkpoint)
-            if resume_from_checkpoint:
-                path = checkpoint.resolve(resume_from_checkpoint, a.output_dir)
+            path = checkpoint.resolve(resume_from_checkpoint, a.output_dir) if resume_from_checkpoint else None
+            if path:
                 checkpoint.load(self, path)
                 self.metrics.resume(self.state.global_step)
+                self.diagnosis.replay(self.state.log_history, a)  # the findings before the resume, not warned again
                 self._weights_stale = True
                 logger.info("Resumed from %s at step %d.", path, self.state.global_step)
             self.model.train()
             total_loss, first = 0.0, self.state.global_step
             self._fire("train_begin")
             self.hub.start_completions_upload(self.accelerator.is_main_process)
-            with self.metrics, preemption_guard() as preempted:
+            with self.metrics, self.run_report.running(self.state, path), preemption_guard() as preempted:
                 if a.eval_on_start and self.evaluations:
                     self.evaluate()
                 try:
@@ -446,6 +449,7 @@ class GRPOTrainer:
                 self.completion_log.flush(step, self.metrics.console)
             self._fire("log", logs=self.state.log_history[-1])
             self.diagnosis.update(self.state.log_history, self.args, self.accelerator.is_main_process)
+            self.run_report.refresh()  # report.html, when due
         elif self.args.logging_strategy == "no":
             self.metrics.discard()  # no row will ever average this window
         reporting.release_cached_memory(self.args, step, self.accelerator.device)  # torch_empty_cache_steps

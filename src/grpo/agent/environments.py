@@ -66,6 +66,11 @@ class Environments:
     def has_tools(self) -> bool:
         return any(self.methods.values())
 
+    @property
+    def tool_names(self) -> list[str]:
+        """Every environment class's tool names, once each."""
+        return list(dict.fromkeys(t.name for tools in self.methods.values() for t in tools))
+
     def start(self, examples: Sequence[dict]) -> tuple[list[Any], list[Any]]:
         """(instances, prompts): one reset instance per row, and each row's prompt with what reset returned."""
         names = [example.get("environment") if self.routed else None for example in examples]

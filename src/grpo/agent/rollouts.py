@@ -58,6 +58,7 @@ class Rollouts:
         if environments is not None:  # a tool and an environment method of the same name: refused now, not mid-run
             for pool in environments.pool.values():
                 self.tools + environments.tools_of(pool[0])
+        self.tool_names = [*self.tools.tools, *(environments.tool_names if environments else ())]
         self.loop = None
         if self.uses_tools:
             check_tool_template(self.tokenizer, args.chat_template_kwargs)

@@ -121,7 +121,9 @@ class LossFields:
 class CompletionLogFields:
     log_completions: bool = _help("Print a sample of completions at each logging step.", False)
     log_multimodal: bool = _help("Log the images of multimodal prompts with the completions.", True)
-    num_completions_to_print: Optional[int] = _help("How many completions log_completions prints (None: all).")
+    num_completions_to_print: Optional[int] = _help(
+        "How many completions log_completions prints (None: all; 0: none, the files are still written)."
+    )
     log_unique_prompts: bool = _help(
         "In the completions table, show each prompt once (its first row); the parquet file keeps every row.", False
     )
@@ -141,6 +143,12 @@ class GrpoOnlyFields:
         "Seconds one tool call may take; a call that takes longer is abandoned and the model gets an error message "
         "(it counts in tools/failure_frequency). None or 0: no limit.",
         60.0,
+    )
+    run_report: bool = _help(
+        "Write <output_dir>/report.html (main process): diagnostics, charts of the metrics, sampled completions, the "
+        "configuration and versions; refreshed at logging steps (at most 2% of the run's time) and at the end. "
+        "False: no page (`grpo report <output_dir>` can still build one from the run's files).",
+        True,
     )
     eval_greedy: bool = _help(
         "Evaluation samples one greedy completion per prompt (temperature 0 / top_k=1) instead of "
