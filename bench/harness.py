@@ -4,7 +4,8 @@ Throughput = completion tokens generated in all steps (EOS counted, padding not)
 training call (warm-up step included, model loading excluded), measured the same way for both. Peak memory is
 the largest resident set of the run's whole process tree, sampled every 20 ms. The last line is
 `speedup_vs_trl=<bf16 ratio> memory_vs_trl=<larger peak ratio> speedup_vs_trl_fp32=<fp32 ratio>`, computed from
-the fast engine's rows. Where vLLM is installed, a `grpo+vllm` bf16 row runs the same workload with
+the fast engine's rows; `report_time_ratio` is the grpo bf16 run's time with the run report over the same run
+with run_report=False. Where vLLM is installed, a `grpo+vllm` bf16 row runs the same workload with
 `use_vllm=True` (its engine's start-up counted in its time, its warm-up inside train()), and the line before gives
 `vllm_generation_vs_fast=<generation tokens/s ratio> vllm_speedup_vs_trl=<end-to-end ratio>`. TRL's own colocate
 mode is not run: on vLLM's CPU build it crashes at its first weight sync (README).
@@ -100,6 +101,11 @@ def main() -> None:
         for framework in frameworks:
             console.print(f"running {framework} {precision} ...")
             results[(framework, precision)] = run(framework, precision)
+    if opts.only in (None, "grpo"):
+        # the run report's cost: the same bf16 run without report.html (run_report=False)
+        console.print("running grpo bf16 without the run report ...")
+        results[("grpo, no report", "bf16")] = dict(run("grpo", "bf16", {"run_report": False}),
+                                                   framework="grpo, no report")
     if not opts.only and vllm_available():
         # the vLLM engine on the same workload (bf16); the three ratios below stay the fast engine's
         console.print("running grpo+vllm bf16 ...")
@@ -107,6 +113,10 @@ def main() -> None:
     console.print(table(list(results.values()), "grpo vs TRL 1.16 on the demo workload"))
     with open(os.path.join(HERE, "results.json"), "w") as f:
         json.dump([dict(r) for r in results.values()], f, indent=1)
+    with_report, without = results.get(("grpo", "bf16")), results.get(("grpo, no report", "bf16"))
+    if with_report and without:
+        print(f"report_time_ratio={with_report['seconds'] / without['seconds']:.3f} "
+              f"(grpo bf16 with report.html / without; 1.00 = no cost)")
     if opts.only:
         return
     speed = {p: results[("grpo", p)]["tokens_per_s"] / results[("trl", p)]["tokens_per_s"] for p in ("bf16", "fp32")}

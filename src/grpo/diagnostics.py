@@ -67,9 +67,15 @@ def no_reward_spread(rows: Sequence[dict], args: Any) -> Finding | None:
         "no_reward_spread",
         rows[-1]["step"],
         f"{value:.0%} of groups have no reward spread (all their completions scored the same), so their advantage "
-        "is 0 and they teach nothing. Try dynamic_sampling=True, more num_generations, a higher temperature, or a "
-        "reward with partial credit.",
+        f"is 0 and they teach nothing (mean reward {_g(_latest(rows, 'reward'))}: if that is the best score, most "
+        "prompts are solved and harder ones would teach more). Try dynamic_sampling=True, more num_generations, a "
+        "higher temperature, or a reward with partial credit.",
     )
+
+
+def _latest(rows: Sequence[dict], key: str) -> float | None:
+    values = _values(_training_rows(rows), key)
+    return values[-1] if values else None
 
 
 def truncated(rows: Sequence[dict], args: Any) -> Finding | None:
@@ -156,8 +162,10 @@ def constant_rewards(rows: Sequence[dict], args: Any) -> list[Finding]:
                 Finding(
                     f"constant_reward/{name}",
                     rows[-1]["step"],
-                    f"Reward function '{name}' returned the same value for every sample in the last {WINDOW} logged "
-                    "steps: it gives no learning signal. Check that it reads the completion it is given.",
+                    f"Reward function '{name}' returned the same value ({_g(_latest(rows, f'rewards/{name}/mean'))}) "
+                    f"for every sample in the last {WINDOW} logged steps: it gives no learning signal. If that is its "
+                    "best score the task is learned (stop, or give harder prompts); otherwise check that it reads the "
+                    "completion it is given.",
                 )
             )
     return found

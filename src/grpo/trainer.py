@@ -431,10 +431,8 @@ class GRPOTrainer:
     def _log_generation(self, generated: GenerationBatch, advantages: Advantages, batch: TrainBatch) -> None:
         mode = self.args.include_num_input_tokens_seen
         reporting.count_tokens(self.state, self.metrics, generated.batch.rollout, batch, self.accelerator, mode)
-        a, names = self.args, self.rewards.names
-        self.metrics.add_many(
-            generation_metrics(generated, advantages, names, a.dynamic_sampling, self.rollouts.uses_tools)
-        )
+        names, tools = self.rewards.names, self.rollouts.uses_tools
+        self.metrics.add_many(generation_metrics(generated, advantages, names, self.args.dynamic_sampling, tools))
         if self.completion_log is not None:
             self.completion_log.record(generated.batch, advantages.advantages, self.processing_class)
 

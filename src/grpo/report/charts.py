@@ -157,7 +157,8 @@ def render(chart: Chart, rows: Sequence[dict]) -> str:
     from matplotlib.figure import Figure  # imported at the first chart: `import grpo` stays quick
     from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=(5.4, 2.9), dpi=110, layout="constrained")
+    figure = Figure(figsize=(5.4, 2.9), dpi=110)
+    figure.subplots_adjust(left=0.14, right=0.98, top=0.92, bottom=0.16)  # fixed: a layout engine draws twice
     axes = figure.add_subplot()
     for n, line in enumerate(chart.lines):
         points = _points(rows, line.key)
