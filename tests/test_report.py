@@ -236,7 +236,7 @@ class FakeState:
 
 
 def test_refresh_costs_at_most_its_share_of_the_run(tmp_path, monkeypatch):
-    now = [0.0]
+    now = [100.0]
     built = []
 
     def build(self, rows, status):  # each build costs 1 s of the fake clock
@@ -244,17 +244,20 @@ def test_refresh_costs_at_most_its_share_of_the_run(tmp_path, monkeypatch):
         built.append(now[0])
 
     monkeypatch.setattr(report.RunReport, "_write", build)
+    (tmp_path / "out").mkdir()
     live = report.RunReport(cfg(tmp_path), {}, diagnostics.Diagnosis(), True, clock=lambda: now[0])
-    live.state = FakeState()
-    assert live.refresh()  # the first logging step builds (ends at t=1)
-    now[0] = 40.0
-    assert not live.refresh()  # 39 s since: less than 1 s / 2%
-    now[0] = 51.0
-    assert live.refresh()  # 50 s since
-    now[0] = 52.5
-    assert live.refresh(force=True)  # the end always writes
-    assert built == [1.0, 52.0, 53.5]
-    assert 1.0 / (51.0 - 1.0) <= report.REFRESH_SHARE
+    with live.running(FakeState(), None):  # training starts at t=100
+        now[0] = 120.0
+        assert not live.refresh()  # 2% of 20 s cannot pay for the first build (estimated 1 s)
+        now[0] = 150.0
+        assert live.refresh()  # 2% of 50 s can: 1 s spent, ends at t=151
+        now[0] = 190.0
+        assert not live.refresh()  # 2 s would be spent in 90 s
+        now[0] = 200.0
+        assert live.refresh()  # 2 s in 100 s
+        now[0] = 210.0
+    assert built == [151.0, 201.0, 211.0]  # and the end always writes
+    assert live.spent == 3.0 and live.builds == 3
 
 
 def test_a_run_writes_its_report_at_logging_steps_and_at_the_end(tmp_path, tiny_model_dir, monkeypatch):

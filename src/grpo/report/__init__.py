@@ -3,9 +3,10 @@ found, the metrics against the step, sampled completions, the configuration and 
 
 While training (`run_report=True`, the default), the main process writes it at logging steps and a last time when
 train() ends, however it ends. Each write replaces the file atomically. The refresh has a bounded cost: a logging
-step rebuilds the page only once at least 1/REFRESH_SHARE times the last build's cost has passed since the last
-build, so building takes at most REFRESH_SHARE (2%) of the run's time; the last write always happens. A write
-that fails (full disk, a read-only file, a plotting error) is one warning; training goes on.
+step rebuilds the page only while the time spent building it so far, plus the next build's (estimated as the
+last one's, FIRST_ESTIMATE seconds before any), stays within REFRESH_SHARE (2%) of the time since training
+started; the last write always happens. A write that fails (full disk, a read-only file, a plotting error) is one
+warning; training goes on.
 
 `grpo report <output_dir>` (`rebuild`) writes the same page from the files the run left (`grpo.report.record`),
 for any run: running, finished, killed, resumed, or made before this page existed (without its configuration).
@@ -27,6 +28,7 @@ from grpo.report.page import SHOWN_STEPS, Run, page, run_name
 
 REPORT = "report.html"
 REFRESH_SHARE = 0.02
+FIRST_ESTIMATE = 1.0  # seconds a first build is expected to take (matplotlib's import included)
 
 
 class ReportError(ValueError):
@@ -128,8 +130,9 @@ class RunReport:
         self.args, self.facts, self.diagnosis, self.clock = args, facts, diagnosis, clock
         self.main = is_main_process  # run_info.json is written whatever run_report says: `grpo report` reads it
         self.enabled = bool(args.run_report) and is_main_process
-        self.last_end: float | None = None  # when the last build finished
-        self.last_cost = 0.0
+        self.started = clock()
+        self.spent = 0.0  # seconds spent building the page so far
+        self.estimate = FIRST_ESTIMATE  # the next build's cost: the last one's
         self.builds = 0
         self.failed = False
         self.cache: dict = {}
@@ -149,7 +152,7 @@ class RunReport:
     @contextlib.contextmanager
     def running(self, state: Any, resumed_from: str | None) -> Iterator[None]:
         """run_info.json at the start; at the end (any end) its outcome and the last page."""
-        self.state = state
+        self.state, self.started = state, self.clock()
         self._safely(record.record_start, self.args.output_dir, self.args, self.facts, state.global_step, resumed_from)
         try:
             yield
@@ -169,14 +172,14 @@ class RunReport:
         if not self.enabled or self.state is None:
             return False
         start = self.clock()
-        if not force and self.last_end is not None and start - self.last_end < self.last_cost / REFRESH_SHARE:
+        if not force and self.spent + self.estimate > REFRESH_SHARE * (start - self.started):
             return False
         total = self.state.max_steps
         status = status or ("running", f"at step {self.state.global_step} of {total}; refreshed at logging steps")
         rows = list(self.state.log_history)
         ok = self._safely(self._write, rows, status)
-        self.last_end = self.clock()
-        self.last_cost = self.last_end - start
+        self.estimate = self.clock() - start
+        self.spent += self.estimate
         self.builds += ok
         return ok
 
