@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from grpo import GRPOTrainer, cli, diagnostics, report, run_dir
-from grpo.report import record
+from grpo.report import charts, record
 from test_trainer import cfg, chat_dataset, length_reward
 
 EVERY_CHART = (
@@ -133,7 +133,8 @@ def test_a_recorded_history_gives_every_chart_the_findings_completions_and_setti
     drawn = charts_in(page)
     assert list(drawn) == list(EVERY_CHART)
     assert drawn["Reward"] == 8 + 2 and drawn["Evaluation"] == 4 and drawn["Reward per function"] == 16
-    assert page.count('<img alt="') == len(EVERY_CHART) and page.count("data:image/png;base64,") == len(EVERY_CHART)
+    svgs = re.findall(r"<svg .*?</svg>", page)
+    assert len(svgs) == len(EVERY_CHART) and all('<polyline class="series" points="' in svg for svg in svgs)
     # the diagnostics at the top, in words, from the step they first held, with the thresholds
     top = section(page, "Diagnostics")
     assert "From step 6:</b> 80% of groups have no reward spread" in top and "dynamic_sampling" in top
@@ -166,9 +167,8 @@ def test_only_logged_metric_families_are_charted_and_off_completions_say_how_to_
         "Sampling mismatch",
         "Importance-sampling ratio",
         "Evaluation",
-        "Reward per function",
-    }  # one reward function: the total says it all
-    assert {"Reward", "Entropy", "Gradient norm", "Where the time goes"} <= drawn
+    }
+    assert {"Reward", "Reward per function", "Entropy", "Gradient norm", "Where the time goes"} <= drawn
     assert "Set <code>log_completions=True</code>" in section(page, "Sampled completions")
 
 
@@ -201,6 +201,58 @@ def test_hostile_and_broken_files_are_escaped_skipped_and_named(tmp_path):
     assert "saved no run_info.json" in page and 'class="status unknown"' in page
     # self-contained: no script, no stylesheet or image fetched from anywhere
     assert not re.search(r'(src|href)="(?!data:)', page) and "<link" not in page
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[0.5], [2.0, 2.0, 2.0], [-3.0, 0.0, 7.5], [1e-12, 1e-3, 1e3], [1e300, -1e300, 5.0], [0.0, 1e-9, 2e-9]],
+)
+def test_charts_of_awkward_values_stay_inside_their_frame(values):
+    rows = [{"step": 10 * i + 3, "grad_norm": v, "reward": v, "reward_std": abs(v) / 2} for i, v in enumerate(values)]
+    for chart in charts.charts(rows):
+        svg = charts.render(chart, rows)
+        coords = [float(c) for pts in re.findall(r'points="([^"]+)"', svg) for p in pts.split() for c in p.split(",")]
+        assert coords and all(-20 <= c <= charts.WIDTH + 20 for c in coords), (chart.title, values)
+        assert "nan" not in svg and "inf" not in svg
+    assert charts.ticks(0.0, 1.0, 5) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert charts.ticks(1, 36, 8, integer=True) == [0, 5, 10, 15, 20, 25, 30, 35, 40]
+
+
+def test_a_long_series_is_thinned_keeping_its_spikes():
+    points = [(i, 1.0) for i in range(1, 5001)]
+    points[3333] = (3334, 50.0)
+    kept = charts.thinned(points)
+    assert len(kept) <= charts.MAX_POINTS and (3334, 50.0) in kept and kept == sorted(kept)
+    assert charts.thinned(points[:900]) == points[:900]
+
+
+def test_a_crafted_run_info_is_read_for_what_it_can_give(tmp_path):
+    crafted = {
+        "model": ["not", "a", "name"],
+        "reward_names": [1, None],
+        "tools": "multiply",
+        "config": ["x"],
+        "non_default": "lr",
+        "versions": [1],
+        "starts": [1, "x", {"time": "<i>t</i>", "step": 0}],
+        "status": {"a": 1},
+        "ended": "yes",
+        "max_steps": "9",
+    }
+    out = write_run(tmp_path / "run", full_history(3), info=crafted)
+    page = open(report.rebuild(out)).read()
+    assert (
+        "reward functions <b>1, None</b>" in page and "unknown model" in page and "step <b>3</b> · " in page
+    )  # no "of 9": not an int
+    assert "<li>&lt;i&gt;t&lt;/i&gt;: at step 0</li>" in page and 'class="status unknown"' in page
+
+
+def test_only_the_main_process_writes_a_report(tmp_path):
+    (tmp_path / "out").mkdir()
+    other = report.RunReport(cfg(tmp_path), {}, diagnostics.Diagnosis(), False)
+    with other.running(FakeState(), None):
+        assert not other.refresh(force=True)
+    assert os.listdir(tmp_path / "out") == []
 
 
 def test_grpo_report_command_and_its_errors(tmp_path, capsys):
@@ -244,6 +296,7 @@ def test_refresh_costs_at_most_its_share_of_the_run(tmp_path, monkeypatch):
         built.append(now[0])
 
     monkeypatch.setattr(report.RunReport, "_write", build)
+    monkeypatch.setattr(report, "FIRST_ESTIMATE", 1.0)
     (tmp_path / "out").mkdir()
     live = report.RunReport(cfg(tmp_path), {}, diagnostics.Diagnosis(), True, clock=lambda: now[0])
     with live.running(FakeState(), None):  # training starts at t=100
@@ -394,8 +447,10 @@ def test_the_report_renders_in_a_real_headless_browser(tmp_path, tiny_model_dir)
             tab.goto(page_path.as_uri(), wait_until="load")
             charts = tab.evaluate(
                 """() => [...document.querySelectorAll('figure.chart')].map(f => {
-                    const img = f.querySelector('img'), box = img.getBoundingClientRect();
-                    return [f.dataset.chart, img.complete, img.naturalWidth, img.naturalHeight, box.width, box.height];
+                    const svg = f.querySelector('svg'), box = svg.getBoundingClientRect();
+                    const lines = [...svg.querySelectorAll('polyline.series')].map(l => l.getBBox());
+                    return [f.dataset.chart, box.width, box.height, lines.length,
+                            Math.max(...lines.map(b => b.width)), lines.every(b => b.width + b.height > 0)];
                 })"""
             )
             shot = tab.screenshot(full_page=True)
@@ -403,8 +458,8 @@ def test_the_report_renders_in_a_real_headless_browser(tmp_path, tiny_model_dir)
             browser_.close()
     assert problems == []
     assert len(charts) >= 10 and {"Reward", "KL to the reference model", "Entropy"} <= {c[0] for c in charts}
-    for title, complete, width, height, shown_w, shown_h in charts:
-        assert complete and width > 100 and height > 50 and shown_w > 100 and shown_h > 50, title
+    for title, width, height, lines, widest, drawn in charts:  # each chart on screen, its lines drawn
+        assert width > 300 and height > 150 and lines >= 1 and widest > 100 and drawn, title
     from PIL import Image, ImageStat
 
     image = Image.open(io.BytesIO(shot)).convert("RGB")

@@ -18,7 +18,6 @@ and pushes them (an error there is raised). Only the main process talks to the H
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import math
@@ -29,7 +28,7 @@ from typing import Any
 
 import huggingface_hub
 
-from grpo.config import GRPOConfig
+from grpo.report import record
 
 logger = logging.getLogger("grpo")
 MODEL_FILES = (
@@ -171,15 +170,16 @@ def write_model_card(trainer: Any, directory: str, dataset_name: str | None = No
     )
     last = next((row for row in reversed(trainer.state.log_history) if "loss" in row or "eval_reward" in row), {})
     metrics = "\n".join(f"| `{k}` | {_cell(v)} |" for k, v in last.items())
+    versions = record.versions()
     body = f"""---
 {data.to_yaml()}
 ---
 
 # {Path(trainer.args.output_dir).name}
 
-Trained with [grpo](https://pypi.org/project/grpo/) {_version("grpo")}: GRPO (Group Relative Policy Optimization,
-[DeepSeekMath, arXiv:2402.03300](https://arxiv.org/abs/2402.03300)), {trainer.state.global_step} optimizer steps
-from `{base or "a model object"}`{f" on `{dataset}`" if dataset else ""}.
+Trained with [grpo](https://pypi.org/project/grpo/) {versions.get("grpo", "unknown")}: GRPO (Group Relative Policy
+Optimization, [DeepSeekMath, arXiv:2402.03300](https://arxiv.org/abs/2402.03300)),
+{trainer.state.global_step} optimizer steps from `{base or "a model object"}`{f" on `{dataset}`" if dataset else ""}.
 
 ## Reward functions
 
@@ -190,7 +190,7 @@ from `{base or "a model object"}`{f" on `{dataset}`" if dataset else ""}.
 ## Settings that differ from TRL 1.16's defaults
 
 ```json
-{json.dumps(_non_default(trainer.args), indent=1, default=str)}
+{json.dumps(record.non_default(trainer.args), indent=1, default=str)}
 ```
 
 ## Last logged metrics
@@ -201,7 +201,7 @@ from `{base or "a model object"}`{f" on `{dataset}`" if dataset else ""}.
 
 ## Versions
 
-{_versions()}
+{", ".join(f"{name} {version}" for name, version in versions.items())}
 """
     path = os.path.join(directory, "README.md")
     os.makedirs(directory, exist_ok=True)
@@ -216,23 +216,7 @@ def _dataset_name(dataset: Any) -> str | None:
     return name if isinstance(name, str) and name not in ("json", "parquet", "csv", "generator") else None
 
 
-def _non_default(args: Any) -> dict[str, Any]:
-    defaults = GRPOConfig(output_dir=args.output_dir).to_dict()
-    return {k: v for k, v in args.to_dict().items() if defaults.get(k) != v and k not in ("output_dir", "logging_dir")}
-
-
 def _cell(value: Any) -> str:
     if isinstance(value, float) and math.isfinite(value):
         return f"{value:.6g}"
     return str(value)
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _versions() -> str:
-    return ", ".join(f"{name} {_version(name)}" for name in ("grpo", "transformers", "torch", "accelerate", "peft"))

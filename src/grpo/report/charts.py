@@ -1,5 +1,6 @@
-"""The report's charts: each a metric family against the optimizer step, drawn with matplotlib (its object API,
-no pyplot: no global state, no display) into a PNG embedded in the page, so the page needs nothing else to open.
+"""The report's charts: each a metric family against the optimizer step, drawn as an inline SVG element (lines, a
++/- spread band, markers for short runs, a legend, round ticks, a log axis where asked), so the page needs
+nothing else to open and a build costs milliseconds, not a plotting library's start-up and rasterizing.
 
 A chart is drawn only when its metrics were logged (KL only with beta > 0, the sampling ratios only when the
 sampler's log-probs are known, tool calls only for tool runs, evaluation only with an eval dataset). A value that
@@ -8,8 +9,7 @@ is missing or not finite at a step leaves a gap.
 
 from __future__ import annotations
 
-import base64
-import io
+import html
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,7 +64,7 @@ def charts(rows: Sequence[dict]) -> list[Chart]:
         ),
         Chart(
             "Reward per function",
-            tuple(Line(f"rewards/{n}/mean", n, f"rewards/{n}/std") for n in names) if len(names) > 1 else (),
+            tuple(Line(f"rewards/{n}/mean", n, f"rewards/{n}/std") for n in names),
             note="Each reward function's mean (unweighted), +/- its std.",
         ),
         Chart(
@@ -152,55 +152,169 @@ def _points(rows: Sequence[dict], key: str) -> list[tuple[int, float]]:
     ]
 
 
-def render(chart: Chart, rows: Sequence[dict]) -> str:
-    """The chart as a PNG data URI."""
-    from matplotlib.figure import Figure  # imported at the first chart: `import grpo` stays quick
-    from matplotlib.ticker import MaxNLocator
+WIDTH, HEIGHT = 560, 290
+LEFT, RIGHT, BOTTOM = 62, 14, 40  # the plot area's margins (the top one holds the legend)
+MAX_POINTS = 1000  # per line; longer series are thinned (`thinned`)
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 
-    figure = Figure(figsize=(5.4, 2.9), dpi=110)
-    figure.subplots_adjust(left=0.14, right=0.98, top=0.92, bottom=0.16)  # fixed: a layout engine draws twice
-    axes = figure.add_subplot()
+
+def render(chart: Chart, rows: Sequence[dict]) -> str:
+    """The chart as an inline SVG element (a few kilobytes; a few milliseconds to build)."""
+    drawn = []
     for n, line in enumerate(chart.lines):
         points = _points(rows, line.key)
-        if not points:
-            continue
-        steps, values = zip(*points)
-        color = f"C{n}"
-        style = dict(linestyle="--", linewidth=1.0) if line.dashed else dict(linewidth=1.8)
-        marker = "o" if len(points) <= 30 else None
-        axes.plot(steps, values, color=color, label=line.label, marker=marker, markersize=3, **style)
-        spread = dict(_points(rows, line.band)) if line.band else {}
-        if spread:
-            band = [(s, v, spread[s]) for s, v in points if s in spread]
-            axes.fill_between(
-                [s for s, _, _ in band],
-                [v - d for _, v, d in band],
-                [v + d for _, v, d in band],
-                color=color,
-                alpha=0.15,
-                linewidth=0,
-            )
-    if chart.log_scale and all(v > 0 for key in chart.keys for _, v in _points(rows, key)):
-        axes.set_yscale("log")
-    else:
-        axes.ticklabel_format(axis="y", useOffset=False)  # 1.0002, not "1e-4 + 1"
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if chart.unit_interval:
-        axes.set_ylim(-0.03, 1.03)
-    axes.set_xlabel("step")
+        if points:
+            spread = dict(_points(rows, line.band)) if line.band else {}
+            band = [(x, y - spread[x], y + spread[x]) for x, y in points if x in spread]
+            drawn.append((line, COLORS[n % len(COLORS)], points, band))
+    values = [y for _, _, points, _ in drawn for _, y in points]
+    log = chart.log_scale and min(values) > 0 and max(values) > min(values)
+    scale = Scale(values + [v for *_, band in drawn for _, lo, hi in band for v in (lo, hi)], log, chart.unit_interval)
+    steps = [x for _, _, points, _ in drawn for x, _ in points]
+    x_lo, x_hi = min(steps), max(steps)
+    if x_hi == x_lo:
+        x_lo, x_hi = x_lo - 1, x_hi + 1
+    x_ticks = ticks(x_lo, x_hi, 8, integer=True)
+    legend, top = _legend([(line, color) for line, color, _, _ in drawn])
+
+    def px(x: float) -> float:
+        return LEFT + (x - x_lo) / (x_hi - x_lo) * (WIDTH - LEFT - RIGHT)
+
+    def py(y: float) -> float:
+        return top + (1 - scale.fraction(y)) * (HEIGHT - top - BOTTOM)
+
+    bottom, right = HEIGHT - BOTTOM, WIDTH - RIGHT
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
+        f'aria-label="{_attr(chart.title)}" font-family="system-ui,sans-serif" font-size="11" fill="#333">'
+    ]
+    for y in scale.ticks():
+        out.append(f'<line x1="{LEFT}" x2="{right}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#e4e7ec"/>')
+        out.append(f'<text x="{LEFT - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{_tick(y)}</text>')
+    for x in x_ticks:
+        if x_lo <= x <= x_hi:
+            out.append(f'<line x1="{px(x):.1f}" x2="{px(x):.1f}" y1="{top}" y2="{bottom}" stroke="#eef0f3"/>')
+            out.append(f'<text x="{px(x):.1f}" y="{bottom + 15}" text-anchor="middle">{_tick(x)}</text>')
+    out.append(f'<path d="M{LEFT},{top}V{bottom}H{right}" fill="none" stroke="#555"/>')
+    out.append(f'<text x="{(LEFT + right) / 2:.0f}" y="{HEIGHT - 6}" text-anchor="middle">step</text>')
     if chart.ylabel:
-        axes.set_ylabel(chart.ylabel)
-    axes.grid(alpha=0.3)
-    axes.spines[["top", "right"]].set_visible(False)
-    if len(axes.get_lines()) > 1 or chart.lines[0].label != chart.title.lower():
-        axes.legend(fontsize=7, frameon=False, loc="best")
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+        turn = f"translate(14 {(top + bottom) / 2:.0f}) rotate(-90)"
+        out.append(f'<text transform="{turn}" text-anchor="middle">{_attr(chart.ylabel)}</text>')
+    for line, color, points, band in drawn:
+        if len(band) > 1:
+            edge = [f"{px(x):.1f},{py(hi):.1f}" for x, _, hi in band] + [
+                f"{px(x):.1f},{py(lo):.1f}" for x, lo, _ in reversed(band)
+            ]
+            out.append(f'<polygon points="{" ".join(edge)}" fill="{color}" fill-opacity="0.15"/>')
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in thinned(points))
+        dash = ' stroke-dasharray="5 3"' if line.dashed else ""
+        width = 1.2 if line.dashed else 2
+        out.append(
+            f'<polyline class="series" points="{coords}" fill="none" stroke="{color}" stroke-width="{width}"{dash}/>'
+        )
+        if len(points) <= 30:
+            out.extend(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.4" fill="{color}"/>' for x, y in points)
+    out.extend(legend)
+    out.append("</svg>")
+    return "".join(out)
+
+
+def thinned(points: list[tuple[int, float]], buckets: int = MAX_POINTS // 2) -> list[tuple[int, float]]:
+    """A long series drawn with at most MAX_POINTS points: each of `buckets` runs of steps keeps its lowest and
+    highest value, in step order (a spike stays visible; the page stays small)."""
+    if len(points) <= MAX_POINTS:
+        return points
+    size = math.ceil(len(points) / buckets)
+    kept = []
+    for start in range(0, len(points), size):
+        run = points[start : start + size]
+        low, high = min(run, key=lambda p: p[1]), max(run, key=lambda p: p[1])
+        kept.extend(sorted({low, high}))
+    return kept
+
+
+def _legend(lines: Sequence[tuple[Line, str]]) -> tuple[list[str], int]:
+    """The legend in rows above the plot area (wrapped at the width); returns it and the plot area's top."""
+    out, x, row = [], LEFT, 0
+    for line, color in lines:
+        label = _attr(line.label[:48])
+        width = 26 + 6 * len(line.label[:48])
+        if x + width > WIDTH - RIGHT and x > LEFT:
+            x, row = LEFT, row + 1
+        y = 12 + 14 * row
+        dash = ' stroke-dasharray="5 3"' if line.dashed else ""
+        out.append(
+            f'<line x1="{x}" x2="{x + 18}" y1="{y - 4}" y2="{y - 4}" stroke="{color}" stroke-width="2"{dash}/>'
+            f'<text x="{x + 22}" y="{y}" font-size="10">{label}</text>'
+        )
+        x += width + 10
+    return out, 12 + 14 * row + 12
+
+
+class Scale:
+    """The y axis: linear (nice bounds around the values) or log10, or the unit interval for fractions."""
+
+    def __init__(self, values: Sequence[float], log: bool, unit: bool) -> None:
+        self.log = log
+        if log:
+            positive = [v for v in values if v > 0]
+            self.lo, self.hi = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)))
+            self.hi = max(self.hi, self.lo + 1)
+            return
+        lo, hi = min(values), max(values)
+        if unit:
+            lo, hi = min(lo, 0.0), max(hi, 1.0)
+        if hi == lo:
+            pad = abs(hi) * 0.1 or 1.0
+            lo, hi = lo - pad, hi + pad
+        self.tick_values = ticks(lo, hi, 5)
+        self.lo, self.hi = min(self.tick_values[0], lo), max(self.tick_values[-1], hi)
+
+    def fraction(self, y: float) -> float:
+        if self.log:
+            y = math.log10(y) if y > 0 else self.lo
+        return min(max((y - self.lo) / (self.hi - self.lo), -0.02), 1.02)
+
+    def ticks(self) -> list[float]:
+        if self.log:
+            return [10.0**k for k in range(int(self.lo), int(self.hi) + 1)]
+        return self.tick_values
+
+
+def ticks(lo: float, hi: float, count: int, integer: bool = False) -> list[float]:
+    """About `count` round values (1, 2 or 5 times a power of ten) covering [lo, hi]."""
+    span = hi - lo
+    if span <= 0:
+        return [lo]
+    raw = span / max(count - 1, 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = min((m * power for m in (1, 2, 5, 10)), key=lambda c: abs(math.log(c / raw)))
+    if integer:
+        step = max(1, round(step))
+    first = math.floor(lo / step) * step
+    out = []
+    value = first
+    while value <= hi + step * 1e-9:
+        out.append(round(value, 12))
+        value += step
+    if out[-1] < hi:
+        out.append(round(out[-1] + step, 12))
+    return out
+
+
+def _tick(value: float) -> str:
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        mantissa, exponent = f"{value:.2e}".split("e")
+        return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+    return f"{value:.4g}"
+
+
+def _attr(text: str) -> str:
+    return html.escape(str(text), quote=True)
 
 
 def data_points(chart: Chart, rows: Sequence[dict]) -> int:
-    """How many values the chart draws (the page states it, a test checks it)."""
+    """How many logged values the chart shows (the page states it, a test checks it)."""
     return sum(len(_points(rows, key)) for key in chart.keys)
 
 

