@@ -5,7 +5,8 @@ training call (warm-up step included, model loading excluded), measured the same
 the largest resident set of the run's whole process tree, sampled every 20 ms. The last line is
 `speedup_vs_trl=<bf16 ratio> memory_vs_trl=<larger peak ratio> speedup_vs_trl_fp32=<fp32 ratio>`, computed from
 the fast engine's rows; `report_time_ratio` is the grpo bf16 run's time with the run report over the same run
-with run_report=False. Where vLLM is installed, a `grpo+vllm` bf16 row runs the same workload with
+with run_report=False (two runs: noise of a few % either way), `report_share` the time its report builds took,
+timed inside the run, over the run's time. Where vLLM is installed, a `grpo+vllm` bf16 row runs the same workload with
 `use_vllm=True` (its engine's start-up counted in its time, its warm-up inside train()), and the line before gives
 `vllm_generation_vs_fast=<generation tokens/s ratio> vllm_speedup_vs_trl=<end-to-end ratio>`. TRL's own colocate
 mode is not run: on vLLM's CPU build it crashes at its first weight sync (README).
@@ -116,7 +117,9 @@ def main() -> None:
     with_report, without = results.get(("grpo", "bf16")), results.get(("grpo, no report", "bf16"))
     if with_report and without:
         print(f"report_time_ratio={with_report['seconds'] / without['seconds']:.3f} "
-              f"(grpo bf16 with report.html / without; 1.00 = no cost)")
+              f"(grpo bf16 with report.html / without; 1.00 = no cost) report_share="
+              f"{with_report['report_s'] / with_report['seconds']:.4f} ({with_report['report_builds']} builds "
+              f"took {with_report['report_s']:.3f} s of the run's {with_report['seconds']:.1f} s)")
     if opts.only:
         return
     speed = {p: results[("grpo", p)]["tokens_per_s"] / results[("trl", p)]["tokens_per_s"] for p in ("bf16", "fp32")}

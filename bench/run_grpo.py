@@ -29,7 +29,8 @@ def main() -> None:
             "step_times": [r["step_time"] for r in rows],
             "generation_tokens_per_s": counter.tokens / generation,
             "training_tokens_per_s": counter.tokens / max(seconds - generation, 1e-9),
-            "engine": type(trainer.engine).__name__, "isa": cpu_isa()})
+            "engine": type(trainer.engine).__name__, "isa": cpu_isa(),
+            "report_s": trainer.run_report.spent, "report_builds": trainer.run_report.builds})
 
 
 if __name__ == "__main__":
