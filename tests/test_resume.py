@@ -80,7 +80,9 @@ def assert_bit_identical(resumed, reference, initial_dir):
 def test_sigkill_after_checkpoint_then_resume_is_exact(tiny_model_dir, tmp_path, straight, spg):
     out = tmp_path / "run"
     job(out, tiny_model_dir, spg, False, "--pause-after", "3", wait_for="SAVED")
-    assert sorted(os.listdir(out)) == [".grpo.lock", "checkpoint-3", "metrics.jsonl"]
+    # nothing else is left (the report's page is there only if a logging step before the kill had time for it)
+    left = sorted(set(os.listdir(out)) - {"report.html"})
+    assert left == [".grpo.lock", "checkpoint-3", "metrics.jsonl", "run_info.json"]
     assert steps_logged(out) == [1, 2, 3]
     if spg == 2:  # step 3 is the first half of a generation cycle: the rest of the batch was saved
         assert os.path.exists(out / "checkpoint-3" / "rollouts_0.pt")
@@ -114,7 +116,9 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tiny_model_dir, tm
     stderr, _ = job(out, tiny_model_dir, 1, False, "--term-at", "2", status=143)
     assert "SIGTERM received: the newest checkpoint is" in stderr and "Traceback" not in stderr
     assert "checkpoint-2" in stderr and "status 143" in stderr
-    assert sorted(os.listdir(out)) == [".grpo.lock", "checkpoint-2", "metrics.jsonl"] and steps_logged(out) == [1, 2]
+    files = [".grpo.lock", "checkpoint-2", "metrics.jsonl", "report.html", "run_info.json"]
+    assert sorted(os.listdir(out)) == files and steps_logged(out) == [1, 2]
+    assert json.loads((out / "run_info.json").read_text())["status"] == "stopped"  # and the report says so
     job(out, tiny_model_dir, 1, True)
     assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
     assert_bit_identical(final_params(out), straight[1], tiny_model_dir)

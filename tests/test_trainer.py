@@ -238,8 +238,8 @@ def test_metrics_file_checkpoints_and_save_model(tiny_model_dir, tmp_path):
     ):
         assert key in rows[-1], key
     assert rows[-1]["num_tokens"] > rows[0]["num_tokens"]
-    # save_total_limit=1 kept the newest; .grpo.lock is the run lock's file
-    assert sorted(os.listdir(out)) == [".grpo.lock", "checkpoint-4", "metrics.jsonl"]
+    # save_total_limit=1 kept the newest; .grpo.lock is the run lock's file; then the run report and its facts
+    assert sorted(os.listdir(out)) == [".grpo.lock", "checkpoint-4", "metrics.jsonl", "report.html", "run_info.json"]
     assert os.path.exists(os.path.join(out, "checkpoint-4", "optimizer.pt"))
     trainer.save_model(str(tmp_path / "final"))
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))

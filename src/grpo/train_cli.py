@@ -85,6 +85,9 @@ def parse(argv: Sequence[str]) -> tuple[ScriptArguments, GRPOConfig, ModelArgume
     # no abbreviations: a misspelled flag is an error, never silently another field
     parser = HfArgumentParser((ScriptArguments, GRPOConfig, ModelArguments), prog="grpo train", allow_abbrev=False)
     parser.add_argument("--config", default=None, help="A YAML (or JSON) file of any of these fields.")
+    for action in parser._actions:  # a field's help is plain text: its "%" is not argparse's formatting
+        if action.help and "%(" not in action.help:
+            action.help = action.help.replace("%", "%%")
     argv = list(argv)
     config_path = _config_path(argv)
     known = {f.name for group in (ScriptArguments, GRPOConfig, ModelArguments) for f in fields(group)}

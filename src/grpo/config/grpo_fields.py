@@ -146,7 +146,7 @@ class GrpoOnlyFields:
     )
     run_report: bool = _help(
         "Write <output_dir>/report.html (main process): diagnostics, charts of the metrics, sampled completions, the "
-        "configuration and versions; refreshed at logging steps (at most 2% of the run's time) and at the end. "
+        "configuration and versions; refreshed at logging steps (at most 2 percent of the run's time) and at the end. "
         "False: no page (`grpo report <output_dir>` can still build one from the run's files).",
         True,
     )
@@ -172,7 +172,7 @@ class GrpoOnlyFields:
     )
     lean_linears: bool = _help(
         "bf16 training pass: linear layers keep their float32 weights for backward instead of "
-        "bfloat16 copies (autocast's numbers; measured -0.22 GB peak, ~10% slower training "
+        "bfloat16 copies (autocast's numbers; measured -0.22 GB peak, ~10 percent slower training "
         "pass on the benchmark), so off by default.",
         False,
     )
