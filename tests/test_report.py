@@ -179,6 +179,18 @@ def test_more_logged_steps_than_shown_say_where_the_rest_are(tmp_path):
     assert "The newest 10 of 14 logged steps" in shown and "<pre>c5</pre>" in shown and "<pre>c4</pre>" not in shown
 
 
+def test_the_live_cache_holds_only_the_shown_completions(tmp_path):
+    completions = {s: [{"prompt": "p", "completion": f"c{s}", "advantage": 0.0}] for s in range(1, 15)}
+    out = write_run(tmp_path / "run", full_history(14), completions, info={})
+    cache = {}
+    rows = record.read_metrics(out).rows
+    first = report.gather(out, rows, [], ("running", ""), cache=cache)
+    assert sorted(first.completions) == list(range(5, 15)) and len(cache) == 10
+    os.remove(os.path.join(out, "completions", "completions_00005.parquet"))
+    report.gather(out, rows, [], ("running", ""), cache=cache)
+    assert len(cache) == 10 and not any(k[0].endswith("completions_00005.parquet") for k in cache)
+
+
 def test_hostile_and_broken_files_are_escaped_skipped_and_named(tmp_path):
     evil = '<script>alert(1)</script><img src=x onerror="fetch(`https://x.example`)">'
     out = write_run(

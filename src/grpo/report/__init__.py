@@ -48,9 +48,11 @@ def gather(
     info = record.read_info(output_dir)
     last = max((r["step"] for r in rows), default=0)
     files = record.completion_files(output_dir, last)
-    shown = {}
-    for step, path in list(files.items())[-SHOWN_STEPS:]:
-        shown[step] = _cached(cache, path, record.read_completions)
+    newest = list(files.items())[-SHOWN_STEPS:]
+    shown = {step: _cached(cache, path, record.read_completions) for step, path in newest}
+    if cache is not None:  # keep only what the page shows: a long run's older tables leave memory
+        for key in [k for k in cache if k[0] not in {path for _, path in newest}]:
+            del cache[key]
     return Run(
         name=run_name(output_dir),
         rows=rows,
