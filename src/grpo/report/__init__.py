@@ -91,13 +91,17 @@ def saved_status(output_dir: str, info: dict[str, Any]) -> tuple[str, str]:
     status = info.get("status")
     if run_dir.is_held(output_dir):
         return "running", "a grpo run holds this directory now; this page is a snapshot"
-    if status == "finished":
-        return "finished", f"at step {ended.get('step')}, {ended.get('time')}"
-    if status == "stopped":
-        return "stopped", f"at step {ended.get('step')}, {ended.get('time')}: {ended.get('error')}"
+    if status in ("finished", "stopped"):
+        return ended_status(status, ended)
     if status == "running":
         return "stopped", "the process ended without finishing (killed, or out of memory); resume it from a checkpoint"
     return "unknown", "no run_info.json: how the run ended is unknown"
+
+
+def ended_status(outcome: str, ended: dict[str, Any]) -> tuple[str, str]:
+    """The page's status line for a run that ended ("finished" or "stopped"), from run_info.json's "ended"."""
+    detail = f"at step {ended.get('step')}, {ended.get('time')}"
+    return outcome, detail if outcome == "finished" else f"{detail}: {ended.get('error')}"
 
 
 def rebuild(output_dir: str, path: str | None = None) -> str:
@@ -164,10 +168,9 @@ class RunReport:
         self._end(None)
 
     def _end(self, error: BaseException | None) -> None:
-        self._safely(record.record_end, self.args.output_dir, self.state.global_step, error)
-        outcome = "finished" if error is None else "stopped"
-        detail = f"at step {self.state.global_step}, {record.now()}"
-        self.refresh(force=True, status=(outcome, detail if error is None else f"{detail}: {record.describe(error)}"))
+        ended = record.ending(self.state.global_step, error)
+        self._safely(record.record_end, self.args.output_dir, ended)
+        self.refresh(force=True, status=ended_status("finished" if error is None else "stopped", ended))
 
     def refresh(self, force: bool = False, status: tuple[str, str] | None = None) -> bool:
         """Rebuild the page when due (see the module docstring) or forced; returns whether it was written."""

@@ -186,7 +186,7 @@ def render(chart: Chart, rows: Sequence[dict]) -> str:
     bottom, right = HEIGHT - BOTTOM, WIDTH - RIGHT
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
-        f'aria-label="{_attr(chart.title)}" font-family="system-ui,sans-serif" font-size="11" fill="#333">'
+        f'aria-label="{escape(chart.title)}" font-family="system-ui,sans-serif" font-size="11" fill="#333">'
     ]
     for y in scale.ticks():
         out.append(f'<line x1="{LEFT}" x2="{right}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#e4e7ec"/>')
@@ -199,7 +199,7 @@ def render(chart: Chart, rows: Sequence[dict]) -> str:
     out.append(f'<text x="{(LEFT + right) / 2:.0f}" y="{HEIGHT - 6}" text-anchor="middle">step</text>')
     if chart.ylabel:
         turn = f"translate(14 {(top + bottom) / 2:.0f}) rotate(-90)"
-        out.append(f'<text transform="{turn}" text-anchor="middle">{_attr(chart.ylabel)}</text>')
+        out.append(f'<text transform="{turn}" text-anchor="middle">{escape(chart.ylabel)}</text>')
     for line, color, points, band in drawn:
         if len(band) > 1:
             edge = [f"{px(x):.1f},{py(hi):.1f}" for x, _, hi in band] + [
@@ -237,7 +237,7 @@ def _legend(lines: Sequence[tuple[Line, str]]) -> tuple[list[str], int]:
     """The legend in rows above the plot area (wrapped at the width); returns it and the plot area's top."""
     out, x, row = [], LEFT, 0
     for line, color in lines:
-        label = _attr(line.label[:48])
+        label = escape(line.label[:48])
         width = 26 + 6 * len(line.label[:48])
         if x + width > WIDTH - RIGHT and x > LEFT:
             x, row = LEFT, row + 1
@@ -309,7 +309,8 @@ def _tick(value: float) -> str:
     return f"{value:.4g}"
 
 
-def _attr(text: str) -> str:
+def escape(text: Any) -> str:
+    """Text from the run, safe inside the page's markup and attributes."""
     return html.escape(str(text), quote=True)
 
 

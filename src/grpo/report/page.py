@@ -4,7 +4,6 @@ configuration values, error messages) is escaped: a completion cannot put markup
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import os
@@ -14,6 +13,7 @@ from typing import Any
 
 from grpo import diagnostics
 from grpo.report import charts
+from grpo.report.charts import escape as _e
 
 SHOWN_STEPS = 10  # logged steps whose completions the page shows (the newest); the files keep them all
 CELL_CHARS = 4000  # characters of one prompt or completion shown; the parquet file keeps the whole text
@@ -245,10 +245,6 @@ def _n(value: Any) -> str:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         return _e(value)
     return f"{value:.4g}"
-
-
-def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def run_name(output_dir: str) -> str:

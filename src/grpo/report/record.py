@@ -93,13 +93,18 @@ def record_start(output_dir: str, args: Any, facts: dict[str, Any], step: int, r
     write_atomically(os.path.join(output_dir, RUN_INFO), json.dumps(info, indent=1, default=str))
 
 
-def record_end(output_dir: str, step: int, error: BaseException | None) -> None:
+def ending(step: int, error: BaseException | None) -> dict[str, Any]:
+    """How train() ended (run_info.json's "ended"): when, at which step, with which error (None: finished)."""
+    return {"time": now(), "step": step, "error": None if error is None else describe(error)}
+
+
+def record_end(output_dir: str, ended: dict[str, Any]) -> None:
     """At train()'s end: how it ended ("finished", or "stopped" with the error)."""
     info = read_info(output_dir)
     if not info:
         return
-    info["status"] = "finished" if error is None else "stopped"
-    info["ended"] = {"time": now(), "step": step, "error": None if error is None else describe(error)}
+    info["status"] = "finished" if ended["error"] is None else "stopped"
+    info["ended"] = ended
     write_atomically(os.path.join(output_dir, RUN_INFO), json.dumps(info, indent=1, default=str))
 
 
