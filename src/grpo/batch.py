@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from grpo.rollout.base import Rollout, left_pad, right_pad
+from grpo import vision
+from grpo.rollout.base import Prompt, Rollout, left_pad, right_pad
 
 # completion-position tensors: trimmed together when padding columns are dropped
 _COMPLETION_FIELDS = ("completion_ids", "completion_attention", "mask", "sampling_logps", "old_logps", "ref_logps")
@@ -34,6 +35,7 @@ class TrainBatch:
     ref_logps: torch.Tensor | None = None
     num_items_in_batch: float = 0.0  # trained tokens in the whole generation batch, all processes
     pad_to_multiple_of: int | None = None  # prompt and completion widths are multiples of it
+    vision: list[Prompt | None] | None = None  # image prompts: each row's Prompt (None: text-only row)
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -54,7 +56,11 @@ class TrainBatch:
         return TrainBatch(**values)
 
     def select(self, rows: torch.Tensor | slice) -> TrainBatch:
-        return self._map(lambda t: t[rows])
+        batch = self._map(lambda t: t[rows])
+        if self.vision is not None:
+            index = range(len(self))[rows] if isinstance(rows, slice) else rows.tolist()
+            batch.vision = [self.vision[i] for i in index]
+        return batch
 
     def trim(self, width: int) -> TrainBatch:
         """Keep the first `width` completion positions (dropping padding columns)."""
@@ -64,10 +70,18 @@ class TrainBatch:
         return self._map(lambda t: t.to(device))
 
     def state_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Tensors and plain values only (a checkpoint is read with torch.load(weights_only=True)): image prompts
+        as their text, token ids and pixels (`vision.prompt_state`)."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.vision is not None:
+            state["vision"] = [None if p is None else vision.prompt_state(p) for p in self.vision]
+        return state
 
     @staticmethod
     def from_state_dict(state: dict[str, Any]) -> TrainBatch:
+        state = dict(state)
+        if state.get("vision") is not None:
+            state["vision"] = [None if p is None else vision.prompt_from_state(p) for p in state["vision"]]
         return TrainBatch(**state)
 
 
@@ -106,4 +120,5 @@ def collate(
         group=group if group is not None else torch.arange(len(rollout.prompt_ids)),
         num_items_in_batch=float(mask.sum()),
         pad_to_multiple_of=n,
+        vision=list(rollout.vision) if any(p is not None for p in rollout.vision) else None,
     )

@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-from grpo import seeding
+from grpo import seeding, vision
 from grpo.rollout.base import Prompt, Request, group_requests
 
 logger = logging.getLogger("grpo")
-UNSUPPORTED_COLUMNS = ("image", "images")
 
 
 def is_conversational(prompt: Any) -> bool:
@@ -77,13 +76,6 @@ def check_dataset(dataset: Any, tools: bool = False, environments: bool = False)
 
 
 def _check_columns(columns: list[str], environments: bool) -> None:
-    for name in UNSUPPORTED_COLUMNS:
-        if name in columns:
-            raise ValueError(
-                f"train_dataset has an '{name}' column: image prompts for vision-language models are "
-                f"not available yet in grpo. Remove the column (dataset.remove_columns('{name}')) to "
-                "train on text only."
-            )
     for name in RESERVED_COLUMNS + (("environments",) if environments else ()):
         if name in columns:
             raise ValueError(
@@ -162,12 +154,67 @@ def tokenize_prompts(
 
 
 def make_prompt(
-    prompt: Any, tokenizer: Any, chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
+    prompt: Any,
+    tokenizer: Any,
+    chat_template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
+    processor: Any = None,
+    images: Sequence[Any] | None = None,
+    row: int = 0,
 ) -> Prompt:
-    """A dataset prompt (string or messages) as a tokenized `Prompt` record."""
-    ids = tokenize_prompts([prompt], tokenizer, chat_template_kwargs, tools)[0]
-    messages = tuple(dict(m) for m in prompt) if is_conversational(prompt) else None
-    return Prompt(ids=tuple(ids), messages=messages)
+    """A dataset prompt (string or messages) as a tokenized `Prompt` record. With a vision-language model's
+    `processor`, a conversational prompt becomes content blocks with the row's `images` placed in them
+    (`grpo.vision.multimodal_messages`) and is rendered and tokenized by the processor, which expands each image
+    into its image tokens."""
+    if processor is None or not is_conversational(prompt):
+        ids = tokenize_prompts([prompt], tokenizer, chat_template_kwargs, tools)[0]
+        messages = tuple(dict(m) for m in prompt) if is_conversational(prompt) else None
+        return Prompt(ids=tuple(ids), messages=messages)
+    images = list(images or [])
+    messages = vision.multimodal_messages(prompt, images, row)
+    text = processor.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+    )
+    ids = processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0]
+    return Prompt(ids=tuple(ids), messages=tuple(messages), images=tuple(images) or None, text=text)
+
+
+def check_images(dataset: Any, processing_class: Any) -> None:
+    """An image column needs a vision-language model's processor. With one, before training: each row with images
+    has a conversational prompt with room for them (`vision.multimodal_messages`), and each image given as a path
+    is a readable image file (its header read; the pixels are read when the row is first used)."""
+    streaming = is_stream(dataset)
+    first = next(iter(dataset), None) if streaming else dataset[0]
+    name = vision.image_column(list(getattr(dataset, "column_names", None) or (first or {}).keys()))
+    if name is None:
+        return
+    if not vision.is_processor(processing_class):
+        raise ValueError(
+            f"train_dataset has an '{name}' column, but the model is text-only: its processing class is a "
+            f"{type(processing_class).__name__}, not a multimodal processor. Train a vision-language model (its "
+            "processor is loaded with it, or pass processing_class=AutoProcessor.from_pretrained(...)), or remove "
+            f"the column (dataset.remove_columns('{name}')) to train on text only."
+        )
+    if streaming:
+        return
+    if hasattr(dataset, "with_format"):  # arrow values: images stay undecoded (paths and bytes)
+        table = dataset.with_format("arrow")
+        values, prompts = table[name].to_pylist(), dataset["prompt"]
+    else:
+        values, prompts = [r.get(name) for r in dataset], [r.get("prompt") for r in dataset]
+    for row, (value, prompt) in enumerate(zip(values, prompts)):
+        images = [] if value is None else list(value) if name == "images" and isinstance(value, list) else [value]
+        if not images:
+            continue
+        if not is_conversational(prompt):
+            raise ValueError(
+                f"train_dataset row {row} has images but its prompt is a string: image prompts are conversational "
+                "(a list of {'role': ..., 'content': ...} messages), so that the processor's chat template can "
+                "place the images. Give the raw messages and let the trainer apply the chat template."
+            )
+        vision.multimodal_messages(prompt, images, row)  # as many images as room for them
+        for image in images:
+            vision.check_image_file(image, row)
 
 
 class PromptSource:
@@ -183,9 +230,11 @@ class PromptSource:
         context: int | None = None,
         max_completion_length: int = 0,
         tools: list[dict] | None = None,
+        processor: Any = None,
     ) -> None:
         self.dataset = dataset
         self.tools = tools
+        self.processor = processor  # a vision-language model's processor (image prompts), else None
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs
         self.context = context
@@ -195,12 +244,17 @@ class PromptSource:
 
     def __getitem__(self, row: int) -> Prompt:
         if row not in self._cache:
-            self._cache[row] = self.make(row, self.dataset[row]["prompt"])
+            example = self.dataset[row]
+            self._cache[row] = self.make(row, example["prompt"], example=example)
         return self._cache[row]
 
-    def make(self, row: int, prompt: Any, tools: list[dict] | None = None) -> Prompt:
-        """Row `row`'s prompt (as given: an environment may have added to it) rendered, tokenized and checked."""
-        record = make_prompt(prompt, self.tokenizer, self.chat_template_kwargs, tools or self.tools)
+    def make(self, row: int, prompt: Any, tools: list[dict] | None = None, example: dict | None = None) -> Prompt:
+        """Row `row`'s prompt (as given: an environment may have added to it) rendered, tokenized and checked;
+        with a processor, with the images of the dataset row `example` (`vision.row_images`)."""
+        images = vision.row_images(example or {}, row) if self.processor is not None else None
+        record = make_prompt(
+            prompt, self.tokenizer, self.chat_template_kwargs, tools or self.tools, self.processor, images, row
+        )
         self._check_length(row, len(record.ids))
         return record
 

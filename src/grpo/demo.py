@@ -129,7 +129,7 @@ def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: An
     trainer = GRPOTrainer(
         model=model_path, reward_funcs=correctness_reward, train_dataset=train_dataset(seed), args=args
     )
-    model, tokenizer = trainer.unwrapped_model, trainer.processing_class
+    model, tokenizer = trainer.unwrapped_model, trainer.tokenizer
     before = {
         name: greedy_accuracy(model, tokenizer, t)
         for name, t in (("train", TRAIN_TEMPLATE), ("heldout", HELDOUT_TEMPLATE))

@@ -88,7 +88,9 @@ def build(dataset: Any, args: Any, source: data.PromptSource, num_processes: int
             source.context,
             source.max_completion_length,
             source.tools,
+            source.processor,
         )
+        data.check_images(part, source.processor or source.tokenizer)
         out[name] = Evaluation(part, args, own, num_processes)
     return out
 
@@ -192,11 +194,13 @@ def evaluate(trainer: Any, eval_dataset: Any, metric_key_prefix: str) -> dict[st
     if trainer.args.eval_greedy:
         model, tokenizer, stop_ids, acc = (
             trainer.unwrapped_model,
-            trainer.processing_class,
+            trainer.tokenizer,
             trainer.stop_ids,
             trainer.accelerator,
         )
-        engine = greedy(engine, trainer.args, lambda args: build_engine(model, tokenizer, args, stop_ids, acc))
+        engine = greedy(
+            engine, trainer.args, lambda args: build_engine(model, tokenizer, args, stop_ids, acc, trainer.pixels)
+        )
     metrics: dict[str, float] = {}
     for name, run in runs.items():
         prefix = metric_key_prefix + (f"_{name}" if name else "")

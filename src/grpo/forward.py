@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from grpo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 from grpo.loss_terms import router_aux_coef
 from grpo.modeling import accepts_logits_to_keep, cache_argument, recomputes_activations, unwrap
 from grpo.perf import blocks, compilation, linears
+from grpo.rollout.plain import suppressed_tokens
+from grpo.vision import computes_own_positions
 
 logger = logging.getLogger("grpo")
 
@@ -38,12 +41,17 @@ class TrainingPass:
     """How this run scores completions; `logps` for the no-gradient passes (old policy, reference), `train` for the
     pass that is backpropagated."""
 
-    def __init__(self, model: Any, args: Any, autocast: Any, mixed_precision: str) -> None:
+    def __init__(self, model: Any, args: Any, autocast: Any, mixed_precision: str, pixels: Any = None) -> None:
         self.temperature = args.temperature
+        self.pixels = pixels  # a vision-language model's image inputs (`grpo.vision.Pixels`)
+        # tokens generation never samples (image placeholders): the same distribution here, without them
+        self.suppressed = tuple(suppressed_tokens(unwrap(model))) if pixels is not None else ()
         self.autocast = autocast
         self.router_aux = router_aux_coef(unwrap(model), args) != 0.0
         self.aux_loss: torch.Tensor | None = None  # the last gradient pass's router loss (router_aux)
         reason = prefix_sharing_unsupported_reason(model)
+        if reason is None and pixels is not None:
+            reason = "image prompts run whole (their pixel inputs go with the prompt)"
         if reason is None and self.router_aux:
             reason = "the router's load-balancing loss is computed over whole sequences"
         if reason is not None:
@@ -81,6 +89,7 @@ class TrainingPass:
                 chunk_size=chunk_size,
                 share_prefix=self.share_prefix,
                 chunked_head=self.chunked_head,
+                images=self._images(),
             )
         return logps
 
@@ -100,13 +109,37 @@ class TrainingPass:
                 share_prefix=self.share_prefix,
                 chunked_head=self.chunked_head,
                 aux_losses=aux_losses,
+                images=self._images(),
             )
         self.aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
         return logps, entropies
 
+    def _images(self) -> ImageInputs | None:
+        return ImageInputs(self.pixels, self.suppressed) if self.pixels is not None else None
+
     def _compiled(self) -> contextlib.AbstractContextManager:
         """torch_compile: the policy's compiled decoder stack for the pass (a reference model runs as it is)."""
         return self.compiled() if self.compiled is not None else contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """What a vision-language model's pass adds: each row's pixel inputs, and the tokens it never samples (their
+    logits are pushed to SUPPRESSED, where their probability is exactly 0 in float32 and entropies stay finite)."""
+
+    pixels: Any
+    suppressed: tuple[int, ...]
+
+    def inputs(self, model: Any, part: TrainBatch) -> dict[str, Any]:
+        p, c = part.prompt_ids.shape[1], part.completion_ids.shape[1]
+        extra = self.pixels.inputs(part.vision, p, p + c, part.prompt_ids.device) if part.vision is not None else {}
+        if not computes_own_positions(unwrap(model)):
+            attention = torch.cat([part.prompt_mask, part.completion_attention], dim=1)
+            extra["position_ids"] = (attention.cumsum(-1) - 1).clamp(min=0)
+        return extra
+
+
+SUPPRESSED = -1e4
 
 
 def prefix_sharing_unsupported_reason(model: Any) -> str | None:
@@ -129,6 +162,7 @@ def token_logps(
     share_prefix: bool = False,
     chunked_head: bool = False,
     aux_losses: list[torch.Tensor] | None = None,
+    images: ImageInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens under `model` (logits divided by temperature), and their entropies,
     as (B, C) tensors (values on padding positions are meaningless: the mask removes them).
@@ -141,14 +175,17 @@ def token_logps(
     `chunked_logps_and_entropy`, a chunk of tokens at a time, and the (B, T, V) logits never exist. A piece keeps
     the batch's `pad_to_multiple_of` (its width is rounded up to it). With `aux_losses` (a list), the model is
     asked for its router logits and each piece's load-balancing loss is appended (whole sequences: the prompt is
-    then not shared)."""
+    then not shared). With `images` (a vision-language model), each piece gets its rows' pixel inputs and the
+    suppressed tokens' logits are SUPPRESSED."""
     forward = _forward_shared if share_prefix and aux_losses is None else _forward
     lengths = batch.completion_attention.sum(-1)
     logps = entropies = None
     for rows in _pieces(lengths, chunk_size):
         part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
-        outputs = forward(model, part, chunked_head, aux_losses)
-        lp, ent = _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head)
+        extra = images.inputs(model, part) if images is not None else None
+        outputs = forward(model, part, chunked_head, aux_losses, extra)
+        suppressed = images.suppressed if images is not None else ()
+        lp, ent = _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head, suppressed)
         where = (rows.unsqueeze(1), torch.arange(lp.shape[1], device=rows.device))
         logps = (lp.new_zeros(batch.completion_ids.shape) if logps is None else logps).index_put(where, lp)
         if with_entropy:
@@ -157,13 +194,19 @@ def token_logps(
     return logps, entropies
 
 
-def _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head):
+def _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head, suppressed=()):
     if chunked_head:
         head = unwrap(model).get_output_embeddings()
         dtype = torch.float32 if is_fp32_head(head) else None  # cast_lm_head_to_fp32: project in float32
+        bias = head.bias
+        if suppressed:  # the head's bias with SUPPRESSED at those tokens: their logits without a (B, T, V) copy
+            bias = head.weight.new_zeros(head.weight.shape[0]) if bias is None else bias.clone()
+            bias[list(suppressed)] = SUPPRESSED
         return chunked_logps_and_entropy(
-            outputs, head.weight, head.bias, part.completion_ids, temperature, with_entropy, entropy_grad, dtype=dtype
+            outputs, head.weight, bias, part.completion_ids, temperature, with_entropy, entropy_grad, dtype=dtype
         )
+    if suppressed:
+        outputs = outputs.index_fill(-1, torch.tensor(suppressed, device=outputs.device), SUPPRESSED)
     return logps_and_entropy(outputs / temperature, part.completion_ids, with_entropy, entropy_grad)
 
 
@@ -231,11 +274,16 @@ def _keep_aux_loss(out: Any, aux_losses: list | None) -> None:
         aux_losses.append(out.aux_loss)
 
 
-def _forward(model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: list | None = None) -> torch.Tensor:
-    """Outputs predicting each completion token, (B, C, V or H), from one pass over prompt + completion."""
+def _forward(
+    model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: list | None = None, extra: dict | None = None
+) -> torch.Tensor:
+    """Outputs predicting each completion token, (B, C, V or H), from one pass over prompt + completion. `extra`:
+    a vision-language model's inputs (`ImageInputs.inputs`: pixels, and position ids unless the model derives its
+    own)."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    if extra is None:
+        extra = {"position_ids": (attention.cumsum(-1) - 1).clamp(min=0)}
     c = batch.completion_ids.shape[1]
     kwargs = {"logits_to_keep": c + 1} if accepts_logits_to_keep(unwrap(model)) else {}
     out = _outputs(
@@ -244,15 +292,17 @@ def _forward(model: Any, batch: TrainBatch, chunked_head: bool = False, aux_loss
         aux_losses,
         input_ids=input_ids,
         attention_mask=attention,
-        position_ids=position_ids,
+        **extra,
         **kwargs,
     )
     return out[:, -(c + 1) : -1, :]  # position t predicts completion token t
 
 
-def _forward_shared(model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: None = None) -> torch.Tensor:
+def _forward_shared(
+    model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: None = None, extra: None = None
+) -> torch.Tensor:
     """The same outputs as `_forward`, running each distinct prompt once (`aux_losses` is always None here:
-    `token_logps` runs whole sequences when the router loss is wanted).
+    `token_logps` runs whole sequences when the router loss is wanted; `extra` too: image prompts run whole).
 
     The prompt pass fills a KV cache (with gradient), whose rows are copied to the completions of that prompt;
     the completions then attend to it. Causal attention makes this exact: a prompt token never sees the

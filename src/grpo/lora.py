@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from collections.abc import Iterator
@@ -41,8 +42,12 @@ def is_adapter_layer(module: Any) -> bool:
     return isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper))
 
 
-def wrap(model: torch.nn.Module, peft_config: Any, gradient_checkpointing: bool) -> torch.nn.Module:
-    """The policy with `peft_config`'s adapters added (frozen base, trainable adapters)."""
+def wrap(
+    model: torch.nn.Module, peft_config: Any, gradient_checkpointing: bool, language_targets: list[str] | None = None
+) -> torch.nn.Module:
+    """The policy with `peft_config`'s adapters added (frozen base, trainable adapters). For a vision-language model
+    (`language_targets`: its language model's linear layers), a config that leaves the targets to peft (None) or asks
+    for "all-linear" targets the language model only: the vision tower and projector stay as they are."""
     try:
         from peft import PeftConfig, get_peft_model
     except ImportError as err:
@@ -57,6 +62,9 @@ def wrap(model: torch.nn.Module, peft_config: Any, gradient_checkpointing: bool)
             "The model already is a PEFT model and peft_config is set too: pass one of them (the PEFT "
             "model alone trains its own adapters)."
         )
+    if language_targets and getattr(peft_config, "target_modules", None) in (None, "all-linear"):
+        peft_config = copy.copy(peft_config)
+        peft_config.target_modules = set(language_targets)
     if gradient_checkpointing:
         # checkpointed blocks of a frozen base still need an input that requires grad for the adapters' grads
         model.enable_input_require_grads()

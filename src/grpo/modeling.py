@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+    ProcessorMixin,
+)
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 
@@ -83,7 +91,33 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def load_causal_lm(model_id: str, init_kwargs: dict[str, Any] | None, trust_remote_code: bool) -> PreTrainedModel:
-    return own_memory(load_pretrained(AutoModelForCausalLM, "model", model_id, init_kwargs, trust_remote_code))
+    """The model `model_id` names: a causal LM, or for a vision-language model's config (one with a vision_config)
+    its image-text-to-text model."""
+    config = from_pretrained_checked(AutoConfig, "model", model_id, trust_remote_code=trust_remote_code)
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    return own_memory(load_pretrained(auto, "model", model_id, init_kwargs, trust_remote_code))
+
+
+def is_vision_language(config: Any) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processing_class(model_id: str, config: Any, trust_remote_code: bool) -> Any:
+    """A vision-language model's processor (`AutoProcessor`), else its tokenizer; prepared (`prepare_tokenizer`)."""
+    if not is_vision_language(config):
+        return load_tokenizer(model_id, trust_remote_code)
+    try:
+        processor = from_pretrained_checked(AutoProcessor, "processor", model_id, trust_remote_code=trust_remote_code)
+    except AttributeError as err:  # transformers builds a torchvision-less video processor mapping that lacks this
+        if "_extra_content" not in str(err):
+            raise
+        raise ModelLoadError(
+            f"Could not load the processor of '{model_id}': it has a video processor, which needs torchvision, and "
+            "torchvision is not installed (or does not match torch). Install the torchvision build that matches your "
+            "torch (pip install torchvision==<the matching version>), or pass processing_class= a processor you built."
+        ) from None
+    prepare_tokenizer(processor)
+    return processor
 
 
 def own_memory(model: PreTrainedModel) -> PreTrainedModel:
@@ -136,7 +170,7 @@ def load_tokenizer(model_id: str, trust_remote_code: bool) -> Any:
 
 def prepare_tokenizer(tokenizer: Any) -> Any:
     """Left padding (prompts are right-aligned for generation) and a pad token (EOS when the model has none)."""
-    if not hasattr(tokenizer, "pad_token_id"):  # a multimodal processor: pad with its text tokenizer
+    if isinstance(tokenizer, ProcessorMixin) or not hasattr(tokenizer, "pad_token_id"):  # pad with its tokenizer
         tokenizer = tokenizer.tokenizer
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:

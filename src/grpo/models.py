@@ -6,13 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from grpo import fp32_head, lora
+from transformers import AutoConfig
+
+from grpo import fp32_head, lora, vision
 from grpo.distributed import zero
 from grpo.modeling import (
     disable_dropout,
     enable_checkpointing,
+    from_pretrained_checked,
+    is_vision_language,
     load_causal_lm,
-    load_tokenizer,
+    load_processing_class,
     prepare_tokenizer,
     reference_model,
     set_use_cache,
@@ -22,9 +26,31 @@ from grpo.modeling import (
 @dataclass
 class Models:
     model: Any
-    processing_class: Any
+    processing_class: Any  # as given or loaded: the tokenizer, or a vision-language model's processor
+    tokenizer: Any  # the text tokenizer (the processor's own, for a processor)
     ref_model: Any  # None when beta == 0 or the reference is the policy without its adapters
     ref_from_adapters: bool
+
+    @property
+    def processor(self) -> Any:
+        """The multimodal processor (image prompts), None for a tokenizer."""
+        return self.processing_class if vision.is_processor(self.processing_class) else None
+
+
+def default_unused_parameters(args: Any, model: Any) -> None:
+    """A vision-language model's text-only rows leave its vision tower without gradients, so DDP looks for unused
+    parameters by default (as TRL 1.16; not with reentrant checkpointing, which fails with it)."""
+    if args.ddp_find_unused_parameters is not None or (args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+        return
+    if isinstance(model, str):
+        try:
+            config = from_pretrained_checked(AutoConfig, "model", model, trust_remote_code=args.trust_remote_code)
+        except OSError:  # loading the model reports it
+            return
+    else:
+        config = getattr(model, "config", None)
+    if is_vision_language(config):
+        args.ddp_find_unused_parameters = True
 
 
 def build(model: Any, processing_class: Any, peft_config: Any, args: Any, fsdp_plugin: Any) -> Models:
@@ -34,11 +60,9 @@ def build(model: Any, processing_class: Any, peft_config: Any, args: Any, fsdp_p
     model_id = model if isinstance(model, str) else None
     policy = load_causal_lm(model, a.model_init_kwargs, a.trust_remote_code) if model_id else model
     source = model_id or getattr(policy.config, "_name_or_path", None)
-    tokenizer = (
-        prepare_tokenizer(processing_class)
-        if processing_class is not None
-        else load_tokenizer(source, a.trust_remote_code)
-    )
+    if processing_class is None:
+        processing_class = load_processing_class(source, policy.config, a.trust_remote_code)
+    tokenizer = prepare_tokenizer(processing_class)
     if a.disable_dropout:
         disable_dropout(policy)
     from_adapters = a.beta != 0.0 and (peft_config is not None or lora.is_peft_model(policy))
@@ -48,9 +72,9 @@ def build(model: Any, processing_class: Any, peft_config: Any, args: Any, fsdp_p
     enable_checkpointing(policy, a, fsdp_plugin)
     set_use_cache([policy, ref], a.use_cache)
     if peft_config is not None:
-        policy = lora.wrap(policy, peft_config, a.gradient_checkpointing)
+        policy = lora.wrap(policy, peft_config, a.gradient_checkpointing, vision.lora_target_modules(policy))
     fp32_head.apply(a, policy, ref)  # cast_lm_head_to_fp32
-    return Models(policy, tokenizer, ref, from_adapters)
+    return Models(policy, processing_class, tokenizer, ref, from_adapters)
 
 
 def prepare(accelerator: Any, args: Any, model: Any, optimizer: Any, ref_model: Any) -> tuple[Any, Any, Any]:

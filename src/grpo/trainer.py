@@ -54,6 +54,7 @@ from grpo import (
     reporting,
     run_dir,
     seeding,
+    vision,
 )
 from grpo.advantages import Advantages, compute_advantages
 from grpo.agent import Environments, Generated, Rollouts
@@ -114,6 +115,7 @@ class GRPOTrainer:
             train_dataset = data.StreamRows(train_dataset, 4 * args.generation_batch_size)
         self.train_dataset = train_dataset
         warn_odd_combinations(args)
+        models.default_unused_parameters(args, model)  # a vision-language model's DDP default
         self.accelerator = make_accelerator(args)
         reporting.configure_logging(args, self.accelerator)  # log_level(_replica), log_on_each_node
         if self.accelerator.device.type == "cpu" and args.cpu_keep_freed_memory:
@@ -127,7 +129,9 @@ class GRPOTrainer:
             model, processing_class, peft_config, args, getattr(self.accelerator.state, "fsdp_plugin", None)
         )
         self.model, self.processing_class, self.ref_model = built.model, built.processing_class, built.ref_model
-        self.ref_from_adapters = built.ref_from_adapters
+        self.tokenizer, self.ref_from_adapters = built.tokenizer, built.ref_from_adapters
+        data.check_images(train_dataset, self.processing_class)  # image columns need a processor; rows checked
+        self.pixels = vision.Pixels(built.processor) if built.processor is not None else None
         self.state = TrainerState()
         self.max_steps, self.steps_per_epoch = self._schedule_length()
         self.state.max_steps = self.max_steps
@@ -137,14 +141,21 @@ class GRPOTrainer:
         )
         ref_sync.check(self)  # sync_ref_model needs a reference model of its own
         checkpoint.strategy.check(self)  # the best checkpoint must be knowable and loadable
-        self.stop_ids = data.end_of_turn_ids(self.processing_class, generation_eos(self.unwrapped_model))
-        engine = build_engine(self.unwrapped_model, self.processing_class, args, self.stop_ids, self.accelerator)
+        self.stop_ids = data.end_of_turn_ids(self.tokenizer, generation_eos(self.unwrapped_model))
+        engine = build_engine(self.unwrapped_model, self.tokenizer, args, self.stop_ids, self.accelerator, self.pixels)
         attention.use_grouped_heads(self.model)
-        self.training_pass = TrainingPass(self.model, args, self.accelerator.autocast, self.accelerator.mixed_precision)
+        self.training_pass = TrainingPass(
+            self.model, args, self.accelerator.autocast, self.accelerator.mixed_precision, self.pixels
+        )
         context = getattr(self.unwrapped_model.config, "max_position_embeddings", None)
         context = (args.use_vllm and args.vllm_max_model_length) or context  # vLLM's own context, if set
         self.prompts = data.PromptSource(
-            train_dataset, self.processing_class, args.chat_template_kwargs, context, args.max_completion_length
+            train_dataset,
+            self.tokenizer,
+            args.chat_template_kwargs,
+            context,
+            args.max_completion_length,
+            processor=built.processor,
         )
         everywhere = functools.partial(collectives.any_process, self.accelerator)
         self.rollouts = Rollouts(
@@ -343,7 +354,7 @@ class GRPOTrainer:
         batch = collate(
             scored.rollout.select(mine),
             advantages.advantages[mine],
-            self.processing_class.pad_token_id,
+            self.tokenizer.pad_token_id,
             self.args.mask_truncated_completions,
             group=data.prompt_groups(scored.rows, scored.rollout.prompt_ids, self.environments is not None)[mine],
             pad_to_multiple_of=self.args.pad_to_multiple_of,
@@ -434,7 +445,7 @@ class GRPOTrainer:
         names, tools = self.rewards.names, self.rollouts.uses_tools
         self.metrics.add_many(generation_metrics(generated, advantages, names, self.args.dynamic_sampling, tools))
         if self.completion_log is not None:
-            self.completion_log.record(generated.batch, advantages.advantages, self.processing_class)
+            self.completion_log.record(generated.batch, advantages.advantages, self.tokenizer)
 
     def _log_step(self, update: Update, seconds: float) -> None:
         step = self.state.global_step

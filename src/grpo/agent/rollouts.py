@@ -94,8 +94,10 @@ class Rollouts:
         else:
             if self.environments is None:
                 requests = source.requests(rows)
+                if source.processor is not None:  # reward functions get the prompts with their image blocks
+                    prompts = [_as_given(source[row], prompt) for row, prompt in zip(rows, prompts)]
             else:
-                made = [source.make(r, p, t.schemas) for r, p, t in zip(rows, prompts, toolsets)]
+                made = [source.make(r, p, t.schemas, e) for r, p, t, e in zip(rows, prompts, toolsets, examples)]
                 requests = group_requests(made)
             rollout = engine.generate(requests)
         if self.loop is not None:
@@ -148,6 +150,11 @@ class Rollouts:
             if k not in ROLLOUT_KEYS and k != "env_mask"
         }
         return rollout, extra
+
+
+def _as_given(record: Any, prompt: Any) -> Any:
+    """A prompt as reward functions see it: a vision-language model's conversation with its image blocks (TRL 1.16)."""
+    return [dict(m) for m in record.messages] if record.messages is not None else prompt
 
 
 def _rows(output: dict, key: str, n: int) -> list:

@@ -27,9 +27,11 @@ logger = logging.getLogger("grpo")
 __all__ = ["Engine", "Prompt", "Request", "Rollout", "build_engine"]
 
 
-def build_engine(model: Any, tokenizer: Any, args: Any, stop_ids: list[int], accelerator: Any) -> Engine:
+def build_engine(
+    model: Any, tokenizer: Any, args: Any, stop_ids: list[int], accelerator: Any, pixels: Any = None
+) -> Engine:
     """vLLM with use_vllm; else the fast engine where it applies, else the plain `model.generate` engine; the log
-    says which and why."""
+    says which and why. `pixels` (`grpo.vision.Pixels`): a vision-language model's image inputs."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     if args.use_vllm and args.vllm_mode == "server":
         logger.info("Generating on the vLLM server at %s.", remote.server_url(args))
@@ -37,6 +39,8 @@ def build_engine(model: Any, tokenizer: Any, args: Any, stop_ids: list[int], acc
     if args.use_vllm:
         return _vllm_engine(model, tokenizer, args, stop_ids, accelerator, dtype)
     reason = fast.unsupported_reason(model, args)
+    if reason is None and pixels is not None:
+        reason = "the model takes image inputs (the fast engine decodes text only)"
     if reason is None:
         engine: Engine = fast.FastEngine(
             model, tokenizer, args, stop_ids, autocast=accelerator.autocast, compute_dtype=dtype
@@ -44,7 +48,7 @@ def build_engine(model: Any, tokenizer: Any, args: Any, stop_ids: list[int], acc
         logger.info("Generating with grpo's fast engine.")
         return engine
     logger.info("Generating with the plain transformers engine: %s.", reason)
-    return TransformersEngine(model, tokenizer, args, stop_ids, autocast=accelerator.autocast)
+    return TransformersEngine(model, tokenizer, args, stop_ids, autocast=accelerator.autocast, pixels=pixels)
 
 
 def _vllm_engine(

@@ -21,11 +21,13 @@ import torch
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt, tokenized. `messages` is set for conversational prompts; `images` for image prompts."""
+    """One prompt, tokenized. `messages` is set for conversational prompts; `images` for image prompts (their
+    blocks are in `messages` too), whose rendered `text` the processor reads with them (`grpo.vision`)."""
 
     ids: tuple[int, ...]
     messages: tuple[dict, ...] | None = None
     images: tuple[Any, ...] | None = None
+    text: str | None = field(default=None, compare=False)
 
     @property
     def is_conversational(self) -> bool:
@@ -55,6 +57,8 @@ class Rollout:
     loss_mask: list[list[int]] = field(default_factory=list)  # 1 = trained; 0 = not (tool results); default 1
     tool_calls: list[int] = field(default_factory=list)  # tool calls made in each completion (default 0)
     tool_failures: list[int] = field(default_factory=list)  # of which failed
+    # where any row has images: each row's Prompt (the forward passes give the model their pixels); else None
+    vision: list[Prompt | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
@@ -67,6 +71,8 @@ class Rollout:
             self.texts = [""] * len(self.completion_ids)
         if not self.messages:
             self.messages = [None] * len(self.completion_ids)
+        if not self.vision:
+            self.vision = [None] * len(self.completion_ids)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -140,6 +146,7 @@ def assemble(
             [{"role": "assistant", "content": text}] if row.prompt.is_conversational else None
             for row, text in zip(rows, texts)
         ],
+        vision=[row.prompt for row in rows] if any(row.prompt.images for row in rows) else [],
     )
 
 

@@ -38,6 +38,14 @@ def sampling_config(args: Any, stop_ids: list[int], pad_id: int) -> GenerationCo
     return GenerationConfig(**params)
 
 
+def suppressed_tokens(model: Any) -> list[int]:
+    """A vision-language model's image placeholder token(s): never sampled (shared spec §5.4)."""
+    config = getattr(model, "config", None)
+    return [
+        i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)) if i is not None
+    ]
+
+
 class _StopOnPreemption(StoppingCriteria):
     """Ends `model.generate` at the next token once SIGTERM has arrived (the engine then raises `Preempted`)."""
 
@@ -58,6 +66,7 @@ class TransformersEngine:
         stop_ids: list[int],
         autocast: Any = None,
         batch_size: int | None = None,
+        pixels: Any = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -66,6 +75,9 @@ class TransformersEngine:
         self.max_new_tokens = self.config.max_new_tokens  # generation_kwargs may set it
         self.autocast = autocast
         self.batch_size = batch_size
+        self.pixels = pixels  # a vision-language model's image inputs (`grpo.vision.Pixels`)
+        if pixels is not None:  # a sampled image token would have no image features (the training pass agrees)
+            self.config.suppress_tokens = [*(self.config.suppress_tokens or []), *suppressed_tokens(model)]
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Nothing to do: the engine samples from the training model itself."""
@@ -85,6 +97,9 @@ class TransformersEngine:
         device = next(self.model.parameters()).device
         ids, mask = left_pad([row.prompt.ids for row in rows], self.tokenizer.pad_token_id)
         budgets = [row.max_tokens or self.max_new_tokens for row in rows]
+        images = {}
+        if self.pixels is not None:
+            images = self.pixels.inputs([row.prompt for row in rows], ids.shape[1], ids.shape[1], device)
         was_training = self.model.training
         self.model.eval()  # dropout off, and the KV cache on even when gradient checkpointing is enabled
         try:
@@ -92,6 +107,7 @@ class TransformersEngine:
                 out = self.model.generate(
                     input_ids=ids.to(device),
                     attention_mask=mask.to(device),
+                    **images,
                     generation_config=self.config,
                     max_new_tokens=max(budgets),
                     stopping_criteria=StoppingCriteriaList([_StopOnPreemption()]),

@@ -1,0 +1,259 @@
+"""Image prompts for vision-language models (shared spec §5.3): from a dataset row's `image`/`images` column to the
+pixel inputs every forward pass of that row gets.
+
+A row's images are read once (`row_images`: PIL images, or paths opened here), placed into its conversational
+prompt as TRL 1.16 places them (`multimodal_messages`: one image block per image at the start of the first user
+message with text content), and kept on the row's `Prompt`. Whenever rows run through the model (generation, the
+old/reference passes, the training pass) `Pixels.inputs` calls the processor on exactly those rows, in their order,
+and hands the model what it returns besides the token ids: pixel values, image grid sizes, pixel masks, and the
+per-token fields (`mm_token_type_ids`, `token_type_ids`) laid out on the trainer's own padding. The processor
+itself decides how a batch of rows with different image sizes (or none) is arranged, so every architecture it
+supports works the same way, and a row's G completions see exactly its image.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from transformers import ProcessorMixin
+
+from grpo.rollout.base import Prompt
+
+IMAGE_COLUMNS = ("images", "image")  # "images" (a list per row) wins over "image" (one per row), as in TRL
+TOKEN_FIELDS = ("mm_token_type_ids", "token_type_ids")  # per-token fields: aligned with the input ids
+
+
+def is_processor(processing_class: Any) -> bool:
+    """Whether `processing_class` is a multimodal processor (a `transformers.ProcessorMixin`), not a tokenizer."""
+    return isinstance(processing_class, ProcessorMixin)
+
+
+def image_column(columns: Sequence[str]) -> str | None:
+    return next((name for name in IMAGE_COLUMNS if name in columns), None)
+
+
+def row_images(example: dict, row: int) -> list[Any] | None:
+    """The row's images as PIL images (RGB), None when the dataset has no image column. `images` is a list (None or
+    [] for a row without images); `image` one image or None. A path is opened here: a missing or unreadable file is an
+    error naming the row and the path."""
+    name = image_column(list(example))
+    if name is None:
+        return None
+    value = example[name]
+    if value is None:
+        return []
+    if name == "images" and not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"train_dataset row {row}: the 'images' column holds a {type(value).__name__}; it is a list of images "
+            "per row (use an 'image' column for one image per row)."
+        )
+    return [load_image(v, row) for v in (value if name == "images" else [value])]
+
+
+def load_image(value: Any, row: int) -> Any:
+    """One image: a PIL image, a file path, or a `datasets.Image` dict of bytes/path, as an RGB PIL image."""
+    if isinstance(value, Image.Image):
+        return value.convert("RGB") if value.mode != "RGB" else value
+    source: Any = value
+    if isinstance(value, dict):  # a datasets.Image feature that was not decoded
+        source = io.BytesIO(value["bytes"]) if value.get("bytes") else value.get("path")
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise ValueError(f"train_dataset row {row}: the image file {path} does not exist.")
+    elif not isinstance(source, io.BytesIO):
+        raise ValueError(
+            f"train_dataset row {row}: an image is a PIL image or a file path; got {type(value).__name__} "
+            f"{str(value)[:60]!r}."
+        )
+    try:
+        with Image.open(source) as image:
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError) as err:
+        raise ValueError(f"train_dataset row {row}: cannot read the image {_name(value)}: {err}.") from None
+
+
+def check_image_file(value: Any, row: int) -> None:
+    """For an image given as a path: the file exists and its header reads as an image (the pixels are not read)."""
+    if isinstance(value, dict) and not value.get("bytes"):
+        value = value.get("path")
+    if not isinstance(value, (str, os.PathLike)):
+        return
+    path = os.fspath(value)
+    if not os.path.isfile(path):
+        raise ValueError(f"train_dataset row {row}: the image file {path} does not exist.")
+    try:
+        with Image.open(path):
+            pass
+    except (OSError, UnidentifiedImageError) as err:
+        raise ValueError(f"train_dataset row {row}: cannot read the image {path}: {err}.") from None
+
+
+def _name(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("path") or "(image bytes)")
+    return os.fspath(value) if isinstance(value, (str, os.PathLike)) else type(value).__name__
+
+
+def image_name(image: Any) -> str:
+    """How logs name an image: its file name where it came from a file, else its size."""
+    filename = getattr(image, "filename", "") or getattr(image, "grpo_source", "")
+    return os.path.basename(filename) if filename else f"<image {image.width}x{image.height}>"
+
+
+def multimodal_messages(messages: Sequence[dict], images: Sequence[Any], row: int) -> list[dict]:
+    """The messages with every text content as text blocks, an image block per image at the start of the first user
+    message whose content is a string, and each empty image block (`{"type": "image"}`) given the next image; blocks
+    that already hold an image stay. The images must fill the empty blocks exactly."""
+    out, placed = [], False
+    for message in messages:
+        role, content = message.get("role"), message.get("content")
+        if isinstance(content, str):
+            blocks = [{"type": "text", "text": content}]
+            if role == "user" and not placed:
+                blocks = [{"type": "image"} for _ in images] + blocks
+                placed = True
+            message = {**message, "content": blocks}
+        out.append(message)
+    empty = [
+        (i, j)
+        for i, message in enumerate(out)
+        if isinstance(message.get("content"), list) and message.get("role") != "tool"
+        for j, block in enumerate(message["content"])
+        if isinstance(block, dict) and block.get("type") == "image" and "image" not in block
+    ]
+    if len(empty) != len(images):
+        raise ValueError(
+            f"train_dataset row {row}: the row has {len(images)} image(s) but its prompt has {len(empty)} image "
+            "placeholder(s) ({'type': 'image'} blocks) to put them in. Give as many images as placeholders, or "
+            "give text content, where grpo places the images at the start of the first user message."
+        )
+    for image, (i, j) in zip(images, empty):
+        content = list(out[i]["content"])
+        content[j] = {**content[j], "image": image}
+        out[i] = {**out[i], "content": content}
+    return out
+
+
+def prompt_images(messages: Sequence[dict]) -> list[Any]:
+    """The images of a multimodal conversation's image blocks, in order."""
+    return [
+        block["image"]
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for block in message["content"]
+        if isinstance(block, dict) and block.get("type") == "image" and "image" in block
+    ]
+
+
+def prompt_state(prompt: Any) -> dict[str, Any]:
+    """An image prompt as tensors and plain values (for a checkpoint read with weights_only=True): what the forward
+    passes need, its text, token ids and images (uint8 HxWx3), exactly."""
+    images = [torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8)) for image in prompt.images or ()]
+    return {"ids": list(prompt.ids), "text": prompt.text, "images": images}
+
+
+def prompt_from_state(state: dict[str, Any]) -> Prompt:
+    images = tuple(Image.fromarray(t.numpy()) for t in state["images"])
+    return Prompt(ids=tuple(state["ids"]), images=images or None, text=state["text"])
+
+
+class Pixels:
+    """The processor's non-text inputs for a batch of rows (see the module docstring); the last few batches' are
+    kept, since the old/reference passes and the training pass of a micro-batch ask for the same rows."""
+
+    def __init__(self, processor: Any, keep: int = 8) -> None:
+        self.processor = processor
+        self.keep = keep
+        self._cache: OrderedDict[tuple[int, ...], tuple[list, dict]] = OrderedDict()
+
+    def inputs(self, prompts: Sequence[Any], prompt_width: int, width: int, device: Any = None) -> dict[str, Any]:
+        """Keyword inputs for rows with `prompts` (Prompt records; None for a text-only row) laid out as the trainer
+        lays them out: each prompt right-aligned in the first `prompt_width` positions of `width`."""
+        if not any(p is not None and p.images for p in prompts):
+            return self._token_fields({}, prompts, prompt_width, width, device)
+        key = tuple(id(p) for p in prompts)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            features = self._cache[key][1]
+        else:
+            features = self._features(prompts)
+            self._cache[key] = (list(prompts), features)  # holding the prompts keeps their ids unique
+            while len(self._cache) > self.keep:
+                self._cache.popitem(last=False)
+        out = {k: v.to(device) if device is not None else v for k, v in features.items() if k not in TOKEN_FIELDS}
+        return self._token_fields(out, prompts, prompt_width, width, device, features)
+
+    def _features(self, prompts: Sequence[Any]) -> dict[str, Any]:
+        decode = self.processor.tokenizer.decode
+        texts = ["" if p is None else p.text if p.text is not None else decode(p.ids) for p in prompts]
+        images = [list(p.images or ()) if p is not None else [] for p in prompts]
+        out = self.processor(text=texts, images=images, padding=True, add_special_tokens=False, return_tensors="pt")
+        mask = out["attention_mask"].bool()
+        for i, prompt in enumerate(prompts):
+            if prompt is not None and prompt.images and out["input_ids"][i][mask[i]].tolist() != list(prompt.ids):
+                raise ValueError(
+                    "The processor tokenized an image prompt differently in a batch than alone (its image tokens "
+                    "depend on the other rows); grpo cannot line its pixel inputs up with the prompt's tokens."
+                )
+        features = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+        for name in TOKEN_FIELDS:  # per row, without the processor's padding; a text-only row has none to mark
+            if name in features:
+                features[name] = [
+                    features[name][i][mask[i]] if p is not None and p.images else torch.zeros(0, dtype=torch.long)
+                    for i, p in enumerate(prompts)
+                ]
+        return features
+
+    @staticmethod
+    def _token_fields(out, prompts, prompt_width, width, device, features=None) -> dict[str, Any]:
+        """The per-token fields at the trainer's positions: the prompt's values, 0 on padding and completions."""
+        for name in TOKEN_FIELDS:
+            values = (features or {}).get(name)
+            if values is None:
+                continue
+            field = torch.zeros((len(prompts), width), dtype=torch.long)
+            for i, row in enumerate(values):
+                field[i, prompt_width - len(row) : prompt_width] = row
+            out[name] = field.to(device) if device is not None else field
+        return out
+
+
+def lora_target_modules(model: torch.nn.Module) -> list[str] | None:
+    """The linear layers of a vision-language model's language model (its head excluded), for LoRA's default
+    target: None for a text-only model (peft's own default applies)."""
+    language = language_model(model)
+    if language is None:
+        return None
+    prefix = next(name for name, module in model.named_modules() if module is language)
+    return [
+        f"{prefix}.{name}" if prefix else name
+        for name, module in language.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The decoder stack of a vision-language model (`model.language_model`, or Idefics3's `model.text_model`); None
+    for a text-only model."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is None:
+        return None
+    inner = getattr(model, "model", model)
+    for name in ("language_model", "text_model"):
+        if isinstance(getattr(inner, name, None), torch.nn.Module):
+            return getattr(inner, name)
+    return None
+
+
+def computes_own_positions(model: Any) -> bool:
+    """Whether the model derives its position ids from the image layout itself (Qwen-VL's multimodal RoPE): it is
+    then given none."""
+    return any(hasattr(m, "get_rope_index") for m in (model, getattr(model, "model", None)) if m is not None)

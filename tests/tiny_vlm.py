@@ -1,0 +1,139 @@
+"""Tiny vision-language models built locally (no hub), random weights: a Qwen2.5-VL and an Idefics3 (SmolVLM's
+architecture), each with a processor made from the tiny character tokenizer plus the model's image tokens, a chat
+template that writes image blocks, and the model's PIL image processor (torchvision is not installed here).
+
+The Qwen2.5-VL processor is transformers' own with its video half left out: transformers 5.19 cannot build a
+Qwen2-VL processor without torchvision (its video processor needs it), and grpo trains on images only."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+from tiny import make_tokenizer
+from transformers import (
+    Idefics3Config,
+    Idefics3ForConditionalGeneration,
+    Idefics3ImageProcessorPil,
+    Idefics3Processor,
+    ProcessorMixin,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessorPil,
+)
+
+_BLOCKS = (
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}IMAGE{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+)
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    + _BLOCKS.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>")
+    + "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+IDEFICS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] | capitalize }}:"
+    + _BLOCKS.replace("IMAGE", "<image>")
+    + "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+class QwenImageProcessor(Qwen2_5_VLProcessor):
+    """Qwen2.5-VL's processor for images only (see the module docstring)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+def _tokenizer(extra: list[str]):
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *extra]})
+    return tok
+
+
+def qwen_vl(seed: int = 0):
+    """(model, processor) of a 2-layer Qwen2.5-VL with a 2-block vision tower: images of up to 56x56 pixels."""
+    tok = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2)
+    processor = QwenImageProcessor(image_processor=images, tokenizer=tok, chat_template=QWEN_TEMPLATE)
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
+        **ids,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=32,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        fullatt_block_indexes=[1],
+        window_size=56,
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=processor.image_token_id,
+        video_token_id=processor.video_token_id,
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        tie_word_embeddings=False,
+        **ids,
+    )
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(config), processor
+
+
+def idefics3(seed: int = 0):
+    """(model, processor) of a 2-layer Idefics3 (SmolVLM): images split into 32x32 tiles plus a global view."""
+    tok = _tokenizer(["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"])
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(image_processor=images, tokenizer=tok, chat_template=IDEFICS_TEMPLATE, image_seq_len=4)
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    text = dict(
+        model_type="llama",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
+    config = Idefics3Config(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=2,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=False,
+        vocab_size=len(tok),
+        **ids,
+    )
+    torch.manual_seed(seed)
+    return Idefics3ForConditionalGeneration(config), processor
+
+
+BUILDERS = {"qwen2.5-vl": qwen_vl, "idefics3": idefics3}
+
+
+def image(seed: int, width: int = 40, height: int = 32) -> Image.Image:
+    """A random RGB image."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
