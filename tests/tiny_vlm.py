@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 from PIL import Image
-from tiny import make_tokenizer
 from transformers import (
     Idefics3Config,
     Idefics3ForConditionalGeneration,
@@ -22,6 +21,8 @@ from transformers import (
     Qwen2_5_VLProcessor,
     Qwen2VLImageProcessorPil,
 )
+
+from tiny import make_tokenizer
 
 _BLOCKS = (
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
@@ -102,7 +103,9 @@ def idefics3(seed: int = 0):
     """(model, processor) of a 2-layer Idefics3 (SmolVLM): images split into 32x32 tiles plus a global view."""
     tok = _tokenizer(["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"])
     images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
-    processor = Idefics3Processor(image_processor=images, tokenizer=tok, chat_template=IDEFICS_TEMPLATE, image_seq_len=4)
+    processor = Idefics3Processor(
+        image_processor=images, tokenizer=tok, chat_template=IDEFICS_TEMPLATE, image_seq_len=4
+    )
     ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     text = dict(
         model_type="llama",
@@ -116,7 +119,9 @@ def idefics3(seed: int = 0):
         tie_word_embeddings=False,
         **ids,
     )
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
+    )
     config = Idefics3Config(
         text_config=text,
         vision_config=vision,
