@@ -100,7 +100,7 @@ def test_later_features_say_not_available(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2.*not available yet"):
         cfg(tmp_path, use_vllm=True, vllm_tensor_parallel_size=2)  # refused by the config (test_trl_fields: all)
     images = Dataset.from_list([{"prompt": "a", "image": "x.png"}] * 8)
-    with pytest.raises(ValueError, match="'image' column.*not available yet"):
+    with pytest.raises(ValueError, match="'image' column, but the model is text-only.*remove the column"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=images, args=cfg(tmp_path))
 
 

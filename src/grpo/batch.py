@@ -12,9 +12,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
-from grpo import vision
 from grpo.rollout.base import Prompt, Rollout, left_pad, right_pad
 
 # completion-position tensors: trimmed together when padding columns are dropped
@@ -71,17 +72,17 @@ class TrainBatch:
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and plain values only (a checkpoint is read with torch.load(weights_only=True)): image prompts
-        as their text, token ids and pixels (`vision.prompt_state`)."""
+        as their text, token ids and pixels (`_prompt_state`)."""
         state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.vision is not None:
-            state["vision"] = [None if p is None else vision.prompt_state(p) for p in self.vision]
+            state["vision"] = [None if p is None else _prompt_state(p) for p in self.vision]
         return state
 
     @staticmethod
     def from_state_dict(state: dict[str, Any]) -> TrainBatch:
         state = dict(state)
         if state.get("vision") is not None:
-            state["vision"] = [None if p is None else vision.prompt_from_state(p) for p in state["vision"]]
+            state["vision"] = [None if p is None else _prompt_from_state(p) for p in state["vision"]]
         return TrainBatch(**state)
 
 
@@ -122,3 +123,15 @@ def collate(
         pad_to_multiple_of=n,
         vision=list(rollout.vision) if any(p is not None for p in rollout.vision) else None,
     )
+
+
+def _prompt_state(prompt: Any) -> dict[str, Any]:
+    """An image prompt as tensors and plain values (for a checkpoint read with weights_only=True): what the forward
+    passes need, its text, token ids and images (uint8 HxWx3), exactly."""
+    images = [torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8)) for image in prompt.images or ()]
+    return {"ids": list(prompt.ids), "text": prompt.text, "images": images}
+
+
+def _prompt_from_state(state: dict[str, Any]) -> Prompt:
+    images = tuple(Image.fromarray(t.numpy()) for t in state["images"])
+    return Prompt(ids=tuple(state["ids"]), images=images or None, text=state["text"])

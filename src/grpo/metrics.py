@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from grpo.advantages import Advantages, nanstd
+from grpo.vision import image_name
 
 if TYPE_CHECKING:  # grpo.distributed.accelerator imports this module, and grpo.groups imports it back
     from grpo.groups import GenerationBatch
@@ -260,16 +261,22 @@ class CompletionLog:
         self.reward_names = reward_names
         self.rows: deque[dict[str, Any]] = deque(maxlen=args.generation_batch_size)
         self.rng = random.Random(args.seed)
+        self.log_images = getattr(args, "log_multimodal", True)  # name each row's images in an "image" column
 
     def record(self, scored: Any, advantages: Any, tokenizer: Any) -> None:
-        prompts = tokenizer.batch_decode(scored.rollout.prompt_ids, skip_special_tokens=False)
-        for i, (prompt, completion) in enumerate(zip(prompts, scored.rollout.texts)):
+        rollout = scored.rollout
+        prompts = tokenizer.batch_decode(rollout.prompt_ids, skip_special_tokens=False)
+        for i, (prompt, completion) in enumerate(zip(prompts, rollout.texts)):
             values = scored.rewards[i].tolist()
             rewards = {name: None if math.isnan(v) else v for name, v in zip(self.reward_names, values)}
             extra = {k: v[i] for k, v in scored.extra.items()}
-            self.rows.append(
-                {"prompt": prompt, "completion": completion, **rewards, **extra, "advantage": float(advantages[i])}
-            )
+            row = {"prompt": prompt, "completion": completion, **rewards, **extra, "advantage": float(advantages[i])}
+            image_prompt = rollout.vision[i]
+            if image_prompt is not None:  # the template's text (one placeholder per image) and the images' names
+                row["prompt"] = image_prompt.text or prompt
+                if self.log_images:
+                    row["image"] = ", ".join(image_name(image) for image in image_prompt.images or ())
+            self.rows.append(row)
 
     def flush(self, step: int, console: Console) -> str | None:
         """Print a table of (a random sample of) the rows and write them to parquet; returns the file written."""
@@ -290,10 +297,12 @@ class CompletionLog:
             else self.rng.sample(candidates, self.num_to_print)
         )
         table = Table(title=f"Completions at step {step}", show_lines=True)
-        for name in ["prompt", "completion", *self.reward_names, "advantage"]:
+        images = ["image"] if any("image" in row for row in shown) else []
+        columns = ["prompt", *images, "completion", *self.reward_names, "advantage"]
+        for name in columns:
             table.add_column(name, overflow="fold", ratio=3 if name in ("prompt", "completion") else 1)
         for row in shown:
-            table.add_row(*[_cell(row[name]) for name in ["prompt", "completion", *self.reward_names, "advantage"]])
+            table.add_row(*[_cell(row.get(name)) for name in columns])
         console.print(table)
         return path
 

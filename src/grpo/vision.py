@@ -19,12 +19,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from transformers import ProcessorMixin
-
-from grpo.rollout.base import Prompt
 
 IMAGE_COLUMNS = ("images", "image")  # "images" (a list per row) wins over "image" (one per row), as in TRL
 TOKEN_FIELDS = ("mm_token_type_ids", "token_type_ids")  # per-token fields: aligned with the input ids
@@ -75,9 +72,11 @@ def load_image(value: Any, row: int) -> Any:
         )
     try:
         with Image.open(source) as image:
-            return image.convert("RGB")
+            image = image.convert("RGB")
     except (OSError, UnidentifiedImageError) as err:
         raise ValueError(f"train_dataset row {row}: cannot read the image {_name(value)}: {err}.") from None
+    image.info["grpo_source"] = _name(value)  # how logs name it (info survives copies and pickling)
+    return image
 
 
 def check_image_file(value: Any, row: int) -> None:
@@ -104,7 +103,7 @@ def _name(value: Any) -> str:
 
 def image_name(image: Any) -> str:
     """How logs name an image: its file name where it came from a file, else its size."""
-    filename = getattr(image, "filename", "") or getattr(image, "grpo_source", "")
+    filename = image.info.get("grpo_source") or getattr(image, "filename", "")
     return os.path.basename(filename) if filename else f"<image {image.width}x{image.height}>"
 
 
@@ -151,18 +150,6 @@ def prompt_images(messages: Sequence[dict]) -> list[Any]:
         for block in message["content"]
         if isinstance(block, dict) and block.get("type") == "image" and "image" in block
     ]
-
-
-def prompt_state(prompt: Any) -> dict[str, Any]:
-    """An image prompt as tensors and plain values (for a checkpoint read with weights_only=True): what the forward
-    passes need, its text, token ids and images (uint8 HxWx3), exactly."""
-    images = [torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8)) for image in prompt.images or ()]
-    return {"ids": list(prompt.ids), "text": prompt.text, "images": images}
-
-
-def prompt_from_state(state: dict[str, Any]) -> Prompt:
-    images = tuple(Image.fromarray(t.numpy()) for t in state["images"])
-    return Prompt(ids=tuple(state["ids"]), images=images or None, text=state["text"])
 
 
 class Pixels:

@@ -371,8 +371,8 @@ def _check_run(trainer: Any, state: dict[str, Any], path: str) -> None:
 
 
 def _load_weights(model: torch.nn.Module, path: str) -> None:
-    saved = files.load_weight_files(path)
     own = model.state_dict()
+    saved = _as_model_keys(model, files.load_weight_files(path), own)
     # save_pretrained writes a tied tensor once: a key missing from the file is fine if it shares storage
     present = {t.data_ptr() for k, t in own.items() if k in saved}
     missing = [k for k in own if k not in saved and own[k].data_ptr() not in present]
@@ -400,6 +400,23 @@ def _load_weights(model: torch.nn.Module, path: str) -> None:
     with torch.no_grad():
         for k, tensor in saved.items():
             own[k].copy_(tensor)
+
+
+def _as_model_keys(model: torch.nn.Module, saved: dict, own: dict) -> dict:
+    """The saved tensors under the model's own parameter names. save_pretrained writes the Hub's names: transformers
+    reverts the renames it applies when loading (Qwen2.5-VL's `model.language_model.layers.*` is saved as
+    `model.layers.*`); reverting the model's own state dict the same way says which name is which."""
+    if all(k in own for k in saved):
+        return saved
+    try:
+        from transformers.modeling_utils import revert_weight_conversion
+
+        original = revert_weight_conversion(model, dict(own))
+    except Exception:  # no conversion known (older transformers): the names are compared as they are
+        return saved
+    name_of = {t.data_ptr(): n for n, t in own.items()}
+    rename = {k: name_of[t.data_ptr()] for k, t in original.items() if t.data_ptr() in name_of}
+    return {rename.get(k, k): v for k, v in saved.items()}
 
 
 def _jsonable(value: Any) -> bool:
