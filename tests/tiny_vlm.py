@@ -99,8 +99,9 @@ def qwen_vl(seed: int = 0):
     return Qwen2_5_VLForConditionalGeneration(config), processor
 
 
-def idefics3(seed: int = 0):
-    """(model, processor) of a 2-layer Idefics3 (SmolVLM): images split into 32x32 tiles plus a global view."""
+def idefics3(seed: int = 0, hidden: int = 32):
+    """(model, processor) of a 2-layer Idefics3 (SmolVLM): images split into 32x32 tiles plus a global view.
+    `hidden`: the language model's width (4 heads; vLLM's CPU attention needs heads of 32: hidden=128)."""
     tok = _tokenizer(["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"])
     images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
     processor = Idefics3Processor(
@@ -110,8 +111,8 @@ def idefics3(seed: int = 0):
     text = dict(
         model_type="llama",
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

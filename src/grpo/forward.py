@@ -31,7 +31,7 @@ from grpo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 from grpo.loss_terms import router_aux_coef
 from grpo.modeling import accepts_logits_to_keep, cache_argument, recomputes_activations, unwrap
 from grpo.perf import blocks, compilation, linears
-from grpo.rollout.plain import suppressed_tokens
+from grpo.rollout.plain import SUPPRESSED, suppressed_tokens
 from grpo.vision import computes_own_positions
 
 logger = logging.getLogger("grpo")
@@ -137,9 +137,6 @@ class ImageInputs:
             attention = torch.cat([part.prompt_mask, part.completion_attention], dim=1)
             extra["position_ids"] = (attention.cumsum(-1) - 1).clamp(min=0)
         return extra
-
-
-SUPPRESSED = -1e4
 
 
 def prefix_sharing_unsupported_reason(model: Any) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import inspect
 import os
 import socket
@@ -108,14 +109,18 @@ def load_processing_class(model_id: str, config: Any, trust_remote_code: bool) -
         return load_tokenizer(model_id, trust_remote_code)
     try:
         processor = from_pretrained_checked(AutoProcessor, "processor", model_id, trust_remote_code=trust_remote_code)
-    except AttributeError as err:  # transformers builds a torchvision-less video processor mapping that lacks this
-        if "_extra_content" not in str(err):
-            raise
+    except AttributeError:  # transformers' torchvision-less video processor mapping lacks what it looks up
+        processor = None
+    if not isinstance(processor, ProcessorMixin):  # AutoProcessor falls back to the tokenizer when it cannot
+        why = (
+            "its processor needs torchvision (for its video processor), which is not installed"
+            if importlib.util.find_spec("torchvision") is None
+            else "AutoProcessor could not build its processor"
+        )
         raise ModelLoadError(
-            f"Could not load the processor of '{model_id}': it has a video processor, which needs torchvision, and "
-            "torchvision is not installed (or does not match torch). Install the torchvision build that matches your "
-            "torch (pip install torchvision==<the matching version>), or pass processing_class= a processor you built."
-        ) from None
+            f"'{model_id}' is a vision-language model, but {why}. Install the torchvision build that matches your "
+            "torch, or pass processing_class= a processor you built."
+        )
     prepare_tokenizer(processor)
     return processor
 

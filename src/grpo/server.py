@@ -47,6 +47,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from grpo import vision
 from grpo.rollout.vllm import (
     in_process_environment,
     load_weights,
@@ -197,7 +198,7 @@ class Server:
                 raise RequestError(
                     413, f"the request asks for more than --max-sequences={self.max_sequences} completions"
                 )
-            inputs.append({"prompt_token_ids": prompt})
+            inputs.append(self._input(i, request, prompt))
             params.append(_params(sampling, n, max_tokens, i))
         with self.lock:
             if version is not None and version != self.weight_version:
@@ -206,7 +207,26 @@ class Server:
                 )
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
             served = self.weight_version
-        return {"weight_version": served, "outputs": [_samples(output) for output in outputs]}
+        answer = {"weight_version": served, "outputs": [_samples(output) for output in outputs]}
+        if any("multi_modal_data" in x for x in inputs):  # the image prompts as vLLM expanded them, to check
+            answer["prompt_ids"] = [
+                list(out.prompt_token_ids) if "multi_modal_data" in x else None for x, out in zip(inputs, outputs)
+            ]
+        return answer
+
+    @staticmethod
+    def _input(i: int, request: dict, prompt: list[int]) -> dict:
+        """vLLM's input: the token ids, and an image prompt's images (base64 PNG, `grpo.vision.encode_image`)."""
+        images = request.get("images")
+        if images is None:
+            return {"prompt_token_ids": prompt}
+        if not isinstance(images, list) or not images:
+            raise RequestError(400, f"requests[{i}].images must be a non-empty list of base64-encoded images")
+        try:
+            decoded = [vision.decode_image(image, f"requests[{i}].images[{j}]") for j, image in enumerate(images)]
+        except ValueError as err:
+            raise RequestError(400, str(err)) from None
+        return {"prompt_token_ids": prompt, "multi_modal_data": {"image": decoded}}
 
     def _sampling(self, sampling: Any) -> dict:
         from vllm import SamplingParams
@@ -220,11 +240,18 @@ class Server:
                     raise RequestError(400, f"sampling sets {name!r}, which the server sets itself")
             elif name not in known:
                 raise RequestError(400, f"sampling has {name!r}, which is not a parameter of vLLM's SamplingParams")
-        return {k: v for k, v in sampling.items() if k not in _SERVER_SET}
+        out = {k: v for k, v in sampling.items() if k not in _SERVER_SET}
+        if "logit_bias" in out:  # JSON object keys are strings: vLLM wants token ids
+            bias = out["logit_bias"]
+            try:
+                out["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+            except (AttributeError, TypeError, ValueError):
+                raise RequestError(400, "sampling's logit_bias must map token ids to numbers") from None
+        return out
 
     def _request(self, i: int, request: Any, sampling: dict) -> tuple[list[int], int, int]:
-        if not isinstance(request, dict) or set(request) - {"prompt_ids", "n", "max_tokens"}:
-            raise RequestError(400, f"requests[{i}] must be an object with prompt_ids, n and max_tokens")
+        if not isinstance(request, dict) or set(request) - {"prompt_ids", "n", "max_tokens", "images"}:
+            raise RequestError(400, f"requests[{i}] must be an object with prompt_ids, n, max_tokens (and images)")
         prompt = request.get("prompt_ids")
         if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
             raise RequestError(400, f"requests[{i}].prompt_ids must be a non-empty list of integers")

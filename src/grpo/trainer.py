@@ -147,7 +147,7 @@ class GRPOTrainer:
         self.training_pass = TrainingPass(
             self.model, args, self.accelerator.autocast, self.accelerator.mixed_precision, self.pixels
         )
-        context = getattr(self.unwrapped_model.config, "max_position_embeddings", None)
+        context = getattr(self.unwrapped_model.config.get_text_config(), "max_position_embeddings", None)
         context = (args.use_vllm and args.vllm_max_model_length) or context  # vLLM's own context, if set
         self.prompts = data.PromptSource(
             train_dataset,

@@ -13,6 +13,7 @@ supports works the same way, and a row's G completions see exactly its image.
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 from collections import OrderedDict
@@ -105,6 +106,22 @@ def image_name(image: Any) -> str:
     """How logs name an image: its file name where it came from a file, else its size."""
     filename = image.info.get("grpo_source") or getattr(image, "filename", "")
     return os.path.basename(filename) if filename else f"<image {image.width}x{image.height}>"
+
+
+def encode_image(image: Any) -> str:
+    """An image as base64 PNG (lossless), how images travel to a generation server."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def decode_image(text: Any, what: str) -> Any:
+    """`encode_image`'s inverse; anything else is a ValueError naming `what`."""
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(text, validate=True))) as image:
+            return image.convert("RGB")
+    except (ValueError, TypeError, OSError, UnidentifiedImageError) as err:
+        raise ValueError(f"{what} is not a base64-encoded image ({type(err).__name__})") from None
 
 
 def multimodal_messages(messages: Sequence[dict], images: Sequence[Any], row: int) -> list[dict]:

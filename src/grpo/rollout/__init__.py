@@ -20,7 +20,7 @@ import torch
 
 from grpo.rollout import fast, remote
 from grpo.rollout.base import Engine, Prompt, Request, Rollout
-from grpo.rollout.plain import TransformersEngine
+from grpo.rollout.plain import SUPPRESSED, TransformersEngine, suppressed_tokens
 from grpo.rollout.vllm import VLLMEngine, sampling_kwargs
 
 logger = logging.getLogger("grpo")
@@ -35,9 +35,12 @@ def build_engine(
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     if args.use_vllm and args.vllm_mode == "server":
         logger.info("Generating on the vLLM server at %s.", remote.server_url(args))
-        return remote.ServerEngine(tokenizer, args, stop_ids, accelerator, sampling_kwargs(args, stop_ids, False))
+        sampling = sampling_kwargs(args, stop_ids, False)
+        if pixels is not None:  # never sample an image placeholder (as the training pass scores it)
+            sampling["logit_bias"] = {i: SUPPRESSED for i in suppressed_tokens(model)}
+        return remote.ServerEngine(tokenizer, args, stop_ids, accelerator, sampling)
     if args.use_vllm:
-        return _vllm_engine(model, tokenizer, args, stop_ids, accelerator, dtype)
+        return _vllm_engine(model, tokenizer, args, stop_ids, accelerator, dtype, pixels)
     reason = fast.unsupported_reason(model, args)
     if reason is None and pixels is not None:
         reason = "the model takes image inputs (the fast engine decodes text only)"
@@ -52,7 +55,13 @@ def build_engine(
 
 
 def _vllm_engine(
-    model: Any, tokenizer: Any, args: Any, stop_ids: list[int], accelerator: Any, dtype: torch.dtype | None
+    model: Any,
+    tokenizer: Any,
+    args: Any,
+    stop_ids: list[int],
+    accelerator: Any,
+    dtype: torch.dtype | None,
+    pixels: Any = None,
 ) -> Engine:
     device = accelerator.device.type
     if args.vllm_enable_sleep_mode and device == "cpu":
@@ -69,4 +78,5 @@ def _vllm_engine(
         device=device,
         process_index=accelerator.process_index,
         rows=args.generation_batch_size // accelerator.num_processes,
+        pixels=pixels,
     )

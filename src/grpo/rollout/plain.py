@@ -38,6 +38,11 @@ def sampling_config(args: Any, stop_ids: list[int], pad_id: int) -> GenerationCo
     return GenerationConfig(**params)
 
 
+# a suppressed token's logit where the engine cannot leave it out: its probability underflows to exactly 0 in
+# float32, and (unlike -inf) its entropy term stays 0
+SUPPRESSED = -1e4
+
+
 def suppressed_tokens(model: Any) -> list[int]:
     """A vision-language model's image placeholder token(s): never sampled (shared spec §5.4)."""
     config = getattr(model, "config", None)

@@ -33,7 +33,9 @@ from safetensors.torch import save
 
 from grpo import preemption
 from grpo.rollout.base import Request, Rollout, assemble, expand
+from grpo.rollout.vllm import check_expanded, multimodal_input
 from grpo.rollout.weights import checkpoint_weights
+from grpo.vision import encode_image
 
 API_KEY_ENV = "GRPO_VLLM_API_KEY"
 _POLL_S = 1.0  # how often /health is asked while waiting
@@ -166,19 +168,30 @@ class ServerEngine:
                 raise ServerError(f"The vLLM server at {self.url} did not reach weight version {version}.")
             time.sleep(0.05)
 
+    def _request_of(self, request: Request) -> dict:
+        """One request as JSON; an image prompt as its unexpanded ids and its images (`multimodal_input`)."""
+        vllm_input = multimodal_input(request.prompt, self.tokenizer)
+        out = {
+            "prompt_ids": vllm_input["prompt_token_ids"],
+            "n": request.num_samples,
+            "max_tokens": request.max_tokens or self.max_tokens,
+        }
+        if "multi_modal_data" in vllm_input:
+            out["images"] = [encode_image(image) for image in vllm_input["multi_modal_data"]["image"]]
+        return out
+
     def generate(self, requests: Sequence[Request]) -> Rollout:
         preemption.check()
         if not requests:  # a follow-up turn of a tool loop where this process has no row left
             return Rollout([], [], [], [])
         payload = {
-            "requests": [
-                {"prompt_ids": list(r.prompt.ids), "n": r.num_samples, "max_tokens": r.max_tokens or self.max_tokens}
-                for r in requests
-            ],
+            "requests": [self._request_of(r) for r in requests],
             "sampling": self.sampling,
             "weight_version": self.version,
         }
         answer = self._while_alive("/generate", json.dumps(payload).encode(), {"Content-Type": "application/json"})
+        for request, expanded in zip(requests, answer.get("prompt_ids") or [None] * len(requests)):
+            check_expanded(request.prompt, expanded)
         tokens, logps = [], []
         for samples in answer["outputs"]:
             for sample in samples:

