@@ -37,7 +37,7 @@ def build_engine(
         logger.info("Generating on the vLLM server at %s.", remote.server_url(args))
         sampling = sampling_kwargs(args, stop_ids, False)
         if pixels is not None:  # never sample an image placeholder (as the training pass scores it)
-            sampling["logit_bias"] = {i: SUPPRESSED for i in suppressed_tokens(model)}
+            sampling["logit_bias"] = dict.fromkeys(suppressed_tokens(model), SUPPRESSED)
         return remote.ServerEngine(tokenizer, args, stop_ids, accelerator, sampling)
     if args.use_vllm:
         return _vllm_engine(model, tokenizer, args, stop_ids, accelerator, dtype, pixels)

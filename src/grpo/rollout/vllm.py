@@ -190,14 +190,19 @@ def sampling_params(params: dict, n: int, max_tokens: int) -> Any:
 
 def load_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, tied: bool) -> None:
     """Load (name, tensor) pairs in checkpoint names into a vLLM engine in this process, in place: vLLM's reload
-    reprocesses them as its loader does, a tied output head is repacked from the new embedding, and the prefix
-    cache (computed with the old weights) is dropped. Shared by `VLLMEngine.sync_weights` and `grpo.server`."""
+    reprocesses them as its loader does, a tied output head is repacked from the new embedding, and the prefix and
+    encoder caches (computed with the old weights) are dropped. Shared by
+    `VLLMEngine.sync_weights` and `grpo.server`."""
     # in the engine's dtype: vLLM would cast each tensor itself, with a warning per parameter
     cast = ((name, tensor.to(dtype)) for name, tensor in weights)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast})
     if tied:
         llm.collective_rpc(_repack_tied_head)
     llm.reset_prefix_cache()
+    # a vision-language model's image embeddings were computed with the old vision tower: not to be reused
+    reset_encoder = getattr(getattr(llm, "llm_engine", None), "reset_encoder_cache", None)
+    if reset_encoder is not None:
+        reset_encoder()
 
 
 def quiet_expected_reload_warnings() -> None:
@@ -236,7 +241,7 @@ class VLLMEngine:
         self.sampling = sampling_kwargs(args, stop_ids)
         self.processor = pixels.processor if pixels is not None else None  # image prompts: vLLM's multimodal inputs
         if pixels is not None:  # never sample an image placeholder (as the training pass scores it)
-            self.sampling["logit_bias"] = {i: SUPPRESSED for i in suppressed_tokens(model)}  # noqa: C420
+            self.sampling["logit_bias"] = dict.fromkeys(suppressed_tokens(model), SUPPRESSED)
         self.sleeping = False  # sleep mode: the engine's weights are discarded
         self.policy: torch.nn.Module | None = None  # the model last synced (sleep mode reloads from it)
         kwargs = engine_kwargs(args, model, dtype, device, process_index, rows)

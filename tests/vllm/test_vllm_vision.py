@@ -1,0 +1,96 @@
+"""Image prompts through vLLM on this CPU (issue 20), colocate and server mode, on the tiny Idefics3 (SmolVLM's
+architecture; its language model 128 wide, whose heads vLLM's CPU attention supports). vLLM gets the template's
+token ids and the images and expands them itself; the sampled tokens' log-probs it returns match the training
+pass's, which sees the images (tests/test_vision.py: those change when an image does), so vLLM saw them too."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.batch import collate
+from grpo.vision import language_model
+from test_server_mode import Server
+from test_trainer import length_reward, params
+from test_vision import image_rows
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from tiny_vlm import idefics3, image  # noqa: E402
+
+ROWS = [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-vlm") / "idefics3-h128"
+    model, processor = idefics3(0, hidden=128)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+def dataset():
+    """Rows with one image, none, two (of different sizes), one."""
+    rows = image_rows(4, with_images={0, 2, 3})
+    images = [[rows[0]["image"]], [], [rows[2]["image"], image(7, 50, 20)], [rows[3]["image"]]]
+    return [{"prompt": r["prompt"], "images": i} for r, i in zip(rows, images)]
+
+
+def trainer(vlm_dir, tmp_path, **kw):
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        bf16=False,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        use_vllm=True,
+        **kw,
+    )
+    return GRPOTrainer(model=vlm_dir, reward_funcs=length_reward, train_dataset=dataset(), args=args)
+
+
+def assert_engine_matches_training_pass(t):
+    t.engine.sync_weights(t.unwrapped_model)
+    generated = t._generate(ROWS)
+    assert [bool(p.images) for p in generated.rollout.vision] == [True, True, False, False, True, True, True, True]
+    batch = collate(generated.rollout, torch.zeros(len(ROWS)), t.tokenizer.pad_token_id, False)
+    mask = batch.completion_attention.bool()
+    logps = t.training_pass.logps(t.model, batch, 4)
+    assert (logps[mask] - batch.sampling_logps[mask]).abs().max() < 1e-4
+
+
+def test_colocate_vllm_samples_image_prompts_and_trains(vlm_dir, tmp_path):
+    t = trainer(vlm_dir, tmp_path, max_steps=2)
+    language = {id(p) for p in language_model(t.unwrapped_model).parameters()}
+    before = params(t.unwrapped_model)
+    t.train()
+    unchanged = [n for n, p in t.unwrapped_model.named_parameters() if id(p) in language and torch.equal(p, before[n])]
+    assert not unchanged
+    assert t.state.log_history[-1]["sampling/sampling_logp_difference/max"] < 1e-4
+    assert_engine_matches_training_pass(t)  # after the updates: the synced weights, with the images
+
+
+def test_server_mode_sends_the_images(vlm_dir, tmp_path):
+    server = Server(vlm_dir)
+    try:
+        t = trainer(vlm_dir, tmp_path, max_steps=1, vllm_mode="server", vllm_server_port=server.port)
+        t.train()
+        assert t.state.log_history[-1]["sampling/sampling_logp_difference/max"] < 1e-4
+        assert_engine_matches_training_pass(t)
+        body = {"requests": [{"prompt_ids": [5, 6], "n": 1, "max_tokens": 2, "images": ["not an image"]}]}
+        request = urllib.request.Request(server.url + "/generate", json.dumps(body).encode(), method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request)
+        assert refused.value.code == 400 and b"images[0] is not a base64-encoded image" in refused.value.read()
+    finally:
+        server.kill()
