@@ -19,13 +19,21 @@ from datasets import Dataset
 from PIL import Image
 
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.agent import CHATML_TOOLS
 from grpo.batch import collate
-from grpo.rollout.base import Rollout
+from grpo.rollout.base import Rollout, assemble
 from grpo.vision import language_model
 from test_trainer import cfg, length_reward, params
 from tiny_vlm import BUILDERS, image
 
 ARCHITECTURES = sorted(BUILDERS)
+# grpo's tool template, with a user turn's image blocks written as Qwen2.5-VL writes them
+QWEN_TOOLS = CHATML_TOOLS.replace(
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>",
+    "{% else %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
+    "<|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>",
+)
 
 
 def image_rows(n=4, with_images=None, sizes=True):
@@ -235,3 +243,77 @@ def test_dataset_of_image_features(tmp_path):
     trainer = trainer_for("qwen2.5-vl", tmp_path, dataset, max_steps=1)
     trainer.train()
     assert trainer.prompts[0].images[0].size == rows[0]["image"].size
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+class CallFirst:
+    """The first turn of every row is a scripted tool call; every later turn is sampled by `engine` (the real one,
+    which needs the row's image on every turn)."""
+
+    name = "call-first"
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tok = engine, tokenizer
+        self.call = tokenizer('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>')["input_ids"]
+        self.call += [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.follow_ups = []
+
+    def sync_weights(self, model):
+        self.engine.sync_weights(model)
+
+    def generate(self, requests):
+        if any("<|im_start|>tool" in self.tok.decode(list(r.prompt.ids)) for r in requests):
+            self.follow_ups.append(list(requests))
+            return self.engine.generate(requests)
+        rows = [r for r in requests for _ in range(r.num_samples)]
+        ids = [list(self.call) for _ in rows]
+        return assemble(rows, ids, [[0.0] * len(c) for c in ids], {self.call[-1]}, self.tok)
+
+
+def test_tool_turns_see_the_prompts_image(tmp_path):
+    """With tools, each next turn is sampled with the row's image, and the training pass agrees on its tokens."""
+    model, processor = BUILDERS["qwen2.5-vl"](0)
+    processor.chat_template = processor.tokenizer.chat_template = QWEN_TOOLS
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=120)
+    rows = image_rows(2)
+    trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[multiply])
+    trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
+    rollout = trainer._generate([0, 0, 1, 1]).rollout
+    follow_ups = trainer.engine.follow_ups[0]
+    assert [r.prompt.images for r in follow_ups] == [(rows[0]["image"],)] * 2 + [(rows[1]["image"],)] * 2
+    assert all(rollout.tool_calls) and rollout.vision[0].images == (rows[0]["image"],)
+    batch = collate(rollout, torch.zeros(4), trainer.tokenizer.pad_token_id, False)
+    sampled = batch.mask.bool() & (batch.sampling_logps != 0)  # the real engine's turn (the script's logps are 0)
+    assert sampled.sum() > 0
+    logps = trainer.training_pass.logps(trainer.model, batch, 2)
+    torch.testing.assert_close(logps[sampled], batch.sampling_logps[sampled], rtol=1e-5, atol=1e-6)
+
+
+def test_a_tool_returning_an_image_is_refused(tmp_path):
+    def picture(name: str) -> list:
+        """Show a picture.
+
+        Args:
+            name: Which picture.
+        """
+        return [{"type": "image", "image": image(0)}, {"type": "text", "text": name}]
+
+    model, processor = BUILDERS["qwen2.5-vl"](0)
+    processor.chat_template = processor.tokenizer.chat_template = QWEN_TOOLS
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=120)
+    trainer = GRPOTrainer(model, length_reward, args, image_rows(2), processing_class=processor, tools=[picture])
+    trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
+    trainer.engine.call = trainer.tokenizer('<tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>')[
+        "input_ids"
+    ] + [trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    with pytest.raises(ValueError, match="The tool 'picture' returned an image: images from tools are not passed"):
+        trainer._generate([0, 0, 1, 1])

@@ -202,7 +202,8 @@ class Pixels:
         out = self.processor(text=texts, images=images, padding=True, add_special_tokens=False, return_tensors="pt")
         mask = out["attention_mask"].bool()
         for i, prompt in enumerate(prompts):
-            if prompt is not None and prompt.images and out["input_ids"][i][mask[i]].tolist() != list(prompt.ids):
+            ids = out["input_ids"][i][mask[i]].tolist()
+            if prompt is not None and prompt.images and ids != list(prompt.ids[: len(ids)]):
                 raise ValueError(
                     "The processor tokenized an image prompt differently in a batch than alone (its image tokens "
                     "depend on the other rows); grpo cannot line its pixel inputs up with the prompt's tokens."
@@ -218,14 +219,17 @@ class Pixels:
 
     @staticmethod
     def _token_fields(out, prompts, prompt_width, width, device, features=None) -> dict[str, Any]:
-        """The per-token fields at the trainer's positions: the prompt's values, 0 on padding and completions."""
+        """The per-token fields at the trainer's positions: the prompt's values, 0 on padding and completions. A
+        follow-up turn's prompt (a tool loop's: the image prompt's ids, then the completion so far) starts with the
+        image prompt, whose values come first."""
         for name in TOKEN_FIELDS:
             values = (features or {}).get(name)
             if values is None:
                 continue
             field = torch.zeros((len(prompts), width), dtype=torch.long)
-            for i, row in enumerate(values):
-                field[i, prompt_width - len(row) : prompt_width] = row
+            for i, (row, prompt) in enumerate(zip(values, prompts)):
+                start = prompt_width - (len(prompt.ids) if prompt is not None else 0)
+                field[i, start : start + len(row)] = row
             out[name] = field.to(device) if device is not None else field
         return out
 

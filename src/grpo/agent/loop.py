@@ -15,6 +15,7 @@ generation runs are matched on every process.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from grpo.rollout.base import Engine, Prompt, Request, Rollout
 class _Row:
     prompt_ids: list[int]
     tools: ToolSet
+    image_prompt: Prompt | None = None  # the row's image prompt (a vision-language model's): every turn sees it
     ids: list[int] = field(default_factory=list)  # the completion so far: sampled and tool tokens
     mask: list[int] = field(default_factory=list)  # 1 on sampled tokens, 0 on tool tokens
     logps: list[float] = field(default_factory=list)
@@ -40,6 +42,11 @@ class _Row:
         self.ids += ids
         self.mask += [int(sampled)] * len(ids)
         self.logps += logps if sampled else [0.0] * len(ids)
+
+    def next_prompt(self) -> Prompt:
+        """What the next turn continues: the prompt and the completion so far, with the prompt's images."""
+        ids = tuple(self.prompt_ids + self.ids)
+        return Prompt(ids) if self.image_prompt is None else dataclasses.replace(self.image_prompt, ids=ids)
 
     @property
     def wants_tools(self) -> bool:
@@ -72,7 +79,7 @@ class ToolLoop:
         exchanges."""
         rows = []
         for i, tools in enumerate(toolsets):
-            row = _Row(list(first.prompt_ids[i]), tools)
+            row = _Row(list(first.prompt_ids[i]), tools, first.vision[i])
             row.add(list(first.completion_ids[i]), list(first.sampling_logps[i]), sampled=True)
             row.messages.append(self._parse(row, row.ids, row.prompt_ids))
             rows.append(row)
@@ -80,9 +87,7 @@ class ToolLoop:
         iteration = 0
         while (self.max_iterations is None or iteration < self.max_iterations) and self.any_process(bool(active)):
             going = self._call_tools(active)
-            turn = engine.generate(
-                [Request(Prompt(tuple(row.prompt_ids + row.ids)), 1, self.budget - len(row.ids)) for row in going]
-            )
+            turn = engine.generate([Request(row.next_prompt(), 1, self.budget - len(row.ids)) for row in going])
             for j, row in enumerate(going):
                 prefix = row.prompt_ids + row.ids
                 new = list(turn.completion_ids[j])[: self.budget - len(row.ids)]
@@ -101,6 +106,7 @@ class ToolLoop:
             row.calls += len(outcome)
             row.failures += sum(r.failed for r in outcome)
             tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in outcome]
+            refuse_images(tool_messages)
             suffix = tool_suffix_ids(self.tokenizer, tool_messages, self.stop_ids, self.chat_template_kwargs)
             length = len(row.ids) + len(suffix)
             if length >= self.budget or len(row.prompt_ids) + length >= self.context:
@@ -124,7 +130,19 @@ class ToolLoop:
             loss_mask=[row.mask for row in rows],
             tool_calls=[row.calls for row in rows],
             tool_failures=[row.failures for row in rows],
+            vision=[row.image_prompt for row in rows] if any(row.image_prompt for row in rows) else [],
         )
+
+
+def refuse_images(tool_messages: Sequence[dict]) -> None:
+    """A tool result with an image block is refused: images from tools do not reach the model yet."""
+    for message in tool_messages:
+        content = message["content"]
+        if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") == "image" for b in content):
+            raise ValueError(
+                f"The tool '{message['name']}' returned an image: images from tools are not passed to the model yet "
+                "in grpo (the prompt's images are). Return text from the tool."
+            )
 
 
 def exchange_text(messages: Sequence[dict]) -> str:
