@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.util
 import os
 
 import pandas as pd
@@ -23,6 +24,7 @@ from grpo.agent import CHATML_TOOLS
 from grpo.batch import collate
 from grpo.rollout.base import Rollout, assemble
 from grpo.vision import language_model
+from test_distributed import torchrun
 from test_trainer import cfg, length_reward, params
 from tiny_vlm import BUILDERS, image
 
@@ -317,3 +319,37 @@ def test_a_tool_returning_an_image_is_refused(tmp_path):
     ] + [trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     with pytest.raises(ValueError, match="The tool 'picture' returned an image: images from tools are not passed"):
         trainer._generate([0, 0, 1, 1])
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_two_processes_with_images_on_one_only(arch, tmp_path):
+    """DDP with the vision tower unused on one process: both end with the same, changed, parameters."""
+    torchrun(2, os.path.join(os.path.dirname(__file__), "vision_job.py"), tmp_path, arch, timeout=600)
+    first, second = (torch.load(tmp_path / f"params_{rank}.pt") for rank in (0, 1))
+    assert first["rows"] == [0, 0, 1, 1] and second["rows"] == [2, 2, 3, 3]
+    initial = dict(BUILDERS[arch](0)[0].named_parameters())
+    for name, value in first["params"].items():
+        assert torch.equal(value, second["params"][name]), name
+    moved = [n for n, v in first["params"].items() if not torch.equal(v, initial[n].detach())]
+    assert any("vision" in n or "visual" in n for n in moved) and len(moved) > len(initial) // 2
+
+
+def test_a_vision_model_loads_from_its_directory_with_its_processor(tmp_path):
+    model, processor = BUILDERS["idefics3"](0)
+    model.save_pretrained(tmp_path / "idefics3")
+    processor.save_pretrained(tmp_path / "idefics3")
+    trainer = GRPOTrainer(str(tmp_path / "idefics3"), length_reward, cfg(tmp_path, max_steps=1), image_rows())
+    assert type(trainer.unwrapped_model).__name__ == "Idefics3ForConditionalGeneration"
+    assert type(trainer.processing_class).__name__ == "Idefics3Processor" and trainer.pixels is not None
+    trainer.train()
+
+
+def test_a_processor_that_needs_torchvision_is_one_clear_error(tmp_path):
+    """transformers cannot build a Qwen2.5-VL processor without torchvision (its video processor needs it)."""
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the processor builds")
+    model, processor = BUILDERS["qwen2.5-vl"](0)
+    model.save_pretrained(tmp_path / "qwen")
+    processor.save_pretrained(tmp_path / "qwen")
+    with pytest.raises(OSError, match="is a vision-language model, but its processor needs torchvision"):
+        GRPOTrainer(str(tmp_path / "qwen"), length_reward, cfg(tmp_path), image_rows())

@@ -1,0 +1,59 @@
+"""One process of the two-process vision-language run of `tests/test_vision.py` (torchrun, gloo on CPU): a tiny
+VLM trains two steps on rows of which the second process gets only text (its vision tower has no gradient: DDP's
+default for a vision-language model, find_unused_parameters, lets it be); each process saves its parameters.
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/vision_job.py OUT ARCH
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from tiny_vlm import BUILDERS, image  # noqa: E402
+
+
+def length_reward(completions, **kwargs):
+    return [len(c[0]["content"]) / 8.0 for c in completions]
+
+
+def main() -> None:
+    out, arch = sys.argv[1:3]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"Picture {i}?"}], "image": image(i, 30 + 6 * i, 30) if i < 2 else None}
+        for i in range(4)
+    ]
+    args = GRPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=1e-2,
+        shuffle_dataset=False,  # prompts 0, 1 (images) on the first process, 2, 3 (text) on the second
+        bf16=False,
+        disable_tqdm=True,
+        save_strategy="no",
+        report_to="none",
+        beta=0.04,
+    )
+    model, processor = BUILDERS[arch](0)
+    trainer = GRPOTrainer(
+        model=model, processing_class=processor, reward_funcs=length_reward, train_dataset=rows, args=args
+    )
+    assert trainer.args.ddp_find_unused_parameters is True
+    local = trainer._local_rows(0)
+    trainer.train()
+    rank = dist.get_rank()
+    state = {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
+    torch.save({"params": state, "rows": local}, os.path.join(out, f"params_{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
