@@ -353,3 +353,15 @@ def test_a_processor_that_needs_torchvision_is_one_clear_error(tmp_path):
     processor.save_pretrained(tmp_path / "qwen")
     with pytest.raises(OSError, match="is a vision-language model, but its processor needs torchvision"):
         GRPOTrainer(str(tmp_path / "qwen"), length_reward, cfg(tmp_path), image_rows())
+
+
+def test_a_frozen_vision_tower_stays_as_it_was(tmp_path):
+    """Full fine-tuning trains the vision tower too (as TRL); `requires_grad_(False)` on it keeps it."""
+    model, processor = BUILDERS["idefics3"](0)
+    model.model.vision_model.requires_grad_(False)
+    before = params(model)
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=4, max_steps=2)
+    trainer = GRPOTrainer(model, length_reward, args, image_rows(), processing_class=processor)
+    trainer.train()
+    for name, p in trainer.unwrapped_model.named_parameters():
+        assert torch.equal(p.detach(), before[name]) == ("vision_model" in name), name
