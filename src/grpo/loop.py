@@ -10,11 +10,13 @@ Both pieces have a `state_dict` / `load_state_dict` pair, which is all a checkpo
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from grpo import data
 from grpo.batch import TrainBatch
 
 
@@ -80,3 +82,21 @@ class Update:
     loss: float
     grad_norm: float
     learning_rate: float
+
+
+def schedule_length(train_dataset: Any, args: Any) -> tuple[int, int]:
+    """(max_steps, optimizer steps per epoch) of a run on `train_dataset`."""
+    a = args
+    if data.is_stream(train_dataset):  # no length: max_steps is the run, and its only "epoch"
+        if a.max_steps <= 0:
+            raise ValueError(
+                "train_dataset is a streaming dataset (no length): set max_steps, as TRL requires for an "
+                "IterableDataset."
+            )
+        return a.max_steps, a.max_steps
+    blocks = data.prompts_per_generation(len(train_dataset), a.generation_batch_size // a.num_generations)
+    micro_per_epoch = blocks * a.steps_per_generation * a.num_iterations
+    per_epoch = max(micro_per_epoch // a.gradient_accumulation_steps, 1)
+    if a.max_steps > 0:
+        return a.max_steps, per_epoch
+    return max(math.ceil(a.num_train_epochs * per_epoch), 1), per_epoch

@@ -25,6 +25,8 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
   Trainer's meaning; the reference always counts every process's);
 - the sampling/* metrics are logged for every engine; on-policy, vLLM's importance weight compares with the
   training pass's own log-probs (the reference runs an extra old-policy pass for it);
+- image prompts (`grpo.vision`): the image placeholder token, which generation never samples (as the reference),
+  has probability 0 in the training pass too, so the importance weight compares the same distribution;
 - tool calls (`grpo.agent`): the `<tool_call>` format is read where the tokenizer has no response parser, each
   call runs under `tool_call_timeout`, and a failing call becomes an error message to the model.
 """
@@ -34,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,7 +69,7 @@ from grpo.distributed.accumulation import accumulating, backward
 from grpo.forward import TrainingPass
 from grpo.groups import GenerationBatch, Scored, rows_with_spread
 from grpo.hub import Hub
-from grpo.loop import LoopState, RolloutBuffer, TrainOutput, Update
+from grpo.loop import LoopState, RolloutBuffer, TrainOutput, Update, schedule_length
 from grpo.loss_terms import LossTerms, router_aux_coef
 from grpo.losses import LossParams, LossScale, high_entropy_mask, masked_mean_stat, policy_loss
 from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics
@@ -133,7 +134,7 @@ class GRPOTrainer:
         data.check_images(train_dataset, self.processing_class)  # image columns need a processor; rows checked
         self.pixels = vision.Pixels(built.processor) if built.processor is not None else None
         self.state = TrainerState()
-        self.max_steps, self.steps_per_epoch = self._schedule_length()
+        self.max_steps, self.steps_per_epoch = schedule_length(self.train_dataset, args)
         self.state.max_steps = self.max_steps
         self._build_optimization(*optimizers)
         self.model, self.optimizer, self.ref_model = models.prepare(
@@ -155,7 +156,8 @@ class GRPOTrainer:
             args.chat_template_kwargs,
             context,
             args.max_completion_length,
-            processor=built.processor,
+            None,
+            built.processor,
         )
         everywhere = functools.partial(collectives.any_process, self.accelerator)
         self.rollouts = Rollouts(
@@ -183,23 +185,6 @@ class GRPOTrainer:
         self._fire("init_end")
 
     # ---- construction ----------------------------------------------------------------------------------------
-
-    def _schedule_length(self) -> tuple[int, int]:
-        """(max_steps, optimizer steps per epoch)."""
-        a = self.args
-        if data.is_stream(self.train_dataset):  # no length: max_steps is the run, and its only "epoch"
-            if a.max_steps <= 0:
-                raise ValueError(
-                    "train_dataset is a streaming dataset (no length): set max_steps, as TRL requires for an "
-                    "IterableDataset."
-                )
-            return a.max_steps, a.max_steps
-        blocks = data.prompts_per_generation(len(self.train_dataset), a.generation_batch_size // a.num_generations)
-        micro_per_epoch = blocks * a.steps_per_generation * a.num_iterations
-        per_epoch = max(micro_per_epoch // a.gradient_accumulation_steps, 1)
-        if a.max_steps > 0:
-            return a.max_steps, per_epoch
-        return max(math.ceil(a.num_train_epochs * per_epoch), 1), per_epoch
 
     def _build_optimization(self, optimizer: Any, lr_scheduler: Any) -> None:
         """The given optimizer and schedule, or AdamW and the config's schedule."""
