@@ -26,6 +26,7 @@ from grpo.rollout.base import Rollout, assemble
 from grpo.vision import language_model
 from test_distributed import torchrun
 from test_trainer import cfg, length_reward, params
+from tiny import make_model, make_tokenizer
 from tiny_vlm import BUILDERS, image
 
 ARCHITECTURES = sorted(BUILDERS)
@@ -300,24 +301,61 @@ def test_tool_turns_see_the_prompts_image(tmp_path):
     torch.testing.assert_close(logps[sampled], batch.sampling_logps[sampled], rtol=1e-5, atol=1e-6)
 
 
-def test_a_tool_returning_an_image_is_refused(tmp_path):
-    def picture(name: str) -> list:
-        """Show a picture.
+def picture(name: str) -> list:
+    """Show a picture.
 
-        Args:
-            name: Which picture.
-        """
-        return [{"type": "image", "image": image(0)}, {"type": "text", "text": name}]
+    Args:
+        name: Which picture.
+    """
+    return [{"type": "image", "image": image(len(name), 28 + 8 * len(name), 30)}, {"type": "text", "text": name}]
 
+
+def picture_trainer(tmp_path, rows, name="x"):
     model, processor = BUILDERS["qwen2.5-vl"](0)
     processor.chat_template = processor.tokenizer.chat_template = QWEN_TOOLS
-    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=120)
-    trainer = GRPOTrainer(model, length_reward, args, image_rows(2), processing_class=processor, tools=[picture])
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=200)
+    trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[picture])
     trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
-    trainer.engine.call = trainer.tokenizer('<tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>')[
-        "input_ids"
-    ] + [trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    with pytest.raises(ValueError, match="The tool 'picture' returned an image: images from tools are not passed"):
+    call = f'<tool_call>{{"name": "picture", "arguments": {{"name": "{name}"}}}}</tool_call>'
+    trainer.engine.call = trainer.tokenizer(call)["input_ids"] + [trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return trainer
+
+
+def test_a_tools_image_reaches_the_next_turn_and_the_training_pass(tmp_path):
+    """A tool returns an image: the next turn is sampled seeing it (after the prompt's, or alone on a text-only
+    row), and the training pass scores that turn alike, with the image; another image changes its log-probs."""
+    rows = image_rows(2, with_images={0})
+    trainer = picture_trainer(tmp_path, rows)
+    rollout = trainer._generate([0, 0, 1, 1]).rollout
+    shown = picture("x")[0]["image"]
+    follow_ups = trainer.engine.follow_ups[0]
+    assert [len(r.prompt.images) for r in follow_ups] == [2, 2, 1, 1]
+    assert follow_ups[0].prompt.images[1].tobytes() == shown.tobytes()
+    image_token = trainer.unwrapped_model.config.image_token_id
+    assert all(image_token in ids for ids in rollout.completion_ids)  # the tool's image tokens, in the completion
+    assert [len(p.images) for p in rollout.vision] == [2, 2, 1, 1]
+    batch = collate(rollout, torch.zeros(4), trainer.tokenizer.pad_token_id, False)
+    sampled = batch.mask.bool() & (batch.sampling_logps != 0)
+    assert sampled[:, :].sum(-1).min() > 0
+    logps = trainer.training_pass.logps(trainer.model, batch, 2)
+    torch.testing.assert_close(logps[sampled], batch.sampling_logps[sampled], rtol=1e-5, atol=1e-6)
+    other = [dataclasses.replace(p, images=(*p.images[:-1], image(50, *shown.size))) for p in batch.vision]
+    changed = trainer.training_pass.logps(trainer.model, dataclasses.replace(batch, vision=other), 2)
+    assert (changed[sampled] - logps[sampled]).abs().max() > 1e-5  # 10x the agreement asserted above
+
+
+def test_a_tools_image_for_a_text_only_model_is_refused(tmp_path):
+    tok = make_tokenizer()
+    tok.chat_template = CHATML_TOOLS
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=200)
+    rows = [{"prompt": [{"role": "user", "content": f"Show {i}"}]} for i in range(2)]
+    trainer = GRPOTrainer(
+        make_model(tok, context=4096), length_reward, args, rows, processing_class=tok, tools=[picture]
+    )
+    trainer.engine = CallFirst(trainer.engine, tok)
+    trainer.engine.call = tok('<tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>')["input_ids"]
+    trainer.engine.call += [tok.convert_tokens_to_ids("<|im_end|>")]
+    with pytest.raises(ValueError, match="The tool 'picture' returned an image, but the model is text-only"):
         trainer._generate([0, 0, 1, 1])
 
 

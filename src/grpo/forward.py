@@ -131,8 +131,8 @@ class ImageInputs:
     suppressed: tuple[int, ...]
 
     def inputs(self, model: Any, part: TrainBatch) -> dict[str, Any]:
-        p, c = part.prompt_ids.shape[1], part.completion_ids.shape[1]
-        extra = self.pixels.inputs(part.vision, p, p + c, part.prompt_ids.device) if part.vision is not None else {}
+        ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)
+        extra = self.pixels.inputs(part.vision, ids, ids.device) if part.vision is not None else {}
         if not computes_own_positions(unwrap(model)):
             attention = torch.cat([part.prompt_mask, part.completion_attention], dim=1)
             extra["position_ids"] = (attention.cumsum(-1) - 1).clamp(min=0)

@@ -132,7 +132,7 @@ class GRPOTrainer:
         self.model, self.processing_class, self.ref_model = built.model, built.processing_class, built.ref_model
         self.tokenizer, self.ref_from_adapters = built.tokenizer, built.ref_from_adapters
         data.check_images(train_dataset, self.processing_class)  # image columns need a processor; rows checked
-        self.pixels = vision.Pixels(built.processor) if built.processor is not None else None
+        self.pixels = vision.Pixels.of(built.processor, built.model)  # image prompts' pixel inputs
         self.state = TrainerState()
         self.max_steps, self.steps_per_epoch = schedule_length(self.train_dataset, args)
         self.state.max_steps = self.max_steps

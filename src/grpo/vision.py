@@ -6,7 +6,7 @@ prompt as TRL 1.16 places them (`multimodal_messages`: one image block per image
 message with text content), and kept on the row's `Prompt`. Whenever rows run through the model (generation, the
 old/reference passes, the training pass) `Pixels.inputs` calls the processor on exactly those rows, in their order,
 and hands the model what it returns besides the token ids: pixel values, image grid sizes, pixel masks, and the
-per-token fields (`mm_token_type_ids`, `token_type_ids`) laid out on the trainer's own padding. The processor
+per-token fields (`mm_token_type_ids`, `token_type_ids`) marked on the trainer's own token layout. The processor
 itself decides how a batch of rows with different image sizes (or none) is arranged, so every architecture it
 supports works the same way, and a row's G completions see exactly its image.
 """
@@ -171,18 +171,32 @@ def prompt_images(messages: Sequence[dict]) -> list[Any]:
 
 class Pixels:
     """The processor's non-text inputs for a batch of rows (see the module docstring); the last few batches' are
-    kept, since the old/reference passes and the training pass of a micro-batch ask for the same rows."""
+    kept, since the old/reference passes and the training pass of a micro-batch ask for the same rows.
 
-    def __init__(self, processor: Any, keep: int = 8) -> None:
+    The per-token fields (`mm_token_type_ids`, `token_type_ids`) are marked on the tokens the model gets: 1 at the
+    image token, 2 at the video token (`token_types`), as the processor marks them, wherever they are (a tool's
+    image sits in the completion)."""
+
+    def __init__(self, processor: Any, token_types: Sequence[int | None] = (), keep: int = 8) -> None:
         self.processor = processor
+        self.token_types = tuple(token_types)  # (image token id, video token id)
+        self.placeholder = getattr(processor, "image_token", None)  # one per image in a rendered prompt
         self.keep = keep
         self._cache: OrderedDict[tuple[int, ...], tuple[list, dict]] = OrderedDict()
 
-    def inputs(self, prompts: Sequence[Any], prompt_width: int, width: int, device: Any = None) -> dict[str, Any]:
-        """Keyword inputs for rows with `prompts` (Prompt records; None for a text-only row) laid out as the trainer
-        lays them out: each prompt right-aligned in the first `prompt_width` positions of `width`."""
+    @classmethod
+    def of(cls, processor: Any, model: Any) -> Pixels | None:
+        """For a vision-language model's processor (None for a tokenizer), with the model's image/video tokens."""
+        if processor is None:
+            return None
+        config = getattr(model, "config", None)
+        return cls(processor, (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)))
+
+    def inputs(self, prompts: Sequence[Any], input_ids: torch.Tensor, device: Any = None) -> dict[str, Any]:
+        """Keyword inputs for rows with `prompts` (Prompt records; None for a text-only row) whose tokens, as the
+        model gets them, are `input_ids` (B, W)."""
         if not any(p is not None and p.images for p in prompts):
-            return self._token_fields({}, prompts, prompt_width, width, device)
+            return {}
         key = tuple(id(p) for p in prompts)
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -193,45 +207,43 @@ class Pixels:
             while len(self._cache) > self.keep:
                 self._cache.popitem(last=False)
         out = {k: v.to(device) if device is not None else v for k, v in features.items() if k not in TOKEN_FIELDS}
-        return self._token_fields(out, prompts, prompt_width, width, device, features)
+        for name in TOKEN_FIELDS:
+            if name in features:
+                out[name] = self._types(input_ids)
+        return out
+
+    def _types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        types = torch.zeros_like(input_ids)
+        for value, token in enumerate(self.token_types, start=1):
+            if token is not None:
+                types[input_ids == token] = value
+        return types
 
     def _features(self, prompts: Sequence[Any]) -> dict[str, Any]:
-        decode = self.processor.tokenizer.decode
-        texts = ["" if p is None else p.text if p.text is not None else decode(p.ids) for p in prompts]
+        texts = [self._text(p) for p in prompts]
         images = [list(p.images or ()) if p is not None else [] for p in prompts]
         out = self.processor(text=texts, images=images, padding=True, add_special_tokens=False, return_tensors="pt")
         mask = out["attention_mask"].bool()
         for i, prompt in enumerate(prompts):
             ids = out["input_ids"][i][mask[i]].tolist()
-            if prompt is not None and prompt.images and ids != list(prompt.ids[: len(ids)]):
+            # a dataset prompt's record (a tool loop's are not: they hold more than their text renders)
+            if prompt is not None and prompt.messages is not None and prompt.images and ids != list(prompt.ids):
                 raise ValueError(
                     "The processor tokenized an image prompt differently in a batch than alone (its image tokens "
                     "depend on the other rows); grpo cannot line its pixel inputs up with the prompt's tokens."
                 )
-        features = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
-        for name in TOKEN_FIELDS:  # per row, without the processor's padding; a text-only row has none to mark
-            if name in features:
-                features[name] = [
-                    features[name][i][mask[i]] if p is not None and p.images else torch.zeros(0, dtype=torch.long)
-                    for i, p in enumerate(prompts)
-                ]
-        return features
+        return {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
 
-    @staticmethod
-    def _token_fields(out, prompts, prompt_width, width, device, features=None) -> dict[str, Any]:
-        """The per-token fields at the trainer's positions: the prompt's values, 0 on padding and completions. A
-        follow-up turn's prompt (a tool loop's: the image prompt's ids, then the completion so far) starts with the
-        image prompt, whose values come first."""
-        for name in TOKEN_FIELDS:
-            values = (features or {}).get(name)
-            if values is None:
-                continue
-            field = torch.zeros((len(prompts), width), dtype=torch.long)
-            for i, (row, prompt) in enumerate(zip(values, prompts)):
-                start = prompt_width - (len(prompt.ids) if prompt is not None else 0)
-                field[i, start : start + len(row)] = row
-            out[name] = field.to(device) if device is not None else field
-        return out
+    def _text(self, prompt: Any) -> str:
+        """The text the processor reads with the row's images: its rendered prompt, and a placeholder for each
+        image that came later (from a tool)."""
+        if prompt is None:
+            return ""
+        text = prompt.text
+        if text is None:  # a text-only prompt whose row got an image from a tool
+            text = self.processor.tokenizer.decode(prompt.ids[: prompt.text_tokens])
+        later = len(prompt.images or ()) - (text.count(self.placeholder) if self.placeholder else 0)
+        return text + self.placeholder * later if later > 0 else text
 
 
 def lora_target_modules(model: torch.nn.Module) -> list[str] | None:

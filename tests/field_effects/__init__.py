@@ -81,7 +81,9 @@ class Setting:
 
         return GRPOConfig(**self.kwargs(**more))
 
-    def trainer(self, *, dataset: Any = None, reward_funcs: Any = None, model: Any = None, **more: Any) -> Any:
+    def trainer(
+        self, *, dataset: Any = None, reward_funcs: Any = None, model: Any = None, processor: Any = None, **more: Any
+    ) -> Any:
         from grpo import GRPOTrainer
 
         return GRPOTrainer(
@@ -89,6 +91,7 @@ class Setting:
             reward_funcs=reward_funcs or length_reward,
             train_dataset=dataset if dataset is not None else chat_dataset(),
             args=self.config(**more),
+            processing_class=processor,
         )
 
     def train(self, **kw: Any) -> Any:

@@ -141,6 +141,21 @@ def _log_unique_prompts(s: Setting):
     assert console.table.row_count == 2  # 8 completions of 2 prompts: each prompt once
 
 
+@effect("log_multimodal", False)
+def _log_multimodal(s: Setting):
+    import glob
+
+    import pandas as pd
+
+    from tiny_vlm import idefics3, image
+
+    model, processor = idefics3()
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i}?"}], "image": image(i)} for i in range(2)]
+    s.train(model=model, processor=processor, dataset=rows, log_completions=True, num_completions_to_print=0)
+    table = pd.read_parquet(glob.glob(str(s.tmp_path / "out" / "completions" / "*.parquet"))[0])
+    assert "image" not in table.columns and len(table) == 8  # logged with log_multimodal=True: test_vision
+
+
 @effect("torch_empty_cache_steps", 2)
 def _torch_empty_cache_steps(s: Setting):
     from grpo.perf import allocator

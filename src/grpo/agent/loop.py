@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from PIL import Image
+
 from grpo.agent.parsing import parse_turn
 from grpo.agent.template import tool_suffix_ids
 from grpo.agent.tools import ToolSet, run_calls
@@ -44,9 +46,18 @@ class _Row:
         self.logps += logps if sampled else [0.0] * len(ids)
 
     def next_prompt(self) -> Prompt:
-        """What the next turn continues: the prompt and the completion so far, with the prompt's images."""
+        """What the next turn continues: the prompt and the completion so far, with the row's images (its prompt's
+        and its tools')."""
         ids = tuple(self.prompt_ids + self.ids)
-        return Prompt(ids) if self.image_prompt is None else dataclasses.replace(self.image_prompt, ids=ids)
+        if self.image_prompt is None:
+            return Prompt(ids)
+        # not the dataset's prompt record (messages None): its text renders the first text_tokens ids only
+        return dataclasses.replace(self.image_prompt, ids=ids, messages=None, text_tokens=len(self.prompt_ids))
+
+    def add_images(self, images: list) -> None:
+        """Images a tool returned: the row's image prompt holds them after its own (in the order the tokens are)."""
+        prompt = self.image_prompt or Prompt(tuple(self.prompt_ids))
+        self.image_prompt = dataclasses.replace(prompt, images=(*(prompt.images or ()), *images), messages=None)
 
     @property
     def wants_tools(self) -> bool:
@@ -64,8 +75,10 @@ class ToolLoop:
         timeout: float | None,
         chat_template_kwargs: dict | None,
         any_process: Callable[[bool], bool],
+        processor: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.processor = processor  # a vision-language model's: tool results may hold images
         self.stop_ids = set(stop_ids)
         self.budget = max_completion_length
         self.max_iterations = max_iterations
@@ -106,15 +119,40 @@ class ToolLoop:
             row.calls += len(outcome)
             row.failures += sum(r.failed for r in outcome)
             tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in outcome]
-            refuse_images(tool_messages)
+            images = self._tool_images(tool_messages)
             suffix = tool_suffix_ids(self.tokenizer, tool_messages, self.stop_ids, self.chat_template_kwargs)
+            if images:  # the processor turns each placeholder into the image's tokens
+                text = self.tokenizer.decode(suffix)
+                suffix = self.processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0]
             length = len(row.ids) + len(suffix)
             if length >= self.budget or len(row.prompt_ids) + length >= self.context:
                 continue  # no room for the model's answer: the results are not added, the row ends here
             row.messages += tool_messages
             row.add(suffix, [], sampled=False)
+            if images:
+                row.add_images(images)
             going.append(row)
         return going
+
+    def _tool_images(self, tool_messages: Sequence[dict]) -> list:
+        """The images of the tool results' image blocks (a vision-language model sees them in its next turn)."""
+        images = []
+        for message in tool_messages:
+            content = message["content"]
+            for block in content if isinstance(content, list) else ():
+                if isinstance(block, dict) and block.get("type") == "image":
+                    if self.processor is None:
+                        raise ValueError(
+                            f"The tool '{message['name']}' returned an image, but the model is text-only: return "
+                            "text, or train a vision-language model."
+                        )
+                    if not isinstance(block.get("image"), Image.Image):
+                        raise ValueError(
+                            f"The tool '{message['name']}' returned an image block whose 'image' is a "
+                            f"{type(block.get('image')).__name__}; give a PIL image."
+                        )
+                    images.append(block["image"].convert("RGB"))
+        return images
 
     def _parse(self, row: _Row, ids: list[int], prefix: list[int]) -> dict:
         return parse_turn(self.tokenizer, ids, prefix, row.tools.schemas)
@@ -132,17 +170,6 @@ class ToolLoop:
             tool_failures=[row.failures for row in rows],
             vision=[row.image_prompt for row in rows] if any(row.image_prompt for row in rows) else [],
         )
-
-
-def refuse_images(tool_messages: Sequence[dict]) -> None:
-    """A tool result with an image block is refused: images from tools do not reach the model yet."""
-    for message in tool_messages:
-        content = message["content"]
-        if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") == "image" for b in content):
-            raise ValueError(
-                f"The tool '{message['name']}' returned an image: images from tools are not passed to the model yet "
-                "in grpo (the prompt's images are). Return text from the tool."
-            )
 
 
 def exchange_text(messages: Sequence[dict]) -> str:

@@ -72,6 +72,7 @@ class Rollouts:
                 args.tool_call_timeout,
                 args.chat_template_kwargs,
                 any_process,
+                source.processor,
             )
 
     def __call__(

@@ -28,6 +28,8 @@ class Prompt:
     messages: tuple[dict, ...] | None = None
     images: tuple[Any, ...] | None = None
     text: str | None = field(default=None, compare=False)
+    # how many of `ids` `text` renders (None: all): a tool loop's next turn continues an image prompt
+    text_tokens: int | None = field(default=None, compare=False)
 
     @property
     def is_conversational(self) -> bool:

@@ -104,7 +104,7 @@ class TransformersEngine:
         budgets = [row.max_tokens or self.max_new_tokens for row in rows]
         images = {}
         if self.pixels is not None:
-            images = self.pixels.inputs([row.prompt for row in rows], ids.shape[1], ids.shape[1], device)
+            images = self.pixels.inputs([row.prompt for row in rows], ids.to(device), device)
         was_training = self.model.training
         self.model.eval()  # dropout off, and the KV cache on even when gradient checkpointing is enabled
         try:
