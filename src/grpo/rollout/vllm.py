@@ -107,7 +107,8 @@ def kv_cache_bytes(config: Any, dtype: torch.dtype, sequences: int, tokens: int,
 def engine_kwargs(args: Any, model: Any, dtype: torch.dtype, device: str, process_index: int, rows: int) -> dict:
     """The keyword arguments of `vllm.LLM` for this run (without the model path), a pure function of the config:
     `rows` is the number of completions one generation asks this process for."""
-    config = model.config.get_text_config()  # a vision-language model: its language model's
+    config = model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM: its language model
     context = getattr(config, "max_position_embeddings", None) or 4096
     max_model_len = args.vllm_max_model_length or context
     kwargs = dict(
