@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.agent import CHATML_TOOLS
 from grpo.batch import collate
 from grpo.vision import language_model
 from test_server_mode import Server
 from test_trainer import length_reward, params
-from test_vision import image_rows
+from test_vision import CallFirst, image_rows, picture
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from tiny_vlm import idefics3, image  # noqa: E402
@@ -94,3 +95,40 @@ def test_server_mode_sends_the_images(vlm_dir, tmp_path):
         assert refused.value.code == 400 and b"images[0] is not a base64-encoded image" in refused.value.read()
     finally:
         server.kill()
+
+
+# grpo's tool template, with image blocks written as Idefics3 writes them
+IDEFICS_TOOLS = CHATML_TOOLS.replace(
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>",
+    "{% else %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>",
+)
+
+
+def test_a_tools_image_reaches_vllms_next_turn(tmp_path):
+    """A tool returns an image: vLLM samples the next turn with it (given the turn's tokens with one placeholder per
+    image), and the training pass, which sees the same images, agrees on that turn's log-probs."""
+    model, processor = idefics3(0, hidden=128)
+    processor.chat_template = processor.tokenizer.chat_template = IDEFICS_TOOLS
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=200,
+        bf16=False,
+        use_vllm=True,
+    )
+    rows = image_rows(2, with_images={0})
+    trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[picture])
+    trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
+    call = '<tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>'
+    trainer.engine.call = trainer.tokenizer(call)["input_ids"] + [trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    trainer.engine.sync_weights(trainer.unwrapped_model)
+    rollout = trainer._generate([0, 0, 1, 1]).rollout
+    assert [len(p.images) for p in rollout.vision] == [2, 2, 1, 1]
+    batch = collate(rollout, torch.zeros(4), trainer.tokenizer.pad_token_id, False)
+    sampled = batch.mask.bool() & (batch.sampling_logps != 0)  # vLLM's turn (the script's log-probs are 0)
+    assert sampled.sum(-1).min() > 0
+    logps = trainer.training_pass.logps(trainer.model, batch, 2)
+    assert (logps[sampled] - batch.sampling_logps[sampled]).abs().max() < 1e-4

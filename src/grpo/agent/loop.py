@@ -34,14 +34,17 @@ class _Row:
     tools: ToolSet
     image_prompt: Prompt | None = None  # the row's image prompt (a vision-language model's): every turn sees it
     ids: list[int] = field(default_factory=list)  # the completion so far: sampled and tool tokens
+    # with images: the prompt and completion so far with one placeholder per image (`Prompt.placeholder_ids`)
+    unexpanded: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1 on sampled tokens, 0 on tool tokens
     logps: list[float] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)  # the completion as messages
     calls: int = 0
     failures: int = 0
 
-    def add(self, ids: list[int], logps: list[float], sampled: bool) -> None:
+    def add(self, ids: list[int], logps: list[float], sampled: bool, unexpanded: list[int] | None = None) -> None:
         self.ids += ids
+        self.unexpanded += ids if unexpanded is None else unexpanded
         self.mask += [int(sampled)] * len(ids)
         self.logps += logps if sampled else [0.0] * len(ids)
 
@@ -52,7 +55,13 @@ class _Row:
         if self.image_prompt is None:
             return Prompt(ids)
         # not the dataset's prompt record (messages None): its text renders the first text_tokens ids only
-        return dataclasses.replace(self.image_prompt, ids=ids, messages=None, text_tokens=len(self.prompt_ids))
+        return dataclasses.replace(
+            self.image_prompt,
+            ids=ids,
+            messages=None,
+            text_tokens=len(self.prompt_ids),
+            placeholder_ids=tuple(self.unexpanded),
+        )
 
     def add_images(self, images: list) -> None:
         """Images a tool returned: the row's image prompt holds them after its own (in the order the tokens are)."""
@@ -92,7 +101,11 @@ class ToolLoop:
         exchanges."""
         rows = []
         for i, tools in enumerate(toolsets):
-            row = _Row(list(first.prompt_ids[i]), tools, first.vision[i])
+            image_prompt = first.vision[i]
+            row = _Row(list(first.prompt_ids[i]), tools, image_prompt)
+            row.unexpanded = list(first.prompt_ids[i])  # an image prompt's: its text's tokens
+            if image_prompt is not None and image_prompt.images and image_prompt.text is not None:
+                row.unexpanded = self.tokenizer(image_prompt.text, add_special_tokens=False)["input_ids"]
             row.add(list(first.completion_ids[i]), list(first.sampling_logps[i]), sampled=True)
             row.messages.append(self._parse(row, row.ids, row.prompt_ids))
             rows.append(row)
@@ -120,15 +133,16 @@ class ToolLoop:
             row.failures += sum(r.failed for r in outcome)
             tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in outcome]
             images = self._tool_images(tool_messages)
-            suffix = tool_suffix_ids(self.tokenizer, tool_messages, self.stop_ids, self.chat_template_kwargs)
+            unexpanded = tool_suffix_ids(self.tokenizer, tool_messages, self.stop_ids, self.chat_template_kwargs)
+            suffix = unexpanded
             if images:  # the processor turns each placeholder into the image's tokens
-                text = self.tokenizer.decode(suffix)
+                text = self.tokenizer.decode(unexpanded)
                 suffix = self.processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0]
             length = len(row.ids) + len(suffix)
             if length >= self.budget or len(row.prompt_ids) + length >= self.context:
                 continue  # no room for the model's answer: the results are not added, the row ends here
             row.messages += tool_messages
-            row.add(suffix, [], sampled=False)
+            row.add(suffix, [], sampled=False, unexpanded=unexpanded)
             if images:
                 row.add_images(images)
             going.append(row)

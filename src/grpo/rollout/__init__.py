@@ -38,8 +38,7 @@ def build_engine(
         sampling = sampling_kwargs(args, stop_ids, False)
         if pixels is not None:  # never sample an image placeholder (as the training pass scores it)
             sampling["logit_bias"] = dict.fromkeys(suppressed_tokens(model), SUPPRESSED)
-        image_token = getattr(model.config, "image_token_id", None) if pixels is not None else None
-        return remote.ServerEngine(tokenizer, args, stop_ids, accelerator, sampling, image_token)
+        return remote.ServerEngine(tokenizer, args, stop_ids, accelerator, sampling)
     if args.use_vllm:
         return _vllm_engine(model, tokenizer, args, stop_ids, accelerator, dtype, pixels)
     reason = fast.unsupported_reason(model, args)

@@ -30,6 +30,8 @@ class Prompt:
     text: str | None = field(default=None, compare=False)
     # how many of `ids` `text` renders (None: all): a tool loop's next turn continues an image prompt
     text_tokens: int | None = field(default=None, compare=False)
+    # a tool loop's next turn: its tokens with one placeholder per image, unexpanded (what vLLM expands itself)
+    placeholder_ids: tuple[int, ...] | None = field(default=None, compare=False)
 
     @property
     def is_conversational(self) -> bool:

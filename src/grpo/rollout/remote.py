@@ -62,10 +62,8 @@ class ServerEngine:
         stop_ids: list[int],
         accelerator: Any,
         sampling: dict,
-        image_token: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.image_token = image_token  # a vision-language model's image placeholder
         self.stop_ids = set(stop_ids)
         self.accelerator = accelerator
         self.url = server_url(args)
@@ -179,7 +177,7 @@ class ServerEngine:
 
     def _request_of(self, request: Request) -> dict:
         """One request as JSON; an image prompt as its unexpanded ids and its images (`multimodal_input`)."""
-        vllm_input = multimodal_input(request.prompt, self.tokenizer, self.image_token)
+        vllm_input = multimodal_input(request.prompt, self.tokenizer)
         out = {
             "prompt_ids": vllm_input["prompt_token_ids"],
             "n": request.num_samples,

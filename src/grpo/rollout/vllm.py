@@ -240,7 +240,6 @@ class VLLMEngine:
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.sampling = sampling_kwargs(args, stop_ids)
-        self.image_token = getattr(model.config, "image_token_id", None)
         self.processor = pixels.processor if pixels is not None else None  # image prompts: vLLM's multimodal inputs
         if pixels is not None:  # never sample an image placeholder (as the training pass scores it)
             self.sampling["logit_bias"] = dict.fromkeys(suppressed_tokens(model), SUPPRESSED)
@@ -292,7 +291,7 @@ class VLLMEngine:
         preemption.check()
         if not requests:  # a follow-up turn of a tool loop where this process has no row left
             return Rollout([], [], [], [])
-        inputs = [multimodal_input(r.prompt, self.tokenizer, self.image_token) for r in requests]
+        inputs = [multimodal_input(r.prompt, self.tokenizer) for r in requests]
         params = [sampling_params(self.sampling, r.num_samples, self._budget(r)) for r in requests]
         with self._awake(), self._explained("generate with"):
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
@@ -364,20 +363,16 @@ def _repack_tied_head(worker: Any) -> None:
         method.process_weights_after_loading(head)
 
 
-def multimodal_input(prompt: Any, tokenizer: Any, image_token: int | None = None) -> dict:
-    """vLLM's input for a prompt: its token ids; for an image prompt the template's text tokenized as it is (one
-    placeholder per image) with the images, which vLLM expands into image tokens itself (given ids that are
-    already expanded, it would expand them again)."""
+def multimodal_input(prompt: Any, tokenizer: Any) -> dict:
+    """vLLM's input for a prompt: its token ids; for an image prompt the tokens with one placeholder per image (the
+    template's text tokenized as it is, or a tool loop's `placeholder_ids`) and the images, which vLLM expands into
+    image tokens itself (given ids that are already expanded, it would expand them again)."""
     if not prompt.images:
         return {"prompt_token_ids": list(prompt.ids)}
-    ids = tokenizer(prompt.text or "", add_special_tokens=False)["input_ids"]
-    if prompt.text is None or (image_token is not None and ids.count(image_token) < len(prompt.images)):
-        raise ValueError(
-            "A tool returned an image: with vLLM, images reach the model from the prompt only (grpo's own engines "
-            "take tools' images too: use_vllm=False)."
-        )
-    if prompt.text_tokens is not None:  # a tool loop's next turn: the completion so far follows
-        ids += list(prompt.ids[prompt.text_tokens :])
+    if prompt.placeholder_ids is not None:
+        ids = list(prompt.placeholder_ids)
+    else:
+        ids = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
     return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(prompt.images)}}
 
 
