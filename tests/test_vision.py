@@ -19,7 +19,7 @@ import torch
 from datasets import Dataset
 from PIL import Image
 
-from grpo import GRPOConfig, GRPOTrainer
+from grpo import GRPOConfig, GRPOTrainer, data
 from grpo.agent import CHATML_TOOLS
 from grpo.batch import collate
 from grpo.rollout.base import Rollout, assemble
@@ -403,3 +403,14 @@ def test_a_frozen_vision_tower_stays_as_it_was(tmp_path):
     trainer.train()
     for name, p in trainer.unwrapped_model.named_parameters():
         assert torch.equal(p.detach(), before[name]) == ("vision_model" in name), name
+
+
+def test_only_recent_image_prompts_stay_decoded(tmp_path, monkeypatch):
+    """Decoded images are large: the prompt source keeps the latest IMAGE_PROMPTS_KEPT image prompts; one read
+    again is equal to the first (the same ids, text and pixels)."""
+    monkeypatch.setattr(data, "IMAGE_PROMPTS_KEPT", 2)
+    trainer = trainer_for("qwen2.5-vl", tmp_path)
+    first = [trainer.prompts[row] for row in range(4)]
+    assert len(trainer.prompts._image_cache) == 2
+    again = trainer.prompts[0]
+    assert again is not first[0] and again == first[0] and again.text == first[0].text

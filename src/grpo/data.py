@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from grpo import seeding, vision
 from grpo.rollout.base import Prompt, Request, group_requests
 
 logger = logging.getLogger("grpo")
+IMAGE_PROMPTS_KEPT = 512  # image prompts PromptSource keeps decoded (text prompts: all)
 
 
 def is_conversational(prompt: Any) -> bool:
@@ -240,13 +242,24 @@ class PromptSource:
         self.context = context
         self.max_completion_length = max_completion_length
         self._cache: dict[int, Prompt] = {}
+        self._image_cache: OrderedDict[int, Prompt] = OrderedDict()
         self._warned = False
 
     def __getitem__(self, row: int) -> Prompt:
-        if row not in self._cache:
-            example = self.dataset[row]
-            self._cache[row] = self.make(row, example["prompt"], example=example)
-        return self._cache[row]
+        if row in self._cache:
+            return self._cache[row]
+        if row in self._image_cache:
+            self._image_cache.move_to_end(row)
+            return self._image_cache[row]
+        example = self.dataset[row]
+        record = self.make(row, example["prompt"], example=example)
+        if record.images:  # decoded images are large: only the recently used are kept (re-reading gives the same)
+            self._image_cache[row] = record
+            while len(self._image_cache) > IMAGE_PROMPTS_KEPT:
+                self._image_cache.popitem(last=False)
+        else:
+            self._cache[row] = record
+        return record
 
     def make(self, row: int, prompt: Any, tools: list[dict] | None = None, example: dict | None = None) -> Prompt:
         """Row `row`'s prompt (as given: an environment may have added to it) rendered, tokenized and checked;
