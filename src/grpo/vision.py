@@ -59,6 +59,22 @@ def load_image(value: Any, row: int) -> Any:
     """One image: a PIL image, a file path, or a `datasets.Image` dict of bytes/path, as an RGB PIL image."""
     if isinstance(value, Image.Image):
         return value.convert("RGB") if value.mode != "RGB" else value
+    image = _opened(value, row, lambda image: image.convert("RGB"))
+    image.info["grpo_source"] = _name(value)  # how logs name it (info survives copies and pickling)
+    return image
+
+
+def check_image_file(value: Any, row: int) -> None:
+    """For an image given as a path: the file exists and its header reads as an image (the pixels are not read)."""
+    if isinstance(value, dict) and not value.get("bytes"):
+        value = value.get("path")
+    if isinstance(value, (str, os.PathLike)):
+        _opened(value, row, lambda image: None)
+
+
+def _opened(value: Any, row: int, use: Any) -> Any:
+    """`use(image)` on the image a path or a `datasets.Image` dict names, opened; a missing, unreadable or
+    unsupported one is an error naming the row (and the path)."""
     source: Any = value
     if isinstance(value, dict):  # a datasets.Image feature that was not decoded
         source = io.BytesIO(value["bytes"]) if value.get("bytes") else value.get("path")
@@ -73,27 +89,9 @@ def load_image(value: Any, row: int) -> Any:
         )
     try:
         with Image.open(source) as image:
-            image = image.convert("RGB")
+            return use(image)
     except (OSError, UnidentifiedImageError) as err:
         raise ValueError(f"train_dataset row {row}: cannot read the image {_name(value)}: {err}.") from None
-    image.info["grpo_source"] = _name(value)  # how logs name it (info survives copies and pickling)
-    return image
-
-
-def check_image_file(value: Any, row: int) -> None:
-    """For an image given as a path: the file exists and its header reads as an image (the pixels are not read)."""
-    if isinstance(value, dict) and not value.get("bytes"):
-        value = value.get("path")
-    if not isinstance(value, (str, os.PathLike)):
-        return
-    path = os.fspath(value)
-    if not os.path.isfile(path):
-        raise ValueError(f"train_dataset row {row}: the image file {path} does not exist.")
-    try:
-        with Image.open(path):
-            pass
-    except (OSError, UnidentifiedImageError) as err:
-        raise ValueError(f"train_dataset row {row}: cannot read the image {path}: {err}.") from None
 
 
 def _name(value: Any) -> str:
@@ -156,17 +154,6 @@ def multimodal_messages(messages: Sequence[dict], images: Sequence[Any], row: in
         content[j] = {**content[j], "image": image}
         out[i] = {**out[i], "content": content}
     return out
-
-
-def prompt_images(messages: Sequence[dict]) -> list[Any]:
-    """The images of a multimodal conversation's image blocks, in order."""
-    return [
-        block["image"]
-        for message in messages
-        if isinstance(message.get("content"), list)
-        for block in message["content"]
-        if isinstance(block, dict) and block.get("type") == "image" and "image" in block
-    ]
 
 
 class Pixels:
