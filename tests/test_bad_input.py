@@ -97,8 +97,15 @@ def test_later_features_say_not_available(tiny_model_dir, tmp_path):
         )
     with pytest.raises(ValueError, match="cannot describe the tool 'print'.*type hint on every argument"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), tools=[print])
-    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2.*not available yet"):
-        cfg(tmp_path, use_vllm=True, vllm_tensor_parallel_size=2)  # refused by the config (test_trl_fields: all)
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size must be >= 1"):
+        cfg(tmp_path, use_vllm=True, vllm_tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2 splits one vLLM engine.*this run has 1"):
+        GRPOTrainer(  # refused before vLLM is imported or started
+            model=tiny_model_dir,
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path, use_vllm=True, vllm_tensor_parallel_size=2),
+        )
     images = Dataset.from_list([{"prompt": "a", "image": "x.png"}] * 8)
     with pytest.raises(ValueError, match="'image' column, but the model is text-only.*remove the column"):
         GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=images, args=cfg(tmp_path))

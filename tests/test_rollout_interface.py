@@ -11,6 +11,7 @@ from grpo.data import PromptSource, end_of_turn_ids, make_prompt
 from grpo.rollout import Request, Rollout, build_engine
 from grpo.rollout.fast import FastEngine
 from grpo.rollout.plain import TransformersEngine
+from grpo.rollout.vllm import thread_binding
 from scripted import ScriptedEngine
 from test_trainer import cfg, chat_dataset, length_reward
 from tiny import make_model, make_tokenizer
@@ -114,3 +115,10 @@ def test_rollout_select_and_concat_keep_rows_together():
     both = Rollout.concat([rollout.select([1]), rollout.select([0])])
     assert both.completion_ids == [[4, 5], [3]] and both.texts == ["de", "c"] and both.loss_mask == [[1, 1], [1]]
     assert both.messages == [[{"role": "assistant"}], None] and both.truncated == [True, False]
+
+
+def test_a_tensor_parallel_servers_shards_get_equal_shares_of_the_cpus():
+    assert thread_binding([0, 1], 2) == "0|1"
+    assert thread_binding([0, 1, 2, 3, 4], 2) == "0,1,2|3,4"  # the first shards take the remainder
+    assert thread_binding([4, 5, 6, 7], 4) == "4|5|6|7"
+    assert thread_binding([0], 2) == "nobind"  # fewer CPUs than shards: vLLM's threads unbound

@@ -42,6 +42,7 @@ import math
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -81,7 +82,9 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model directory (or hub id) with its tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: needs an API key)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="only 1 for now")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="shards of the model, each in a process of its own"
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
@@ -105,8 +108,8 @@ def startup_refusal(args: argparse.Namespace, key: str | None) -> str | None:
             f"replace the model's weights. Pass --api-key KEY or set the environment variable {KEY_ENV} (clients "
             "then send 'Authorization: Bearer KEY'), or bind 127.0.0.1 (the default)."
         )
-    if args.tensor_parallel_size != 1:
-        return "grpo vllm-serve: --tensor-parallel-size > 1 is not supported yet; serve on one device (1)."
+    if args.tensor_parallel_size < 1:
+        return "grpo vllm-serve: --tensor-parallel-size must be at least 1 (the number of shards of the model)."
     if args.max_request_bytes < 1:
         return "grpo vllm-serve: --max-request-bytes must be positive."
     return None
@@ -152,6 +155,7 @@ class Server:
         self.lock = threading.Lock()
         self.weight_version = 0
         self.llm = _start_engine(args)
+        self.parallel = args.tensor_parallel_size
         config = self.llm.llm_engine.vllm_config.model_config
         self.dtype = config.dtype
         self.max_model_len = config.max_model_len
@@ -275,7 +279,14 @@ class Server:
         weights = self._checked_weights(body)
         with self.lock:
             self.weight_version = -1  # unknown weights until the load completes
-            load_weights(self.llm, weights.items(), self.dtype, self.tied)
+            if self.parallel > 1:  # the shards' processes read the checked body from a private file
+                with tempfile.TemporaryDirectory(prefix="grpo-weights-") as directory:
+                    path = os.path.join(directory, "model.safetensors")
+                    with open(path, "wb") as f:
+                        f.write(body)
+                    load_weights(self.llm, path, self.dtype, self.tied)
+            else:
+                load_weights(self.llm, weights.items(), self.dtype, self.tied)
             self.weight_version = version
         return {"weight_version": version}
 
@@ -304,7 +315,8 @@ class Server:
 
 
 def _start_engine(args: argparse.Namespace) -> Any:
-    reason = in_process_environment(colocate=False)  # vLLM's own thread binding stays: the process is its own
+    # vLLM's own thread binding stays (the process is its own), but for shards: one share of the CPUs each
+    reason = in_process_environment(colocate=False, parallel=args.tensor_parallel_size)
     if reason is not None:
         raise SystemExit(f"grpo vllm-serve: {reason}")
     import vllm

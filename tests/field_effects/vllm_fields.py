@@ -99,6 +99,17 @@ def _sleep_mode(s: Setting):
         s.trainer(use_vllm=True)
 
 
+@effect("vllm_tensor_parallel_size", 2)
+def _tensor_parallel(s: Setting):
+    kwargs = _engine_kwargs(s)
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["distributed_executor_backend"] == "external_launcher"
+    assert kwargs["max_num_seqs"] == 16  # the engine generates both processes' rows
+    assert "distributed_executor_backend" not in _engine_kwargs(s, default=True)
+    with with_recording_vllm(), pytest.raises(ValueError, match="tensor_parallel_size=2 .* this run has 1"):
+        s.trainer(use_vllm=True)  # one process cannot hold a two-process engine
+    assert RecordingVLLM.built == []
+
+
 @effect("vllm_structured_outputs_regex", "[0-9]+")
 def _regex(s: Setting):
     from grpo.rollout.vllm import sampling_kwargs

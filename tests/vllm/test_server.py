@@ -266,8 +266,36 @@ def test_binding_another_address_without_a_key_is_refused(vllm_model_dir):
     result = _cli("vllm-serve", "--model", vllm_model_dir, "--host", "0.0.0.0")
     assert result.returncode == 2
     assert "--api-key" in result.stderr and "GRPO_VLLM_API_KEY" in result.stderr and "0.0.0.0" in result.stderr
-    result = _cli("vllm-serve", "--model", vllm_model_dir, "--tensor-parallel-size", "2")
-    assert result.returncode == 2 and "--tensor-parallel-size" in result.stderr
+    result = _cli("vllm-serve", "--model", vllm_model_dir, "--tensor-parallel-size", "0")
+    assert result.returncode == 2 and "--tensor-parallel-size must be at least 1" in result.stderr
+
+
+def test_a_tensor_parallel_server_samples_from_the_model_and_loads_pushed_weights_into_every_shard(
+    vllm_model_dir, reference, tmp_path
+):
+    """--tensor-parallel-size 2: the model in two shards, each in a worker process of its own (each reads the
+    pushed weights from the server's private file and keeps its part)."""
+    proc = _start(vllm_model_dir, tmp_path, "--tensor-parallel-size", "2")
+    try:
+        _wait(proc, timeout=240)
+        status, answer = generate(proc.port)
+        assert status == 200 and max_diff(answer["outputs"], reference) < FP32_TOL
+        perturbed = AutoModelForCausalLM.from_pretrained(vllm_model_dir, torch_dtype=torch.float32).eval()
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for p in perturbed.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        assert push(proc.port, perturbed, 1) == (200, {"weight_version": 1})
+        status, answer = generate(proc.port, version=1)
+        assert status == 200
+        assert max_diff(answer["outputs"], perturbed) < FP32_TOL
+        assert max_diff(answer["outputs"], reference) > 100 * FP32_TOL
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def test_grpo_help_lists_vllm_serve():

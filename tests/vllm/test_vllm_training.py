@@ -123,6 +123,25 @@ def test_every_process_engine_holds_the_policys_weights(vllm_model_dir, tmp_path
         assert row["sampling"]["sampling/sampling_logp_difference/max"] < FP32_TOL
 
 
+def test_a_tensor_parallel_engine_shared_by_two_processes_samples_each_ones_rows_from_the_policy(
+    vllm_model_dir, tmp_path
+):
+    """vllm_tensor_parallel_size=2: one engine split across the two processes (one shard each). Training moves
+    on with the sampling log-probs equal to the policy's, although one process's random stream is moved before
+    every step (unseeded, the shards would sample different tokens and mix them); after training, the processes
+    ask for different numbers of rows and each gets its own, scored as the policy scores them."""
+    torchrun(2, JOB, tmp_path, vllm_model_dir, "ddp+tp", timeout=420)
+    rows = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    for rank, row in enumerate(rows):
+        assert (torch.tensor(row["engine"]) - torch.tensor(row["policy"])).abs().max() < FP32_TOL
+        assert row["sampling"]["sampling/sampling_logp_difference/max"] < FP32_TOL
+        assert len(row["rows"]) == 2 * (rank + 1)  # its own prompts, 2 samples each, in order
+        assert [r["prompt"] for r in row["rows"]] == [p for p in row["asked"] for _ in range(2)]
+        for sample in row["rows"]:
+            diff = (torch.tensor(sample["sampling"]) - torch.tensor(sample["policy"])).abs()
+            assert diff.max() < FP32_TOL, (rank, diff.max())
+
+
 def test_the_engine_is_not_used_for_an_unknown_dataset_shape(vllm_model_dir, tmp_path):
     """A careless input still gets grpo's own error before any vLLM work (the dataset is checked first)."""
     from datasets import Dataset

@@ -1,25 +1,43 @@
 """Training with vLLM in several processes, launched with torchrun (gloo on CPU) by test_vllm_training.py:
 
-    torchrun --nproc_per_node N vllm_job.py OUT MODEL_DIR [ddp|fsdp|zero3][+lora] | server:PORT
+    torchrun --nproc_per_node N vllm_job.py OUT MODEL_DIR [ddp|fsdp|zero3][+lora][+tp] | server:PORT
 
-Every process runs its own vLLM engine (colocate mode) inside a process that already has the trainer's gloo group.
-Two optimizer steps, then every process syncs its engine once more and writes, to OUT/rank<i>.json, its engine's
-log-probs of one fixed completion and the policy's (a sharded policy computes them collectively), so the test can
-check that every engine holds the same weights and that they are the policy's."""
+Every process runs its own vLLM engine (colocate mode) inside a process that already has the trainer's gloo group;
+with `+tp`, the processes share one engine split across them (vllm_tensor_parallel_size=N), and the last process
+draws extra random numbers before every step, as a trainer's work may in one process only (the engine's shards
+must still sample alike). Two optimizer steps, then every process syncs its engine once more and writes, to
+OUT/rank<i>.json, its engine's log-probs of one fixed completion and the policy's (a sharded policy computes them
+collectively), so the test can check that every engine holds the same weights and that they are the policy's;
+with `+tp`, also one more generation in which the processes ask for different numbers of rows (as a tool loop's
+later turns do): each one's completions, their sampling log-probs and the policy's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from transformers import TrainerCallback  # noqa: E402
 
 from distributed_job import allow_fsdp_on_cpu  # noqa: E402
 from field_effects import BASE, chat_dataset, length_reward  # noqa: E402
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo.rollout import Request  # noqa: E402
 from test_vllm_engine import engine_logps, fixed_completion, policy_logps  # noqa: E402
+
+
+class MoveTheRandomStream(TrainerCallback):
+    """Draws random numbers in the last process only, before every step."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
+            torch.rand(int(os.environ["RANK"]) + state.global_step + 3)
 
 
 def main() -> None:
@@ -39,6 +57,7 @@ def main() -> None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    parallel = {"vllm_tensor_parallel_size": world} if "tp" in options else {}
     args = GRPOConfig(
         **{
             **BASE,
@@ -48,20 +67,42 @@ def main() -> None:
             "use_vllm": True,
             "report_to": [],
             **server,
+            **parallel,
         }
     )
     trainer = GRPOTrainer(
-        model=model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args, peft_config=peft_config
+        model=model_dir,
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=args,
+        peft_config=peft_config,
+        callbacks=[MoveTheRandomStream()] if parallel else None,
     )
     trainer.train()
     trainer.engine.sync_weights(trainer.unwrapped_model)
     prompt, completion = fixed_completion(trainer)
+    group = getattr(trainer.engine, "group", None)
+    with group.same_random_numbers() if group is not None else contextlib.nullcontext():  # a collective
+        engine = engine_logps(trainer.engine, prompt, completion).tolist() if not server else []
     row = {
-        "engine": engine_logps(trainer.engine, prompt, completion).tolist() if not server else [],
+        "engine": engine,
         "policy": policy_logps(trainer, prompt, completion).tolist(),
         "sampling": {k: v for k, v in trainer.state.log_history[-1].items() if k.startswith("sampling/")},
         "world": world,
     }
+    if parallel:  # process i asks for i + 1 prompts, 2 samples each
+        rank = trainer.accelerator.process_index
+        rollout = trainer.engine.generate([Request(trainer.prompts[i], 2) for i in range(rank + 1)])
+        row["rows"] = [
+            {
+                "prompt": p,
+                "completion": c,
+                "sampling": s,
+                "policy": policy_logps(trainer, p, c).tolist(),
+            }
+            for p, c, s in zip(rollout.prompt_ids, rollout.completion_ids, rollout.sampling_logps)
+        ]
+        row["asked"] = [list(trainer.prompts[i].ids) for i in range(rank + 1)]
     with open(os.path.join(out, f"rank{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(row, f)
 

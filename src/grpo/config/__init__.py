@@ -408,6 +408,7 @@ def _check_vllm(c: GRPOConfig) -> None:
     _require(threshold is None or not math.isnan(threshold), "off_policy_mask_threshold", "is NaN; give a number")
     _require(0 < c.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "must be in (0, 1]")
     _require(c.vllm_max_model_length is None or c.vllm_max_model_length > 1, "vllm_max_model_length", "must be > 1")
+    _require(c.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size", "must be >= 1 (processes per engine)")
     gib = c.vllm_kv_cache_gib
     _require(gib is None or 0 < gib < math.inf, "vllm_kv_cache_gib", "must be a positive number of GiB (or None)")
 

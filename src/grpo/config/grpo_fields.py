@@ -71,7 +71,9 @@ class VLLMFields:
     vllm_group_port: int = _help("Server mode: the weight-transfer port.", 51216)
     vllm_gpu_memory_utilization: float = _help("Colocate: GPU memory fraction for vLLM.", 0.3)
     vllm_max_model_length: Optional[int] = _help("Colocate: vLLM's context length (None: the model's).")
-    vllm_tensor_parallel_size: int = _help("Colocate: vLLM tensor-parallel size.", 1)
+    vllm_tensor_parallel_size: int = _help(
+        "Colocate: vLLM tensor-parallel size; each group of this many training processes shares one engine.", 1
+    )
     vllm_importance_sampling_correction: bool = _help("Correct for sampler/trainer mismatch.", True)
     vllm_importance_sampling_mode: str = _help(
         "token_truncate, token_mask, sequence_truncate or sequence_mask.", "sequence_mask"

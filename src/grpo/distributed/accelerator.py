@@ -6,6 +6,7 @@ import atexit
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,12 +91,23 @@ def end_run(accelerator: Accelerator) -> None:
 
 
 _TEARDOWN: list[Accelerator] = []
+_BEFORE_TEARDOWN: list[Callable[[], None]] = []
+
+
+def before_teardown(close: Callable[[], None]) -> None:
+    """Call `close` when the process group is torn down, once the processes have settled and before the group goes:
+    for what holds subgroups of it (a vLLM engine split across processes), which would otherwise tear them down at
+    exit itself, after the group is gone (a traceback) or unsettled."""
+    _BEFORE_TEARDOWN.append(close)
 
 
 def _tear_down(accelerator: Accelerator) -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         settle_processes(accelerator)
-        accelerator.state.destroy_process_group()
+        while _BEFORE_TEARDOWN:
+            _BEFORE_TEARDOWN.pop()()
+        if torch.distributed.is_initialized():  # a closed engine may have torn it down itself
+            accelerator.state.destroy_process_group()
 
 
 def settle_processes(accelerator: Accelerator) -> None:

