@@ -123,14 +123,15 @@ def test_every_process_engine_holds_the_policys_weights(vllm_model_dir, tmp_path
         assert row["sampling"]["sampling/sampling_logp_difference/max"] < FP32_TOL
 
 
+@pytest.mark.parametrize("mode", ["ddp+tp", pytest.param("fsdp+tp", marks=pytest.mark.slow)])
 def test_a_tensor_parallel_engine_shared_by_two_processes_samples_each_ones_rows_from_the_policy(
-    vllm_model_dir, tmp_path
+    vllm_model_dir, tmp_path, mode
 ):
     """vllm_tensor_parallel_size=2: one engine split across the two processes (one shard each). Training moves
     on with the sampling log-probs equal to the policy's, although one process's random stream is moved before
     every step (unseeded, the shards would sample different tokens and mix them); after training, the processes
     ask for different numbers of rows and each gets its own, scored as the policy scores them."""
-    torchrun(2, JOB, tmp_path, vllm_model_dir, "ddp+tp", timeout=420)
+    torchrun(2, JOB, tmp_path, vllm_model_dir, mode, timeout=420)
     rows = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
     for rank, row in enumerate(rows):
         assert (torch.tensor(row["engine"]) - torch.tensor(row["policy"])).abs().max() < FP32_TOL

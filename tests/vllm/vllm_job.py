@@ -3,9 +3,9 @@
     torchrun --nproc_per_node N vllm_job.py OUT MODEL_DIR [ddp|fsdp|zero3][+lora][+tp] | server:PORT
 
 Every process runs its own vLLM engine (colocate mode) inside a process that already has the trainer's gloo group;
-with `+tp`, the processes share one engine split across them (vllm_tensor_parallel_size=N), and the last process
-draws extra random numbers before every step, as a trainer's work may in one process only (the engine's shards
-must still sample alike). Two optimizer steps, then every process syncs its engine once more and writes, to
+with `+tp`, each pair of processes shares one engine split across them (vllm_tensor_parallel_size=2), and the last
+process draws extra random numbers before every step, as a trainer's work may in one process only (the engine's
+shards must still sample alike). Two optimizer steps, then every process syncs its engine once more and writes, to
 OUT/rank<i>.json, its engine's log-probs of one fixed completion and the policy's (a sharded policy computes them
 collectively), so the test can check that every engine holds the same weights and that they are the policy's;
 with `+tp`, also one more generation in which the processes ask for different numbers of rows (as a tool loop's
@@ -57,7 +57,7 @@ def main() -> None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    parallel = {"vllm_tensor_parallel_size": world} if "tp" in options else {}
+    parallel = {"vllm_tensor_parallel_size": 2} if "tp" in options else {}
     args = GRPOConfig(
         **{
             **BASE,
@@ -93,14 +93,12 @@ def main() -> None:
     if parallel:  # process i asks for i + 1 prompts, 2 samples each
         rank = trainer.accelerator.process_index
         rollout = trainer.engine.generate([Request(trainer.prompts[i], 2) for i in range(rank + 1)])
+        samples = list(zip(rollout.prompt_ids, rollout.completion_ids))
+        # as many policy passes in every process (a sharded policy's are collective): the last row's repeated
+        policy = [policy_logps(trainer, *samples[min(i, len(samples) - 1)]).tolist() for i in range(2 * world)]
         row["rows"] = [
-            {
-                "prompt": p,
-                "completion": c,
-                "sampling": s,
-                "policy": policy_logps(trainer, p, c).tolist(),
-            }
-            for p, c, s in zip(rollout.prompt_ids, rollout.completion_ids, rollout.sampling_logps)
+            {"prompt": p, "completion": c, "sampling": s, "policy": policy[i]}
+            for i, (p, c, s) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids, rollout.sampling_logps))
         ]
         row["asked"] = [list(trainer.prompts[i].ids) for i in range(rank + 1)]
     with open(os.path.join(out, f"rank{trainer.accelerator.process_index}.json"), "w") as f:
