@@ -130,13 +130,12 @@ class ImageInputs:
     pixels: Any
     suppressed: tuple[int, ...]
 
-    def inputs(self, model: Any, part: TrainBatch) -> dict[str, Any]:
+    def inputs(self, part: TrainBatch) -> dict[str, Any]:
+        """The pixel inputs of the piece's rows (none when no row of it has images)."""
+        if part.vision is None:
+            return {}
         ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)
-        extra = self.pixels.inputs(part.vision, ids, ids.device) if part.vision is not None else {}
-        if not computes_own_positions(unwrap(model)):
-            attention = torch.cat([part.prompt_mask, part.completion_attention], dim=1)
-            extra["position_ids"] = (attention.cumsum(-1) - 1).clamp(min=0)
-        return extra
+        return self.pixels.inputs(part.vision, ids, ids.device)
 
 
 def prefix_sharing_unsupported_reason(model: Any) -> str | None:
@@ -179,7 +178,7 @@ def token_logps(
     logps = entropies = None
     for rows in _pieces(lengths, chunk_size):
         part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
-        extra = images.inputs(model, part) if images is not None else None
+        extra = images.inputs(part) if images is not None else None
         outputs = forward(model, part, chunked_head, aux_losses, extra)
         suppressed = images.suppressed if images is not None else ()
         lp, ent = _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head, suppressed)
@@ -275,12 +274,12 @@ def _forward(
     model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: list | None = None, extra: dict | None = None
 ) -> torch.Tensor:
     """Outputs predicting each completion token, (B, C, V or H), from one pass over prompt + completion. `extra`:
-    a vision-language model's inputs (`ImageInputs.inputs`: pixels, and position ids unless the model derives its
-    own)."""
+    a vision-language model's pixel inputs (`ImageInputs.inputs`); position ids are given unless the model
+    derives its own from the image layout."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
-    if extra is None:
-        extra = {"position_ids": (attention.cumsum(-1) - 1).clamp(min=0)}
+    if extra is None or not computes_own_positions(unwrap(model)):
+        extra = {**(extra or {}), "position_ids": (attention.cumsum(-1) - 1).clamp(min=0)}
     c = batch.completion_ids.shape[1]
     kwargs = {"logits_to_keep": c + 1} if accepts_logits_to_keep(unwrap(model)) else {}
     out = _outputs(
