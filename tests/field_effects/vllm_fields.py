@@ -5,6 +5,7 @@ shifted as a mismatched sampler's would be), and the correction's numbers come f
 
 from __future__ import annotations
 
+import logging
 import warnings
 from types import SimpleNamespace
 from unittest import mock
@@ -108,6 +109,15 @@ def _tensor_parallel(s: Setting):
     with with_recording_vllm(), pytest.raises(ValueError, match="tensor_parallel_size=2 .* this run has 1"):
         s.trainer(use_vllm=True)  # one process cannot hold a two-process engine
     assert RecordingVLLM.built == []
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("grpo").addHandler(handler)
+    try:  # server mode: a colocate setting, said so (1.16 ignores it silently)
+        _no_server_error(s, vllm_server_port=_free_port())
+    finally:
+        logging.getLogger("grpo").removeHandler(handler)
+    assert any("grpo vllm-serve --tensor-parallel-size" in r.getMessage() for r in records)
 
 
 @effect("vllm_structured_outputs_regex", "[0-9]+")

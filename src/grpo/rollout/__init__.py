@@ -35,6 +35,12 @@ def build_engine(
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     if args.use_vllm and args.vllm_mode == "server":
         logger.info("Generating on the vLLM server at %s.", remote.server_url(args))
+        if args.vllm_tensor_parallel_size > 1:  # as in 1.16, a colocate setting
+            logger.warning(
+                "vllm_tensor_parallel_size=%d is for colocate mode; a server's shards are set where it starts: grpo "
+                "vllm-serve --tensor-parallel-size.",
+                args.vllm_tensor_parallel_size,
+            )
         sampling = sampling_kwargs(args, stop_ids, False)
         if pixels is not None:  # never sample an image placeholder (as the training pass scores it)
             sampling["logit_bias"] = dict.fromkeys(suppressed_tokens(model), SUPPRESSED)
