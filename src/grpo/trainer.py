@@ -25,6 +25,9 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
   Trainer's meaning; the reference always counts every process's);
 - the sampling/* metrics are logged for every engine; on-policy, vLLM's importance weight compares with the
   training pass's own log-probs (the reference runs an extra old-policy pass for it);
+- a tensor-parallel vLLM engine (`vllm_tensor_parallel_size` > 1) samples each generation under a seed its
+  processes agree on, and they may bring different numbers of rows (the reference relies on the engine's seed
+  alone, which the training between generations can desynchronize, and assumes equal numbers);
 - image prompts (`grpo.vision`): the image placeholder token, which generation never samples (as the reference),
   has probability 0 in the training pass too, so the importance weight compares the same distribution;
 - tool calls (`grpo.agent`): the `<tool_call>` format is read where the tokenizer has no response parser, each
