@@ -64,7 +64,7 @@ def in_process_environment(colocate: bool, parallel: int = 1) -> str | None:
     if not colocate and parallel > 1:
         process_env.set_for_dependency(
             "VLLM_CPU_OMP_THREADS_BIND",
-            thread_binding(sorted(os.sched_getaffinity(0)), parallel),
+            thread_binding(_usable_cpus(), parallel),
             "on a CPU, the shards' processes each get their own share of the CPUs (vLLM's automatic binding "
             "wants a NUMA node per shard)",
         )
@@ -83,6 +83,11 @@ def in_process_environment(colocate: bool, parallel: int = 1) -> str | None:
             "VLLM_ENABLE_V1_MULTIPROCESSING is set to another value than 0 in the environment: unset it."
         )
     return None
+
+
+def _usable_cpus() -> list[int]:
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every CPU
+    return sorted(affinity(0)) if affinity is not None else list(range(os.cpu_count() or 1))
 
 
 def thread_binding(cpus: Sequence[int], parts: int) -> str:
