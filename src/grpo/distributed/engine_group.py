@@ -39,9 +39,14 @@ class EngineGroup:
         self.token = token[0]  # the run's own, the same in every process (names what the engine shares)
 
     def gather(self, requests: Sequence[Any]) -> tuple[list[Any], slice]:
-        """Every process's requests in process order, and where this process's are among them."""
+        """Every process's requests in process order, and where this process's are among them. On GPUs the
+        processes then meet at a barrier of the whole run (every process gathers as often: the loop's turns are
+        agreed collectively), which lets NCCL finish the training's last collectives before the shards' own
+        start: TRL's fix for generation hanging on GPUs without NVLink (trl#3671; untested here, no GPU)."""
         parts: list[Any] = [None] * self.size
         dist.all_gather_object(parts, list(requests), group=self.group)
+        if self.device == "cuda":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
         start = sum(len(part) for part in parts[: dist.get_rank(self.group)])
         return [request for part in parts for request in part], slice(start, start + len(requests))
 
