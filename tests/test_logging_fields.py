@@ -366,7 +366,7 @@ def completion_log(tmp_path, **kw):
     log = CompletionLog(args, ["r"])
     prompts = [[1, 2]] * 4 + [[3, 4]] * 4  # two groups of 4
     scored = SimpleNamespace(
-        rollout=SimpleNamespace(prompt_ids=prompts, texts=[f"c{i}" for i in range(8)]),
+        rollout=SimpleNamespace(prompt_ids=prompts, texts=[f"c{i}" for i in range(8)], vision=[]),
         rewards=torch.arange(8, dtype=torch.float32).unsqueeze(1),
         extra={},
     )

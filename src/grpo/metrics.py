@@ -271,7 +271,7 @@ class CompletionLog:
             rewards = {name: None if math.isnan(v) else v for name, v in zip(self.reward_names, values)}
             extra = {k: v[i] for k, v in scored.extra.items()}
             row = {"prompt": prompt, "completion": completion, **rewards, **extra, "advantage": float(advantages[i])}
-            image_prompt = rollout.vision[i] if getattr(rollout, "vision", None) else None
+            image_prompt = rollout.vision[i] if rollout.vision else None
             if image_prompt is not None:  # the template's text (one placeholder per image) and the images' names
                 row["prompt"] = image_prompt.text or prompt
                 if self.log_images:

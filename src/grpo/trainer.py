@@ -159,8 +159,7 @@ class GRPOTrainer:
             args.chat_template_kwargs,
             context,
             args.max_completion_length,
-            None,
-            built.processor,
+            processor=built.processor,
         )
         everywhere = functools.partial(collectives.any_process, self.accelerator)
         self.rollouts = Rollouts(

@@ -103,9 +103,8 @@ class ToolLoop:
         for i, tools in enumerate(toolsets):
             image_prompt = first.vision[i]
             row = _Row(list(first.prompt_ids[i]), tools, image_prompt)
-            row.unexpanded = list(first.prompt_ids[i])  # an image prompt's: its text's tokens
-            if image_prompt is not None and image_prompt.images and image_prompt.text is not None:
-                row.unexpanded = self.tokenizer(image_prompt.text, add_special_tokens=False)["input_ids"]
+            prompt = image_prompt or Prompt(tuple(first.prompt_ids[i]))
+            row.unexpanded = prompt.unexpanded_ids(self.tokenizer)  # an image prompt's: its text's tokens
             row.add(list(first.completion_ids[i]), list(first.sampling_logps[i]), sampled=True)
             row.messages.append(self._parse(row, row.ids, row.prompt_ids))
             rows.append(row)

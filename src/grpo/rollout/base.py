@@ -37,6 +37,15 @@ class Prompt:
     def is_conversational(self) -> bool:
         return self.messages is not None
 
+    def unexpanded_ids(self, tokenizer: Any) -> list[int]:
+        """The tokens with one placeholder per image, before a processor expands them (what vLLM expands itself): a
+        tool loop's `placeholder_ids`, an image prompt's rendered text tokenized as it is, else `ids`."""
+        if self.placeholder_ids is not None:
+            return list(self.placeholder_ids)
+        if self.images and self.text is not None:
+            return tokenizer(self.text, add_special_tokens=False)["input_ids"]
+        return list(self.ids)
+
 
 @dataclass(frozen=True)
 class Request:

@@ -55,14 +55,7 @@ class ServerEngine:
     name = "vllm-server"
     samples_elsewhere = True
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        args: Any,
-        stop_ids: list[int],
-        accelerator: Any,
-        sampling: dict,
-    ) -> None:
+    def __init__(self, tokenizer: Any, args: Any, stop_ids: list[int], accelerator: Any, sampling: dict) -> None:
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.accelerator = accelerator

@@ -461,11 +461,7 @@ def multimodal_input(prompt: Any, tokenizer: Any) -> dict:
     image tokens itself (given ids that are already expanded, it would expand them again)."""
     if not prompt.images:
         return {"prompt_token_ids": list(prompt.ids)}
-    if prompt.placeholder_ids is not None:
-        ids = list(prompt.placeholder_ids)
-    else:
-        ids = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
-    return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(prompt.images)}}
+    return {"prompt_token_ids": prompt.unexpanded_ids(tokenizer), "multi_modal_data": {"image": list(prompt.images)}}
 
 
 def check_expanded(prompt: Any, engine_ids: Sequence[int] | None) -> None:
