@@ -161,20 +161,20 @@ def build_seq_cls(path: Path, model_type: str, template: str | None, eos: str, o
     _save(AutoModelForSequenceClassification.from_config(config), tok, path)
 
 
-REMOTE_CONFIG = '''from transformers import Qwen2Config
+REMOTE_CONFIG = """from transformers import Qwen2Config
 
 
 class RemoteConfig(Qwen2Config):
     model_type = "remote"
-'''
-REMOTE_MODEL = '''from transformers import Qwen2ForCausalLM
+"""
+REMOTE_MODEL = """from transformers import Qwen2ForCausalLM
 
 from .configuration_remote import RemoteConfig
 
 
 class RemoteForCausalLM(Qwen2ForCausalLM):
     config_class = RemoteConfig
-'''
+"""
 
 
 def build_remote(path: Path) -> None:
@@ -206,7 +206,7 @@ def _prompts() -> list[str]:
     return [line.rsplit(" ", 1)[0] for line in zen_lines()]
 
 
-def _write_dataset(path: Path, configs: dict[str, Callable[[], "object"]]) -> None:
+def _write_dataset(path: Path, configs: dict[str, Callable[[], object]]) -> None:
     """`configs` maps a config name to a function returning a `datasets.Dataset` of 19 rows, split 17/2."""
     yaml = ["---", "configs:"]
     for name, make in configs.items():
@@ -231,9 +231,7 @@ def build_datasets(root: Path) -> None:
 
     prompts = _prompts()
     message = List({"role": Value("string"), "content": Value("string")})
-    image_message = List(
-        {"role": Value("string"), "content": List({"type": Value("string"), "text": Value("string")})}
-    )
+    image_message = List({"role": Value("string"), "content": List({"type": Value("string"), "text": Value("string")})})
 
     def conversational():
         return [[{"role": "user", "content": p}] for p in prompts]

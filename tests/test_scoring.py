@@ -4,6 +4,7 @@ thread while the async ones run, and a warning naming the samples no function ap
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import pytest
@@ -112,13 +113,15 @@ def test_each_function_gets_its_own_copy_of_the_arguments():
     assert rewards[:, 1].tolist() == [2.0, 2.0] and kwargs["completions"] == ["c0", "c1"]
 
 
-def test_rows_no_function_applies_to_are_named_in_a_warning():
+def test_rows_no_function_applies_to_are_named_in_a_warning(caplog):
     def math_only(completions, **kwargs):
         return [1.0, None]
 
     def format_only(completions, **kwargs):
         return [None, None]
 
-    with pytest.warns(UserWarning, match=r"returned None for 1 sample.*sample 1: prompt 'p1', completion 'c1'"):
+    with caplog.at_level("WARNING", logger="grpo"):
         rewards = score([math_only, format_only], ["math_only", "format_only"], KW, 2)
+    assert re.search(r"returned None for the following kwargs: sample 1: prompt 'p1', completion 'c1'", caplog.text)
+    assert "These 1 sample(s) get advantage 0" in caplog.text
     assert rewards[0, 0] == 1.0 and rewards[1].isnan().all()

@@ -4,7 +4,8 @@ Every prompt of the eval dataset gets `num_generations_eval` completions (defaul
 `eval_greedy`, one greedy completion), tool rounds included, through the same engine as training, scored by the same
 reward functions. The batches follow TRL 1.16: `per_device_eval_batch_size` completions per process per batch, a
 prompt's completions consecutive in the global batch. Metrics, every process's completions together, prefixed
-"eval_": `eval_reward`, `eval_reward_std`, `eval_rewards/<function>/mean` and `/std`, `eval_completions/mean_length`
+"eval_": `eval_loss` (the policy loss of each batch, on-policy, averaged over batches: the HF Trainer's
+eval_loss), `eval_reward`, `eval_reward_std`, `eval_rewards/<function>/mean` and `/std`, `eval_completions/mean_length`
 and `/clipped_ratio`, `eval_tools/*` with tools, what reward functions log with `log_metric`, `eval_runtime`, and,
 beyond TRL, `eval_pass@k`: the fraction of prompts with at least one of their k completions whose weighted reward
 sum reaches `eval_pass_threshold` (grpo, default 1.0: a correctness reward's full mark).
@@ -125,7 +126,7 @@ class Evaluation:
         acc = trainer.accelerator
         start = time.perf_counter()
         logged: dict[str, list[float]] = {}
-        parts = []
+        parts, losses = [], []
         n = len(self.dataset)
         with random_state_kept(), torch.no_grad():
             for first in range(0, n, self.prompts_per_batch):
@@ -147,7 +148,9 @@ class Evaluation:
                     )
                 local = Scored(mine, generated.prompts, generated.rollout, rewards)
                 parts.append(collectives.gather_scored(local, acc))
+                losses.append(trainer._eval_loss(parts[-1], self.k))
         metrics = self.metrics(Scored.concat(parts), trainer.rewards, trainer.rollouts.uses_tools)
+        metrics["eval_loss"] = sum(losses) / len(losses) if losses else None
         for name in sorted(logged):  # every process logs the same names (the same functions ran everywhere)
             metrics[f"eval_{name}"] = collectives.process_mean(acc, sum(logged[name]) / len(logged[name]))
         metrics["eval_runtime"] = round(time.perf_counter() - start, 4)

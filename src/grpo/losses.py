@@ -380,7 +380,15 @@ def high_entropy_mask(
 
     `all_entropies` is the flat list of active-token entropies the threshold is taken over (all processes').
     """
+    return entropy_cut_mask(entropies, mask, all_entropies, 1 - quantile)
+
+
+def entropy_cut_mask(
+    entropies: torch.Tensor, mask: torch.Tensor, all_entropies: torch.Tensor, level: float
+) -> torch.Tensor:
+    """The active tokens whose entropy is at or above the `level` quantile of `all_entropies` (none if it is empty);
+    TRL's `get_high_entropy_mask` takes this `level` (1 - top_entropy_quantile)."""
     if all_entropies.numel() == 0:
         return torch.zeros_like(mask, dtype=torch.bool)
-    threshold = torch.quantile(all_entropies.float(), 1 - quantile)
+    threshold = torch.quantile(all_entropies.float(), level)
     return ((entropies * mask) >= threshold) & mask.bool()

@@ -45,8 +45,18 @@ def _resolve_dtype(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+class ModelCodeError(ModelLoadError, ValueError):
+    """The model's repository holds custom code and trust_remote_code is off (a ValueError, as transformers and TRL
+    raise it; a ModelLoadError too)."""
+
+
 def _load_error(kind: str, model_id: str, err: Exception) -> ModelLoadError:
     reason = str(err).splitlines()[0][:200].rstrip(".") if str(err) else type(err).__name__
+    if isinstance(err, ValueError) and "custom code" in str(err):
+        return ModelCodeError(
+            f"Could not load the {kind} '{model_id}': it contains custom code, which runs only with "
+            "trust_remote_code=True (GRPOConfig(trust_remote_code=True)); read that code first if you do not know it."
+        )
     return ModelLoadError(
         f"Could not load the {kind} '{model_id}': {reason}. Pass the path of a local model "
         "directory, or a Hub id on a machine that can reach the Hub."

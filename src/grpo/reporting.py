@@ -133,6 +133,28 @@ def train_summary(args: Any, state: Any, seconds: float, first_step: int, traini
         "train_runtime": round(seconds, 4),
         "train_samples_per_second": round(samples / seconds, 3),
         "train_steps_per_second": round(steps_run / seconds, 3),
+        "total_flos": float(state.total_flos),
         "train_loss": training_loss,
         "epoch": epoch,
     }
+
+
+def summary_record(rows: list[dict[str, Any]], summary: dict[str, float], step: int) -> dict[str, Any]:
+    """The record `train()` appends to log_history last, as the HF Trainer does (`train_loss`, `train_runtime`,
+    `total_flos`, ..., `epoch`, `step`). As in TRL, whose record also carries the metrics logged since the last row,
+    it carries the run's latest training metrics (grpo always logs the last step, so: the last training row's, less
+    its per-step loss, grad_norm and learning_rate), so `log_history[-1]["reward"]` is the run's last reward."""
+    latest = next((r for r in reversed(rows) if "loss" in r and "train_runtime" not in r), {})
+    skip = ("loss", "grad_norm", "learning_rate", "step", "epoch")
+    return {**{k: v for k, v in latest.items() if k not in skip}, **summary, "step": step}
+
+
+def non_embedding_parameters(model: Any) -> int:
+    counter = getattr(model, "num_parameters", None)
+    return counter(exclude_embeddings=True) if counter else sum(p.numel() for p in model.parameters())
+
+
+def micro_batch_flos(parameters: int, batch: Any) -> float:
+    """The HF Trainer's `total_flos` estimate for one training micro-batch: 6 x non-embedding parameters x tokens
+    (prompt and completion positions, padding included, as the HF Trainer counts `input_ids`)."""
+    return float(6 * parameters * (batch.prompt_ids.numel() + batch.completion_ids.numel()))

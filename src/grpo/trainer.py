@@ -74,7 +74,15 @@ from grpo.groups import GenerationBatch, Scored, rows_with_spread
 from grpo.hub import Hub
 from grpo.loop import LoopState, RolloutBuffer, TrainOutput, Update, schedule_length
 from grpo.loss_terms import LossTerms, router_aux_coef
-from grpo.losses import LossParams, LossScale, high_entropy_mask, masked_mean_stat, policy_loss
+from grpo.losses import (
+    LossParams,
+    LossScale,
+    entropy_cut_mask,
+    high_entropy_mask,
+    masked_mean_stat,
+    off_policy_mask,
+    policy_loss,
+)
 from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics
 from grpo.modeling import generation_eos, model_name
 from grpo.optimization import TrainingError
@@ -95,7 +103,7 @@ class GRPOTrainer:
     def __init__(
         self,
         model: str | PreTrainedModel,
-        reward_funcs: Callable | list[Callable],
+        reward_funcs: Callable | list[Callable] | None = None,
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -115,6 +123,7 @@ class GRPOTrainer:
         self.environments = Environments(environment_factory) if environment_factory is not None else None
         train_dataset = data.placeholder_dataset(data.load_local(train_dataset), args, environment_factory)
         data.check_dataset(train_dataset, bool(tools) or self.environments is not None, self.environments is not None)
+        data.stream_settings(args, train_dataset, eval_dataset)  # dispatch_batches, dataloader_num_workers
         if data.is_stream(train_dataset):
             train_dataset = data.StreamRows(train_dataset, 4 * args.generation_batch_size)
         self.train_dataset = train_dataset
@@ -137,6 +146,7 @@ class GRPOTrainer:
         data.check_images(train_dataset, self.processing_class)  # image columns need a processor; rows checked
         self.pixels = vision.Pixels.of(built.processor, built.model)  # image prompts' pixel inputs
         self.state = TrainerState()
+        self.flop_parameters = reporting.non_embedding_parameters(self.model)  # total_flos, as the HF Trainer
         self.max_steps, self.steps_per_epoch = schedule_length(self.train_dataset, args)
         self.state.max_steps = self.max_steps
         self._build_optimization(*optimizers)
@@ -201,6 +211,17 @@ class GRPOTrainer:
         return self.accelerator.unwrap_model(self.model)
 
     @property
+    def aux_loss_enabled(self) -> bool:
+        """Whether a mixture-of-experts router's load-balancing loss is added to the loss (logged as `aux_loss`)."""
+        return self.loss_terms.router_aux
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now (it moves with use_adaptive_entropy; 0 when the bonus is off)."""
+        entropy = self.loss_terms.entropy
+        return entropy.coef if entropy is not None else 0.0
+
+    @property
     def engine(self) -> Any:
         """The generation engine (`grpo.rollout`); settable (tests give scripted ones)."""
         return self.rollouts.engine
@@ -246,11 +267,15 @@ class GRPOTrainer:
                     preemption.save_and_exit(self, step_start)
             checkpoint.strategy.load_best_model(self, checkpoint.load_model_weights)
             self.hub.finish_completions_upload()
+            loss = total_loss / max(self.state.global_step, 1)
+            summary = reporting.train_summary(a, self.state, time.perf_counter() - start, first, loss)
+            last = (self.state.log_history or [{}])[-1]
+            record = reporting.summary_record(self.state.log_history, summary, self.state.global_step)
+            self.state.log_history.append(record)
+            self._fire("log", logs=self.state.log_history[-1])
             self._fire("train_end")
         end_training(self.accelerator)
-        loss = total_loss / max(self.state.global_step, 1)
-        summary = reporting.train_summary(a, self.state, time.perf_counter() - start, first, loss)
-        return TrainOutput(self.state.global_step, loss, {**(self.state.log_history or [{}])[-1], **summary})
+        return TrainOutput(self.state.global_step, loss, {**last, **summary})
 
     def _step(self) -> float:
         """One optimizer step: gradient_accumulation_steps micro-steps, then update, log, checkpoint."""
@@ -349,17 +374,39 @@ class GRPOTrainer:
         tokens = collectives.loss_tokens(acc, batch.mask.sum(), self.args.average_tokens_across_devices)
         return dataclasses.replace(batch, num_items_in_batch=tokens)
 
+    def _eval_loss(self, scored: Scored, group_size: int) -> float:
+        """The policy loss of one evaluation batch (every process's rows), as the HF Trainer's `eval_loss`: the batch's
+        group advantages, on-policy (ratio 1; with beta > 0 the KL to the reference), each process's rows through the
+        training pass without gradient, weighted by rows over processes (a process may have none)."""
+        acc, a = self.accelerator, self.args
+        mine = list(collectives.local_rows(len(scored), acc.process_index, acc.num_processes))
+        total = 0.0
+        if mine:
+            weights = self.rewards.weights
+            advantages = compute_advantages(
+                scored.rewards, weights, group_size, a.scale_rewards, a.multi_objective_aggregation
+            ).advantages[mine]
+            rollout = scored.rollout.select(mine)
+            batch = collate(rollout, advantages, self.tokenizer.pad_token_id, a.mask_truncated_completions)
+            batch = self._add_old_and_ref_logps(batch.to(acc.device), old=False)
+            logps = self.training_pass.logps(self.model, batch, a.per_device_eval_batch_size)
+            loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, self.loss_params, batch.ref_logps)
+            total = loss.item() * len(mine)
+        rows = collectives.process_mean(acc, float(len(mine)))
+        return collectives.process_mean(acc, total) / rows if rows else 0.0
+
     def _needs_old_logps(self) -> bool:
         """Whether a generation batch is trained on after an update (shared spec §4.1)."""
         a = self.args
         return a.gradient_accumulation_steps % (a.steps_per_generation * a.num_iterations) != 0
 
-    def _add_old_and_ref_logps(self, batch: TrainBatch) -> TrainBatch:
-        """Old-policy log-probs only when the batch is reused after an update; reference log-probs only when
-        beta > 0. Chunked by the micro-batch size, no gradient checkpointing needed."""
+    def _add_old_and_ref_logps(self, batch: TrainBatch, old: bool = True) -> TrainBatch:
+        """Old-policy log-probs only when the batch is reused after an update (and `old`); reference log-probs only
+        when beta > 0. Chunked by the micro-batch size, no gradient checkpointing needed."""
         chunk = self.args.per_device_train_batch_size
-        old = ref = None
-        if self._needs_old_logps():
+        needs_old, old = old and self._needs_old_logps(), None
+        ref = None
+        if needs_old:
             old = self.training_pass.logps(self.model, batch, chunk)
         if self.ref_model is not None:
             ref = self.training_pass.logps(self.ref_model, batch, chunk)
@@ -375,6 +422,7 @@ class GRPOTrainer:
         a, acc = self.args, self.accelerator
         t0 = time.perf_counter()
         logps, entropies = self.training_pass.train(self.model, batch, entropy_grad=self.loss_terms.entropy_grad)
+        self.state.total_flos += reporting.micro_batch_flos(self.flop_parameters, batch)
         entropy_mask = None
         if a.top_entropy_quantile < 1.0:
             everyone = collectives.gather_values(entropies.detach()[batch.mask.bool()].float(), acc)
@@ -456,6 +504,18 @@ class GRPOTrainer:
             path = checkpoint.save(self, self.state.global_step)
             self.hub.after_checkpoint(self, path)  # hub_strategy (main process, in the background)
             self._fire("save")
+
+    # ---- TRL's documented helpers ----------------------------------------------------------------------------
+
+    get_off_policy_mask = staticmethod(off_policy_mask)  # (advantages, logps, sampling logps, mask, threshold)
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """The non-pad tokens whose entropy is at or above the `threshold` quantile of every process's non-pad
+        entropies (TRL's helper: threshold = 1 - top_entropy_quantile)."""
+        everyone = entropies[mask.bool()].float()
+        if self.accelerator.num_processes > 1:
+            everyone = collectives.gather_values(everyone, self.accelerator)
+        return entropy_cut_mask(entropies, mask, everyone, threshold)
 
     # ---- evaluation and callbacks ----------------------------------------------------------------------------
 

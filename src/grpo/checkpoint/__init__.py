@@ -131,6 +131,7 @@ def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict:
         **trainer.loop.state_dict(),
         "max_steps": trainer.max_steps,
         "num_input_tokens_seen": trainer.state.num_input_tokens_seen,
+        "total_flos": trainer.state.total_flos,
         "log_history": trainer.state.log_history,
         "metrics_window": trainer.metrics.state_dict(),
         "entropy_control": trainer.loss_terms.state_dict(),  # use_adaptive_entropy: coefficient, last entropy
@@ -266,6 +267,7 @@ def load(trainer: Any, path: str) -> None:
         acc.scaler.load_state_dict(scaler)
     trainer.state.global_step = state["global_step"]
     trainer.state.num_input_tokens_seen = state["num_input_tokens_seen"]
+    trainer.state.total_flos = float(state.get("total_flos", 0.0))
     trainer.state.log_history = state["log_history"]
     trainer.state.epoch = state["global_step"] / trainer.steps_per_epoch
     for name, value in best.items():

@@ -110,6 +110,9 @@ def read_state(checkpoint: str, max_steps: int, accumulation_steps: int) -> dict
             f"micro_step is {state['micro_step']}, but {step} steps of {accumulation_steps} "
             f"accumulated micro-steps make {step * accumulation_steps}",
         )
+    flos = state.get("total_flos", 0.0)  # absent from checkpoints written before it was saved
+    if type(flos) not in (int, float) or not 0 <= flos < float("inf"):
+        raise invalid(path, f"total_flos is {flos!r}; it must be a finite number >= 0")
     if not isinstance(state.get("log_history"), list) or not all(isinstance(r, dict) for r in state["log_history"]):
         raise invalid(path, "log_history is not a list of rows")
     window = state.get("metrics_window")

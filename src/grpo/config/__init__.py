@@ -98,6 +98,7 @@ class GRPOConfig(
             self.save_total_limit = None  # the HF Trainer's meaning: no limit
         self._resolve_as_trl()
         compat.check_unsupported(self)
+        self.accelerator_config = _accelerator_config(self.accelerator_config)
         _check_numbers(self)
         self._derive_generation_batch()
         _validate(self)
@@ -441,10 +442,10 @@ def warn_odd_combinations(a: GRPOConfig) -> None:
             "loss_type='vespo' computes its own sequence weight; use importance_sampling_level='token'.", stacklevel=3
         )
     if a.importance_sampling_level == "sequence" and a.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-        warnings.warn(
-            f"importance_sampling_level='sequence' with loss_type='{a.loss_type}' weights each sequence "
-            "by its completion length; GSPO normalizes per sequence (loss_type='grpo').",
-            stacklevel=3,
+        logging.getLogger("grpo").warning(  # logged, as TRL logs it (its users' tests read it with caplog)
+            "importance_sampling_level='sequence' with loss_type='%s' weights each sequence by its completion "
+            "length; GSPO normalizes per sequence (loss_type='grpo').",
+            a.loss_type,
         )
     if a.delta is not None and a.delta <= 1 + a.epsilon_high:
         warnings.warn(
@@ -459,6 +460,32 @@ def reject_later_features(args: GRPOConfig, eval_dataset: Any, callbacks: Any) -
         warnings.warn("eval_dataset is ignored: evaluation during training is not available yet in grpo.", stacklevel=3)
     if callbacks:
         warnings.warn("callbacks are ignored: grpo does not run transformers callbacks.", stacklevel=3)
+
+
+def _accelerator_config(value: Any) -> Any:
+    """accelerator_config as the HF Trainer holds it: a transformers AcceleratorConfig, from None, a dict, a JSON
+    string or the path of a JSON file. grpo builds no DataLoader, so only `dispatch_batches` is read (a streaming
+    dataset needs it False, as TRL 1.16)."""
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    if isinstance(value, AcceleratorConfig):
+        return value
+    if value is None:
+        return AcceleratorConfig()
+    if isinstance(value, str):
+        value = AcceleratorConfig.from_json_file(value) if os.path.isfile(value) else _json_dict("accelerator_config", value)
+        if isinstance(value, AcceleratorConfig):
+            return value
+    if not isinstance(value, dict):
+        raise ValueError(f"GRPOConfig: accelerator_config={value!r:.80} must be a dict, a JSON string or file path.")
+    known = {f.name for f in dataclasses.fields(AcceleratorConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(
+            f"GRPOConfig: accelerator_config has unknown option(s) {', '.join(unknown)}; its options are "
+            f"{', '.join(sorted(known))}."
+        )
+    return AcceleratorConfig(**value)
 
 
 def resolve_args(

@@ -87,6 +87,8 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def _same(value: Any, default: Any) -> bool:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and default is None:
+        return value == type(value)()  # accelerator_config: held as transformers' AcceleratorConfig
     if isinstance(value, bool) != isinstance(default, bool):
         return False
     return value == default or (value in ("", [], {}, None) and default in ("", [], {}, None))

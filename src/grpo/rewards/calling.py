@@ -12,10 +12,10 @@ import concurrent.futures
 import copy
 import functools
 import inspect
+import logging
 import math
 import numbers
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -233,11 +233,13 @@ def _warn_unscorable(rewards: torch.Tensor, kwargs: dict[str, Any]) -> None:
         completion = completion[0]["content"] if isinstance(completion, list) else completion
         shown.append(f"sample {i}: prompt {prompt!r:.120}, completion {completion!r:.120}")
     more = f" (and {len(rows) - 3} more)" if len(rows) > 3 else ""
-    warnings.warn(
-        f"All reward functions returned None for {len(rows)} sample(s){more}, which get advantage 0: "
-        + "; ".join(shown)
-        + ". Make sure at least one reward function applies to every sample.",
-        stacklevel=3,
+    # logged, not warnings.warn: each step's samples are news (a warning would show once), and TRL logs it
+    logging.getLogger("grpo").warning(
+        "All reward functions returned None for the following kwargs: %s%s. These %d sample(s) get advantage 0: "
+        "make sure at least one reward function applies to every sample.",
+        "; ".join(shown),
+        more,
+        len(rows),
     )
 
 
@@ -284,7 +286,8 @@ class RewardFunctions:
                 )
         elif reward_funcs is None:
             raise ValueError(
-                "No reward source: pass reward_funcs, or an environment_factory whose environments define get_reward."
+                "No reward source provided: pass reward_funcs, or an environment_factory whose environments define "
+                "get_reward."
             )
         else:
             funcs = check_reward_funcs(reward_funcs, args.reward_weights, processing_classes, load)

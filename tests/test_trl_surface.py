@@ -1,0 +1,243 @@
+"""TRL's public surface that its own GRPO test file reads (scripts/trl_suite.py found each missing): the HF Trainer's
+end-of-training record in log_history, eval_loss, and the trainer attributes TRL users read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scripted import ScriptedEngine
+from test_trainer import cfg, chat_dataset, length_reward
+
+
+def trainer_for(model_dir, tmp_path, reward=length_reward, **kw):
+    from grpo import GRPOTrainer
+
+    eval_dataset = kw.pop("eval_dataset", None)
+    return GRPOTrainer(
+        model=model_dir,
+        reward_funcs=reward,
+        train_dataset=chat_dataset(),
+        eval_dataset=eval_dataset,
+        args=cfg(tmp_path, **kw),
+    )
+
+
+def test_train_ends_log_history_with_the_hf_trainers_summary_record(tiny_model_dir, tmp_path):
+    seen = []
+
+    from transformers import TrainerCallback
+
+    class Watch(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            seen.append(dict(logs))
+
+    trainer = trainer_for(tiny_model_dir, tmp_path, max_steps=3)
+    trainer.add_callback(Watch())
+    output = trainer.train()
+    last = trainer.state.log_history[-1]
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(losses) == 3
+    assert last["train_loss"] == pytest.approx(sum(losses) / 3)
+    assert last["step"] == 3 and last["epoch"] == trainer.state.epoch
+    for key in ("train_runtime", "train_samples_per_second", "train_steps_per_second"):
+        assert last[key] > 0
+    # 6 x non-embedding parameters x positions trained (prompt + completion, padding included), as the HF Trainer
+    assert last["total_flos"] > 0 and last["total_flos"] == trainer.state.total_flos
+    assert last["total_flos"] % (6 * trainer.unwrapped_model.num_parameters(exclude_embeddings=True)) == 0
+    assert seen[-1] == last  # callbacks' on_log sees it, as the HF Trainer's
+    assert output.metrics["train_loss"] == last["train_loss"] and output.training_loss == last["train_loss"]
+    # as TRL's record, it carries the latest metrics (grpo logs the last step: that row's), not the per-step loss
+    assert "loss" not in last and last["reward"] == trainer.state.log_history[-2]["reward"]
+
+
+def test_total_flos_is_saved_and_resumed(tiny_model_dir, tmp_path):
+    straight = trainer_for(tiny_model_dir, tmp_path / "a", max_steps=2, save_strategy="steps", save_steps=1)
+    straight.train()
+    resumed = trainer_for(tiny_model_dir, tmp_path / "b", max_steps=2)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-1"))
+    assert resumed.state.total_flos == straight.state.total_flos > 0
+
+
+def test_crafted_total_flos_in_a_checkpoint_is_refused(tiny_model_dir, tmp_path):
+    import json
+
+    from grpo.checkpoint.files import CheckpointError
+
+    trainer = trainer_for(tiny_model_dir, tmp_path / "a", max_steps=1, save_strategy="steps", save_steps=1)
+    trainer.train()
+    path = tmp_path / "a" / "out" / "checkpoint-1"
+    state = json.loads((path / "trainer_state.json").read_text())
+    state["total_flos"] = "1e400"
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    again = trainer_for(tiny_model_dir, tmp_path / "b", max_steps=1)
+    with pytest.raises(CheckpointError, match="total_flos"):
+        again.train(resume_from_checkpoint=str(path))
+
+
+def test_aux_loss_enabled_and_entropy_coef(tiny_model_dir, tmp_path):
+    from tiny import save_tiny_moe
+
+    plain = trainer_for(tiny_model_dir, tmp_path / "plain")
+    assert plain.aux_loss_enabled is False and plain.entropy_coef == 0.0
+    moe = trainer_for(save_tiny_moe(tmp_path / "moe"), tmp_path / "m", max_steps=1)
+    moe.train()
+    assert moe.aux_loss_enabled is True
+    assert moe.state.log_history[-1]["aux_loss"] is not None
+    adaptive = trainer_for(
+        tiny_model_dir,
+        tmp_path / "adaptive",
+        max_steps=2,
+        entropy_coef=0.01,
+        use_adaptive_entropy=True,
+        entropy_target=100.0,  # above any entropy: the coefficient rises at every step
+        entropy_coef_delta=0.005,
+    )
+    assert adaptive.entropy_coef == 0.01
+    adaptive.train()
+    assert adaptive.entropy_coef == pytest.approx(0.02)
+
+
+def test_eval_loss_is_the_on_policy_loss_of_the_eval_batches(tiny_model_dir, tmp_path):
+    """dapo on-policy: loss = -sum_i A_i L_i / sum_i L_i (ratio 1: each token contributes -A of its completion),
+    with A the group-normalized rewards; averaged over eval batches. Named eval_<name>_loss for a dict of them."""
+    evals = chat_dataset(4)
+    trainer = trainer_for(tiny_model_dir, tmp_path, eval_dataset=evals, loss_type="dapo", per_device_eval_batch_size=8)
+    trainer.engine = ScriptedEngine(trainer.processing_class)
+    metrics = trainer.evaluate()
+    expected = []
+    for first in (0, 2):  # two batches of 2 prompts x 4 completions
+        lengths, advantages = [], []
+        for i in (first, first + 1):
+            ids = trainer.evaluations[None].source[i].ids
+            letters = torch.tensor([1 + (sum(ids) + 3 * j) % 8 for j in range(4)], dtype=torch.float64)
+            rewards = letters / 8.0
+            advantages.append((rewards - rewards.mean()) / (rewards.std() + 1e-4))
+            lengths.append(letters + (letters < 8))  # the end-of-turn token unless truncated
+        a, n = torch.cat(advantages), torch.cat(lengths)
+        expected.append(float(-(a * n).sum() / n.sum()))
+    assert metrics["eval_loss"] == pytest.approx(sum(expected) / 2, rel=1e-4)
+    named = trainer.evaluate(eval_dataset={"one": evals, "two": chat_dataset(2)})
+    assert named["eval_one_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
+    assert named["eval_two_loss"] is not None
+
+
+def test_trls_static_helpers_on_the_trainer(tiny_model_dir, tmp_path):
+    from grpo import GRPOTrainer
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    logps = torch.tensor([[-2.0, -2.0, -9.0], [-0.5, -0.5, -0.5]])
+    keep = GRPOTrainer.get_off_policy_mask(torch.tensor([[-1.0], [-1.0]]), logps, torch.zeros(2, 3), mask, 1.0)
+    assert keep.tolist() == [[0.0], [1.0]]  # drift 2 (padding ignored) > 1 with a negative advantage: dropped
+    trainer = trainer_for(tiny_model_dir, tmp_path)
+    entropies = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.7, 0.8, 0.9, 1.0, 1.1, 1.2]])
+    pad = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    top = trainer.get_high_entropy_mask(entropies, pad, 0.8)  # the top 20% of the 10 non-pad tokens
+    assert top.tolist() == [[False] * 6, [False, False, True, True, False, False]]
+    assert trainer.get_high_entropy_mask(entropies, pad, 0.0).tolist() == pad.bool().tolist()
+
+
+def test_the_reward_and_data_sources_trl_requires(tiny_model_dir, tmp_path):
+    from grpo import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), report_to="none")
+    with pytest.raises(ValueError, match="No reward source provided"):
+        GRPOTrainer(model=tiny_model_dir, args=args, train_dataset=chat_dataset())
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args)
+
+    class Env:
+        def reset(self, **kwargs):
+            return "Guess."
+
+    with pytest.raises(ValueError, match="set max_steps"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, environment_factory=Env)
+    stepped = GRPOConfig(output_dir=str(tmp_path / "out"), report_to="none", max_steps=1)
+    with pytest.raises(ValueError, match="requires a `train_dataset`"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=stepped, environment_factory={"a": Env})
+
+
+def test_accelerator_config_and_streaming_datasets(tiny_model_dir, tmp_path, caplog):
+    from datasets import IterableDataset
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    from grpo import GRPOConfig, GRPOTrainer
+
+    assert GRPOConfig(output_dir=str(tmp_path)).accelerator_config == AcceleratorConfig()
+    with pytest.warns(UserWarning, match="accelerator_config=.*no effect"):
+        args = GRPOConfig(output_dir=str(tmp_path), accelerator_config={"dispatch_batches": True})
+    assert args.accelerator_config.dispatch_batches is True
+    assert GRPOConfig(output_dir=str(tmp_path), accelerator_config='{"split_batches": true}').accelerator_config == (
+        AcceleratorConfig(split_batches=True)
+    )
+    with pytest.raises(ValueError, match="unknown option.*dispatch"):
+        GRPOConfig(output_dir=str(tmp_path), accelerator_config={"dispatch": True})
+
+    rows = list(chat_dataset())
+    stream = IterableDataset.from_generator(lambda: iter(rows))
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+        GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=stream)
+    with pytest.warns(UserWarning, match="dataloader_num_workers"):
+        workers = cfg(tmp_path, max_steps=1, dataloader_num_workers=4)
+    with caplog.at_level("WARNING", logger="grpo"):
+        trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=workers, train_dataset=stream)
+    assert "overriding the provided value (4)" in caplog.text
+    assert trainer.args.dataloader_num_workers == 0 and trainer.args.accelerator_config.dispatch_batches is False
+    mapped = cfg(tmp_path, dataloader_num_workers=4)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=mapped, train_dataset=chat_dataset())
+    assert trainer.args.dataloader_num_workers == 4  # a map-style train dataset keeps the value
+
+
+def test_trl_warnings_are_logged_where_trl_logs_them(tiny_model_dir, tmp_path, caplog):
+    from grpo import GRPOTrainer
+
+    with pytest.warns(UserWarning, match="use_liger_kernel=True.*no effect"):
+        cfg(tmp_path, use_liger_kernel=True)  # deprecated in TRL 1.16, which warns too
+    for loss_type, warned in (("grpo", False), ("dapo", True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="grpo"):
+            trainer_for(tiny_model_dir, tmp_path, loss_type=loss_type, importance_sampling_level="sequence")
+        assert ("weights each sequence by its completion length" in caplog.text) is warned
+
+    def never(completions, **kwargs):
+        return [None] * len(completions)
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpo"):
+        GRPOTrainer(
+            model=tiny_model_dir, reward_funcs=never, train_dataset=chat_dataset(), args=cfg(tmp_path, max_steps=1)
+        ).train()
+    assert "All reward functions returned None for the following kwargs:" in caplog.text
+
+
+def test_a_model_with_custom_code_needs_trust_remote_code(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from grpo import GRPOTrainer
+    from grpo.modeling import ModelLoadError
+
+    remote = tmp_path / "remote"
+    shutil.copytree(tiny_model_dir, remote)
+    (remote / "configuration_remote.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass RemoteConfig(LlamaConfig):\n    model_type = 'remote'\n"
+    )
+    (remote / "modeling_remote.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_remote import RemoteConfig\n\n\n"
+        "class RemoteForCausalLM(LlamaForCausalLM):\n    config_class = RemoteConfig\n"
+    )
+    config = json.loads((remote / "config.json").read_text())
+    config.update(
+        model_type="remote",
+        architectures=["RemoteForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_remote.RemoteConfig",
+            "AutoModelForCausalLM": "modeling_remote.RemoteForCausalLM",
+        },
+    )
+    (remote / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="custom code.*trust_remote_code=True") as refused:
+        trainer_for(str(remote), tmp_path)
+    assert isinstance(refused.value, ModelLoadError)
+    trainer = trainer_for(str(remote), tmp_path, trust_remote_code=True)
+    assert type(trainer.unwrapped_model).__name__ == "RemoteForCausalLM"
