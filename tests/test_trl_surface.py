@@ -214,7 +214,6 @@ def test_a_model_with_custom_code_needs_trust_remote_code(tiny_model_dir, tmp_pa
     import json
     import shutil
 
-    from grpo import GRPOTrainer
     from grpo.modeling import ModelLoadError
 
     remote = tmp_path / "remote"
@@ -241,3 +240,68 @@ def test_a_model_with_custom_code_needs_trust_remote_code(tiny_model_dir, tmp_pa
     assert isinstance(refused.value, ModelLoadError)
     trainer = trainer_for(str(remote), tmp_path, trust_remote_code=True)
     assert type(trainer.unwrapped_model).__name__ == "RemoteForCausalLM"
+
+
+def test_logs_holds_the_latest_generation_batch_as_trl_does(tiny_model_dir, tmp_path):
+    def tagged(completions, log_extra=None, **kwargs):
+        log_extra("first_letter", [c[0]["content"][:1] for c in completions])
+        return [len(c[0]["content"]) / 8.0 for c in completions]
+
+    trainer = trainer_for(tiny_model_dir, tmp_path, reward=tagged, max_steps=1)
+    assert trainer._logs["prompt"] == [] and trainer._logs["rewards"] == {}
+    trainer.engine = ScriptedEngine(trainer.processing_class)
+    trainer.train()
+    logs = trainer._logs
+    n = trainer.args.generation_batch_size
+    assert len(logs["prompt"]) == len(logs["completion"]) == len(logs["advantages"]) == n
+    assert all(isinstance(p, list) and p[0]["role"] == "user" for p in logs["prompt"])  # as the dataset gives them
+    rewards = logs["rewards"]["tagged"]
+    assert rewards == [len(c[0]["content"]) / 8.0 for c in logs["completion"]]
+    assert logs["extra"]["first_letter"] == [c[0]["content"][:1] for c in logs["completion"]]
+    groups = torch.tensor(logs["advantages"]).view(-1, trainer.args.num_generations)
+    assert torch.allclose(groups.sum(dim=1), torch.zeros(len(groups)), atol=1e-4)  # group-relative
+    assert logs["images"] == []
+
+
+def test_a_hybrid_mamba_model_generates_and_trains(tmp_path):
+    """NemotronH (Mamba + attention layers) keeps recurrent state the fast engine's shared-prefix KV cache cannot
+    hold (it crashed in prefill): it generates with the plain engine, whose log-probs the training pass matches."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    from grpo import GRPOTrainer
+    from tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    torch.manual_seed(0)
+    config = NemotronHConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        layers_block_type=["mamba", "attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        ssm_state_size=8,
+        n_groups=1,
+        mamba_chunk_size=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    NemotronHForCausalLM(config).save_pretrained(tmp_path / "hybrid")
+    tokenizer.save_pretrained(tmp_path / "hybrid")
+    trainer = GRPOTrainer(
+        model=str(tmp_path / "hybrid"),
+        reward_funcs=length_reward,
+        args=cfg(tmp_path, max_steps=2),
+        train_dataset=chat_dataset(),
+    )
+    assert trainer.engine.name != "fast"
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
+    trainer.train()
+    row = next(r for r in reversed(trainer.state.log_history) if "loss" in r)
+    assert row["sampling/sampling_logp_difference/max"] < 1e-4
+    changed = [n for n, p in trainer.unwrapped_model.named_parameters() if not torch.equal(p, before[n])]
+    assert any("mixer.in_proj" in n for n in changed) and any("self_attn" in n or "mixer.q_proj" in n for n in changed)

@@ -248,6 +248,24 @@ def reward_and_tool_stats(scored: Any, reward_names: list[str], tools: bool) -> 
     return m
 
 
+def trl_logs(scored: Any, advantages: Any, reward_names: list[str]) -> dict[str, Any]:
+    """The latest generation batch in the layout of TRL's `trainer._logs`, which TRL callbacks read: "prompt" (as
+    the dataset gives it), "completion" (as reward functions get it), "rewards" and "extra" (name -> values), and
+    "advantages" and "images" (each row's images; empty without image prompts). NaN for a None reward, as TRL."""
+    if scored is None:
+        return {"images": [], "prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}}
+    rollout = scored.rollout
+    vision = rollout.vision or []
+    return {
+        "images": [list(p.images or ()) if p is not None else [] for p in vision] if any(vision) else [],
+        "prompt": list(scored.prompts),
+        "completion": list(rollout.completions),
+        "rewards": {name: scored.rewards[:, i].tolist() for i, name in enumerate(reward_names)},
+        "advantages": advantages.tolist(),
+        "extra": {k: list(v) for k, v in scored.extra.items()},
+    }
+
+
 class CompletionLog:
     """The completions of the latest generation batch (prompt, completion, one column per reward function, the
     columns reward functions add with `log_extra`, advantage), shown and saved at each logging step. With

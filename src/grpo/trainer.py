@@ -83,7 +83,7 @@ from grpo.losses import (
     off_policy_mask,
     policy_loss,
 )
-from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics
+from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics, trl_logs
 from grpo.modeling import generation_eos, model_name
 from grpo.optimization import TrainingError
 from grpo.perf import allocator, attention
@@ -185,6 +185,7 @@ class GRPOTrainer:
         self.step_applied = False  # whether the current step's optimizer step has been applied
         self.metrics: MetricsLogger | None = None  # made by train()
         self.completion_log = CompletionLog(args, self.rewards.names) if args.log_completions else None
+        self.latest_batch: tuple[Scored, torch.Tensor] | None = None  # the last generation batch and its advantages
         self.eval_dataset = eval_dataset
         self.evaluations = evaluation.build(eval_dataset, args, self.prompts, self.accelerator.num_processes)
         self.diagnosis = Diagnosis()  # what the logged metrics say is going wrong: one warning each
@@ -479,6 +480,7 @@ class GRPOTrainer:
         reporting.count_tokens(self.state, self.metrics, generated.batch.rollout, batch, self.accelerator, mode)
         names, tools = self.rewards.names, self.rollouts.uses_tools
         self.metrics.add_many(generation_metrics(generated, advantages, names, self.args.dynamic_sampling, tools))
+        self.latest_batch = (generated.batch, advantages.advantages)  # trainer._logs
         if self.completion_log is not None:
             self.completion_log.record(generated.batch, advantages.advantages, self.tokenizer)
 
@@ -506,6 +508,13 @@ class GRPOTrainer:
             self._fire("save")
 
     # ---- TRL's documented helpers ----------------------------------------------------------------------------
+
+    @property
+    def _logs(self) -> dict[str, Any]:
+        """The latest generation batch as TRL's `trainer._logs` holds it (callbacks written for TRL read it):
+        prompt, completion, rewards, advantages, extra (`log_extra` columns), images (`grpo.metrics.trl_logs`)."""
+        scored, advantages = self.latest_batch or (None, None)
+        return trl_logs(scored, advantages, self.rewards.names)
 
     get_off_policy_mask = staticmethod(off_policy_mask)  # (advantages, logps, sampling logps, mask, threshold)
 

@@ -473,9 +473,9 @@ def _accelerator_config(value: Any) -> Any:
     if value is None:
         return AcceleratorConfig()
     if isinstance(value, str):
-        value = AcceleratorConfig.from_json_file(value) if os.path.isfile(value) else _json_dict("accelerator_config", value)
-        if isinstance(value, AcceleratorConfig):
-            return value
+        if os.path.isfile(value):
+            return AcceleratorConfig.from_json_file(value)
+        value = _json_dict("accelerator_config", value)
     if not isinstance(value, dict):
         raise ValueError(f"GRPOConfig: accelerator_config={value!r:.80} must be a dict, a JSON string or file path.")
     known = {f.name for f in dataclasses.fields(AcceleratorConfig)}

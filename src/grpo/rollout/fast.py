@@ -107,6 +107,11 @@ def unsupported_reason(model: Any, args: Any) -> str | None:
         return f"cache_implementation={args.cache_implementation!r} is set (the fast path uses a dynamic cache)"
     if not getattr(model, "_supports_cache_class", True) or getattr(model.config, "is_encoder_decoder", False):
         return "the model does not use transformers' dynamic KV cache"
+    if getattr(model, "_is_stateful", False):  # NemotronH, Jamba, Qwen3-Next, Mamba...
+        return (
+            "the model keeps recurrent state (Mamba or linear-attention layers), which the fast engine's "
+            "shared-prefix KV cache does not hold"
+        )
     return None
 
 
