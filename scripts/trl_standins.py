@@ -31,7 +31,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 ORG = "trl-internal-testing"
-VERSION = "3"  # bump to rebuild cached stand-ins
+VERSION = "4"  # bump to rebuild cached stand-ins
 
 # Sizes shared by every text model: small enough that a test's steps take well under a second.
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -236,8 +236,9 @@ def build_datasets(root: Path) -> None:
     def conversational():
         return [[{"role": "user", "content": p}] for p in prompts]
 
-    def image_conversational():
-        return [[{"role": "user", "content": [{"type": "text", "text": p}]}] for p in prompts]
+    def multi_image_conversational(counts):
+        blocks = [[{"type": "image", "text": None}] * n for n in counts]
+        return [[{"role": "user", "content": [*b, {"type": "text", "text": p}]}] for b, p in zip(blocks, prompts)]
 
     _write_dataset(
         root / ORG / "zen",
@@ -248,12 +249,14 @@ def build_datasets(root: Path) -> None:
             ),
         },
     )
+    # as TRL's: zen-image's prompts are plain text (the trainer places the image), zen-multi-image's hold one
+    # {"type": "image"} block per image of the row
     _write_dataset(
         root / ORG / "zen-image",
         {
             "conversational_prompt_only": lambda: Dataset.from_dict(
-                {"prompt": image_conversational(), "image": _images(len(prompts), 0)},
-                features=Features(prompt=image_message, image=Image()),
+                {"prompt": conversational(), "image": _images(len(prompts), 0)},
+                features=Features(prompt=message, image=Image()),
             )
         },
     )
@@ -263,7 +266,10 @@ def build_datasets(root: Path) -> None:
         root / ORG / "zen-multi-image",
         {
             "conversational_prompt_only": lambda: Dataset.from_dict(
-                {"prompt": image_conversational(), "images": [[next(flat) for _ in range(n)] for n in counts]},
+                {
+                    "prompt": multi_image_conversational(counts),
+                    "images": [[next(flat) for _ in range(n)] for n in counts],
+                },
                 features=Features(prompt=image_message, images=List(Image())),
             )
         },

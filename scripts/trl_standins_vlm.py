@@ -19,9 +19,12 @@ processors of Qwen2-VL, Qwen2.5-VL, Qwen3.5 (``Qwen3VLProcessor``), Gemma 4 and 
   class is recorded and loading needs torchvision.
 - SmolVLM: ``Idefics3Processor`` (SmolVLM's first release ships it; its image handling is SmolVLM's) with the
   SmolVLM model class.
-- Gemma 4: no transformers processor does Gemma 4's variable-length image blocks without a video processor, so the
-  real ``Gemma4Processor`` is recorded; ``AutoProcessor`` cannot load it without torchvision.
-  ``images_only_processor`` builds it (video half left out) in a process that imports this module.
+- Gemma 4: ``Gemma4Processor`` cannot even be imported without torchvision, and no other transformers processor
+  writes Gemma 4's variable-length image blocks, so the real class is recorded (with the audio feature extractor
+  and video processor sections it saves) and ``AutoProcessor`` fails here.
+
+``images_only_processor(path)`` builds a working images-only processor for the stand-ins that record a real class
+(Gemma 4; the Qwen families too when ``LOADABLE_SUBSTITUTES`` is false), in a process that imports this module.
 """
 
 from __future__ import annotations
@@ -70,11 +73,11 @@ def _template(name: str) -> str:
     return trl_template(name)
 
 
-def _tokenizer(make_tokenizer, template: str, eos: str, named: dict[str, str] | None = None, extra=(), pad=None):
+def _tokenizer(make_tokenizer, template: str, eos: str, named: dict[str, str] | None = None, extra=()):
     """`make_tokenizer`'s tokenizer, plus named multimodal tokens (``tokenizer.image_token`` and the like, which the
     processors read) saved in its config as the hub tokenizers do."""
     named = named or {}
-    tok = make_tokenizer(template, eos, pad=pad, extra=tuple(extra) + tuple(named.values()))
+    tok = make_tokenizer(template, eos, extra=tuple(extra) + tuple(named.values()))
     if not named:
         return tok
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,23 +94,14 @@ def _id(tok, token: str) -> int:
 
 
 def _images_only(processor_class):
-    """`processor_class` with its video processor (and any other sub-processor passed as None) left out."""
+    """A Qwen-family `processor_class` (``__init__(image_processor, tokenizer, video_processor, chat_template)``)
+    without its video processor: ``ProcessorMixin`` takes its sub-processors from the subclass's signature, so the
+    video processor the parent passes on is dropped."""
 
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument is None:
-            return None
-        return processor_class.check_argument_for_proper_class(self, argument_name, argument)
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
-    def to_dict(self):
-        saved = {key: value for key, value in self.__dict__.items() if value is not None}
-        missing = {key: self.__dict__.pop(key) for key in list(self.__dict__) if key not in saved}
-        try:
-            return processor_class.to_dict(self)
-        finally:
-            self.__dict__.update(missing)
-
-    namespace = {"check_argument_for_proper_class": check_argument_for_proper_class, "to_dict": to_dict}
-    return type(f"{processor_class.__name__}ImagesOnly", (processor_class,), namespace)
+    return type(f"{processor_class.__name__}ImagesOnly", (processor_class,), {"__init__": __init__})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,7 +147,7 @@ def _qwen_processor(real_class: str, tok, template: str):
         size=dict(images.size),
     )
     cls = _images_only(getattr(transformers, real_class))
-    processor = cls(image_processor=images, tokenizer=tok, video_processor=None, chat_template=template)
+    processor = cls(image_processor=images, tokenizer=tok, chat_template=template)
     return processor, real_class, {"video_processor": video}
 
 
@@ -658,8 +652,6 @@ def images_only_processor(path: str | Path):
     else:
         cls = _images_only(getattr(transformers, real_class))
     kwargs = {key: value for key, value in config.items() if not isinstance(value, dict)}
-    if "video_processor" in cls.get_attributes():
-        kwargs["video_processor"] = None
     template = path / "chat_template.jinja"
     if template.exists():
         kwargs["chat_template"] = template.read_text()

@@ -79,6 +79,8 @@ def _shim_import_utils(text: str) -> str:
 
 def run(test_file: Path, standins: Path, junit: Path, pytest_args: list[str]) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # datasets caches a local directory's data by its relative name: a cache of the stand-ins' own, rebuilt with them
+    env["HF_DATASETS_CACHE"] = str(standins / "datasets-cache")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
     command = [sys.executable, "-m", "pytest", str(test_file), "-p", "no:cacheprovider", "-q", "-rN"]
     command += [f"--junitxml={junit}", f"--rootdir={test_file.parent.parent}", *pytest_args]

@@ -107,6 +107,24 @@ def test_the_trained_sequence_is_the_sampled_tokens_plus_the_tool_turns(tmp_path
     assert batch.completion_attention[0, : len(rollout.loss_mask[0])].tolist() == [1] * len(rollout.loss_mask[0])
 
 
+def test_a_template_that_rerenders_earlier_turns_trains_the_sampled_tokens(tmp_path):
+    """Qwen3's template drops an earlier assistant turn's reasoning once more turns follow (not prefix-preserving):
+    the trained sequence still is the sampled tokens plus the template's own tool turn, nothing re-rendered."""
+    trainer = make_trainer(tmp_path, call_then_answer, args={"max_steps": 1})
+    tok, engine = trainer.processing_class, trainer.engine
+    tok.chat_template = CHATML_TOOLS.replace(  # the last assistant turn shows a reasoning block, earlier ones not
+        "{% for call in message.get('tool_calls') or [] %}",
+        "{% if loop.last %}<think></think>{% endif %}{% for call in message.get('tool_calls') or [] %}",
+    )
+    rollout = trainer._generate(GROUPS).rollout
+    first, second = engine.turn_ids(CALL), engine.turn_ids("6")
+    suffix = tok("\n<|im_start|>tool\n6<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert rollout.completion_ids[0] == first + suffix + second
+    assert rollout.loss_mask[0] == [1] * len(first) + [0] * len(suffix) + [1] * len(second)
+    trainer.train()
+    assert trainer.state.log_history[-1]["tools/call_frequency"] == 0.5
+
+
 def test_training_logs_tool_metrics_and_lengths_of_model_tokens_only(tmp_path):
     trainer = make_trainer(tmp_path, call_then_answer)
     trainer.train()

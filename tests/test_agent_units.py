@@ -248,14 +248,24 @@ def test_a_template_without_tool_support_is_refused_with_how_to_supply_one():
     check_tool_template(tool_tokenizer())
 
 
-def test_a_template_that_does_not_preserve_prefixes_is_refused():
+def test_a_template_that_rerenders_earlier_turns_gets_its_tool_turn_and_one_that_merges_turns_is_refused():
     tok = tool_tokenizer()
-    # renders an assistant turn with calls differently once more turns follow (as Qwen3's drops earlier thinking)
+    stop = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
+    # renders an assistant turn with calls differently once more turns follow (as Qwen3's drops earlier thinking):
+    # not prefix-preserving, yet the tool turn after the call's end-of-turn is the template's own
     tok.chat_template = CHATML_TOOLS.replace(
         "{% for call in message.get('tool_calls') or [] %}",
-        "{% if not loop.last %}(earlier){% endif %}{% for call in message.get('tool_calls') or [] %}",
+        "{% if loop.last %}(thinking){% endif %}{% for call in message.get('tool_calls') or [] %}",
     )
-    with pytest.raises(ValueError, match="does not preserve prefixes"):
+    check_tool_template(tok)
+    suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "multiply", "content": "12"}], stop)
+    assert tok.decode(suffix) == "\n<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n"
+    # an assistant turn left open when a tool result follows: no token tells where the tool's turn begins
+    tok.chat_template = CHATML_TOOLS.replace(
+        "{% endif %}}</tool_call>{% endfor %}<|im_end|>\n",
+        "{% endif %}}</tool_call>{% endfor %}{% if loop.last %}<|im_end|>{% endif %}\n",
+    )
+    with pytest.raises(ValueError, match="turns cannot be told apart"):
         check_tool_template(tok)
 
 

@@ -164,7 +164,9 @@ def test_reward_function_arity_and_weights_checked_up_front(tiny_model_dir, tmp_
             train_dataset=chat_dataset(),
             args=cfg(tmp_path),
         )
-    with pytest.raises(ValueError, match="reward_processing_classes has 1 entries but there are 2"):
+    with pytest.raises(
+        ValueError, match=r"number of reward processing classes \(1\) must match the number of reward functions \(2\)"
+    ):
         GRPOTrainer(
             model=tiny_model_dir,
             reward_funcs=[length_reward, length_reward],

@@ -35,20 +35,34 @@ def test_train_ends_log_history_with_the_hf_trainers_summary_record(tiny_model_d
     trainer = trainer_for(tiny_model_dir, tmp_path, max_steps=3)
     trainer.add_callback(Watch())
     output = trainer.train()
-    last = trainer.state.log_history[-1]
-    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
-    assert len(losses) == 3
+    rows = trainer.state.log_history
+    last = rows[-1]
+    losses = [row["loss"] for row in rows]
+    assert len(rows) == 3  # the record completes the last step's row (grpo always logs the last step)
     assert last["train_loss"] == pytest.approx(sum(losses) / 3)
-    assert last["step"] == 3 and last["epoch"] == trainer.state.epoch
+    assert last["step"] == 3 and last["epoch"] == trainer.state.epoch and "reward" in last
     for key in ("train_runtime", "train_samples_per_second", "train_steps_per_second"):
         assert last[key] > 0
     # 6 x non-embedding parameters x positions trained (prompt + completion, padding included), as the HF Trainer
     assert last["total_flos"] > 0 and last["total_flos"] == trainer.state.total_flos
     assert last["total_flos"] % (6 * trainer.unwrapped_model.num_parameters(exclude_embeddings=True)) == 0
-    assert seen[-1] == last  # callbacks' on_log sees it, as the HF Trainer's
+    # callbacks' on_log gets the record by itself, as from the HF Trainer
+    assert seen[-1] == {k: last[k] for k in seen[-1]} and "loss" not in seen[-1] and "train_loss" in seen[-1]
     assert output.metrics["train_loss"] == last["train_loss"] and output.training_loss == last["train_loss"]
-    # as TRL's record, it carries the latest metrics (grpo logs the last step: that row's), not the per-step loss
-    assert "loss" not in last and last["reward"] == trainer.state.log_history[-2]["reward"]
+    assert output.metrics["loss"] == last["loss"]  # train()'s output: the last row's metrics and the record
+    metrics_file = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics_file) == 3 and "train_loss" not in metrics_file[-1]  # the per-step rows only
+
+
+def test_a_run_ending_on_an_evaluation_gets_a_record_row_of_its_own(tiny_model_dir, tmp_path):
+    trainer = trainer_for(
+        tiny_model_dir, tmp_path, max_steps=2, eval_dataset=chat_dataset(2), eval_strategy="steps", eval_steps=2
+    )
+    trainer.train()
+    *_, training, evaluated, record = trainer.state.log_history
+    assert "loss" in training and "eval_reward" in evaluated and record["step"] == 2
+    assert record["train_loss"] == pytest.approx((trainer.state.log_history[0]["loss"] + training["loss"]) / 2)
+    assert record["reward"] == training["reward"] and "loss" not in record
 
 
 def test_total_flos_is_saved_and_resumed(tiny_model_dir, tmp_path):
@@ -305,3 +319,40 @@ def test_a_hybrid_mamba_model_generates_and_trains(tmp_path):
     assert row["sampling/sampling_logp_difference/max"] < 1e-4
     changed = [n for n, p in trainer.unwrapped_model.named_parameters() if not torch.equal(p, before[n])]
     assert any("mixer.in_proj" in n for n in changed) and any("self_attn" in n or "mixer.q_proj" in n for n in changed)
+
+
+def test_reward_processing_classes_one_per_function(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from grpo import GRPOTrainer
+    from tiny import make_tokenizer
+
+    reward_model = str(tmp_path / "rm")
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tok = make_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_labels=1, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    LlamaForSequenceClassification(config).save_pretrained(reward_model)
+    tok.save_pretrained(reward_model)
+    given = AutoTokenizer.from_pretrained(reward_model)
+
+    def build(funcs, classes):
+        return GRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=funcs,
+            reward_processing_classes=classes,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path),
+        )
+
+    with pytest.raises(ValueError, match=r"reward processing classes \(1\) must match .* reward functions \(2\)"):
+        build([reward_model, length_reward], given)  # one object is a list of one, as in TRL
+    trainer = build([reward_model, length_reward], [given, None])
+    assert trainer.reward_processing_classes[0] is given and trainer.reward_processing_classes[1] is None
+    single = build(reward_model, given)
+    assert single.reward_processing_classes == [given]
+    own = build(reward_model, None)  # the reward model's own tokenizer, loaded with it
+    assert type(own.reward_processing_classes[0]).__name__ == type(given).__name__

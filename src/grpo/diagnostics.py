@@ -46,7 +46,7 @@ class Finding:
 
 
 def _training_rows(rows: Sequence[dict]) -> list[dict]:
-    return [r for r in rows if ("loss" in r or "reward" in r) and "train_runtime" not in r]  # not train()'s record
+    return [r for r in rows if "loss" in r or "reward" in r]
 
 
 def _values(rows: Sequence[dict], key: str) -> list[float]:

@@ -4,7 +4,8 @@ memory back: the logging fields of `GRPOConfig`, with the HF Trainer's meaning (
 - `logging_strategy`: "steps" logs every `logging_steps` optimizer steps, "epoch" at the end of each epoch
   (`steps_per_epoch` optimizer steps), "no" never; "steps" and "epoch" also log the last step (the run's
   summary, `train()`'s metrics), `logging_first_step` also step 1 (with "no" too, as in the HF Trainer). A
-  logged step appends one row to `state.log_history` and metrics.jsonl; nothing else does.
+  logged step appends one row to `state.log_history` and metrics.jsonl; evaluations append theirs, and `train()`
+  adds the HF Trainer's summary record to the last row (`add_summary`; not in metrics.jsonl).
 - `log_level` / `log_level_replica`: the level of the "grpo" logger and of transformers' logging on a process
   that is a main process for logging, and on the others; "passive" leaves it as it is. With
   `log_on_each_node` (the default) each node's first process is a main one, otherwise only the global first.
@@ -139,14 +140,21 @@ def train_summary(args: Any, state: Any, seconds: float, first_step: int, traini
     }
 
 
-def summary_record(rows: list[dict[str, Any]], summary: dict[str, float], step: int) -> dict[str, Any]:
-    """The record `train()` appends to log_history last, as the HF Trainer does (`train_loss`, `train_runtime`,
-    `total_flos`, ..., `epoch`, `step`). As in TRL, whose record also carries the metrics logged since the last row,
-    it carries the run's latest training metrics (grpo always logs the last step, so: the last training row's, less
-    its per-step loss, grad_norm and learning_rate), so `log_history[-1]["reward"]` is the run's last reward."""
-    latest = next((r for r in reversed(rows) if "loss" in r and "train_runtime" not in r), {})
+def add_summary(rows: list[dict[str, Any]], summary: dict[str, float], step: int) -> dict[str, Any]:
+    """End log_history with the HF Trainer's end-of-training record (`train_loss`, `train_runtime`, `total_flos`,
+    ..., `epoch`, `step`), so `log_history[-1]` holds it, as the HF Trainer's and TRL's do. grpo always logs the last
+    step, so the record completes that step's row (which thus also holds the run's last metrics, as TRL's record
+    holds those logged since its last row); a run whose last row is not that step's training row (an evaluation
+    after it, a run resumed at its end) gets a row of its own with the latest training metrics. Returns the record,
+    for the callbacks' on_log."""
+    record = {**summary, "step": step}
+    if rows and rows[-1].get("step") == step and "loss" in rows[-1]:
+        rows[-1].update(record)
+        return record
+    latest = next((r for r in reversed(rows) if "loss" in r), {})
     skip = ("loss", "grad_norm", "learning_rate", "step", "epoch")
-    return {**{k: v for k, v in latest.items() if k not in skip}, **summary, "step": step}
+    rows.append({**{k: v for k, v in latest.items() if k not in skip}, **record})
+    return record
 
 
 def non_embedding_parameters(model: Any) -> int:

@@ -212,6 +212,12 @@ class GRPOTrainer:
         return self.accelerator.unwrap_model(self.model)
 
     @property
+    def reward_processing_classes(self) -> list[Any]:
+        """Each reward function's tokenizer, as TRL holds them: a reward model's (given or its own), None for a plain
+        function."""
+        return [getattr(func, "tokenizer", None) for func in self.rewards.funcs]
+
+    @property
     def aux_loss_enabled(self) -> bool:
         """Whether a mixture-of-experts router's load-balancing loss is added to the loss (logged as `aux_loss`)."""
         return self.loss_terms.router_aux
@@ -270,10 +276,8 @@ class GRPOTrainer:
             self.hub.finish_completions_upload()
             loss = total_loss / max(self.state.global_step, 1)
             summary = reporting.train_summary(a, self.state, time.perf_counter() - start, first, loss)
-            last = (self.state.log_history or [{}])[-1]
-            record = reporting.summary_record(self.state.log_history, summary, self.state.global_step)
-            self.state.log_history.append(record)
-            self._fire("log", logs=self.state.log_history[-1])
+            last = dict((self.state.log_history or [{}])[-1])
+            self._fire("log", logs=reporting.add_summary(self.state.log_history, summary, self.state.global_step))
             self._fire("train_end")
         end_training(self.accelerator)
         return TrainOutput(self.state.global_step, loss, {**last, **summary})

@@ -61,7 +61,7 @@ class Rollouts:
         self.tool_names = [*self.tools.tools, *(environments.tool_names if environments else ())]
         self.loop = None
         if self.uses_tools:
-            check_tool_template(self.tokenizer, args.chat_template_kwargs)
+            check_tool_template(self.tokenizer, args.chat_template_kwargs, self.stop_ids)
             source.tools = self.tools.schemas
             self.loop = ToolLoop(
                 self.tokenizer,

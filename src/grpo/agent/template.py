@@ -3,11 +3,11 @@ ids of a tool-result turn.
 
 - It renders the tools (`apply_chat_template(tools=...)`), an assistant turn's `tool_calls` and `tool` messages:
   a template that drops any of them would train the model on conversations it never sees.
-- It preserves prefixes: the tokens of [user, assistant with a call] are a prefix of those of the same plus a tool
-  message and the next assistant header. The trained sequence is built by appending the tool turn's tokens to the
-  tokens the model sampled, never by re-rendering (which could change tokens the model already produced), and
-  that is the same sequence the model would see in a rendered conversation only when the template preserves
-  prefixes.
+- Its turns can be told apart: the trained sequence is built by appending the tool turn's tokens (the template's
+  own rendering of it, after the calling assistant turn's end-of-turn token) to the tokens the model sampled,
+  never by re-rendering, which could change tokens the model already produced. A template that re-renders earlier
+  turns once more follow (Qwen3's drops earlier reasoning: it does not preserve prefixes) trains too: earlier turns
+  keep what the model sampled, as in TRL 1.16, whose training templates keep them.
 
 `CHATML_TOOLS` is a ChatML template with tools in the `<tool_call>` format, for ChatML models whose own template
 has no tool support (SmolLM2, the tiny test models): `tokenizer.chat_template = CHATML_TOOLS`.
@@ -62,9 +62,12 @@ def _call(name: str, arguments: dict) -> dict:
     }
 
 
-def check_tool_template(tokenizer: Any, chat_template_kwargs: dict | None = None) -> None:
-    """Raise one error naming what the template drops (tools, calls, tool results) or that it does not preserve
-    prefixes, and how to supply a template that works."""
+def check_tool_template(
+    tokenizer: Any, chat_template_kwargs: dict | None = None, stop_ids: set[int] | None = None
+) -> None:
+    """Raise one error naming what the template drops (tools, calls, tool results) or that its turns cannot be told
+    apart (`tool_suffix_ids`), and how to supply a template that works. `stop_ids`: the tokens that end a turn (EOS
+    and the template's end-of-turn; default: EOS and <|im_end|> where the vocabulary has it)."""
     kwargs = chat_template_kwargs or {}
     fix = (
         "Pass processing_class= a tokenizer whose chat_template renders `tools`, assistant `tool_calls` and "
@@ -98,22 +101,53 @@ def check_tool_template(tokenizer: Any, chat_template_kwargs: dict | None = None
             "differently: the model's calls would never be read. Set tokenizer.response_template for this model's "
             "format (transformers' response parsing), or use a template with the <tool_call> format (CHATML_TOOLS)."
         )
-    if not preserves_prefix(tokenizer, kwargs):
+    _check_turn_boundary(tokenizer, kwargs, stop_ids)
+
+
+def _check_turn_boundary(tokenizer: Any, kwargs: dict, stop_ids: set[int] | None) -> None:
+    """The tool turn must be found after the assistant turn that called it (`tool_suffix_ids`): checked on a sentinel
+    conversation, with the call before the boundary and the result after it."""
+    stops = set(stop_ids or ()) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    if not stop_ids and turn_end is not None:
+        stops.add(turn_end)
+    before, full, boundary = _rendered_around_tool_turn(
+        tokenizer, [{"role": "tool", "name": _NAME, "content": _CONTENT}], stops, kwargs
+    )
+    if (
+        boundary is None
+        or _CONTENT in tokenizer.decode(full[:boundary])
+        or _CONTENT not in tokenizer.decode(full[boundary:])
+        or _NAME not in tokenizer.decode(full[:boundary])
+    ):
         raise ValueError(
-            "The chat template does not preserve prefixes: the tokens of a conversation up to an assistant tool call "
-            "change when a tool result follows. Multi-turn training appends each tool result to the tokens the model "
-            "sampled, so it needs a template that renders earlier turns the same whatever follows (templates that "
-            "drop earlier reasoning, such as Qwen3's, do not). " + fix
+            "The chat template's turns cannot be told apart once a tool result follows: the assistant turn that "
+            "calls a tool does not end with an end-of-turn token before the tool's turn begins. Multi-turn training "
+            "appends each tool turn to the tokens the model sampled, so it needs to find where the assistant turn "
+            "ends. Pass processing_class= a tokenizer whose chat_template closes every turn (for a ChatML model: "
+            "tokenizer.chat_template = grpo.agent.CHATML_TOOLS)."
         )
 
 
-def preserves_prefix(tokenizer: Any, chat_template_kwargs: dict | None = None) -> bool:
-    kwargs = chat_template_kwargs or {}
-    before = [{"role": "user", "content": "dummy"}, _call("dummy", {})]
-    after = [*before, {"role": "tool", "name": "dummy", "content": "dummy"}]
-    ids1 = _ids(tokenizer.apply_chat_template(before, tokenize=True, **kwargs))
-    ids2 = _ids(tokenizer.apply_chat_template(after, tokenize=True, add_generation_prompt=True, **kwargs))
-    return ids2[: len(ids1)] == ids1
+def _rendered_around_tool_turn(
+    tokenizer: Any, tool_messages: Sequence[dict], stop_ids: set[int], kwargs: dict
+) -> tuple[list[int], list[int], int | None]:
+    """[user, assistant calling the tool] rendered alone and with the tool turn(s) and the next assistant header, and
+    where the assistant turn ends in the latter: after as many stop tokens (EOS, end-of-turn) as the former holds.
+    Counting turns, not comparing tokens, finds it also where a template re-renders earlier turns once more follow
+    (Qwen3's drops an earlier turn's empty reasoning block)."""
+    before = [{"role": "user", "content": "dummy"}, _call(tool_messages[0]["name"], {})]
+    prefix = _ids(tokenizer.apply_chat_template(before, tokenize=True, **kwargs))
+    full = _ids(
+        tokenizer.apply_chat_template([*before, *tool_messages], tokenize=True, add_generation_prompt=True, **kwargs)
+    )
+    turns = sum(1 for token in prefix if token in stop_ids)
+    seen = 0
+    for i, token in enumerate(full):
+        seen += token in stop_ids
+        if turns and seen == turns:
+            return prefix, full, i + 1
+    return prefix, full, None
 
 
 def tool_suffix_ids(
@@ -121,23 +155,16 @@ def tool_suffix_ids(
 ) -> list[int]:
     """The tokens a rendered conversation puts after an assistant turn's end-of-turn token when the tool results
     follow: the tool turn(s) and the next assistant header. Measured on a stand-in conversation whose assistant turn
-    calls the real tool (some templates name the tool in the result's header), cut after its last stop token (EOS
-    or end-of-turn: where the model's own sampled turn ends)."""
-    kwargs = chat_template_kwargs or {}
-    before = [{"role": "user", "content": "dummy"}, _call(tool_messages[0]["name"], {})]
-    prefix = _ids(tokenizer.apply_chat_template(before, tokenize=True, **kwargs))
-    full = _ids(
-        tokenizer.apply_chat_template([*before, *tool_messages], tokenize=True, add_generation_prompt=True, **kwargs)
-    )
-    ends = [i for i, token in enumerate(prefix) if token in stop_ids]
-    if ends:
-        prefix = prefix[: ends[-1] + 1]
-    if full[: len(prefix)] != prefix:
+    calls the real tool (some templates name the tool in the result's header), after its assistant turn (the turn's
+    stop tokens counted: where the model's own sampled turn ends). The model's sampled tokens are never re-rendered,
+    so a template that renders earlier turns differently once more follow (Qwen3's) trains on what was sampled."""
+    _, full, boundary = _rendered_around_tool_turn(tokenizer, tool_messages, stop_ids, chat_template_kwargs or {})
+    if boundary is None:
         raise ValueError(
-            "The chat template renders the turns before a tool result differently once the result follows; "
-            "multi-turn training needs a prefix-preserving template (see grpo.agent.CHATML_TOOLS)."
+            "The chat template's assistant turn has no end-of-turn token once a tool result follows: grpo cannot "
+            "tell where the tool's turn begins (see grpo.agent.CHATML_TOOLS for a template that works)."
         )
-    return full[len(prefix) :]
+    return full[boundary:]
 
 
 def _ids(rendered: Any) -> list[int]:

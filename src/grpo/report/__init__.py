@@ -181,7 +181,7 @@ class RunReport:
             return False
         total = self.state.max_steps
         status = status or ("running", f"at step {self.state.global_step} of {total}; refreshed at logging steps")
-        rows = [r for r in self.state.log_history if "train_runtime" not in r]  # not train()'s own record
+        rows = list(self.state.log_history)
         ok = self._safely(self._write, rows, status)
         self.estimate = self.clock() - start
         self.spent += self.estimate

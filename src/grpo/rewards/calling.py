@@ -52,15 +52,16 @@ def check_reward_funcs(
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs:
         raise ValueError("reward_funcs is empty: pass at least one reward function.")
-    if isinstance(processing_classes, (list, tuple)):
-        if len(processing_classes) != len(funcs):
+    if processing_classes is None:
+        tokenizers = [None] * len(funcs)
+    else:  # one object stands for a list of one, as in TRL 1.16 (two reward models rarely share a vocabulary)
+        tokenizers = list(processing_classes) if isinstance(processing_classes, (list, tuple)) else [processing_classes]
+        if len(tokenizers) != len(funcs):
             raise ValueError(
-                f"reward_processing_classes has {len(processing_classes)} entries but there are "
-                f"{len(funcs)} reward functions: give one entry per function (None for functions)."
+                f"The number of reward processing classes ({len(tokenizers)}) must match the number of reward "
+                f"functions ({len(funcs)}): give reward_processing_classes one entry per function (None for plain "
+                "functions and for reward models that use their own tokenizer)."
             )
-        tokenizers = list(processing_classes)
-    else:
-        tokenizers = [processing_classes] * len(funcs)
     out = []
     for func, tokenizer in zip(funcs, tokenizers):
         if isinstance(func, (str, torch.nn.Module)):
