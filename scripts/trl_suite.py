@@ -12,7 +12,8 @@ What changes between the two runs is one line: ``from trl import GRPOConfig, GRP
 models and the ``trl-internal-testing/zen`` datasets are replaced by local stand-ins (``scripts/trl_standins.py``),
 found as directories of the same relative names from the working directory the tests run in; the hub is offline.
 
-Prints one line per test (TRL's outcome, grpo's) and the totals, and writes ``results.json`` in --out.
+Prints one line per test (TRL's outcome, grpo's, and why where a test is not passed: `REASONS`) and the totals, and
+writes ``results.json`` and ``table.md`` (the README's table) in --out.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ def _shim_import_utils(text: str) -> str:
     helpers move between releases): define each missing one as "the package is importable", for both runs."""
     import importlib
 
-    import_utils = importlib.import_module("trl.import_utils")
     block = re.search(r"from trl\.import_utils import \(([^)]*)\)", text)
-    names = re.findall(r"is_\w+_available", block.group(1)) if block else []
-    missing = [n for n in names if not hasattr(import_utils, n)]
+    if block is None:
+        return text
+    import_utils = importlib.import_module("trl.import_utils")
+    missing = [n for n in re.findall(r"is_\w+_available", block.group(1)) if not hasattr(import_utils, n)]
     if not missing:
         return text
     header = [
@@ -102,6 +104,50 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
     return result
 
 
+# Why a test does not pass, by a part of its name: for TRL and grpo alike (the stand-ins), or for grpo alone (a
+# deliberate difference, or a TRL-private attribute the test reads). Printed beside each such test.
+REASONS = {
+    "TestGRPORolloutDispatch::": "TRL-private: calls TRL's `_generate` on a hand-made object of TRL's private "
+    "attributes (`_last_loaded_step`, `vllm_generation`, `_metrics`)",
+    "test_iterable_eval_keeps_map_style_train_workers": "deliberate: grpo builds no DataLoader (rows are read by "
+    "the trainer), so there is no `get_train_dataloader`/`get_eval_dataloader`",
+    "test_liger_kernel_with_peft_lm_head_raises": "deliberate: `use_liger_kernel` has no effect in grpo (it warns), "
+    "so a LoRA on lm_head trains and there is nothing to refuse",
+    "test_liger_kernel_with_peft_": "stand-ins: Liger is not installed (TRL fails these too)",
+    "test_entropy_bonus_flows_gradients": "TRL-private: reads `_entropy_bonus_enabled` and calls "
+    "`_get_per_token_logps_and_entropies`",
+    "test_prepare_input_called_with_correct_data": "TRL-private: patches the HF Trainer's `training_step`; the "
+    "expected rows are the hub dataset's order",
+    "test_train_with_tools[": "stand-ins: the test's scripted completions are Qwen token ids (151657, ...), "
+    "outside the stand-in tokenizer's vocabulary",
+    "test_train_with_environment_factory": "stand-ins: scripted completions in Qwen token ids",
+    "test_train_with_environment_owned_data": "stand-ins: scripted completions in Qwen token ids",
+    "test_train_with_environment_owned_reward": "stand-ins: scripted completions in Qwen token ids",
+    "test_train_with_malformed_tool_calls": "stand-ins: scripted completions in Qwen token ids",
+    "test_train_with_mask_truncated_completions": "stand-ins: scripted completions in Qwen token ids",
+    "test_train_with_multiple_environments": "stand-ins: scripted completions in Qwen token ids",
+    "test_train_with_tools_multimodal_response": "stand-ins: scripted completions in Qwen3.5 token ids",
+    "test_train_moe_peft_model": "TRL 1.16 fails it here (a 'ref' adapter left in the PEFT config)",
+    "Gemma4": "stand-ins: Gemma 4's processor imports torchvision, which has no build for this torch",
+}
+
+
+def reason(name: str) -> str:
+    return next((why for key, why in REASONS.items() if key in name), "")
+
+
+def markdown(table: dict, trainers: tuple[str, ...]) -> str:
+    """The README's table: every test not passed by both, with why."""
+    lines = ["| test | " + " | ".join(trainers) + " | why |", "|---|" + "---|" * len(trainers) + "---|"]
+    for name, cells in table.items():
+        outcomes = [cells[t][0] for t in trainers]
+        if all(o == "passed" for o in outcomes) or all(o == "skipped" for o in outcomes):
+            continue
+        why = reason(name) or next((cells[t][1] for t in reversed(trainers) if cells[t][0] != "passed"), "")
+        lines.append(f"| `{name}` | " + " | ".join(outcomes) + f" | {why} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -131,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     names = sorted(set().union(*results.values()))
     table = {name: {t: results[t].get(name, ("absent", "")) for t in trainers} for name in names}
     (out / "results.json").write_text(json.dumps(table, indent=1))
+    (out / "table.md").write_text(markdown(table, trainers))
     for name in names:
         cells = "  ".join(f"{t}={table[name][t][0]:<7}" for t in trainers)
-        note = next((table[name][t][1] for t in reversed(trainers) if table[name][t][0] in ("failed", "error")), "")
+        note = reason(name) or next(
+            (table[name][t][1] for t in reversed(trainers) if table[name][t][0] in ("failed", "error")), ""
+        )
         print(f"{cells}  {name}  {note}")
     for t in trainers:
         counts = {k: sum(1 for v in results[t].values() if v[0] == k) for k in ("passed", "failed", "error", "skipped")}

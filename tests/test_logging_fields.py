@@ -102,9 +102,11 @@ def test_logging_strategy_no_writes_no_rows(tiny_model_dir, tmp_path):
         args=cfg(tmp_path, max_steps=2, logging_strategy="no"),
     )
     output = trainer.train()
-    assert trainer.state.log_history == [] and output.global_step == 2
     summary = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
-    assert set(output.metrics) == summary  # no logged row, only the end-of-training summary (as the HF Trainer)
+    summary.add("total_flos")
+    # no step's row: only the end-of-training summary, in the output and as log_history's one record (HF Trainer)
+    assert set(output.metrics) == summary and output.global_step == 2
+    assert [set(row) for row in trainer.state.log_history] == [summary | {"step"}]
     assert not os.path.exists(os.path.join(trainer.args.output_dir, "metrics.jsonl"))
     assert trainer.metrics.values == {}  # the window is not kept growing for a row that never comes
 
@@ -113,7 +115,8 @@ def test_logging_first_step_adds_step_one(tiny_model_dir, tmp_path):
     trainer = trained(tmp_path, tiny_model_dir, max_steps=4, logging_steps=3, logging_first_step=True)
     assert logged_steps(trainer) == jsonl_steps(trainer) == [1, 3, 4]
     only_first = trained(tmp_path / "no", tiny_model_dir, max_steps=2, logging_strategy="no", logging_first_step=True)
-    assert logged_steps(only_first) == jsonl_steps(only_first) == [1]
+    assert jsonl_steps(only_first) == [1]
+    assert logged_steps(only_first) == [1, 2] and "train_loss" in only_first.state.log_history[-1]  # the record
 
 
 def test_log_completions_with_nothing_logged_warns(tiny_model_dir, tmp_path):
