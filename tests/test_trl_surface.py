@@ -352,7 +352,19 @@ def test_reward_processing_classes_one_per_function(tiny_model_dir, tmp_path):
         build([reward_model, length_reward], given)  # one object is a list of one, as in TRL
     trainer = build([reward_model, length_reward], [given, None])
     assert trainer.reward_processing_classes[0] is given and trainer.reward_processing_classes[1] is None
+    assert trainer.reward_func_names == ["rm", "length_reward"]  # the reward model's directory name, as TRL
     single = build(reward_model, given)
     assert single.reward_processing_classes == [given]
     own = build(reward_model, None)  # the reward model's own tokenizer, loaded with it
     assert type(own.reward_processing_classes[0]).__name__ == type(given).__name__
+
+
+def test_accelerates_autocast_wrapper_is_dropped_without_the_models_own_decorators(tiny_model_dir, tmp_path):
+    """With mixed precision, accelerate wraps forward in autocast; grpo puts back the forward the model had (its
+    class's, transformers' decorators included: peeling every `__wrapped__` layer broke Gemma3's generate)."""
+    trainer = trainer_for(tiny_model_dir, tmp_path, bf16=True, max_steps=1)
+    model = trainer.unwrapped_model
+    assert "forward" not in vars(model) and "_original_forward" not in vars(model)
+    out = model(input_ids=torch.tensor([[5, 6, 7]]), return_dict=True)  # a decorated forward takes return_dict
+    assert out.logits.dtype == torch.float32  # outside accelerator.autocast(): float32, as before
+    trainer.train()

@@ -77,6 +77,20 @@ def build(model: Any, processing_class: Any, peft_config: Any, args: Any, fsdp_p
     return Models(policy, processing_class, tokenizer, ref, from_adapters)
 
 
+def _drop_autocast_wrapper(model: Any) -> None:
+    """Give the model back the forward it had before accelerate wrapped it in autocast. Not accelerate's
+    unwrap_model(keep_fp32_wrapper=False): it peels every `__wrapped__` layer, transformers' own forward decorators
+    too (Gemma3's and LLaVA-NeXT's `can_return_tuple`), after which generate fails with "got multiple values for
+    keyword argument 'return_dict'"."""
+    original = model.__dict__.pop("_original_forward", None)
+    if original is None:
+        return
+    if getattr(original, "__func__", None) is type(model).forward:
+        model.__dict__.pop("forward", None)  # the class's own forward again
+    else:
+        model.forward = original
+
+
 def prepare(accelerator: Any, args: Any, model: Any, optimizer: Any, ref_model: Any) -> tuple[Any, Any, Any]:
     """accelerate's placement and wrapping of the policy, its optimizer and the reference. The schedule is not handed
     to accelerate: its wrapper steps it once per process per step (it assumes a dataloader split across processes),
@@ -85,7 +99,7 @@ def prepare(accelerator: Any, args: Any, model: Any, optimizer: Any, ref_model: 
     model, optimizer = accelerator.prepare(model, optimizer)
     # Precision is set explicitly around each forward (accelerator.autocast()); drop accelerate's autocast wrapper on
     # forward so that code calling the model outside those regions (evaluation) gets float32.
-    accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    _drop_autocast_wrapper(accelerator.unwrap_model(model))
     if ref_model is not None:
         ref_model = zero.prepare_reference(accelerator, ref_model) or accelerator.prepare_model(
             ref_model, evaluation_mode=True

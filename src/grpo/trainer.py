@@ -212,6 +212,12 @@ class GRPOTrainer:
         return self.accelerator.unwrap_model(self.model)
 
     @property
+    def reward_func_names(self) -> list[str]:
+        """The reward functions' names, as their metrics (rewards/<name>/mean) and TRL name them: a function's
+        __name__, a reward model's name (the last part of its path), an environment's get_reward its class name."""
+        return list(self.rewards.names)
+
+    @property
     def reward_processing_classes(self) -> list[Any]:
         """Each reward function's tokenizer, as TRL holds them: a reward model's (given or its own), None for a plain
         function."""
