@@ -368,3 +368,28 @@ def test_accelerates_autocast_wrapper_is_dropped_without_the_models_own_decorato
     out = model(input_ids=torch.tensor([[5, 6, 7]]), return_dict=True)  # a decorated forward takes return_dict
     assert out.logits.dtype == torch.float32  # outside accelerator.autocast(): float32, as before
     trainer.train()
+
+
+def test_a_generate_replaced_on_the_model_is_what_samples(tiny_model_dir, tmp_path):
+    """TRL's tests (and wrappers) replace model.generate on the instance, and it may return token ids only: grpo's
+    engines then sample through it, and its tokens, which nothing scored, get no sampling correction."""
+    from unittest.mock import patch
+
+    trainer = trainer_for(tiny_model_dir, tmp_path, max_steps=1)
+    assert trainer.engine.name == "fast"
+    tok = trainer.processing_class
+    answer = tok("abc", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    calls = []
+
+    def scripted(input_ids, **kwargs):
+        calls.append(input_ids.shape)
+        return torch.cat([input_ids, torch.tensor([answer] * input_ids.shape[0])], dim=-1)
+
+    model = trainer.unwrapped_model
+    with patch.object(model, "generate", side_effect=scripted):
+        trainer.train()
+    assert calls and all(shape[0] == trainer.args.generation_batch_size for shape in calls)
+    assert all(c[0]["content"] == "abc" for c in trainer._logs["completion"])
+    row = trainer.state.log_history[-1]
+    assert row["completions/mean_length"] == len(answer)
+    assert row.get("sampling/sampling_logp_difference/max") is None  # unscored tokens: nothing to compare

@@ -42,6 +42,7 @@ from grpo.modeling import accepts_logits_to_keep, cache_argument, swapped_forwar
 from grpo.perf.kernels import fixed_linear
 from grpo.rollout import lean_decoder
 from grpo.rollout.base import Request, Rollout, assemble, expand, left_pad
+from grpo.rollout.plain import TransformersEngine
 
 logger = logging.getLogger("grpo")
 
@@ -134,6 +135,8 @@ class FastEngine:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.args = args
+        self._plain: TransformersEngine | None = None  # for a model whose generate is replaced (`generate`)
         self.compute_dtype = compute_dtype  # autocast's dtype, if any: linears then use weights cast once
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
         self.max_new_tokens = args.max_completion_length
@@ -151,6 +154,12 @@ class FastEngine:
 
     @torch.no_grad()
     def generate(self, requests: Sequence[Request]) -> Rollout:
+        if "generate" in vars(self.model):  # generate replaced on the instance (a wrapper, a test's patch): use it
+            if self._plain is None:
+                self._plain = TransformersEngine(
+                    self.model, self.tokenizer, self.args, self.stop_ids.tolist(), autocast=self.autocast
+                )
+            return self._plain.generate(requests)
         was_training = self.model.training
         self.model.eval()
         try:

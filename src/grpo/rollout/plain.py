@@ -120,16 +120,20 @@ class TransformersEngine:
         finally:
             self.model.train(was_training)
         preemption.check()
-        new_tokens = out.sequences[:, ids.shape[1] :]
-        # scores[t] are the processed logits the token at step t was drawn from; one step at a time keeps the
-        # extra memory at (B, V)
-        token_logps = torch.stack(
-            [
-                torch.log_softmax(s.float(), dim=-1).gather(-1, new_tokens[:, t, None])[:, 0]
-                for t, s in enumerate(out.scores)
-            ],
-            dim=1,
-        )
+        if isinstance(out, torch.Tensor):  # a replaced generate returning sequences only: tokens the engine did not
+            new_tokens = out[:, ids.shape[1] :]  # score (NaN log-probs: no sampling correction, as vLLM's unscored)
+            token_logps = torch.full(new_tokens.shape, float("nan"))
+        else:
+            new_tokens = out.sequences[:, ids.shape[1] :]
+            # scores[t] are the processed logits the token at step t was drawn from; one step at a time keeps the
+            # extra memory at (B, V)
+            token_logps = torch.stack(
+                [
+                    torch.log_softmax(s.float(), dim=-1).gather(-1, new_tokens[:, t, None])[:, 0]
+                    for t, s in enumerate(out.scores)
+                ],
+                dim=1,
+            )
         completions, logps = [], []
         for row, row_logps, budget in zip(new_tokens.tolist(), token_logps.tolist(), budgets):
             kept, _ = cut_at_stop(row[:budget], self.stop_ids)
