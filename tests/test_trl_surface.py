@@ -393,3 +393,38 @@ def test_a_generate_replaced_on_the_model_is_what_samples(tiny_model_dir, tmp_pa
     row = trainer.state.log_history[-1]
     assert row["completions/mean_length"] == len(answer)
     assert row.get("sampling/sampling_logp_difference/max") is None  # unscored tokens: nothing to compare
+    # transformers' own generate patched at the class, as TRL's tests do (for the whole test, construction too)
+    calls.clear()
+    with patch("transformers.generation.utils.GenerationMixin.generate", side_effect=scripted):
+        patched = trainer_for(tiny_model_dir, tmp_path / "class", max_steps=1)
+        patched.train()
+    assert calls and all(c[0]["content"] == "abc" for c in patched._logs["completion"])
+    assert trainer_for(tiny_model_dir, tmp_path / "again").engine.generate is not None  # unpatched: fast again
+    from grpo.rollout.fast import generate_replaced
+
+    assert not generate_replaced(trainer.unwrapped_model)
+
+
+def test_reward_weights_and_the_latest_environments(tiny_model_dir, tmp_path):
+    from grpo import GRPOTrainer
+
+    class Counter:
+        def reset(self, **kwargs):
+            self.count = 0
+            return None
+
+        def get_reward(self):
+            return float(self.count)
+
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        environment_factory=Counter,
+        args=cfg(tmp_path, max_steps=1, reward_weights=[0.5]),
+    )
+    assert trainer.reward_weights.tolist() == [0.5, 1.0] and trainer.reward_func_names == ["length_reward", "Counter"]
+    assert len(trainer.environments) == 0
+    trainer.train()
+    n = trainer.args.generation_batch_size
+    assert len(trainer.environments) == n and all(isinstance(trainer.environments[i], Counter) for i in range(n))

@@ -218,6 +218,11 @@ class GRPOTrainer:
         return list(self.rewards.names)
 
     @property
+    def reward_weights(self) -> torch.Tensor:
+        """Each reward function's weight (reward_weights, 1 for an environment's get_reward), as TRL holds them."""
+        return self.rewards.weights
+
+    @property
     def reward_processing_classes(self) -> list[Any]:
         """Each reward function's tokenizer, as TRL holds them: a reward model's (given or its own), None for a plain
         function."""

@@ -34,6 +34,7 @@ class Environments:
                 "{name: callable} (the dataset's 'environment' column picks one per row)."
             )
         self.pool: dict[Any, list] = {}
+        self.latest: list[Any] = []  # the latest rollouts' environments, one per row: TRL's trainer.environments[i]
         self.methods: dict[type, list[Tool]] = {}  # each class's tools, described once
         for name, make in self.factories.items():
             probe = make()
@@ -99,7 +100,17 @@ class Environments:
                 ) from err
             instances.append(environment)
             prompts.append(with_observation(list(example.get("prompt") or EMPTY_PROMPT), observation))
+        self.latest = instances
         return instances, prompts
+
+    def __getitem__(self, index: int) -> Any:
+        return self.latest[index]
+
+    def __len__(self) -> int:
+        return len(self.latest)
+
+    def __bool__(self) -> bool:  # an Environments is there (truthy) whether or not a rollout has run yet
+        return True
 
 
 def with_observation(prompt: list[dict], observation: Any) -> list[dict]:

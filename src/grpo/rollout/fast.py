@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers import (
     DynamicCache,
+    GenerationMixin,
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -116,6 +117,18 @@ def unsupported_reason(model: Any, args: Any) -> str | None:
     return None
 
 
+_TRANSFORMERS_GENERATE = GenerationMixin.__dict__["generate"]  # transformers' own, as grpo was imported
+
+
+def generate_replaced(model: Any) -> bool:
+    """Whether `model.generate` was replaced after the model was made: on the instance, or transformers' own patched
+    at the class (as TRL's tests do). A class that defines its own generate (PEFT's wrapper) does not count."""
+    if "generate" in vars(model):
+        return True
+    current = GenerationMixin.__dict__.get("generate")
+    return current is not _TRANSFORMERS_GENERATE and getattr(type(model), "generate", None) is current
+
+
 class FastEngine:
     """Prefix-shared, shrinking-batch sampling on an (unwrapped) transformers causal LM."""
 
@@ -154,7 +167,7 @@ class FastEngine:
 
     @torch.no_grad()
     def generate(self, requests: Sequence[Request]) -> Rollout:
-        if "generate" in vars(self.model):  # generate replaced on the instance (a wrapper, a test's patch): use it
+        if generate_replaced(self.model):  # a wrapper or a test's patch of generate: sample through it
             if self._plain is None:
                 self._plain = TransformersEngine(
                     self.model, self.tokenizer, self.args, self.stop_ids.tolist(), autocast=self.autocast
