@@ -165,12 +165,10 @@ def _qwen_ids(tok) -> dict:
     )
 
 
-def build_qwen2_vl(make_tokenizer):
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    tok, template = _qwen_vl_tokenizer(make_tokenizer, "qwen2_5_vl")
+def _qwen_vl_text(tok) -> dict:
+    """The text config Qwen2-VL and Qwen2.5-VL share here (multimodal RoPE over 3 sections)."""
     rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
-    text = dict(
+    return dict(
         vocab_size=len(tok),
         hidden_size=32,
         intermediate_size=64,
@@ -181,6 +179,13 @@ def build_qwen2_vl(make_tokenizer):
         rope_parameters=rope,
         **_token_ids(tok),
     )
+
+
+def build_qwen2_vl(make_tokenizer):
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    tok, template = _qwen_vl_tokenizer(make_tokenizer, "qwen2_5_vl")
+    text = _qwen_vl_text(tok)
     vision = dict(
         depth=2,
         embed_dim=16,
@@ -199,18 +204,7 @@ def build_qwen2_5_vl(make_tokenizer):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tok, template = _qwen_vl_tokenizer(make_tokenizer, "qwen2_5_vl")
-    rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rope_parameters=rope,
-        **_token_ids(tok),
-    )
+    text = _qwen_vl_text(tok)
     vision = dict(
         depth=2,
         hidden_size=16,
