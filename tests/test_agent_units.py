@@ -205,7 +205,10 @@ def test_tool_call_format_is_parsed(text, expected):
         '<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}',  # never closed (cut by the budget)
         '<tool_call>{"arguments": {"a": 3}}</tool_call>',  # no name
         "<tool_call>[1, 2]</tool_call>",  # not an object
+        '<tool_call>{"name": "multiply", "arguments": {"a": ' + "9" * 4400 + "}}</tool_call>",  # past int's limit
+        "<tool_call>" + "[" * 1200 + "</tool_call>",  # nested past the recursion limit
     ],
+    ids=["not-json", "unclosed", "no-name", "not-an-object", "huge-int", "deep-nesting"],
 )
 def test_a_call_that_does_not_parse_is_plain_text(text):
     tok = tool_tokenizer()

@@ -51,7 +51,7 @@ def _template_parse(tokenizer: Any, ids: list[int], prefix: list[int], tools: li
                 return None
             message["tool_calls"] = calls
         return message
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
 
 
@@ -63,7 +63,7 @@ def parse_tool_call_text(text: str, tokenizer: Any) -> dict | None:
     for block in CALL.findall(text):
         try:
             call = json.loads(block.strip())
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # bad JSON, an int past Python's digit limit, nesting past the stack
             return None
         calls.append(call)
     if "<tool_call>" in CALL.sub("", text):  # an unclosed call (cut by the budget, or malformed)
