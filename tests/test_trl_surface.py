@@ -428,3 +428,23 @@ def test_reward_weights_and_the_latest_environments(tiny_model_dir, tmp_path):
     trainer.train()
     n = trainer.args.generation_batch_size
     assert len(trainer.environments) == n and all(isinstance(trainer.environments[i], Counter) for i in range(n))
+
+
+def test_log_metric_refuses_the_trainers_own_names(tiny_model_dir, tmp_path):
+    from grpo.rewards.calling import RewardFunctionError
+
+    def sneaky(completions, log_metric=None, **kwargs):
+        log_metric("reward", -5.0)  # would overwrite what best-checkpoint selection and early stopping read
+        return [0.0] * len(completions)
+
+    trainer = trainer_for(tiny_model_dir, tmp_path, reward=sneaky, max_steps=1)
+    with pytest.raises(RewardFunctionError, match=r"log_metric\('reward'.*trainer logs 'reward' itself.*custom/reward"):
+        trainer.train()
+
+    def fine(completions, log_metric=None, **kwargs):
+        log_metric("custom/reward", -5.0)
+        return [0.0] * len(completions)
+
+    trainer = trainer_for(tiny_model_dir, tmp_path / "ok", reward=fine, max_steps=1)
+    trainer.train()
+    assert trainer.state.log_history[-1]["custom/reward"] == -5.0 and trainer.state.log_history[-1]["reward"] == 0.0

@@ -244,6 +244,30 @@ def _warn_unscorable(rewards: torch.Tensor, kwargs: dict[str, Any]) -> None:
     )
 
 
+# what the trainer logs itself (best checkpoint, early stopping and the diagnostics read some): a reward function's
+# log_metric may not write these names
+TRAINER_METRICS = frozenset(
+    "loss grad_norm learning_rate reward reward_std frac_reward_zero_std entropy kl num_tokens step_time epoch step "
+    "policy_loss aux_loss entropy_coef train_loss num_input_tokens_seen".split()
+)
+TRAINER_PREFIXES = ("rewards/", "completions/", "clip_ratio/", "sampling/", "timing/", "tools/", "eval_", "train_")
+
+
+def _own_names_only(log_metric: Callable[[str, float], None]) -> Callable[[str, float], None]:
+    """log_metric refusing the trainer's own metric names: `log_metric("reward", x)` would overwrite the reward that
+    best-checkpoint selection and early stopping read."""
+
+    def log(name: str, value: float) -> None:
+        if not isinstance(name, str) or name in TRAINER_METRICS or name.startswith(TRAINER_PREFIXES):
+            raise ValueError(
+                f"log_metric({name!r}, ...): the trainer logs {name!r} itself (or the name is not a string); log "
+                f"your metric under a name of its own, e.g. 'custom/{name}'."
+            )
+        log_metric(name, value)
+
+    return log
+
+
 # remove_unused_columns=True: the dataset columns reward functions still get besides the prompt (TRL 1.16's
 # GRPOTrainer keeps "prompt", "image" and "images")
 KEPT_COLUMNS = ("image", "images")
@@ -330,6 +354,7 @@ class RewardFunctions:
             completion_ids=rollout.completion_ids,
         )
         history = trainer_state.log_history
+        log_metric = _own_names_only(log_metric)
 
         def fresh() -> dict[str, Any]:
             trainer_state.log_history = []  # rows hold numbers only: copied as new dicts, not deep-copied
