@@ -448,3 +448,49 @@ def test_log_metric_refuses_the_trainers_own_names(tiny_model_dir, tmp_path):
     trainer = trainer_for(tiny_model_dir, tmp_path / "ok", reward=fine, max_steps=1)
     trainer.train()
     assert trainer.state.log_history[-1]["custom/reward"] == -5.0 and trainer.state.log_history[-1]["reward"] == 0.0
+
+
+def test_reward_funcs_and_tools_as_trl_lists_them(tiny_model_dir, tmp_path):
+    from grpo import GRPOTrainer
+    from grpo.agent import CHATML_TOOLS
+    from tiny import make_model, make_tokenizer
+
+    class Scored:
+        def reset(self, **kwargs):
+            return None
+
+        def add(self, a: int, b: int) -> int:
+            """Adds.
+
+            Args:
+                a: x
+                b: y
+            """
+            return a + b
+
+        def get_reward(self):
+            return 1.0
+
+    def multiply(a: int, b: int) -> int:
+        """Multiplies.
+
+        Args:
+            a: x
+            b: y
+        """
+        return a * b
+
+    tok = make_tokenizer()
+    tok.chat_template = CHATML_TOOLS
+    trainer = GRPOTrainer(
+        model=make_model(tok),
+        processing_class=tok,
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        tools=[multiply],
+        environment_factory=Scored,
+        args=cfg(tmp_path),
+    )
+    assert [t.__name__ for t in trainer.tools] == ["multiply", "add"]  # never reset or get_reward
+    assert trainer.reward_funcs[0] is length_reward
+    assert trainer.reward_funcs[-1](environments=[Scored(), object()]) == [1.0, None]  # other rollouts: None

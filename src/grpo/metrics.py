@@ -248,16 +248,17 @@ def reward_and_tool_stats(scored: Any, reward_names: list[str], tools: bool) -> 
     return m
 
 
-def trl_logs(scored: Any, advantages: Any, reward_names: list[str]) -> dict[str, Any]:
+def trl_logs(scored: Any, advantages: Any, reward_names: list[str], log_images: bool = True) -> dict[str, Any]:
     """The latest generation batch in the layout of TRL's `trainer._logs`, which TRL callbacks read: "prompt" (as
     the dataset gives it), "completion" (as reward functions get it), "rewards" and "extra" (name -> values), and
-    "advantages" and "images" (each row's images; empty without image prompts). NaN for a None reward, as TRL."""
+    "advantages" and "images" (each row's images; empty without image prompts and with log_multimodal=False). NaN
+    for a None reward, as TRL."""
     if scored is None:
         return {"images": [], "prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}}
     rollout = scored.rollout
     vision = rollout.vision or []
     return {
-        "images": [list(p.images or ()) if p is not None else [] for p in vision] if any(vision) else [],
+        "images": [list(p.images or ()) if p is not None else [] for p in vision] if log_images and any(vision) else [],
         "prompt": list(scored.prompts),
         "completion": list(rollout.completions),
         "rewards": {name: scored.rewards[:, i].tolist() for i, name in enumerate(reward_names)},

@@ -218,6 +218,20 @@ class GRPOTrainer:
         return list(self.rewards.names)
 
     @property
+    def reward_funcs(self) -> list[Callable]:
+        """The reward functions as called: reward models as callables, an environment's get_reward last (a function
+        of `environments=[...]`, None for another class's rollouts), as TRL holds them."""
+        return list(self.rewards.funcs)
+
+    @property
+    def tools(self) -> list[Callable]:
+        """The functions the model may call: the `tools` given, then each environment class's methods (its own
+        instance's at each rollout), as TRL lists them."""
+        given = [tool.fn for tool in self.rollouts.tools.tools.values()]
+        methods = self.environments.methods if self.environments is not None else {}
+        return given + [getattr(cls, tool.name) for cls, tools in methods.items() for tool in tools]
+
+    @property
     def reward_weights(self) -> torch.Tensor:
         """Each reward function's weight (reward_weights, 1 for an environment's get_reward), as TRL holds them."""
         return self.rewards.weights
@@ -529,7 +543,7 @@ class GRPOTrainer:
         """The latest generation batch as TRL's `trainer._logs` holds it (callbacks written for TRL read it):
         prompt, completion, rewards, advantages, extra (`log_extra` columns), images (`grpo.metrics.trl_logs`)."""
         scored, advantages = self.latest_batch or (None, None)
-        return trl_logs(scored, advantages, self.rewards.names)
+        return trl_logs(scored, advantages, self.rewards.names, self.args.log_multimodal)
 
     get_off_policy_mask = staticmethod(off_policy_mask)  # (advantages, logps, sampling logps, mask, threshold)
 

@@ -157,9 +157,10 @@ def _log_multimodal(s: Setting):
 
     model, processor = idefics3()
     rows = [{"prompt": [{"role": "user", "content": f"What is {i}?"}], "image": image(i)} for i in range(2)]
-    s.train(model=model, processor=processor, dataset=rows, log_completions=True, num_completions_to_print=0)
+    trainer = s.train(model=model, processor=processor, dataset=rows, log_completions=True, num_completions_to_print=0)
     table = pd.read_parquet(glob.glob(str(s.tmp_path / "out" / "completions" / "*.parquet"))[0])
     assert "image" not in table.columns and len(table) == 8  # logged with log_multimodal=True: test_vision
+    assert trainer._logs["images"] == [] and len(trainer._logs["prompt"]) == 8  # TRL's buffer keeps no images
 
 
 @effect("torch_empty_cache_steps", 2)
