@@ -113,7 +113,8 @@ REASONS = {
     "the trainer), so there is no `get_train_dataloader`/`get_eval_dataloader`",
     "test_liger_kernel_with_peft_lm_head_raises": "deliberate: `use_liger_kernel` has no effect in grpo (it warns), "
     "so a LoRA on lm_head trains and there is nothing to refuse",
-    "test_liger_kernel_with_peft_": "stand-ins: Liger is not installed (TRL fails these too)",
+    "test_liger_kernel_with_peft_": "TRL 1.16 fails these here: they expect Liger errors (ImportError without "
+    "Liger, ValueError for prompt learning) that 1.16 does not raise; grpo's use_liger_kernel only warns",
     "test_entropy_bonus_flows_gradients": "TRL-private: reads `_entropy_bonus_enabled` and calls "
     "`_get_per_token_logps_and_entropies`",
     "test_prepare_input_called_with_correct_data": "TRL-private: patches the HF Trainer's `training_step`, which "
