@@ -150,6 +150,7 @@ class Evaluation:
                 parts.append(collectives.gather_scored(local, acc))
                 losses.append(trainer._eval_loss(parts[-1], self.k))
         metrics = self.metrics(Scored.concat(parts), trainer.rewards, trainer.rollouts.uses_tools)
+        losses = [loss for loss in losses if loss is not None]
         metrics["eval_loss"] = sum(losses) / len(losses) if losses else None
         for name in sorted(logged):  # every process logs the same names (the same functions ran everywhere)
             metrics[f"eval_{name}"] = collectives.process_mean(acc, sum(logged[name]) / len(logged[name]))

@@ -404,26 +404,26 @@ class GRPOTrainer:
         tokens = collectives.loss_tokens(acc, batch.mask.sum(), self.args.average_tokens_across_devices)
         return dataclasses.replace(batch, num_items_in_batch=tokens)
 
-    def _eval_loss(self, scored: Scored, group_size: int) -> float:
+    def _eval_loss(self, scored: Scored, group_size: int) -> float | None:
         """The policy loss of one evaluation batch (every process's rows), as the HF Trainer's `eval_loss`: the batch's
         group advantages, on-policy (ratio 1; with beta > 0 the KL to the reference), each process's rows through the
-        training pass without gradient, weighted by rows over processes (a process may have none)."""
+        training pass without gradient, the processes' losses weighted by their rows. None for a batch some process
+        has no rows of (a last, short batch): a sharded model's forward is collective, so all or none run it."""
         acc, a = self.accelerator, self.args
         mine = list(collectives.local_rows(len(scored), acc.process_index, acc.num_processes))
-        total = 0.0
-        if mine:
-            weights = self.rewards.weights
-            advantages = compute_advantages(
-                scored.rewards, weights, group_size, a.scale_rewards, a.multi_objective_aggregation
-            ).advantages[mine]
-            rollout = scored.rollout.select(mine)
-            batch = collate(rollout, advantages, self.tokenizer.pad_token_id, a.mask_truncated_completions)
-            batch = self._add_old_and_ref_logps(batch.to(acc.device), old=False)
-            logps = self.training_pass.logps(self.model, batch, a.per_device_eval_batch_size)
-            loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, self.loss_params, batch.ref_logps)
-            total = loss.item() * len(mine)
+        if collectives.any_process(acc, not mine):
+            return None
+        advantages = compute_advantages(
+            scored.rewards, self.rewards.weights, group_size, a.scale_rewards, a.multi_objective_aggregation
+        ).advantages[mine]
+        batch = collate(
+            scored.rollout.select(mine), advantages, self.tokenizer.pad_token_id, a.mask_truncated_completions
+        )
+        batch = self._add_old_and_ref_logps(batch.to(acc.device), old=False)
+        logps = self.training_pass.logps(self.model, batch, a.per_device_eval_batch_size)
+        loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, self.loss_params, batch.ref_logps)
         rows = collectives.process_mean(acc, float(len(mine)))
-        return collectives.process_mean(acc, total) / rows if rows else 0.0
+        return collectives.process_mean(acc, loss.item() * len(mine)) / rows
 
     def _needs_old_logps(self) -> bool:
         """Whether a generation batch is trained on after an update (shared spec §4.1)."""
