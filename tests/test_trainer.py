@@ -255,7 +255,7 @@ def test_args_none_model_object_and_processing_class(tiny_model_dir, tmp_path, m
     trainer = GRPOTrainer(
         model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), processing_class=make_tokenizer()
     )
-    assert trainer.args.output_dir == "tiny-llama-GRPO"
+    assert trainer.args.output_dir == os.path.abspath("tiny-llama-GRPO")  # resolved once, at construction
     assert trainer.args.learning_rate == 1e-6 and trainer.args.num_generations == 8
     assert trainer.unwrapped_model is model  # the object given is the one trained, not a copy
     assert trainer.processing_class.get_vocab() == make_tokenizer().get_vocab()

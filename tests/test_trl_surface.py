@@ -494,3 +494,23 @@ def test_reward_funcs_and_tools_as_trl_lists_them(tiny_model_dir, tmp_path):
     assert [t.__name__ for t in trainer.tools] == ["multiply", "add"]  # never reset or get_reward
     assert trainer.reward_funcs[0] is length_reward
     assert trainer.reward_funcs[-1](environments=[Scored(), object()]) == [1.0, None]  # other rollouts: None
+
+
+def test_a_relative_output_dir_stays_put_when_a_reward_changes_directory(tiny_model_dir, tmp_path, monkeypatch):
+    import os
+
+    from grpo import GRPOConfig, GRPOTrainer
+
+    monkeypatch.chdir(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def wanders(completions, **kwargs):
+        os.chdir(elsewhere)
+        return [float(len(c[0]["content"])) for c in completions]
+
+    base = {k: v for k, v in cfg(tmp_path).to_dict().items() if k in ("per_device_train_batch_size", "num_generations")}
+    args = GRPOConfig(output_dir="run", max_steps=1, save_strategy="steps", save_steps=1, report_to="none", **base)
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=wanders, train_dataset=chat_dataset(), args=args)
+    trainer.train()
+    assert (tmp_path / "run" / "checkpoint-1").is_dir() and not (elsewhere / "run").exists()

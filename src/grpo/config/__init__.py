@@ -491,11 +491,15 @@ def _accelerator_config(value: Any) -> Any:
 def resolve_args(
     args: GRPOConfig | None, model_name: str, model: Any = None, quantization_config: Any = None
 ) -> GRPOConfig:
-    """The trainer's config: the given one, or the defaults; output_dir defaults to '<model name>-GRPO'; a
+    """The trainer's config: the given one, or the defaults; output_dir defaults to '<model name>-GRPO' and is made
+    absolute (against the working directory at construction); a
     quantization_config (TRL 1.16's trainer argument) joins model_init_kwargs, for a model loaded from its id."""
     args = args or GRPOConfig(output_dir=f"{model_name}-GRPO")
     if args.output_dir is None:
         args.output_dir = f"{model_name}-GRPO"
+    # resolved once, here: a reward function or tool that changes the working directory (os.chdir) must not move
+    # where checkpoints go, away from the run's lock
+    args.output_dir = os.path.abspath(os.path.expanduser(args.output_dir))
     if quantization_config is not None:
         if not isinstance(model, str):
             raise ValueError(
