@@ -382,29 +382,6 @@ def prompt_groups(rows: Sequence[int], prompt_ids: Sequence[Sequence[int]], by_t
     return torch.tensor([ids.setdefault(tuple(p), len(ids)) for p in prompt_ids], dtype=torch.long)
 
 
-def placeholder_dataset(dataset: Any, args: Any, environment_factory: Any) -> Any:
-    """The dataset; without one, an environment that makes its own prompts (a single environment_factory, with
-    max_steps) trains on generation_batch_size / num_generations empty user prompts, as TRL 1.16."""
-    if dataset is not None:
-        return dataset
-    if environment_factory is None:
-        raise ValueError(
-            "`train_dataset` is required unless an `environment_factory` is provided (environments that make their "
-            "own prompts): pass GRPOTrainer(train_dataset=...)."
-        )
-    if isinstance(environment_factory, dict):
-        raise ValueError(
-            "A dict environment_factory (several environments) requires a `train_dataset` whose `environment` column "
-            "chooses each row's environment: pass one, or a single environment factory."
-        )
-    if args.max_steps <= 0:
-        raise ValueError(
-            "train_dataset is None, so the environment makes the prompts and there are no epochs: set max_steps "
-            "to the number of optimizer steps to train."
-        )
-    return [{"prompt": [{"role": "user", "content": ""}]}] * (args.generation_batch_size // args.num_generations)
-
-
 class StreamRows:
     """A streaming dataset (`datasets.IterableDataset`, or any iterable of rows) read as rows by position: row i is
     the i-th row of the stream repeated end to end (a new pass when it runs out, as another epoch). Positions only
@@ -464,28 +441,6 @@ class StreamRows:
             "train_dataset is a streaming dataset: it has no length. Set max_steps (as TRL requires for an "
             "IterableDataset)."
         )
-
-
-def stream_settings(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
-    """TRL 1.16's settings for streaming datasets, kept in the config users read: `accelerator_config`'s
-    dispatch_batches must not be True and becomes False, and a streaming train dataset sets dataloader_num_workers
-    to 0 (with a warning). grpo reads rows itself, so neither shapes its reading; they say what the run did."""
-    evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
-    if not (is_stream(train_dataset) or any(is_stream(e) for e in evals)):
-        return
-    if args.accelerator_config.dispatch_batches:
-        raise ValueError(
-            "Iterable datasets require `dispatch_batches=False`, but it is set to `True` in `accelerator_config`: "
-            "set it to False (a streaming dataset is read by each process, not dispatched from the first)."
-        )
-    args.accelerator_config.dispatch_batches = False
-    if is_stream(train_dataset) and args.dataloader_num_workers != 0:
-        logger.warning(
-            "Iterable datasets require `dataloader_num_workers=0` to keep each prompt's generations together; "
-            "overriding the provided value (%s).",
-            args.dataloader_num_workers,
-        )
-        args.dataloader_num_workers = 0
 
 
 def is_stream(dataset: Any) -> bool:

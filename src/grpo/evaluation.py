@@ -29,9 +29,11 @@ import numpy as np
 import torch
 
 from grpo import data
-from grpo.advantages import nanstd, weighted_sum
+from grpo.advantages import compute_advantages, nanstd, weighted_sum
+from grpo.batch import collate
 from grpo.distributed import collectives
 from grpo.groups import Scored
+from grpo.losses import policy_loss
 from grpo.metrics import reward_and_tool_stats
 from grpo.rollout import build_engine
 
@@ -148,7 +150,7 @@ class Evaluation:
                     )
                 local = Scored(mine, generated.prompts, generated.rollout, rewards)
                 parts.append(collectives.gather_scored(local, acc))
-                losses.append(trainer._eval_loss(parts[-1], self.k))
+                losses.append(batch_loss(trainer, parts[-1], self.k))
         metrics = self.metrics(Scored.concat(parts), trainer.rewards, trainer.rollouts.uses_tools)
         losses = [loss for loss in losses if loss is not None]
         metrics["eval_loss"] = sum(losses) / len(losses) if losses else None
@@ -172,6 +174,28 @@ class Evaluation:
         }
         out.update({f"eval_{k}": v for k, v in reward_and_tool_stats(scored, rewards.names, tools).items()})
         return {k: v if math.isfinite(v) else None for k, v in out.items()}
+
+
+def batch_loss(trainer: Any, scored: Scored, group_size: int) -> float | None:
+    """The policy loss of one evaluation batch (every process's rows), as the HF Trainer's `eval_loss`: the batch's
+    group advantages, on-policy (ratio 1; with beta > 0 the KL to the reference), each process's rows through the
+    training pass without gradient, the processes' losses weighted by their rows. None for a batch some process
+    has no rows of (a last, short batch): a sharded model's forward is collective, so all or none run it."""
+    acc, a = trainer.accelerator, trainer.args
+    mine = list(collectives.local_rows(len(scored), acc.process_index, acc.num_processes))
+    if collectives.any_process(acc, not mine):
+        return None
+    advantages = compute_advantages(
+        scored.rewards, trainer.rewards.weights, group_size, a.scale_rewards, a.multi_objective_aggregation
+    ).advantages[mine]
+    batch = collate(
+        scored.rollout.select(mine), advantages, trainer.tokenizer.pad_token_id, a.mask_truncated_completions
+    )
+    batch = trainer._add_old_and_ref_logps(batch.to(acc.device), old=False)
+    logps = trainer.training_pass.logps(trainer.model, batch, a.per_device_eval_batch_size)
+    loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, trainer.loss_params, batch.ref_logps)
+    rows = collectives.process_mean(acc, float(len(mine)))
+    return collectives.process_mean(acc, loss.item() * len(mine)) / rows
 
 
 def due(trainer: Any, step: int) -> bool:

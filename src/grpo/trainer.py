@@ -62,28 +62,21 @@ from grpo import (
 )
 from grpo.advantages import Advantages, compute_advantages
 from grpo.agent import Environments, Generated, Rollouts
+from grpo.agent.environments import placeholder_dataset
 from grpo.batch import TrainBatch, collate
 from grpo.callbacks import Callbacks
 from grpo.config import GRPOConfig, resolve_args, warn_odd_combinations
 from grpo.diagnostics import Diagnosis
 from grpo.distributed import collectives
-from grpo.distributed.accelerator import end_run, end_training, make_accelerator
+from grpo.distributed.accelerator import end_training, make_accelerator
 from grpo.distributed.accumulation import accumulating, backward
 from grpo.forward import TrainingPass
 from grpo.groups import GenerationBatch, Scored, rows_with_spread
 from grpo.hub import Hub
 from grpo.loop import LoopState, RolloutBuffer, TrainOutput, Update, schedule_length
 from grpo.loss_terms import LossTerms, router_aux_coef
-from grpo.losses import (
-    LossParams,
-    LossScale,
-    entropy_cut_mask,
-    high_entropy_mask,
-    masked_mean_stat,
-    off_policy_mask,
-    policy_loss,
-)
-from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics, trl_logs
+from grpo.losses import LossParams, LossScale, high_entropy_mask, masked_mean_stat, policy_loss
+from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics
 from grpo.modeling import generation_eos, model_name
 from grpo.optimization import TrainingError
 from grpo.perf import allocator, attention
@@ -92,12 +85,13 @@ from grpo.report import RunReport
 from grpo.rewards.calling import RewardFunctions
 from grpo.rollout import build_engine
 from grpo.sampling_correction import SamplingCorrection
+from grpo.trl_surface import TrlSurface, stream_settings
 
 logger = logging.getLogger("grpo")
 __all__ = ["GRPOTrainer", "TrainOutput", "TrainingError"]
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrlSurface):
     """TRL-compatible GRPO trainer. See the module docstring for the algorithm and `GRPOConfig` for options."""
 
     def __init__(
@@ -121,9 +115,9 @@ class GRPOTrainer:
 
         run_dir.check_output_dir(args.output_dir)
         self.environments = Environments(environment_factory) if environment_factory is not None else None
-        train_dataset = data.placeholder_dataset(data.load_local(train_dataset), args, environment_factory)
+        train_dataset = placeholder_dataset(data.load_local(train_dataset), args, environment_factory)
         data.check_dataset(train_dataset, bool(tools) or self.environments is not None, self.environments is not None)
-        data.stream_settings(args, train_dataset, eval_dataset)  # dispatch_batches, dataloader_num_workers
+        stream_settings(args, train_dataset, eval_dataset)  # dispatch_batches, dataloader_num_workers
         if data.is_stream(train_dataset):
             train_dataset = data.StreamRows(train_dataset, 4 * args.generation_batch_size)
         self.train_dataset = train_dataset
@@ -210,48 +204,6 @@ class GRPOTrainer:
     @property
     def unwrapped_model(self) -> PreTrainedModel:
         return self.accelerator.unwrap_model(self.model)
-
-    @property
-    def reward_func_names(self) -> list[str]:
-        """The reward functions' names, as their metrics (rewards/<name>/mean) and TRL name them: a function's
-        __name__, a reward model's name (the last part of its path), an environment's get_reward its class name."""
-        return list(self.rewards.names)
-
-    @property
-    def reward_funcs(self) -> list[Callable]:
-        """The reward functions as called: reward models as callables, an environment's get_reward last (a function
-        of `environments=[...]`, None for another class's rollouts), as TRL holds them."""
-        return list(self.rewards.funcs)
-
-    @property
-    def tools(self) -> list[Callable]:
-        """The functions the model may call: the `tools` given, then each environment class's methods (its own
-        instance's at each rollout), as TRL lists them."""
-        given = [tool.fn for tool in self.rollouts.tools.tools.values()]
-        methods = self.environments.methods if self.environments is not None else {}
-        return given + [getattr(cls, tool.name) for cls, tools in methods.items() for tool in tools]
-
-    @property
-    def reward_weights(self) -> torch.Tensor:
-        """Each reward function's weight (reward_weights, 1 for an environment's get_reward), as TRL holds them."""
-        return self.rewards.weights
-
-    @property
-    def reward_processing_classes(self) -> list[Any]:
-        """Each reward function's tokenizer, as TRL holds them: a reward model's (given or its own), None for a plain
-        function."""
-        return [getattr(func, "tokenizer", None) for func in self.rewards.funcs]
-
-    @property
-    def aux_loss_enabled(self) -> bool:
-        """Whether a mixture-of-experts router's load-balancing loss is added to the loss (logged as `aux_loss`)."""
-        return self.loss_terms.router_aux
-
-    @property
-    def entropy_coef(self) -> float:
-        """The entropy bonus's coefficient now (it moves with use_adaptive_entropy; 0 when the bonus is off)."""
-        entropy = self.loss_terms.entropy
-        return entropy.coef if entropy is not None else 0.0
 
     @property
     def engine(self) -> Any:
@@ -404,27 +356,6 @@ class GRPOTrainer:
         tokens = collectives.loss_tokens(acc, batch.mask.sum(), self.args.average_tokens_across_devices)
         return dataclasses.replace(batch, num_items_in_batch=tokens)
 
-    def _eval_loss(self, scored: Scored, group_size: int) -> float | None:
-        """The policy loss of one evaluation batch (every process's rows), as the HF Trainer's `eval_loss`: the batch's
-        group advantages, on-policy (ratio 1; with beta > 0 the KL to the reference), each process's rows through the
-        training pass without gradient, the processes' losses weighted by their rows. None for a batch some process
-        has no rows of (a last, short batch): a sharded model's forward is collective, so all or none run it."""
-        acc, a = self.accelerator, self.args
-        mine = list(collectives.local_rows(len(scored), acc.process_index, acc.num_processes))
-        if collectives.any_process(acc, not mine):
-            return None
-        advantages = compute_advantages(
-            scored.rewards, self.rewards.weights, group_size, a.scale_rewards, a.multi_objective_aggregation
-        ).advantages[mine]
-        batch = collate(
-            scored.rollout.select(mine), advantages, self.tokenizer.pad_token_id, a.mask_truncated_completions
-        )
-        batch = self._add_old_and_ref_logps(batch.to(acc.device), old=False)
-        logps = self.training_pass.logps(self.model, batch, a.per_device_eval_batch_size)
-        loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, self.loss_params, batch.ref_logps)
-        rows = collectives.process_mean(acc, float(len(mine)))
-        return collectives.process_mean(acc, loss.item() * len(mine)) / rows
-
     def _needs_old_logps(self) -> bool:
         """Whether a generation batch is trained on after an update (shared spec §4.1)."""
         a = self.args
@@ -536,25 +467,6 @@ class GRPOTrainer:
             self.hub.after_checkpoint(self, path)  # hub_strategy (main process, in the background)
             self._fire("save")
 
-    # ---- TRL's documented helpers ----------------------------------------------------------------------------
-
-    @property
-    def _logs(self) -> dict[str, Any]:
-        """The latest generation batch as TRL's `trainer._logs` holds it (callbacks written for TRL read it):
-        prompt, completion, rewards, advantages, extra (`log_extra` columns), images (`grpo.metrics.trl_logs`)."""
-        scored, advantages = self.latest_batch or (None, None)
-        return trl_logs(scored, advantages, self.rewards.names, self.args.log_multimodal)
-
-    get_off_policy_mask = staticmethod(off_policy_mask)  # (advantages, logps, sampling logps, mask, threshold)
-
-    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        """The non-pad tokens whose entropy is at or above the `threshold` quantile of every process's non-pad
-        entropies (TRL's helper: threshold = 1 - top_entropy_quantile)."""
-        everyone = entropies[mask.bool()].float()
-        if self.accelerator.num_processes > 1:
-            everyone = collectives.gather_values(everyone, self.accelerator)
-        return entropy_cut_mask(entropies, mask, everyone, threshold)
-
     # ---- evaluation and callbacks ----------------------------------------------------------------------------
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -577,19 +489,3 @@ class GRPOTrainer:
 
     def _fire(self, event: str, **kwargs: Any) -> None:
         self.callback_handler.fire(event, self.args, self.state, **kwargs)
-
-    def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, **card: Any) -> Any:
-        """Save the model and its card to output_dir and push them to hub_model_id (`grpo.hub`)."""
-        return self.hub.push(self, commit_message, blocking, **card)
-
-    def end(self) -> None:
-        """Finish the trackers and end the process group: once, at the very end of a script (as the HF Trainer)."""
-        end_run(self.accelerator)
-
-    def save_model(self, output_dir: str | None = None) -> None:
-        """Write the policy (and tokenizer) as a normal Hugging Face model directory."""
-        output_dir = output_dir or self.args.output_dir
-        self.accelerator.wait_for_everyone()
-        state_dict = checkpoint.model_state(self)  # every process: a sharded model is gathered
-        if checkpoint.strategy.writer(self):  # the main process, or each node's with save_on_each_node
-            checkpoint.save_pretrained(self, output_dir, state_dict)

@@ -140,3 +140,26 @@ def _reward_of(cls: type) -> Callable:
 
     reward.__name__ = cls.__name__
     return reward
+
+
+def placeholder_dataset(dataset: Any, args: Any, environment_factory: Any) -> Any:
+    """The dataset; without one, an environment that makes its own prompts (a single environment_factory, with
+    max_steps) trains on generation_batch_size / num_generations empty user prompts, as TRL 1.16."""
+    if dataset is not None:
+        return dataset
+    if environment_factory is None:
+        raise ValueError(
+            "`train_dataset` is required unless an `environment_factory` is provided (environments that make their "
+            "own prompts): pass GRPOTrainer(train_dataset=...)."
+        )
+    if isinstance(environment_factory, dict):
+        raise ValueError(
+            "A dict environment_factory (several environments) requires a `train_dataset` whose `environment` column "
+            "chooses each row's environment: pass one, or a single environment factory."
+        )
+    if args.max_steps <= 0:
+        raise ValueError(
+            "train_dataset is None, so the environment makes the prompts and there are no epochs: set max_steps "
+            "to the number of optimizer steps to train."
+        )
+    return [{"prompt": list(EMPTY_PROMPT)}] * (args.generation_batch_size // args.num_generations)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import json
 import logging
 import math
 import os
@@ -88,7 +87,7 @@ class GRPOConfig(
         for name in JSON_FIELDS:
             value = getattr(self, name)
             if isinstance(value, str):  # command lines pass dicts as JSON
-                setattr(self, name, _json_dict(name, value))
+                setattr(self, name, compat.json_dict(name, value))
         self.scale_rewards = _parse_scale_rewards(self.scale_rewards)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
@@ -98,7 +97,7 @@ class GRPOConfig(
             self.save_total_limit = None  # the HF Trainer's meaning: no limit
         self._resolve_as_trl()
         compat.check_unsupported(self)
-        self.accelerator_config = _accelerator_config(self.accelerator_config)
+        self.accelerator_config = compat.accelerator_config(self.accelerator_config)
         _check_numbers(self)
         self._derive_generation_batch()
         _validate(self)
@@ -176,18 +175,6 @@ class GRPOConfig(
             if values.get(name):
                 values[name] = "<redacted>"
         return values
-
-
-def _json_dict(name: str, text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"GRPOConfig.{name} is not valid JSON ({e}): give a dict, or a JSON object such as '{{\"key\": 1}}'."
-        ) from None
-    if not isinstance(value, dict):
-        raise ValueError(f"GRPOConfig.{name} must be a dict (a JSON object), not {type(value).__name__}.")
-    return value
 
 
 def _parse_tokens_seen(value: Any) -> str:
@@ -460,32 +447,6 @@ def reject_later_features(args: GRPOConfig, eval_dataset: Any, callbacks: Any) -
         warnings.warn("eval_dataset is ignored: evaluation during training is not available yet in grpo.", stacklevel=3)
     if callbacks:
         warnings.warn("callbacks are ignored: grpo does not run transformers callbacks.", stacklevel=3)
-
-
-def _accelerator_config(value: Any) -> Any:
-    """accelerator_config as the HF Trainer holds it: a transformers AcceleratorConfig, from None, a dict, a JSON
-    string or the path of a JSON file. grpo builds no DataLoader, so only `dispatch_batches` is read (a streaming
-    dataset needs it False, as TRL 1.16)."""
-    from transformers.trainer_pt_utils import AcceleratorConfig
-
-    if isinstance(value, AcceleratorConfig):
-        return value
-    if value is None:
-        return AcceleratorConfig()
-    if isinstance(value, str):
-        if os.path.isfile(value):
-            return AcceleratorConfig.from_json_file(value)
-        value = _json_dict("accelerator_config", value)
-    if not isinstance(value, dict):
-        raise ValueError(f"GRPOConfig: accelerator_config={value!r:.80} must be a dict, a JSON string or file path.")
-    known = {f.name for f in dataclasses.fields(AcceleratorConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(
-            f"GRPOConfig: accelerator_config has unknown option(s) {', '.join(unknown)}; its options are "
-            f"{', '.join(sorted(known))}."
-        )
-    return AcceleratorConfig(**value)
 
 
 def resolve_args(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import warnings
 from pathlib import Path
@@ -92,3 +93,42 @@ def _same(value: Any, default: Any) -> bool:
     if isinstance(value, bool) != isinstance(default, bool):
         return False
     return value == default or (value in ("", [], {}, None) and default in ("", [], {}, None))
+
+
+def json_dict(name: str, text: str) -> dict:
+    """A dict field given as JSON text (command lines pass dicts so), parsed, or one error naming the field."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"GRPOConfig.{name} is not valid JSON ({e}): give a dict, or a JSON object such as '{{\"key\": 1}}'."
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"GRPOConfig.{name} must be a dict (a JSON object), not {type(value).__name__}.")
+    return value
+
+
+def accelerator_config(value: Any) -> Any:
+    """accelerator_config as the HF Trainer holds it: a transformers AcceleratorConfig, from None, a dict, a JSON
+    string or the path of a JSON file. grpo builds no DataLoader, so only `dispatch_batches` is read (a streaming
+    dataset needs it False, as TRL 1.16)."""
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    if isinstance(value, AcceleratorConfig):
+        return value
+    if value is None:
+        return AcceleratorConfig()
+    if isinstance(value, str):
+        if os.path.isfile(value):
+            return AcceleratorConfig.from_json_file(value)
+        value = json_dict("accelerator_config", value)
+    if not isinstance(value, dict):
+        raise ValueError(f"GRPOConfig: accelerator_config={value!r:.80} must be a dict, a JSON string or file path.")
+    known = {f.name for f in dataclasses.fields(AcceleratorConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(
+            f"GRPOConfig: accelerator_config has unknown option(s) {', '.join(unknown)}; its options are "
+            f"{', '.join(sorted(known))}."
+        )
+    return AcceleratorConfig(**value)
