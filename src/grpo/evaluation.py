@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from grpo import data
-from grpo.advantages import compute_advantages, nanstd, weighted_sum
+from grpo.advantages import nanstd, weighted_sum
 from grpo.batch import collate
 from grpo.distributed import collectives
 from grpo.groups import Scored
@@ -185,9 +185,7 @@ def batch_loss(trainer: Any, scored: Scored, group_size: int) -> float | None:
     mine = list(collectives.local_rows(len(scored), acc.process_index, acc.num_processes))
     if collectives.any_process(acc, not mine):
         return None
-    advantages = compute_advantages(
-        scored.rewards, trainer.rewards.weights, group_size, a.scale_rewards, a.multi_objective_aggregation
-    ).advantages[mine]
+    advantages = trainer._advantages(scored, group_size).advantages[mine]
     batch = collate(
         scored.rollout.select(mine), advantages, trainer.tokenizer.pad_token_id, a.mask_truncated_completions
     )

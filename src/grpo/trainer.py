@@ -334,10 +334,12 @@ class GRPOTrainer(TrlSurface):
         local = Scored(rows, generated.prompts, generated.rollout, rewards, extra)
         return collectives.gather_scored(local, self.accelerator)
 
-    def _advantages(self, scored: Scored) -> Advantages:
+    def _advantages(self, scored: Scored, group_size: int | None = None) -> Advantages:
+        """Group-relative advantages; groups of num_generations (an evaluation's: num_generations_eval)."""
         a = self.args
+        size = group_size or a.num_generations
         return compute_advantages(
-            scored.rewards, self.rewards.weights, a.num_generations, a.scale_rewards, a.multi_objective_aggregation
+            scored.rewards, self.rewards.weights, size, a.scale_rewards, a.multi_objective_aggregation
         )
 
     def _collate(self, scored: Scored, advantages: Advantages) -> TrainBatch:
