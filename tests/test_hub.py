@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import pytest
+from huggingface_hub.utils import filter_repo_objects
 
 from grpo import GRPOTrainer
 from test_trainer import cfg, chat_dataset, length_reward
@@ -32,12 +33,18 @@ class FakeApi:
         path_in_repo=None,
         commit_message=None,
         revision=None,
+        allow_patterns=None,
         ignore_patterns=None,
         run_as_future=False,
     ):
         if FakeApi.fail:
             raise OSError("no network")
-        files = sorted(os.listdir(folder_path))
+        every = [
+            os.path.relpath(os.path.join(root, name), folder_path)
+            for root, _, names in os.walk(folder_path)
+            for name in names
+        ]  # what huggingface_hub's upload_folder would send: every file, filtered by both pattern lists
+        files = sorted(filter_repo_objects(every, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
         FakeApi.calls.append(("upload", repo_id, os.path.basename(folder_path), path_in_repo, commit_message, files))
         future = concurrent.futures.Future()
         future.set_result("commit")
@@ -141,3 +148,40 @@ def test_completions_go_to_a_dataset_repository(hub, tiny_model_dir, tmp_path):
     assert scheduler.kwargs["repo_id"] == "me/completions" and scheduler.kwargs["repo_type"] == "dataset"
     assert scheduler.kwargs["folder_path"] == str(tmp_path / "out" / "completions") and scheduler.triggered == 1
     assert os.listdir(tmp_path / "out" / "completions") == ["completions_00001.parquet"]
+
+
+RUN_FILES = {"report.html", "run_info.json", "metrics.jsonl", "completions/completions_00002.parquet"}
+
+
+def test_a_push_sends_the_model_and_its_card_only(hub, tiny_model_dir, tmp_path):
+    """The run's report, run_info.json, metrics and completions (the dataset's prompts) stay local: the repository
+    may be public (hub_private_repo is None by default)."""
+    trainer = train(tiny_model_dir, tmp_path, log_completions=True)
+    trainer.push_to_hub()
+    assert RUN_FILES <= {p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*")}
+    for pushed in [c[-1] for c in hub.calls if c[0] == "upload"]:  # every save's push and the final one
+        assert set(pushed) == {
+            "README.md",
+            "chat_template.jinja",
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        }
+
+
+def test_hub_upload_run_files_sends_the_run_files_too(hub, tiny_model_dir, tmp_path):
+    trainer = train(tiny_model_dir, tmp_path, log_completions=True, hub_upload_run_files=True)
+    trainer.push_to_hub()
+    pushed = set(hub.calls[-1][-1])
+    assert RUN_FILES <= pushed and {"README.md", "model.safetensors"} <= pushed
+    assert not any(name.startswith(("checkpoint-", ".")) for name in pushed)
+
+
+def test_a_checkpoint_push_sends_the_whole_checkpoint(hub, tiny_model_dir, tmp_path):
+    """hub_strategy="checkpoint" asks for a resumable checkpoint on the Hub: all its files go."""
+    train(tiny_model_dir, tmp_path, hub_strategy="checkpoint")
+    (folder, where, _, files) = [c[2:] for c in hub.calls if c[0] == "upload"][-1]
+    assert (folder, where) == ("checkpoint-2", "last-checkpoint")
+    assert {"trainer_state.json", "optimizer.pt", "scheduler.pt", "model.safetensors", "README.md"} <= set(files)

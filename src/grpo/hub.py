@@ -14,10 +14,18 @@ training run in the background; a new one is skipped while one is in flight (unl
 failed one is a warning (the checkpoint is on disk). `push_to_hub()` waits for them, saves the model and its card
 and pushes them (an error there is raised). Only the main process talks to the Hub; `hub_token` and
 `hub_revision` go with every call.
+
+What a push sends from the output directory: the model (weights, config, adapter, custom code), its tokenizer or
+processor and its card (README.md), nothing else (`PUSHED`). The run's own files there (report.html, run_info.json,
+metrics.jsonl, the completions parquet files with the dataset's prompts) go only with `hub_upload_run_files=True`
+(the HF Trainer's behaviour: the whole directory); hub_strategy "checkpoint" and "all_checkpoints" send the whole
+checkpoint directory, which is what resuming from the Hub needs. The card holds no secret (`grpo.secrets`).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import json
 import logging
 import math
@@ -28,16 +36,25 @@ from typing import Any
 
 import huggingface_hub
 
+from grpo import secrets
 from grpo.report import record
 
 logger = logging.getLogger("grpo")
+# a checkpoint's files that make the model, copied beside the output directory's tokenizer and card for a push
 MODEL_FILES = (
     "config.json",
     "generation_config.json",
-    "model.safetensors",
-    "model.safetensors.index.json",
     "adapter_config.json",
-    "adapter_model.safetensors",
+    "*.safetensors",
+    "*.safetensors.index.json",
+)
+# what a push sends from the output directory's top level, unless hub_upload_run_files
+PUSHED = (
+    "README.md",
+    *MODEL_FILES,
+    *("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*", "merges.txt", "*.model", "*.tiktoken"),
+    *("chat_template.*", "*preprocessor_config.json", "processor_config.json"),
+    *("configuration_*.py", "modeling_*.py", "tokenization_*.py", "processing_*.py", "image_processing_*.py"),
 )
 SKIPPED = ["_*", ".*", "checkpoint-*", ".tmp-checkpoint-*"]
 
@@ -109,9 +126,8 @@ class Hub:
         if not a.hub_always_push and any(not job.done() for job in self.jobs):
             return
         self.create_repo()
-        for name in MODEL_FILES:  # the model as of this checkpoint, beside the output directory's other files
-            if os.path.isfile(os.path.join(checkpoint_dir, name)):
-                shutil.copy(os.path.join(checkpoint_dir, name), os.path.join(a.output_dir, name))
+        for name in _matching(checkpoint_dir, MODEL_FILES):  # the model as of this checkpoint, beside the card
+            shutil.copy(os.path.join(checkpoint_dir, name), os.path.join(a.output_dir, name))
         trainer.processing_class.save_pretrained(a.output_dir)
         write_model_card(trainer, a.output_dir)
         message = f"Training in progress, step {trainer.state.global_step}"
@@ -143,15 +159,25 @@ class Hub:
         return self._upload(self.args.output_dir, commit_message, future=not blocking)
 
     def _upload(self, folder: str, message: str, future: bool, path_in_repo: str | None = None) -> Any:
+        """`folder` to the repository: a checkpoint whole (path_in_repo), the output directory's model and card
+        (PUSHED) unless hub_upload_run_files."""
+        whole = path_in_repo is not None or self.args.hub_upload_run_files
         return self.api().upload_folder(
             repo_id=self.repo_id,
             folder_path=folder,
             path_in_repo=path_in_repo,
             commit_message=message,
             revision=self.args.hub_revision,
+            allow_patterns=None if whole else [glob.escape(name) for name in _matching(folder, PUSHED)],
             ignore_patterns=SKIPPED,
             run_as_future=future,
         )
+
+
+def _matching(directory: str, patterns: tuple[str, ...]) -> list[str]:
+    """The names of the files at `directory`'s top level that match one of `patterns`."""
+    names = sorted(n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n)))
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
 def write_model_card(trainer: Any, directory: str, dataset_name: str | None = None, **extra: Any) -> str:
@@ -206,7 +232,7 @@ Optimization, [DeepSeekMath, arXiv:2402.03300](https://arxiv.org/abs/2402.03300)
     path = os.path.join(directory, "README.md")
     os.makedirs(directory, exist_ok=True)
     with open(path, "w") as f:
-        f.write(body)
+        f.write(secrets.redact_text(body))  # the settings come redacted; a token passed in a card field is too
     return path
 
 

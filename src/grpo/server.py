@@ -8,45 +8,51 @@ NCCL/CUDA. Here weights travel as one safetensors body over HTTP and load throug
 (`grpo.rollout.vllm.load_weights`, as the colocate engine's `sync_weights` does).
 
 Protocol (JSON bodies unless said; with a key, `Authorization: Bearer <key>` on every route but /health):
-- `GET /health` -> `{"status": "ok", "weight_version", "model", "dtype", "max_model_len"}` (never needs the key).
-- `GET /weight_version` -> `{"weight_version": int}`.
+- `GET /health` -> `{"status": "ok", "model", "dtype", "max_model_len", "vocab_size", "weight_version", "run"}`
+  (never needs the key).
+- `GET /weight_version` -> `{"weight_version": int, "run": str | null}`.
 - `POST /generate` `{"requests": [{"prompt_ids": [int, ...], "n": int = 1, "max_tokens": int}, ...],
   "sampling": {SamplingParams keywords, as grpo.rollout.vllm.sampling_kwargs returns them}, "weight_version": int
-  | null}` -> `{"weight_version": int, "outputs": [[{"token_ids": [...], "logprobs": [...]}, ... n], ... requests]}`.
-  Log-probs are vLLM's processed ones of the sampled tokens, null where vLLM had none. A given `weight_version`
-  that is not the server's -> 409: a stale server is never sampled from silently. The server sets `n`,
+  | null, "run": str | null}` -> `{"weight_version": int, "outputs": [[{"token_ids": [...], "logprobs": [...]},
+  ... n], ... requests]}`. Log-probs are vLLM's processed ones of the sampled tokens, null where vLLM had none. A
+  given `weight_version` (or `run`) that is not the server's -> 409 naming the run whose weights it holds: a stale
+  server, or one another run has pushed to since, is never sampled from silently. The server sets `n`,
   `logprobs=0`, `detokenize=False`, `output_kind` and `prompt_logprobs` itself (`logprobs` and `detokenize` may be
   sent with those values); `max_tokens` is capped to what the context leaves after the prompt.
-- `POST /update_weights`, body: raw safetensors bytes (`application/octet-stream`), header `X-Weight-Version: int`
-  -> `{"weight_version": int}`. The tensors must be exactly the checkpoint's (names and shapes, read from the model
-  directory at start); they are checked before anything is loaded, so a refused update leaves the old weights and
-  version. A load that fails midway leaves the weights unknown: the version becomes -1.
-- Errors: `{"error": str}` with 400 (bad input), 401 (key), 404 (route), 405 (method), 409 (version), 411 (no
+- `POST /update_weights`, body: raw safetensors bytes (`application/octet-stream`), header `X-Run: <the pushing
+  run's name>` -> `{"weight_version": int, "run": str}`. Versions belong to the server: each accepted push gets the
+  next number (1, 2, ...), whoever sends it, so two runs on one server never share a version. The tensors must be
+  exactly the checkpoint's (names and shapes, read from the model directory at start) and finite; they are checked
+  before anything is loaded, so a refused update leaves the old weights and version. A load that fails midway
+  leaves the weights unknown: the version becomes -1.
+- Errors: `{"error": str}` with 400 (bad input), 401 (key), 403 (a web page's request, or a keyless server
+  addressed by a non-loopback Host: `grpo.server_http`), 404 (route), 405 (method), 409 (version), 411 (no
   Content-Length), 413 (body over `--max-request-bytes` for /generate, over the model's float32 size + 10% for
-  /update_weights; refused before the body is read), 500 (anything unexpected). No request stops the server.
+  /update_weights; refused before the body is read), 415 (Content-Type), 500 (anything unexpected). No request
+  stops the server.
 
 Security defaults: binds 127.0.0.1; binding any other (non-loopback) address needs an API key (`--api-key` or
 GRPO_VLLM_API_KEY), else the command refuses to start (exit status 2); with a key every route but /health checks it
-(`hmac.compare_digest`), on loopback too. Engine calls are serialized by one lock; the threaded HTTP server keeps
-/health answering during a generation.
+(`hmac.compare_digest`), on loopback too; without one only loopback Host names are answered (DNS rebinding), and
+requests from web pages (an Origin header) never are, unless `--allowed-hosts` names them. Engine calls are
+serialized by one lock; the threaded HTTP server keeps /health answering during a generation.
 """
 
 from __future__ import annotations
 
 import argparse
 import hmac
-import ipaddress
 import json
 import logging
 import math
 import os
-import socket
 import sys
 import tempfile
 import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
+
+import torch
 
 from grpo import vision
 from grpo.rollout.vllm import (
@@ -56,22 +62,14 @@ from grpo.rollout.vllm import (
     samples,
     sampling_params,
 )
+from grpo.server_http import Access, Handler, RequestError, is_loopback
 
 logger = logging.getLogger("grpo")
 
 KEY_ENV = "GRPO_VLLM_API_KEY"
 # SamplingParams fields the server sets itself, with the values a client may still send (sampling_kwargs sends them)
 _SERVER_SET = {"n": None, "logprobs": 0, "detokenize": False, "output_kind": None, "prompt_logprobs": None}
-_SOCKET_TIMEOUT_S = 120  # a client that announces a body and never sends it frees its thread after this
-_LINGER_S, _LINGER_BYTES = 5.0, 256 * 2**20  # how much of a refused body is read before the connection closes
-
-
-class RequestError(Exception):
-    """A request the server refuses: answered with `status` and the message, the server keeps serving."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+_MAX_RUN_NAME = 200
 
 
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -92,6 +90,11 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation (always on CPUs)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--api-key", default=None, help=f"required bearer key (default: ${KEY_ENV})")
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host names (and page origins) answered besides loopback ones; '*': any",
+    )
     p.add_argument("--max-request-bytes", type=int, default=16 * 2**20, help="largest /generate body")
     p.add_argument(
         "--max-sequences", type=int, default=4096, help="most completions (sum of n) one /generate may ask for"
@@ -102,7 +105,7 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
 def startup_refusal(args: argparse.Namespace, key: str | None) -> str | None:
     """Why the server must not start with these flags (None when it may), decided before vLLM is imported."""
-    if not _is_loopback(args.host) and not key:
+    if not is_loopback(args.host) and not key:
         return (
             f"grpo vllm-serve: refusing to bind {args.host} without an API key: anyone who can reach it could "
             f"replace the model's weights. Pass --api-key KEY or set the environment variable {KEY_ENV} (clients "
@@ -115,15 +118,6 @@ def startup_refusal(args: argparse.Namespace, key: str | None) -> str | None:
     return None
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def serve(args: argparse.Namespace) -> int:
     """Start the engine and serve until interrupted; returns the exit status (2: refused flags)."""
     key = args.api_key or os.environ.get(KEY_ENV) or None
@@ -134,6 +128,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     httpd = ThreadingHTTPServer((args.host, args.port), Handler)  # bound now: a busy port fails before the load
     httpd.daemon_threads = True
+    httpd.access = Access(args.allowed_hosts, keyed=key is not None)
     httpd.app = Server(args, key)
     print(f"grpo vllm-serve: serving {args.model} on http://{args.host}:{httpd.server_address[1]}", flush=True)
     try:
@@ -153,7 +148,9 @@ class Server:
         self.model = args.model
         self.max_request_bytes = args.max_request_bytes
         self.lock = threading.Lock()
-        self.weight_version = 0
+        self.weight_version = 0  # the server's own numbering: every accepted push gets the next number
+        self.pushes = 0
+        self.run: str | None = None  # the run whose push the weights are (None: the checkpoint's own)
         self.llm = _start_engine(args)
         self.parallel = args.tensor_parallel_size
         config = self.llm.llm_engine.vllm_config.model_config
@@ -168,8 +165,17 @@ class Server:
 
     def health(self) -> dict:
         dtype = str(self.dtype).removeprefix("torch.")
-        version, length = self.weight_version, self.max_model_len
-        return dict(status="ok", weight_version=version, model=self.model, dtype=dtype, max_model_len=length)
+        return dict(
+            status="ok",
+            model=self.model,
+            dtype=dtype,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            **self.version_info(),
+        )
+
+    def version_info(self) -> dict:
+        return {"weight_version": self.weight_version, "run": self.run}
 
     def authorized(self, header: str | None) -> bool:
         if self.key is None:
@@ -184,12 +190,14 @@ class Server:
         payload = _json(body)
         if not isinstance(payload, dict):
             raise RequestError(400, "the body must be a JSON object with 'requests'")
-        unknown = set(payload) - {"requests", "sampling", "weight_version"}
+        unknown = set(payload) - {"requests", "sampling", "weight_version", "run"}
         if unknown:
             raise RequestError(400, f"unknown fields {sorted(unknown)}: expected requests, sampling, weight_version")
-        version = payload.get("weight_version")
+        version, run = payload.get("weight_version"), payload.get("run")
         if version is not None and not _is_int(version):
             raise RequestError(400, "weight_version must be an integer or null")
+        if run is not None and not isinstance(run, str):
+            raise RequestError(400, "run must be a string or null")
         sampling = self._sampling(payload.get("sampling", {}))
         requests = payload.get("requests")
         if not isinstance(requests, list) or not requests:
@@ -205,10 +213,7 @@ class Server:
             inputs.append(self._input(i, request, prompt))
             params.append(_params(sampling, n, max_tokens, i))
         with self.lock:
-            if version is not None and version != self.weight_version:
-                raise RequestError(
-                    409, f"the server holds weight version {self.weight_version}, the request asks for {version}"
-                )
+            self._check_version(version, run)
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
             served = self.weight_version
         answer = {"weight_version": served, "outputs": [_samples(output) for output in outputs]}
@@ -217,6 +222,19 @@ class Server:
                 list(out.prompt_token_ids) if "multi_modal_data" in x else None for x, out in zip(inputs, outputs)
             ]
         return answer
+
+    def _check_version(self, version: int | None, run: str | None) -> None:
+        """A request for weights the server does not hold is refused (409): never sampled from silently."""
+        if version is None or (version == self.weight_version and run in (None, self.run)):
+            return
+        holder = f"pushed by run {self.run!r}" if self.run else "the checkpoint's own"
+        asker = f" (run {run!r})" if run else ""
+        other = " Another run pushed its weights since: one server serves one run at a time." if self.run != run else ""
+        raise RequestError(
+            409,
+            f"the server holds weight version {self.weight_version} ({holder}), the request{asker} asks for "
+            f"version {version}.{other}",
+        )
 
     @staticmethod
     def _input(i: int, request: dict, prompt: list[int]) -> dict:
@@ -271,14 +289,20 @@ class Server:
             raise RequestError(400, f"requests[{i}].max_tokens must be an integer >= 1")
         return prompt, n, min(max_tokens, self.max_model_len - len(prompt))
 
-    def update_weights(self, body: bytes, version_header: str | None) -> dict:
-        try:
-            version = int(version_header or "")
-        except ValueError:
-            raise RequestError(400, "the X-Weight-Version header must be an integer") from None
+    def update_weights(self, body: bytes, headers: Any) -> dict:
+        """Load a push; the server numbers it (the next of its own versions) and records the run it names."""
+        run = headers.get("X-Run")
+        if not run or len(run) > _MAX_RUN_NAME or not run.isprintable():
+            raise RequestError(
+                400, f"a push must name its run: an X-Run header of 1-{_MAX_RUN_NAME} printable characters"
+            )
+        if headers.get("X-Weight-Version") is not None:
+            raise RequestError(400, "the server numbers weight versions itself: send X-Run, not X-Weight-Version")
         weights = self._checked_weights(body)
         with self.lock:
-            self.weight_version = -1  # unknown weights until the load completes
+            self.pushes += 1
+            version = self.pushes
+            self.weight_version, self.run = -1, run  # unknown weights until the load completes
             if self.parallel > 1:  # the shards' processes read the checked body from a private file
                 with tempfile.TemporaryDirectory(prefix="grpo-weights-") as directory:
                     path = os.path.join(directory, "model.safetensors")
@@ -288,7 +312,7 @@ class Server:
             else:
                 load_weights(self.llm, weights.items(), self.dtype, self.tied)
             self.weight_version = version
-        return {"weight_version": version}
+        return {"weight_version": version, "run": run}
 
     def _checked_weights(self, body: bytes) -> dict:
         from safetensors.torch import load
@@ -311,6 +335,8 @@ class Server:
                 raise RequestError(400, f"{name} has shape {list(tensor.shape)}, the model's is {expected}")
             if not tensor.is_floating_point():
                 raise RequestError(400, f"{name} is {tensor.dtype}, not a floating-point tensor")
+            if not bool(torch.isfinite(tensor).all()):
+                raise RequestError(400, f"{name} has NaN or infinite values: a diverged policy is not loaded")
         return weights
 
 
@@ -399,95 +425,3 @@ def _json(body: bytes) -> Any:
         return json.loads(body, parse_constant=no_constants)
     except (ValueError, UnicodeDecodeError) as err:
         raise RequestError(400, f"the body is not valid JSON: {err}") from None
-
-
-class Handler(BaseHTTPRequestHandler):
-    """HTTP for `Server`: routing, the key, body limits, and one JSON answer per request whatever happens."""
-
-    timeout = _SOCKET_TIMEOUT_S
-    routes = {"/health": "GET", "/weight_version": "GET", "/generate": "POST", "/update_weights": "POST"}
-
-    def do_GET(self) -> None:
-        self._handle("GET")
-
-    def do_POST(self) -> None:
-        self._handle("POST")
-
-    def _handle(self, method: str) -> None:
-        self.body_read = False
-        try:
-            status, answer = 200, self._route(method)
-        except RequestError as err:
-            status, answer = err.status, {"error": str(err)}
-        except Exception as err:  # never let one request take the server down
-            logger.exception("grpo vllm-serve: %s %s failed", method, self.path)
-            status, answer = 500, {"error": f"{type(err).__name__}: {err}"}
-        self._send(status, answer)
-
-    def _route(self, method: str) -> dict:
-        app: Server = self.server.app
-        path = self.path.split("?", 1)[0]
-        if path not in self.routes:
-            raise RequestError(404, f"no route {path}; routes: {', '.join(self.routes)}")
-        if self.routes[path] != method:
-            raise RequestError(405, f"{path} takes {self.routes[path]}")
-        if path == "/health":
-            return app.health()
-        if not app.authorized(self.headers.get("Authorization")):
-            raise RequestError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')")
-        if path == "/weight_version":
-            return {"weight_version": app.weight_version}
-        body = self._body(app.body_limit(path))
-        if path == "/generate":
-            return app.generate(body)
-        return app.update_weights(body, self.headers.get("X-Weight-Version"))
-
-    def _body(self, limit: int) -> bytes:
-        length = self.headers.get("Content-Length")
-        if length is None:
-            raise RequestError(411, "a Content-Length header is required")
-        try:
-            size = int(length)
-        except ValueError:
-            raise RequestError(400, f"bad Content-Length {length!r}") from None
-        if size < 0:
-            raise RequestError(400, f"bad Content-Length {length!r}")
-        if size > limit:
-            raise RequestError(413, f"the body has {size} bytes; this route takes at most {limit}")
-        body = self.rfile.read(size)
-        self.body_read = True
-        if len(body) != size:
-            raise RequestError(400, f"the body ended after {len(body)} of {size} bytes")
-        return body
-
-    def _send(self, status: int, answer: dict) -> None:
-        data = json.dumps(answer).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if status >= 400:
-                self.send_header("Connection", "close")  # an unread body must not be parsed as the next request
-                self.close_connection = True
-            self.end_headers()
-            self.wfile.write(data)
-            if status >= 400 and not self.body_read and self.command == "POST":
-                self._linger()
-        except OSError:  # the client went away
-            self.close_connection = True
-
-    def _linger(self) -> None:
-        """Read (and drop) some of a refused body before closing: closing with unread bytes resets the connection,
-        and the client, still sending, would see the reset instead of the answer. Bounded in bytes and time."""
-        self.wfile.flush()
-        self.connection.shutdown(socket.SHUT_WR)
-        self.connection.settimeout(1.0)
-        deadline, drained = time.monotonic() + _LINGER_S, 0
-        while drained < _LINGER_BYTES and time.monotonic() < deadline:
-            chunk = self.rfile.read1(2**16)
-            if not chunk:
-                break
-            drained += len(chunk)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s " + format, self.address_string(), *args)

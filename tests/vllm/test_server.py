@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import save
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpo.rollout.vllm import sampling_kwargs
 
@@ -86,6 +86,8 @@ def request(port, method, path, body=None, headers=None, timeout=60):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         data = json.dumps(body).encode() if isinstance(body, dict) else body
+        if isinstance(body, dict):
+            headers = {"Content-Type": "application/json", **(headers or {})}
         conn.request(method, path, body=data, headers=headers or {})
         response = conn.getresponse()
         return response.status, json.loads(response.read() or b"null")
@@ -133,14 +135,22 @@ def max_diff(outputs, model) -> float:
     return worst
 
 
-def push(port, model, version, headers=None):
+def push(port, model, run="test", headers=None):
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    return push_bytes(port, save(state), version, headers)
+    return push_bytes(port, save(state), run, headers)
 
 
-def push_bytes(port, data: bytes, version, headers=None):
-    headers = {"Content-Type": "application/octet-stream", "X-Weight-Version": str(version), **(headers or {})}
+def push_bytes(port, data: bytes, run="test", headers=None):
+    headers = {"Content-Type": "application/octet-stream", "X-Run": run, **(headers or {})}
     return request(port, "POST", "/update_weights", data, headers)
+
+
+def version_of(port) -> int:
+    return request(port, "GET", "/weight_version")[1]["weight_version"]
+
+
+def reference_vocab(model_dir) -> int:
+    return AutoConfig.from_pretrained(model_dir).vocab_size
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +163,7 @@ def test_health_describes_the_server(servers, vllm_model_dir):
     assert status == 200
     assert answer["status"] == "ok" and answer["model"] == vllm_model_dir
     assert answer["dtype"] == "float32" and answer["max_model_len"] == 512 and isinstance(answer["weight_version"], int)
+    assert answer["vocab_size"] == reference_vocab(vllm_model_dir)
 
 
 def test_generation_returns_n_completions_with_the_models_log_probs(servers, reference):
@@ -171,10 +182,10 @@ def test_a_weight_update_changes_the_log_probs_to_the_pushed_models(servers, ref
     with torch.no_grad():
         for p in perturbed.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    version = request(servers.open, "GET", "/weight_version")[1]["weight_version"] + 1
+    version = version_of(servers.open) + 1  # the server numbers pushes itself: the next one is this
     try:
-        assert push(servers.open, perturbed, version) == (200, {"weight_version": version})
-        assert request(servers.open, "GET", "/weight_version") == (200, {"weight_version": version})
+        assert push(servers.open, perturbed, "A") == (200, {"weight_version": version, "run": "A"})
+        assert request(servers.open, "GET", "/weight_version") == (200, {"weight_version": version, "run": "A"})
         status, answer = generate(servers.open, version=version)
         assert status == 200 and answer["weight_version"] == version
         assert max_diff(answer["outputs"], perturbed) < FP32_TOL
@@ -182,23 +193,26 @@ def test_a_weight_update_changes_the_log_probs_to_the_pushed_models(servers, ref
         status, answer = generate(servers.open, version=version - 1)  # the client thinks it is older: refused
         assert status == 409 and "weight version" in answer["error"]
     finally:  # the original weights back, for the other tests
-        assert push(servers.open, reference, version + 1)[0] == 200
+        assert push(servers.open, reference, "B") == (200, {"weight_version": version + 1, "run": "B"})
+    status, answer = generate(servers.open, version=version)  # A's version, now B's weights: refused, by name
+    assert status == 409 and "pushed by run 'B'" in answer["error"]
     assert max_diff(generate(servers.open, version=version + 1)[1]["outputs"], reference) < FP32_TOL
 
 
 def test_an_update_with_wrong_names_or_shapes_is_refused_and_changes_nothing(servers, reference):
-    before = request(servers.open, "GET", "/weight_version")[1]["weight_version"]
+    before = version_of(servers.open)
     state = {k: v.contiguous() for k, v in reference.state_dict().items()}
     renamed = dict(state)
     renamed["model.not_a_layer.weight"] = renamed.pop("model.norm.weight")
     reshaped = {**state, "model.norm.weight": torch.ones(7)}
     missing = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    for bad in (renamed, reshaped, missing):
-        status, answer = push_bytes(servers.open, save(bad), before + 5)
+    nan = {**state, "model.norm.weight": torch.full_like(state["model.norm.weight"], float("nan"))}
+    for bad in (renamed, reshaped, missing, nan):
+        status, answer = push_bytes(servers.open, save(bad))
         assert status == 400 and "error" in answer
-    assert push_bytes(servers.open, b"not safetensors", before + 5)[0] == 400
-    assert push_bytes(servers.open, save(state), "one")[0] == 400  # the version header is not an integer
-    assert request(servers.open, "GET", "/weight_version")[1]["weight_version"] == before
+    assert push_bytes(servers.open, b"not safetensors")[0] == 400
+    assert push_bytes(servers.open, save(state), headers={"X-Run": ""})[0] == 400  # a push names its run
+    assert version_of(servers.open) == before
     status, answer = generate(servers.open)
     assert status == 200 and max_diff(answer["outputs"], reference) < FP32_TOL
 
@@ -208,7 +222,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(servers):
     good = {"prompt_ids": [4, 10], "n": 1, "max_tokens": 4}
 
     def post(body):
-        return request(port, "POST", "/generate", body)[0]
+        return request(port, "POST", "/generate", body, {"Content-Type": "application/json"})[0]
 
     assert post(b"{not json") == 400
     assert post({"requests": []}) == 400
@@ -226,11 +240,12 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(servers):
     assert post({"requests": [good], "weight_version": "1"}) == 400
     assert request(port, "GET", "/nowhere")[0] == 404
     assert request(port, "GET", "/generate")[0] == 405
-    assert _raw(port, b"POST /generate HTTP/1.1\r\nHost: x\r\n\r\n") == 411  # no Content-Length
-    big = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{}" % (2**40)
+    assert _raw(port, b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") == 411  # no Content-Length
+    big = b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n{}" % (2**40)
     assert _raw(port, big) == 413  # refused before reading: only two bytes were sent
-    huge = b"POST /update_weights HTTP/1.1\r\nHost: x\r\nX-Weight-Version: 9\r\nContent-Length: %d\r\n\r\nxx" % 2**36
+    huge = b"POST /update_weights HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Run: a\r\nContent-Length: %d\r\n\r\nxx" % 2**36
     assert _raw(port, huge) == 413
+    assert _raw(port, b"GET /health HTTP/1.1\r\nHost: rebound.example\r\n\r\n") == 403  # DNS rebinding
     assert request(port, "GET", "/health")[0] == 200
     assert post({"requests": [good], "sampling": {"structured_outputs": {"regex": "[a-z]+"}}}) == 200
 
@@ -246,14 +261,14 @@ def test_the_key_server_requires_its_key_except_on_health(servers, reference):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         assert request(port, "GET", "/weight_version", headers=headers)[0] == 401
         assert generate(port, headers=headers)[0] == 401
-        assert push(port, reference, 7, headers=headers)[0] == 401
+        assert push(port, reference, headers=headers)[0] == 401
     assert request(port, "GET", "/weight_version")[0] == 401
     good = {"Authorization": f"Bearer {KEY}"}
     assert request(port, "GET", "/health")[0] == 200
-    assert request(port, "GET", "/weight_version", headers=good) == (200, {"weight_version": 0})
+    assert request(port, "GET", "/weight_version", headers=good) == (200, {"weight_version": 0, "run": None})
     status, answer = generate(port, headers=good)
     assert status == 200 and max_diff(answer["outputs"], reference) < FP32_TOL
-    assert push(port, reference, 7, headers=good) == (200, {"weight_version": 7})
+    assert push(port, reference, "K", headers=good) == (200, {"weight_version": 1, "run": "K"})
 
 
 def _cli(*args: str, **env) -> subprocess.CompletedProcess:
@@ -285,7 +300,7 @@ def test_a_tensor_parallel_server_samples_from_the_model_and_loads_pushed_weight
         with torch.no_grad():
             for p in perturbed.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
-        assert push(proc.port, perturbed, 1) == (200, {"weight_version": 1})
+        assert push(proc.port, perturbed, "tp") == (200, {"weight_version": 1, "run": "tp"})
         status, answer = generate(proc.port, version=1)
         assert status == 200
         assert max_diff(answer["outputs"], perturbed) < FP32_TOL

@@ -95,6 +95,23 @@ def test_two_trainer_processes_share_one_server(server, vllm_model_dir, tmp_path
         assert row["sampling"]["sampling/sampling_logp_difference/max"] < FP32_TOL
 
 
+def test_a_run_whose_weights_another_run_replaced_is_refused_by_name(server, vllm_model_dir, tmp_path):
+    """Versions belong to the server: run B's push gets a number of its own, so run A, generating after it
+    without pushing, is refused with B named, instead of sampling B's weights."""
+    a = make_trainer(vllm_model_dir, tmp_path / "a", vllm_mode="server", vllm_server_port=server.port, run_name="A")
+    b = make_trainer(vllm_model_dir, tmp_path / "b", vllm_mode="server", vllm_server_port=server.port, run_name="B")
+    a.engine.sync_weights(a.unwrapped_model)
+    b.engine.sync_weights(b.unwrapped_model)
+    assert b.engine.version == a.engine.version + 1 and a.engine.run.startswith("A (")
+    with pytest.raises(ServerError, match=r"\(409\).*pushed by run 'B \(.*Another run pushed"):
+        served(a, None)
+    served(b, None)  # B's own weights: served
+    a.engine.sync_weights(a.unwrapped_model)  # A pushes again: A is served, B is refused
+    served(a, None)
+    with pytest.raises(ServerError, match="pushed by run 'A"):
+        served(b, None)
+
+
 def test_a_server_killed_mid_run_stops_it_clearly_and_resume_continues(vllm_model_dir, tmp_path):
     s = Server(vllm_model_dir)
     args = dict(vllm_mode="server", vllm_server_port=s.port, vllm_server_timeout=5.0, max_steps=3)

@@ -24,6 +24,7 @@ from typing import Any
 
 from transformers.training_args import OptimizerNames
 
+from grpo import secrets
 from grpo.config import compat
 from grpo.config.grpo_fields import (
     IS_MODES,
@@ -169,12 +170,14 @@ class GRPOConfig(
             self.steps_per_generation = self.generation_batch_size // per_step
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict, secrets redacted (what checkpoints and trackers save)."""
-        values = dataclasses.asdict(self)
-        for name in SECRET_FIELDS:
-            if values.get(name):
-                values[name] = "<redacted>"
-        return values
+        """The fields as a dict, secrets redacted at every depth (`grpo.secrets`): what checkpoints, trackers, the
+        report and the model card save. The config itself keeps the real values."""
+        return secrets.redact(dataclasses.asdict(self))
+
+    def __repr__(self) -> str:  # redacted as to_dict (the HF TrainingArguments' repr hides its *_token fields too)
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
+
+    __str__ = __repr__
 
 
 def _parse_tokens_seen(value: Any) -> str:
@@ -201,7 +204,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 def _check_numbers(c: GRPOConfig) -> None:
     """Every number in the config is finite and float32-representable: training computes in float32, where 1e39
-    is inf and inf or NaN turn into NaN weights or zero gradients."""
+    is inf and inf or NaN turn into NaN weights or zero gradients. A field typed int (a count, a seed: `int` or
+    `Optional[int]`, as in TRL / TrainingArguments) given a float takes it when whole (2.0 is 2, as a YAML or JSON
+    file may write it) and refuses a fraction; float fields keep theirs (save_steps=0.25 is a ratio of the run)."""
     for f in dataclasses.fields(c):
         value = getattr(c, f.name)
         for number in value if isinstance(value, (list, tuple)) else [value]:
@@ -212,6 +217,16 @@ def _check_numbers(c: GRPOConfig) -> None:
                     f"GRPOConfig.{f.name} is {value!r}; it must be a finite number within float32's range "
                     "(|x| <= 3.4e38), since training computes in float32, where it would be inf or NaN."
                 )
+        if isinstance(value, float) and _integer_typed(f.type):
+            if not value.is_integer():
+                raise ValueError(f"GRPOConfig.{f.name} is {value!r}; it must be a whole number (an int).")
+            setattr(c, f.name, int(value))
+
+
+def _integer_typed(annotation: Any) -> bool:
+    """Whether a field's annotation (a string: `from __future__ import annotations`) admits int but not float."""
+    names = set(re.findall(r"\w+", str(annotation)))
+    return "int" in names and "float" not in names
 
 
 # Optimizers whose training step is not a plain optimizer.step() after backward (LOMO fuses the update into
@@ -357,10 +372,6 @@ def _validate(c: GRPOConfig) -> None:
         "reward_weights",
         "is empty; give one weight per reward function or None",
     )
-
-
-# fields never written out: to_dict() redacts them
-SECRET_FIELDS = ("vllm_server_api_key", "hub_token")
 
 
 def _check_vllm(c: GRPOConfig) -> None:

@@ -152,6 +152,13 @@ class GrpoOnlyFields:
         "False: no page (`grpo report <output_dir>` can still build one from the run's files).",
         True,
     )
+    hub_upload_run_files: bool = _help(
+        "push_to_hub: also upload the run's own files in output_dir (report.html, run_info.json, metrics.jsonl, the "
+        "completions parquet files with the dataset's prompts) beside the model. False: a push sends the model, its "
+        "tokenizer or processor and its card (README.md) only. Checkpoint pushes (hub_strategy 'checkpoint', "
+        "'all_checkpoints') always send the whole checkpoint.",
+        False,
+    )
     eval_greedy: bool = _help(
         "Evaluation samples one greedy completion per prompt (temperature 0 / top_k=1) instead of "
         "num_generations_eval sampled ones.",

@@ -1,9 +1,11 @@
 """The report as one HTML page: inline styles, charts as inline SVG, no script, no link to anything outside the
 file, so it opens the same on an air-gapped machine. Every text that comes from the run (completions, prompts,
-configuration values, error messages) is escaped: a completion cannot put markup or script into the page."""
+configuration values, error messages) is escaped: a completion cannot put markup or script into the page. Secrets
+in it (`grpo.secrets`: a token in the configuration, an error message or a completion) are redacted first."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -11,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpo import diagnostics
+from grpo import diagnostics, secrets
 from grpo.report import charts
 from grpo.report.charts import escape as _e
 
@@ -58,6 +60,12 @@ class Run:
 
 
 def page(run: Run) -> str:
+    run = dataclasses.replace(
+        run,
+        info=secrets.redact(run.info),
+        completions=secrets.redact(run.completions),
+        status_detail=secrets.redact_text(run.status_detail),
+    )
     training = [r for r in run.rows if "loss" in r or "reward" in r]
     body = [
         _header(run, training),

@@ -6,9 +6,11 @@ so `grpo report <output_dir>` rebuilds it for any run, live or finished, resumed
 - `completions/completions_<step>.parquet`: with `log_completions`, the latest generation's completions at each
   logging step. Files for steps the metrics do not reach (a killed run's, before its resume rewrites them) are
   not shown.
-- `run_info.json`: written by the main process when training starts and when it ends: the configuration (secrets
-  redacted), the settings that differ from the defaults, the package versions, the model, reward functions and
-  tools, and each start of the run (a resume is a start) with its step, and how the last one ended.
+- `run_info.json`: written by the main process when training starts and when it ends: the configuration, the
+  settings that differ from the defaults, the package versions, the model, reward functions and tools, and each
+  start of the run (a resume is a start) with its step, and how the last one ended. Secrets are redacted at every
+  depth (`grpo.secrets`) when it is written and again when it is read (a file written by hand or by an older grpo
+  shows none either).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from grpo import secrets
 from grpo.config import GRPOConfig
 
 RUN_INFO = "run_info.json"
@@ -90,7 +93,7 @@ def record_start(output_dir: str, args: Any, facts: dict[str, Any], step: int, r
         "status": "running",
         "ended": None,
     }
-    write_atomically(os.path.join(output_dir, RUN_INFO), json.dumps(info, indent=1, default=str))
+    _write_info(output_dir, info)
 
 
 def ending(step: int, error: BaseException | None) -> dict[str, Any]:
@@ -105,7 +108,11 @@ def record_end(output_dir: str, ended: dict[str, Any]) -> None:
         return
     info["status"] = "finished" if ended["error"] is None else "stopped"
     info["ended"] = ended
-    write_atomically(os.path.join(output_dir, RUN_INFO), json.dumps(info, indent=1, default=str))
+    _write_info(output_dir, info)
+
+
+def _write_info(output_dir: str, info: dict[str, Any]) -> None:
+    write_atomically(os.path.join(output_dir, RUN_INFO), json.dumps(secrets.redact(info), indent=1, default=str))
 
 
 def describe(error: BaseException) -> str:
@@ -141,7 +148,7 @@ def read_info(output_dir: str) -> dict[str, Any]:
         return {}
     if not isinstance(info, dict):
         return {}
-    return {k: v for k, v in info.items() if k in INFO_TYPES and isinstance(v, INFO_TYPES[k])}
+    return secrets.redact({k: v for k, v in info.items() if k in INFO_TYPES and isinstance(v, INFO_TYPES[k])})
 
 
 def saved_args(info: dict[str, Any], output_dir: str) -> SimpleNamespace:

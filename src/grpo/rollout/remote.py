@@ -7,10 +7,14 @@ The server (`grpo.server`) hosts vLLM in its own process; this client never impo
 
 - **Weights.** Before the first generation after an optimizer step every process takes part in gathering the
   policy's weights (`grpo.rollout.weights`: sharded models gather collectively, LoRA sends base + delta); the main
-  process sends them, in the server's dtype, as one safetensors body with the next weight version, and checks the
-  version the server reports back; the other processes wait until the server reports that version. Every
-  generation names the version it expects: a server that has another one answers 409, an error here, so a stale
-  server is never sampled from.
+  process sends them, in the server's dtype, as one safetensors body naming this run (`X-Run`: run_name or the
+  output_dir's name, host and pid); the server numbers the push and answers with its version, which the main
+  process hands to the others. Every generation names that version and the run: a server that holds other weights
+  (a stale one, or one another run has pushed to since) answers 409, an error here, so it is never sampled from.
+- **Replies are checked** before anything is trained on them: one list of `n` samples per request, token ids in
+  the server's vocabulary, at most `max_tokens` of them, one log-prob (a number or null) per token, the version
+  asked for. A reply that is not so is an error naming the server, never an IndexError or a reward function's
+  "wrong number of values".
 - **Liveness.** A generation may take long; a dead server must not hang the run. While a request is in flight the
   client polls `/health`; a server that has not answered it for `vllm_server_timeout` seconds is an error that
   names the URL and says how to resume. At start the client waits up to `vllm_server_timeout` for the server.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -65,7 +70,11 @@ class ServerEngine:
         self.sampling = sampling
         self.max_tokens = args.max_completion_length
         self.info = self._wait_until_up()
-        self.version: int | None = None  # the weight version this run last pushed (None: none yet)
+        self.vocab_size = int(self.info.get("vocab_size") or len(tokenizer))
+        self.version: int | None = None  # the server's number of this run's last push (None: none yet)
+        label = (args.run_name or os.path.basename(str(args.output_dir).rstrip("/\\")) or "grpo")[:100]
+        run = f"{label} ({socket.gethostname()[:60]} pid {os.getpid()})"  # the server's X-Run: printable
+        self.run = "".join(c if c.isprintable() else "?" for c in run)
 
     # ---- HTTP ---------------------------------------------------------------------------------------------------
 
@@ -141,32 +150,27 @@ class ServerEngine:
     # ---- the engine interface -----------------------------------------------------------------------------------
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Every process calls it (gathering a sharded policy is collective); the main process pushes."""
-        version = (self.version if self.version is not None else int(self.info.get("weight_version", 0))) + 1
+        """Every process calls it (gathering a sharded policy is collective); the main process pushes and hands
+        the server's number of the push to the others."""
         dtype = getattr(torch, self.info.get("dtype", "float32"))
         main = self.accelerator.is_main_process
         with checkpoint_weights(model) as weights:
             tensors = {name: t.to("cpu", dtype).contiguous() for name, t in weights} if main else {}
+        version = None
         if main:
-            body = save(tensors)
-            headers = {"Content-Type": "application/octet-stream", "X-Weight-Version": str(version)}
-            answer = self._while_alive("/update_weights", body, headers)
-            if answer.get("weight_version") != version:
+            headers = {"Content-Type": "application/octet-stream", "X-Run": self.run}
+            answer = self._while_alive("/update_weights", save(tensors), headers)
+            version = answer.get("weight_version") if isinstance(answer, dict) else None
+            if not _is_int(version) or version < 1 or answer.get("run") != self.run:
                 raise ServerError(
-                    f"The vLLM server at {self.url} reports weight version {answer.get('weight_version')} after "
-                    f"the push of version {version}: its weights are not the policy's."
+                    f"The vLLM server at {self.url} answered the push with {str(answer)[:200]}, not this run's new "
+                    "weight version: is it a `grpo vllm-serve` of this grpo version?"
                 )
-        self.version = version
-        self.accelerator.wait_for_everyone()
-        if not main:
-            self._wait_for_version(version)
+        if self.accelerator.num_processes > 1:  # the others wait here until the server has loaded the push
+            from accelerate.utils import broadcast_object_list
 
-    def _wait_for_version(self, version: int) -> None:
-        deadline = time.monotonic() + self.timeout
-        while self._request("/weight_version", timeout=self.timeout).get("weight_version") != version:
-            if time.monotonic() > deadline:
-                raise ServerError(f"The vLLM server at {self.url} did not reach weight version {version}.")
-            time.sleep(0.05)
+            version, self.run = broadcast_object_list([version, self.run], from_process=0)  # the main's name
+        self.version = version
 
     def _request_of(self, request: Request) -> dict:
         """One request as JSON; an image prompt as its unexpanded ids and its images (`multimodal_input`)."""
@@ -188,13 +192,49 @@ class ServerEngine:
             "requests": [self._request_of(r) for r in requests],
             "sampling": self.sampling,
             "weight_version": self.version,
+            "run": self.run if self.version is not None else None,
         }
         answer = self._while_alive("/generate", json.dumps(payload).encode(), {"Content-Type": "application/json"})
+        tokens, logps = self._checked(answer, payload["requests"])
         for request, expanded in zip(requests, answer.get("prompt_ids") or [None] * len(requests)):
             check_expanded(request.prompt, expanded)
-        tokens, logps = [], []
-        for samples in answer["outputs"]:
-            for sample in samples:
-                tokens.append(list(sample["token_ids"]))
-                logps.append([math.nan if lp is None else float(lp) for lp in sample["logprobs"]])
         return assemble(expand(requests), tokens, logps, self.stop_ids, self.tokenizer)
+
+    def _checked(self, answer: Any, sent: list[dict]) -> tuple[list[list[int]], list[list[float]]]:
+        """The reply's token ids and log-probs, per sample, once it is what was asked for (else a ServerError)."""
+
+        def bad(what: str) -> ServerError:
+            return ServerError(
+                f"The vLLM server at {self.url} answered /generate with {what}; nothing of it is used. Is it a "
+                "`grpo vllm-serve` of the policy's model (same tokenizer and vocabulary) and of this grpo version?"
+            )
+
+        if not isinstance(answer, dict) or not isinstance(answer.get("outputs"), list):
+            raise bad("no 'outputs' list")
+        if self.version is not None and answer.get("weight_version") != self.version:
+            raise bad(f"weight version {answer.get('weight_version')!r} where this run's is {self.version}")
+        if len(answer["outputs"]) != len(sent):
+            raise bad(f"{len(answer['outputs'])} outputs for {len(sent)} requests")
+        tokens, logps = [], []
+        for i, (request, samples) in enumerate(zip(sent, answer["outputs"])):
+            if not isinstance(samples, list) or len(samples) != request["n"]:
+                count = len(samples) if isinstance(samples, list) else "no list of"
+                raise bad(f"{count} samples for request {i}, which asked for {request['n']}")
+            for sample in samples:
+                ids = sample.get("token_ids") if isinstance(sample, dict) else None
+                lps = sample.get("logprobs") if isinstance(sample, dict) else None
+                if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids):
+                    raise bad(f"token ids outside the vocabulary [0, {self.vocab_size}) in request {i}")
+                if len(ids) > request["max_tokens"]:
+                    raise bad(f"{len(ids)} tokens in request {i}, which allowed {request['max_tokens']}")
+                if not isinstance(lps, list) or len(lps) != len(ids):
+                    raise bad(f"log-probs that are not one per token in request {i}")
+                if not all(lp is None or (isinstance(lp, (int, float)) and not isinstance(lp, bool)) for lp in lps):
+                    raise bad(f"log-probs that are neither numbers nor null in request {i}")
+                tokens.append(ids)
+                logps.append([math.nan if lp is None else float(lp) for lp in lps])
+        return tokens, logps
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
