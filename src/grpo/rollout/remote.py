@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from accelerate.utils import broadcast_object_list
 from safetensors.torch import save
 
 from grpo import preemption
@@ -167,8 +168,6 @@ class ServerEngine:
                     "weight version: is it a `grpo vllm-serve` of this grpo version?"
                 )
         if self.accelerator.num_processes > 1:  # the others wait here until the server has loaded the push
-            from accelerate.utils import broadcast_object_list
-
             version, self.run = broadcast_object_list([version, self.run], from_process=0)  # the main's name
         self.version = version
 
