@@ -39,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # its own parser: every GRPOConfig field and TRL's script and model arguments
-        return train_cli.main(argv[1:])
+        try:
+            return train_cli.main(argv[1:])
+        except train_cli.UsageError as err:  # a bad flag or config file: one line, argparse's status
+            print(err, file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     if args.command == "vllm-serve":
         return server.serve(args)

@@ -33,29 +33,30 @@ RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state",
 DROPPED_COLUMNS = ("completion",)
 
 
-def check_dataset(dataset: Any, tools: bool = False, environments: bool = False) -> None:
+def check_dataset(dataset: Any, tools: bool = False, environments: bool = False, name: str = "train_dataset") -> None:
     """Fail early, with the fix, on datasets the trainer cannot use: the columns, and every row's prompt (its
     shape only, no tokenization: cheap for any size). With tools, prompts must be conversational; with
-    environments, a row may have no prompt (its environment's reset supplies one)."""
+    environments, a row may have no prompt (its environment's reset supplies one). Errors call the dataset
+    `name` (an evaluation's: "eval_dataset", "eval_dataset['<key>']")."""
     if dataset is None:
-        raise ValueError("train_dataset is None: pass a datasets.Dataset (or list of dicts) with a 'prompt' column.")
+        raise ValueError(f"{name} is None: pass a datasets.Dataset (or list of dicts) with a 'prompt' column.")
     if is_stream(dataset):  # no length and no random access: its first row is checked; each prompt when used
         first = next(iter(dataset), None)
         if first is None:
-            raise ValueError("train_dataset is an empty stream: it yields no rows.")
+            raise ValueError(f"{name} is an empty stream: it yields no rows.")
         if "prompt" not in first and not environments:
-            raise ValueError(f"train_dataset's rows have no 'prompt' (its first row has {sorted(first)}).")
-        _check_columns(list(first), environments)
+            raise ValueError(f"{name}'s rows have no 'prompt' (its first row has {sorted(first)}).")
+        _check_columns(list(first), environments, name)
         return
     if len(dataset) == 0:
-        raise ValueError("train_dataset is empty: it needs at least one row with a 'prompt'.")
+        raise ValueError(f"{name} is empty: it needs at least one row with a 'prompt'.")
     columns = list(getattr(dataset, "column_names", None) or dataset[0].keys())
     if "prompt" not in columns and not environments:
         raise ValueError(
-            f"train_dataset has no 'prompt' column (columns: {columns}). Rename the column that holds "
+            f"{name} has no 'prompt' column (columns: {columns}). Rename the column that holds "
             "the prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
         )
-    _check_columns(columns, environments)
+    _check_columns(columns, environments, name)
     if "prompt" not in columns:
         return
     prompts = dataset["prompt"] if hasattr(dataset, "column_names") else None
@@ -63,7 +64,7 @@ def check_dataset(dataset: Any, tools: bool = False, environments: bool = False)
         if prompts is None and "prompt" not in dataset[i]:
             if environments:
                 continue
-            raise ValueError(f"train_dataset row {i} has no 'prompt': every row needs one.")
+            raise ValueError(f"{name} row {i} has no 'prompt': every row needs one.")
         prompt = prompts[i] if prompts is not None else dataset[i]["prompt"]
         if prompt is None and environments:
             continue
@@ -74,20 +75,20 @@ def check_dataset(dataset: Any, tools: bool = False, environments: bool = False)
                 "tool results can follow as messages; this one is a string."
             )
         if problem:
-            raise ValueError(f"train_dataset row {i}: {problem}")
+            raise ValueError(f"{name} row {i}: {problem}")
 
 
-def _check_columns(columns: list[str], environments: bool) -> None:
+def _check_columns(columns: list[str], environments: bool, dataset: str = "train_dataset") -> None:
     for name in RESERVED_COLUMNS + (("environments",) if environments else ()):
         if name in columns:
             raise ValueError(
-                f"train_dataset has a '{name}' column, but reward functions receive the trainer's own '{name}' "
+                f"{dataset} has a '{name}' column, but reward functions receive the trainer's own '{name}' "
                 f"under that keyword. Rename the column (dataset.rename_column('{name}', 'my_{name}'))."
             )
     for name in DROPPED_COLUMNS:
         if name in columns:
             warnings.warn(
-                f"train_dataset's '{name}' column is not passed to reward functions (they get the sampled "
+                f"{dataset}'s '{name}' column is not passed to reward functions (they get the sampled "
                 f"completions as 'completions', as in TRL); rename it to pass it.",
                 stacklevel=4,
             )
@@ -181,18 +182,22 @@ def make_prompt(
     return Prompt(ids=tuple(ids), messages=tuple(messages), images=tuple(images) or None, text=text)
 
 
-def check_images(dataset: Any, processing_class: Any) -> None:
+def check_images(dataset: Any, processing_class: Any, dataset_name: str = "train_dataset") -> None:
     """An image column needs a vision-language model's processor. With one, before training: each row with images
-    has a conversational prompt with room for them (`vision.multimodal_messages`), and each image given as a path
-    is a readable image file (its header read; the pixels are read when the row is first used)."""
+    has a conversational prompt with room for them (`vision.multimodal_messages`), and each image (a path, bytes
+    or a PIL image) is a readable image within the pixel budget (`vision.check_image_file`: headers only, nothing
+    decoded; the pixels are read when the row is first used). A stream's rows are checked as they are read."""
     streaming = is_stream(dataset)
-    first = next(iter(dataset), None) if streaming else dataset[0]
-    name = vision.image_column(list(getattr(dataset, "column_names", None) or (first or {}).keys()))
+    columns = getattr(dataset, "column_names", None)  # a datasets.Dataset's: row 0 is not decoded to find them
+    if not columns:
+        first = next(iter(dataset), None) if streaming else dataset[0]
+        columns = list(first or {})
+    name = vision.image_column(list(columns))
     if name is None:
         return
     if not vision.is_processor(processing_class):
         raise ValueError(
-            f"train_dataset has an '{name}' column, but the model is text-only: its processing class is a "
+            f"{dataset_name} has an '{name}' column, but the model is text-only: its processing class is a "
             f"{type(processing_class).__name__}, not a multimodal processor. Train a vision-language model (its "
             "processor is loaded with it, or pass processing_class=AutoProcessor.from_pretrained(...)), or remove "
             f"the column (dataset.remove_columns('{name}')) to train on text only."
@@ -205,18 +210,18 @@ def check_images(dataset: Any, processing_class: Any) -> None:
     else:
         values, prompts = [r.get(name) for r in dataset], [r.get("prompt") for r in dataset]
     for row, (value, prompt) in enumerate(zip(values, prompts)):
-        images = [] if value is None else list(value) if name == "images" and isinstance(value, list) else [value]
+        images = vision.image_values(name, value, row, dataset_name)
         if not images:
             continue
         if not is_conversational(prompt):
             raise ValueError(
-                f"train_dataset row {row} has images but its prompt is a string: image prompts are conversational "
+                f"{dataset_name} row {row} has images but its prompt is a string: image prompts are conversational "
                 "(a list of {'role': ..., 'content': ...} messages), so that the processor's chat template can "
                 "place the images. Give the raw messages and let the trainer apply the chat template."
             )
-        vision.multimodal_messages(prompt, images, row)  # as many images as room for them
+        vision.multimodal_messages(prompt, images, row, dataset_name)  # as many images as room for them
         for image in images:
-            vision.check_image_file(image, row)
+            vision.check_image_file(image, row, dataset_name)
 
 
 class PromptSource:
@@ -233,8 +238,10 @@ class PromptSource:
         max_completion_length: int = 0,
         tools: list[dict] | None = None,
         processor: Any = None,
+        name: str = "train_dataset",
     ) -> None:
         self.dataset = dataset
+        self.name = name  # what errors call the dataset (an evaluation's: "eval_dataset", ...)
         self.tools = tools
         self.processor = processor  # a vision-language model's processor (image prompts), else None
         self.tokenizer = tokenizer
@@ -264,7 +271,7 @@ class PromptSource:
     def make(self, row: int, prompt: Any, tools: list[dict] | None = None, example: dict | None = None) -> Prompt:
         """Row `row`'s prompt (as given: an environment may have added to it) rendered, tokenized and checked;
         with a processor, with the images of the dataset row `example` (`vision.row_images`)."""
-        images = vision.row_images(example or {}, row) if self.processor is not None else None
+        images = vision.row_images(example or {}, row, self.name) if self.processor is not None else None
         record = make_prompt(
             prompt, self.tokenizer, self.chat_template_kwargs, tools or self.tools, self.processor, images, row
         )
@@ -276,14 +283,15 @@ class PromptSource:
             return
         if length >= self.context:
             raise ValueError(
-                f"train_dataset row {row}: the prompt is {length} tokens, but the model's context is "
+                f"{self.name} row {row}: the prompt is {length} tokens, but the model's context is "
                 f"{self.context}: no completion fits. Shorten it, or filter long prompts out of the dataset."
             )
         if length + self.max_completion_length > self.context and not self._warned:
             self._warned = True
             logger.warning(
-                "train_dataset row %d: the prompt (%d tokens) plus max_completion_length (%d) exceeds the model's "
+                "%s row %d: the prompt (%d tokens) plus max_completion_length (%d) exceeds the model's "
                 "context (%d); completions running that long go past the positions the model was trained on.",
+                self.name,
                 row,
                 length,
                 self.max_completion_length,

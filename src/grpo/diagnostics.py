@@ -50,7 +50,18 @@ def _training_rows(rows: Sequence[dict]) -> list[dict]:
 
 
 def _values(rows: Sequence[dict], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [number for r in rows if (number := _float(r.get(key))) is not None]
+
+
+def _float(value: Any) -> float | None:
+    """A logged number as a finite float, else None (a JSON integer of 400 digits has no float)."""
+    if not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _persistent(rows: Sequence[dict], key: str, holds: Callable[[float], bool]) -> float | None:

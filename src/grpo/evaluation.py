@@ -13,7 +13,8 @@ sum reaches `eval_pass_threshold` (grpo, default 1.0: a correctness reward's ful
 Evaluating changes nothing that training depends on: the random generators (Python, NumPy, torch, CUDA) are put
 back as they were, the data position, rollout buffer, metrics window and completions log are untouched, and no
 parameter moves; so a run with evaluations ends with the same weights as the same run without them, and resumes as
-exactly.
+exactly. During training a step's checkpoint is written before its evaluation (`after_step`): an evaluation that
+fails or is preempted loses no step. Errors about eval rows name eval_dataset (eval_dataset['<key>'] in a dict).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grpo import data
+from grpo import checkpoint, data, preemption
 from grpo.advantages import nanstd, weighted_sum
 from grpo.batch import collate
 from grpo.distributed import collectives
@@ -79,11 +80,12 @@ def build(dataset: Any, args: Any, source: data.PromptSource, num_processes: int
         return {}
     named = dict(dataset) if isinstance(dataset, dict) else {None: dataset}
     out = {}
-    for name, part in named.items():
+    for key, part in named.items():
+        label = "eval_dataset" if key is None else f"eval_dataset[{key!r}]"  # what its errors call it
         part = data.load_local(part)
         if data.is_stream(part):  # evaluation reads every row, in order: an eval stream is read once, here
             part = list(part)
-        data.check_dataset(part, bool(source.tools))
+        data.check_dataset(part, bool(source.tools), name=label)
         own = data.PromptSource(
             part,
             source.tokenizer,
@@ -92,9 +94,10 @@ def build(dataset: Any, args: Any, source: data.PromptSource, num_processes: int
             source.max_completion_length,
             source.tools,
             source.processor,
+            name=label,
         )
-        data.check_images(part, source.processor or source.tokenizer)
-        out[name] = Evaluation(part, args, own, num_processes)
+        data.check_images(part, source.processor or source.tokenizer, label)
+        out[key] = Evaluation(part, args, own, num_processes)
     return out
 
 
@@ -194,6 +197,35 @@ def batch_loss(trainer: Any, scored: Scored, group_size: int) -> float | None:
     loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, trainer.loss_params, batch.ref_logps)
     rows = collectives.process_mean(acc, float(len(mine)))
     return collectives.process_mean(acc, loss.item() * len(mine)) / rows
+
+
+def after_step(trainer: Any, evaluate_now: bool) -> str | None:
+    """The end of an optimizer step (every process): its checkpoint when due, then its evaluation when due, in that
+    order, so that an evaluation that fails (a reward function raising on an eval row) or is preempted loses no
+    step. The events stay the HF Trainer's (on_evaluate, then on_save, which the caller fires): the evaluation's
+    row, the best checkpoint it makes and the callbacks' states go into the checkpoint's trainer_state.json after
+    it (`checkpoint.add_evaluation`), as the HF Trainer, which saves after evaluating, writes them. A checkpoint
+    only the evaluation decides (save_strategy="best" on an eval_ metric, a callback's on_evaluate asking) is
+    written after it. SIGTERM during the evaluation: the step is complete, so one process saves it (unless saved
+    already) and exits with status 143; several processes cannot agree mid-evaluation and save nothing more.
+    Returns the checkpoint written, if any."""
+    step = trainer.state.global_step
+    path = None
+    if checkpoint.strategy.should_save(trainer) or trainer.control.should_save:
+        path = checkpoint.save(trainer, step)
+    if not evaluate_now:
+        return path
+    try:
+        trainer.evaluate()
+    except preemption.Preempted:
+        if trainer.accelerator.num_processes > 1:
+            raise
+        preemption.save_and_exit(trainer, None)  # the step is complete: as between steps
+    if path is not None:
+        checkpoint.add_evaluation(trainer, path)
+    elif checkpoint.strategy.should_save(trainer) or trainer.control.should_save:
+        path = checkpoint.save(trainer, step)
+    return path
 
 
 def due(trainer: Any, step: int) -> bool:

@@ -3,7 +3,9 @@
 While training, the signal only sets a flag. Between steps the loop sees it, saves a checkpoint and exits. Inside
 a step, every wait that can last (a reward function, a generation) checks the flag and raises `Preempted`, so a
 hung reward function or a long rollout does not delay the exit; the trainer then saves the state at the end of
-the previous step when nothing of it has changed yet (no optimizer step applied in this step), and exits.
+the previous step when nothing of it has changed yet (no optimizer step applied in this step), and exits. In the
+evaluation that follows a step, the step is complete: it is saved as between steps (`grpo.evaluation.after_step`;
+its checkpoint, when due, was written before the evaluation).
 
 A preempted run exits with status `EXIT_STATUS` (143, the shell's status for "terminated by SIGTERM"), never 0:
 `python train.py && upload` does not upload a run that did not finish.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -30,6 +31,11 @@ from grpo.config import GRPOConfig
 from grpo.data import load_local
 from grpo.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
 from grpo.trainer import GRPOTrainer
+
+
+class UsageError(SystemExit):
+    """A mistake in the command line or the config file: `grpo` prints the message and exits with status 2, as
+    argparse does for its own usage errors."""
 
 
 def _arg(help: str, default: Any = None, **kw: Any) -> Any:
@@ -79,7 +85,6 @@ class ModelArguments:
 
 def parse(argv: Sequence[str]) -> tuple[ScriptArguments, GRPOConfig, ModelArguments]:
     """The three argument groups from `--config FILE` (YAML or JSON) and flags (flags win)."""
-    import yaml
     from transformers import HfArgumentParser
 
     # no abbreviations: a misspelled flag is an error, never silently another field
@@ -91,24 +96,59 @@ def parse(argv: Sequence[str]) -> tuple[ScriptArguments, GRPOConfig, ModelArgume
     argv = list(argv)
     config_path = _config_path(argv)
     known = {f.name for group in (ScriptArguments, GRPOConfig, ModelArguments) for f in fields(group)}
+    values: dict = {}
     if config_path is not None:
-        with open(config_path) as f:
-            values = yaml.safe_load(f) or {}
-        if not isinstance(values, dict):
-            raise SystemExit(f"grpo train: {config_path} must hold a mapping of field: value.")
+        values = read_config(config_path)
         for key in values:
+            if not isinstance(key, str):
+                raise UsageError(f"grpo train: {config_path}: the key {key!r} is not a field name (a string).")
             if key not in known:
-                raise SystemExit(f"grpo train: {config_path}: unknown field '{key}'{_nearest(key, known)}.")
+                raise UsageError(f"grpo train: {config_path}: unknown field '{key}'{_nearest(key, known)}.")
         parser.set_defaults(**{k: _as_flag_default(v) for k, v in values.items()})
     namespace, unknown = parser.parse_known_args(argv)
     if unknown:
         flag = next(a for a in unknown if a.startswith("-")) if any(a.startswith("-") for a in unknown) else unknown[0]
-        raise SystemExit(f"grpo train: unknown argument '{flag}'{_nearest(flag.lstrip('-').split('=')[0], known)}.")
+        raise UsageError(f"grpo train: unknown argument '{flag}'{_nearest(flag.lstrip('-').split('=')[0], known)}.")
     groups = []
     for group in (ScriptArguments, GRPOConfig, ModelArguments):
         names = {f.name for f in fields(group) if f.init}
-        groups.append(group(**{k: v for k, v in vars(namespace).items() if k in names}))
+        try:
+            groups.append(group(**{k: v for k, v in vars(namespace).items() if k in names}))
+        except (ValueError, TypeError) as err:  # a value refused: GRPOConfig names the field; and where it came from
+            field = re.match(r"GRPOConfig\.(\w+)", str(err))
+            name = field.group(1) if field else None
+            flagged = name and any(a.split("=")[0] in (f"--{name}", f"--{name.replace('_', '-')}") for a in argv)
+            where = f"{config_path}: " if name in values and not flagged else ""
+            raise UsageError(f"grpo train: {where}{err}") from err
     return tuple(groups)  # type: ignore[return-value]
+
+
+def read_config(path: str) -> dict:
+    """The config file's fields: a YAML (or JSON) mapping of field: value; anything else is one UsageError naming
+    the file (and, for a syntax error, the line and column)."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise UsageError(f"grpo train: --config {path}: no such file.") from None
+    except OSError as err:
+        raise UsageError(f"grpo train: --config {path} cannot be read ({err.strerror or err}).") from None
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UsageError(f"grpo train: {path} is not valid YAML ({at}{problem}).") from None
+    if isinstance(values, dict):
+        return values
+    what = "is empty" if not text.strip() else "holds null" if values is None else f"holds a {type(values).__name__}"
+    raise UsageError(
+        f"grpo train: {path} {what}, not a mapping of field: value; write one field per line, e.g. "
+        "'model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct'."
+    )
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -149,14 +189,14 @@ def reward_functions(script: ScriptArguments) -> list:
             try:
                 funcs.append(getattr(importlib.import_module(module), attr))
             except (ImportError, AttributeError) as err:
-                raise SystemExit(f"grpo train: reward function '{name}' could not be imported: {err}.") from err
+                raise UsageError(f"grpo train: reward function '{name}' could not be imported: {err}.") from err
         else:
-            raise SystemExit(
+            raise UsageError(
                 f"grpo train: unknown reward function '{name}'{_nearest(name, set(registry))} (or give a dotted path "
                 "module.function)."
             )
     if not funcs:
-        raise SystemExit("grpo train: no reward: set reward_funcs (or reward_model_name_or_path).")
+        raise UsageError("grpo train: no reward: set reward_funcs (or reward_model_name_or_path).")
     return funcs
 
 
@@ -167,17 +207,17 @@ def load_datasets(script: ScriptArguments, evaluate: bool) -> tuple[Any, Any]:
 
     name = script.dataset_name
     if not name:
-        raise SystemExit("grpo train: set dataset_name (a hub id or a local path).")
+        raise UsageError("grpo train: set dataset_name (a hub id or a local path).")
     splits = [script.dataset_train_split] + ([script.dataset_test_split] if evaluate else [])
     if os.path.exists(name):
         if evaluate and os.path.isfile(name):
-            raise SystemExit(f"grpo train: {name} is one file (one split); evaluation needs eval_strategy='no' here.")
+            raise UsageError(f"grpo train: {name} is one file (one split); evaluation needs eval_strategy='no' here.")
         loaded = [load_local(name, split, script.dataset_streaming) for split in splits]
         return loaded[0], loaded[1] if evaluate else None
     dataset = load_dataset(name, name=script.dataset_config, streaming=script.dataset_streaming)
     for split in splits:
         if split not in dataset:
-            raise SystemExit(f"grpo train: {name} has no split '{split}' (it has {list(dataset)}).")
+            raise UsageError(f"grpo train: {name} has no split '{split}' (it has {list(dataset)}).")
     return dataset[script.dataset_train_split], dataset[script.dataset_test_split] if evaluate else None
 
 
@@ -217,7 +257,7 @@ def model_init_kwargs(model: ModelArguments, args: GRPOConfig) -> dict:
 def main(argv: Sequence[str]) -> int:
     script, args, model = parse(argv)
     if not model.model_name_or_path:
-        raise SystemExit("grpo train: set model_name_or_path (a hub id or a local model directory).")
+        raise UsageError("grpo train: set model_name_or_path (a hub id or a local model directory).")
     args.model_init_kwargs = model_init_kwargs(model, args)
     train, evaluation = load_datasets(script, args.eval_strategy != "no")
     trainer = GRPOTrainer(

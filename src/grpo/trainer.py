@@ -239,9 +239,10 @@ class GRPOTrainer(TrlSurface):
             self._fire("train_begin")
             self.hub.start_completions_upload(self.accelerator.is_main_process)
             with self.metrics, self.run_report.running(self.state, path), preemption_guard() as preempted:
-                if a.eval_on_start and self.evaluations:
-                    self.evaluate()
+                step_start = None  # preempted in eval_on_start: as between steps (evaluating changes nothing)
                 try:
+                    if a.eval_on_start and self.evaluations:
+                        self.evaluate()
                     while self.state.global_step < self.max_steps and not self.control.should_training_stop:
                         step_start = preemption.StepStart.capture(self)
                         total_loss += self._step()
@@ -286,9 +287,7 @@ class GRPOTrainer(TrlSurface):
         self._fire("step_end")
         self._log_step(update, time.perf_counter() - start)
         step = self.state.global_step
-        if evaluation.due(self, step):  # eval_strategy, or a callback's control.should_evaluate
-            self.evaluate()
-        self._checkpoint()
+        self._checkpoint(evaluation.due(self, step))  # due: eval_strategy, or a callback's control.should_evaluate
         if step % self.steps_per_epoch == 0 or step == self.max_steps:
             self._fire("epoch_end")
         return update.loss
@@ -462,10 +461,11 @@ class GRPOTrainer(TrlSurface):
             self.metrics.discard()  # no row will ever average this window
         reporting.release_cached_memory(self.args, step, self.accelerator.device)  # torch_empty_cache_steps
 
-    def _checkpoint(self) -> None:
-        due = checkpoint.strategy.should_save(self)  # save_strategy, on the step just logged (every process)
-        if due or self.control.should_save:
-            path = checkpoint.save(self, self.state.global_step)
+    def _checkpoint(self, evaluate: bool) -> None:
+        """The step's checkpoint (save_strategy, control.should_save) written before its evaluation, so that a failed
+        or preempted evaluation loses no step; on_evaluate still fires before on_save (`evaluation.after_step`)."""
+        path = evaluation.after_step(self, evaluate)
+        if path is not None:
             self.hub.after_checkpoint(self, path)  # hub_strategy (main process, in the background)
             self._fire("save")
 

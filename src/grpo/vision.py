@@ -9,6 +9,11 @@ and hands the model what it returns besides the token ids: pixel values, image g
 per-token fields (`mm_token_type_ids`, `token_type_ids`) marked on the trainer's own token layout. The processor
 itself decides how a batch of rows with different image sizes (or none) is arranged, so every architecture it
 supports works the same way, and a row's G completions see exactly its image.
+
+Every image grpo decodes (a dataset's files and bytes, a generation server's base64 images) and every PIL image a
+dataset gives is at most `MAX_IMAGE_PIXELS`, checked from the header before the pixels are read; the trainer reads
+every row's headers when it is built (`check_image_file`), so a missing, unreadable or oversized image is named by
+row and path before training.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +32,11 @@ from transformers import ProcessorMixin
 
 IMAGE_COLUMNS = ("images", "image")  # "images" (a list per row) wins over "image" (one per row), as in TRL
 TOKEN_FIELDS = ("mm_token_type_ids", "token_type_ids")  # per-token fields: aligned with the input ids
+# The most pixels (width x height) an image may have; None: no limit but PIL's. Vision-language processors resize
+# to a few megapixels (Qwen2-VL: 12.8 at most), so more only costs memory: a 0.4 MB PNG of 20000x20000 decodes to
+# 1.2 GB. 8192 x 8192 (192 MiB as RGB) stays below PIL's own Image.MAX_IMAGE_PIXELS (89 MP: a warning; twice
+# that: an error), which grpo turns into this module's error.
+MAX_IMAGE_PIXELS: int | None = 8192 * 8192
 
 
 def is_processor(processing_class: Any) -> bool:
@@ -37,61 +48,102 @@ def image_column(columns: Sequence[str]) -> str | None:
     return next((name for name in IMAGE_COLUMNS if name in columns), None)
 
 
-def row_images(example: dict, row: int) -> list[Any] | None:
+def row_images(example: dict, row: int, dataset: str = "train_dataset") -> list[Any] | None:
     """The row's images as PIL images (RGB), None when the dataset has no image column. `images` is a list (None or
     [] for a row without images); `image` one image or None. A path is opened here: a missing or unreadable file is an
     error naming the row and the path."""
     name = image_column(list(example))
     if name is None:
         return None
-    value = example[name]
+    return [load_image(v, row, dataset) for v in image_values(name, example[name], row, dataset)]
+
+
+def image_values(column: str, value: Any, row: int, dataset: str = "train_dataset") -> list:
+    """A row's `column` value as a list of images, as given (empty for none)."""
     if value is None:
         return []
-    if name == "images" and not isinstance(value, (list, tuple)):
+    if column == "images" and not isinstance(value, (list, tuple)):
         raise ValueError(
-            f"train_dataset row {row}: the 'images' column holds a {type(value).__name__}; it is a list of images "
+            f"{dataset} row {row}: the 'images' column holds a {type(value).__name__}; it is a list of images "
             "per row (use an 'image' column for one image per row)."
         )
-    return [load_image(v, row) for v in (value if name == "images" else [value])]
+    return list(value) if column == "images" else [value]
 
 
-def load_image(value: Any, row: int) -> Any:
+def load_image(value: Any, row: int, dataset: str = "train_dataset") -> Any:
     """One image: a PIL image, a file path, or a `datasets.Image` dict of bytes/path, as an RGB PIL image."""
     if isinstance(value, Image.Image):
+        check_pixels(value.size, f"{dataset} row {row}: the image {image_name(value)}")
         return value.convert("RGB") if value.mode != "RGB" else value
-    image = _opened(value, row, lambda image: image.convert("RGB"))
+    image = _opened(value, row, dataset, lambda image: image.convert("RGB"))
     image.info["grpo_source"] = _name(value)  # how logs name it (info survives copies and pickling)
     return image
 
 
-def check_image_file(value: Any, row: int) -> None:
-    """For an image given as a path: the file exists and its header reads as an image (the pixels are not read)."""
-    if isinstance(value, dict) and not value.get("bytes"):
-        value = value.get("path")
-    if isinstance(value, (str, os.PathLike)):
-        _opened(value, row, lambda image: None)
+def check_image_file(value: Any, row: int, dataset: str = "train_dataset") -> None:
+    """What `load_image` would refuse, found without decoding: a PIL image past the pixel budget; a file or bytes
+    that are missing, do not read as an image, or whose header gives a size past the budget."""
+    if isinstance(value, Image.Image):
+        check_pixels(value.size, f"{dataset} row {row}: the image {image_name(value)}")
+    else:
+        _opened(value, row, dataset, lambda image: None)
 
 
-def _opened(value: Any, row: int, use: Any) -> Any:
-    """`use(image)` on the image a path or a `datasets.Image` dict names, opened; a missing, unreadable or
-    unsupported one is an error naming the row (and the path)."""
+def check_pixels(size: tuple[int, int], what: str) -> None:
+    """An image of `size` (width, height) past MAX_IMAGE_PIXELS is an error naming `what`."""
+    width, height = size
+    if MAX_IMAGE_PIXELS is not None and width * height > MAX_IMAGE_PIXELS:
+        raise _too_large(
+            f"{what} is {width}x{height} pixels ({width * height / 1e6:.0f} megapixels, "
+            f"{3 * width * height / 2**30:.1f} GiB decoded)"
+        )
+
+
+def _too_large(what: str) -> ValueError:
+    budget = "no limit" if MAX_IMAGE_PIXELS is None else f"{MAX_IMAGE_PIXELS / 1e6:.0f} megapixels"
+    pil = Image.MAX_IMAGE_PIXELS
+    also = " and PIL.Image.MAX_IMAGE_PIXELS" if pil and (MAX_IMAGE_PIXELS is None or MAX_IMAGE_PIXELS > pil) else ""
+    return ValueError(
+        f"{what}, more than grpo decodes ({budget}: grpo.vision.MAX_IMAGE_PIXELS). Downscale it (vision-language "
+        f"processors resize images to a few megapixels anyway), or raise grpo.vision.MAX_IMAGE_PIXELS{also}."
+    )
+
+
+def _opened(value: Any, row: int, dataset: str, use: Any) -> Any:
+    """`use(image)` on the image a path or a `datasets.Image` dict names, opened; a missing, unreadable,
+    unsupported or oversized one is an error naming the row (and the path)."""
     source: Any = value
     if isinstance(value, dict):  # a datasets.Image feature that was not decoded
         source = io.BytesIO(value["bytes"]) if value.get("bytes") else value.get("path")
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if not os.path.isfile(path):
-            raise ValueError(f"train_dataset row {row}: the image file {path} does not exist.")
+            raise ValueError(f"{dataset} row {row}: the image file {path} does not exist.")
     elif not isinstance(source, io.BytesIO):
         raise ValueError(
-            f"train_dataset row {row}: an image is a PIL image or a file path; got {type(value).__name__} "
+            f"{dataset} row {row}: an image is a PIL image or a file path; got {type(value).__name__} "
             f"{str(value)[:60]!r}."
         )
     try:
-        with Image.open(source) as image:
-            return use(image)
+        return _decoded(source, f"{dataset} row {row}: the image {_name(value)}", use)
     except (OSError, UnidentifiedImageError) as err:
-        raise ValueError(f"train_dataset row {row}: cannot read the image {_name(value)}: {err}.") from None
+        raise ValueError(f"{dataset} row {row}: cannot read the image {_name(value)}: {err}.") from None
+
+
+def _decoded(source: Any, what: str, use: Any) -> Any:
+    """`use(image)` on the image in `source` (a path or file object), opened lazily: its size is checked from the
+    header (`check_pixels`) before `use` reads any pixel. PIL's decompression-bomb warning is silenced (the budget,
+    below PIL's limit unless raised, refuses those images anyway; `catch_warnings` is process-wide, so with several
+    threads decoding at once it may stay silenced, which the budget makes harmless) and its error becomes this
+    module's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(source) as image:
+                check_pixels(image.size, what)
+                return use(image)
+        except Image.DecompressionBombError as err:  # PIL refuses it in the header already
+            raise _too_large(f"{what} is over PIL's decompression-bomb limit ({err})") from None
 
 
 def _name(value: Any) -> str:
@@ -114,15 +166,21 @@ def encode_image(image: Any) -> str:
 
 
 def decode_image(text: Any, what: str) -> Any:
-    """`encode_image`'s inverse; anything else is a ValueError naming `what`."""
+    """`encode_image`'s inverse, the size checked from the header before decoding (`MAX_IMAGE_PIXELS`); anything
+    else is a ValueError naming `what` (a request field: the server answers 400 with it)."""
     try:
-        with Image.open(io.BytesIO(base64.b64decode(text, validate=True))) as image:
-            return image.convert("RGB")
-    except (ValueError, TypeError, OSError, UnidentifiedImageError) as err:
+        body = io.BytesIO(base64.b64decode(text, validate=True))
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{what} is not a base64-encoded image ({type(err).__name__})") from None
+    try:
+        return _decoded(body, what, lambda image: image.convert("RGB"))
+    except (OSError, UnidentifiedImageError) as err:
         raise ValueError(f"{what} is not a base64-encoded image ({type(err).__name__})") from None
 
 
-def multimodal_messages(messages: Sequence[dict], images: Sequence[Any], row: int) -> list[dict]:
+def multimodal_messages(
+    messages: Sequence[dict], images: Sequence[Any], row: int, dataset: str = "train_dataset"
+) -> list[dict]:
     """The messages with every text content as text blocks, an image block per image at the start of the first user
     message whose content is a string, and each empty image block (`{"type": "image"}`) given the next image; blocks
     that already hold an image stay. The images must fill the empty blocks exactly."""
@@ -145,7 +203,7 @@ def multimodal_messages(messages: Sequence[dict], images: Sequence[Any], row: in
     ]
     if len(empty) != len(images):
         raise ValueError(
-            f"train_dataset row {row}: the row has {len(images)} image(s) but its prompt has {len(empty)} image "
+            f"{dataset} row {row}: the row has {len(images)} image(s) but its prompt has {len(empty)} image "
             "placeholder(s) ({'type': 'image'} blocks) to put them in. Give as many images as placeholders, or "
             "give text content, where grpo places the images at the start of the first user message."
         )

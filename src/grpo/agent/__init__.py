@@ -5,6 +5,7 @@
 - `template`: what a chat template must do for tools, and a tool turn's tokens (`CHATML_TOOLS`: a ChatML template
   with tools, for models whose template has none);
 - `loop`: the multi-turn tool loop;
+- `budget`: how many characters one token can stand for (a tool result too long to fit is refused untokenized);
 - `environments`: `environment_factory`;
 - `rollouts`: rows in, completions out, the one call the trainer makes per round (with `rollout_func` too).
 """

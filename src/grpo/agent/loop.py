@@ -5,6 +5,7 @@ After the first turn of every completion, rows whose last turn makes tool calls 
 one tool message per call, and generate their next turn (one sample per row), until a turn makes no call,
 `max_tool_calling_iterations` rounds have run, or the tool results would not leave room for another token within
 `max_completion_length` (the whole multi-turn completion counts; the results are then not added and the row ends).
+Results certain not to fit are found from their length, before they are tokenized (`grpo.agent.budget`).
 
 The trained sequence is exactly what happened: the prompt's tokens, the model's sampled tokens, the tokens of each
 rendered tool turn (`template.tool_suffix_ids`), the next sampled tokens, and so on; nothing is re-rendered. Tool
@@ -22,8 +23,9 @@ from typing import Any
 
 from PIL import Image
 
+from grpo.agent.budget import token_span
 from grpo.agent.parsing import parse_turn
-from grpo.agent.template import tool_suffix_ids
+from grpo.agent.template import cannot_fit, tool_suffix_ids
 from grpo.agent.tools import ToolSet, run_calls
 from grpo.rollout.base import Engine, Prompt, Request, Rollout
 
@@ -95,6 +97,7 @@ class ToolLoop:
         self.timeout = timeout
         self.chat_template_kwargs = chat_template_kwargs
         self.any_process = any_process  # True everywhere when true on any process (a collective)
+        self.span = token_span(tokenizer)  # how many characters a token can stand for (None: no bound)
 
     def run(self, engine: Engine, first: Rollout, toolsets: Sequence[ToolSet]) -> Rollout:
         """The rollout with every row's tool rounds done (next turns from `engine`): completions as whole
@@ -132,13 +135,15 @@ class ToolLoop:
             row.failures += sum(r.failed for r in outcome)
             tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in outcome]
             images = self._tool_images(tool_messages)
+            room = min(self.budget - len(row.ids), self.context - len(row.prompt_ids) - len(row.ids))
+            if cannot_fit(self.tokenizer, tool_messages, self.stop_ids, room, self.span, self.chat_template_kwargs):
+                continue  # as below, but a 4 MB result is not tokenized first
             unexpanded = tool_suffix_ids(self.tokenizer, tool_messages, self.stop_ids, self.chat_template_kwargs)
             suffix = unexpanded
             if images:  # the processor turns each placeholder into the image's tokens
                 text = self.tokenizer.decode(unexpanded)
                 suffix = self.processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0]
-            length = len(row.ids) + len(suffix)
-            if length >= self.budget or len(row.prompt_ids) + length >= self.context:
+            if len(suffix) >= room:
                 continue  # no room for the model's answer: the results are not added, the row ends here
             row.messages += tool_messages
             row.add(suffix, [], sampled=False, unexpanded=unexpanded)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from grpo.agent.budget import Span
 from grpo.agent.parsing import has_response_parser
 
 CHATML_TOOLS = (
@@ -165,6 +166,46 @@ def tool_suffix_ids(
             "tell where the tool's turn begins (see grpo.agent.CHATML_TOOLS for a template that works)."
         )
     return full[boundary:]
+
+
+def cannot_fit(
+    tokenizer: Any,
+    tool_messages: Sequence[dict],
+    stop_ids: set[int],
+    room: float,
+    span: Span | None,
+    chat_template_kwargs: dict | None = None,
+) -> bool:
+    """Whether the tool turn `tool_suffix_ids` would give is certain to be `room` tokens or more, decided from the
+    length of its rendered text without tokenizing it (`grpo.agent.budget`); False where that cannot be shown, and
+    the turn is then tokenized whole. The stand-in conversation renders as the real one up to the first result,
+    and its assistant turn's stop tokens (added tokens, so found by their strings) all come before that point: the
+    tokens after them, which `tool_suffix_ids` returns, cover at least the text from there on."""
+    contents = [message["content"] for message in tool_messages]
+    if span is None or getattr(tokenizer, "split_special_tokens", False):
+        return False  # no bound; stop tokens not matched whole
+    if not all(isinstance(c, str) for c in contents):
+        return False  # images: the processor expands their placeholders
+    if sum(map(len, contents)) < room * span.longest:
+        return False  # short enough to tokenize
+    stops = tokenizer.convert_ids_to_tokens(sorted(stop_ids))
+    if not set(stops) <= set(tokenizer.get_added_vocab()):
+        return False
+    kwargs = chat_template_kwargs or {}
+    before = [{"role": "user", "content": "dummy"}, _call(tool_messages[0]["name"], {})]
+    stand_in = [{**message, "content": _CONTENT} for message in tool_messages]
+    turns = sum(tokenizer.apply_chat_template(before, tokenize=False, **kwargs).count(s) for s in stops)
+    shown, text = (
+        tokenizer.apply_chat_template([*before, *m], tokenize=False, add_generation_prompt=True, **kwargs)
+        for m in (stand_in, tool_messages)
+    )
+    start = shown.find(_CONTENT)
+    return (
+        start >= 0
+        and text.startswith(shown[:start])
+        and sum(shown[:start].count(s) for s in stops) >= turns
+        and span.at_least(text, start, room)
+    )
 
 
 def _ids(rendered: Any) -> list[int]:

@@ -12,7 +12,8 @@ directory and says which complete checkpoint is the newest. It holds:
 - `rollouts_<rank>.pt` per process when the step falls inside a generation cycle (steps_per_generation or
   num_iterations > 1): the buffered batches the next steps train on;
 - `trainer_state.json`: step, micro-step, data position, tokens seen, log history, the metrics of an unfinished
-  logging window, whether rollouts were buffered, the world size, the dataset size and the config.
+  logging window, whether rollouts were buffered, the world size, the dataset size and the config. A checkpoint
+  is written before its step's evaluation; the evaluation's row is added to it afterwards (`add_evaluation`).
 
 `load` restores all of it, after checking that every file reads back (weights-only: nothing in a checkpoint can
 run code), that trainer_state.json is consistent, and that the checkpoint fits the model and the run (same
@@ -40,7 +41,7 @@ from grpo.checkpoint import files, strategy
 from grpo.checkpoint.files import CheckpointError, CheckpointMismatchError, checkpoints
 from grpo.distributed import collectives, sharding, zero
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "checkpoints", "load", "resolve", "save"]
+__all__ = ["CheckpointError", "CheckpointMismatchError", "add_evaluation", "checkpoints", "load", "resolve", "save"]
 STATE = files.STATE
 SCALER = "scaler.pt"  # fp16 loss scaling's state
 SHARDED = "sharded"  # torch.distributed.checkpoint directory: a sharded model's and optimizer's shards
@@ -96,6 +97,47 @@ def save(trainer: Any, step: int) -> str:
     _phase(trainer, step, tmp, lambda: _write_main_files(trainer, step, tmp, final, state_dict) if writer else None)
     acc.wait_for_everyone()
     return final
+
+
+def add_evaluation(trainer: Any, path: str) -> None:
+    """After the evaluation of a step whose checkpoint was written before it (`grpo.evaluation.after_step`):
+    the evaluation's row, the best checkpoint it makes and the callbacks' states after on_evaluate go into the
+    checkpoint's trainer_state.json, replaced atomically (a crash meanwhile leaves the complete checkpoint as it
+    was); rotation then sees the new best. Every process calls it."""
+    step = trainer.state.global_step
+    strategy.record_best(trainer, step, path)
+    error = _add_to_state(trainer, path) if strategy.writer(trainer) else None
+    if collectives.any_process(trainer.accelerator, error is not None):
+        detail = f"{type(error).__name__}: {error}" if error else "another process could not write its copy"
+        raise CheckpointWriteError(
+            f"Could not add the evaluation of step {step} to {os.path.join(path, STATE)} ({detail}); the "
+            "checkpoint itself is complete and resumes (without that evaluation's row)."
+        ) from error
+    if strategy.writer(trainer):
+        strategy.rotate(
+            trainer.args.output_dir, trainer.args.save_total_limit, path, trainer.state.best_model_checkpoint
+        )
+    trainer.accelerator.wait_for_everyone()
+
+
+def _add_to_state(trainer: Any, path: str) -> OSError | None:
+    file, tmp = os.path.join(path, STATE), os.path.join(path, STATE + ".tmp")
+    try:
+        with open(file) as f:
+            state = json.load(f)
+        state.update(
+            log_history=trainer.state.log_history,
+            stateful_callbacks=trainer.callback_handler.states(),
+            **strategy.best_state(trainer.state),
+        )
+        with open(tmp, "w") as f:
+            json.dump(state, f, indent=1)
+        os.replace(tmp, file)
+    except OSError as err:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        return err
+    return None
 
 
 def _fresh_directory(path: str) -> None:

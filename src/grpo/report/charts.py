@@ -4,7 +4,8 @@ nothing else to open and a build costs milliseconds, not a plotting library's st
 
 A chart is drawn only when its metrics were logged (KL only with beta > 0, the sampling ratios only when the
 sampler's log-probs are known, tool calls only for tool runs, evaluation only with an eval dataset). A value that
-is missing or not finite at a step leaves a gap.
+is missing or not finite at a step leaves a gap; one too large to draw (beyond +/-DRAWABLE: a JSON integer of 400
+digits, 1.7e308, whose span with -1.7e308 is no float) is left out, and the chart says how many were.
 """
 
 from __future__ import annotations
@@ -141,15 +142,31 @@ def charts(rows: Sequence[dict]) -> list[Chart]:
         ),
         Chart("Evaluation", tuple(Line(k, k[len("eval_") :]) for k in evals), note="On the eval dataset."),
     ]
-    return [chart for chart in every if any(_points(rows, key) for key in chart.keys)]
+    return [chart for chart in every if any(_points(rows, key) for key in chart.keys) or left_out(chart, rows)]
+
+
+DRAWABLE = 1e300  # values up to it keep every span, band and tick of a chart a finite float
+
+
+def _number(value: Any) -> float | None:
+    """A logged value as a float a chart can draw (a number, not NaN, |x| <= DRAWABLE), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or _too_large(value):
+        return None
+    return None if math.isnan(value) else float(value)
+
+
+def _too_large(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > DRAWABLE
+
+
+def left_out(chart: Chart, rows: Sequence[dict]) -> int:
+    """How many of the chart's logged values are too large to draw."""
+    return sum(_too_large(row.get(key)) for row in rows for key in chart.keys)
 
 
 def _points(rows: Sequence[dict], key: str) -> list[tuple[int, float]]:
-    return [
-        (row["step"], float(row[key]))
-        for row in rows
-        if isinstance(row.get(key), (int, float)) and not isinstance(row[key], bool) and math.isfinite(row[key])
-    ]
+    numbers = [(row["step"], _number(row["step"]), _number(row.get(key))) for row in rows]
+    return [(step, y) for step, x, y in numbers if x is not None and y is not None]
 
 
 WIDTH, HEIGHT = 560, 290
@@ -160,6 +177,9 @@ COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
 
 def render(chart: Chart, rows: Sequence[dict]) -> str:
     """The chart as an inline SVG element (a few kilobytes; a few milliseconds to build)."""
+    skipped = left_out(chart, rows)
+    plural = skipped != 1
+    note = f"{skipped} value{'s' * plural} too large to draw (|x| > 1e300) {'are' if plural else 'is'} left out"
     drawn = []
     for n, line in enumerate(chart.lines):
         points = _points(rows, line.key)
@@ -167,6 +187,12 @@ def render(chart: Chart, rows: Sequence[dict]) -> str:
             spread = dict(_points(rows, line.band)) if line.band else {}
             band = [(x, y - spread[x], y + spread[x]) for x, y in points if x in spread]
             drawn.append((line, COLORS[n % len(COLORS)], points, band))
+    frame = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
+        f'aria-label="{escape(chart.title)}" font-family="system-ui,sans-serif" font-size="11" fill="#333">'
+    )
+    if not drawn:  # every value too large: the frame says so
+        return f'{frame}<text x="{WIDTH / 2:.0f}" y="{HEIGHT / 2:.0f}" text-anchor="middle">{escape(note)}</text></svg>'
     values = [y for _, _, points, _ in drawn for _, y in points]
     log = chart.log_scale and min(values) > 0 and max(values) > min(values)
     scale = Scale(values + [v for *_, band in drawn for _, lo, hi in band for v in (lo, hi)], log, chart.unit_interval)
@@ -184,10 +210,7 @@ def render(chart: Chart, rows: Sequence[dict]) -> str:
         return top + (1 - scale.fraction(y)) * (HEIGHT - top - BOTTOM)
 
     bottom, right = HEIGHT - BOTTOM, WIDTH - RIGHT
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
-        f'aria-label="{escape(chart.title)}" font-family="system-ui,sans-serif" font-size="11" fill="#333">'
-    ]
+    out = [frame]
     for y in scale.ticks():
         out.append(f'<line x1="{LEFT}" x2="{right}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#e4e7ec"/>')
         out.append(f'<text x="{LEFT - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{_tick(y)}</text>')
@@ -215,6 +238,8 @@ def render(chart: Chart, rows: Sequence[dict]) -> str:
         if len(points) <= 30:
             out.extend(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.4" fill="{color}"/>' for x, y in points)
     out.extend(legend)
+    if skipped:
+        out.append(f'<text x="{right - 4}" y="{top + 12}" text-anchor="end" fill="#b42318">{escape(note)}</text>')
     out.append("</svg>")
     return "".join(out)
 

@@ -250,7 +250,8 @@ def _value(value: Any) -> str:
 
 
 def _n(value: Any) -> str:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or abs(value) > charts.DRAWABLE or math.isnan(value):  # a 400-digit int has no float: as text
         return _e(value)
     return f"{value:.4g}"
 

@@ -3,7 +3,12 @@ reward function like any other (shared spec §5.6).
 
 The text scored is the prompt followed by the completion: for conversational data, the reward tokenizer's
 chat template applied to the prompt messages plus the completion message; for standard data, the plain
-concatenation. It is tokenized right-padded without added special tokens; the reward is logit 0.
+concatenation. It is tokenized right-padded without added special tokens, and not truncated (as TRL 1.16: a
+truncated text would be scored without its end); the reward is logit 0. A model with a learned table of absolute
+positions (GPT-2's `wpe`, BERT's and RoBERTa's `position_embeddings`) cannot embed a text longer than it: such a
+text is refused before the forward, with the reward model, the completion and both lengths named (the forward
+would fail deep inside torch, or on a GPU with a device-side assert). Models that compute their positions (RoPE,
+ALiBi, relative attention) score any length, as in TRL.
 
 Models given as ids are loaded when the trainer is built, so a model that cannot be loaded fails there, not at
 step 1.
@@ -37,6 +42,7 @@ class RewardModel:
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.batch_size = batch_size
         self.__name__ = model_name(model)
+        self.max_length = position_limit(model)  # None: positions are computed, any length runs
 
     def texts(self, prompts: list, completions: list) -> list[str]:
         out = []
@@ -63,8 +69,36 @@ class RewardModel:
                 padding_side="right",
                 add_special_tokens=False,
             ).to(device)
+            self._check_length(inputs["attention_mask"], start)
             rewards.extend(self.model(**inputs).logits[:, 0].float().tolist())
         return rewards
+
+    def _check_length(self, attention_mask: torch.Tensor, first: int) -> None:
+        lengths = attention_mask.sum(dim=1)
+        if self.max_length is None or int(lengths.max()) <= self.max_length:
+            return
+        row = int((lengths > self.max_length).nonzero()[0])
+        raise ValueError(
+            f"The reward model {self.__name__}: completion {first + row} (with its prompt) is {int(lengths[row])} "
+            f"tokens, but the model embeds at most {self.max_length} positions. Lower max_completion_length (and "
+            "filter long prompts out of the dataset), or use a reward model with a longer context."
+        )
+
+
+def position_limit(model: torch.nn.Module) -> int | None:
+    """How many positions the model's learned absolute position table holds (None: it has none). RoBERTa's
+    positions start after the pad id (its table holds pad id + 1 more), OPT's after a fixed offset of 2."""
+    limits = [
+        module.num_embeddings
+        - getattr(module, "offset", 0)
+        - (module.padding_idx + 1 if module.padding_idx is not None else 0)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLES
+    ]
+    return min(limits) if limits else None
+
+
+POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")  # BERT/RoBERTa/DeBERTa, GPT-2, OPT
 
 
 def load_reward_model(

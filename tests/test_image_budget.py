@@ -1,0 +1,170 @@
+"""A pixel budget for images, checked from the header before anything is decoded (issue #32 item 4): a 0.4 MB PNG of
+20000x20000 pixels would decode to 1.2 GB. Dataset files and bytes, dataset PIL images and a generation server's
+base64 images are held to `grpo.vision.MAX_IMAGE_PIXELS`; PIL's decompression-bomb warning and error become the
+same one error; every row's images are checked when the trainer is built (headers only), each problem named by row
+and path."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+
+import pytest
+from datasets import Dataset
+from datasets import Image as ImageFeature
+from PIL import Image, ImageFile
+
+from grpo import data, vision
+from test_vision import build
+from tiny_vlm import BUILDERS, image
+
+CHAT = [{"role": "user", "content": "Look."}]
+
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A valid one-colour greyscale PNG of width x height pixels, written row by row (never held decoded): 20000 x
+    20000 is 0.4 MB."""
+    compress, row = zlib.compressobj(9), b"\0" * (width + 1)
+    pixels = b"".join([*(compress.compress(row) for _ in range(height)), compress.flush()])
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", pixels) + _chunk(b"IEND", b"")
+
+
+@pytest.fixture(scope="module")
+def bombs(tmp_path_factory):
+    """Paths of a 20000x20000 PNG (past PIL's error limit) and a 12000x12000 one (PIL only warns, then decodes)."""
+    folder = tmp_path_factory.mktemp("bombs")
+    paths = {}
+    for side in (20000, 12000):
+        paths[side] = str(folder / f"bomb{side}.png")
+        with open(paths[side], "wb") as f:
+            f.write(bomb_png(side, side))
+    assert os.path.getsize(paths[20000]) < 500_000
+    return paths
+
+
+@pytest.fixture
+def never_decoded(monkeypatch):
+    """Fails the test if any image's pixels are read."""
+
+    def load(self):
+        raise AssertionError(f"decoded a {self.size} image")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+
+
+@pytest.mark.parametrize("side", [20000, 12000])
+def test_an_image_past_the_budget_is_refused_from_its_header(bombs, side, never_decoded, recwarn):
+    path = bombs[side]
+    size = f"{side}x{side} pixels" if side == 12000 else "over PIL's decompression-bomb limit .*400000000 pixels"
+    message = f"row 3: the image {path} is {size}.*, more than grpo decodes .*MAX_IMAGE_PIXELS"
+    with pytest.raises(ValueError, match=message):
+        vision.check_image_file(path, 3)
+    with pytest.raises(ValueError, match=message):
+        vision.load_image(path, 3)
+    with open(path, "rb") as f:
+        raw = f.read()
+    with pytest.raises(ValueError, match=f"row 3: the image {path} is {size}"):
+        vision.load_image({"bytes": None, "path": path}, 3)
+    with pytest.raises(ValueError, match=f"row 1: the image \\(image bytes\\) is {size}"):
+        vision.check_image_file({"bytes": raw, "path": None}, 1)
+    # the generation server's route: a ValueError naming the request field (the server answers 400 with it)
+    with pytest.raises(ValueError, match=rf"requests\[0\]\.images\[1\] is {size}"):
+        vision.decode_image(base64.b64encode(raw).decode(), "requests[0].images[1]")
+    assert not [w for w in recwarn if issubclass(w.category, Image.DecompressionBombWarning)]
+
+
+def test_the_budget_is_a_module_constant_and_pils_own_limit_is_the_same_error(bombs, monkeypatch, never_decoded):
+    small = image(0, 40, 30)  # 1200 pixels
+    monkeypatch.setattr(vision, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.raises(ValueError, match="row 0: the image <image 40x30> is 40x30 pixels"):
+        vision.check_image_file(small, 0)
+    buffer = io.BytesIO()
+    small.save(buffer, format="PNG")
+    with pytest.raises(ValueError, match=r"requests\[2\]\.images\[0\] is 40x30 pixels"):
+        vision.decode_image(base64.b64encode(buffer.getvalue()).decode(), "requests[2].images[0]")
+    monkeypatch.setattr(vision, "MAX_IMAGE_PIXELS", 10**12)  # raised past PIL's: PIL's refusal, as one clear error
+    with pytest.raises(ValueError, match=f"row 4: the image {bombs[20000]} .*raise .* and PIL.Image.MAX_IMAGE_PIXELS"):
+        vision.check_image_file(bombs[20000], 4)
+
+
+def test_an_image_within_the_budget_decodes_as_before(tmp_path):
+    path = tmp_path / "fine.png"
+    image(1, 50, 20).save(path)
+    loaded = vision.load_image(str(path), 0)
+    assert loaded.size == (50, 20) and loaded.mode == "RGB" and loaded.tobytes() == image(1, 50, 20).tobytes()
+    assert vision.decode_image(vision.encode_image(loaded), "x").tobytes() == loaded.tobytes()
+
+
+def test_refusing_a_bomb_costs_no_memory(bombs):
+    """Measured in a fresh process: the peak resident memory grows by less than 50 MB while the 12000x12000 PNG
+    (which PIL alone would decode to 144 MB, 432 MB as RGB) is refused."""
+    code = (
+        "import json, resource, sys\n"
+        "from grpo import vision\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "try:\n"
+        "    vision.load_image(sys.argv[1], 0)\n"
+        "    error = None\n"
+        "except ValueError as err:\n"
+        "    error = str(err)\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(json.dumps({'grown_kb': after - before, 'error': error}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, bombs[12000]], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["error"] and "12000x12000" in result["error"]
+    assert result["grown_kb"] < 50_000, result
+
+
+def test_every_rows_images_are_checked_when_the_trainer_is_built(tmp_path, bombs, never_decoded):
+    """A missing file, an unreadable file, undecodable bytes, an image past the budget (as a path, as bytes, as a
+    PIL image) and an 'images' value that is not a list: each is one error naming the row, before training, with no
+    image decoded (the good rows' images are PIL images already, their files' headers only are read)."""
+    good = [{"prompt": CHAT, "image": image(i)} for i in range(3)]
+    missing = str(tmp_path / "nowhere.png")
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not an image at all")
+    cases = {
+        f"row 3: the image file {missing} does not exist": {"prompt": CHAT, "image": {"path": missing, "bytes": None}},
+        f"row 3: cannot read the image {broken}": {"prompt": CHAT, "image": str(broken)},
+        f"row 3: the image {bombs[12000]} is 12000x12000 pixels": {"prompt": CHAT, "image": bombs[12000]},
+        "row 3: the image <image 9000x8000> is 9000x8000 pixels": {
+            "prompt": CHAT,
+            "image": Image.new("L", (9000, 8000)),
+        },
+        "row 3: the 'images' column holds a str": {"prompt": CHAT, "images": bombs[20000]},
+        "row 3: an image is a PIL image or a file path; got int": {"prompt": CHAT, "image": 7},
+    }
+    for message, row in cases.items():
+        column = "images" if "images" in row else "image"
+        rows = [{"prompt": r["prompt"], column: [r["image"]] if column == "images" else r["image"]} for r in good]
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            build(tmp_path, [*rows, row])
+
+
+def test_a_datasets_image_column_of_bytes_is_checked_from_the_headers(tmp_path, bombs, never_decoded):
+    """A datasets.Image column holds undecoded bytes: each row's header is read when the trainer is built."""
+    with open(bombs[20000], "rb") as f:
+        bomb = f.read()
+    buffer = io.BytesIO()
+    image(0).save(buffer, format="PNG")
+    for bad, message in (
+        (b"garbage", r"row 2: cannot read the image \(image bytes\)"),
+        (bomb, "row 2: .*decompression-bomb limit"),
+    ):
+        column = [{"bytes": buffer.getvalue(), "path": None}] * 2 + [{"bytes": bad, "path": None}, None]
+        dataset = Dataset.from_dict({"prompt": [CHAT] * 4, "image": column}).cast_column("image", ImageFeature())
+        assert type(dataset.features["image"]).__name__ == "Image"
+        with pytest.raises(ValueError, match=message):
+            data.check_images(dataset, BUILDERS["qwen2.5-vl"](0)[1])
