@@ -118,3 +118,106 @@ def test_only_process_env_writes_the_environment():
     found = [(name(p), line) for p in modules() for line in writes(ast.parse(p.read_text()))]
     assert {module for module, _ in found} <= {"process_env.py"}, found
     assert found, "the rule checks nothing: process_env.py should write os.environ"
+
+
+# ---- grpo's own layers ----------------------------------------------------------------------------------------
+# A unit is a folder of grpo (rollout/, agent/, ...) or a module at its top level (trainer.py -> "trainer").
+# Lower layers never import higher ones, and the units' imports have no cycle: an engine, a tool or a reward
+# function's caller can be read, tested and replaced without the trainer, its checkpoints or its SIGTERM handling.
+LAYERS = [
+    # the bottom: nothing of grpo below them
+    {"sigterm", "secrets", "process_env", "losses", "advantages", "logprobs", "background"},
+    {"distributed"},  # collectives, sharding, ZeRO, the accelerator's teardown
+    {"perf"},  # speed and memory patches (they look at distributed's wrappers)
+    {"rollout"},  # generation engines
+    {"agent", "rewards"},  # the tool loop above the engines; reward functions and models
+    {"report"},  # the run report (reads run files only)
+    {"checkpoint"},  # saving and loading a run (above everything it saves)
+    {"evaluation", "preemption", "ref_sync", "trainer"},  # the loop's orchestration
+]
+
+
+def unit(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return parts[0]
+
+
+def grpo_imports(path: Path) -> list[tuple[str, int]]:
+    """(unit imported, line) for every import of a grpo module outside `if TYPE_CHECKING:` blocks."""
+    found = []
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                parts = child.module.split(".")
+                if parts[0] == "grpo":
+                    targets = [a.name for a in child.names] if len(parts) == 1 else [parts[1]]
+                    found.extend((t, child.lineno) for t in targets)
+            elif isinstance(child, ast.Import):
+                found.extend((a.name.split(".")[1], child.lineno) for a in child.names if a.name.startswith("grpo."))
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def unit_graph() -> dict[str, dict[str, list[str]]]:
+    """{unit: {unit it imports: ["path:line", ...]}}, imports inside a unit left out."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in modules():
+        here = unit(path)
+        for target, line in grpo_imports(path):
+            if target not in (here, "__init__"):
+                graph.setdefault(here, {}).setdefault(target, []).append(f"{name(path)}:{line}")
+    return graph
+
+
+def test_every_layer_names_real_units():
+    units = {unit(p) for p in modules()} - {"__init__", "__main__"}
+    named = set().union(*LAYERS)
+    assert named <= units, named - units
+
+
+def test_lower_layers_never_import_higher_ones():
+    level = {u: i for i, layer in enumerate(LAYERS) for u in layer}
+    upward = [
+        f"{source} (layer {level[source]}) imports {target} (layer {level[target]}) at {', '.join(where)}"
+        for source, targets in unit_graph().items()
+        for target, where in targets.items()
+        if source in level and target in level and level[target] > level[source]
+    ]
+    assert upward == [], "\n".join(upward)
+
+
+def test_grpo_units_import_each_other_without_cycles():
+    graph = unit_graph()
+    cycles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def strong(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(set(graph) | {w for targets in graph.values() for w in targets}):
+        if v not in index:
+            strong(v)
+    detail = [f"{a} -> {b} at {', '.join(graph[a][b])}" for c in cycles for a in c for b in graph.get(a, {}) if b in c]
+    assert cycles == [], "\n".join(detail)

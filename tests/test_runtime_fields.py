@@ -213,7 +213,7 @@ def test_kwargs_handlers_map_the_fields_as_the_hf_trainer():
 
 
 def test_a_one_process_accelerator_gets_the_handlers(tmp_path):
-    from grpo.distributed.accelerator import make_accelerator
+    from grpo.acceleration import make_accelerator
 
     accelerator = make_accelerator(cfg(tmp_path, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=3, ddp_timeout=60))
     assert accelerator.ddp_handler.to_kwargs() == {"find_unused_parameters": True, "bucket_cap_mb": 3}

@@ -33,7 +33,7 @@ from grpo import checkpoint, data, preemption
 from grpo.advantages import nanstd, weighted_sum
 from grpo.batch import collate
 from grpo.distributed import collectives
-from grpo.groups import Scored
+from grpo.groups import Scored, gather_scored
 from grpo.losses import policy_loss
 from grpo.metrics import reward_and_tool_stats
 from grpo.rollout import build_engine
@@ -139,20 +139,13 @@ class Evaluation:
                 share = -(-len(rows) // acc.num_processes)  # every process runs every batch, maybe with no rows
                 mine = rows[acc.process_index * share : (acc.process_index + 1) * share]
                 examples = [self.dataset[i] for i in mine]
-                generated = trainer.rollouts(mine, examples, source=self.source, engine=engine)
+                generated = trainer.producer.generate(mine, examples, source=self.source, engine=engine)
                 rewards = torch.zeros(0, len(trainer.rewards.names))
                 if mine:
-                    rewards = trainer.rewards(
-                        examples,
-                        generated.rollout,
-                        trainer.state,
-                        lambda name, value: logged.setdefault(name, []).append(float(value)),
-                        lambda name, values: None,
-                        generated.prompts,
-                        generated.columns,
-                    )
+                    log = lambda name, value: logged.setdefault(name, []).append(float(value))  # noqa: E731
+                    rewards = trainer.producer.score(examples, generated, log)
                 local = Scored(mine, generated.prompts, generated.rollout, rewards)
-                parts.append(collectives.gather_scored(local, acc))
+                parts.append(gather_scored(local, acc))
                 losses.append(batch_loss(trainer, parts[-1], self.k))
         metrics = self.metrics(Scored.concat(parts), trainer.rewards, trainer.rollouts.uses_tools)
         losses = [loss for loss in losses if loss is not None]
@@ -245,9 +238,7 @@ def evaluate(trainer: Any, eval_dataset: Any, metric_key_prefix: str) -> dict[st
         runs = build(eval_dataset, trainer.args, trainer.prompts, trainer.accelerator.num_processes)
     if not runs:
         raise ValueError("evaluate() needs an eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or here.")
-    if trainer._weights_stale:  # the policy's current weights (the ones the next generation would sync)
-        trainer.engine.sync_weights(trainer.unwrapped_model)
-        trainer._weights_stale = False
+    trainer.producer.sync(trainer.unwrapped_model, trainer.policy_version)  # the policy's current weights
     engine = trainer.engine
     if trainer.args.eval_greedy:
         model, tokenizer, stop_ids, acc = (

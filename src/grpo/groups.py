@@ -1,7 +1,7 @@
 """A generation batch's scored completions in global order (every process's rows), and the DAPO dynamic-sampling
 filter over its groups.
 
-Each process generates and scores its own share of a round; `grpo.distributed.collectives.gather_scored` puts the
+Each process generates and scores its own share of a round; `gather_scored` puts the
 shares together in process order, so every process sees the same global batch: rewards are normalized over whole
 groups (shared spec §3: groups may straddle processes), groups are kept or dropped identically everywhere, and
 each process then trains on an even, contiguous slice.
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 
 from grpo.advantages import nanstd, weighted_sum
 from grpo.rollout.base import Rollout
@@ -143,3 +144,10 @@ def rows_with_spread(scored: Scored, weights: torch.Tensor, args: Any) -> list[i
     """The rows of the groups whose rewards differ (DAPO dynamic sampling keeps only those)."""
     spread = groups_with_spread(scored.rewards, weights, args.num_generations, args.dynamic_sampling_std_threshold)
     return rows_of_groups(spread, args.num_generations)
+
+
+def gather_scored(local: Scored, accelerator: Any) -> Scored:
+    """Every process's share of a round, in process order (the identity on one process)."""
+    if accelerator.num_processes == 1:
+        return local
+    return Scored.concat(gather_object([local]))

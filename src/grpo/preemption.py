@@ -7,6 +7,9 @@ the previous step when nothing of it has changed yet (no optimizer step applied 
 evaluation that follows a step, the step is complete: it is saved as between steps (`grpo.evaluation.after_step`;
 its checkpoint, when due, was written before the evaluation).
 
+The flag itself (`Preempted`, `check`, `preemption_guard`) is `grpo.sigterm`'s, below everything that waits; this
+module, above the checkpoints, decides what is saved.
+
 A preempted run exits with status `EXIT_STATUS` (143, the shell's status for "terminated by SIGTERM"), never 0:
 `python train.py && upload` does not upload a run that did not finish.
 """
@@ -15,51 +18,18 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from grpo import checkpoint
 from grpo.checkpoint import files
 from grpo.distributed.accelerator import settle_processes
+from grpo.sigterm import Preempted, check, preemption_guard, requested
+
+__all__ = ["EXIT_STATUS", "Preempted", "StepStart", "check", "preemption_guard", "requested", "save_and_exit"]
 
 logger = logging.getLogger("grpo")
 EXIT_STATUS = 143
-_requested = threading.Event()
-
-
-class Preempted(Exception):
-    """SIGTERM arrived while a step was running; raised at the next point that checks (`check`)."""
-
-
-def requested() -> bool:
-    return _requested.is_set()
-
-
-def check() -> None:
-    """Raise `Preempted` if SIGTERM arrived inside `preemption_guard`."""
-    if _requested.is_set():
-        raise Preempted("SIGTERM received")
-
-
-@contextmanager
-def preemption_guard() -> Iterator[threading.Event]:
-    """An event set when SIGTERM arrives inside the block (also what `requested` and `check` read); the previous
-    handler comes back on exit. Signal handlers can only be installed from the main thread: elsewhere the event
-    simply never fires."""
-    _requested.clear()
-    if threading.current_thread() is not threading.main_thread():
-        yield _requested
-        return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _requested.set())
-    try:
-        yield _requested
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        _requested.clear()
 
 
 @dataclass

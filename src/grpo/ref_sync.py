@@ -77,40 +77,51 @@ def _whole(model: torch.nn.Module, modifier_rank: int | None = None):
         yield
 
 
-def save(trainer: Any, directory: str) -> None:
-    """Write the mixed reference into the checkpoint being written (every process calls it; the main writes)."""
-    if not trainer.args.sync_ref_model or trainer.ref_model is None:
-        return
-    reference = unwrap(trainer.ref_model)
-    with _whole(reference):
-        if trainer.accelerator.is_main_process:
-            tensors = {n: p.detach().cpu().contiguous() for n, p in reference.named_parameters()}
-            os.makedirs(os.path.dirname(os.path.join(directory, REFERENCE)), exist_ok=True)
-            save_file(tensors, os.path.join(directory, REFERENCE))
+class MixedReference:
+    """The mixed reference as a state component of checkpoints (`grpo.checkpoint.StateComponent`): saved into each
+    checkpoint, read (and checked) with the rest of it, restored once everything has been read."""
 
+    name = "mixed reference"
 
-def read(trainer: Any, checkpoint: str, state: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-    """The checkpoint's mixed reference, checked against the reference model (None: nothing to restore, the
-    checkpoint's run never mixed its reference)."""
-    if not trainer.args.sync_ref_model or trainer.ref_model is None:
-        return None
-    path = os.path.join(checkpoint, REFERENCE)
-    if not os.path.exists(path) and not state.get("config", {}).get("sync_ref_model"):
-        return None  # saved by a run without sync_ref_model: its reference still is the initial model
-    saved = files.read(path, "reference model weights", load_file)
-    with _whole(unwrap(trainer.ref_model)):
-        own = {n: tuple(p.shape) for n, p in unwrap(trainer.ref_model).named_parameters()}
-    found = {n: tuple(t.shape) for n, t in saved.items()}
-    if found != own:
-        raise files.invalid(path, "does not match the reference model's parameters (names or shapes)")
-    return saved
+    def __init__(self, reference: torch.nn.Module, is_main_process: bool) -> None:
+        self.reference = reference
+        self.is_main_process = is_main_process
 
+    @classmethod
+    def of(cls, args: Any, ref_model: torch.nn.Module | None, accelerator: Any) -> list[MixedReference]:
+        """The component when sync_ref_model mixes a reference model of its own, else none."""
+        if not args.sync_ref_model or ref_model is None:
+            return []
+        return [cls(ref_model, accelerator.is_main_process)]
 
-def restore(trainer: Any, saved: dict[str, torch.Tensor] | None) -> None:
-    """`read`'s weights into the reference model (every process calls it)."""
-    if saved is None:
-        return
-    reference = unwrap(trainer.ref_model)
-    with _whole(reference, modifier_rank=0), torch.no_grad():
-        for name, param in reference.named_parameters():
-            param.copy_(saved[name].to(param.device, param.dtype))
+    def save(self, directory: str) -> None:
+        """Write the mixed reference into the checkpoint being written (every process calls it; the main writes)."""
+        reference = unwrap(self.reference)
+        with _whole(reference):
+            if self.is_main_process:
+                tensors = {n: p.detach().cpu().contiguous() for n, p in reference.named_parameters()}
+                os.makedirs(os.path.dirname(os.path.join(directory, REFERENCE)), exist_ok=True)
+                save_file(tensors, os.path.join(directory, REFERENCE))
+
+    def read(self, checkpoint: str, state: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """The checkpoint's mixed reference, checked against the reference model (None: nothing to restore, the
+        checkpoint's run never mixed its reference)."""
+        path = os.path.join(checkpoint, REFERENCE)
+        if not os.path.exists(path) and not state.get("config", {}).get("sync_ref_model"):
+            return None  # saved by a run without sync_ref_model: its reference still is the initial model
+        saved = files.read(path, "reference model weights", load_file)
+        with _whole(unwrap(self.reference)):
+            own = {n: tuple(p.shape) for n, p in unwrap(self.reference).named_parameters()}
+        found = {n: tuple(t.shape) for n, t in saved.items()}
+        if found != own:
+            raise files.invalid(path, "does not match the reference model's parameters (names or shapes)")
+        return saved
+
+    def restore(self, saved: dict[str, torch.Tensor] | None) -> None:
+        """`read`'s weights into the reference model (every process calls it)."""
+        if saved is None:
+            return
+        reference = unwrap(self.reference)
+        with _whole(reference, modifier_rank=0), torch.no_grad():
+            for name, param in reference.named_parameters():
+                param.copy_(saved[name].to(param.device, param.dtype))

@@ -60,18 +60,20 @@ from grpo import (
     seeding,
     vision,
 )
+from grpo.acceleration import make_accelerator
 from grpo.advantages import Advantages, compute_advantages
 from grpo.agent import Environments, Generated, Rollouts
 from grpo.agent.environments import placeholder_dataset
 from grpo.batch import TrainBatch, collate
 from grpo.callbacks import Callbacks
+from grpo.checkpoint import components
 from grpo.config import GRPOConfig, resolve_args, warn_odd_combinations
 from grpo.diagnostics import Diagnosis
 from grpo.distributed import collectives
-from grpo.distributed.accelerator import end_training, make_accelerator
+from grpo.distributed.accelerator import end_training
 from grpo.distributed.accumulation import accumulating, backward
 from grpo.forward import TrainingPass
-from grpo.groups import GenerationBatch, Scored, rows_with_spread
+from grpo.groups import GenerationBatch, Scored, gather_scored, rows_with_spread
 from grpo.hub import Hub
 from grpo.loop import LoopState, RolloutBuffer, TrainOutput, Update, schedule_length
 from grpo.loss_terms import LossTerms, router_aux_coef
@@ -81,6 +83,7 @@ from grpo.modeling import generation_eos, model_name
 from grpo.optimization import TrainingError
 from grpo.perf import allocator, attention
 from grpo.preemption import Preempted, preemption_guard
+from grpo.producer import Produced, Producer
 from grpo.report import RunReport
 from grpo.rewards.calling import RewardFunctions
 from grpo.rollout import build_engine
@@ -169,12 +172,18 @@ class GRPOTrainer(TrlSurface):
         self.rollouts = Rollouts(
             engine, self.prompts, args, self.stop_ids, everywhere, tools, self.environments, rollout_func, self
         )
+        acc = self.accelerator
+        self.producer = Producer(
+            self.rollouts, self.rewards, train_dataset, args, acc.process_index, acc.num_processes, self.state
+        )
         self.loop = LoopState()
         self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
+        mixed_reference = ref_sync.MixedReference.of(args, self.ref_model, self.accelerator)
+        self.state_components = components.of_run(self.buffer, self.loop, self.accelerator, mixed_reference)
         self.loss_params = LossParams.of(args)
         self.loss_terms = LossTerms(args, router_aux_coef(self.unwrapped_model, args))  # entropy bonus, router loss
         self.correction = SamplingCorrection.of(args, engine)  # sampling/* metrics, vLLM's IS weight, OPSM
-        self._weights_stale = True  # the engine has not seen the policy's weights yet
+        self.policy_version = 0  # a new number whenever the policy's weights change (the producer syncs on it)
         self.gradient_check = optimization.GradientCheck(args.max_grad_norm)  # clip; non-finite norms
         self.step_applied = False  # whether the current step's optimizer step has been applied
         self.metrics: MetricsLogger | None = None  # made by train()
@@ -232,7 +241,7 @@ class GRPOTrainer(TrlSurface):
                 checkpoint.load(self, path)
                 self.metrics.resume(self.state.global_step)
                 self.diagnosis.replay(self.state.log_history, a)  # the findings before the resume, not warned again
-                self._weights_stale = True
+                self.policy_version += 1  # the loaded weights
                 logger.info("Resumed from %s at step %d.", path, self.state.global_step)
             self.model.train()
             total_loss, first = 0.0, self.state.global_step
@@ -250,7 +259,8 @@ class GRPOTrainer(TrlSurface):
                             preemption.save_and_exit(self, None)
                 except Preempted:
                     preemption.save_and_exit(self, step_start)
-            checkpoint.strategy.load_best_model(self, checkpoint.load_model_weights)
+            if checkpoint.strategy.load_best_model(self, checkpoint.load_model_weights):
+                self.policy_version += 1
             self.hub.finish_completions_upload()
             loss = total_loss / max(self.state.global_step, 1)
             summary = reporting.train_summary(a, self.state, time.perf_counter() - start, first, loss)
@@ -302,36 +312,32 @@ class GRPOTrainer(TrlSurface):
         rounds = a.dynamic_sampling_max_attempts if a.dynamic_sampling else 1
         generated = GenerationBatch(a.num_generations)
         while generated.rounds < rounds and generated.size < a.generation_batch_size:
-            rows = self._local_rows(self.loop.data_position)
-            with generated.timed("generation"):
-                round_ = self._generate(rows)
+            with generated.timed("generation"):  # lazily: with steps_per_generation > 1 not after every step
+                self.producer.sync(self.unwrapped_model, self.policy_version)
+            produced = self.producer.produce(self.loop.data_position)  # this process's rows, generated and scored
+            generated.generation_s += produced.generation_s
             with generated.timed("scoring"):
-                scored = self._score(rows, round_)
+                scored = self._score(produced)
+            generated.scoring_s += produced.scoring_s
             self.loop.data_position += 1
             keep = rows_with_spread(scored, self.rewards.weights, a) if a.dynamic_sampling else None
-            generated.add_round(round_.rollout, scored, keep)
+            generated.add_round(produced.scored.rollout, scored, keep)
         return generated.finish(a.generation_batch_size)
 
     def _local_rows(self, position: int) -> list[int]:
-        acc = self.accelerator  # this process's share of data position `position`'s rows (`data.local_rows`)
-        rows = data.dataset_size(self.train_dataset)
-        return data.local_rows(position, rows, self.args, acc.process_index, acc.num_processes)
+        return self.producer.rows(position)  # this process's share of data position `position`'s rows
 
     def _generate(self, rows: list[int]) -> Generated:
         """Completions for this process's rows (tool rounds included), from the current policy's weights."""
-        if self._weights_stale:  # lazily: with steps_per_generation > 1 not after every step
-            self.engine.sync_weights(self.unwrapped_model)
-            self._weights_stale = False
-        return self.rollouts(rows, [self.train_dataset[i] for i in rows])
+        self.producer.sync(self.unwrapped_model, self.policy_version)
+        return self.producer.generate(rows)
 
-    def _score(self, rows: list[int], generated: Generated) -> Scored:
-        """Rewards of this process's completions, gathered with every other process's (global order)."""
-        extra: dict[str, list] = {}
-        log_extra = lambda name, values: extra.__setitem__(name, list(values))  # noqa: E731 (log_extra's signature)
-        examples, g = [self.train_dataset[i] for i in rows], generated
-        rewards = self.rewards(examples, g.rollout, self.state, self.metrics.add, log_extra, g.prompts, g.columns)
-        local = Scored(rows, generated.prompts, generated.rollout, rewards, extra)
-        return collectives.gather_scored(local, self.accelerator)
+    def _score(self, produced: Produced) -> Scored:
+        """The round's scores, every process's in global order (each producer scored its own rows); what the
+        reward functions logged joins this step's metrics."""
+        for name, value in produced.logged:
+            self.metrics.add(name, value)
+        return gather_scored(produced.scored, self.accelerator)
 
     def _advantages(self, scored: Scored, group_size: int | None = None) -> Advantages:
         """Group-relative advantages; groups of num_generations (an evaluation's: num_generations_eval)."""
@@ -427,7 +433,7 @@ class GRPOTrainer(TrlSurface):
         if not self.accelerator.optimizer_step_was_skipped:  # fp16 loss scaling skips a step that overflowed
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._weights_stale = True
+        self.policy_version += 1  # the producer pushes these weights before its next generation
         self.state.global_step += 1
         self.metrics.add_many(self.loss_terms.end_step(self.accelerator))  # the adaptive entropy controller
         ref_sync.after_step(self)  # sync_ref_model (TR-DPO)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpo import preemption
+from grpo import sigterm
 from grpo.background import BackgroundLoop, DaemonCall
 
 logger = logging.getLogger("grpo")
@@ -102,7 +102,7 @@ def run_calls(
     pending = [p for row in started for p in row if isinstance(p, _Pending)]
     deadline = time.monotonic() + timeout + 0.5 if timeout else None  # the async ones time out on their own
     while pending:
-        preemption.check()  # SIGTERM is seen while a tool runs
+        sigterm.check()  # SIGTERM is seen while a tool runs
         pending = [p for p in pending if not p.join(0.02)]
         if deadline is not None and time.monotonic() > deadline:
             break

@@ -32,17 +32,43 @@ import errno
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from grpo import data, hub, lora, ref_sync
+from grpo import data, hub, lora
 from grpo.checkpoint import files, strategy
 from grpo.checkpoint.files import CheckpointError, CheckpointMismatchError, checkpoints
 from grpo.distributed import collectives, sharding, zero
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "add_evaluation", "checkpoints", "load", "resolve", "save"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "StateComponent",
+    "add_evaluation",
+    "checkpoints",
+    "load",
+    "resolve",
+    "save",
+]
 STATE = files.STATE
+
+
+class StateComponent(Protocol):
+    """A part of a run's state that saves and loads itself (torchtitan's Stateful, in two phases): `save` writes
+    its files into the checkpoint being written (every process calls it), `read` reads and checks them without
+    changing anything (an error names the file), `restore` applies what `read` returned once every file of the
+    checkpoint has been read. The trainer lists its components in `state_components`."""
+
+    name: str
+
+    def save(self, directory: str) -> None: ...
+
+    def read(self, checkpoint: str, state: dict[str, Any]) -> Any: ...
+
+    def restore(self, value: Any) -> None: ...
+
+
 SCALER = "scaler.pt"  # fp16 loss scaling's state
 SHARDED = "sharded"  # torch.distributed.checkpoint directory: a sharded model's and optimizer's shards
 # settings that decide which prompts, completions and batches each step sees: a resume must keep them
@@ -146,19 +172,17 @@ def _fresh_directory(path: str) -> None:
 
 
 def _write_process_files(trainer: Any, tmp: str) -> None:
-    """What every process writes: its generator states, its shards, its buffered rollouts (none of it with
-    save_only_model)."""
-    acc, rank = trainer.accelerator, trainer.accelerator.process_index
+    """What every process writes: its shards, and its state components (its generator states, its buffered
+    rollouts, the mixed reference: `components`); none of it with save_only_model."""
+    acc = trainer.accelerator
     if trainer.args.save_only_model:
         return
-    torch.save(files.rng_state(), os.path.join(tmp, f"rng_state_{rank}.pt"))
     if sharding.is_sharded(trainer.model):
         sharding.save_shards(trainer.model, trainer.optimizer, os.path.join(tmp, SHARDED))
     elif zero.in_use(acc):  # DeepSpeed's own engine checkpoint: every process writes its optimizer partition
         zero.save(acc, os.path.join(tmp, zero.STATE_DIR))
-    if trainer.buffer.mid_cycle(trainer.loop.micro_step):
-        torch.save(trainer.buffer.state_dict(), os.path.join(tmp, f"rollouts_{rank}.pt"))
-    ref_sync.save(trainer, tmp)  # sync_ref_model: the reference as mixed so far
+    for component in trainer.state_components:  # parts of the run that save themselves (StateComponent)
+        component.save(tmp)
 
 
 def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict: dict[str, torch.Tensor]) -> None:
@@ -288,10 +312,7 @@ def load(trainer: Any, path: str) -> None:
         trainer.callback_handler.restore(state.get("stateful_callbacks") or {})
     # where saved tensors go: accelerate numbers CPU processes' devices ("cpu:1"), which torch.load rejects
     device = "cpu" if acc.device.type == "cpu" else acc.device
-    rank = acc.process_index
-    rng = files.load_rng_state(os.path.join(path, f"rng_state_{rank}.pt"))
-    rollouts = _read_rollouts(path, rank, state, trainer.buffer.cycle, device)
-    reference = ref_sync.read(trainer, path, state)
+    components = [(c, c.read(path, state)) for c in trainer.state_components]  # read and checked, not applied
     sharded, deepspeed = sharding.is_sharded(trainer.model), zero.in_use(acc)
     optimizer = None
     if not sharded and not deepspeed:
@@ -301,7 +322,6 @@ def load(trainer: Any, path: str) -> None:
     if acc.scaler is not None and os.path.exists(os.path.join(path, SCALER)):
         scaler = files.load_tensors(os.path.join(path, SCALER), "fp16 loss-scaler state")
     _load_model(trainer, path, sharded, deepspeed)
-    ref_sync.restore(trainer, reference)
     if optimizer is not None:
         _apply(path, "optimizer.pt", lambda: trainer.optimizer.load_state_dict(optimizer))
     _apply(path, "scheduler.pt", lambda: trainer.lr_scheduler.load_state_dict(scheduler))
@@ -318,8 +338,8 @@ def load(trainer: Any, path: str) -> None:
     trainer.loop.data_position = strategy.data_position_after_resume(trainer, trainer.loop.data_position)
     trainer.metrics.load_state_dict(state["metrics_window"])
     _apply(path, STATE, lambda: trainer.loss_terms.load_state_dict(state.get("entropy_control")))
-    trainer.buffer.load_state_dict(rollouts, device)
-    files.set_rng_state(rng)
+    for component, value in components:  # the generators last (`components.of_run`)
+        component.restore(value)
 
 
 def _apply(path: str, name: str, load_state: Any) -> None:
@@ -331,30 +351,6 @@ def _apply(path: str, name: str, load_state: Any) -> None:
             f"does not fit this run ({type(err).__name__}: "
             f"{str(err).splitlines()[0][:200] if str(err) else 'no detail'})",
         ) from None
-
-
-def _read_rollouts(path: str, rank: int, state: dict[str, Any], cycle: int, device: Any) -> list[dict[str, Any]]:
-    """This process's buffered rollouts when the checkpoint was taken inside a generation cycle. A missing file
-    is an error: regenerating instead would not resume exactly."""
-    name = os.path.join(path, f"rollouts_{rank}.pt")
-    wanted = state.get("rollouts", state["micro_step"] % cycle != 0)
-    if not wanted:
-        return []
-    if not os.path.exists(name):
-        raise files.invalid(
-            name,
-            f"missing, but step {state['global_step']} falls inside a generation cycle: "
-            "the next steps train on these buffered rollouts, and generating them again would not "
-            "resume exactly",
-        )
-    saved = files.load_tensors(name, "buffered rollouts", device)
-    if not isinstance(saved, list) or not all(isinstance(b, dict) for b in saved):
-        raise files.invalid(name, "is not a list of buffered batches")
-    for batch in saved:  # written by grpo 0.1.0 before the rollout interface: the token count was run state
-        if "truncated" in batch:
-            del batch["truncated"]
-            batch["num_items_in_batch"] = state.get("num_items", 0.0)
-    return saved
 
 
 def load_model_weights(trainer: Any, path: str) -> None:

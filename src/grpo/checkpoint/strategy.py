@@ -252,20 +252,21 @@ def data_position_after_resume(trainer: Any, position: int) -> int:
     return epoch_start(position, blocks)
 
 
-def load_best_model(trainer: Any, load_model: Any) -> None:
-    """load_best_model_at_end: the best checkpoint's model weights into the trainer's model (every process)."""
+def load_best_model(trainer: Any, load_model: Any) -> bool:
+    """load_best_model_at_end: the best checkpoint's model weights into the trainer's model (every process);
+    whether it loaded them (the policy's weights then changed)."""
     state = trainer.state
     if not trainer.args.load_best_model_at_end:
-        return
+        return False
     best = state.best_model_checkpoint
     if collectives.any_process(trainer.accelerator, best is None or not os.path.isdir(best)):
         logger.warning(
             "load_best_model_at_end: no saved checkpoint has a logged %s, so the model stays as the last step left it.",
             trainer.args.metric_for_best_model,
         )
-        return
+        return False
     logger.info(
         "Loading the best model from %s (%s = %s).", best, trainer.args.metric_for_best_model, state.best_metric
     )
     load_model(trainer, best)
-    trainer._weights_stale = True  # the generation engine must see these weights
+    return True

@@ -7,9 +7,7 @@ import math
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
 
-from grpo.groups import Scored
 from grpo.losses import Stat
 
 
@@ -41,13 +39,6 @@ def loss_tokens(accelerator: Accelerator, local_tokens: torch.Tensor, across_pro
 def local_rows(n: int, process_index: int, num_processes: int) -> range:
     """This process's contiguous, even share of n global rows."""
     return range(process_index * n // num_processes, (process_index + 1) * n // num_processes)
-
-
-def gather_scored(local: Scored, accelerator: Accelerator) -> Scored:
-    """Every process's share of a round, in process order (the identity on one process)."""
-    if accelerator.num_processes == 1:
-        return local
-    return Scored.concat(gather_object([local]))
 
 
 def gather_values(values: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:

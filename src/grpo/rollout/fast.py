@@ -37,7 +37,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from grpo import preemption
+from grpo import sigterm
 from grpo.distributed.sharding import full_parameters
 from grpo.modeling import accepts_logits_to_keep, cache_argument, swapped_forwards
 from grpo.perf.kernels import fixed_linear
@@ -214,7 +214,7 @@ class FastEngine:
         active = torch.arange(n, device=device)  # original row of each batch row
         stop_ids = self.stop_ids.to(device)
         for step in range(longest):
-            preemption.check()  # SIGTERM ends a long rollout at the next token
+            sigterm.check()  # SIGTERM ends a long rollout at the next token
             logprobs = torch.log_softmax(self.processors(history, logits), dim=-1)
             chosen = self.sampler(logprobs)
             chosen_logps = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)

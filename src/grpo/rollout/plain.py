@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from grpo import preemption
+from grpo import sigterm
 from grpo.rollout.base import Request, Rollout, assemble, cut_at_stop, expand, left_pad
 
 
@@ -55,7 +55,7 @@ class _StopOnPreemption(StoppingCriteria):
     """Ends `model.generate` at the next token once SIGTERM has arrived (the engine then raises `Preempted`)."""
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), preemption.requested(), dtype=torch.bool, device=input_ids.device)
+        return torch.full((input_ids.shape[0],), sigterm.requested(), dtype=torch.bool, device=input_ids.device)
 
 
 class TransformersEngine:
@@ -119,7 +119,7 @@ class TransformersEngine:
                 )
         finally:
             self.model.train(was_training)
-        preemption.check()
+        sigterm.check()
         if isinstance(out, torch.Tensor):  # a replaced generate returning sequences only: tokens the engine did not
             new_tokens = out[:, ids.shape[1] :]  # score (NaN log-probs: no sampling correction, as vLLM's unscored)
             token_logps = torch.full(new_tokens.shape, float("nan"))

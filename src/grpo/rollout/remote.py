@@ -37,7 +37,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from safetensors.torch import save
 
-from grpo import preemption
+from grpo import sigterm
 from grpo.rollout.base import Request, Rollout, assemble, expand
 from grpo.rollout.vllm import check_expanded, multimodal_input
 from grpo.rollout.weights import checkpoint_weights
@@ -129,7 +129,7 @@ class ServerEngine:
         last_seen = time.monotonic()
         while worker.is_alive():
             worker.join(_POLL_S)
-            preemption.check()
+            sigterm.check()
             if worker.is_alive():
                 if self._healthy() is not None:
                     last_seen = time.monotonic()
@@ -184,7 +184,7 @@ class ServerEngine:
         return out
 
     def generate(self, requests: Sequence[Request]) -> Rollout:
-        preemption.check()
+        sigterm.check()
         if not requests:  # a follow-up turn of a tool loop where this process has no row left
             return Rollout([], [], [], [])
         payload = {

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo import preemption, process_env
+from grpo import process_env, sigterm
 from grpo.distributed.accelerator import before_teardown
 from grpo.distributed.engine_group import EngineGroup
 from grpo.rollout.base import Request, Rollout, assemble, expand
@@ -345,7 +345,7 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, requests: Sequence[Request]) -> Rollout:
-        preemption.check()
+        sigterm.check()
         mine = slice(0, len(requests))
         if self.group is not None:  # the group's engine generates every process's requests
             requests, mine = self.group.gather(requests)
@@ -356,7 +356,7 @@ class VLLMEngine:
         drawing = self.group.same_random_numbers() if self.group is not None else contextlib.nullcontext()
         with self._awake(), self._explained("generate with"), drawing:
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        preemption.check()
+        sigterm.check()
         for request, output in zip(requests, outputs):
             check_expanded(request.prompt, output.prompt_token_ids)
         requests, outputs = requests[mine], outputs[mine]
