@@ -9,7 +9,8 @@ completions for each with the current policy, score them with the reward functio
 group-relative advantages, and compute the old-policy log-probs (only when the batch will be reused off-policy)
 and the reference log-probs (only when beta > 0). Then each micro-step takes one slice of that batch and
 backpropagates the policy loss; every `gradient_accumulation_steps` micro-steps the optimizer steps. `_step`
-below is one optimizer step, top to bottom; each phase is one call with a typed result.
+below is one optimizer step, top to bottom; each phase is one call with a typed result. Generating and scoring go
+through `grpo.producer` (this process's rows, from weights pushed by version); the trainer is the learner.
 
 Where grpo departs from the reference (TRL 1.16, shared spec):
 - a completion stops at the chat template's end-of-turn token as well as EOS (reference quirk 10);
@@ -179,7 +180,7 @@ class GRPOTrainer(TrlSurface):
         self.loop = LoopState()
         self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
         mixed_reference = ref_sync.MixedReference.of(args, self.ref_model, self.accelerator)
-        self.state_components = components.of_run(self.buffer, self.loop, self.accelerator, mixed_reference)
+        self.state_components = components.of_run(self, mixed_reference)  # what checkpoints save and load
         self.loss_params = LossParams.of(args)
         self.loss_terms = LossTerms(args, router_aux_coef(self.unwrapped_model, args))  # entropy bonus, router loss
         self.correction = SamplingCorrection.of(args, engine)  # sampling/* metrics, vLLM's IS weight, OPSM

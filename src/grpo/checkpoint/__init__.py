@@ -35,6 +35,7 @@ import shutil
 from typing import Any, Protocol
 
 import torch
+from safetensors import SafetensorError
 
 from grpo import data, hub, lora
 from grpo.checkpoint import files, strategy
@@ -69,7 +70,6 @@ class StateComponent(Protocol):
     def restore(self, value: Any) -> None: ...
 
 
-SCALER = "scaler.pt"  # fp16 loss scaling's state
 SHARDED = "sharded"  # torch.distributed.checkpoint directory: a sharded model's and optimizer's shards
 # settings that decide which prompts, completions and batches each step sees: a resume must keep them
 RUN_GEOMETRY = (
@@ -190,8 +190,6 @@ def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict:
     that makes the checkpoint exist, and the rotation."""
     acc = trainer.accelerator
     save_pretrained(trainer, tmp, state_dict)
-    if not trainer.args.save_only_model:
-        _write_optimization(trainer, tmp)
     state = {
         "global_step": step,
         **trainer.loop.state_dict(),
@@ -213,16 +211,6 @@ def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict:
         json.dump(state, f, indent=1)
     _replace(tmp, final)  # the checkpoint exists only once it is complete
     strategy.rotate(trainer.args.output_dir, trainer.args.save_total_limit, final, trainer.state.best_model_checkpoint)
-
-
-def _write_optimization(trainer: Any, tmp: str) -> None:
-    """Optimizer (unless sharded: its shards hold it), schedule and fp16 loss scale."""
-    acc = trainer.accelerator
-    if not sharding.is_sharded(trainer.model) and not zero.in_use(acc):
-        torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    torch.save(trainer.lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-    if acc.scaler is not None:  # fp16 loss scaling: the current scale and its growth tracker
-        torch.save(acc.scaler.state_dict(), os.path.join(tmp, SCALER))
 
 
 def _replace(tmp: str, final: str) -> None:
@@ -247,8 +235,8 @@ def _phase(trainer: Any, step: int, tmp: str, work: Any) -> None:
     error = None
     try:
         work()
-    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError("... unexpected pos")
-        error = err
+    except (OSError, RuntimeError, SafetensorError) as err:  # torch.save reports a full disk as RuntimeError
+        error = err  # ("... unexpected pos"), safetensors as SafetensorError ("No space left on device")
     if not collectives.any_process(trainer.accelerator, error is not None):
         return
     if strategy.writer(trainer):
@@ -310,23 +298,8 @@ def load(trainer: Any, path: str) -> None:
     best = strategy.read_best(state, path)
     if args.restore_callback_states_from_checkpoint:
         trainer.callback_handler.restore(state.get("stateful_callbacks") or {})
-    # where saved tensors go: accelerate numbers CPU processes' devices ("cpu:1"), which torch.load rejects
-    device = "cpu" if acc.device.type == "cpu" else acc.device
     components = [(c, c.read(path, state)) for c in trainer.state_components]  # read and checked, not applied
-    sharded, deepspeed = sharding.is_sharded(trainer.model), zero.in_use(acc)
-    optimizer = None
-    if not sharded and not deepspeed:
-        optimizer = files.load_tensors(os.path.join(path, "optimizer.pt"), "optimizer state", device)
-    scheduler = files.load_tensors(os.path.join(path, "scheduler.pt"), "learning-rate schedule state")
-    scaler = None
-    if acc.scaler is not None and os.path.exists(os.path.join(path, SCALER)):
-        scaler = files.load_tensors(os.path.join(path, SCALER), "fp16 loss-scaler state")
-    _load_model(trainer, path, sharded, deepspeed)
-    if optimizer is not None:
-        _apply(path, "optimizer.pt", lambda: trainer.optimizer.load_state_dict(optimizer))
-    _apply(path, "scheduler.pt", lambda: trainer.lr_scheduler.load_state_dict(scheduler))
-    if scaler is not None:
-        acc.scaler.load_state_dict(scaler)
+    _load_model(trainer, path, sharding.is_sharded(trainer.model), zero.in_use(acc))
     trainer.state.global_step = state["global_step"]
     trainer.state.num_input_tokens_seen = state["num_input_tokens_seen"]
     trainer.state.total_flos = float(state.get("total_flos", 0.0))
@@ -337,20 +310,9 @@ def load(trainer: Any, path: str) -> None:
     trainer.loop.load_state_dict(state)
     trainer.loop.data_position = strategy.data_position_after_resume(trainer, trainer.loop.data_position)
     trainer.metrics.load_state_dict(state["metrics_window"])
-    _apply(path, STATE, lambda: trainer.loss_terms.load_state_dict(state.get("entropy_control")))
+    files.apply(path, STATE, lambda: trainer.loss_terms.load_state_dict(state.get("entropy_control")))
     for component, value in components:  # the generators last (`components.of_run`)
         component.restore(value)
-
-
-def _apply(path: str, name: str, load_state: Any) -> None:
-    try:
-        load_state()
-    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as err:
-        raise files.invalid(
-            os.path.join(path, name),
-            f"does not fit this run ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:200] if str(err) else 'no detail'})",
-        ) from None
 
 
 def load_model_weights(trainer: Any, path: str) -> None:

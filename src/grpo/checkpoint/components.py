@@ -14,7 +14,48 @@ from typing import Any
 
 import torch
 
-from grpo.checkpoint import files
+from grpo.checkpoint import files, strategy
+from grpo.distributed import sharding, zero
+
+OPTIMIZER, SCHEDULER, SCALER = "optimizer.pt", "scheduler.pt", "scaler.pt"
+
+
+class Optimization:
+    """The optimizer (`optimizer.pt`; a sharded model's or DeepSpeed's own files hold it instead), the learning-rate
+    schedule (`scheduler.pt`) and the fp16 loss scale (`scaler.pt`), written by the checkpoint's writer."""
+
+    name = "optimization"
+
+    def __init__(self, optimizer: Any, scheduler: Any, scaler: Any, own_file: bool, writer: bool, device: Any) -> None:
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.own_file, self.writer, self.device = own_file, writer, device
+
+    def save(self, directory: str) -> None:
+        if not self.writer:
+            return
+        if self.own_file:
+            torch.save(self.optimizer.state_dict(), os.path.join(directory, OPTIMIZER))
+        torch.save(self.scheduler.state_dict(), os.path.join(directory, SCHEDULER))
+        if self.scaler is not None:  # fp16 loss scaling: the current scale and its growth tracker
+            torch.save(self.scaler.state_dict(), os.path.join(directory, SCALER))
+
+    def read(self, checkpoint: str, state: dict[str, Any]) -> tuple[str, Any, Any, Any]:
+        optimizer = None
+        if self.own_file:
+            optimizer = files.load_tensors(os.path.join(checkpoint, OPTIMIZER), "optimizer state", self.device)
+        scheduler = files.load_tensors(os.path.join(checkpoint, SCHEDULER), "learning-rate schedule state")
+        scaler = None
+        if self.scaler is not None and os.path.exists(os.path.join(checkpoint, SCALER)):
+            scaler = files.load_tensors(os.path.join(checkpoint, SCALER), "fp16 loss-scaler state")
+        return checkpoint, optimizer, scheduler, scaler
+
+    def restore(self, value: tuple[str, Any, Any, Any]) -> None:
+        path, optimizer, scheduler, scaler = value
+        if optimizer is not None:
+            files.apply(path, OPTIMIZER, lambda: self.optimizer.load_state_dict(optimizer))
+        files.apply(path, SCHEDULER, lambda: self.scheduler.load_state_dict(scheduler))
+        if scaler is not None:
+            self.scaler.load_state_dict(scaler)
 
 
 class GeneratorStates:
@@ -72,9 +113,15 @@ class BufferedRollouts:
         self.buffer.load_state_dict(value, self.device)
 
 
-def of_run(buffer: Any, loop: Any, accelerator: Any, extra: Sequence[Any] = ()) -> list[Any]:
-    """A run's components: its buffered rollouts, the `extra` ones (the mixed reference), its generators last."""
+def of_run(trainer: Any, extra: Sequence[Any] = ()) -> list[Any]:
+    """A run's components, from a trainer being built (after `prepare`): its optimization, its buffered
+    rollouts, the `extra` ones (the mixed reference), its generators last."""
+    acc = trainer.accelerator
     # where saved tensors go: accelerate numbers CPU processes' devices ("cpu:1"), which torch.load rejects
-    device = "cpu" if accelerator.device.type == "cpu" else accelerator.device
-    rank = accelerator.process_index
-    return [BufferedRollouts(buffer, loop, rank, device), *extra, GeneratorStates(rank)]
+    device = "cpu" if acc.device.type == "cpu" else acc.device
+    own_file = not sharding.is_sharded(trainer.model) and not zero.in_use(acc)  # else the shards hold it
+    optimization = Optimization(
+        trainer.optimizer, trainer.lr_scheduler, acc.scaler, own_file, strategy.writer(trainer), device
+    )
+    rollouts = BufferedRollouts(trainer.buffer, trainer.loop, acc.process_index, device)
+    return [optimization, rollouts, *extra, GeneratorStates(acc.process_index)]

@@ -183,3 +183,16 @@ def load_weight_files(path: str) -> dict[str, torch.Tensor]:
     for name in files:
         saved.update(read(os.path.join(path, name), "safetensors weights", load_file))
     return saved
+
+
+def apply(path: str, name: str, load_state: Callable[[], Any]) -> None:
+    """Run `load_state` (a load_state_dict of what file `name` of checkpoint `path` held); a state that does not
+    fit is an error naming the file."""
+    try:
+        load_state()
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as err:
+        raise invalid(
+            os.path.join(path, name),
+            f"does not fit this run ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200] if str(err) else 'no detail'})",
+        ) from None
