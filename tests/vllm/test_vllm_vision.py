@@ -89,7 +89,8 @@ def test_server_mode_sends_the_images(vlm_dir, tmp_path):
         assert t.state.log_history[-1]["sampling/sampling_logp_difference/max"] < 1e-4
         assert_engine_matches_training_pass(t)
         body = {"requests": [{"prompt_ids": [5, 6], "n": 1, "max_tokens": 2, "images": ["not an image"]}]}
-        request = urllib.request.Request(server.url + "/generate", json.dumps(body).encode(), method="POST")
+        headers = {"Content-Type": "application/json"}
+        request = urllib.request.Request(server.url + "/generate", json.dumps(body).encode(), headers, method="POST")
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request)
         assert refused.value.code == 400 and b"images[0] is not a base64-encoded image" in refused.value.read()
