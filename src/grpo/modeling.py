@@ -216,11 +216,19 @@ def reference_model(
     return ref
 
 
+# oneDNN instruction-set caps (ONEDNN_MAX_CPU_ISA) below AVX512_CORE_BF16: its bfloat16 matmuls are emulated there
+_ONEDNN_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
 def fast_bf16_available(device: torch.device) -> bool:
-    """bfloat16 compute pays off on CUDA GPUs that support it and on CPUs with AMX or AVX512-BF16 units."""
+    """bfloat16 compute pays off on CUDA GPUs that support it and on CPUs with AMX or AVX512-BF16 units (unless
+    oneDNN, which runs the CPU's bfloat16 matmuls, is capped below them with ONEDNN_MAX_CPU_ISA)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu":
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).upper()
+    if cap in _ONEDNN_WITHOUT_BF16:
         return False
     try:
         with open("/proc/cpuinfo") as f:

@@ -12,7 +12,10 @@ the tests:
 
 - **weights rounded once per rollout**: under bfloat16 autocast every forward re-casts every float32 weight;
   `low_precision_linears` casts (and on CPUs with oneDNN, pre-packs) each linear weight once per rollout and
-  feeds the same bfloat16 numbers to the same matmul: identical logits, less time per token.
+  feeds the same bfloat16 numbers to the same matmul: identical logits, less time per token;
+- **float32 weights packed once per rollout** (CPUs without fast bfloat16): the lean decoder packs every weight
+  into MKL's sgemm layout for the decode batch once a rollout runs on (`grpo.rollout.packed`): float32 arithmetic
+  throughout, a 16-row decode step 1.2x faster with AVX2 kernels.
 
 Models or settings it does not handle (custom generation_kwargs, caches without batch selection) use the
 plain engine; `grpo.rollout.build_engine` picks and logs which.

@@ -7,7 +7,11 @@ step, mask construction). `LeanDecoder` runs the same arithmetic with fewer, lar
 - each weight is cast to the compute dtype once per rollout (bfloat16 under autocast) and, on CPUs with
   oneDNN, pre-packed for its matmul kernel;
 - keys and values go into buffers allocated once per rollout, written in place; finished rows are dropped
-  from them with one index_select.
+  from them with one index_select;
+- in float32 on a CPU (no fast bfloat16), once a rollout has run `packed.PACK_AFTER` steps each weight is packed
+  for MKL's sgemm at the decode batch's row count (`grpo.rollout.packed`), and the batch then keeps its finished
+  rows' slots (fed their last token, their logits unread) while more than a quarter of its rows are going, so the
+  packed layout stays usable.
 The numbers follow the transformers forward under autocast: float32 residual stream and RMSNorm, matmuls on
 bfloat16 inputs and weights with bfloat16 outputs, rotary embedding from the model's own rotary module, attention
 over bfloat16 keys and values. The tests compare next-token distributions against the transformers forward.
@@ -26,8 +30,13 @@ import torch.nn.functional as F  # noqa: N812
 from grpo.fp32_head import is_fp32_head
 from grpo.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear, rms_norm
+from grpo.rollout import packed
 
 SUPPORTED = ("llama", "mistral", "qwen2")
+LINEARS = ("qkv", "o", "gate_up", "down")
+# a packed batch stays whole while more than 1/KEEP_PACKED of its rows are going: 16 packed rows cost about what 4
+# plain ones do (measured, float32 on AVX2), so computing the finished rows' slots is cheaper than leaving the layout
+KEEP_PACKED = 4
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -71,35 +80,44 @@ class LeanDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scale = self.head_dim**-0.5
         self.layers = []
+        self.weights = []  # per layer, each linear's (weight, bias) as computed with: q/k/v and gate/up concatenated
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            up_bias = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
+            weights = dict(
+                qkv=(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_bias),
+                o=(a.o_proj.weight, a.o_proj.bias),
+                gate_up=(torch.cat([m.gate_proj.weight, m.up_proj.weight]), up_bias),
+                down=(m.down_proj.weight, m.down_proj.bias),
+            )
+            self.weights.append(weights)
             self.layers.append(
                 dict(
                     norm1=_rms_norm(layer.input_layernorm),
                     norm2=_rms_norm(layer.post_attention_layernorm),
-                    qkv=fixed_linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_bias, dtype),
-                    o=fixed_linear(a.o_proj.weight, a.o_proj.bias, dtype),
-                    gate_up=fixed_linear(
-                        torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                        None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]),
-                        dtype,
-                    ),
-                    down=fixed_linear(m.down_proj.weight, m.down_proj.bias, dtype),
                     intermediate=m.gate_proj.out_features,
+                    **{name: fixed_linear(w, b, dtype) for name, (w, b) in weights.items()},
                 )
             )
         self.norm = _rms_norm(inner.norm)
         head_dtype = torch.float32 if is_fp32_head(model.lm_head) else dtype  # cast_lm_head_to_fp32
-        self.head = fixed_linear(model.lm_head.weight, model.lm_head.bias, head_dtype)
+        self.head_weights = (model.lm_head.weight, model.lm_head.bias)
+        self.head = fixed_linear(*self.head_weights, head_dtype)
+        self.unpacked: tuple[list[dict[str, Linear]], Linear] | None = None  # the plain linears, while packed
+        self.slots = 0  # rows of the packed batch
+        self.live: torch.Tensor | None = None  # while packed: each row's slot in the batch (finished rows stay)
+        self.fed: torch.Tensor | None = None  # while packed: the token each slot was fed last
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.positions: torch.Tensor | None = None
+        self.steps = self.max_new = 0  # decode steps run, of at most max_new
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor, max_new: int) -> torch.Tensor:
         """Run the (left-padded) unique prompts once, copy their keys and values to the rows that share them
         (`owner[row]` = its prompt) and leave room for `max_new` tokens. Returns each row's next-token logits."""
+        self._unpack()
         u, p = ids.shape
         width = p + max_new
         shape = (u, self.kv_heads, width, self.head_dim)
@@ -116,24 +134,57 @@ class LeanDecoder:
         logits = self._forward(ids, positions, attend)
         self.select(owner)
         self.positions = mask.sum(-1, keepdim=True)[owner]
+        self.steps, self.max_new = 0, max_new
         return logits[owner]
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns the next-token logits (rows, vocab) in float32."""
+        if self.steps == packed.PACK_AFTER and self.max_new - self.steps > packed.STEPS_AFTER_PACKING:
+            self._pack(len(tokens))  # the rollout runs on, with its budget far from spent
+        self.steps += 1
+        if self.live is not None:  # the packed batch: a finished row's slot repeats its last token, unread
+            tokens = self.fed = self.fed.index_copy(0, self.live, tokens)
         self.valid[:, self.length] = True
         attend = self.valid[:, None, None, : self.length + 1]
         logits = self._forward(tokens.unsqueeze(-1), self.positions, attend)
         self.positions = self.positions + 1
+        if self.live is not None and len(self.live) < self.slots:
+            logits = logits.index_select(0, self.live)
         return logits
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep these rows (in this order) of every buffer."""
+        if self.live is not None:
+            live = self.live[rows]
+            if len(live) * KEEP_PACKED > self.slots:  # most rows still going: the packed batch stays whole
+                self.live = live
+                return
+            rows = live  # few left: the batch shrinks to them, with the plain matmuls from here on
+            self._unpack()
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
         self.valid = self.valid.index_select(0, rows)
         if self.positions is not None:
             self.positions = self.positions.index_select(0, rows)
+
+    def _pack(self, rows: int) -> None:
+        """Float32 on a CPU with MKL: every linear packed for a batch of `rows` rows (`grpo.rollout.packed`)."""
+        if not (packed.available(self.head_weights[0]) and self.dtype == torch.float32):
+            return
+        self.unpacked = ([{k: layer[k] for k in LINEARS} for layer in self.layers], self.head)
+        for layer, weights in zip(self.layers, self.weights):
+            layer.update({k: packed.packed_linear(*weights[k], rows) for k in LINEARS})
+        self.head = packed.packed_linear(*self.head_weights, rows)
+        self.slots, self.live = rows, torch.arange(rows, device=self.valid.device)
+        self.fed = torch.zeros(rows, dtype=torch.long, device=self.valid.device)
+
+    def _unpack(self) -> None:
+        if self.unpacked is not None:
+            plain, self.head = self.unpacked
+            for layer, linears in zip(self.layers, plain):
+                layer.update(linears)
+        self.unpacked, self.live, self.slots = None, None, 0
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         b, t = ids.shape
@@ -144,9 +195,12 @@ class LeanDecoder:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
             qkv = layer["qkv"](layer["norm1"](x))
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = _rope(q.view(b, t, self.heads, self.head_dim).transpose(1, 2), cos, sin).to(self.dtype)
-            self.keys[i][:, :, start:end] = _rope(k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+            # queries and keys rotated in one pass (the same arithmetic, element by element, as one each)
+            qk = _rope(qk.view(b, t, self.heads + self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            q, k = qk.split([self.heads, self.kv_heads], dim=1)
+            q = q.to(self.dtype)
+            self.keys[i][:, :, start:end] = k
             self.values[i][:, :, start:end] = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             out = F.scaled_dot_product_attention(
                 q,

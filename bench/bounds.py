@@ -1,0 +1,84 @@
+"""What the machine allows, measured, and how far the fast engine's float32 run is from it (`make bench`).
+
+- Memory bound of a decode step: reading every weight a step multiplies by once, in float32, at the bandwidth of a
+  streaming read of a buffer that size (`torch.Tensor.sum`, best of 5). A decode step of the demo's 16 rows cannot
+  be faster than that, whatever the kernels (at 16 rows it is also near the compute bound on a 2-core CPU: 2 x 16
+  FLOPs per weight).
+- FLOP bound of a training pass: 6 x those weights x the tokens the pass must run (each group's prompt once,
+  prefix sharing, plus every completion token) at the peak of a float32 matmul here (2048^3, best of 5).
+
+`decode_vs_bound` = measured decode step / memory bound, with the step measured end to end in the trainer (a
+rollout's generation time over its decode steps: prefill and sampling included), after the warm-up step.
+`train_vs_bound` = measured training pass (forward, loss, backward) / FLOP bound, over the same steps. 1.0 would
+be the machine's limit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from grpo.modeling import fast_bf16_available
+
+
+def precisions() -> tuple[str, ...]:
+    """The benchmark's precisions here: bfloat16 only where it is fast (grpo's own test, which the trainer's bf16=None
+    uses); emulated bfloat16 takes minutes a step for both frameworks."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return ("bf16", "fp32") if fast_bf16_available(device) else ("fp32",)
+
+
+def _best(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def read_bandwidth(nbytes: int) -> float:
+    """Bytes per second of a streaming read of a float32 buffer of `nbytes`."""
+    buffer = torch.ones(nbytes // 4)
+    return buffer.numel() * 4 / _best(buffer.sum)
+
+
+def matmul_flops(n: int = 2048) -> float:
+    """Float32 FLOP/s of an n x n x n matmul."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _best(lambda: a @ b)
+
+
+def decode_vs_bound(step_s: float, weights: int, bandwidth: float) -> float:
+    """A decode step's time over the time to read `weights` float32 numbers at `bandwidth` bytes/s."""
+    return step_s / (4 * weights / bandwidth)
+
+
+def train_vs_bound(pass_s: float, weights: int, tokens: int, flops: float) -> float:
+    """A training pass's time over 6 x `weights` x `tokens` FLOPs at `flops` FLOP/s."""
+    return pass_s / (6 * weights * tokens / flops)
+
+
+def machine(weights: int) -> dict:
+    """The two bounds' inputs, measured now (run while nothing else does: both are best-of-5)."""
+    return {
+        "read_gb_per_s": read_bandwidth(4 * weights) / 1e9,
+        "matmul_gflop_per_s": matmul_flops() / 1e9,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def ratios(run: dict, measured: dict) -> dict:
+    """decode_vs_bound and train_vs_bound of a grpo run (run_grpo.py's result), from `machine`'s figures."""
+    keep = slice(1, None)  # after the warm-up step
+    step_s = sum(run["generation_s"][keep]) / sum(run["decode_steps"][keep])
+    pass_s, tokens = sum(run["train_pass_s"][keep]), sum(run["train_tokens"][keep])
+    weights = run["decode_weights"]
+    return {
+        "decode_step_ms": 1e3 * step_s,
+        "decode_bound_ms": 1e3 * 4 * weights / (measured["read_gb_per_s"] * 1e9),
+        "decode_vs_bound": decode_vs_bound(step_s, weights, measured["read_gb_per_s"] * 1e9),
+        "train_vs_bound": train_vs_bound(pass_s, weights, tokens, measured["matmul_gflop_per_s"] * 1e9),
+    }
