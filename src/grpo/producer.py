@@ -35,7 +35,6 @@ class Produced:
     """One round of this process's rows: generated (tool rounds included) and scored, not gathered."""
 
     scored: Scored  # this process's rows, prompts, rollout, rewards and log_extra columns
-    generated: Generated  # the rollout with the prompts and columns reward functions saw
     version: int | None  # the weight version that sampled it (None: never synced, the engine's own weights)
     generation_s: float
     scoring_s: float
@@ -118,4 +117,4 @@ class Producer:
         )
         scored = Scored(rows, generated.prompts, generated.rollout, rewards, columns)
         end = time.perf_counter()
-        return Produced(scored, generated, self.version, scoring - start, end - scoring, logged)
+        return Produced(scored, self.version, scoring - start, end - scoring, logged)
