@@ -43,7 +43,7 @@ def test_a_produced_round_is_this_processs_rows_scored_with_its_version_and_logs
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=logging_reward, train_dataset=chat_dataset(), args=args)
     trainer.producer.sync(trainer.unwrapped_model, 7)
     produced = trainer.producer.produce(0)
-    assert produced.scored.rows == trainer._local_rows(0) and produced.version == 7
+    assert produced.scored.rows == trainer.producer.rows(0) and produced.version == 7
     assert len(produced.scored.rollout.completion_ids) == len(produced.scored.rows) == produced.scored.rewards.shape[0]
     assert produced.logged == [("my_metric", 3.0)]
     assert produced.generation_s > 0 and produced.scoring_s > 0

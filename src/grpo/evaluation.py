@@ -238,7 +238,21 @@ def evaluate(trainer: Any, eval_dataset: Any, metric_key_prefix: str) -> dict[st
         runs = build(eval_dataset, trainer.args, trainer.prompts, trainer.accelerator.num_processes)
     if not runs:
         raise ValueError("evaluate() needs an eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or here.")
-    trainer.producer.sync(trainer.unwrapped_model, trainer.policy_version)  # the policy's current weights
+    with trainer.rounds.paused(trainer.state.global_step):  # async_generation: the producer between rounds
+        metrics = _run_all(trainer, runs, metric_key_prefix)
+    state = trainer.state
+    row = {**metrics, "epoch": round(state.epoch or 0.0, 4), "step": state.global_step}
+    state.log_history.append(row)
+    if trainer.metrics is not None:
+        trainer.metrics.write_row(row)
+    trainer._fire("log", logs=row)
+    trainer._fire("evaluate", metrics=metrics)
+    return metrics
+
+
+def _run_all(trainer: Any, runs: dict[str, Any], metric_key_prefix: str) -> dict[str, float]:
+    """Every eval dataset's metrics, from the policy's current weights."""
+    trainer.producer.sync(trainer.unwrapped_model, trainer.policy_version)
     engine = trainer.engine
     if trainer.args.eval_greedy:
         model, tokenizer, stop_ids, acc = (
@@ -254,11 +268,4 @@ def evaluate(trainer: Any, eval_dataset: Any, metric_key_prefix: str) -> dict[st
     for name, run in runs.items():
         prefix = metric_key_prefix + (f"_{name}" if name else "")
         metrics.update({prefix + key[len("eval") :]: value for key, value in run.run(trainer, engine).items()})
-    state = trainer.state
-    row = {**metrics, "epoch": round(state.epoch or 0.0, 4), "step": state.global_step}
-    state.log_history.append(row)
-    if trainer.metrics is not None:
-        trainer.metrics.write_row(row)
-    trainer._fire("log", logs=row)
-    trainer._fire("evaluate", metrics=metrics)
     return metrics

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # grpo.distributed.accelerator imports this module, and grpo.
     from grpo.groups import GenerationBatch
 
 SHOWN = ("reward", "loss", "completions/mean_length", "kl")
+WINDOW_MAX = ("sample/staleness_max",)  # logged as the window's maximum (every other metric: its mean)
 TOTAL = "total:"  # the key prefix of a running total in the logger's state_dict
 
 
@@ -115,6 +116,8 @@ class MetricsLogger:
         for name, values in self.values.items():
             valid = [v for v in values if not math.isnan(v)]
             mean = sum(valid) / len(valid) if valid else None
+            if name in WINDOW_MAX and valid:  # a maximum over the window, not a mean
+                mean = max(valid)
             row[name] = mean if mean is None or math.isfinite(mean) else None  # metrics.jsonl stays valid JSON
         row.update(self.totals)
         self.values.clear()

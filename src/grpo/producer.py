@@ -39,6 +39,7 @@ class Produced:
     generation_s: float
     scoring_s: float
     logged: list[tuple[str, float]] = field(default_factory=list)  # reward functions' log_metric calls, in order
+    producer_wait_s: float = 0.0  # an asynchronous producer's wait for the learner's weights before this round
 
 
 class Producer:
@@ -53,8 +54,10 @@ class Producer:
         process_index: int,
         num_processes: int,
         trainer_state: Any,
+        engine: Any = None,
     ) -> None:
         self.rollouts = rollouts
+        self.own_engine = engine  # None: the rollouts' engine (the trainer's); an asynchronous producer's own
         self.rewards = rewards
         self.dataset = dataset
         self.args = args
@@ -64,7 +67,7 @@ class Producer:
 
     @property
     def engine(self) -> Any:
-        return self.rollouts.engine
+        return self.own_engine or self.rollouts.engine
 
     def sync(self, model: torch.nn.Module, version: int) -> None:
         """Make the engine sample `model`'s current weights, known as `version` (nothing to do when it holds that
@@ -85,7 +88,7 @@ class Producer:
         weights; an evaluation passes its own prompt source and engine."""
         if examples is None:
             examples = [self.dataset[i] for i in rows]
-        return self.rollouts(rows, examples, source=source, engine=engine)
+        return self.rollouts(rows, examples, source=source, engine=engine or self.own_engine)
 
     def score(
         self,

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 _requested = threading.Event()
+_thread = threading.local()  # a worker thread's own stop event and heartbeat (`watch`)
 
 
 class Preempted(Exception):
     """SIGTERM arrived while a step was running; raised at the next point that checks (`check`)."""
+
+
+class Cancelled(Exception):
+    """The thread's stop event (`watch`) was set: raised at the next point that checks, so a worker ends mid-wait."""
 
 
 def requested() -> bool:
@@ -25,9 +30,21 @@ def requested() -> bool:
 
 
 def check() -> None:
-    """Raise `Preempted` if SIGTERM arrived inside `preemption_guard`."""
+    """Raise `Preempted` if SIGTERM arrived inside `preemption_guard`; in a thread that `watch`es a stop event,
+    raise `Cancelled` once it is set, and otherwise beat its heartbeat (every check is progress)."""
     if _requested.is_set():
         raise Preempted("SIGTERM received")
+    stop = getattr(_thread, "stop", None)
+    if stop is not None:
+        if stop.is_set():
+            raise Cancelled("stopped")
+        _thread.beat()
+
+
+def watch(stop: threading.Event, beat: Callable[[], None]) -> None:
+    """In the calling thread (a worker), make `check` raise `Cancelled` once `stop` is set and call `beat` at
+    every other check."""
+    _thread.stop, _thread.beat = stop, beat
 
 
 @contextmanager

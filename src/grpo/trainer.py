@@ -48,6 +48,7 @@ import torch
 from transformers import PreTrainedModel, TrainerState
 
 from grpo import (
+    asynchronous,
     checkpoint,
     data,
     evaluation,
@@ -173,14 +174,14 @@ class GRPOTrainer(TrlSurface):
         self.rollouts = Rollouts(
             engine, self.prompts, args, self.stop_ids, everywhere, tools, self.environments, rollout_func, self
         )
-        acc = self.accelerator
-        self.producer = Producer(
-            self.rollouts, self.rewards, train_dataset, args, acc.process_index, acc.num_processes, self.state
-        )
+        ranks = self.accelerator.process_index, self.accelerator.num_processes
+        self.producer = Producer(self.rollouts, self.rewards, train_dataset, args, *ranks, self.state)
         self.loop = LoopState()
         self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
+        self.rounds = asynchronous.rounds_of(self)  # generate -> score: in turn with training, or async_generation
         mixed_reference = ref_sync.MixedReference.of(args, self.ref_model, self.accelerator)
-        self.state_components = components.of_run(self, mixed_reference)  # what checkpoints save and load
+        extra = [*mixed_reference, *([self.rounds] if args.async_generation else [])]  # in-flight rounds
+        self.state_components = components.of_run(self, extra)  # what checkpoints save and load
         self.loss_params = LossParams.of(args)
         self.loss_terms = LossTerms(args, router_aux_coef(self.unwrapped_model, args))  # entropy bonus, router loss
         self.correction = SamplingCorrection.of(args, engine)  # sampling/* metrics, vLLM's IS weight, OPSM
@@ -248,7 +249,8 @@ class GRPOTrainer(TrlSurface):
             total_loss, first = 0.0, self.state.global_step
             self._fire("train_begin")
             self.hub.start_completions_upload(self.accelerator.is_main_process)
-            with self.metrics, self.run_report.running(self.state, path), preemption_guard() as preempted:
+            report, rounds = self.run_report.running(self.state, path), self.rounds.running(self.loop.data_position)
+            with self.metrics, report, preemption_guard() as preempted, rounds:
                 step_start = None  # preempted in eval_on_start: as between steps (evaluating changes nothing)
                 try:
                     if a.eval_on_start and self.evaluations:
@@ -276,6 +278,7 @@ class GRPOTrainer(TrlSurface):
         start = time.perf_counter()
         self.step_applied = False
         losses = []
+        self.rounds.step_begins(self.loop.data_position)
         if self.state.global_step % self.steps_per_epoch == 0:
             self._fire("epoch_begin")
         self._fire("step_begin")
@@ -290,7 +293,7 @@ class GRPOTrainer(TrlSurface):
             batch = self.buffer.take(self.loop.micro_step)
             self.loop.micro_step += 1
             last = micro == self.args.gradient_accumulation_steps - 1
-            with accumulating(self.accelerator, self.model, last):
+            with accumulating(self.accelerator, self.model, last), self.rounds.learning(self.loop.micro_step):
                 losses.append(self._loss_and_backward(batch))
             if not last:
                 self._fire("substep_end")
@@ -313,9 +316,8 @@ class GRPOTrainer(TrlSurface):
         rounds = a.dynamic_sampling_max_attempts if a.dynamic_sampling else 1
         generated = GenerationBatch(a.num_generations)
         while generated.rounds < rounds and generated.size < a.generation_batch_size:
-            with generated.timed("generation"):  # lazily: with steps_per_generation > 1 not after every step
-                self.producer.sync(self.unwrapped_model, self.policy_version)
-            produced = self.producer.produce(self.loop.data_position)  # this process's rows, generated and scored
+            # this process's rows, generated (from the weights of `policy_version`, or an older one: async) and scored
+            produced = self.rounds.take(self.loop.data_position, self.unwrapped_model, self.policy_version, self.state)
             generated.generation_s += produced.generation_s
             with generated.timed("scoring"):
                 scored = self._score(produced)
@@ -324,9 +326,6 @@ class GRPOTrainer(TrlSurface):
             keep = rows_with_spread(scored, self.rewards.weights, a) if a.dynamic_sampling else None
             generated.add_round(produced.scored.rollout, scored, keep)
         return generated.finish(a.generation_batch_size)
-
-    def _local_rows(self, position: int) -> list[int]:
-        return self.producer.rows(position)  # this process's share of data position `position`'s rows
 
     def _generate(self, rows: list[int]) -> Generated:
         """Completions for this process's rows (tool rounds included), from the current policy's weights."""
@@ -366,16 +365,15 @@ class GRPOTrainer(TrlSurface):
 
     def _needs_old_logps(self) -> bool:
         """Whether a generation batch is trained on after an update (shared spec §4.1)."""
-        a = self.args
-        return a.gradient_accumulation_steps % (a.steps_per_generation * a.num_iterations) != 0
+        return self.args.gradient_accumulation_steps % self.buffer.cycle != 0
 
     def _add_old_and_ref_logps(self, batch: TrainBatch, old: bool = True) -> TrainBatch:
         """Old-policy log-probs only when the batch is reused after an update (and `old`); reference log-probs only
         when beta > 0. Chunked by the micro-batch size, no gradient checkpointing needed."""
         chunk = self.args.per_device_train_batch_size
-        needs_old, old = old and self._needs_old_logps(), None
+        needs_old, old = old and self._needs_old_logps(), batch.old_logps  # async: the behaviour policy's
         ref = None
-        if needs_old:
+        if needs_old and old is None:
             old = self.training_pass.logps(self.model, batch, chunk)
         if self.ref_model is not None:
             ref = self.training_pass.logps(self.ref_model, batch, chunk)
@@ -418,6 +416,8 @@ class GRPOTrainer(TrlSurface):
             raise TrainingError(optimization.nonfinite_message(self.state.global_step + 1, "loss", loss.item(), False))
         backward(acc, loss)
         stats = dict(metrics.stats, **sampling, **extra, entropy=masked_mean_stat(entropies.detach(), batch.mask))
+        if self.args.async_generation:  # the weight against the behaviour policy that sampled (old_logps)
+            stats.update(asynchronous.importance_stats(logps.detach(), batch.old_logps, batch.mask))
         self.metrics.add_many(collectives.reduce_stats(stats, acc))
         self.metrics.add("timing/training_tokens_per_s", batch.mask.sum().item() / max(time.perf_counter() - t0, 1e-9))
         return loss.item()

@@ -298,6 +298,9 @@ def _validate(c: GRPOConfig) -> None:
     _require(c.dynamic_sampling_max_attempts >= 1, "dynamic_sampling_max_attempts", "must be >= 1")
     _require(c.dynamic_sampling_std_threshold >= 0, "dynamic_sampling_std_threshold", "must be >= 0")
     _require(c.steps_per_generation >= 1, "steps_per_generation", "must be >= 1")
+    _require(c.max_staleness >= 0, "max_staleness", "must be >= 0 generation rounds")
+    _require(c.weight_sync_steps >= 1, "weight_sync_steps", "must be >= 1 optimizer steps")
+    _require(c.heartbeat_stale_after_s > 0, "heartbeat_stale_after_s", "must be > 0 seconds")
     _require(c.learning_rate >= 0, "learning_rate", "must be >= 0")
     for name in ("seed", "data_seed"):  # numpy's generator (seeded with every other) takes 32-bit seeds
         value = getattr(c, name)

@@ -179,6 +179,28 @@ class GrpoOnlyFields:
         "Most generation rounds per batch with dynamic_sampling; a batch still short then trains on the groups it has.",
         4,
     )
+    async_generation: bool = _help(
+        "Generate while training: a producer thread samples the next generation batches from a snapshot of the "
+        "policy max_staleness generations old while the learner trains (`grpo.asynchronous`); the same seed gives "
+        "the same run whatever the timing, and a resume is exact, in-flight rounds included.",
+        False,
+    )
+    max_staleness: int = _help(
+        "async_generation: generation round k is sampled with the policy the learner had when it asked for round "
+        "k - max_staleness (the first max_staleness rounds: the initial policy); 0 is on-policy (no overlap). "
+        "AsyncGRPOConfig's default is TRL's, 4.",
+        1,
+    )
+    weight_sync_steps: int = _help(
+        "async_generation: the producer's snapshot takes the learner's weights at the first round asked for after "
+        "every weight_sync_steps optimizer steps (1: every step), as TRL's AsyncGRPOConfig.",
+        1,
+    )
+    heartbeat_stale_after_s: float = _help(
+        "async_generation: seconds the learner waits on a producer that makes no progress (no token sampled, no "
+        "reward or tool call finished) before stopping the run with an error naming what it was doing.",
+        300.0,
+    )
     lean_linears: bool = _help(
         "bf16 training pass: linear layers keep their float32 weights for backward instead of "
         "bfloat16 copies (autocast's numbers; measured -0.22 GB peak, ~10 percent slower training "

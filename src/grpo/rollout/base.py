@@ -72,6 +72,9 @@ class Rollout:
     tool_failures: list[int] = field(default_factory=list)  # of which failed
     # where any row has images: each row's Prompt (the forward passes give the model their pixels); else None
     vision: list[Prompt | None] = field(default_factory=list)
+    # the log-probs of the policy that sampled each row, computed by the training pass (an asynchronous producer's
+    # behaviour policy: the learner's old_logps); None where not computed
+    behaviour_logps: list[list[float] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
@@ -86,6 +89,8 @@ class Rollout:
             self.messages = [None] * len(self.completion_ids)
         if not self.vision:
             self.vision = [None] * len(self.completion_ids)
+        if not self.behaviour_logps:
+            self.behaviour_logps = [None] * len(self.completion_ids)
 
     def __len__(self) -> int:
         return len(self.completion_ids)

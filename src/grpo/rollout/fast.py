@@ -24,8 +24,9 @@ plain engine; `grpo.rollout.build_engine` picks and logs which.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -69,12 +70,29 @@ def logits_processors(args: Any) -> LogitsProcessorList:
     return procs
 
 
+_thread = threading.local()  # a thread's own sampling generator (`own_generator`)
+
+
+@contextmanager
+def own_generator(generator: torch.Generator | None) -> Iterator[None]:
+    """While active, `sample_from` in this thread draws from `generator` instead of torch's global one (an
+    asynchronous producer's rounds then do not depend on what other threads draw)."""
+    previous = getattr(_thread, "generator", None)
+    _thread.generator = generator
+    try:
+        yield
+    finally:
+        _thread.generator = previous
+
+
 def sample_from(logprobs: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from exp(logprobs) by inverting the CDF: one uniform number per row, where
     torch.multinomial or a Gumbel race would draw one per vocabulary entry (most of a decode step's sampling
-    time at a 50k vocabulary). Float64 cumulative sums keep the bias far below sampling noise."""
+    time at a 50k vocabulary). Float64 cumulative sums keep the bias far below sampling noise. The uniform numbers
+    come from the thread's `own_generator` when one is set, else torch's global generator."""
     cdf = logprobs.double().exp().cumsum(dim=-1)
-    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    generator = getattr(_thread, "generator", None)
+    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device, generator=generator) * cdf[:, -1:]
     # the first index whose CDF exceeds u: never a zero-probability token
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
 

@@ -1,0 +1,448 @@
+"""Asynchronous generation (`async_generation=True`): a producer thread generates and scores the next rounds while
+the learner trains, on the producer/learner seam of `grpo.producer`.
+
+Deterministic bounded staleness. Rounds are numbered by data position q (a generation batch is one round, or
+several with dynamic sampling). When the learner asks for round q it publishes its policy as publication q; round
+q is sampled from publication max(q - s, 0), s = `max_staleness`. So round q always samples the same weights (the
+learner's when it asked for round q - s), whatever the timing, and the producer runs at most s rounds ahead.
+TRL's AsyncGRPOTrainer instead samples with whatever weights the server holds and drops samples more than
+max_staleness weight syncs old: its runs depend on timing. With `weight_sync_steps` = k a publication reuses the
+previous one's weights until k more optimizer steps have passed.
+
+Everything else that could depend on timing is fixed too:
+- the fast engine samples round q from its own generator seeded by (seed, q) (`grpo.rollout.fast.own_generator`);
+  engines that draw from torch's global generator (transformers' generate, vLLM in-process) generate under a lock
+  the learner's micro-steps also take, each section reseeding the global generator from its own position;
+- reward functions get the trainer state of the publication that sampled the round;
+- the producer samples a snapshot (a copy of the policy module, refreshed from each publication's weights), never
+  the weights the learner is changing; evaluation pauses it and samples the learner's current weights.
+
+Off-policy correction: the producer also scores each round with the training pass on the snapshot (the behaviour
+policy's log-probs, `Rollout.behaviour_logps`), which the learner uses as old_logps: the configured loss's ratio
+(clipping, IS weights, masks) is taken against the policy that sampled. The learner skips its own old-policy pass.
+
+Exact resume: a checkpoint holds the publications that the rounds after it sample from (at most s weight
+versions, `inflight_<rank>.safetensors` and `.json`); the resumed producer generates those rounds again from them,
+which gives the same rounds as before the interruption. No wait at save time, and SIGKILL at any moment loses
+nothing the last checkpoint had.
+
+No hang: an exception in the producer stops training with an error naming the round; a producer that makes no
+progress (no token sampled, no reward or tool finished) for `heartbeat_stale_after_s` seconds stops it with one
+that says so; SIGTERM reaches both threads (`grpo.sigterm`) and saves as the sequential loop does.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import TrainerState
+
+from grpo import sigterm
+from grpo.batch import collate
+from grpo.checkpoint import files
+from grpo.losses import Stat, masked_mean_stat
+from grpo.optimization import TrainingError
+from grpo.producer import Produced, Producer
+from grpo.rollout import build_engine
+from grpo.rollout.fast import own_generator
+
+logger = logging.getLogger("grpo")
+POLL_S = 0.05
+
+
+def round_seed(seed: int, kind: str, position: int) -> int:
+    """A 63-bit seed for (the run's seed, what draws, its position): independent streams per round and step."""
+    return zlib.crc32(f"{kind}:{position}".encode()) << 31 ^ seed
+
+
+@dataclass
+class Publication:
+    """The learner's policy when it asked for a round: which weights, its policy version and optimizer step, and
+    the trainer state reward functions see for the rounds that sample it."""
+
+    weights: int  # key of `AsyncRounds.weights`
+    version: int
+    step: int
+    state: TrainerState
+
+
+class Sequential:
+    """The sequential loop's rounds: sync the engine to the learner's weights, then produce (`grpo.producer`)."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+
+    def take(self, position: int, model: torch.nn.Module, version: int, state: Any) -> Produced:
+        start = time.perf_counter()
+        self.producer.sync(model, version)  # lazily: with steps_per_generation > 1 not after every step
+        synced = time.perf_counter() - start
+        produced = self.producer.produce(position)  # this process's rows, generated and scored
+        produced.generation_s += synced
+        return produced
+
+    def step_begins(self, position: int) -> None:
+        pass
+
+    def running(self, position: int) -> Any:
+        return nullcontext()
+
+    def paused(self, step: int) -> Any:
+        return nullcontext()
+
+    def learning(self, micro_step: int) -> Any:
+        return nullcontext()
+
+
+class AsyncRounds:
+    """The producer thread and the learner's side of it (see the module docstring); a checkpoint component."""
+
+    name = "in-flight rounds"
+
+    def __init__(self, producer: Producer, model: torch.nn.Module, snapshot: torch.nn.Module, trainer: Any) -> None:
+        a = trainer.args
+        self.producer, self.model, self.snapshot = producer, model, snapshot
+        self.shared_engine = producer.own_engine is None  # vLLM: the trainer's engine, also evaluation's
+        self.outer = trainer.producer  # evaluation's producer (its engine version is reset around pauses)
+        self.training_pass, self.tokenizer, self.loop = trainer.training_pass, trainer.tokenizer, trainer.loop
+        self.s, self.seed, self.sync_steps = a.max_staleness, a.seed, a.weight_sync_steps
+        self.stale_after, self.chunk = a.heartbeat_stale_after_s, a.per_device_train_batch_size
+        self.pad_multiple = a.pad_to_multiple_of
+        self.lock_rng = getattr(producer.engine, "name", "") != "fast"  # engines on torch's global generator
+        self.file = f"inflight_{trainer.accelerator.process_index}"
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]  # what training changes
+        self.cond = threading.Condition()
+        self.rng_lock, self.engine_lock = threading.Lock(), threading.RLock()
+        self.pubs: dict[int, Publication] = {}
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.rounds: dict[int, Produced] = {}
+        self.next_weights, self.loaded, self.floor = 0, None, 0
+        self.error: BaseException | None = None
+        self.doing, self.heartbeat = "starting", time.monotonic()
+        self.stop, self.thread = threading.Event(), None
+        self.cores = torch.get_num_threads()
+
+    # ---- the learner's side ----------------------------------------------------------------------------------
+
+    def take(self, position: int, model: torch.nn.Module, version: int, state: Any) -> Produced:
+        """Publish the learner's policy for round `position`, then wait for the round (see the module docstring)."""
+        self._publish(position, version, state)
+        start = time.perf_counter()
+        with self.cond:
+            while position not in self.rounds:
+                self._check(position)
+                self.cond.wait(POLL_S)
+            produced = self.rounds[position]
+            pub = self.pubs[self._source(position)]
+        waited = time.perf_counter() - start
+        staleness = float(state.global_step - pub.step)  # optimizer steps between the sampling and trained policy
+        produced.logged = [
+            *produced.logged,
+            ("sample/staleness_mean", staleness),
+            ("sample/staleness_max", staleness),
+            ("timing/learner_wait_s", waited),
+            ("timing/producer_wait_s", produced.producer_wait_s),
+        ]
+        return produced
+
+    def step_begins(self, position: int) -> None:
+        """A step starts at data position `position`: rounds before it, and publications no round from it samples,
+        are dropped (a step preempted midway saves from `position`)."""
+        with self.cond:
+            needed = self._source(position)
+            for p in [p for p in self.pubs if p < needed]:
+                del self.pubs[p]
+            for q in [q for q in self.rounds if q < position]:
+                del self.rounds[q]
+            used = {pub.weights for pub in self.pubs.values()}
+            for key in [k for k in self.weights if k not in used]:
+                del self.weights[key]
+
+    @contextmanager
+    def running(self, position: int) -> Iterator[None]:
+        """The producer thread, from round `position`, for the block; the cores split between it and the learner
+        (CPU); stopped at the next token on exit."""
+        self.floor = position
+        self.snapshot.load_state_dict(self.model.state_dict())  # what a resume loaded, frozen parts included
+        self.stop.clear()
+        learner = max(self.cores // 2, 1)
+        self.thread = threading.Thread(target=self._run, args=(position, max(self.cores - learner, 1)), daemon=True)
+        self.thread.name = "grpo-producer"
+        torch.set_num_threads(learner)
+        self.thread.start()
+        try:
+            yield
+        finally:
+            self.stop.set()
+            with self.cond:
+                self.cond.notify_all()
+            self.thread.join(timeout=10)  # it stops at its next token; one stuck elsewhere is a daemon
+            torch.set_num_threads(self.cores)
+
+    @contextmanager
+    def paused(self, step: int) -> Iterator[None]:
+        """Evaluation: the producer between rounds, the global generator seeded from the step."""
+        with self.engine_lock, self.rng_lock:
+            if self.shared_engine:
+                self.outer.version = None  # the engine holds the producer's snapshot now
+            torch.manual_seed(round_seed(self.seed, "eval", step))
+            try:
+                yield
+            finally:
+                if self.shared_engine:
+                    self.producer.version = None  # evaluation pushed the learner's weights
+
+    @contextmanager
+    def learning(self, micro_step: int) -> Iterator[None]:
+        """A micro-step's forward and backward: the global generator seeded from its position (dropout)."""
+        with self.rng_lock:
+            torch.manual_seed(round_seed(self.seed, "learn", micro_step))
+            yield
+
+    def _publish(self, position: int, version: int, state: Any) -> None:
+        with self.cond:
+            if position in self.pubs:
+                return
+            last = self.pubs[max(self.pubs)] if self.pubs else None
+        same = last is not None and (
+            last.version == version or last.step // self.sync_steps == state.global_step // self.sync_steps
+        )
+        if same:
+            key = last.weights
+        else:
+            params = dict(self.model.named_parameters())
+            weights = {name: params[name].detach().clone() for name in self.names}
+            with self.cond:
+                key, self.next_weights = self.next_weights, self.next_weights + 1
+                self.weights[key] = weights
+        frozen = copy.deepcopy(dataclasses.replace(state, log_history=[]))
+        frozen.log_history = [dict(row) for row in state.log_history]
+        with self.cond:
+            self.pubs[position] = Publication(key, version, state.global_step, frozen)
+            self.cond.notify_all()
+
+    def _check(self, position: int) -> None:
+        """While the learner waits for round `position`: the producer's error, death or stall is the run's."""
+        if self.error is not None:
+            raise TrainingError(
+                f"The rollout producer failed while {self.doing}: {type(self.error).__name__}: {self.error}"
+            ) from self.error
+        sigterm.check()
+        if not self.thread.is_alive():
+            raise TrainingError(f"The rollout producer stopped before producing round {position} ({self.doing}).")
+        idle = time.monotonic() - self.heartbeat
+        if idle > self.stale_after:
+            self.stop.set()
+            raise TrainingError(
+                f"The rollout producer made no progress for {idle:.0f} s while {self.doing} (heartbeat_stale_after_s="
+                f"{self.stale_after:g}): a generation, reward function or tool that hangs. Fix it, or raise "
+                "heartbeat_stale_after_s if it is only slow."
+            )
+
+    def _source(self, q: int) -> int:
+        """The publication round q samples (the first this process made, for rounds whose one came before it and
+        was not restored)."""
+        p = max(q - self.s, 0)
+        return p if p >= self.floor or p in self.pubs else self.floor
+
+    # ---- the producer thread ---------------------------------------------------------------------------------
+
+    def _run(self, first: int, threads: int) -> None:
+        torch.set_num_threads(threads)
+        sigterm.watch(self.stop, self._beat)
+        q = first
+        try:
+            while True:
+                pub = self._wait_publication(q)
+                self.doing = f"generating round {q} (data position {q})"
+                produced = self._produce(q, pub)
+                with self.cond:
+                    self.rounds[q] = produced
+                    self.cond.notify_all()
+                q += 1
+        except (sigterm.Cancelled, sigterm.Preempted):
+            pass
+        except BaseException as error:  # noqa: BLE001 (the learner raises it, naming the round)
+            with self.cond:
+                self.error = error
+                self.cond.notify_all()
+
+    def _beat(self) -> None:
+        self.heartbeat = time.monotonic()
+
+    def _wait_publication(self, q: int) -> Publication:
+        start = time.perf_counter()
+        self.doing = f"waiting for the learner's weights for round {q}"
+        with self.cond:
+            while self._source(q) not in self.pubs:
+                if self.stop.is_set():
+                    raise sigterm.Cancelled("stopped")
+                self.cond.wait(POLL_S)
+            pub = self.pubs[self._source(q)]
+        self.waited = time.perf_counter() - start
+        return pub
+
+    def _produce(self, q: int, pub: Publication) -> Produced:
+        self._beat()
+        with self.engine_lock:
+            self._load(pub.weights)
+            device = next(self.snapshot.parameters()).device
+            generator = torch.Generator(device=device).manual_seed(round_seed(self.seed, "round", q))
+            with own_generator(generator), self.rng_lock if self.lock_rng else nullcontext():
+                if self.lock_rng:
+                    torch.manual_seed(round_seed(self.seed, "round", q))
+                self.producer.trainer_state = pub.state
+                produced = self.producer.produce(q)
+                self._behaviour(produced.scored.rollout)
+        produced.version = pub.version
+        produced.producer_wait_s = self.waited
+        return produced
+
+    def _load(self, key: int) -> None:
+        """The snapshot holds weights `key` (and the engine samples them)."""
+        if self.loaded != key:
+            with self.cond:
+                weights = self.weights[key]
+            params = dict(self.snapshot.named_parameters())
+            with torch.no_grad():
+                for name, value in weights.items():
+                    params[name].copy_(value)
+            self.loaded = key
+        self.producer.sync(self.snapshot, key)  # vLLM: pushed; grpo's own engines sample the snapshot itself
+
+    def _behaviour(self, rollout: Any) -> None:
+        """The sampling policy's log-probs of each row, by the training pass (the learner's old_logps)."""
+        if not len(rollout):
+            return
+        pad = self.tokenizer.pad_token_id
+        batch = collate(rollout, torch.zeros(len(rollout)), pad, False, pad_to_multiple_of=self.pad_multiple)
+        device = next(self.snapshot.parameters()).device
+        logps = self.training_pass.logps(self.snapshot, batch.to(device), self.chunk).float().cpu()
+        rollout.behaviour_logps = [logps[i, : len(ids)].tolist() for i, ids in enumerate(rollout.completion_ids)]
+
+    # ---- checkpoints (a StateComponent) ----------------------------------------------------------------------
+
+    def save(self, directory: str) -> None:
+        """The publications the rounds after the checkpoint sample from (regenerated from them on resume)."""
+        position = self.loop.data_position
+        with self.cond:
+            wanted = {self._source(q) for q in range(position, position + self.s)}
+            pubs = {p: self.pubs[p] for p in sorted(wanted) if p in self.pubs}
+            weights = {k: self.weights[k] for k in {pub.weights for pub in pubs.values()}}
+        tensors = {f"{k}/{name}": t.contiguous().cpu() for k, w in weights.items() for name, t in w.items()}
+        meta = {
+            "max_staleness": self.s,
+            "data_position": position,
+            "publications": {
+                str(p): dict(weights=pub.weights, version=pub.version, step=pub.step, state=_state_json(pub.state))
+                for p, pub in pubs.items()
+            },
+        }
+        save_file(tensors, os.path.join(directory, self.file + ".safetensors"))
+        with open(os.path.join(directory, self.file + ".json"), "w") as f:
+            json.dump(meta, f)
+
+    def read(self, checkpoint: str, state: dict[str, Any]) -> Any:
+        meta_path = os.path.join(checkpoint, self.file + ".json")
+        if not os.path.exists(meta_path):  # a sequential run's checkpoint: the next rounds sample the resumed policy
+            logger.warning("%s has no in-flight rounds (a sequential run's): async resumes on-policy.", checkpoint)
+            return None
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+            tensors = load_file(os.path.join(checkpoint, self.file + ".safetensors"))
+            staleness = meta["max_staleness"]
+            if staleness != self.s:
+                raise files.invalid(
+                    meta_path,
+                    f"was written with max_staleness={staleness}, this run has {self.s}: the rounds after the "
+                    "checkpoint would sample other weights. Resume with the same max_staleness",
+                )
+            params = dict(self.model.named_parameters())
+            weights: dict[int, dict[str, torch.Tensor]] = {}
+            for key, tensor in tensors.items():
+                wid, _, name = key.partition("/")
+                if name not in self.names or tensor.shape != params[name].shape or not wid.isdigit():
+                    raise ValueError(f"it holds {key!r} {tuple(tensor.shape)}, not a trained parameter of the model")
+                weights.setdefault(int(wid), {})[name] = tensor.to(params[name].device, params[name].dtype)
+            pubs = {}
+            for p, pub in meta["publications"].items():
+                if set(weights.get(pub["weights"], ())) != set(self.names):
+                    raise ValueError(f"publication {p} names weights the file does not hold in full")
+                state = TrainerState(**pub["state"])
+                pubs[int(p)] = Publication(pub["weights"], int(pub["version"]), int(pub["step"]), state)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            if isinstance(error, files.CheckpointError):
+                raise
+            raise files.invalid(meta_path, f"cannot be read as in-flight rounds ({error})") from error
+        return pubs, weights
+
+    def restore(self, value: Any) -> None:
+        if value is None:
+            return
+        pubs, weights = value
+        with self.cond:
+            renumber = {}
+            for key, tensors in weights.items():
+                renumber[key], self.next_weights = self.next_weights, self.next_weights + 1
+                self.weights[renumber[key]] = tensors
+            for p, pub in pubs.items():
+                self.pubs[p] = dataclasses.replace(pub, weights=renumber[pub.weights])
+
+
+def importance_stats(logps: torch.Tensor, old: torch.Tensor | None, mask: torch.Tensor) -> dict[str, Stat]:
+    """The importance weight exp(logp - old) against the behaviour policy over trained tokens: mean and max."""
+    if old is None:
+        return {}
+    weights = torch.exp(logps.float() - old.float())
+    top = weights[mask.bool()].max() if mask.any() else weights.new_tensor(float("nan"))
+    return {
+        "sample/importance_weight_mean": masked_mean_stat(weights, mask),
+        "sample/importance_weight_max": Stat("max", top),
+    }
+
+
+def _state_json(state: TrainerState) -> dict[str, Any]:
+    fields = {f.name for f in dataclasses.fields(TrainerState)}
+    return {k: v for k, v in dataclasses.asdict(state).items() if k in fields}
+
+
+def refuse(trainer: Any) -> None:
+    """What async generation does not do yet, as one error naming the setting."""
+    a, acc = trainer.args, trainer.accelerator
+    reasons = []
+    if acc.num_processes > 1:
+        reasons.append(f"{acc.num_processes} processes (async generation runs on one process for now)")
+    if a.torch_compile:
+        reasons.append("torch_compile=True (the compiled forward is the learner's)")
+    if reasons:
+        raise ValueError(f"async_generation=True does not support {' and '.join(reasons)}: set async_generation=False.")
+
+
+def rounds_of(trainer: Any) -> Sequential | AsyncRounds:
+    """The trainer's source of rounds: the sequential one, or a producer thread with its own snapshot of the policy
+    (and its own engine, except vLLM's, which it shares with evaluation)."""
+    if not trainer.args.async_generation:
+        return Sequential(trainer.producer)
+    refuse(trainer)
+    model = trainer.unwrapped_model
+    snapshot = copy.deepcopy(model).eval().requires_grad_(False)
+    engine = None
+    if not trainer.args.use_vllm:
+        acc = trainer.accelerator
+        engine = build_engine(snapshot, trainer.tokenizer, trainer.args, trainer.stop_ids, acc, trainer.pixels)
+    p = trainer.producer
+    producer = Producer(p.rollouts, p.rewards, p.dataset, p.args, 0, 1, p.trainer_state, engine)
+    return AsyncRounds(producer, model, snapshot, trainer)
