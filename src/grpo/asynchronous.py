@@ -22,9 +22,9 @@ policy's log-probs, `Rollout.behaviour_logps`), which the learner uses as old_lo
 (clipping, IS weights, masks) is taken against the policy that sampled. The learner skips its own old-policy pass.
 
 Exact resume: a checkpoint holds the publications that the rounds after it sample from (at most s weight
-versions, `inflight_<rank>.safetensors` and `.json`); the resumed producer generates those rounds again from them,
-which gives the same rounds as before the interruption. No wait at save time, and SIGKILL at any moment loses
-nothing the last checkpoint had.
+versions: `inflight_<rank>.json`, and `.tensors` in safetensors' format); the resumed producer generates those
+rounds again from them, which gives the same rounds as before the interruption. No wait at save time, and
+SIGKILL at any moment loses nothing the last checkpoint had.
 
 No hang: an exception in the producer stops training with an error naming the round; a producer that makes no
 progress (no token sampled, no reward or tool finished) for `heartbeat_stale_after_s` seconds stops it with one
@@ -74,7 +74,7 @@ class Publication:
     the trainer state reward functions see for the rounds that sample it."""
 
     weights: int  # key of `AsyncRounds.weights`
-    version: int
+    version: int | None  # None: restored from a checkpoint (the saving process's numbering)
     step: int
     state: TrainerState
 
@@ -216,9 +216,8 @@ class AsyncRounds:
             if position in self.pubs:
                 return
             last = self.pubs[max(self.pubs)] if self.pubs else None
-        same = last is not None and (
-            last.version == version or last.step // self.sync_steps == state.global_step // self.sync_steps
-        )
+        k = self.sync_steps  # weight_sync_steps > 1: the weights of the first round asked for in each k steps
+        same = last is not None and (last.version == version or (k > 1 and last.step // k == state.global_step // k))
         if same:
             key = last.weights
         else:
@@ -346,11 +345,11 @@ class AsyncRounds:
             "max_staleness": self.s,
             "data_position": position,
             "publications": {
-                str(p): dict(weights=pub.weights, version=pub.version, step=pub.step, state=_state_json(pub.state))
+                str(p): dict(weights=pub.weights, step=pub.step, state=_state_json(pub.state))
                 for p, pub in pubs.items()
             },
         }
-        save_file(tensors, os.path.join(directory, self.file + ".safetensors"))
+        save_file(tensors, os.path.join(directory, self.file + ".tensors"))
         with open(os.path.join(directory, self.file + ".json"), "w") as f:
             json.dump(meta, f)
 
@@ -362,7 +361,7 @@ class AsyncRounds:
         try:
             with open(meta_path) as f:
                 meta = json.load(f)
-            tensors = load_file(os.path.join(checkpoint, self.file + ".safetensors"))
+            tensors = load_file(os.path.join(checkpoint, self.file + ".tensors"))
             staleness = meta["max_staleness"]
             if staleness != self.s:
                 raise files.invalid(
@@ -382,7 +381,7 @@ class AsyncRounds:
                 if set(weights.get(pub["weights"], ())) != set(self.names):
                     raise ValueError(f"publication {p} names weights the file does not hold in full")
                 state = TrainerState(**pub["state"])
-                pubs[int(p)] = Publication(pub["weights"], int(pub["version"]), int(pub["step"]), state)
+                pubs[int(p)] = Publication(pub["weights"], None, int(pub["step"]), state)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             if isinstance(error, files.CheckpointError):
                 raise
@@ -398,8 +397,8 @@ class AsyncRounds:
             for key, tensors in weights.items():
                 renumber[key], self.next_weights = self.next_weights, self.next_weights + 1
                 self.weights[renumber[key]] = tensors
-            for p, pub in pubs.items():
-                self.pubs[p] = dataclasses.replace(pub, weights=renumber[pub.weights])
+            for p, pub in pubs.items():  # versions are the saving process's numbers: never this one's
+                self.pubs[p] = dataclasses.replace(pub, weights=renumber[pub.weights], version=None)
 
 
 def importance_stats(logps: torch.Tensor, old: torch.Tensor | None, mask: torch.Tensor) -> dict[str, Stat]:

@@ -1,0 +1,222 @@
+"""Asynchronous generation (`grpo.asynchronous`): the producer thread samples round q from the learner's policy of
+round q - max_staleness, so a run does not depend on timing; the behaviour policy's log-probs are the old_logps;
+a resume is bit-identical whenever the run was killed (SIGKILL or SIGTERM, at random moments); a producer that
+fails or stalls stops training with one error; every trainer feature runs async."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from grpo import GRPOTrainer
+from grpo.checkpoint import CheckpointError
+from grpo.optimization import TrainingError
+from test_trainer import cfg, chat_dataset, length_reward, params
+
+JOB = os.path.join(os.path.dirname(__file__), "async_job.py")
+TIMING = ("timing/", "step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+SESSION = ("train_loss",)  # the summary row's loss averages the steps this process trained (the HF Trainer's)
+
+
+def run(tmp_path, name, reward=length_reward, dataset=None, prepare=None, **kw):
+    args = cfg(tmp_path / name, **{"max_steps": 4, "logging_steps": 1, "async_generation": True, **kw})
+    trainer = GRPOTrainer(model=MODEL[0], reward_funcs=reward, train_dataset=dataset or chat_dataset(), args=args)
+    if prepare is not None:
+        prepare(trainer)
+    trainer.train()
+    return trainer
+
+
+MODEL: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _model(tiny_model_dir):
+    MODEL[:] = [tiny_model_dir]
+
+
+def untimed(rows, resumed=False):
+    """The logged rows without what measures time (the one thing a run may not reproduce) and, for a resumed run,
+    the session's own summary."""
+    return [{k: v for k, v in row.items() if not k.startswith(TIMING + (SESSION if resumed else ()))} for row in rows]
+
+
+def assert_same_run(a, b, resumed=False):
+    pa, pb = params(a.model), params(b.model)
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    assert untimed(a.state.log_history, resumed) == untimed(b.state.log_history, resumed)
+
+
+def jittered(trainer):
+    """Random sleeps in the producer's generations and the learner's micro-steps: other timings, same run."""
+    jitter = random.Random(1)
+    engine = trainer.rounds.producer.engine
+    generate, loss = engine.generate, trainer._loss_and_backward
+    engine.generate = lambda requests: time.sleep(jitter.uniform(0, 0.05)) or generate(requests)
+    trainer._loss_and_backward = lambda batch: time.sleep(jitter.uniform(0, 0.05)) or loss(batch)
+
+
+def test_the_same_seed_gives_the_same_run_whatever_the_timing(tmp_path):
+    plain = run(tmp_path, "a", max_steps=5, max_staleness=2)
+    shaken = run(tmp_path, "b", max_steps=5, max_staleness=2, prepare=jittered)
+    assert_same_run(plain, shaken)
+    assert any(row["loss"] != 0 for row in plain.state.log_history if "loss" in row)
+
+
+def test_round_q_samples_the_policy_the_learner_had_at_round_q_minus_s(tmp_path):
+    seen = []
+
+    def reward(completions, trainer_state, **kwargs):
+        seen.append(trainer_state.global_step)  # the publication's state: its optimizer step
+        return length_reward(completions)
+
+    trainer = run(tmp_path, "a", reward=reward, max_steps=6, max_staleness=2)
+    assert seen[:6] == [0, 0, 0, 1, 2, 3]  # round q: the policy after step max(q - 2, 0)
+    rows = [row for row in trainer.state.log_history if "sample/staleness_mean" in row]
+    assert [row["sample/staleness_mean"] for row in rows] == [0, 1, 2, 2, 2, 2]
+    assert all(row["sample/staleness_max"] == row["sample/staleness_mean"] for row in rows)
+    assert all(row["timing/learner_wait_s"] >= 0 and row["timing/producer_wait_s"] >= 0 for row in rows)
+
+
+def test_the_behaviour_policy_is_the_old_policy_importance_weights_one_on_policy(tmp_path):
+    trainer = run(tmp_path, "a", max_staleness=0)
+    rows = [row for row in trainer.state.log_history if "sample/importance_weight_mean" in row]
+    assert rows and all(abs(row["sample/importance_weight_max"] - 1) < 1e-4 for row in rows)  # float32 rounding only
+    stale = run(tmp_path, "b", max_staleness=1)
+    weights = [row["sample/importance_weight_max"] for row in stale.state.log_history[1:-1]]
+    assert any(abs(w - 1) > 1e-3 for w in weights)  # one step behind: the weight sees the update
+
+
+def test_the_learner_trains_on_the_behaviour_log_probs_not_its_own(tmp_path):
+    trainer = GRPOTrainer(
+        model=MODEL[0],
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, async_generation=True, max_staleness=1),
+    )
+    taken = []
+    original = trainer._add_old_and_ref_logps
+    trainer._add_old_and_ref_logps = lambda batch, old=True: taken.append(original(batch, old)) or taken[-1]
+    passes = []
+    logps = trainer.training_pass.logps
+    trainer.training_pass.logps = lambda model, *a: passes.append(model) or logps(model, *a)
+    trainer.train()
+    batch = taken[0]
+    assert batch.old_logps is not None and batch.old_logps.shape == batch.completion_ids.shape
+    assert trainer.model not in passes  # the producer scored the snapshot; the learner ran no old-policy pass
+    assert trainer.rounds.snapshot in passes
+
+
+def test_a_resume_from_any_checkpoint_is_exact(tmp_path):
+    straight = run(tmp_path, "a", max_steps=6, max_staleness=2, save_strategy="steps", save_steps=1)
+    checkpoint = os.path.join(straight.args.output_dir, "checkpoint-3")
+    saved = json.load(open(os.path.join(checkpoint, "inflight_0.json")))
+    assert saved["max_staleness"] == 2 and sorted(saved["publications"]) == ["1", "2"]  # rounds 3, 4 sample them
+    args = cfg(tmp_path / "b", max_steps=6, logging_steps=1, async_generation=True, max_staleness=2)
+    resumed = GRPOTrainer(model=MODEL[0], reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert_same_run(straight, resumed, resumed=True)
+
+
+def test_a_checkpoint_resumes_with_its_staleness_or_not_at_all(tmp_path):
+    straight = run(tmp_path, "a", max_steps=3, max_staleness=2, save_strategy="steps", save_steps=1)
+    checkpoint = os.path.join(straight.args.output_dir, "checkpoint-2")
+    args = cfg(tmp_path / "b", max_steps=3, async_generation=True, max_staleness=1)
+    other = GRPOTrainer(model=MODEL[0], reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    with pytest.raises(CheckpointError, match="inflight_0.json.*max_staleness=2, this run has 1"):
+        other.train(resume_from_checkpoint=checkpoint)
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(checkpoint, "inflight_0.tensors")
+    tensors = load_file(path)
+    save_file({("0/not.a.parameter" if i == 0 else k): t for i, (k, t) in enumerate(tensors.items())}, path)
+    args = cfg(tmp_path / "c", max_steps=3, async_generation=True, max_staleness=2)
+    crafted = GRPOTrainer(model=MODEL[0], reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    with pytest.raises(CheckpointError, match="'0/not.a.parameter'.*not a trained parameter"):
+        crafted.train(resume_from_checkpoint=checkpoint)
+
+
+def test_a_reward_function_that_raises_in_the_producer_stops_training_naming_it(tmp_path):
+    def failing(completions, trainer_state, **kwargs):
+        if trainer_state.global_step >= 1:
+            raise RuntimeError("the grader is down")
+        return length_reward(completions)
+
+    with pytest.raises(TrainingError, match="rollout producer failed while generating round 2.*the grader is down"):
+        run(tmp_path, "a", reward=failing, max_staleness=1)
+
+
+def test_a_producer_that_makes_no_progress_stops_training_after_the_heartbeat(tmp_path):
+    def stall(trainer):
+        engine = trainer.rounds.producer.engine
+        generate = engine.generate
+        calls = []
+
+        def stuck(requests):
+            calls.append(1)
+            if len(calls) == 3:
+                time.sleep(4)  # no check, no token: a hang
+            return generate(requests)
+
+        engine.generate = stuck
+
+    with pytest.raises(TrainingError, match="no progress for .* while generating round 2.*heartbeat_stale_after_s=0.5"):
+        run(tmp_path, "a", prepare=stall, heartbeat_stale_after_s=0.5)
+
+
+# ---- killed at random moments, then resumed (separate processes) ----------------------------------------------
+
+
+def job(out, resume, kill=None, delay=0.0):
+    """async_job.py; with `kill`, that signal once checkpoint-1 exists and `delay` more seconds have passed.
+    Returns (status, stderr, seconds from checkpoint-1 to the end)."""
+    cmd = [sys.executable, JOB, str(out), MODEL[0], str(int(resume))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    first = os.path.join(out, "checkpoint-1")
+    while not os.path.exists(first) and proc.poll() is None:
+        time.sleep(0.005)
+    saved = time.monotonic()
+    if kill is not None:
+        time.sleep(delay)
+        proc.send_signal(kill)
+    _, stderr = proc.communicate(timeout=600)
+    return proc.returncode, stderr, time.monotonic() - saved
+
+
+def outcome(out):
+    rows = json.load(open(os.path.join(out, "log_history.json")))
+    return torch.load(os.path.join(out, "final_params.pt")), untimed(rows, resumed=True)
+
+
+@pytest.fixture(scope="module")
+def straight_job(tiny_model_dir, tmp_path_factory):
+    MODEL[:] = [tiny_model_dir]
+    out = tmp_path_factory.mktemp("straight")
+    status, stderr, seconds = job(out, False)
+    assert status == 0, stderr[-3000:]
+    return outcome(out), seconds
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_at_a_random_moment_then_resumed_is_bit_identical(tmp_path, straight_job, seed, kill):
+    (params_ref, rows_ref), seconds = straight_job
+    out = tmp_path / "run"
+    delay = random.Random(seed).uniform(0, 0.8 * seconds)  # a moment of steps 2-8 (generation, step, save, ...)
+    status, stderr, _ = job(out, False, kill, delay)
+    # SIGTERM while training saves and exits 143; one after training (the final files) ends the process as usual
+    assert status in ((-signal.SIGKILL,) if kill == signal.SIGKILL else (143, -signal.SIGTERM)), stderr[-3000:]
+    status, stderr, _ = job(out, True)
+    assert status == 0, stderr[-3000:]
+    resumed, rows = outcome(out)
+    assert all(torch.equal(resumed[n], params_ref[n]) for n in params_ref)
+    assert rows == rows_ref
