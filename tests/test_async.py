@@ -6,6 +6,7 @@ fails or stalls stops training with one error; every trainer feature runs async.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -22,8 +23,11 @@ from grpo.optimization import TrainingError
 from test_trainer import cfg, chat_dataset, length_reward, params
 
 JOB = os.path.join(os.path.dirname(__file__), "async_job.py")
-TIMING = ("timing/", "step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 SESSION = ("train_loss",)  # the summary row's loss averages the steps this process trained (the HF Trainer's)
+
+
+def timed(key):
+    return "timing/" in key or key.endswith(("runtime", "_per_second", "step_time"))
 
 
 def run(tmp_path, name, reward=length_reward, dataset=None, prepare=None, **kw):
@@ -46,7 +50,7 @@ def _model(tiny_model_dir):
 def untimed(rows, resumed=False):
     """The logged rows without what measures time (the one thing a run may not reproduce) and, for a resumed run,
     the session's own summary."""
-    return [{k: v for k, v in row.items() if not k.startswith(TIMING + (SESSION if resumed else ()))} for row in rows]
+    return [{k: v for k, v in row.items() if not timed(k) and not (resumed and k in SESSION)} for row in rows]
 
 
 def assert_same_run(a, b, resumed=False):
@@ -220,3 +224,107 @@ def test_killed_at_a_random_moment_then_resumed_is_bit_identical(tmp_path, strai
     resumed, rows = outcome(out)
     assert all(torch.equal(resumed[n], params_ref[n]) for n in params_ref)
     assert rows == rows_ref
+
+
+# ---- every trainer feature, async: the same run twice, the second with other timings ---------------------------
+
+
+def lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+FEATURES = {
+    "dapo": dict(loss_type="dapo", epsilon_high=0.28),
+    "cispo": dict(loss_type="cispo"),
+    "sequence-level (GSPO)": dict(importance_sampling_level="sequence"),
+    "beta": dict(beta=0.04),
+    "reused batches": dict(num_iterations=2, steps_per_generation=2, per_device_train_batch_size=4),
+    "accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=4),
+    "dynamic sampling": dict(dynamic_sampling=True),
+    "weight_sync_steps": dict(weight_sync_steps=2, max_staleness=1),
+    "bf16": dict(bf16=True),
+    "evaluation": dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8),
+    "LoRA": dict(peft_config=lora()),
+}
+TRAINER_ARGS = ("peft_config",)
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_every_feature_trains_async_and_reproducibly(tmp_path, feature):
+    kw = dict(FEATURES[feature])
+    extra = {k: kw.pop(k) for k in TRAINER_ARGS if k in kw}
+    if feature == "evaluation":
+        extra["eval_dataset"] = chat_dataset(4)
+
+    def make(name, prepare=None):
+        args = cfg(tmp_path / name, max_steps=4, logging_steps=1, async_generation=True, **kw)
+        trainer = GRPOTrainer(
+            model=MODEL[0], reward_funcs=length_reward, train_dataset=chat_dataset(), args=args, **extra
+        )
+        before = params(trainer.model)
+        if prepare is not None:
+            prepare(trainer)
+        trainer.train()
+        return trainer, before
+
+    first, before = make("a")
+    second, _ = make("b", jittered)
+    assert_same_run(first, second)
+    after = params(first.model)
+    assert any(not torch.equal(after[n], before[n]) for n in before)
+    rows = [row for row in first.state.log_history if "loss" in row]
+    assert len(rows) == 4 and all(math.isfinite(row["loss"]) for row in rows)
+    assert "sample/staleness_mean" in rows[0] and "sample/importance_weight_mean" in rows[-1]
+    if feature == "evaluation":
+        assert sum("eval_reward" in row for row in first.state.log_history) == 2
+
+
+def test_tools_and_environments_run_in_the_producer(tmp_path):
+    from scripted import TurnScript
+    from test_agent import Counter, dataset, multiply, tool_tokenizer
+    from tiny import make_model
+
+    def script(text, turn, j):
+        return '<tool_call>{"name": "add", "arguments": {"n": ' + str(j) + "}}</tool_call>" if turn == 0 else "done"
+
+    def make(name):
+        tok = tool_tokenizer()
+        trainer = GRPOTrainer(
+            model=make_model(tok, context=4096),
+            processing_class=tok,
+            reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+            train_dataset=dataset(),
+            args=cfg(tmp_path / name, max_steps=3, async_generation=True),
+            tools=[multiply],
+            environment_factory=Counter,
+        )
+        trainer.rounds.producer.own_engine = TurnScript(tok, script)  # the producer's engine, scripted
+        trainer.train()
+        return trainer
+
+    first, second = make("a"), make("b")
+    assert_same_run(first, second)
+    rows = [row for row in first.state.log_history if "tools/call_frequency" in row]
+    assert rows and rows[0]["tools/call_frequency"] == 1.0  # every completion called `add` once
+
+
+def test_image_prompts_train_async_on_the_plain_engine(tmp_path):
+    from test_vision import image_rows
+    from tiny_vlm import BUILDERS
+
+    def make(name, prepare=None):
+        model, processor = BUILDERS["qwen2.5-vl"](0)
+        args = cfg(tmp_path / name, per_device_train_batch_size=4, num_generations=4, max_steps=3, logging_steps=1)
+        args.async_generation = True
+        trainer = GRPOTrainer(
+            model=model, processing_class=processor, reward_funcs=length_reward, train_dataset=image_rows(), args=args
+        )
+        assert trainer.rounds.lock_rng  # transformers' generate draws from torch's global generator
+        if prepare is not None:
+            prepare(trainer)
+        trainer.train()
+        return trainer
+
+    assert_same_run(make("a"), make("b", jittered))
