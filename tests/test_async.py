@@ -328,3 +328,81 @@ def test_image_prompts_train_async_on_the_plain_engine(tmp_path):
         return trainer
 
     assert_same_run(make("a"), make("b", jittered))
+
+
+# ---- TRL's asynchronous API -------------------------------------------------------------------------------------
+
+TRL_ASYNC_DEFAULTS = dict(  # TRL 1.16's AsyncGRPOConfig, read from its wheel
+    max_staleness=4,
+    weight_sync_steps=1,
+    heartbeat_stale_after_s=300.0,
+    learning_rate=1e-6,
+    logging_steps=1,
+    lr_scheduler_type="constant",
+    ignore_data_skip=True,
+    dtype="float32",
+    max_inflight_tasks=-1,
+    queue_maxsize=1024,
+    token_budget=None,
+    fork_threshold_tokens=1024,
+    request_timeout=600,
+    weight_sync_timeout=1800,
+    vllm_server_base_url=None,
+)
+TRL_ASYNC_TRAINER_ARGS = [
+    "model",
+    "reward_funcs",
+    "args",
+    "train_dataset",
+    "processing_class",
+    "callbacks",
+    "optimizers",
+    "peft_config",
+    "tools",
+    "environment_factory",
+    "rollout_worker",
+    "weight_transfer",
+]
+
+
+def test_async_grpo_config_has_trls_fields_and_defaults(tmp_path):
+    from grpo import AsyncGRPOConfig
+
+    config = AsyncGRPOConfig(output_dir=str(tmp_path))
+    for name, default in TRL_ASYNC_DEFAULTS.items():
+        if name != "vllm_server_base_url":  # grpo's (GRPOConfig's) default: the host/port fields decide
+            assert getattr(config, name) == default, name
+    assert config.async_generation and config.model_init_kwargs == {"dtype": "float32"}
+    with pytest.raises(ValueError, match="max_inflight_tasks=8 .*; token_budget=4096 .*Leave these at TRL's defaults"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), max_inflight_tasks=8, token_budget=4096)
+    with pytest.raises(TypeError, match="AsyncGRPOConfig got an unknown argument 'max_stalenes'; did you mean"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), max_stalenes=2)
+    with pytest.raises(ValueError, match="max_staleness.*>= 0"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), max_staleness=-1)
+
+
+def test_async_grpo_trainer_takes_trls_arguments_and_trains(tmp_path):
+    import inspect
+
+    from grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    assert list(inspect.signature(AsyncGRPOTrainer.__init__).parameters)[1:] == TRL_ASYNC_TRAINER_ARGS
+    from field_effects import BASE
+
+    args = AsyncGRPOConfig(**{**BASE, "output_dir": str(tmp_path / "out"), "max_steps": 3, "max_staleness": 1})
+    trainer = AsyncGRPOTrainer(MODEL[0], length_reward, args=args, train_dataset=chat_dataset())
+    trainer.train()
+    staleness = [row["sample/staleness_mean"] for row in trainer.state.log_history if "sample/staleness_mean" in row]
+    assert staleness == [0, 1, 1]
+    with pytest.raises(ValueError, match="rollout_worker .*no counterpart"):
+        AsyncGRPOTrainer(MODEL[0], length_reward, args=args, train_dataset=chat_dataset(), rollout_worker=object())
+
+
+def test_what_async_does_not_do_yet_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="async_generation=True does not support torch_compile=True"):
+        GRPOTrainer(
+            model=MODEL[0],
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path, async_generation=True, torch_compile=True),
+        )

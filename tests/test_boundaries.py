@@ -133,7 +133,7 @@ LAYERS = [
     {"agent", "rewards"},  # the tool loop above the engines; reward functions and models
     {"report"},  # the run report (reads run files only)
     {"checkpoint"},  # saving and loading a run (above everything it saves)
-    {"asynchronous", "evaluation", "preemption", "ref_sync", "trainer"},  # the loop's orchestration
+    {"asynchronous", "async_trainer", "evaluation", "preemption", "ref_sync", "trainer"},  # the loop's orchestration
 ]
 
 

@@ -415,17 +415,18 @@ def _check_vllm(c: GRPOConfig) -> None:
     _require(gib is None or 0 < gib < math.inf, "vllm_kv_cache_gib", "must be a positive number of GiB (or None)")
 
 
-def _reject_unknown_kwargs(init):
+def _reject_unknown_kwargs(init, config=None):
     """Turn dataclass's bare 'unexpected keyword' TypeError into one that names the nearest valid field."""
-    names = [f.name for f in dataclasses.fields(GRPOConfig)]
+    config = config or GRPOConfig
+    names = [f.name for f in dataclasses.fields(config)]
 
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
         for key in kwargs:
             if key not in names:
                 near = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-                hint = f"; did you mean {near[0]!r}?" if near else "; see GRPOConfig's fields for valid names"
-                raise TypeError(f"GRPOConfig got an unknown argument {key!r}{hint}")
+                hint = f"; did you mean {near[0]!r}?" if near else f"; see {config.__name__}'s fields for valid names"
+                raise TypeError(f"{config.__name__} got an unknown argument {key!r}{hint}")
         init(self, *args, **kwargs)
 
     return checked_init
