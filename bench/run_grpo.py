@@ -56,12 +56,16 @@ def main() -> None:
     generation = sum(r["timing/generation_s"] for r in rows)  # measured as run_trl.py measures TRL's
     # the training pass (forward, loss, backward) of each step, from the tokens/s the trainer logs for it
     passes = [n / r["timing/training_tokens_per_s"] for n, r in zip(counter.completion_tokens, rows)]
+    # tokens of the rounds trained (an async producer may have generated a round ahead that no step took)
+    trained = len([r for r in rows if "timing/generation_s" in r])
     report(
         {
             "framework": "grpo",
             "precision": precision,
             "seconds": seconds,
-            "tokens": counter.tokens,
+            "tokens": sum(counter.completion_tokens[:trained]),
+            "learner_wait_s": sum(r.get("timing/learner_wait_s", 0.0) for r in rows),
+            "producer_wait_s": sum(r.get("timing/producer_wait_s", 0.0) for r in rows),
             "step_times": [r["step_time"] for r in rows],
             "generation_tokens_per_s": counter.tokens / generation,
             "training_tokens_per_s": counter.tokens / max(seconds - generation, 1e-9),
