@@ -360,10 +360,10 @@ def test_data_seed_seeds_the_prompt_order_only(tiny_model_dir, tmp_path):
     seeded = build(data_seed=5)
     assert torch.equal(torch.get_rng_state(), after_plain)  # `seed` still seeds the generators
     rows = [generation_prompt_indices(k, 8, 2, 5, True) for k in range(4)]
-    assert [sorted(set(seeded._local_rows(k))) for k in range(4)] == [sorted(r) for r in rows]
+    assert [sorted(set(seeded.producer.rows(k))) for k in range(4)] == [sorted(r) for r in rows]
     rows = [generation_prompt_indices(k, 8, 2, 0, True) for k in range(4)]  # data_seed None: seed 0
-    assert [sorted(set(plain._local_rows(k))) for k in range(4)] == [sorted(r) for r in rows]
-    assert [plain._local_rows(k) for k in range(4)] != [seeded._local_rows(k) for k in range(4)]
+    assert [sorted(set(plain.producer.rows(k))) for k in range(4)] == [sorted(r) for r in rows]
+    assert [plain.producer.rows(k) for k in range(4)] != [seeded.producer.rows(k) for k in range(4)]
 
 
 @pytest.fixture

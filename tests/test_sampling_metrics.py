@@ -18,7 +18,7 @@ def trainer(model_dir, tmp_path, **cfg):
 
 def mismatch(t, perturbation: float) -> dict[str, float]:
     """The sampling/* metrics of one generation batch whose policy moved by `perturbation` after sampling."""
-    rollout = t._generate(t._local_rows(0)).rollout
+    rollout = t._generate(t.producer.rows(0)).rollout
     batch = collate(rollout, torch.zeros(len(rollout)), t.processing_class.pad_token_id, mask_truncated=False)
     with torch.no_grad():
         for p in t.unwrapped_model.parameters():

@@ -122,7 +122,7 @@ def _data_seed(s: Setting):
     from grpo.data import generation_prompt_indices
 
     trainer = s.trainer()
-    order = [sorted(set(trainer._local_rows(k))) for k in range(4)]
+    order = [sorted(set(trainer.producer.rows(k))) for k in range(4)]
     assert order == [sorted(generation_prompt_indices(k, 8, 2, 7, True)) for k in range(4)]
     assert order != [sorted(generation_prompt_indices(k, 8, 2, 0, True)) for k in range(4)]  # seed's order
 
