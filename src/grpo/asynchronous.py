@@ -10,9 +10,10 @@ max_staleness weight syncs old: its runs depend on timing. With `weight_sync_ste
 previous one's weights until k more optimizer steps have passed.
 
 Everything else that could depend on timing is fixed too:
-- the fast engine samples round q from its own generator seeded by (seed, q) (`grpo.rollout.fast.own_generator`);
-  engines that draw from torch's global generator (transformers' generate, vLLM in-process) generate under a lock
-  the learner's micro-steps also take, each section reseeding the global generator from its own position;
+- the fast engine samples round q from its own generator seeded by (seed, q) (`grpo.rollout.fast.own_generator`),
+  a vLLM server from its own; engines that draw from torch's global generator (transformers' generate, vLLM in
+  this process) generate under a lock the learner's micro-steps also take, each section reseeding the global
+  generator from its own position (so their rounds do not overlap the learner's micro-steps);
 - reward functions get the trainer state of the publication that sampled the round;
 - the producer samples a snapshot (a copy of the policy module, refreshed from each publication's weights), never
   the weights the learner is changing; evaluation pauses it and samples the learner's current weights.
@@ -53,6 +54,7 @@ from transformers import TrainerState
 from grpo import sigterm
 from grpo.batch import collate
 from grpo.checkpoint import files
+from grpo.distributed import sharding, zero
 from grpo.losses import Stat, masked_mean_stat
 from grpo.optimization import TrainingError
 from grpo.producer import Produced, Producer
@@ -61,6 +63,7 @@ from grpo.rollout.fast import own_generator
 
 logger = logging.getLogger("grpo")
 POLL_S = 0.05
+OWN_RANDOMNESS = ("fast", "vllm-server")  # engines whose sampling never draws from torch's global generator
 
 
 def round_seed(seed: int, kind: str, position: int) -> int:
@@ -120,7 +123,8 @@ class AsyncRounds:
         self.s, self.seed, self.sync_steps = a.max_staleness, a.seed, a.weight_sync_steps
         self.stale_after, self.chunk = a.heartbeat_stale_after_s, a.per_device_train_batch_size
         self.pad_multiple = a.pad_to_multiple_of
-        self.lock_rng = getattr(producer.engine, "name", "") != "fast"  # engines on torch's global generator
+        # engines drawing from this process's global generator generate under the lock the learner's micro-steps take
+        self.lock_rng = getattr(producer.engine, "name", "") not in OWN_RANDOMNESS
         self.file = f"inflight_{trainer.accelerator.process_index}"
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]  # what training changes
         self.cond = threading.Condition()
@@ -426,6 +430,8 @@ def refuse(trainer: Any) -> None:
         reasons.append(f"{acc.num_processes} processes (async generation runs on one process for now)")
     if a.torch_compile:
         reasons.append("torch_compile=True (the compiled forward is the learner's)")
+    if sharding.is_sharded(trainer.model) or zero.in_use(acc):
+        reasons.append("a sharded model (FSDP or DeepSpeed ZeRO: the producer's snapshot is a whole copy)")
     if reasons:
         raise ValueError(f"async_generation=True does not support {' and '.join(reasons)}: set async_generation=False.")
 
