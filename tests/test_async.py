@@ -19,6 +19,7 @@ import torch
 
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError
+from grpo.config.grpo_fields import LOSS_TYPES
 from grpo.optimization import TrainingError
 from test_trainer import cfg, chat_dataset, length_reward, params
 
@@ -236,8 +237,10 @@ def lora():
 
 
 FEATURES = {
-    "dapo": dict(loss_type="dapo", epsilon_high=0.28),
-    "cispo": dict(loss_type="cispo"),
+    **{f"loss {name}": dict(loss_type=name) for name in LOSS_TYPES if name not in ("luspo", "vespo")},
+    "loss luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "loss vespo": dict(loss_type="vespo"),
+    "dapo with clip-higher": dict(loss_type="dapo", epsilon_high=0.28),
     "sequence-level (GSPO)": dict(importance_sampling_level="sequence"),
     "beta": dict(beta=0.04),
     "reused batches": dict(num_iterations=2, steps_per_generation=2, per_device_train_batch_size=4),
