@@ -148,3 +148,31 @@ def test_trainer_chooses_lean_blocks(tiny_model_dir, tmp_path, monkeypatch):
     assert not off.training_pass.lean_blocks
     off.train()
     assert len(entered) == on.state.global_step
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_padding_positions_skip_the_mlps_and_the_head(share, monkeypatch):
+    """Padding's hidden states are never read by a real token (causal attention, masked keys): the lean MLPs run
+    on the real positions only and the tiled head projects only real completion tokens; the values are those above
+    (float32: the forward bit for bit)."""
+    import grpo.forward as forward
+
+    batch, model = batch_and_model()
+    rows, projected = [], []
+    hook = model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, args, out: rows.append(args[0].shape))
+    head = forward.chunked_logps_and_entropy
+
+    def counting(hidden, *args, **kwargs):
+        projected.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
+        return head(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(forward, "chunked_logps_and_entropy", counting)
+    pass_with(model, batch, True, share=share)
+    hook.remove()
+    real = int(batch.completion_attention.sum())
+    assert projected == [real] and real < batch.completion_attention.numel()
+    if share:  # the prompt pass (each prompt's real tokens, once), then the completions' real tokens
+        prompts = sum(int(batch.prompt_mask[batch.group == g][0].sum()) for g in batch.group.unique())
+        assert [r[0] for r in rows] == [prompts, real]
+    else:
+        assert [r[0] for r in rows] == [int(batch.prompt_mask.sum()) + real]

@@ -198,9 +198,17 @@ def _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, 
         if suppressed:  # the head's bias with SUPPRESSED at those tokens: their logits without a (B, T, V) copy
             bias = head.weight.new_zeros(head.weight.shape[0]) if bias is None else bias.clone()
             bias[list(suppressed)] = SUPPRESSED
-        return chunked_logps_and_entropy(
-            outputs, head.weight, bias, part.completion_ids, temperature, with_entropy, entropy_grad, dtype=dtype
+        real = part.completion_attention.bool()  # padding's log-probs are never read: not projected (0 there)
+        if bool(real.all()):
+            real = None
+        hidden, ids = (outputs, part.completion_ids) if real is None else (outputs[real], part.completion_ids[real])
+        lp, ent = chunked_logps_and_entropy(
+            hidden, head.weight, bias, ids, temperature, with_entropy, entropy_grad, dtype=dtype
         )
+        if real is not None:
+            lp = lp.new_zeros(real.shape).masked_scatter(real, lp)
+            ent = ent if ent is None else ent.new_zeros(real.shape).masked_scatter(real, ent)
+        return lp, ent
     if suppressed:
         outputs = outputs.index_fill(-1, torch.tensor(suppressed, device=outputs.device), SUPPRESSED)
     return logps_and_entropy(outputs / temperature, part.completion_ids, with_entropy, entropy_grad)
@@ -282,15 +290,16 @@ def _forward(
         extra = {**(extra or {}), "position_ids": (attention.cumsum(-1) - 1).clamp(min=0)}
     c = batch.completion_ids.shape[1]
     kwargs = {"logits_to_keep": c + 1} if accepts_logits_to_keep(unwrap(model)) else {}
-    out = _outputs(
-        model,
-        chunked_head,
-        aux_losses,
-        input_ids=input_ids,
-        attention_mask=attention,
-        **extra,
-        **kwargs,
-    )
+    with blocks.real_tokens(attention):
+        out = _outputs(
+            model,
+            chunked_head,
+            aux_losses,
+            input_ids=input_ids,
+            attention_mask=attention,
+            **extra,
+            **kwargs,
+        )
     return out[:, -(c + 1) : -1, :]  # position t predicts completion token t
 
 
@@ -313,27 +322,29 @@ def _forward_shared(
     cache = DynamicCache()
     cache_arg = cache_argument(unwrap(model))
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    last = _outputs(
-        model,
-        chunked_head,
-        input_ids=batch.prompt_ids[first],
-        attention_mask=prompt_mask,
-        position_ids=prompt_positions,
-        use_cache=True,
-        logits_to_keep=1,
-        **{cache_arg: cache},
-    )
+    with blocks.real_tokens(prompt_mask):
+        last = _outputs(
+            model,
+            chunked_head,
+            input_ids=batch.prompt_ids[first],
+            attention_mask=prompt_mask,
+            position_ids=prompt_positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_arg: cache},
+        )
     cache.batch_select_indices(inverse)
     attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
     c = batch.completion_ids.shape[1]
     positions = batch.prompt_mask.sum(-1, keepdim=True) + torch.arange(c, device=attention.device)
-    rest = _outputs(
-        model,
-        chunked_head,
-        input_ids=batch.completion_ids,
-        attention_mask=attention,
-        position_ids=positions,
-        use_cache=True,
-        **{cache_arg: cache},
-    )
+    with blocks.real_tokens(batch.completion_attention):
+        rest = _outputs(
+            model,
+            chunked_head,
+            input_ids=batch.completion_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            **{cache_arg: cache},
+        )
     return torch.cat([last[inverse, -1:, :], rest[:, :-1, :]], dim=1)

@@ -23,6 +23,7 @@ Not used with gradient checkpointing (its recomputation runs outside the context
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -86,9 +87,33 @@ def _norm_forward(module: torch.nn.Module, feeds_linears: bool):
     return forward
 
 
+_pass = threading.local()  # the current pass's real (not padding) token positions (`real_tokens`)
+
+
+@contextlib.contextmanager
+def real_tokens(mask: torch.Tensor):
+    """Within the context, lean MLP blocks given (B, T) hidden states of `mask`'s shape run on the positions where
+    `mask` is 1 only, and give 0 at the others (padding: no real token attends to it, so its value is never read)."""
+    previous = getattr(_pass, "real", None)
+    flat = mask.reshape(-1).bool()
+    _pass.real = None if bool(flat.all()) else (tuple(mask.shape), flat.nonzero().squeeze(1))
+    try:
+        yield
+    finally:
+        _pass.real = previous
+
+
 def _mlp_forward(module: torch.nn.Module):
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def mlp(x: torch.Tensor) -> torch.Tensor:
         return module.down_proj(_SiluMul.apply(module.gate_proj(x), module.up_proj(x)))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        real = getattr(_pass, "real", None)
+        if real is None or tuple(x.shape[:2]) != real[0]:
+            return mlp(x)
+        flat = x.reshape(-1, x.shape[-1])
+        out = mlp(flat.index_select(0, real[1]))
+        return out.new_zeros(flat.shape[0], out.shape[-1]).index_copy(0, real[1], out).view(*x.shape[:2], -1)
 
     return forward
 
