@@ -166,7 +166,9 @@ def token_logps(
     Rows are sorted by completion length and cut into pieces of `chunk_size` rows (one piece when None); each
     piece is trimmed to its own longest completion, so short completions do not pay for a long one's padding.
     Padding never changes a real token's outputs (causal attention, masked keys), so this is exact. Entropies
-    carry a gradient only with `entropy_grad` (the entropy bonus). With `share_prefix`, rows of one prompt run
+    carry a gradient only with `entropy_grad` (the entropy bonus). Padding positions skip the lean MLP blocks
+    (`grpo.perf.blocks.real_tokens`, in the gradient pass) and the tiled head: their values are 0. With
+    `share_prefix`, rows of one prompt run
     the prompt once (see `_forward_shared`). With `chunked_head`, the output projection runs inside
     `chunked_logps_and_entropy`, a chunk of tokens at a time, and the (B, T, V) logits never exist. A piece keeps
     the batch's `pad_to_multiple_of` (its width is rounded up to it). With `aux_losses` (a list), the model is

@@ -17,6 +17,12 @@ autograd's order (both Functions are bit-identical to autograd on their own, tes
   own).
 Measured on the benchmark workload (bf16): allocated memory at the training pass's peak 3.43 -> 2.82 GB; peak
 process memory 4.21 -> 3.82 GB; training-pass time unchanged (interleaved runs).
+Padding (`real_tokens`, set by the training pass around each forward): the MLPs run on the real positions only
+and give 0 at padding, whose hidden states no real token reads (causal attention, masked keys). The MLPs are
+three quarters of a Llama block's multiply-adds; the demo's completions are about 40% padding. Float32 forward
+values are bit-identical (a row's matmul does not depend on the other rows here); weight gradients sum the same
+terms in another blocking (float32 rounding). Measured per trained token on the benchmark workload (2-core AMX
+machine, with the head skipping padding too, `grpo.forward`): float32 7.46 -> 5.01 ms, bfloat16 5.23 -> 4.28 ms.
 Not used with gradient checkpointing (its recomputation runs outside the context and must see the same blocks).
 """
 
