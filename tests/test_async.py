@@ -409,3 +409,36 @@ def test_what_async_does_not_do_yet_is_refused_by_name(tmp_path):
             train_dataset=chat_dataset(),
             args=cfg(tmp_path, async_generation=True, torch_compile=True),
         )
+
+
+@pytest.mark.parametrize("slow", ["callback", "evaluation"])
+def test_a_producer_waiting_for_the_learner_is_not_a_stall(tmp_path, slow):
+    """A slow learner (a callback, an evaluation) leaves the producer waiting: no heartbeat alarm (max_staleness 0:
+    the learner then waits for each round at once)."""
+    from transformers import TrainerCallback
+
+    class Slow(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(1.0)
+
+    def slow_in_evaluation(completions, trainer_state, **kwargs):
+        if len(completions) == 2:  # the evaluation's batch (training rounds have 8 rows)
+            time.sleep(1.0)
+        return length_reward(completions)
+
+    evaluating = slow == "evaluation"
+    args = cfg(tmp_path, max_steps=3, async_generation=True, max_staleness=0, heartbeat_stale_after_s=0.5)
+    if evaluating:
+        args.eval_strategy, args.eval_steps, args.num_generations_eval = "steps", 1, 1
+    trainer = GRPOTrainer(
+        model=MODEL[0],
+        reward_funcs=slow_in_evaluation,
+        train_dataset=chat_dataset(),
+        eval_dataset=chat_dataset(2) if evaluating else None,
+        args=args,
+        callbacks=[] if evaluating else [Slow()],
+    )
+    time.sleep(1.0)  # built, then trained a while later
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert sum("eval_reward" in row for row in trainer.state.log_history) == (3 if evaluating else 0)

@@ -181,6 +181,7 @@ class AsyncRounds:
         self.floor = position
         self.snapshot.load_state_dict(self.model.state_dict())  # what a resume loaded, frozen parts included
         self.stop.clear()
+        self._beat()
         learner = max(self.cores // 2, 1)
         self.thread = threading.Thread(target=self._run, args=(position, max(self.cores - learner, 1)), daemon=True)
         self.thread.name = "grpo-producer"
@@ -207,6 +208,7 @@ class AsyncRounds:
             finally:
                 if self.shared_engine:
                     self.producer.version = None  # evaluation pushed the learner's weights
+                self._beat()  # the producer waited for the evaluation: not a stall
 
     @contextmanager
     def learning(self, micro_step: int) -> Iterator[None]:
@@ -227,6 +229,8 @@ class AsyncRounds:
         else:
             params = dict(self.model.named_parameters())
             weights = {name: params[name].detach().clone() for name in self.names}
+            if weights and next(iter(weights.values())).is_cuda:  # the producer reads them on its own stream
+                torch.cuda.current_stream().synchronize()
             with self.cond:
                 key, self.next_weights = self.next_weights, self.next_weights + 1
                 self.weights[key] = weights
@@ -265,22 +269,28 @@ class AsyncRounds:
     def _run(self, first: int, threads: int) -> None:
         torch.set_num_threads(threads)
         sigterm.watch(self.stop, self._beat)
-        q = first
+        device = next(self.snapshot.parameters()).device
+        # on a GPU the producer's kernels go to a stream of their own, so they can overlap the learner's
+        stream = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else nullcontext()
         try:
-            while True:
-                pub = self._wait_publication(q)
-                self.doing = f"generating round {q} (data position {q})"
-                produced = self._produce(q, pub)
-                with self.cond:
-                    self.rounds[q] = produced
-                    self.cond.notify_all()
-                q += 1
+            with stream:
+                self._rounds_from(first)
         except (sigterm.Cancelled, sigterm.Preempted):
             pass
         except BaseException as error:  # noqa: BLE001 (the learner raises it, naming the round)
             with self.cond:
                 self.error = error
                 self.cond.notify_all()
+
+    def _rounds_from(self, q: int) -> None:
+        while True:
+            pub = self._wait_publication(q)
+            self.doing = f"generating round {q} (data position {q})"
+            produced = self._produce(q, pub)
+            with self.cond:
+                self.rounds[q] = produced
+                self.cond.notify_all()
+            q += 1
 
     def _beat(self) -> None:
         self.heartbeat = time.monotonic()
@@ -293,6 +303,7 @@ class AsyncRounds:
                 if self.stop.is_set():
                     raise sigterm.Cancelled("stopped")
                 self.cond.wait(POLL_S)
+                self._beat()  # waiting for the learner is not a stall
             pub = self.pubs[self._source(q)]
         self.waited = time.perf_counter() - start
         return pub
@@ -309,6 +320,8 @@ class AsyncRounds:
                 self.producer.trainer_state = pub.state
                 produced = self.producer.produce(q)
                 self._behaviour(produced.scored.rollout)
+                if device.type == "cuda":  # the round's tensors complete before the learner's stream reads them
+                    torch.cuda.current_stream(device).synchronize()
         produced.version = pub.version
         produced.producer_wait_s = self.waited
         return produced
