@@ -151,15 +151,19 @@ def test_trainer_chooses_lean_blocks(tiny_model_dir, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("share", [False, True])
-def test_padding_positions_skip_the_mlps_and_the_head(share, monkeypatch):
-    """Padding's hidden states are never read by a real token (causal attention, masked keys): the lean MLPs run
-    on the real positions only and the tiled head projects only real completion tokens; the values are those above
-    (float32: the forward bit for bit)."""
+def test_padding_positions_skip_the_linears_and_the_head(share, monkeypatch):
+    """Padding's hidden states are never read by a real token (causal attention, masked keys): the lean MLPs and
+    the attention projections run on the real positions only, the tiled head projects only real completion tokens;
+    the values are those above (float32: the forward bit for bit)."""
     import grpo.forward as forward
 
     batch, model = batch_and_model()
     rows, projected = [], []
     hook = model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, args, out: rows.append(args[0].shape))
+    queries = []
+    attention = model.model.layers[0].self_attn.q_proj.register_forward_hook(
+        lambda m, args, out: queries.append(args[0].shape)
+    )
     head = forward.chunked_logps_and_entropy
 
     def counting(hidden, *args, **kwargs):
@@ -169,6 +173,8 @@ def test_padding_positions_skip_the_mlps_and_the_head(share, monkeypatch):
     monkeypatch.setattr(forward, "chunked_logps_and_entropy", counting)
     pass_with(model, batch, True, share=share)
     hook.remove()
+    attention.remove()
+    assert queries == rows  # the attention projections too
     real = int(batch.completion_attention.sum())
     assert projected == [real] and real < batch.completion_attention.numel()
     if share:  # the prompt pass (each prompt's real tokens, once), then the completions' real tokens

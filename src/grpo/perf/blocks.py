@@ -17,9 +17,10 @@ autograd's order (both Functions are bit-identical to autograd on their own, tes
   own).
 Measured on the benchmark workload (bf16): allocated memory at the training pass's peak 3.43 -> 2.82 GB; peak
 process memory 4.21 -> 3.82 GB; training-pass time unchanged (interleaved runs).
-Padding (`real_tokens`, set by the training pass around each forward): the MLPs run on the real positions only
-and give 0 at padding, whose hidden states no real token reads (causal attention, masked keys). The MLPs are
-three quarters of a Llama block's multiply-adds; the demo's completions are about 40% padding. Float32 forward
+Padding (`real_tokens`, set by the training pass around each forward): the MLPs and the attention's q/k/v/o
+projections (through hooks, which compose with lean_linears and LoRA layers) run on the real positions only and
+give 0 at padding, whose hidden states no real token reads (causal attention, masked keys); the demo's
+completions are about 40% padding. Float32 forward
 values are bit-identical (a row's matmul does not depend on the other rows here); weight gradients sum the same
 terms in another blocking (float32 rounding). Measured per trained token on the benchmark workload (2-core AMX
 machine, with the head skipping padding too, `grpo.forward`): float32 7.46 -> 5.01 ms, bfloat16 5.23 -> 4.28 ms.
@@ -40,6 +41,8 @@ from grpo.perf.kernels import rms_norm
 
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
+ATTENTIONS = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # per-token linears: padding's rows are skipped
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -124,6 +127,26 @@ def _mlp_forward(module: torch.nn.Module):
     return forward
 
 
+def _pack_input(module: torch.nn.Module, args: tuple) -> tuple | None:
+    """Forward pre-hook: a projection's (B, T, H) input as the (N, H) real positions (`real_tokens`)."""
+    real = getattr(_pass, "real", None)
+    x = args[0]
+    if real is None or x.dim() != 3 or tuple(x.shape[:2]) != real[0]:
+        module._packed_shape = None
+        return None
+    module._packed_shape = tuple(x.shape[:2])
+    return (x.reshape(-1, x.shape[-1]).index_select(0, real[1]), *args[1:])
+
+
+def _unpack_output(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """Forward hook: the (N, out) projection back at its positions, 0 at padding."""
+    shape = module._packed_shape
+    if shape is None:
+        return None
+    full = out.new_zeros(shape[0] * shape[1], out.shape[-1]).index_copy(0, _pass.real[1], out)
+    return full.view(*shape, -1)
+
+
 def unsupported_reason(model: Any) -> str | None:
     """Why `lean_blocks` cannot be used for this model's training pass (None when it can)."""
     if recomputes_activations(model):
@@ -141,13 +164,22 @@ def lean_blocks(model: torch.nn.Module):
     """Within the context, the model's Llama-family RMSNorm and SiLU-gated MLP blocks compute as before but keep
     less for backward; under autocast the norms that feed projections output the autocast dtype's rounding once.
     Use around the forward only: backward needs nothing from the context."""
-    forwards = []
+    forwards, hooks = [], []
     for layer in model.modules():
+        if type(layer).__name__ in ATTENTIONS:  # its projections, on real positions only (hooks: they compose
+            for name in PROJECTIONS:  # with lean_linears' forwards and LoRA's layers)
+                sub = getattr(layer, name, None)
+                if sub is not None:
+                    hooks += [sub.register_forward_pre_hook(_pack_input), sub.register_forward_hook(_unpack_output)]
         for name, sub in layer.named_children():
             if type(sub).__name__ in NORMS and hasattr(sub, "variance_epsilon"):
                 # the block's norms feed projections; the model's final norm feeds the head (keeps float32)
                 forwards.append((sub, _norm_forward(sub, name in ("input_layernorm", "post_attention_layernorm"))))
             elif type(sub).__name__ in MLPS and type(sub.act_fn).__name__ in ("SiLU", "SiLUActivation"):
                 forwards.append((sub, _mlp_forward(sub)))
-    with swapped_forwards(forwards):
-        yield
+    try:
+        with swapped_forwards(forwards):
+            yield
+    finally:
+        for hook in hooks:
+            hook.remove()
