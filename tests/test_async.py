@@ -120,6 +120,27 @@ def test_the_learner_trains_on_the_behaviour_log_probs_not_its_own(tmp_path):
     assert trainer.rounds.snapshot in passes
 
 
+def test_the_samplers_log_probs_as_the_behaviour_policy_skip_the_producers_pass(tmp_path):
+    trainer = GRPOTrainer(
+        model=MODEL[0],
+        reward_funcs=length_reward,
+        train_dataset=chat_dataset(),
+        args=cfg(tmp_path, max_steps=3, async_generation=True, async_behaviour_logps="sampler"),
+    )
+    taken, passes = [], []
+    original, logps = trainer._add_old_and_ref_logps, trainer.training_pass.logps
+    trainer._add_old_and_ref_logps = lambda batch, old=True: taken.append(original(batch, old)) or taken[-1]
+    trainer.training_pass.logps = lambda model, *a: passes.append(model) or logps(model, *a)
+    trainer.train()
+    assert passes == []  # no training pass outside the gradient pass: neither the producer's nor the learner's
+    for batch in taken:  # the learner's old policy is the sampler's
+        assert torch.equal(batch.old_logps * batch.mask, batch.sampling_logps * batch.mask)
+    # the float32 fast engine's log-probs are the training pass's up to rounding: the weight stays near 1 on-policy
+    assert abs(trainer.state.log_history[0]["sample/importance_weight_max"] - 1) < 1e-4
+    with pytest.raises(ValueError, match="async_behaviour_logps.*'training' or 'sampler'"):
+        cfg(tmp_path, async_behaviour_logps="vllm")
+
+
 def test_a_resume_from_any_checkpoint_is_exact(tmp_path):
     straight = run(tmp_path, "a", max_steps=6, max_staleness=2, save_strategy="steps", save_steps=1)
     checkpoint = os.path.join(straight.args.output_dir, "checkpoint-3")
@@ -247,6 +268,7 @@ FEATURES = {
     "accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=4),
     "dynamic sampling": dict(dynamic_sampling=True),
     "weight_sync_steps": dict(weight_sync_steps=2, max_staleness=1),
+    "sampler log-probs": dict(async_behaviour_logps="sampler"),
     "bf16": dict(bf16=True),
     "evaluation": dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8),
     "LoRA": dict(peft_config=lora()),

@@ -38,6 +38,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -122,7 +123,7 @@ class AsyncRounds:
         self.training_pass, self.tokenizer, self.loop = trainer.training_pass, trainer.tokenizer, trainer.loop
         self.s, self.seed, self.sync_steps = a.max_staleness, a.seed, a.weight_sync_steps
         self.stale_after, self.chunk = a.heartbeat_stale_after_s, a.per_device_train_batch_size
-        self.pad_multiple = a.pad_to_multiple_of
+        self.pad_multiple, self.sampler_logps = a.pad_to_multiple_of, a.async_behaviour_logps == "sampler"
         # engines drawing from this process's global generator generate under the lock the learner's micro-steps take
         self.lock_rng = getattr(producer.engine, "name", "") not in OWN_RANDOMNESS
         self.file = f"inflight_{trainer.accelerator.process_index}"
@@ -319,7 +320,7 @@ class AsyncRounds:
                     torch.manual_seed(round_seed(self.seed, "round", q))
                 self.producer.trainer_state = pub.state
                 produced = self.producer.produce(q)
-                self._behaviour(produced.scored.rollout)
+                self._behaviour(produced.scored.rollout)  # async_behaviour_logps: the training pass, or the sampler
                 if device.type == "cuda":  # the round's tensors complete before the learner's stream reads them
                     torch.cuda.current_stream(device).synchronize()
         produced.version = pub.version
@@ -339,8 +340,12 @@ class AsyncRounds:
         self.producer.sync(self.snapshot, key)  # vLLM: pushed; grpo's own engines sample the snapshot itself
 
     def _behaviour(self, rollout: Any) -> None:
-        """The sampling policy's log-probs of each row, by the training pass (the learner's old_logps)."""
+        """The sampling policy's log-probs of each row (the learner's old_logps): by the training pass on the
+        snapshot, or the engine's own (0 where it scored no token: masked positions, never trained)."""
         if not len(rollout):
+            return
+        if self.sampler_logps:
+            rollout.behaviour_logps = [[0.0 if math.isnan(x) else x for x in row] for row in rollout.sampling_logps]
             return
         pad = self.tokenizer.pad_token_id
         batch = collate(rollout, torch.zeros(len(rollout)), pad, False, pad_to_multiple_of=self.pad_multiple)

@@ -300,6 +300,11 @@ def _validate(c: GRPOConfig) -> None:
     _require(c.steps_per_generation >= 1, "steps_per_generation", "must be >= 1")
     _require(c.max_staleness >= 0, "max_staleness", "must be >= 0 generation rounds")
     _require(c.weight_sync_steps >= 1, "weight_sync_steps", "must be >= 1 optimizer steps")
+    _require(
+        c.async_behaviour_logps in ("training", "sampler"),
+        "async_behaviour_logps",
+        f"is {c.async_behaviour_logps!r}; use 'training' or 'sampler'",
+    )
     _require(c.heartbeat_stale_after_s > 0, "heartbeat_stale_after_s", "must be > 0 seconds")
     _require(c.learning_rate >= 0, "learning_rate", "must be >= 0")
     for name in ("seed", "data_seed"):  # numpy's generator (seeded with every other) takes 32-bit seeds

@@ -191,6 +191,13 @@ class GrpoOnlyFields:
         "AsyncGRPOConfig's default is TRL's, 4.",
         1,
     )
+    async_behaviour_logps: str = _help(
+        "async_generation: the behaviour policy's log-probs (the learner's old_logps). 'training': the producer runs "
+        "the training pass over each round on its snapshot (exact, one more forward per round); 'sampler': the "
+        "engine's own sampling log-probs, as TRL's AsyncGRPOTrainer takes vLLM's (no extra forward; they differ from "
+        "the training pass by the engine's rounding, which the sampling/* metrics show).",
+        "training",
+    )
     weight_sync_steps: int = _help(
         "async_generation: the producer's snapshot takes the learner's weights at the first round asked for after "
         "every weight_sync_steps optimizer steps (1: every step), as TRL's AsyncGRPOConfig.",
