@@ -102,8 +102,9 @@ _pass = threading.local()  # the current pass's real (not padding) token positio
 
 @contextlib.contextmanager
 def real_tokens(mask: torch.Tensor):
-    """Within the context, lean MLP blocks given (B, T) hidden states of `mask`'s shape run on the positions where
-    `mask` is 1 only, and give 0 at the others (padding: no real token attends to it, so its value is never read)."""
+    """Within the context, the lean blocks' per-token modules (MLPs, attention projections) given (B, T) hidden states
+    of `mask`'s shape run on the positions where `mask` is 1 only, and give 0 at the others (padding: no real token
+    attends to it, so its value is never read)."""
     previous = getattr(_pass, "real", None)
     flat = mask.reshape(-1).bool()
     _pass.real = None if bool(flat.all()) else (tuple(mask.shape), flat.nonzero().squeeze(1))
@@ -114,22 +115,14 @@ def real_tokens(mask: torch.Tensor):
 
 
 def _mlp_forward(module: torch.nn.Module):
-    def mlp(x: torch.Tensor) -> torch.Tensor:
-        return module.down_proj(_SiluMul.apply(module.gate_proj(x), module.up_proj(x)))
-
     def forward(x: torch.Tensor) -> torch.Tensor:
-        real = getattr(_pass, "real", None)
-        if real is None or tuple(x.shape[:2]) != real[0]:
-            return mlp(x)
-        flat = x.reshape(-1, x.shape[-1])
-        out = mlp(flat.index_select(0, real[1]))
-        return out.new_zeros(flat.shape[0], out.shape[-1]).index_copy(0, real[1], out).view(*x.shape[:2], -1)
+        return module.down_proj(_SiluMul.apply(module.gate_proj(x), module.up_proj(x)))
 
     return forward
 
 
 def _pack_input(module: torch.nn.Module, args: tuple) -> tuple | None:
-    """Forward pre-hook: a projection's (B, T, H) input as the (N, H) real positions (`real_tokens`)."""
+    """Forward pre-hook: a per-token module's (B, T, H) input as the (N, H) real positions (`real_tokens`)."""
     real = getattr(_pass, "real", None)
     x = args[0]
     if real is None or x.dim() != 3 or tuple(x.shape[:2]) != real[0]:
@@ -140,7 +133,7 @@ def _pack_input(module: torch.nn.Module, args: tuple) -> tuple | None:
 
 
 def _unpack_output(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
-    """Forward hook: the (N, out) projection back at its positions, 0 at padding."""
+    """Forward hook: the (N, out) output back at its positions, 0 at padding."""
     shape = module._packed_shape
     if shape is None:
         return None
@@ -165,19 +158,22 @@ def lean_blocks(model: torch.nn.Module):
     """Within the context, the model's Llama-family RMSNorm and SiLU-gated MLP blocks compute as before but keep
     less for backward; under autocast the norms that feed projections output the autocast dtype's rounding once.
     Use around the forward only: backward needs nothing from the context."""
-    forwards, hooks = [], []
-    for layer in model.modules():
-        if type(layer).__name__ in ATTENTIONS:  # its projections, on real positions only (hooks: they compose
-            for name in PROJECTIONS:  # with lean_linears' forwards and LoRA's layers)
-                sub = getattr(layer, name, None)
-                if sub is not None:
-                    hooks += [sub.register_forward_pre_hook(_pack_input), sub.register_forward_hook(_unpack_output)]
+    forwards, per_token = [], []  # per_token: run on real positions only (hooks: they compose with the swapped
+    for layer in model.modules():  # forwards, lean_linears' and LoRA's layers)
+        if type(layer).__name__ in ATTENTIONS:
+            per_token += [getattr(layer, name) for name in PROJECTIONS if getattr(layer, name, None) is not None]
         for name, sub in layer.named_children():
             if type(sub).__name__ in NORMS and hasattr(sub, "variance_epsilon"):
                 # the block's norms feed projections; the model's final norm feeds the head (keeps float32)
                 forwards.append((sub, _norm_forward(sub, name in ("input_layernorm", "post_attention_layernorm"))))
             elif type(sub).__name__ in MLPS and type(sub.act_fn).__name__ in ("SiLU", "SiLUActivation"):
                 forwards.append((sub, _mlp_forward(sub)))
+                per_token.append(sub)
+    hooks = [
+        h
+        for m in per_token
+        for h in (m.register_forward_pre_hook(_pack_input), m.register_forward_hook(_unpack_output))
+    ]
     try:
         with swapped_forwards(forwards):
             yield
