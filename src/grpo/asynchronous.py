@@ -59,6 +59,7 @@ from grpo.distributed import sharding, zero
 from grpo.losses import Stat, masked_mean_stat
 from grpo.optimization import TrainingError
 from grpo.producer import Produced, Producer
+from grpo.rewards.calling import copy_state
 from grpo.rollout import build_engine
 from grpo.rollout.fast import own_generator
 
@@ -235,10 +236,8 @@ class AsyncRounds:
             with self.cond:
                 key, self.next_weights = self.next_weights, self.next_weights + 1
                 self.weights[key] = weights
-        frozen = copy.deepcopy(dataclasses.replace(state, log_history=[]))
-        frozen.log_history = [dict(row) for row in state.log_history]
         with self.cond:
-            self.pubs[position] = Publication(key, version, state.global_step, frozen)
+            self.pubs[position] = Publication(key, version, state.global_step, copy_state(state))
             self.cond.notify_all()
 
     def _check(self, position: int) -> None:

@@ -11,7 +11,6 @@ producer has no counterpart for (ASYNC_ONLY) keep TRL's defaults and refuse any 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,4 +75,3 @@ class AsyncGRPOConfig(GRPOConfig):
 
 
 AsyncGRPOConfig.__init__ = _reject_unknown_kwargs(AsyncGRPOConfig.__init__, AsyncGRPOConfig)
-ASYNC_FIELDS = [f.name for f in dataclasses.fields(AsyncGRPOConfig)]

@@ -273,6 +273,19 @@ def _own_names_only(log_metric: Callable[[str, float], None]) -> Callable[[str, 
 KEPT_COLUMNS = ("image", "images")
 
 
+def copy_state(trainer_state: Any) -> Any:
+    """A deep copy of a TrainerState whose log_history rows (numbers only) are copied as new dicts, not deep-copied
+    (the history grows with the run)."""
+    history = trainer_state.log_history
+    trainer_state.log_history = []
+    try:
+        state = copy.deepcopy(trainer_state)
+    finally:
+        trainer_state.log_history = history
+    state.log_history = [dict(row) for row in history]
+    return state
+
+
 class RewardFunctions:
     """The run's reward functions, their metric names and weights; calling it scores one rollout. `keep_columns`:
     the only dataset columns (besides the prompt) the functions receive; None: every column."""
@@ -353,16 +366,10 @@ class RewardFunctions:
             completions=rollout.completions,
             completion_ids=rollout.completion_ids,
         )
-        history = trainer_state.log_history
         log_metric = _own_names_only(log_metric)
 
         def fresh() -> dict[str, Any]:
-            trainer_state.log_history = []  # rows hold numbers only: copied as new dicts, not deep-copied
-            try:
-                state = copy.deepcopy(trainer_state)
-            finally:
-                trainer_state.log_history = history
-            state.log_history = [dict(row) for row in history]
+            state = copy_state(trainer_state)
             return dict(
                 copy.deepcopy(shared), **(live or {}), trainer_state=state, log_metric=log_metric, log_extra=log_extra
             )
