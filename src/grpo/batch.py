@@ -110,10 +110,12 @@ def collate(
         # truncated rows leave the loss, the token count and attention (shared spec §10.2)
         attention = attention * (~torch.tensor(rollout.truncated, dtype=torch.bool)).long().unsqueeze(1)
     mask = (attention * loss_mask).float()
-    behaviour = rollout.behaviour_logps
-    old = None
-    if behaviour and all(row is not None for row in behaviour):  # an asynchronous producer's behaviour policy
-        old = _to_multiple(right_pad(behaviour, 0.0, dtype=torch.float32), n, 0.0)
+
+    def logps(rows: list) -> torch.Tensor:
+        return _to_multiple(right_pad(rows, 0.0, dtype=torch.float32), n, 0.0)
+
+    behaviour = rollout.behaviour_logps  # an asynchronous producer's behaviour policy, where it computed one
+    old = logps(behaviour) if behaviour and all(row is not None for row in behaviour) else None
     return TrainBatch(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -121,7 +123,7 @@ def collate(
         completion_attention=attention,
         mask=mask,
         advantages=advantages.float(),
-        sampling_logps=_to_multiple(right_pad(rollout.sampling_logps, 0.0, dtype=torch.float32), n, 0.0),
+        sampling_logps=logps(rollout.sampling_logps),
         group=group if group is not None else torch.arange(len(rollout.prompt_ids)),
         old_logps=old,
         num_items_in_batch=float(mask.sum()),
