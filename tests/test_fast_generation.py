@@ -10,6 +10,7 @@ from grpo import GRPOConfig
 from grpo.batch import collate
 from grpo.data import end_of_turn_ids, tokenize_prompts
 from grpo.forward import token_logps
+from grpo.rollout import fast
 from grpo.rollout.fast import FastEngine, low_precision_linears, sample_from
 from grpo.rollout.plain import TransformersEngine
 from scripted import as_requests
@@ -111,6 +112,39 @@ def test_exponential_race_samples_the_distribution():
     draws = sample_from(p.log().expand(200_000, -1).clone())
     freq = torch.bincount(draws, minlength=5).float() / len(draws)
     torch.testing.assert_close(freq, p, atol=4e-3, rtol=0)
+
+
+def _full_cdf_inversion(logprobs, generator):
+    """The plain inversion: one float64 cumulative sum over the whole vocabulary, the same uniform numbers."""
+    cdf = logprobs.double().exp().cumsum(-1)
+    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, generator=generator) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+
+
+@pytest.mark.parametrize("vocab", [7, fast.SAMPLE_BLOCK, 3 * fast.SAMPLE_BLOCK + 5])
+def test_blockwise_inversion_draws_what_the_full_cumulative_sum_draws(vocab):
+    torch.manual_seed(0)
+    logprobs = (torch.randn(4000, vocab) * 2).log_softmax(-1)
+    with fast.own_generator(torch.Generator().manual_seed(5)):
+        blockwise = sample_from(logprobs)
+    full = _full_cdf_inversion(logprobs, torch.Generator().manual_seed(5))
+    # the same uniform number lands in the same token (another summation order moves a boundary by ~1e-16)
+    assert torch.equal(blockwise, full)
+
+
+def test_blockwise_inversion_never_draws_a_zero_probability_token():
+    vocab = 2 * fast.SAMPLE_BLOCK + 3
+    logprobs = torch.full((3000, vocab), float("-inf"))
+    logprobs[:, fast.SAMPLE_BLOCK - 1] = 0.0  # all the mass on a block's last entry
+    logprobs[1000:2000] = float("-inf")
+    logprobs[1000:2000, [3, vocab - 1]] = torch.tensor([0.9, 0.1]).log()  # and in the partial last block
+    logprobs[2000:] = float("-inf")
+    logprobs[2000:, fast.SAMPLE_BLOCK : fast.SAMPLE_BLOCK + 2] = torch.tensor([1e-30, 1.0]).log()
+    torch.manual_seed(0)
+    draws = sample_from(logprobs)
+    assert torch.isfinite(logprobs.gather(1, draws[:, None])).all()
+    assert (draws[:1000] == fast.SAMPLE_BLOCK - 1).all()
+    assert set(draws[1000:2000].tolist()) == {3, vocab - 1}
 
 
 def test_repetition_penalty_matches_plain_path_greedily():

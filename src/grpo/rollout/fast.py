@@ -85,16 +85,37 @@ def own_generator(generator: torch.Generator | None) -> Iterator[None]:
         _thread.generator = previous
 
 
+# `sample_from` inverts the CDF in two levels: block sums locate the block holding the draw, then only that block is
+# scanned. A full-vocabulary float64 exp and cumsum took ~7 ms of a 16-row decode step at a 49k vocabulary on a 2-core
+# AVX2 CPU (a tenth of the step); the two levels take well under one.
+SAMPLE_BLOCK = 512
+
+
 def sample_from(logprobs: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from exp(logprobs) by inverting the CDF: one uniform number per row, where
-    torch.multinomial or a Gumbel race would draw one per vocabulary entry (most of a decode step's sampling
-    time at a 50k vocabulary). Float64 cumulative sums keep the bias far below sampling noise. The uniform numbers
-    come from the thread's `own_generator` when one is set, else torch's global generator."""
-    cdf = logprobs.double().exp().cumsum(dim=-1)
+    torch.multinomial or a Gumbel race would draw one per vocabulary entry. The CDF is summed in float64 (its bias is
+    far below sampling noise), in two levels: per-block sums of SAMPLE_BLOCK entries find the block that holds the
+    draw, and the cumulative sum runs within that block only (the same inversion as one full cumulative sum, in
+    another summation order). Never a zero-probability token. The uniform numbers come from the thread's
+    `own_generator` when one is set, else torch's global generator."""
+    rows, vocab = logprobs.shape
+    p = logprobs.float().exp()
+    blocks = -(-vocab // SAMPLE_BLOCK)
+    if blocks * SAMPLE_BLOCK != vocab:  # zero probability past the vocabulary
+        p = torch.nn.functional.pad(p, (0, blocks * SAMPLE_BLOCK - vocab))
+    p = p.view(rows, blocks, SAMPLE_BLOCK)
+    block_cdf = p.sum(-1, dtype=torch.float64).cumsum(-1)  # (rows, blocks)
     generator = getattr(_thread, "generator", None)
-    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device, generator=generator) * cdf[:, -1:]
-    # the first index whose CDF exceeds u: never a zero-probability token
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    u = torch.rand(rows, 1, dtype=torch.float64, device=p.device, generator=generator) * block_cdf[:, -1:]
+    # the first block whose CDF exceeds u holds positive mass; u's remainder within it
+    block = torch.searchsorted(block_cdf, u, right=True).clamp(max=blocks - 1)
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), torch.zeros_like(u))
+    inner = p.gather(1, block[:, :, None].expand(-1, -1, SAMPLE_BLOCK)).squeeze(1).double().cumsum(-1)
+    index = torch.searchsorted(inner, u - before, right=True)
+    # rounding between the block sum and the in-block sum can leave the remainder at the block's total: the block's
+    # last positive entry then (the first index reaching the total), never a zero-probability one
+    index = torch.minimum(index, torch.searchsorted(inner, inner[:, -1:].contiguous(), right=False))
+    return (block * SAMPLE_BLOCK + index).squeeze(-1)
 
 
 class low_precision_linears:  # noqa: N801 (a context manager used like a function)
