@@ -13,6 +13,8 @@ from grpo.rollout.base import left_pad
 from grpo.rollout.lean_decoder import LeanDecoder, unsupported_reason
 from tiny import make_model, make_tokenizer
 
+PACKED_LINEAR = packed.packed_linear
+
 
 def reference_logprobs(model, rows, dtype):
     """Next-token log-probs after each row's tokens, one unpadded transformers forward per row."""
@@ -102,25 +104,18 @@ def test_unsupported_models_are_named():
     assert "model type 'gpt2'" in unsupported_reason(gpt2)
 
 
-@pytest.mark.skipif(not packed.available(torch.zeros(1)), reason="no MKL packed sgemm in this torch build")
-def test_packed_float32_decode_matches_transformers_and_keeps_then_leaves_its_batch():
-    """Float32 on a CPU with MKL: after PACK_AFTER steps the weights are packed for the decode batch
-    (grpo.rollout.packed). Finished rows keep their slots while more than a quarter of the batch is going, then the
-    batch shrinks to the plain path; next-token log-probs match the transformers forward throughout (float32:
-    rtol/atol 1e-5, as the plain path)."""
+def _decode_with_drops(prompts, owner, steps, max_new, drops, after_step):
+    """Decode random tokens through a float32 LeanDecoder, dropping rows `drops[step]` (original row ids) after
+    `step`; checks next-token log-probs against the transformers forward (rtol/atol 1e-5, as the plain path) at
+    every step and calls `after_step(step, decoder, live rows)` after each."""
     torch.manual_seed(0)
     model = make_model(make_tokenizer(), hidden=64, layers=2).eval()
-    prompts = [[5, 9, 11, 13, 7], [8, 3]]
-    owner = torch.tensor([0] * 4 + [1] * 4)
     ids, mask = left_pad(prompts, 0)
     dec = LeanDecoder(model, torch.float32)
-    steps = packed.PACK_AFTER + 6
-    logits = dec.prefill(ids, mask, owner, max_new=packed.PACK_AFTER + packed.STEPS_AFTER_PACKING + 1)
+    logits = dec.prefill(ids, mask, owner, max_new=max_new)
     seqs = [list(prompts[o]) for o in owner.tolist()]
-    active = list(range(8))
+    active = list(range(len(owner)))
     g = torch.Generator().manual_seed(0)
-    # after packing: 6 of 8 rows go on, then 4 (still packed), then 2 (a quarter): the batch shrinks
-    drops = {packed.PACK_AFTER + 1: [0, 5], packed.PACK_AFTER + 2: [2, 7], packed.PACK_AFTER + 4: [1, 4]}
     for step in range(steps):
         expected = reference_logprobs(model, [seqs[r] for r in active], torch.float32)
         torch.testing.assert_close(torch.log_softmax(logits, -1), expected, rtol=1e-5, atol=1e-5)
@@ -131,8 +126,80 @@ def test_packed_float32_decode_matches_transformers_and_keeps_then_leaves_its_ba
             keep = torch.tensor([i for i, r in enumerate(active) if r not in drops[step]])
             dec.select(keep)
             tokens, active = tokens[keep], [active[i] for i in keep.tolist()]
-        packed_now = packed.PACK_AFTER <= step < packed.PACK_AFTER + 4
-        assert (dec.live is not None) == (packed_now and step > packed.PACK_AFTER)  # packs in the step below
         logits = dec.step(tokens)
-        assert (dec.live is not None) == packed_now
-        assert dec.keys[0].shape[0] == (8 if packed_now else len(active))
+        after_step(step, dec, active)
+
+
+needs_mkl = pytest.mark.skipif(not packed.available(torch.zeros(1)), reason="no MKL packed sgemm in this torch build")
+
+
+@needs_mkl
+def test_packed_float32_decode_matches_transformers_and_repacks_as_its_batch_empties(monkeypatch):
+    """Float32 on a CPU with MKL: after PACK_AFTER steps the weights are packed for the decode batch
+    (grpo.rollout.packed). Finished rows keep their slots while more than half the slots are live; then the batch
+    is repacked at half as many slots (not below MIN_ROWS), and a last row alone takes the plain path. Next-token
+    log-probs match the transformers forward throughout."""
+    packs = []
+    monkeypatch.setattr(packed, "packed_linear", lambda w, b, rows: packs.append(rows) or PACKED_LINEAR(w, b, rows))
+    first = packed.PACK_AFTER
+    # 16 rows: 9 go on (still packed at 16), 8 (repacked at 8), 2 (still 8 slots: MIN_ROWS), 1 (plain)
+    drops = {first + 1: list(range(7)), first + 2: [7], first + 4: list(range(8, 14)), first + 6: [14]}
+    slots = {first: 16, first + 1: 16, first + 2: 8, first + 3: 8, first + 4: 8, first + 5: 8, first + 6: 0}
+
+    def after_step(step, dec, active):
+        expected = slots.get(step, 0 if step < first else slots[max(k for k in slots if k <= step)])
+        assert dec.slots == expected
+        assert dec.keys[0].shape[0] == (expected or len(active))
+        if expected:
+            assert len(dec.live) == len(active)
+
+    _decode_with_drops(
+        [[5, 9, 11, 13, 7], [8, 3]],
+        torch.tensor([0] * 8 + [1] * 8),
+        first + 9,
+        first + packed.STEPS_AFTER_REPACKING + 4,
+        drops,
+        after_step,
+    )
+    layers = 2
+    per_pack = layers * 4 + 1  # qkv, o, gate_up, down per layer, and the head
+    assert packs == [16] * per_pack + [8] * per_pack
+
+
+@needs_mkl
+def test_a_small_batch_packs_with_filler_slots_and_no_repack_without_budget():
+    """Three rows pack at MIN_ROWS slots (the filler slots' logits unread); with too little budget left for a
+    repack the batch keeps its slots until one row is left."""
+    first = packed.PACK_AFTER
+    seen = {}
+
+    def after_step(step, dec, active):
+        seen[step] = (dec.slots, len(active))
+
+    _decode_with_drops(
+        [[5, 9, 11, 13, 7], [8, 3]],
+        torch.tensor([0, 0, 1]),
+        first + 4,
+        first + packed.STEPS_AFTER_PACKING + 2,
+        {first + 1: [0], first + 2: [1]},
+        after_step,
+    )
+    assert seen[first - 1] == (0, 3)
+    assert seen[first] == (packed.MIN_ROWS, 3)
+    assert seen[first + 1] == (packed.MIN_ROWS, 2)
+    assert seen[first + 2] == (0, 1)
+
+
+@needs_mkl
+def test_sixteen_rows_with_little_budget_left_keep_their_slots():
+    first = packed.PACK_AFTER
+    seen = {}
+    _decode_with_drops(
+        [[5, 9, 11], [8, 3]],
+        torch.tensor([0] * 8 + [1] * 8),
+        first + 3,
+        first + packed.STEPS_AFTER_PACKING + 2,  # enough to pack, not to repack
+        {first + 1: list(range(12))},
+        lambda step, dec, active: seen.__setitem__(step, (dec.slots, len(active))),
+    )
+    assert seen[first + 1] == (16, 4)

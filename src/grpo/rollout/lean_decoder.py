@@ -9,9 +9,10 @@ step, mask construction). `LeanDecoder` runs the same arithmetic with fewer, lar
 - keys and values go into buffers allocated once per rollout, written in place; finished rows are dropped
   from them with one index_select;
 - in float32 on a CPU (no fast bfloat16), once a rollout has run `packed.PACK_AFTER` steps each weight is packed
-  for MKL's sgemm at the decode batch's row count (`grpo.rollout.packed`), and the batch then keeps its finished
-  rows' slots (fed their last token, their logits unread) while more than a quarter of its rows are going, so the
-  packed layout stays usable.
+  for MKL's sgemm at the decode batch's row count, at least `packed.MIN_ROWS` slots (`grpo.rollout.packed`). The
+  batch then keeps its finished rows' slots (fed their last token, their logits unread), since the layout serves
+  one row count; once half its slots are free it is repacked for the rows left (at least `packed.MIN_ROWS`), and
+  a last row alone leaves for the plain matrix-vector product.
 The numbers follow the transformers forward under autocast: float32 residual stream and RMSNorm, matmuls on
 bfloat16 inputs and weights with bfloat16 outputs, rotary embedding from the model's own rotary module, attention
 over bfloat16 keys and values. The tests compare next-token distributions against the transformers forward.
@@ -34,9 +35,6 @@ from grpo.rollout import packed
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 LINEARS = ("qkv", "o", "gate_up", "down")
-# a packed batch stays whole while more than 1/KEEP_PACKED of its rows are going: 16 packed rows cost about what 4
-# plain ones do (measured, float32 on AVX2), so computing the finished rows' slots is cheaper than leaving the layout
-KEEP_PACKED = 4
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -140,8 +138,10 @@ class LeanDecoder:
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns the next-token logits (rows, vocab) in float32."""
-        if self.steps == packed.PACK_AFTER and self.max_new - self.steps > packed.STEPS_AFTER_PACKING:
-            self._pack(len(tokens))  # the rollout runs on, with its budget far from spent
+        if self.steps == packed.PACK_AFTER and self._budget_left(packed.STEPS_AFTER_PACKING):
+            self._pack(
+                torch.arange(len(tokens), device=tokens.device)
+            )  # the rollout runs on, its budget far from spent
         self.steps += 1
         if self.live is not None:  # the packed batch: a finished row's slot repeats its last token, unread
             tokens = self.fed = self.fed.index_copy(0, self.live, tokens)
@@ -157,34 +157,54 @@ class LeanDecoder:
         """Keep these rows (in this order) of every buffer."""
         if self.live is not None:
             live = self.live[rows]
-            if len(live) * KEEP_PACKED > self.slots:  # most rows still going: the packed batch stays whole
-                self.live = live
+            if len(live) > 1:
+                fewer = max(len(live), packed.MIN_ROWS)  # the slots a repack would leave
+                if (
+                    len(live) * 2 <= self.slots
+                    and fewer < self.slots
+                    and self._budget_left(packed.STEPS_AFTER_REPACKING)
+                ):
+                    self._pack(live, fewer)  # half the slots or more are free, with steps to come
+                else:
+                    self.live = live  # the packed batch stays whole
                 return
-            rows = live  # few left: the batch shrinks to them, with the plain matmuls from here on
+            rows = live  # a last row: the plain matrix-vector product from here on
             self._unpack()
+        self._keep(rows)
+
+    def _keep(self, rows: torch.Tensor) -> None:
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
         self.valid = self.valid.index_select(0, rows)
         if self.positions is not None:
             self.positions = self.positions.index_select(0, rows)
 
-    def _pack(self, rows: int) -> None:
-        """Float32 on a CPU with MKL: every linear packed for a batch of `rows` rows (`grpo.rollout.packed`)."""
-        if not (packed.available(self.head_weights[0]) and self.dtype == torch.float32):
+    def _budget_left(self, steps: int) -> bool:
+        return self.max_new - self.steps > steps
+
+    def _pack(self, rows: torch.Tensor, slots: int | None = None) -> None:
+        """Float32 on a CPU with MKL: every linear packed for a batch of `slots` rows (`grpo.rollout.packed`;
+        default and at least: as many as `rows`, and `packed.MIN_ROWS`), holding these `rows` of the batch (the
+        other slots repeat the first row, their logits unread). A single row keeps the plain path."""
+        if not (packed.available(self.head_weights[0]) and self.dtype == torch.float32) or len(rows) < 2:
             return
+        slots = max(slots or len(rows), packed.MIN_ROWS)
+        fed = self.fed[rows] if self.fed is not None else torch.zeros(len(rows), dtype=torch.long, device=rows.device)
+        self._unpack()  # the old layout's buffers go before the new ones are made
+        self._keep(torch.cat([rows, rows[:1].expand(slots - len(rows))]))
         self.unpacked = ([{k: layer[k] for k in LINEARS} for layer in self.layers], self.head)
         for layer, weights in zip(self.layers, self.weights):
-            layer.update({k: packed.packed_linear(*weights[k], rows) for k in LINEARS})
-        self.head = packed.packed_linear(*self.head_weights, rows)
-        self.slots, self.live = rows, torch.arange(rows, device=self.valid.device)
-        self.fed = torch.zeros(rows, dtype=torch.long, device=self.valid.device)
+            layer.update({k: packed.packed_linear(*weights[k], slots) for k in LINEARS})
+        self.head = packed.packed_linear(*self.head_weights, slots)
+        self.slots, self.live = slots, torch.arange(len(rows), device=rows.device)
+        self.fed = torch.cat([fed, fed[:1].expand(slots - len(rows))])
 
     def _unpack(self) -> None:
         if self.unpacked is not None:
             plain, self.head = self.unpacked
             for layer, linears in zip(self.layers, plain):
                 layer.update(linears)
-        self.unpacked, self.live, self.slots = None, None, 0
+        self.unpacked, self.live, self.fed, self.slots = None, None, None, 0
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         b, t = ids.shape
