@@ -7,6 +7,10 @@
 - FLOP bound of a training pass: 6 x those weights x the tokens the pass must run (each group's prompt once,
   prefix sharing, plus every completion token) at the peak of a float32 matmul here (2048^3, best of 5).
 
+Also printed, not a ratio of the issue's: the FLOP bound of a decode step, 2 x weights x the rows a step decodes on
+average (completion tokens / decode steps) at the matmul peak. On a 2-core AVX2 CPU at the demo's 16 rows it is
+about the memory bound (~20 ms each), so a 16-row step is compute-limited there too; fewer rows are memory-limited.
+
 `decode_vs_bound` = measured decode step / memory bound, with the step measured end to end in the trainer (a
 rollout's generation time over its decode steps: prefill and sampling included), after the warm-up step.
 `train_vs_bound` = measured training pass (forward, loss, backward) / FLOP bound, over the same steps. 1.0 would
@@ -76,7 +80,10 @@ def ratios(run: dict, measured: dict) -> dict:
     step_s = sum(run["generation_s"][keep]) / sum(run["decode_steps"][keep])
     pass_s, tokens = sum(run["train_pass_s"][keep]), sum(run["train_tokens"][keep])
     weights = run["decode_weights"]
+    rows = sum(run["completion_tokens"][keep]) / sum(run["decode_steps"][keep])
     return {
+        "decode_rows_mean": rows,
+        "decode_flop_bound_ms": 1e3 * 2 * weights * rows / (measured["matmul_gflop_per_s"] * 1e9),
         "decode_step_ms": 1e3 * step_s,
         "decode_bound_ms": 1e3 * 4 * weights / (measured["read_gb_per_s"] * 1e9),
         "decode_vs_bound": decode_vs_bound(step_s, weights, measured["read_gb_per_s"] * 1e9),

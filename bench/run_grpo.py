@@ -75,6 +75,7 @@ def main() -> None:
             "report_builds": trainer.run_report.builds,
             "generation_s": [r["timing/generation_s"] for r in rows],
             "decode_steps": counter.decode_steps,
+            "completion_tokens": counter.completion_tokens,
             "train_pass_s": passes,
             "train_tokens": counter.train_tokens,
             "decode_weights": decode_weights(trainer.unwrapped_model),

@@ -26,6 +26,7 @@ def test_ratios_by_hand():
     run = {  # the warm-up step (the first) is left out
         "generation_s": [9.0, 2.0, 2.0],
         "decode_steps": [10, 20, 20],
+        "completion_tokens": [50, 200, 120],
         "train_pass_s": [5.0, 1.0, 1.7],
         "train_tokens": [100, 150, 150],
         "decode_weights": 100_000_000,
@@ -34,6 +35,8 @@ def test_ratios_by_hand():
     assert got["decode_step_ms"] == pytest.approx(100.0)  # 4 s over 40 steps
     assert got["decode_bound_ms"] == pytest.approx(10.0)  # 400 MB at 40 GB/s
     assert got["decode_vs_bound"] == pytest.approx(10.0)
+    assert got["decode_rows_mean"] == pytest.approx(8.0)  # 320 tokens over 40 steps
+    assert got["decode_flop_bound_ms"] == pytest.approx(16.0)  # 2 x 1e8 x 8 FLOPs at 100 GFLOP/s
     assert got["train_vs_bound"] == pytest.approx(2.7 / 1.8)
 
 
