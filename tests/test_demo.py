@@ -65,7 +65,7 @@ def test_greedy_completions_equal_model_generate(monkeypatch):
     assert done == [demo.EVAL_CHUNK]
     assert max(len(t) for t in fast) == 24  # (the character tokenizer: 24 tokens, 24 characters)
     if packed.available(model.lm_head.weight):
-        assert len(made) == 2 * 4 + 1  # 2 layers of 4 linears, and the output head
+        assert len(made) == 2 * 2 + 1  # 2 layers of 2 packed linears (the MLP), and the output head
 
 
 class FakeTerminal(io.StringIO):

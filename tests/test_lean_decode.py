@@ -162,7 +162,7 @@ def test_packed_float32_decode_matches_transformers_and_repacks_as_its_batch_emp
         after_step,
     )
     layers = 2
-    per_pack = layers * 4 + 1  # qkv, o, gate_up, down per layer, and the head
+    per_pack = layers * 2 + 1  # gate_up and down per layer (lean_decoder.PACKED), and the head
     assert packs == [16] * per_pack + [8] * per_pack
 
 
