@@ -8,8 +8,9 @@ step, mask construction). `LeanDecoder` runs the same arithmetic with fewer, lar
   oneDNN, pre-packed for its matmul kernel;
 - keys and values go into buffers allocated once per rollout, written in place; finished rows are dropped
   from them with one index_select;
-- in float32 on a CPU (no fast bfloat16), once a rollout has run `packed.PACK_AFTER` steps each weight is packed
-  for MKL's sgemm at the decode batch's row count, at least `packed.MIN_ROWS` slots (`grpo.rollout.packed`). The
+- in float32 on a CPU (no fast bfloat16), from the first step of a rollout whose budget runs on, the MLP weights
+  and the output head are packed for MKL's sgemm at the decode batch's row count, at least `packed.MIN_ROWS`
+  slots (`grpo.rollout.packed`; `PACKED` says why not the attention projections). The
   batch then keeps its finished rows' slots (fed their last token, their logits unread), since the layout serves
   one row count; once half its slots are free it is repacked for the rows left (at least `packed.MIN_ROWS`), and
   a last row alone leaves for the plain matrix-vector product.
