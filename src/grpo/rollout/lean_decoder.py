@@ -37,7 +37,7 @@ from grpo.rollout import packed
 SUPPORTED = ("llama", "mistral", "qwen2")
 LINEARS = ("qkv", "o", "gate_up", "down")
 # the linears packed for MKL (with the head): MKL's packed layout costs at least ~11.6 MB a matrix (qkv 5.2x its
-# weight, o 8.7x), and packing those two saved 1.7 ms of a 16-row step (AVX2) for 0.65 GB more memory during rollouts
+# weight, o 8.7x), and packing those two saved 1.7-3 ms of a 60 ms 16-row step (AVX2) for 0.65 GB more memory
 PACKED = ("gate_up", "down")
 
 
@@ -143,9 +143,8 @@ class LeanDecoder:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns the next-token logits (rows, vocab) in float32."""
         if self.steps == packed.PACK_AFTER and self._budget_left(packed.STEPS_AFTER_PACKING):
-            self._pack(
-                torch.arange(len(tokens), device=tokens.device)
-            )  # the rollout runs on, its budget far from spent
+            # the rollout runs on, its budget far from spent
+            self._pack(torch.arange(len(tokens), device=tokens.device))
         self.steps += 1
         if self.live is not None:  # the packed batch: a finished row's slot repeats its last token, unread
             tokens = self.fed = self.fed.index_copy(0, self.live, tokens)
@@ -187,9 +186,10 @@ class LeanDecoder:
         return self.max_new - self.steps > steps
 
     def _pack(self, rows: torch.Tensor, slots: int | None = None) -> None:
-        """Float32 on a CPU with MKL: every linear packed for a batch of `slots` rows (`grpo.rollout.packed`;
-        default and at least: as many as `rows`, and `packed.MIN_ROWS`), holding these `rows` of the batch (the
-        other slots repeat the first row, their logits unread). A single row keeps the plain path."""
+        """Float32 on a CPU with MKL: the `PACKED` linears and the head packed for a batch of `slots` rows
+        (`grpo.rollout.packed`; default and at least: as many as `rows`, and `packed.MIN_ROWS`), holding these
+        `rows` of the batch (the other slots repeat the first row, their logits unread). A single row keeps the
+        plain path."""
         if not (packed.available(self.head_weights[0]) and self.dtype == torch.float32) or len(rows) < 2:
             return
         slots = max(slots or len(rows), packed.MIN_ROWS)

@@ -21,7 +21,7 @@ the bundled model's linears per decode step (ms):
 so plain sgemm at 2-8 rows costs what packed does at 16, and only a single row (a matrix-vector product) is as fast
 plain. The packed layout is large: at least ~2.9M floats a matrix (the bundled model's MLP weights 3-4x their size,
 the head 2x, the attention projections 5-9x), so the lean decoder packs the MLPs and the head only (1.3 GB for the
-bundled model; the attention projections would add 0.65 GB for 1.7 ms a step). Packing them takes ~0.1 s once
+bundled model; the attention projections would add 0.65 GB for 1.7-3 ms a step). Packing them takes ~0.1 s once
 that memory is warm (the first time up to 0.9 s, its pages faulted in), so a repack pays after ~10-20 steps.
 """
 
