@@ -77,10 +77,10 @@ def machine(weights: int) -> dict:
 def ratios(run: dict, measured: dict) -> dict:
     """decode_vs_bound and train_vs_bound of a grpo run (run_grpo.py's result), from `machine`'s figures."""
     keep = slice(1, None)  # after the warm-up step
-    step_s = sum(run["generation_s"][keep]) / sum(run["decode_steps"][keep])
+    steps = sum(run["decode_steps"][keep])
+    step_s, rows = sum(run["generation_s"][keep]) / steps, sum(run["completion_tokens"][keep]) / steps
     pass_s, tokens = sum(run["train_pass_s"][keep]), sum(run["train_tokens"][keep])
     weights = run["decode_weights"]
-    rows = sum(run["completion_tokens"][keep]) / sum(run["decode_steps"][keep])
     return {
         "decode_rows_mean": rows,
         "decode_flop_bound_ms": 1e3 * 2 * weights * rows / (measured["matmul_gflop_per_s"] * 1e9),

@@ -35,7 +35,6 @@ from grpo.perf.kernels import Linear, fixed_linear, rms_norm
 from grpo.rollout import packed
 
 SUPPORTED = ("llama", "mistral", "qwen2")
-LINEARS = ("qkv", "o", "gate_up", "down")
 # the linears packed for MKL (with the head): MKL's packed layout costs at least ~11.6 MB a matrix (qkv 5.2x its
 # weight, o 8.7x), and packing those two saved 1.7-3 ms of a 60 ms 16-row step (AVX2) for 0.65 GB more memory
 PACKED = ("gate_up", "down")
