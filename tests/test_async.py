@@ -423,14 +423,39 @@ def test_async_grpo_trainer_takes_trls_arguments_and_trains(tmp_path):
         AsyncGRPOTrainer(MODEL[0], length_reward, args=args, train_dataset=chat_dataset(), rollout_worker=object())
 
 
+def test_torch_compile_trains_async_with_a_compiled_snapshot_and_reproducibly(tmp_path):
+    """The producer's behaviour pass runs the snapshot's own compiled stack (inductor), never swapping the
+    learner's forward from its thread; on-policy the importance weight is 1 up to rounding; timing changes nothing."""
+    first = run(tmp_path, "a", max_steps=3, max_staleness=0, torch_compile=True)
+    learner, producer = first.training_pass.compiled, first.rounds.training_pass.compiled
+    assert producer is not None and producer.module is not learner.module
+    assert any(m is producer.module for m in first.rounds.snapshot.modules())
+    assert "forward" not in vars(learner.module) and "forward" not in vars(producer.module)  # swapped back
+    rows = [row for row in first.state.log_history if "sample/importance_weight_max" in row]
+    assert len(rows) == 3 and all(abs(row["sample/importance_weight_max"] - 1) < 1e-4 for row in rows)
+    second = run(tmp_path, "b", max_steps=3, max_staleness=0, torch_compile=True, prepare=jittered)
+    assert_same_run(first, second)
+
+
 def test_what_async_does_not_do_yet_is_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="async_generation=True does not support torch_compile=True"):
-        GRPOTrainer(
-            model=MODEL[0],
-            reward_funcs=length_reward,
-            train_dataset=chat_dataset(),
-            args=cfg(tmp_path, async_generation=True, torch_compile=True),
+    from types import SimpleNamespace
+
+    from grpo.asynchronous import refuse
+
+    def trainer(processes, **kw):
+        args = cfg(tmp_path, async_generation=True, **kw)
+        return SimpleNamespace(
+            args=args, accelerator=SimpleNamespace(num_processes=processes, state=None), model=torch.nn.Linear(1, 1)
         )
+
+    refuse(trainer(2))  # an engine per process: several processes run async
+    refuse(trainer(1, use_vllm=True, vllm_mode="server"))
+    with pytest.raises(
+        ValueError, match="does not support a vLLM server with 2 processes .*set async_generation=False"
+    ):
+        refuse(trainer(2, use_vllm=True, vllm_mode="server"))
+    with pytest.raises(ValueError, match="does not support vllm_tensor_parallel_size=2 with 2 processes"):
+        refuse(trainer(2, use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2))
 
 
 @pytest.mark.parametrize("slow", ["callback", "evaluation"])

@@ -53,6 +53,7 @@ from safetensors.torch import load_file, save_file
 from transformers import TrainerState
 
 from grpo import sigterm
+from grpo.agent import Rollouts
 from grpo.batch import collate
 from grpo.checkpoint import files
 from grpo.distributed import sharding, zero
@@ -121,13 +122,15 @@ class AsyncRounds:
         self.producer, self.model, self.snapshot = producer, model, snapshot
         self.shared_engine = producer.own_engine is None  # vLLM: the trainer's engine, also evaluation's
         self.outer = trainer.producer  # evaluation's producer (its engine version is reset around pauses)
-        self.training_pass, self.tokenizer, self.loop = trainer.training_pass, trainer.tokenizer, trainer.loop
-        self.s, self.seed, self.sync_steps = a.max_staleness, a.seed, a.weight_sync_steps
+        self.training_pass = trainer.training_pass.for_copy(snapshot)  # torch_compile: the snapshot's own
+        self.tokenizer, self.loop = trainer.tokenizer, trainer.loop
+        rank = trainer.accelerator.process_index  # each process samples its own rows from its own streams (seed + rank)
+        self.s, self.seed, self.sync_steps = a.max_staleness, a.seed + rank, a.weight_sync_steps
         self.stale_after, self.chunk = a.heartbeat_stale_after_s, a.per_device_train_batch_size
         self.pad_multiple, self.sampler_logps = a.pad_to_multiple_of, a.async_behaviour_logps == "sampler"
         # engines drawing from this process's global generator generate under the lock the learner's micro-steps take
         self.lock_rng = getattr(producer.engine, "name", "") not in OWN_RANDOMNESS
-        self.file = f"inflight_{trainer.accelerator.process_index}"
+        self.file = f"inflight_{rank}"
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]  # what training changes
         self.cond = threading.Condition()
         self.rng_lock, self.engine_lock = threading.Lock(), threading.RLock()
@@ -443,14 +446,28 @@ def refuse(trainer: Any) -> None:
     """What async generation does not do yet, as one error naming the setting."""
     a, acc = trainer.args, trainer.accelerator
     reasons = []
-    if acc.num_processes > 1:
-        reasons.append(f"{acc.num_processes} processes (async generation runs on one process for now)")
-    if a.torch_compile:
-        reasons.append("torch_compile=True (the compiled forward is the learner's)")
+    if acc.num_processes > 1 and a.use_vllm and (a.vllm_mode == "server" or a.vllm_tensor_parallel_size > 1):
+        tp = a.vllm_tensor_parallel_size
+        what = "a vLLM server" if a.vllm_mode == "server" else f"vllm_tensor_parallel_size={tp}"
+        reasons.append(  # their weight pushes and generations are collectives, which a producer thread cannot join
+            f"{what} with {acc.num_processes} processes (collective generation; one process, or an engine per "
+            "process: the fast engine or vLLM colocate without tensor parallelism, run async on several)"
+        )
     if sharding.is_sharded(trainer.model) or zero.in_use(acc):
         reasons.append("a sharded model (FSDP or DeepSpeed ZeRO: the producer's snapshot is a whole copy)")
     if reasons:
         raise ValueError(f"async_generation=True does not support {' and '.join(reasons)}: set async_generation=False.")
+
+
+def local(rollouts: Rollouts) -> Rollouts:
+    """The rollouts for a producer thread: a tool loop that goes on while this process has rows with tool calls
+    (the trainer's asks every process, a collective that only the learner's thread may make)."""
+    if rollouts.loop is None:
+        return rollouts
+    mine = copy.copy(rollouts)
+    mine.loop = copy.copy(rollouts.loop)
+    mine.loop.any_process = bool
+    return mine
 
 
 def rounds_of(trainer: Any) -> Sequential | AsyncRounds:
@@ -466,5 +483,6 @@ def rounds_of(trainer: Any) -> Sequential | AsyncRounds:
         acc = trainer.accelerator
         engine = build_engine(snapshot, trainer.tokenizer, trainer.args, trainer.stop_ids, acc, trainer.pixels)
     p = trainer.producer
-    producer = Producer(p.rollouts, p.rewards, p.dataset, p.args, 0, 1, p.trainer_state, engine)
+    ranks = p.process_index, p.num_processes
+    producer = Producer(local(p.rollouts), p.rewards, p.dataset, p.args, *ranks, p.trainer_state, engine)
     return AsyncRounds(producer, model, snapshot, trainer)

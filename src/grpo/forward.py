@@ -15,6 +15,7 @@ Position ids follow the attention mask, as in generation, so left padding never 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import warnings
 from dataclasses import dataclass
@@ -77,6 +78,14 @@ class TrainingPass:
         if reason is not None:
             logger.info("Training pass keeps the model's own blocks: %s.", reason)
         self.lean_blocks = reason is None
+
+    def for_copy(self, model: Any) -> TrainingPass:
+        """This pass for another copy of the policy (an async producer's snapshot, passed to `logps`): with
+        torch_compile, the copy's own compiled stack, so that the copy's passes never swap the policy's forward."""
+        other = copy.copy(self)
+        if self.compiled is not None:
+            other.compiled = compilation.CompiledForward(model, self.compiled.backend, self.compiled.mode)
+        return other
 
     def logps(self, model: Any, batch: TrainBatch, chunk_size: int | None = None) -> torch.Tensor:
         """Token log-probs without gradient, under the run's precision, `chunk_size` rows at a time."""

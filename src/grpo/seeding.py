@@ -18,6 +18,15 @@ def seed_run(args: Any) -> None:
         set_seed(args.seed)
 
 
+def distinct_per_process(args: Any, accelerator: Any) -> None:
+    """After the model is built (the same initialisation everywhere): process i > 0 reseeds every generator with
+    seed + i, as TRL's device-specific seed, so that a group whose completions are split over processes gets
+    distinct samples instead of the same draws on every process. Process 0 keeps its stream (one process: no
+    change)."""
+    if accelerator.process_index > 0:
+        set_seed(args.seed + accelerator.process_index)
+
+
 def prompt_order_seed(args: Any) -> int:
     """The seed of the prompt order (`grpo.data.generation_prompt_indices`)."""
     return args.seed if args.data_seed is None else args.data_seed

@@ -152,6 +152,7 @@ class GRPOTrainer(TrlSurface):
         self.model, self.optimizer, self.ref_model = models.prepare(
             self.accelerator, args, self.model, self.optimizer, self.ref_model
         )
+        seeding.distinct_per_process(args, self.accelerator)  # a group split over processes: distinct samples
         ref_sync.check(self)  # sync_ref_model needs a reference model of its own
         checkpoint.strategy.check(self)  # the best checkpoint must be knowable and loadable
         self.stop_ids = data.end_of_turn_ids(self.tokenizer, generation_eos(self.unwrapped_model))
@@ -197,9 +198,8 @@ class GRPOTrainer(TrlSurface):
         self.run_report = RunReport.of(self)  # <output_dir>/report.html
         self.hub = Hub(args, self.accelerator.is_main_process)
         self.hub.create_repo()  # with push_to_hub, as the HF Trainer: at construction
-        self.callback_handler = Callbacks(
-            callbacks, self.model, self.processing_class, self.optimizer, self.lr_scheduler
-        )
+        handles = self.model, self.processing_class, self.optimizer, self.lr_scheduler
+        self.callback_handler = Callbacks(callbacks, *handles)
         self._fire("init_end")
 
     # ---- construction ----------------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""A 4-step run on N CPU processes (torchrun, gloo) with the trainer's own fast engine, for test_distributed_async.py:
+
+    torchrun --nproc_per_node N ddp_async_job.py OUT MODEL_DIR sync|async [RESUME_FROM]
+
+Each process takes 2 of a group's 4 completions (per_device_train_batch_size 2, num_generations 4), so with two
+processes every group straddles them. A checkpoint every step; with RESUME_FROM (a checkpoint's name in OUT) the
+run resumes from it. Each process writes the completions and rewards its reward function saw, in call order, to
+OUT/seen_<rank>.json; the main process writes the final parameters (OUT/final_params.pt) and the log history."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from datasets import Dataset
+
+import grpo.checkpoint as ckpt
+from grpo import GRPOConfig, GRPOTrainer
+
+SEEN: list[dict] = []
+
+
+def length_reward(completions, trainer_state, **kwargs):
+    rewards = [len(c[0]["content"]) / 8.0 for c in completions]
+    SEEN.append(
+        dict(step=trainer_state.global_step, completions=[c[0]["content"] for c in completions], rewards=rewards)
+    )
+    return rewards
+
+
+def main() -> None:
+    out, model_dir, mode = sys.argv[1:4]
+    resume = os.path.join(out, sys.argv[4]) if len(sys.argv) > 4 else None
+    rows = [{"prompt": [{"role": "user", "content": f"Solve {i}+1"}]} for i in range(8)]
+    args = GRPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=2,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=4,
+        save_steps=1,
+        learning_rate=1e-2,
+        logging_steps=1,
+        disable_tqdm=True,
+        bf16=False,
+        seed=0,
+        gradient_checkpointing=False,
+        run_report=False,
+        ddp_backend="gloo",
+        async_generation=mode == "async",
+        max_staleness=1,
+    )
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=Dataset.from_list(rows), args=args)
+    trainer.train(resume_from_checkpoint=resume)
+    rank = trainer.accelerator.process_index
+    with open(os.path.join(out, f"seen_{rank}.json"), "w") as f:
+        json.dump(SEEN, f)
+    if trainer.accelerator.is_main_process:
+        torch.save(ckpt.model_state(trainer), os.path.join(out, "final_params.pt"))
+        with open(os.path.join(out, "log_history.json"), "w") as f:
+            json.dump(trainer.state.log_history, f)
+
+
+if __name__ == "__main__":
+    main()
