@@ -111,8 +111,9 @@ def test_the_learner_trains_on_the_behaviour_log_probs_not_its_own(tmp_path):
     original = trainer._add_old_and_ref_logps
     trainer._add_old_and_ref_logps = lambda batch, old=True: taken.append(original(batch, old)) or taken[-1]
     passes = []
-    logps = trainer.training_pass.logps
-    trainer.training_pass.logps = lambda model, *a: passes.append(model) or logps(model, *a)
+    for training_pass in (trainer.training_pass, trainer.rounds.training_pass):  # the learner's, the producer's
+        logps = training_pass.logps
+        training_pass.logps = lambda model, *a, logps=logps: passes.append(model) or logps(model, *a)
     trainer.train()
     batch = taken[0]
     assert batch.old_logps is not None and batch.old_logps.shape == batch.completion_ids.shape
@@ -128,9 +129,11 @@ def test_the_samplers_log_probs_as_the_behaviour_policy_skip_the_producers_pass(
         args=cfg(tmp_path, max_steps=3, async_generation=True, async_behaviour_logps="sampler"),
     )
     taken, passes = [], []
-    original, logps = trainer._add_old_and_ref_logps, trainer.training_pass.logps
+    original = trainer._add_old_and_ref_logps
     trainer._add_old_and_ref_logps = lambda batch, old=True: taken.append(original(batch, old)) or taken[-1]
-    trainer.training_pass.logps = lambda model, *a: passes.append(model) or logps(model, *a)
+    for training_pass in (trainer.training_pass, trainer.rounds.training_pass):  # the learner's, the producer's
+        logps = training_pass.logps
+        training_pass.logps = lambda model, *a, logps=logps: passes.append(model) or logps(model, *a)
     trainer.train()
     assert passes == []  # no training pass outside the gradient pass: neither the producer's nor the learner's
     for batch in taken:  # the learner's old policy is the sampler's
@@ -449,12 +452,10 @@ def test_what_async_does_not_do_yet_is_refused_by_name(tmp_path):
         )
 
     refuse(trainer(2))  # an engine per process: several processes run async
-    refuse(trainer(1, use_vllm=True, vllm_mode="server"))
+    refuse(trainer(2, use_vllm=True, vllm_mode="server"))  # one server: the producers go in lockstep
     with pytest.raises(
-        ValueError, match="does not support a vLLM server with 2 processes .*set async_generation=False"
+        ValueError, match="does not support vllm_tensor_parallel_size=2 with 2 processes .*a vLLM server"
     ):
-        refuse(trainer(2, use_vllm=True, vllm_mode="server"))
-    with pytest.raises(ValueError, match="does not support vllm_tensor_parallel_size=2 with 2 processes"):
         refuse(trainer(2, use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2))
 
 

@@ -36,27 +36,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import math
-import os
 import threading
 import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import TrainerState
 
-from grpo import sigterm
+from grpo import inflight, sigterm
 from grpo.agent import Rollouts
 from grpo.batch import collate
-from grpo.checkpoint import files
 from grpo.distributed import sharding, zero
+from grpo.inflight import Publication
 from grpo.losses import Stat, masked_mean_stat
 from grpo.optimization import TrainingError
 from grpo.producer import Produced, Producer
@@ -72,17 +67,6 @@ OWN_RANDOMNESS = ("fast", "vllm-server")  # engines whose sampling never draws f
 def round_seed(seed: int, kind: str, position: int) -> int:
     """A 63-bit seed for (the run's seed, what draws, its position): independent streams per round and step."""
     return zlib.crc32(f"{kind}:{position}".encode()) << 31 ^ seed
-
-
-@dataclass
-class Publication:
-    """The learner's policy when it asked for a round: which weights, its policy version and optimizer step, and
-    the trainer state reward functions see for the rounds that sample it."""
-
-    weights: int  # key of `AsyncRounds.weights`
-    version: int | None  # None: restored from a checkpoint (the saving process's numbering)
-    step: int
-    state: TrainerState
 
 
 class Sequential:
@@ -140,8 +124,12 @@ class AsyncRounds:
         self.next_weights, self.loaded, self.floor = 0, None, 0
         self.error: BaseException | None = None
         self.doing, self.heartbeat = "starting", time.monotonic()
-        self.stop, self.thread = threading.Event(), None
+        self.stop, self.thread, self.idle = threading.Event(), None, False
         self.cores = torch.get_num_threads()
+        # several processes on one server, which holds one weight version: the producers go in lockstep over a
+        # group of their own (the default one is the learner's), and stop between rounds together
+        several = trainer.accelerator.num_processes > 1 and getattr(producer.engine, "name", "") == "vllm-server"
+        self.group = torch.distributed.new_group(backend="gloo") if several else None
 
     # ---- the learner's side ----------------------------------------------------------------------------------
 
@@ -194,6 +182,7 @@ class AsyncRounds:
         self.thread.start()
         try:
             yield
+            self._drain()  # several processes on one server: every producer ends after the same round
         finally:
             self.stop.set()
             with self.cond:
@@ -204,6 +193,8 @@ class AsyncRounds:
     @contextmanager
     def paused(self, step: int) -> Iterator[None]:
         """Evaluation: the producer between rounds, the global generator seeded from the step."""
+        if self._drain():  # and every process's: none generates any more when evaluation pushes to the server
+            torch.distributed.barrier()
         with self.engine_lock, self.rng_lock:
             if self.shared_engine:
                 self.outer.version = None  # the engine holds the producer's snapshot now
@@ -221,6 +212,19 @@ class AsyncRounds:
         with self.rng_lock:
             torch.manual_seed(round_seed(self.seed, "learn", micro_step))
             yield
+
+    def _drain(self) -> bool:
+        """Producers in lockstep (`self.group`): wait until this process's producer has made every round the
+        publications allow and waits for the next one, as every process's then does: none is in a generation
+        or a push, so an evaluation may push the learner's weights, and training may end, without a process's
+        producer left in a collective the others never join. False: no lockstep, nothing to wait for."""
+        if self.group is None or self.thread is None:
+            return False
+        with self.cond:
+            while not self.idle and self.thread.is_alive():
+                self._check(None)  # its error, SIGTERM or stall
+                self.cond.wait(POLL_S)
+        return True
 
     def _publish(self, position: int, version: int, state: Any) -> None:
         with self.cond:
@@ -241,9 +245,10 @@ class AsyncRounds:
                 self.weights[key] = weights
         with self.cond:
             self.pubs[position] = Publication(key, version, state.global_step, copy_state(state))
+            self.idle = False  # until the producer has looked: it may now have a round to make
             self.cond.notify_all()
 
-    def _check(self, position: int) -> None:
+    def _check(self, position: int | None) -> None:
         """While the learner waits for round `position`: the producer's error, death or stall is the run's."""
         if self.error is not None:
             raise TrainingError(
@@ -251,7 +256,8 @@ class AsyncRounds:
             ) from self.error
         sigterm.check()
         if not self.thread.is_alive():
-            raise TrainingError(f"The rollout producer stopped before producing round {position} ({self.doing}).")
+            what = f"producing round {position}" if position is not None else "its last round"
+            raise TrainingError(f"The rollout producer stopped before {what} ({self.doing}).")
         idle = time.monotonic() - self.heartbeat
         if idle > self.stale_after:
             self.stop.set()
@@ -305,8 +311,11 @@ class AsyncRounds:
             while self._source(q) not in self.pubs:
                 if self.stop.is_set():
                     raise sigterm.Cancelled("stopped")
+                self.idle = True
+                self.cond.notify_all()
                 self.cond.wait(POLL_S)
                 self._beat()  # waiting for the learner is not a stall
+            self.idle = False
             pub = self.pubs[self._source(q)]
         self.waited = time.perf_counter() - start
         return pub
@@ -339,7 +348,9 @@ class AsyncRounds:
                 for name, value in weights.items():
                     params[name].copy_(value)
             self.loaded = key
-        self.producer.sync(self.snapshot, key)  # vLLM: pushed; grpo's own engines sample the snapshot itself
+        if self.group is not None and self.producer.version != key:  # every process done with the server's weights
+            torch.distributed.barrier(group=self.group)
+        self.producer.sync(self.snapshot, key, self.group)  # vLLM: pushed; grpo's own engines sample the snapshot
 
     def _behaviour(self, rollout: Any) -> None:
         """The sampling policy's log-probs of each row (the learner's old_logps): by the training pass on the
@@ -364,53 +375,11 @@ class AsyncRounds:
             wanted = {self._source(q) for q in range(position, position + self.s)}
             pubs = {p: self.pubs[p] for p in sorted(wanted) if p in self.pubs}
             weights = {k: self.weights[k] for k in {pub.weights for pub in pubs.values()}}
-        tensors = {f"{k}/{name}": t.contiguous().cpu() for k, w in weights.items() for name, t in w.items()}
-        meta = {
-            "max_staleness": self.s,
-            "data_position": position,
-            "publications": {
-                str(p): dict(weights=pub.weights, step=pub.step, state=_state_json(pub.state))
-                for p, pub in pubs.items()
-            },
-        }
-        save_file(tensors, os.path.join(directory, self.file + ".tensors"))
-        with open(os.path.join(directory, self.file + ".json"), "w") as f:
-            json.dump(meta, f)
+        inflight.write(directory, self.file, self.s, position, pubs, weights)
 
     def read(self, checkpoint: str, state: dict[str, Any]) -> Any:
-        meta_path = os.path.join(checkpoint, self.file + ".json")
-        if not os.path.exists(meta_path):  # a sequential run's checkpoint: the next rounds sample the resumed policy
-            logger.warning("%s has no in-flight rounds (a sequential run's): async resumes on-policy.", checkpoint)
-            return None
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-            tensors = load_file(os.path.join(checkpoint, self.file + ".tensors"))
-            staleness = meta["max_staleness"]
-            if staleness != self.s:
-                raise files.invalid(
-                    meta_path,
-                    f"was written with max_staleness={staleness}, this run has {self.s}: the rounds after the "
-                    "checkpoint would sample other weights. Resume with the same max_staleness",
-                )
-            params = dict(self.model.named_parameters())
-            weights: dict[int, dict[str, torch.Tensor]] = {}
-            for key, tensor in tensors.items():
-                wid, _, name = key.partition("/")
-                if name not in self.names or tensor.shape != params[name].shape or not wid.isdigit():
-                    raise ValueError(f"it holds {key!r} {tuple(tensor.shape)}, not a trained parameter of the model")
-                weights.setdefault(int(wid), {})[name] = tensor.to(params[name].device, params[name].dtype)
-            pubs = {}
-            for p, pub in meta["publications"].items():
-                if set(weights.get(pub["weights"], ())) != set(self.names):
-                    raise ValueError(f"publication {p} names weights the file does not hold in full")
-                state = TrainerState(**pub["state"])
-                pubs[int(p)] = Publication(pub["weights"], None, int(pub["step"]), state)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            if isinstance(error, files.CheckpointError):
-                raise
-            raise files.invalid(meta_path, f"cannot be read as in-flight rounds ({error})") from error
-        return pubs, weights
+        params = dict(self.model.named_parameters())
+        return inflight.read(checkpoint, self.file, self.s, {name: params[name] for name in self.names})
 
     def restore(self, value: Any) -> None:
         if value is None:
@@ -437,21 +406,15 @@ def importance_stats(logps: torch.Tensor, old: torch.Tensor | None, mask: torch.
     }
 
 
-def _state_json(state: TrainerState) -> dict[str, Any]:
-    fields = {f.name for f in dataclasses.fields(TrainerState)}
-    return {k: v for k, v in dataclasses.asdict(state).items() if k in fields}
-
-
 def refuse(trainer: Any) -> None:
     """What async generation does not do yet, as one error naming the setting."""
     a, acc = trainer.args, trainer.accelerator
     reasons = []
-    if acc.num_processes > 1 and a.use_vllm and (a.vllm_mode == "server" or a.vllm_tensor_parallel_size > 1):
-        tp = a.vllm_tensor_parallel_size
-        what = "a vLLM server" if a.vllm_mode == "server" else f"vllm_tensor_parallel_size={tp}"
-        reasons.append(  # their weight pushes and generations are collectives, which a producer thread cannot join
-            f"{what} with {acc.num_processes} processes (collective generation; one process, or an engine per "
-            "process: the fast engine or vLLM colocate without tensor parallelism, run async on several)"
+    tp = a.vllm_tensor_parallel_size
+    if acc.num_processes > 1 and a.use_vllm and a.vllm_mode == "colocate" and tp > 1:
+        reasons.append(  # the engine's shards generate together: collectives a producer thread cannot join
+            f"vllm_tensor_parallel_size={tp} with {acc.num_processes} processes (an engine split across processes; "
+            "an engine per process, or a vLLM server, runs async on several)"
         )
     if sharding.is_sharded(trainer.model) or zero.in_use(acc):
         reasons.append("a sharded model (FSDP or DeepSpeed ZeRO: the producer's snapshot is a whole copy)")

@@ -69,11 +69,12 @@ class Producer:
     def engine(self) -> Any:
         return self.own_engine or self.rollouts.engine
 
-    def sync(self, model: torch.nn.Module, version: int) -> None:
+    def sync(self, model: torch.nn.Module, version: int, group: Any = None) -> None:
         """Make the engine sample `model`'s current weights, known as `version` (nothing to do when it holds that
-        version already). Every process calls it: gathering a sharded model is collective."""
+        version already). Every process calls it: gathering a sharded model is collective; a server's push is
+        shared over `group` when given (`grpo.asynchronous`)."""
         if self.version != version:
-            self.engine.sync_weights(model)
+            self.engine.sync_weights(model, **({"group": group} if group is not None else {}))
             self.version = version
 
     def rows(self, position: int) -> list[int]:

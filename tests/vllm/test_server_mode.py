@@ -95,6 +95,20 @@ def test_two_trainer_processes_share_one_server(server, vllm_model_dir, tmp_path
         assert row["sampling"]["sampling/sampling_logp_difference/max"] < FP32_TOL
 
 
+def test_two_async_trainer_processes_share_one_server_in_lockstep(server, vllm_model_dir, tmp_path):
+    """async_generation on two processes and one server, which holds one weight version: the producers push and
+    generate round by round together (process 1 starting its requests late), and stop between rounds for the
+    evaluation (which pushes the learner's weights); every round was sampled from the snapshot whose log-probs the
+    learner trained against. (Without the producers' barrier before a push, or the learners' before the
+    evaluation's, process 1's late requests meet a server pushed to meanwhile: 409.)"""
+    torchrun(2, JOB, tmp_path, vllm_model_dir, f"server:{server.port}+async", timeout=420)
+    rows = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    for row in rows:
+        assert [r["sample/staleness_mean"] for r in row["steps"]] == [0, 1, 1, 1]
+        assert all(r["sampling/sampling_logp_difference/max"] < FP32_TOL for r in row["steps"])
+        assert row["evaluations"] == 1
+
+
 def test_a_run_whose_weights_another_run_replaced_is_refused_by_name(server, vllm_model_dir, tmp_path):
     """Versions belong to the server: run B's push gets a number of its own, so run A, generating after it
     without pushing, is refused with B named, instead of sampling B's weights."""

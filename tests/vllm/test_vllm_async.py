@@ -5,9 +5,12 @@ between rounds samples the learner's own weights, and the producer pushes its sn
 
 from __future__ import annotations
 
+import json
+
 import torch
 
-from test_server_mode import Server
+from test_distributed import torchrun
+from test_server_mode import JOB, Server
 from test_vllm_engine import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
 
 
@@ -58,3 +61,14 @@ def test_colocated_async_runs_are_reproducible(vllm_model_dir, tmp_path):
         trainer.train()
         runs.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
     assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+
+
+def test_two_processes_each_with_its_engine_train_async(vllm_model_dir, tmp_path):
+    """Colocated engines on two processes (one each): every producer pushes its snapshot to its own engine, which
+    samples exactly the behaviour policy; an evaluation between rounds pushes the learner's weights."""
+    torchrun(2, JOB, tmp_path, vllm_model_dir, "ddp+async", timeout=420)
+    rows = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    for row in rows:
+        assert [r["sample/staleness_mean"] for r in row["steps"]] == [0, 1, 1, 1]
+        assert all(r["sampling/sampling_logp_difference/max"] < FP32_TOL for r in row["steps"])
+        assert row["evaluations"] == 1

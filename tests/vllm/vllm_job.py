@@ -1,6 +1,6 @@
 """Training with vLLM in several processes, launched with torchrun (gloo on CPU) by test_vllm_training.py:
 
-    torchrun --nproc_per_node N vllm_job.py OUT MODEL_DIR [ddp|fsdp|zero3][+lora][+tp] | server:PORT
+    torchrun --nproc_per_node N vllm_job.py OUT MODEL_DIR [ddp|fsdp|zero3][+lora][+tp] | server:PORT [+async]
 
 Every process runs its own vLLM engine (colocate mode) inside a process that already has the trainer's gloo group;
 with `+tp`, each pair of processes shares one engine split across them (vllm_tensor_parallel_size=2), and the last
@@ -9,7 +9,9 @@ shards must still sample alike). Two optimizer steps, then every process syncs i
 OUT/rank<i>.json, its engine's log-probs of one fixed completion and the policy's (a sharded policy computes them
 collectively), so the test can check that every engine holds the same weights and that they are the policy's;
 with `+tp`, also one more generation in which the processes ask for different numbers of rows (as a tool loop's
-later turns do): each one's completions, their sampling log-probs and the policy's."""
+later turns do): each one's completions, their sampling log-probs and the policy's. With `+async`:
+async_generation (max_staleness 1) for four steps, with an evaluation after the third, process 1's generations starting
+half a second late; every step's logged row goes to OUT/rank<i>.json too."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -58,6 +61,9 @@ def main() -> None:
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
     parallel = {"vllm_tensor_parallel_size": 2} if "tp" in options else {}
+    asynchronous = "async" in options
+    if asynchronous:  # four steps, an evaluation after the third (the producers stop between rounds for it)
+        parallel = dict(async_generation=True, max_staleness=1, max_steps=4, eval_strategy="steps", eval_steps=3)
     args = GRPOConfig(
         **{
             **BASE,
@@ -75,9 +81,18 @@ def main() -> None:
         reward_funcs=length_reward,
         train_dataset=chat_dataset(),
         args=args,
+        eval_dataset=chat_dataset(4) if asynchronous else None,
         peft_config=peft_config,
-        callbacks=[MoveTheRandomStream()] if parallel else None,
+        callbacks=[MoveTheRandomStream()] if parallel and not asynchronous else None,
     )
+    if asynchronous and trainer.accelerator.process_index == 1:  # its requests start late: a server pushed to
+        generate = trainer.engine.generate  # meanwhile would refuse them (409), unless the pushes wait for them
+
+        def late(requests):
+            time.sleep(0.5)
+            return generate(requests)
+
+        trainer.engine.generate = late
     trainer.train()
     trainer.engine.sync_weights(trainer.unwrapped_model)
     prompt, completion = fixed_completion(trainer)
@@ -89,8 +104,10 @@ def main() -> None:
         "policy": policy_logps(trainer, prompt, completion).tolist(),
         "sampling": {k: v for k, v in trainer.state.log_history[-1].items() if k.startswith("sampling/")},
         "world": world,
+        "steps": [r for r in trainer.state.log_history if "sample/staleness_mean" in r and "loss" in r],
+        "evaluations": sum("eval_reward" in r for r in trainer.state.log_history),
     }
-    if parallel:  # process i asks for i + 1 prompts, 2 samples each
+    if parallel and not asynchronous:  # process i asks for i + 1 prompts, 2 samples each
         rank = trainer.accelerator.process_index
         rollout = trainer.engine.generate([Request(trainer.prompts[i], 2) for i in range(rank + 1)])
         samples = list(zip(rollout.prompt_ids, rollout.completion_ids))

@@ -150,9 +150,10 @@ class ServerEngine:
 
     # ---- the engine interface -----------------------------------------------------------------------------------
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, model: torch.nn.Module, group: Any = None) -> None:
         """Every process calls it (gathering a sharded policy is collective); the main process pushes and hands
-        the server's number of the push to the others."""
+        the server's number of the push to the others, over `group` when given (an async producer's own group:
+        the default one is the learner's)."""
         dtype = getattr(torch, self.info.get("dtype", "float32"))
         main = self.accelerator.is_main_process
         with checkpoint_weights(model) as weights:
@@ -167,7 +168,11 @@ class ServerEngine:
                     f"The vLLM server at {self.url} answered the push with {str(answer)[:200]}, not this run's new "
                     "weight version: is it a `grpo vllm-serve` of this grpo version?"
                 )
-        if self.accelerator.num_processes > 1:  # the others wait here until the server has loaded the push
+        if group is not None:
+            shared = [version, self.run]
+            torch.distributed.broadcast_object_list(shared, src=0, group=group)
+            version, self.run = shared
+        elif self.accelerator.num_processes > 1:  # the others wait here until the server has loaded the push
             version, self.run = broadcast_object_list([version, self.run], from_process=0)  # the main's name
         self.version = version
 
