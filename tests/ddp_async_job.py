@@ -1,11 +1,13 @@
 """A 4-step run on N CPU processes (torchrun, gloo) with the trainer's own fast engine, for test_distributed_async.py:
 
-    torchrun --nproc_per_node N ddp_async_job.py OUT MODEL_DIR sync|async [RESUME_FROM]
+    torchrun --nproc_per_node N ddp_async_job.py OUT MODEL_DIR sync|async[+fsdp|+zero3] [RESUME_FROM]
 
 Each process takes 2 of a group's 4 completions (per_device_train_batch_size 2, num_generations 4), so with two
 processes every group straddles them. A checkpoint every step; with RESUME_FROM (a checkpoint's name in OUT) the
 run resumes from it. Each process writes the completions and rewards its reward function saw, in call order, to
-OUT/seen_<rank>.json; the main process writes the final parameters (OUT/final_params.pt) and the log history."""
+OUT/seen_<rank>.json; the main process writes the final parameters (OUT/final_params.pt, gathered whole from a
+sharded model) and the log history. `+fsdp` / `+zero3` shard the policy through accelerate as distributed_job.py
+does (FSDP2, DeepSpeed ZeRO-3)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from datasets import Dataset
 
 import grpo.checkpoint as ckpt
+from distributed_job import allow_fsdp_on_cpu, whole
 from grpo import GRPOConfig, GRPOTrainer
 
 SEEN: list[dict] = []
@@ -32,6 +35,12 @@ def length_reward(completions, trainer_state, **kwargs):
 
 def main() -> None:
     out, model_dir, mode = sys.argv[1:4]
+    mode, _, sharded = mode.partition("+")
+    if sharded == "fsdp":
+        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+        allow_fsdp_on_cpu()
+    if sharded == "zero3":
+        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
     resume = os.path.join(out, sys.argv[4]) if len(sys.argv) > 4 else None
     rows = [{"prompt": [{"role": "user", "content": f"Solve {i}+1"}]} for i in range(8)]
     args = GRPOConfig(
@@ -57,8 +66,9 @@ def main() -> None:
     rank = trainer.accelerator.process_index
     with open(os.path.join(out, f"seen_{rank}.json"), "w") as f:
         json.dump(SEEN, f)
+    final = whole(trainer.unwrapped_model) if sharded else ckpt.model_state(trainer)  # whole: a collective
     if trainer.accelerator.is_main_process:
-        torch.save(ckpt.model_state(trainer), os.path.join(out, "final_params.pt"))
+        torch.save(final, os.path.join(out, "final_params.pt"))
         with open(os.path.join(out, "log_history.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
 

@@ -1,6 +1,7 @@
 """Several processes (torchrun, gloo on CPU): each samples its own share of a group from its own random streams
 (sequential and async alike, TRL's device-specific seed), and async generation on two processes trains on every
-process's gathered rounds, is reproducible and resumes exactly from a checkpoint (see ddp_async_job.py)."""
+process's gathered rounds, is reproducible and resumes exactly from a checkpoint (see ddp_async_job.py), with
+the policy replicated (DDP) or sharded (FSDP2, DeepSpeed ZeRO-3: the producer samples a whole snapshot)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,17 @@ import pytest
 import torch
 
 from test_async import untimed
-from test_distributed import torchrun
+from test_distributed import needs_deepspeed, torchrun
 
 JOB = os.path.join(os.path.dirname(__file__), "ddp_async_job.py")
 STEPS = 4
+
+
+def resumed_from(straight, out, model_dir, mode, checkpoint="checkpoint-2"):
+    """`mode` run resumed in `out` from `straight`'s checkpoint (its in-flight rounds regenerated per process)."""
+    out.mkdir()
+    shutil.copytree(straight / checkpoint, out / checkpoint)
+    return launch(out, model_dir, mode, checkpoint)
 
 
 def launch(out, model_dir, mode, resume=None):
@@ -61,15 +69,33 @@ def test_async_on_two_processes_is_reproducible_and_resumes_exactly(tiny_model_d
     _, again, rows_again = launch(tmp_path / "again", tiny_model_dir, "async")  # other timings, the same run
     assert all(torch.equal(again[n], params[n]) for n in params)
     assert untimed(rows_again) == untimed(rows)
-    resumed = tmp_path / "resumed"  # from step 2 of the first run: its in-flight rounds regenerated per process
-    resumed.mkdir()
-    shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
-    assert sorted(p for p in os.listdir(resumed / "checkpoint-2") if p.startswith("inflight_")) == [
-        "inflight_0.json",
-        "inflight_0.tensors",
-        "inflight_1.json",
-        "inflight_1.tensors",
-    ]
-    _, after, rows_after = launch(resumed, tiny_model_dir, "async", "checkpoint-2")
+    inflight = sorted(p for p in os.listdir(straight / "checkpoint-2") if p.startswith("inflight_"))
+    assert inflight == ["inflight_0.json", "inflight_0.tensors", "inflight_1.json", "inflight_1.tensors"]
+    _, after, rows_after = resumed_from(straight, tmp_path / "resumed", tiny_model_dir, "async")
+    assert all(torch.equal(after[n], params[n]) for n in params)
+    assert untimed(rows_after, resumed=True) == untimed(rows, resumed=True)
+
+
+@pytest.mark.parametrize("sharded", ["fsdp", pytest.param("zero3", marks=needs_deepspeed)])
+def test_a_sharded_policy_trains_async_like_a_replicated_one_and_resumes_exactly(
+    tiny_model_dir, tmp_path, async_run, sharded
+):
+    """FSDP2 or ZeRO-3 through accelerate: each publication gathers the policy whole (every process), the producer
+    samples a whole snapshot made before sharding. The rounds are those of the DDP run (the first two sample the
+    initial weights; the later ones weights equal up to the reduction order) and so are the updates; a resume from
+    step 2 (sharded checkpoint, in-flight rounds) is bit-identical to the straight sharded run."""
+    ddp_seen, ddp_params, ddp_rows = async_run[1]
+    out = tmp_path / "straight"
+    seen, params, rows = launch(out, tiny_model_dir, f"async+{sharded}")
+    for rank in (0, 1):
+        assert [r["completions"] for r in seen[rank][:2]] == [r["completions"] for r in ddp_seen[rank][:2]]
+    steps, ddp_steps = ([r for r in h if "loss" in r] for h in (rows, ddp_rows))
+    assert len(steps) == STEPS
+    for row, ddp in zip(steps, ddp_steps):
+        assert row["reward"] == pytest.approx(ddp["reward"], rel=1e-6)
+        assert row["loss"] == pytest.approx(ddp["loss"], rel=1e-4, abs=1e-6)
+    for name in ddp_params:
+        torch.testing.assert_close(params[name], ddp_params[name], rtol=1e-4, atol=1e-4)
+    _, after, rows_after = resumed_from(out, tmp_path / "resumed", tiny_model_dir, f"async+{sharded}")
     assert all(torch.equal(after[n], params[n]) for n in params)
     assert untimed(rows_after, resumed=True) == untimed(rows, resumed=True)

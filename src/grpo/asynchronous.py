@@ -46,11 +46,12 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
 from grpo import inflight, sigterm
 from grpo.agent import Rollouts
 from grpo.batch import collate
-from grpo.distributed import sharding, zero
+from grpo.distributed import sharding
 from grpo.inflight import Publication
 from grpo.losses import Stat, masked_mean_stat
 from grpo.optimization import TrainingError
@@ -172,7 +173,10 @@ class AsyncRounds:
         """The producer thread, from round `position`, for the block; the cores split between it and the learner
         (CPU); stopped at the next token on exit."""
         self.floor = position
-        self.snapshot.load_state_dict(self.model.state_dict())  # what a resume loaded, frozen parts included
+        with sharding.full_parameters(self.model), torch.no_grad():  # what a resume loaded, frozen parts included
+            mine = dict(self.snapshot.named_parameters()) | dict(self.snapshot.named_buffers())
+            for name, value in [*self.model.named_parameters(), *self.model.named_buffers()]:
+                mine[name].copy_(value)
         self.stop.clear()
         self._beat()
         learner = max(self.cores // 2, 1)
@@ -236,8 +240,9 @@ class AsyncRounds:
         if same:
             key = last.weights
         else:
-            params = dict(self.model.named_parameters())
-            weights = {name: params[name].detach().clone() for name in self.names}
+            with sharding.full_parameters(self.model):  # a sharded learner: gathered whole (every process)
+                params = dict(self.model.named_parameters())
+                weights = {name: params[name].detach().clone() for name in self.names}
             if weights and next(iter(weights.values())).is_cuda:  # the producer reads them on its own stream
                 torch.cuda.current_stream().synchronize()
             with self.cond:
@@ -378,7 +383,7 @@ class AsyncRounds:
         inflight.write(directory, self.file, self.s, position, pubs, weights)
 
     def read(self, checkpoint: str, state: dict[str, Any]) -> Any:
-        params = dict(self.model.named_parameters())
+        params = dict(self.snapshot.named_parameters())  # whole, where the learner's may be sharded
         return inflight.read(checkpoint, self.file, self.s, {name: params[name] for name in self.names})
 
     def restore(self, value: Any) -> None:
@@ -416,8 +421,8 @@ def refuse(trainer: Any) -> None:
             f"vllm_tensor_parallel_size={tp} with {acc.num_processes} processes (an engine split across processes; "
             "an engine per process, or a vLLM server, runs async on several)"
         )
-    if sharding.is_sharded(trainer.model) or zero.in_use(acc):
-        reasons.append("a sharded model (FSDP or DeepSpeed ZeRO: the producer's snapshot is a whole copy)")
+    if any(isinstance(m, FSDP1) for m in trainer.model.modules()):
+        reasons.append("FSDP1 (its wrappers rename the parameters; fsdp_version 2, or DeepSpeed, runs async)")
     if reasons:
         raise ValueError(f"async_generation=True does not support {' and '.join(reasons)}: set async_generation=False.")
 
@@ -433,14 +438,16 @@ def local(rollouts: Rollouts) -> Rollouts:
     return mine
 
 
-def rounds_of(trainer: Any) -> Sequential | AsyncRounds:
+def rounds_of(trainer: Any, snapshot: torch.nn.Module | None = None) -> Sequential | AsyncRounds:
     """The trainer's source of rounds: the sequential one, or a producer thread with its own snapshot of the policy
-    (and its own engine, except vLLM's, which it shares with evaluation)."""
+    (`snapshot`, a whole copy made before FSDP or DeepSpeed sharded the policy; None: a copy of the policy) and its
+    own engine, except vLLM's, which it shares with evaluation."""
     if not trainer.args.async_generation:
         return Sequential(trainer.producer)
     refuse(trainer)
     model = trainer.unwrapped_model
-    snapshot = copy.deepcopy(model).eval().requires_grad_(False)
+    if snapshot is None:
+        snapshot = copy.deepcopy(model).eval().requires_grad_(False)
     engine = None
     if not trainer.args.use_vllm:
         acc = trainer.accelerator

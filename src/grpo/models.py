@@ -91,10 +91,14 @@ def _drop_autocast_wrapper(model: Any) -> None:
         model.forward = original
 
 
-def prepare(accelerator: Any, args: Any, model: Any, optimizer: Any, ref_model: Any) -> tuple[Any, Any, Any]:
-    """accelerate's placement and wrapping of the policy, its optimizer and the reference. The schedule is not handed
-    to accelerate: its wrapper steps it once per process per step (it assumes a dataloader split across processes),
-    which would end an N-process run's schedule N times early."""
+def prepare(accelerator: Any, args: Any, model: Any, optimizer: Any, ref_model: Any) -> tuple[Any, Any, Any, Any]:
+    """accelerate's placement and wrapping of the policy, its optimizer and the reference; with async_generation
+    also, when FSDP or DeepSpeed is to wrap it, a whole copy of the policy made before they shard it (the async
+    producer's snapshot, frozen; else None: `grpo.asynchronous` copies the prepared policy).
+    The schedule is not handed to accelerate: its wrapper steps it once per process per step (it assumes a
+    dataloader split across processes), which would end an N-process run's schedule N times early."""
+    sharding = getattr(accelerator.state, "fsdp_plugin", None) is not None or zero.in_use(accelerator)
+    snapshot = zero.whole_copy(model).eval().requires_grad_(False) if args.async_generation and sharding else None
     zero.configure(accelerator, args)  # DeepSpeed: its "auto" batch values from this config
     model, optimizer = accelerator.prepare(model, optimizer)
     # Precision is set explicitly around each forward (accelerator.autocast()); drop accelerate's autocast wrapper on
@@ -104,4 +108,4 @@ def prepare(accelerator: Any, args: Any, model: Any, optimizer: Any, ref_model: 
         ref_model = zero.prepare_reference(accelerator, ref_model) or accelerator.prepare_model(
             ref_model, evaluation_mode=True
         )
-    return model, optimizer, ref_model
+    return model, optimizer, ref_model, snapshot.to(accelerator.device) if snapshot is not None else None

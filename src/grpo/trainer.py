@@ -149,7 +149,7 @@ class GRPOTrainer(TrlSurface):
         self.max_steps, self.steps_per_epoch = schedule_length(self.train_dataset, args)
         self.state.max_steps = self.max_steps
         self._build_optimization(*optimizers)
-        self.model, self.optimizer, self.ref_model = models.prepare(
+        self.model, self.optimizer, self.ref_model, snapshot = models.prepare(
             self.accelerator, args, self.model, self.optimizer, self.ref_model
         )
         seeding.distinct_per_process(args, self.accelerator)  # a group split over processes: distinct samples
@@ -179,7 +179,7 @@ class GRPOTrainer(TrlSurface):
         self.producer = Producer(self.rollouts, self.rewards, train_dataset, args, *ranks, self.state)
         self.loop = LoopState()
         self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
-        self.rounds = asynchronous.rounds_of(self)  # generate -> score: in turn with training, or async_generation
+        self.rounds = asynchronous.rounds_of(self, snapshot)  # generate -> score: in turn with training, or async
         mixed_reference = ref_sync.MixedReference.of(args, self.ref_model, self.accelerator)
         extra = [*mixed_reference, *([self.rounds] if args.async_generation else [])]  # in-flight rounds
         self.state_components = components.of_run(self, extra)  # what checkpoints save and load

@@ -116,6 +116,24 @@ def is_partitioned(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+def whole_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` with plain, whole parameters where ZeRO-3 partitions them (their values unset: the
+    caller fills them from the gathered model); tied parameters stay tied. Not partitioned: a deep copy."""
+    other = copy.deepcopy(model)
+    if not is_partitioned(model):
+        return other
+    whole: dict[int, torch.nn.Parameter] = {}
+    for source, module in zip(model.modules(), other.modules()):  # the copy's keep no ds_shape: the source's
+        for name, param in list(source._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in whole:
+                value = torch.empty(getattr(param, "ds_shape", param.shape), dtype=param.dtype, device=param.device)
+                whole[id(param)] = torch.nn.Parameter(value, requires_grad=param.requires_grad)
+            module._parameters[name] = whole[id(param)]
+    return other
+
+
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module, modifier_rank: int | None = None):
     """Every ZeRO-3 parameter whole within the context, partitioned again after: read-only, or with
