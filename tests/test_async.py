@@ -336,6 +336,10 @@ def test_tools_and_environments_run_in_the_producer(tmp_path):
     assert_same_run(first, second)
     rows = [row for row in first.state.log_history if "tools/call_frequency" in row]
     assert rows and rows[0]["tools/call_frequency"] == 1.0  # every completion called `add` once
+    # the producer's tool loop asks only its own process whether rows still call tools: the learner's loop asks
+    # every process (a collective, which a producer thread must not make beside the learner's)
+    loop, learners = first.rounds.producer.rollouts.loop, first.rollouts.loop
+    assert loop is not learners and loop.any_process is bool and learners.any_process is not bool
 
 
 def test_image_prompts_train_async_on_the_plain_engine(tmp_path):

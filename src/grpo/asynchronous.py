@@ -30,6 +30,13 @@ SIGKILL at any moment loses nothing the last checkpoint had.
 No hang: an exception in the producer stops training with an error naming the round; a producer that makes no
 progress (no token sampled, no reward or tool finished) for `heartbeat_stale_after_s` seconds stops it with one
 that says so; SIGTERM reaches both threads (`grpo.sigterm`) and saves as the sequential loop does.
+
+Several processes: each producer makes its process's share of a round from its own streams (seed + process
+index) and makes no collective the learner's thread could interleave with, except over a group of its own: with
+one vLLM server for all (one weight version at a time), the producers push in lockstep (a barrier, then the main
+process's push, its version broadcast) and stop together between rounds (`_drain`). A sharded policy (FSDP2,
+ZeRO-3) is gathered whole for each publication; the snapshot is a whole copy made before sharding
+(`grpo.models.prepare`).
 """
 
 from __future__ import annotations
