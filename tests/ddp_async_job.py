@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 from datasets import Dataset
@@ -26,6 +27,7 @@ SEEN: list[dict] = []
 
 
 def length_reward(completions, trainer_state, **kwargs):
+    time.sleep(float(os.environ.get("JOB_REWARD_SLEEP", "0")))  # a kill test's: kills land mid-round
     rewards = [len(c[0]["content"]) / 8.0 for c in completions]
     SEEN.append(
         dict(step=trainer_state.global_step, completions=[c[0]["content"] for c in completions], rewards=rewards)

@@ -8,12 +8,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from test_async import untimed
-from test_distributed import needs_deepspeed, torchrun
+from test_distributed import free_port, needs_deepspeed, torchrun
 
 JOB = os.path.join(os.path.dirname(__file__), "ddp_async_job.py")
 STEPS = 4
@@ -97,5 +101,27 @@ def test_a_sharded_policy_trains_async_like_a_replicated_one_and_resumes_exactly
     for name in ddp_params:
         torch.testing.assert_close(params[name], ddp_params[name], rtol=1e-4, atol=1e-4)
     _, after, rows_after = resumed_from(out, tmp_path / "resumed", tiny_model_dir, f"async+{sharded}")
+    assert all(torch.equal(after[n], params[n]) for n in params)
+    assert untimed(rows_after, resumed=True) == untimed(rows, resumed=True)
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.9])
+def test_sigterm_on_two_async_processes_saves_and_the_resume_is_exact(tiny_model_dir, tmp_path, async_run, delay):
+    """torchrun passes SIGTERM to both processes mid-run (a slow reward: mid-round): each saves the last complete
+    step and exits 143 within seconds, nothing hangs; the resume from that checkpoint ends as the straight run."""
+    _, params, rows = async_run[1]
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", JOB_REWARD_SLEEP="0.3")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    proc = subprocess.Popen([*cmd, JOB, str(out), tiny_model_dir, "async"], env=env, stderr=subprocess.PIPE, text=True)
+    while not (out / "checkpoint-1").exists() and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert stderr.count("exiting with status 143") == 2, stderr[-3000:]
+    checkpoints = sorted(p for p in os.listdir(out) if p.startswith("checkpoint-"))
+    assert checkpoints and not (out / "final_params.pt").exists()
+    _, after, rows_after = launch(out, tiny_model_dir, "async", checkpoints[-1])
     assert all(torch.equal(after[n], params[n]) for n in params)
     assert untimed(rows_after, resumed=True) == untimed(rows, resumed=True)
