@@ -7,12 +7,15 @@ import io
 import os
 import re
 
+import pytest
+
 from grpo import demo
 from grpo.data import tokenize_prompts
-from grpo.rollout import packed
+from grpo.rollout import packed, panels
 from tiny import make_model, make_tokenizer
 
 PACKED_LINEAR = packed.packed_linear
+PANEL_LINEAR = panels.panel_linear
 
 
 def test_reward_reads_the_last_integer():
@@ -49,11 +52,15 @@ def test_demo_smoke_run(tiny_model_dir, tmp_path, capsys, monkeypatch):
     assert len(open(os.path.join(out + ".previous", "metrics.jsonl")).read().splitlines()) == 2
 
 
-def test_greedy_completions_equal_model_generate(monkeypatch):
-    """The fast engine's greedy decoding (lean decoder, float32: packed weights once the 24-token completions of a
-    random model run on) gives model.generate's texts, chunk by chunk."""
+@pytest.mark.parametrize("kernel", ["panels", "mkl"])
+def test_greedy_completions_equal_model_generate(monkeypatch, kernel):
+    """The fast engine's greedy decoding (lean decoder, float32: the panel kernel, or MKL's packed weights, once
+    the 24-token completions of a random model run on) gives model.generate's texts, chunk by chunk."""
     made = []
     monkeypatch.setattr(packed, "packed_linear", lambda *a: made.append(a) or PACKED_LINEAR(*a))
+    monkeypatch.setattr(panels, "panel_linear", lambda *a: made.append(a) or PANEL_LINEAR(*a))
+    if kernel == "mkl":
+        monkeypatch.setattr(panels, "available", lambda weight: False)
     tok = make_tokenizer()
     tok.padding_side = "left"
     model = make_model(tok, hidden=64)
@@ -64,7 +71,9 @@ def test_greedy_completions_equal_model_generate(monkeypatch):
     assert fast == plain
     assert done == [demo.EVAL_CHUNK]
     assert max(len(t) for t in fast) == 24  # (the character tokenizer: 24 tokens, 24 characters)
-    if packed.available(model.lm_head.weight):
+    if panels.available(model.lm_head.weight):
+        assert len(made) == 2 * 4 + 1  # 2 layers of 4 linears in panels, and the output head
+    elif packed.available(model.lm_head.weight):
         assert len(made) == 2 * 2 + 1  # 2 layers of 2 packed linears (the MLP), and the output head
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo.rollout import packed
+from grpo.rollout import packed, panels
 from grpo.rollout.base import left_pad
 from grpo.rollout.lean_decoder import LeanDecoder, unsupported_reason
 from tiny import make_model, make_tokenizer
@@ -131,10 +131,89 @@ def _decode_with_drops(prompts, owner, steps, max_new, drops, after_step):
 
 
 needs_mkl = pytest.mark.skipif(not packed.available(torch.zeros(1)), reason="no MKL packed sgemm in this torch build")
+needs_panels = pytest.mark.skipif(not panels.available(torch.zeros(1)), reason="no AVX2/FMA or no C compiler here")
+
+
+@pytest.fixture
+def mkl_path(monkeypatch):
+    """The decoder where the panel kernel does not run: MKL's packed sgemm."""
+    monkeypatch.setattr(panels, "available", lambda weight: False)
+
+
+@needs_panels
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 32, 40])
+def test_the_panel_kernel_computes_f_linear(rows):
+    """Every row count (a block of 6 rows and the rest; more than MAX_ROWS: F.linear itself), widths that are not
+    a multiple of 16, with and without bias: float32 sums of the same products, within rounding."""
+    g = torch.Generator().manual_seed(rows)
+    for n, k, bias in ((960, 576, False), (17, 37, True), (49, 1536, True), (1, 8, False)):
+        weight, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+        b = torch.randn(n, generator=g) if bias else None
+        got = panels.panel_linear(weight, b)(x.view(rows, 1, k))
+        assert got.shape == (rows, 1, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got[:, 0], torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+def test_without_a_compiler_or_when_switched_off_the_panel_kernel_is_not_used(monkeypatch):
+    for env in ({"CC": "no-such-compiler"}, {"GRPO_PANEL_KERNEL": "0"}):
+        with monkeypatch.context() as m:
+            for name, value in env.items():
+                m.setenv(name, value)
+            panels.library.cache_clear()
+            assert panels.library() is None and not panels.available(torch.zeros(1))
+    panels.library.cache_clear()
+
+
+@needs_panels
+@pytest.mark.parametrize("open_to", ["file", "directory"])
+def test_a_kernel_file_other_users_could_have_written_is_never_loaded(monkeypatch, tmp_path, open_to):
+    """A planted library in the kernel cache (a file, or a directory, writable by others) is not loaded: the
+    kernel is compiled afresh (over the file, or in a private directory) and computes F.linear."""
+    import os
+    import shutil
+
+    monkeypatch.setenv("GRPO_KERNEL_CACHE", str(tmp_path))
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    planted = tmp_path / f"panel_gemm-{panels.build_key(compiler)}.so"  # this build's name in the cache
+    planted.write_bytes(b"not a shared library")
+    (tmp_path if open_to == "directory" else planted).chmod(0o777)
+    panels.library.cache_clear()
+    try:
+        lib = panels.library()  # loading the planted file would raise (no ELF header)
+        assert lib is not None
+        if open_to == "directory":  # built in a private directory, the planted file left as it was
+            assert lib._name != str(planted) and planted.read_bytes() == b"not a shared library"
+        else:  # built over it
+            assert lib._name == str(planted) and planted.read_bytes()[:4] == b"\x7fELF"
+        weight, x = torch.randn(20, 8), torch.randn(3, 8)
+        torch.testing.assert_close(panels.panel_linear(weight, None)(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+    finally:
+        panels.library.cache_clear()
+
+
+@needs_panels
+def test_panel_float32_decode_matches_transformers_as_rows_leave(monkeypatch):
+    """Float32 where the panel kernel runs: from PACK_AFTER every linear and the head are in panels, once per
+    rollout; finished rows leave the batch (no slots kept), down to the last one. Next-token log-probs match the
+    transformers forward throughout."""
+    made = []
+    original = panels.panel_linear
+    monkeypatch.setattr(panels, "panel_linear", lambda w, b: made.append(tuple(w.shape)) or original(w, b))
+    first = packed.PACK_AFTER
+    drops = {first + 1: list(range(7)), first + 2: [7], first + 4: list(range(8, 15))}
+
+    def after_step(step, dec, active):
+        assert dec.slots == 0 and dec.live is None and dec.keys[0].shape[0] == len(active)
+        assert (dec.unpacked is not None) == (step >= first)
+
+    _decode_with_drops(
+        [[5, 9, 11, 13, 7], [8, 3]], torch.tensor([0] * 8 + [1] * 8), first + 7, first + 30, drops, after_step
+    )
+    assert len(made) == 2 * 4 + 1  # qkv, o, gate_up and down in each of the 2 layers, and the head: once
 
 
 @needs_mkl
-def test_packed_float32_decode_matches_transformers_and_repacks_as_its_batch_empties(monkeypatch):
+def test_packed_float32_decode_matches_transformers_and_repacks_as_its_batch_empties(monkeypatch, mkl_path):
     """Float32 on a CPU with MKL: after PACK_AFTER steps the weights are packed for the decode batch
     (grpo.rollout.packed). Finished rows keep their slots while more than half the slots are live; then the batch
     is repacked at half as many slots (not below MIN_ROWS), and a last row alone takes the plain path. Next-token
@@ -167,7 +246,7 @@ def test_packed_float32_decode_matches_transformers_and_repacks_as_its_batch_emp
 
 
 @needs_mkl
-def test_a_small_batch_packs_with_filler_slots_and_no_repack_without_budget():
+def test_a_small_batch_packs_with_filler_slots_and_no_repack_without_budget(mkl_path):
     """Three rows pack at MIN_ROWS slots (the filler slots' logits unread); with too little budget left for a
     repack the batch keeps its slots until one row is left."""
     first = packed.PACK_AFTER
@@ -191,7 +270,7 @@ def test_a_small_batch_packs_with_filler_slots_and_no_repack_without_budget():
 
 
 @needs_mkl
-def test_sixteen_rows_with_little_budget_left_keep_their_slots():
+def test_sixteen_rows_with_little_budget_left_keep_their_slots(mkl_path):
     first = packed.PACK_AFTER
     seen = {}
     _decode_with_drops(

@@ -8,12 +8,14 @@ step, mask construction). `LeanDecoder` runs the same arithmetic with fewer, lar
   oneDNN, pre-packed for its matmul kernel;
 - keys and values go into buffers allocated once per rollout, written in place; finished rows are dropped
   from them with one index_select;
-- in float32 on a CPU (no fast bfloat16), from the first step of a rollout whose budget runs on, the MLP weights
-  and the output head are packed for MKL's sgemm at the decode batch's row count, at least `packed.MIN_ROWS`
-  slots (`grpo.rollout.packed`; `PACKED` says why not the attention projections). The
-  batch then keeps its finished rows' slots (fed their last token, their logits unread), since the layout serves
-  one row count; once half its slots are free it is repacked for the rows left (at least `packed.MIN_ROWS`), and
-  a last row alone leaves for the plain matrix-vector product.
+- in float32 on a CPU (no fast bfloat16), from the first step of a rollout whose budget runs on, every linear
+  and the output head go to grpo's panel kernel (`grpo.rollout.panels`: x86 with AVX2 and FMA, and a C
+  compiler), whose layout serves any row count, so finished rows are dropped as on the plain path. Elsewhere
+  with MKL, the MLP weights and the head are packed for MKL's sgemm at the decode batch's row count, at least
+  `packed.MIN_ROWS` slots (`grpo.rollout.packed`; `PACKED` says why not the attention projections). The batch
+  then keeps its finished rows' slots (fed their last token, their logits unread), since that layout serves one
+  row count; once half its slots are free it is repacked for the rows left (at least `packed.MIN_ROWS`), and a
+  last row alone leaves for the plain matrix-vector product.
 The numbers follow the transformers forward under autocast: float32 residual stream and RMSNorm, matmuls on
 bfloat16 inputs and weights with bfloat16 outputs, rotary embedding from the model's own rotary module, attention
 over bfloat16 keys and values. The tests compare next-token distributions against the transformers forward.
@@ -32,12 +34,13 @@ import torch.nn.functional as F  # noqa: N812
 from grpo.fp32_head import is_fp32_head
 from grpo.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear, rms_norm
-from grpo.rollout import packed
+from grpo.rollout import packed, panels
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 # the linears packed for MKL (with the head): MKL's packed layout costs at least ~11.6 MB a matrix (qkv 5.2x its
 # weight, o 8.7x), and packing those two saved 1.7-3 ms of a 60 ms 16-row step (AVX2) for 0.65 GB more memory
 PACKED = ("gate_up", "down")
+PANELS = ("qkv", "o", "gate_up", "down")  # the panel kernel's layout is the weight's own size: all of them
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -185,11 +188,17 @@ class LeanDecoder:
         return self.max_new - self.steps > steps
 
     def _pack(self, rows: torch.Tensor, slots: int | None = None) -> None:
-        """Float32 on a CPU with MKL: the `PACKED` linears and the head packed for a batch of `slots` rows
+        """Float32 on a CPU: the panel kernel where it runs (`_panels`); else, with MKL, the `PACKED` linears and
+        the head packed for a batch of `slots` rows
         (`grpo.rollout.packed`; default and at least: as many as `rows`, and `packed.MIN_ROWS`), holding these
         `rows` of the batch (the other slots repeat the first row, their logits unread). A single row keeps the
         plain path."""
-        if not (packed.available(self.head_weights[0]) and self.dtype == torch.float32) or len(rows) < 2:
+        if self.dtype != torch.float32 or len(rows) < 2:
+            return
+        if panels.available(self.head_weights[0]):
+            self._panels()
+            return
+        if not packed.available(self.head_weights[0]):
             return
         slots = max(slots or len(rows), packed.MIN_ROWS)
         fed = self.fed[rows] if self.fed is not None else torch.zeros(len(rows), dtype=torch.long, device=rows.device)
@@ -201,6 +210,14 @@ class LeanDecoder:
         self.head = packed.packed_linear(*self.head_weights, slots)
         self.slots, self.live = slots, torch.arange(len(rows), device=rows.device)
         self.fed = torch.cat([fed, fed[:1].expand(slots - len(rows))])
+
+    def _panels(self) -> None:
+        """Every linear and the head on the panel kernel, for the rest of the rollout (any row count)."""
+        self._unpack()
+        self.unpacked = ([{k: layer[k] for k in PANELS} for layer in self.layers], self.head)
+        for layer, weights in zip(self.layers, self.weights):
+            layer.update({k: panels.panel_linear(*weights[k]) for k in PANELS})
+        self.head = panels.panel_linear(*self.head_weights)
 
     def _unpack(self) -> None:
         if self.unpacked is not None:

@@ -1,0 +1,71 @@
+/* Float32 matmul of a few rows against a weight kept in 16-column panels: the decode step's linears on x86 CPUs
+ * with AVX2 and FMA (grpo/rollout/panels.py builds and calls it).
+ *
+ *   Y[M][N] = X[M][K] @ W^T (+ bias),  W packed as P[p][k][j] = W[16 p + j][k] (zero past N)
+ *
+ * Each panel (16 columns, K x 16 floats) is read from memory once and multiplied with every row of X in blocks
+ * of up to 6 rows (12 accumulators), while the panel DIST ahead is prefetched, so that reading the weights
+ * overlaps the arithmetic (a decode step is bound by both). Panels are split over OpenMP threads (the runtime
+ * torch's own linear algebra uses: this library names the same libgomp.so.1). Every output is one float32 sum
+ * over k in order, fused multiply-adds: the rounding differs from MKL's blocked sums in the last bits only. */
+#include <immintrin.h>
+#include <stddef.h>
+#include <string.h>
+
+#define DIST 2
+
+#define MICRO(R)                                                                                               \
+    static void micro##R(int K, const float *X, int ldx, const float *P, float *out, int ldo, const float *pre, \
+                         int blocks, int block) {                                                              \
+        __m256 a0[R], a1[R];                                                                                   \
+        for (int i = 0; i < R; i++) {                                                                          \
+            a0[i] = _mm256_setzero_ps();                                                                       \
+            a1[i] = _mm256_setzero_ps();                                                                       \
+        }                                                                                                      \
+        for (int k = 0; k < K; k++) {                                                                          \
+            if (pre && k % blocks == block) _mm_prefetch((const char *)(pre + (size_t)k * 16), _MM_HINT_T2);   \
+            __m256 w0 = _mm256_loadu_ps(P + (size_t)k * 16), w1 = _mm256_loadu_ps(P + (size_t)k * 16 + 8);     \
+            for (int i = 0; i < R; i++) {                                                                      \
+                __m256 x = _mm256_broadcast_ss(X + (size_t)i * ldx + k);                                       \
+                a0[i] = _mm256_fmadd_ps(x, w0, a0[i]);                                                         \
+                a1[i] = _mm256_fmadd_ps(x, w1, a1[i]);                                                         \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int i = 0; i < R; i++) {                                                                          \
+            _mm256_storeu_ps(out + (size_t)i * ldo, a0[i]);                                                    \
+            _mm256_storeu_ps(out + (size_t)i * ldo + 8, a1[i]);                                                \
+        }                                                                                                      \
+    }
+MICRO(1)
+MICRO(2)
+MICRO(3)
+MICRO(4)
+MICRO(5)
+MICRO(6)
+
+typedef void (*micro_fn)(int, const float *, int, const float *, float *, int, const float *, int, int);
+static const micro_fn MICROS[7] = {0, micro1, micro2, micro3, micro4, micro5, micro6};
+
+int grpo_panel_gemm(int M, int N, int K, const float *X, const float *P, const float *bias, float *Y) {
+    int panels = (N + 15) / 16, blocks = (M + 5) / 6;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        const float *panel = P + (size_t)p * K * 16;
+        const float *pre = p + DIST < panels ? panel + (size_t)DIST * K * 16 : NULL;
+        int cols = N - p * 16 < 16 ? N - p * 16 : 16;
+        float tmp[6 * 16];
+        for (int r = 0, b = 0; r < M; r += 6, b++) {
+            int rows = M - r < 6 ? M - r : 6;
+            float *out = Y + (size_t)r * N + (size_t)p * 16;
+            int whole = cols == 16;
+            MICROS[rows](K, X + (size_t)r * K, K, panel, whole ? out : tmp, whole ? N : 16, pre, blocks, b);
+            for (int i = 0; i < rows; i++) {
+                float *row = out + (size_t)i * N;
+                if (!whole) memcpy(row, tmp + i * 16, (size_t)cols * sizeof(float));
+                if (bias)
+                    for (int j = 0; j < cols; j++) row[j] += bias[p * 16 + j];
+            }
+        }
+    }
+    return 0;
+}
