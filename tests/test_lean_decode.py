@@ -141,7 +141,7 @@ def mkl_path(monkeypatch):
 
 
 @needs_panels
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 32, 40])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 16, 32, 81, 300])
 def test_the_panel_kernel_computes_f_linear(rows):
     """Every row count (a block of 6 rows and the rest; more than MAX_ROWS: F.linear itself), widths that are not
     a multiple of 16, with and without bias: float32 sums of the same products, within rounding."""
@@ -149,9 +149,23 @@ def test_the_panel_kernel_computes_f_linear(rows):
     for n, k, bias in ((960, 576, False), (17, 37, True), (49, 1536, True), (1, 8, False)):
         weight, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
         b = torch.randn(n, generator=g) if bias else None
-        got = panels.panel_linear(weight, b)(x.view(rows, 1, k))
+        got = panels.panel_linear([weight], b)(x.view(rows, 1, k))
         assert got.shape == (rows, 1, n) and got.dtype == torch.float32
         torch.testing.assert_close(got[:, 0], torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_panels
+@pytest.mark.parametrize("rows", [3, 300])
+def test_weights_in_parts_are_one_matmul_as_if_concatenated(rows):
+    """q, k and v (gate and up) packed from their own tensors, row counts that do not fill a panel: the matmul of
+    the concatenated weight, its rows in order (over MAX_ROWS: F.linear on the concatenation)."""
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(n, 40, generator=g) for n in (23, 9, 16, 5)]
+    x, b = torch.randn(rows, 40, generator=g), torch.randn(53, generator=g)
+    assert panels.pack(parts).shape == (4, 40, 16)
+    got = panels.panel_linear(parts, b)(x)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, torch.cat(parts), b), rtol=1e-5, atol=1e-4)
+    assert torch.equal(panels.pack(parts), panels.pack([torch.cat(parts)]))  # the same panels, zero-padded
 
 
 def test_without_a_compiler_or_when_switched_off_the_panel_kernel_is_not_used(monkeypatch):
@@ -186,30 +200,41 @@ def test_a_kernel_file_other_users_could_have_written_is_never_loaded(monkeypatc
         else:  # built over it
             assert lib._name == str(planted) and planted.read_bytes()[:4] == b"\x7fELF"
         weight, x = torch.randn(20, 8), torch.randn(3, 8)
-        torch.testing.assert_close(panels.panel_linear(weight, None)(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(panels.panel_linear([weight], None)(x), x @ weight.T, rtol=1e-5, atol=1e-5)
     finally:
         panels.library.cache_clear()
 
 
 @needs_panels
 def test_panel_float32_decode_matches_transformers_as_rows_leave(monkeypatch):
-    """Float32 where the panel kernel runs: from PACK_AFTER every linear and the head are in panels, once per
-    rollout; finished rows leave the batch (no slots kept), down to the last one. Next-token log-probs match the
-    transformers forward throughout."""
+    """Float32 where the panel kernel runs: every linear and the head are in panels from the prefill on, packed
+    once per rollout from the weights' parts (q/k/v and gate/up never concatenated); finished rows leave the batch
+    (no slots kept), down to the last one. Next-token log-probs match the transformers forward throughout."""
     made = []
     original = panels.panel_linear
-    monkeypatch.setattr(panels, "panel_linear", lambda w, b: made.append(tuple(w.shape)) or original(w, b))
+    monkeypatch.setattr(panels, "panel_linear", lambda w, b: made.append(len(w)) or original(w, b))
+    monkeypatch.setattr(torch, "cat", _no_weight_concatenation(torch.cat))
     first = packed.PACK_AFTER
     drops = {first + 1: list(range(7)), first + 2: [7], first + 4: list(range(8, 15))}
 
     def after_step(step, dec, active):
         assert dec.slots == 0 and dec.live is None and dec.keys[0].shape[0] == len(active)
-        assert (dec.unpacked is not None) == (step >= first)
+        assert dec.in_panels and dec.plain is None
 
     _decode_with_drops(
         [[5, 9, 11, 13, 7], [8, 3]], torch.tensor([0] * 8 + [1] * 8), first + 7, first + 30, drops, after_step
     )
-    assert len(made) == 2 * 4 + 1  # qkv, o, gate_up and down in each of the 2 layers, and the head: once
+    assert made == [3, 1, 2, 1] * 2 + [1]  # qkv, o, gate_up and down (in parts) in each layer, and the head: once
+
+
+def _no_weight_concatenation(cat):
+    """torch.cat that fails on a model weight (a 2-d tensor that requires grad)."""
+
+    def checked(tensors, *args, **kwargs):
+        assert not any(t.dim() == 2 and t.requires_grad for t in tensors), "a weight was concatenated"
+        return cat(tensors, *args, **kwargs)
+
+    return checked
 
 
 @needs_mkl

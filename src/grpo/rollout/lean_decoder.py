@@ -84,31 +84,35 @@ class LeanDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scale = self.head_dim**-0.5
         self.layers = []
-        self.weights = []  # per layer, each linear's (weight, bias) as computed with: q/k/v and gate/up concatenated
+        # per layer, each linear's weight parts and bias: q/k/v and gate/up are one matmul each, their weights
+        # stacked by rows (by the panel kernel's packing, or concatenated once the plain path needs them)
+        self.parts: list[dict[str, tuple[list[torch.Tensor], torch.Tensor | None]]] = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
             up_bias = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
-            weights = dict(
-                qkv=(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_bias),
-                o=(a.o_proj.weight, a.o_proj.bias),
-                gate_up=(torch.cat([m.gate_proj.weight, m.up_proj.weight]), up_bias),
-                down=(m.down_proj.weight, m.down_proj.bias),
+            self.parts.append(
+                dict(
+                    qkv=([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], qkv_bias),
+                    o=([a.o_proj.weight], a.o_proj.bias),
+                    gate_up=([m.gate_proj.weight, m.up_proj.weight], up_bias),
+                    down=([m.down_proj.weight], m.down_proj.bias),
+                )
             )
-            self.weights.append(weights)
             self.layers.append(
                 dict(
                     norm1=_rms_norm(layer.input_layernorm),
                     norm2=_rms_norm(layer.post_attention_layernorm),
                     intermediate=m.gate_proj.out_features,
-                    **{name: fixed_linear(w, b, dtype) for name, (w, b) in weights.items()},
                 )
             )
         self.norm = _rms_norm(inner.norm)
-        head_dtype = torch.float32 if is_fp32_head(model.lm_head) else dtype  # cast_lm_head_to_fp32
+        self.head_dtype = torch.float32 if is_fp32_head(model.lm_head) else dtype  # cast_lm_head_to_fp32
         self.head_weights = (model.lm_head.weight, model.lm_head.bias)
-        self.head = fixed_linear(*self.head_weights, head_dtype)
-        self.unpacked: tuple[list[dict[str, Linear]], Linear] | None = None  # the plain linears, while packed
+        self.head: Linear | None = None
+        self.plain: tuple[list[dict[str, Linear]], Linear] | None = None  # `_plain_linears`, once made
+        self.in_panels = False  # whether the linears are the panel kernel's (for the whole rollout)
+        self.unpacked = False  # whether the linears are packed (MKL) or in panels, not the plain ones
         self.slots = 0  # rows of the packed batch
         self.live: torch.Tensor | None = None  # while packed: each row's slot in the batch (finished rows stay)
         self.fed: torch.Tensor | None = None  # while packed: the token each slot was fed last
@@ -121,7 +125,11 @@ class LeanDecoder:
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor, max_new: int) -> torch.Tensor:
         """Run the (left-padded) unique prompts once, copy their keys and values to the rows that share them
         (`owner[row]` = its prompt) and leave room for `max_new` tokens. Returns each row's next-token logits."""
-        self._unpack()
+        self.steps, self.max_new = 0, max_new
+        if self._budget_left(packed.STEPS_AFTER_PACKING) and self._panels_available():
+            self._panels()  # the prefill too: its rows (up to panels.MAX_ROWS) take the panel kernel
+        else:
+            self._unpack()
         u, p = ids.shape
         width = p + max_new
         shape = (u, self.kv_heads, width, self.head_dim)
@@ -138,20 +146,21 @@ class LeanDecoder:
         logits = self._forward(ids, positions, attend)
         self.select(owner)
         self.positions = mask.sum(-1, keepdim=True)[owner]
-        self.steps, self.max_new = 0, max_new
         return logits[owner]
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns the next-token logits (rows, vocab) in float32."""
-        if self.steps == packed.PACK_AFTER and self._budget_left(packed.STEPS_AFTER_PACKING):
+        if self.steps == packed.PACK_AFTER and not self.in_panels and self._budget_left(packed.STEPS_AFTER_PACKING):
             # the rollout runs on, its budget far from spent
             self._pack(torch.arange(len(tokens), device=tokens.device))
         self.steps += 1
         if self.live is not None:  # the packed batch: a finished row's slot repeats its last token, unread
             tokens = self.fed = self.fed.index_copy(0, self.live, tokens)
         self.valid[:, self.length] = True
-        attend = self.valid[:, None, None, : self.length + 1]
+        # one additive mask for every layer's attention (0 where a key is attended, -inf at padding)
+        valid = self.valid[:, None, None, : self.length + 1]
+        attend = torch.zeros(valid.shape, dtype=self.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
         logits = self._forward(tokens.unsqueeze(-1), self.positions, attend)
         self.positions = self.positions + 1
         if self.live is not None and len(self.live) < self.slots:
@@ -193,38 +202,53 @@ class LeanDecoder:
         (`grpo.rollout.packed`; default and at least: as many as `rows`, and `packed.MIN_ROWS`), holding these
         `rows` of the batch (the other slots repeat the first row, their logits unread). A single row keeps the
         plain path."""
-        if self.dtype != torch.float32 or len(rows) < 2:
-            return
-        if panels.available(self.head_weights[0]):
-            self._panels()
-            return
-        if not packed.available(self.head_weights[0]):
+        if self.dtype != torch.float32 or len(rows) < 2 or not packed.available(self.head_weights[0]):
             return
         slots = max(slots or len(rows), packed.MIN_ROWS)
         fed = self.fed[rows] if self.fed is not None else torch.zeros(len(rows), dtype=torch.long, device=rows.device)
         self._unpack()  # the old layout's buffers go before the new ones are made
         self._keep(torch.cat([rows, rows[:1].expand(slots - len(rows))]))
-        self.unpacked = ([{k: layer[k] for k in PACKED} for layer in self.layers], self.head)
-        for layer, weights in zip(self.layers, self.weights):
+        self.unpacked = True
+        for layer, weights in zip(self.layers, self._plain_weights()):
             layer.update({k: packed.packed_linear(*weights[k], slots) for k in PACKED})
         self.head = packed.packed_linear(*self.head_weights, slots)
         self.slots, self.live = slots, torch.arange(len(rows), device=rows.device)
         self.fed = torch.cat([fed, fed[:1].expand(slots - len(rows))])
 
+    def _panels_available(self) -> bool:
+        """Float32 on a CPU where grpo's panel kernel runs (and a float32 head)."""
+        return self.dtype == torch.float32 and self.head_dtype == torch.float32 and panels.available(self.embed)
+
     def _panels(self) -> None:
-        """Every linear and the head on the panel kernel, for the rest of the rollout (any row count)."""
-        self._unpack()
-        self.unpacked = ([{k: layer[k] for k in PANELS} for layer in self.layers], self.head)
-        for layer, weights in zip(self.layers, self.weights):
-            layer.update({k: panels.panel_linear(*weights[k]) for k in PANELS})
-        self.head = panels.panel_linear(*self.head_weights)
+        """Every linear and the head on the panel kernel, for the whole rollout (any row count): packed from the
+        weights' parts, nothing concatenated."""
+        self.unpacked = self.in_panels = True
+        self.live, self.fed, self.slots = None, None, 0
+        for layer, parts in zip(self.layers, self.parts):
+            layer.update({k: panels.panel_linear(*parts[k]) for k in PANELS})
+        self.head = panels.panel_linear([self.head_weights[0]], self.head_weights[1])
+
+    def _plain_weights(self) -> list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
+        """Each layer's linears as (weight, bias), q/k/v and gate/up concatenated (made when the plain or MKL path
+        needs them)."""
+        return [
+            {k: (torch.cat(ws) if len(ws) > 1 else ws[0], bias) for k, (ws, bias) in layer.items()}
+            for layer in self.parts
+        ]
 
     def _unpack(self) -> None:
-        if self.unpacked is not None:
-            plain, self.head = self.unpacked
-            for layer, linears in zip(self.layers, plain):
-                layer.update(linears)
-        self.unpacked, self.live, self.fed, self.slots = None, None, None, 0
+        """The plain linears (weights cast once for the rollout: `fixed_linear`), made on first use."""
+        if self.plain is None:
+            self.plain = (
+                [{k: fixed_linear(w, b, self.dtype) for k, (w, b) in layer.items()} for layer in self._plain_weights()],
+                fixed_linear(*self.head_weights, self.head_dtype),
+            )
+        if self.unpacked or self.head is None:
+            linears, self.head = self.plain
+            for layer, plain in zip(self.layers, linears):
+                layer.update(plain)
+        self.unpacked = self.in_panels = False
+        self.live, self.fed, self.slots = None, None, 0
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         b, t = ids.shape
@@ -242,14 +266,13 @@ class LeanDecoder:
             q = q.to(self.dtype)
             self.keys[i][:, :, start:end] = k
             self.values[i][:, :, start:end] = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q,
-                self.keys[i][:, :, :end],
-                self.values[i][:, :, :end],
-                attn_mask=attend,
-                scale=self.scale,
-                enable_gqa=self.kv_heads != self.heads,
-            )
+            keys, values = self.keys[i][:, :, :end], self.values[i][:, :, :end]
+            if t == 1:
+                out = _decode_attention(q, keys, values, attend, self.scale)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=attend, scale=self.scale, enable_gqa=self.kv_heads != self.heads
+                )
             x = x + layer["o"](out.transpose(1, 2).reshape(b, t, q_size))
             gate, up = layer["gate_up"](layer["norm2"](x)).split(layer["intermediate"], dim=-1)
             x = x + layer["down"](F.silu(gate) * up)
@@ -265,6 +288,24 @@ def _rms_norm(module: torch.nn.Module) -> Linear:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, without building rotate_half(x): the same products and sums (a + (-b) * c is
+    a - b * c exactly in floating point)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of one query per row (a decode step) as two batched matmuls: q (b, heads, 1, d) against keys and
+    values (b, kv_heads, length, d), a query head reading its group's key head, `bias` (b, 1, 1, length) added to the
+    scores. Where scaled_dot_product_attention's CPU kernel copied the keys and values of every layer at every step,
+    the matmuls read them in place."""
+    b, heads, _, d = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(b, kv_heads, heads // kv_heads, d)  # query heads of one key head: rows of one matmul
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scale).add_(bias)
+    return torch.matmul(scores.softmax(-1), values).reshape(b, heads, 1, d)

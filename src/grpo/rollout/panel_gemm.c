@@ -3,6 +3,9 @@
  *
  *   Y[M][N] = X[M][K] @ W^T (+ bias),  W packed as P[p][k][j] = W[16 p + j][k] (zero past N)
  *
+ * W may come in parts (q, k and v; gate and up): `grpo_pack_panels` packs their rows one after the other, as if
+ * they were one matrix, without concatenating them first.
+ *
  * Each panel (16 columns, K x 16 floats) is read from memory once and multiplied with every row of X in blocks
  * of up to 6 rows (12 accumulators), while the panel DIST ahead is prefetched, so that reading the weights
  * overlaps the arithmetic (a decode step is bound by both). Panels are split over OpenMP threads (the runtime
@@ -43,8 +46,11 @@ MICRO(4)
 MICRO(5)
 MICRO(6)
 
-typedef void (*micro_fn)(int, const float *, int, const float *, float *, int, const float *, int, int);
-static const micro_fn MICROS[7] = {0, micro1, micro2, micro3, micro4, micro5, micro6};
+/* a switch, not a table of function pointers: inlined, the blocks run ~35% faster (measured, 16 rows, AVX2) */
+#define BLOCK(R) \
+    case R:      \
+        micro##R(K, x, K, panel, dst, ld, pre, blocks, b); \
+        break;
 
 int grpo_panel_gemm(int M, int N, int K, const float *X, const float *P, const float *bias, float *Y) {
     int panels = (N + 15) / 16, blocks = (M + 5) / 6;
@@ -58,7 +64,12 @@ int grpo_panel_gemm(int M, int N, int K, const float *X, const float *P, const f
             int rows = M - r < 6 ? M - r : 6;
             float *out = Y + (size_t)r * N + (size_t)p * 16;
             int whole = cols == 16;
-            MICROS[rows](K, X + (size_t)r * K, K, panel, whole ? out : tmp, whole ? N : 16, pre, blocks, b);
+            const float *x = X + (size_t)r * K;
+            float *dst = whole ? out : tmp;
+            int ld = whole ? N : 16;
+            switch (rows) {
+                BLOCK(6) BLOCK(5) BLOCK(4) BLOCK(3) BLOCK(2) BLOCK(1)
+            }
             for (int i = 0; i < rows; i++) {
                 float *row = out + (size_t)i * N;
                 if (!whole) memcpy(row, tmp + i * 16, (size_t)cols * sizeof(float));
@@ -66,6 +77,27 @@ int grpo_panel_gemm(int M, int N, int K, const float *X, const float *P, const f
                     for (int j = 0; j < cols; j++) row[j] += bias[p * 16 + j];
             }
         }
+    }
+    return 0;
+}
+
+/* P = the panels of the rows of parts[0], parts[1], ... (rows[s] rows each, K columns, row-major), one after the
+ * other: P[p][k][j] = row 16 p + j of the stacked parts, zero past their total. Panels are split over threads. */
+int grpo_pack_panels(int count, const float *const *parts, const int *rows, int K, float *P) {
+    int total = 0;
+    for (int s = 0; s < count; s++) total += rows[s];
+    int panels = (total + 15) / 16;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        const float *src[16];
+        for (int j = 0, s = 0, first = 0; j < 16; j++) {
+            int r = p * 16 + j;
+            while (s < count && r >= first + rows[s]) first += rows[s++];
+            src[j] = s < count ? parts[s] + (size_t)(r - first) * K : NULL;
+        }
+        float *dst = P + (size_t)p * K * 16;
+        for (int k = 0; k < K; k++)
+            for (int j = 0; j < 16; j++) dst[(size_t)k * 16 + j] = src[j] ? src[j][k] : 0.0f;
     }
     return 0;
 }

@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ from grpo.perf.kernels import Linear
 logger = logging.getLogger("grpo")
 SOURCE = Path(__file__).with_name("panel_gemm.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-MAX_ROWS = 32  # more rows (a prefill) take the plain matmul on the weight itself
+MAX_ROWS = 256  # more rows (a long prefill) take the plain matmul on the weight itself
 
 
 def cpu_flags() -> set[str]:
@@ -76,6 +77,8 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     lib.grpo_panel_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
     lib.grpo_panel_gemm.restype = ctypes.c_int
+    lib.grpo_pack_panels.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.grpo_pack_panels.restype = ctypes.c_int
     return lib
 
 
@@ -119,28 +122,35 @@ def available(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and library() is not None
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """(N, K) weight -> its panels (ceil(N / 16), K, 16): column j of panel p is row 16 p + j (zeros past N)."""
-    n, k = weight.shape
-    padded = torch.zeros((n + 15) // 16 * 16, k, dtype=torch.float32)
-    padded[:n] = weight.detach()
-    return padded.view(-1, 16, k).transpose(1, 2).contiguous()
+def pack(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(N_i, K) weights, stacked by rows as one (sum N_i, K) matrix -> its panels (ceil(N / 16), K, 16): column j
+    of panel p is row 16 p + j (zeros past N). The C library reads the parts in place: nothing is concatenated."""
+    parts = [w.detach().float().contiguous() for w in parts]
+    n, k = sum(w.shape[0] for w in parts), parts[0].shape[1]
+    panels = torch.empty((n + 15) // 16, k, 16, dtype=torch.float32)
+    pointers = (ctypes.c_void_p * len(parts))(*[w.data_ptr() for w in parts])
+    rows = (ctypes.c_int * len(parts))(*[w.shape[0] for w in parts])
+    library().grpo_pack_panels(len(parts), pointers, rows, k, panels.data_ptr())
+    return panels
 
 
-def panel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-    """x -> x @ weight.T + bias in float32 by the panel kernel, for inputs of up to MAX_ROWS rows (more: F.linear
-    on `weight`). The panels are a copy: later changes to `weight` are not seen."""
+def panel_linear(parts: Sequence[torch.Tensor], bias: torch.Tensor | None) -> Linear:
+    """x -> x @ W.T + bias in float32 by the panel kernel, W the `parts` stacked by rows (q, k and v: one matmul),
+    for inputs of up to MAX_ROWS rows (more: F.linear on W, stacked then, once). The panels are a copy: later
+    changes to the parts are not seen."""
     lib = library()
-    weight = weight.detach()
     bias = bias.detach().float().contiguous() if bias is not None else None
-    panels = pack(weight)
-    n, k = weight.shape
+    panels = pack(parts)
+    n, k = sum(w.shape[0] for w in parts), parts[0].shape[1]
+    stacked: list[torch.Tensor] = []  # W itself, made on the first input of over MAX_ROWS rows
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, k)
         rows = flat.shape[0]
         if rows > MAX_ROWS or flat.dtype != torch.float32:
-            return F.linear(x, weight, bias)
+            if not stacked:
+                stacked.append(torch.cat([w.detach() for w in parts]) if len(parts) > 1 else parts[0].detach())
+            return F.linear(x, stacked[0], bias)
         flat = flat.contiguous()
         out = torch.empty(rows, n, dtype=torch.float32)
         extra = bias.data_ptr() if bias is not None else None
