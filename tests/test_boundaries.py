@@ -133,7 +133,8 @@ LAYERS = [
     {"agent", "rewards"},  # the tool loop above the engines; reward functions and models
     {"report"},  # the run report (reads run files only)
     {"checkpoint"},  # saving and loading a run (above everything it saves)
-    {"asynchronous", "async_trainer", "evaluation", "preemption", "ref_sync", "trainer"},  # the loop's orchestration
+    # the loop's orchestration; the Hub (pushes what the trainer saved, writes the model card from the trainer)
+    {"asynchronous", "async_trainer", "evaluation", "hub", "preemption", "ref_sync", "trainer"},
 ]
 
 
@@ -221,3 +222,10 @@ def test_grpo_units_import_each_other_without_cycles():
             strong(v)
     detail = [f"{a} -> {b} at {', '.join(graph[a][b])}" for c in cycles for a in c for b in graph.get(a, {}) if b in c]
     assert cycles == [], "\n".join(detail)
+
+
+def test_checkpoints_read_no_dataset():
+    """The checkpoint package saves and loads the state components the trainer hands it: the run's record
+    (`components.TrainingRecord`) is given the dataset's size, so checkpoints never import the data module."""
+    modules = (SRC / "checkpoint").glob("*.py")
+    assert [f"{name(p)}:{line}" for p in modules for u, line in grpo_imports(p) if u == "data"] == []

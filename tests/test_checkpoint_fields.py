@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError, strategy
-from grpo.data import generation_prompt_indices
+from grpo.data import epoch_start, generation_prompt_indices
 from test_trainer import cfg, chat_dataset, length_reward
 
 
@@ -99,7 +99,7 @@ def test_resume_targets_and_where_ignore_data_skip_restarts():
     assert strategy.resume_target(None, "out/checkpoint-3") == "out/checkpoint-3"
     assert strategy.resume_target(False, "true") is None  # an explicit argument wins
     assert strategy.resume_target("a/checkpoint-1", "true") == "a/checkpoint-1"
-    assert [strategy.epoch_start(p, 4) for p in (0, 3, 4, 6, 9)] == [0, 0, 4, 4, 8]
+    assert [epoch_start(p, 4) for p in (0, 3, 4, 6, 9)] == [0, 0, 4, 4, 8]
 
 
 def fake_checkpoints(root, steps):

@@ -52,6 +52,7 @@ from grpo import (
     checkpoint,
     data,
     evaluation,
+    hub,
     lora,
     models,
     optimization,
@@ -182,9 +183,11 @@ class GRPOTrainer(TrlSurface):
         self.rounds = asynchronous.rounds_of(self, snapshot)  # generate -> score: in turn with training, or async
         mixed_reference = ref_sync.MixedReference.of(args, self.ref_model, self.accelerator)
         extra = [*mixed_reference, *([self.rounds] if args.async_generation else [])]  # in-flight rounds
-        self.state_components = components.of_run(self, extra)  # what checkpoints save and load
         self.loss_params = LossParams.of(args)
         self.loss_terms = LossTerms(args, router_aux_coef(self.unwrapped_model, args))  # entropy bonus, router loss
+        # what checkpoints save and load (trainer_state.json's record first)
+        resume_at = functools.partial(data.position_after_resume, args, self.train_dataset)  # ignore_data_skip
+        self.state_components = components.of_run(self, extra, data.dataset_size(self.train_dataset), resume_at)
         self.correction = SamplingCorrection.of(args, engine)  # sampling/* metrics, vLLM's IS weight, OPSM
         self.policy_version = 0  # a new number whenever the policy's weights change (the producer syncs on it)
         self.gradient_check = optimization.GradientCheck(args.max_grad_norm)  # clip; non-finite norms
@@ -197,6 +200,7 @@ class GRPOTrainer(TrlSurface):
         self.diagnosis = Diagnosis()  # what the logged metrics say is going wrong: one warning each
         self.run_report = RunReport.of(self)  # <output_dir>/report.html
         self.hub = Hub(args, self.accelerator.is_main_process)
+        self.write_model_card = functools.partial(hub.write_model_card, self)  # README.md of a saved model
         self.hub.create_repo()  # with push_to_hub, as the HF Trainer: at construction
         handles = self.model, self.processing_class, self.optimizer, self.lr_scheduler
         self.callback_handler = Callbacks(callbacks, *handles)
@@ -482,19 +486,6 @@ class GRPOTrainer(TrlSurface):
         """Completions of every eval prompt scored by the reward functions: the `eval_` metrics (`grpo.evaluation`),
         logged and passed to the callbacks' on_evaluate. Changes nothing training depends on."""
         return evaluation.evaluate(self, eval_dataset, metric_key_prefix)
-
-    @property
-    def control(self) -> Any:
-        return self.callback_handler.control
-
-    def add_callback(self, callback: Any) -> None:
-        self.callback_handler.add(callback)
-
-    def pop_callback(self, callback: Any) -> Any:
-        return self.callback_handler.pop(callback)
-
-    def remove_callback(self, callback: Any) -> None:
-        self.callback_handler.remove(callback)
 
     def _fire(self, event: str, **kwargs: Any) -> None:
         self.callback_handler.fire(event, self.args, self.state, **kwargs)

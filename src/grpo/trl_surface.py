@@ -84,6 +84,19 @@ class TrlSurface:
 
     # ---- the HF Trainer's user methods -----------------------------------------------------------------------
 
+    @property
+    def control(self) -> Any:
+        return self.callback_handler.control
+
+    def add_callback(self, callback: Any) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        self.callback_handler.remove(callback)
+
     def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, **card: Any) -> Any:
         """Save the model and its card to output_dir and push them to hub_model_id (`grpo.hub`)."""
         return self.hub.push(self, commit_message, blocking, **card)

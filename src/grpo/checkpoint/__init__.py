@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import SafetensorError
 
-from grpo import data, hub, lora
+from grpo import lora
 from grpo.checkpoint import files, strategy
 from grpo.checkpoint.files import CheckpointError, CheckpointMismatchError, checkpoints
 from grpo.distributed import collectives, sharding, zero
@@ -59,7 +59,9 @@ class StateComponent(Protocol):
     """A part of a run's state that saves and loads itself (torchtitan's Stateful, in two phases): `save` writes
     its files into the checkpoint being written (every process calls it), `read` reads and checks them without
     changing anything (an error names the file), `restore` applies what `read` returned once every file of the
-    checkpoint has been read. The trainer lists its components in `state_components`."""
+    checkpoint has been read. A component may also have `fields() -> dict`: entries of trainer_state.json, which
+    the checkpoint's writer collects (`components.TrainingRecord`: the run's position, logs and geometry). The
+    trainer lists its components in `state_components`."""
 
     name: str
 
@@ -71,18 +73,6 @@ class StateComponent(Protocol):
 
 
 SHARDED = "sharded"  # torch.distributed.checkpoint directory: a sharded model's and optimizer's shards
-# settings that decide which prompts, completions and batches each step sees: a resume must keep them
-RUN_GEOMETRY = (
-    "seed",
-    "num_generations",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "generation_batch_size",
-    "steps_per_generation",
-    "num_iterations",
-    "shuffle_dataset",
-    "data_seed",
-)
 
 
 class CheckpointWriteError(OSError):
@@ -102,12 +92,12 @@ def model_state(trainer: Any) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(trainer: Any, output_dir: str, state_dict: dict[str, torch.Tensor]) -> None:
-    """The policy (or its adapter) and tokenizer as a Hugging Face model directory (main process only), from
-    `model_state`."""
+    """The policy (or its adapter), tokenizer and model card (the trainer's `write_model_card`) as a Hugging Face
+    model directory (main process only), from `model_state`."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     trainer.processing_class.save_pretrained(output_dir)
-    hub.write_model_card(trainer, output_dir)
+    trainer.write_model_card(output_dir)
 
 
 def save(trainer: Any, step: int) -> str:
@@ -186,27 +176,17 @@ def _write_process_files(trainer: Any, tmp: str) -> None:
 
 
 def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict: dict[str, torch.Tensor]) -> None:
-    """What the main process writes: the model directory, optimizer, schedule, trainer state; then the rename
-    that makes the checkpoint exist, and the rotation."""
-    acc = trainer.accelerator
+    """What the main process writes: the model directory and trainer_state.json (the components' `fields`, the
+    best checkpoint, the callbacks' states); then the rename that makes the checkpoint exist, and the rotation."""
     save_pretrained(trainer, tmp, state_dict)
-    state = {
-        "global_step": step,
-        **trainer.loop.state_dict(),
-        "max_steps": trainer.max_steps,
-        "num_input_tokens_seen": trainer.state.num_input_tokens_seen,
-        "total_flos": trainer.state.total_flos,
-        "log_history": trainer.state.log_history,
-        "metrics_window": trainer.metrics.state_dict(),
-        "entropy_control": trainer.loss_terms.state_dict(),  # use_adaptive_entropy: coefficient, last entropy
-        "rollouts": trainer.buffer.mid_cycle(trainer.loop.micro_step),
-        "num_processes": acc.num_processes,
-        "dataset_size": data.dataset_size(trainer.train_dataset),
-        "save_only_model": trainer.args.save_only_model,
+    state: dict[str, Any] = {"global_step": step}
+    for component in trainer.state_components:  # the run's record (components.TrainingRecord)
+        state.update(component.fields() if hasattr(component, "fields") else {})
+    state.update(
+        save_only_model=trainer.args.save_only_model,
         **strategy.best_state(trainer.state),
-        "stateful_callbacks": trainer.callback_handler.states(),
-        "config": {k: v for k, v in trainer.args.to_dict().items() if _jsonable(v)},
-    }
+        stateful_callbacks=trainer.callback_handler.states(),
+    )
     with open(os.path.join(tmp, STATE), "w") as f:
         json.dump(state, f, indent=1)
     _replace(tmp, final)  # the checkpoint exists only once it is complete
@@ -294,24 +274,15 @@ def load(trainer: Any, path: str) -> None:
             f"weights (model={path!r}, without resume_from_checkpoint), or resume from a checkpoint saved with "
             "save_only_model=False."
         )
-    _check_run(trainer, state, path)
+    # read and checked, not applied (the record first: whether the checkpoint fits this run at all)
+    components = [(c, c.read(path, state)) for c in trainer.state_components]
     best = strategy.read_best(state, path)
     if args.restore_callback_states_from_checkpoint:
         trainer.callback_handler.restore(state.get("stateful_callbacks") or {})
-    components = [(c, c.read(path, state)) for c in trainer.state_components]  # read and checked, not applied
     _load_model(trainer, path, sharding.is_sharded(trainer.model), zero.in_use(acc))
-    trainer.state.global_step = state["global_step"]
-    trainer.state.num_input_tokens_seen = state["num_input_tokens_seen"]
-    trainer.state.total_flos = float(state.get("total_flos", 0.0))
-    trainer.state.log_history = state["log_history"]
-    trainer.state.epoch = state["global_step"] / trainer.steps_per_epoch
     for name, value in best.items():
         setattr(trainer.state, name, value)
-    trainer.loop.load_state_dict(state)
-    trainer.loop.data_position = strategy.data_position_after_resume(trainer, trainer.loop.data_position)
-    trainer.metrics.load_state_dict(state["metrics_window"])
-    files.apply(path, STATE, lambda: trainer.loss_terms.load_state_dict(state.get("entropy_control")))
-    for component, value in components:  # the generators last (`components.of_run`)
+    for component, value in components:  # the record first, the generators last (`components.of_run`)
         component.restore(value)
 
 
@@ -351,25 +322,6 @@ def _load_model(trainer: Any, path: str, sharded: bool, deepspeed: bool) -> None
             )
     else:
         _load_weights(model, path)
-
-
-def _check_run(trainer: Any, state: dict[str, Any], path: str) -> None:
-    config, args = state["config"], trainer.args.to_dict()
-    differ = [
-        f"{k}: checkpoint {config.get(k)!r}, now {args.get(k)!r}" for k in RUN_GEOMETRY if config.get(k) != args.get(k)
-    ]
-    if state["num_processes"] != trainer.accelerator.num_processes:
-        differ.append(
-            f"number of processes: checkpoint {state['num_processes']}, now {trainer.accelerator.num_processes}"
-        )
-    size = data.dataset_size(trainer.train_dataset)
-    if state["dataset_size"] != size:
-        differ.append(f"train_dataset rows: checkpoint {state['dataset_size']}, now {size}")
-    if differ:
-        raise CheckpointMismatchError(
-            f"Cannot resume exactly from {path}: " + "; ".join(differ) + ". Resume with "
-            "the run's original settings, or start a new run (another output_dir)."
-        )
 
 
 def _load_weights(model: torch.nn.Module, path: str) -> None:
@@ -419,11 +371,3 @@ def _as_model_keys(model: torch.nn.Module, saved: dict, own: dict) -> dict:
     name_of = {t.data_ptr(): n for n, t in own.items()}
     rename = {k: name_of[t.data_ptr()] for k, t in original.items() if t.data_ptr() in name_of}
     return {rename.get(k, k): v for k, v in saved.items()}
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False

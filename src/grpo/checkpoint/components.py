@@ -8,8 +8,9 @@ draws from them. Components hold what they save, not the trainer.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +19,91 @@ from grpo.checkpoint import files, strategy
 from grpo.distributed import sharding, zero
 
 OPTIMIZER, SCHEDULER, SCALER = "optimizer.pt", "scheduler.pt", "scaler.pt"
+
+
+# settings that decide which prompts, completions and batches each step sees: a resume must keep them
+RUN_GEOMETRY = (
+    "seed",
+    "num_generations",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "generation_batch_size",
+    "steps_per_generation",
+    "num_iterations",
+    "shuffle_dataset",
+    "data_seed",
+)
+
+
+class TrainingRecord:
+    """The run's record in trainer_state.json: the loop's position (micro-step, data position), tokens seen, FLOPs,
+    the log history and the unfinished logging window, the entropy control, whether rollouts were buffered, and
+    what a resume must keep (the run's geometry, world size and dataset size, and the config). `fields` is what the
+    checkpoint's writer puts in trainer_state.json; `read` checks that the checkpoint fits this run (the error names
+    every difference); `restore` applies the record. Given the objects it records at construction, not the
+    trainer: `metrics` returns the run's metrics logger (made when training starts)."""
+
+    name = "trainer state"
+
+    def __init__(
+        self,
+        state: Any,
+        loop: Any,
+        buffer: Any,
+        loss_terms: Any,
+        metrics: Callable[[], Any],
+        run: dict[str, Any],
+    ) -> None:
+        self.state, self.loop, self.buffer, self.loss_terms, self.metrics = state, loop, buffer, loss_terms, metrics
+        # max_steps, steps_per_epoch, num_processes, dataset_size (None: a stream), args (the config), resume_at
+        self.run = run
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            **self.loop.state_dict(),
+            "max_steps": self.run["max_steps"],
+            "num_input_tokens_seen": self.state.num_input_tokens_seen,
+            "total_flos": self.state.total_flos,
+            "log_history": self.state.log_history,
+            "metrics_window": self.metrics().state_dict(),
+            "entropy_control": self.loss_terms.state_dict(),  # use_adaptive_entropy: coefficient, last entropy
+            "rollouts": self.buffer.mid_cycle(self.loop.micro_step),
+            "num_processes": self.run["num_processes"],
+            "dataset_size": self.run["dataset_size"],
+            "config": {k: v for k, v in self.run["args"].to_dict().items() if _jsonable(v)},
+        }
+
+    def save(self, directory: str) -> None:
+        """Nothing of its own: its fields go into trainer_state.json."""
+
+    def read(self, checkpoint: str, state: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        config, now = state["config"], self.run["args"].to_dict()
+        differ = [
+            f"{k}: checkpoint {config.get(k)!r}, now {now.get(k)!r}"
+            for k in RUN_GEOMETRY
+            if config.get(k) != now.get(k)
+        ]
+        for key, label in (("num_processes", "number of processes"), ("dataset_size", "train_dataset rows")):
+            if state[key] != self.run[key]:
+                differ.append(f"{label}: checkpoint {state[key]}, now {self.run[key]}")
+        if differ:
+            raise files.CheckpointMismatchError(
+                f"Cannot resume exactly from {checkpoint}: " + "; ".join(differ) + ". Resume with "
+                "the run's original settings, or start a new run (another output_dir)."
+            )
+        return checkpoint, state
+
+    def restore(self, value: tuple[str, dict[str, Any]]) -> None:
+        checkpoint, state = value
+        self.state.global_step = state["global_step"]
+        self.state.num_input_tokens_seen = state["num_input_tokens_seen"]
+        self.state.total_flos = float(state.get("total_flos", 0.0))
+        self.state.log_history = state["log_history"]
+        self.state.epoch = state["global_step"] / self.run["steps_per_epoch"]
+        self.loop.load_state_dict(state)
+        self.loop.data_position = self.run["resume_at"](self.loop.data_position)
+        self.metrics().load_state_dict(state["metrics_window"])
+        files.apply(checkpoint, files.STATE, lambda: self.loss_terms.load_state_dict(state.get("entropy_control")))
 
 
 class Optimization:
@@ -113,10 +199,23 @@ class BufferedRollouts:
         self.buffer.load_state_dict(value, self.device)
 
 
-def of_run(trainer: Any, extra: Sequence[Any] = ()) -> list[Any]:
-    """A run's components, from a trainer being built (after `prepare`): its optimization, its buffered
-    rollouts, the `extra` ones (the mixed reference), its generators last."""
+def of_run(trainer: Any, extra: Sequence[Any], dataset_size: int | None, resume_at: Callable[[int], int]) -> list[Any]:
+    """A run's components, from a trainer being built (after `prepare`): its record (trainer_state.json; the
+    training set has `dataset_size` rows, None for a stream; `resume_at` maps a checkpoint's data position to the
+    one a resume draws from), its optimization, its buffered rollouts, the `extra` ones (the mixed reference,
+    in-flight rounds), its generators last."""
     acc = trainer.accelerator
+    run = dict(
+        max_steps=trainer.max_steps,
+        steps_per_epoch=trainer.steps_per_epoch,
+        num_processes=acc.num_processes,
+        dataset_size=dataset_size,
+        args=trainer.args,
+        resume_at=resume_at,
+    )
+    record = TrainingRecord(
+        trainer.state, trainer.loop, trainer.buffer, trainer.loss_terms, lambda: trainer.metrics, run
+    )
     # where saved tensors go: accelerate numbers CPU processes' devices ("cpu:1"), which torch.load rejects
     device = "cpu" if acc.device.type == "cpu" else acc.device
     own_file = not sharding.is_sharded(trainer.model) and not zero.in_use(acc)  # else the shards hold it
@@ -124,4 +223,12 @@ def of_run(trainer: Any, extra: Sequence[Any] = ()) -> list[Any]:
         trainer.optimizer, trainer.lr_scheduler, acc.scaler, own_file, strategy.writer(trainer), device
     )
     rollouts = BufferedRollouts(trainer.buffer, trainer.loop, acc.process_index, device)
-    return [optimization, rollouts, *extra, GeneratorStates(acc.process_index)]
+    return [record, optimization, rollouts, *extra, GeneratorStates(acc.process_index)]
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False

@@ -25,7 +25,7 @@ import os
 import shutil
 from typing import Any
 
-from grpo import data, reporting
+from grpo import reporting
 from grpo.checkpoint.files import CheckpointError, checkpoints
 from grpo.distributed import collectives, sharding, zero
 
@@ -73,11 +73,6 @@ def writes_files(save_on_each_node: bool, is_main_process: bool, is_local_main_p
 def writer(trainer: Any) -> bool:
     acc = trainer.accelerator
     return writes_files(trainer.args.save_on_each_node, acc.is_main_process, acc.is_local_main_process)
-
-
-def epoch_start(position: int, blocks_per_epoch: int) -> int:
-    """The data position where the epoch holding `position` began (ignore_data_skip resumes there)."""
-    return position - position % blocks_per_epoch
 
 
 # ---- construction: settings that could never do what they say ------------------------------------------------
@@ -238,18 +233,6 @@ def resume_target(argument: str | bool | None, config_value: str | None) -> str 
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "none", ""):
         value = value.strip().lower() == "true"
     return value or None
-
-
-def data_position_after_resume(trainer: Any, position: int) -> int:
-    """The data position a resumed run draws its next prompts from: the checkpoint's, or with ignore_data_skip
-    the start of its epoch (the HF Trainer restarts the epoch's dataloader without fast-forwarding it)."""
-    a = trainer.args
-    if not a.ignore_data_skip:
-        return position
-    if data.is_stream(trainer.train_dataset):  # a stream's epoch is the run: start it over
-        return 0
-    blocks = data.prompts_per_generation(len(trainer.train_dataset), a.generation_batch_size // a.num_generations)
-    return epoch_start(position, blocks)
 
 
 def load_best_model(trainer: Any, load_model: Any) -> bool:
