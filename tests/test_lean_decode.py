@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo.rollout import packed, panels
+from grpo.rollout import lean_decoder, packed, panels
 from grpo.rollout.base import left_pad
 from grpo.rollout.lean_decoder import LeanDecoder, unsupported_reason
 from tiny import make_model, make_tokenizer
@@ -25,13 +25,15 @@ def reference_logprobs(model, rows, dtype):
     return torch.stack(out)
 
 
-def check(model, dtype, atol):
+def check(model, dtype, atol, max_new=6):
+    """Six decode steps (rows 1 and 4 leave after the third) against the transformers forward; a budget of
+    `max_new` tokens (over packed.STEPS_AFTER_PACKING: the float32 panel kernel and fused steps, where they run)."""
     prompts = [[5, 9, 11, 13, 7], [8, 3], [21, 22, 23, 24, 25, 26, 27]]
     owner = torch.tensor([0, 0, 1, 1, 2, 2])
     ids, mask = left_pad(prompts, 0)
     dec = LeanDecoder(model, dtype)
     seqs = [list(prompts[o]) for o in owner.tolist()]
-    logits = dec.prefill(ids, mask, owner, max_new=6)
+    logits = dec.prefill(ids, mask, owner, max_new=max_new)
     active = list(range(len(seqs)))
     g = torch.Generator().manual_seed(0)
     for step in range(6):
@@ -51,12 +53,16 @@ def check(model, dtype, atol):
             tokens = tokens[keep]
             active = [active[i] for i in keep.tolist()]
         logits = dec.step(tokens)
+    return dec
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
 def test_llama_next_token_distributions_match(dtype, atol):
     model = make_model(make_tokenizer(), hidden=64, layers=2).eval()
     check(model, dtype, atol)
+
+
+needs_panels_here = pytest.mark.skipif(not panels.available(torch.zeros(1)), reason="no AVX2/FMA or no C compiler here")
 
 
 def test_qwen2_with_qkv_bias_and_tied_head_matches():
@@ -89,6 +95,71 @@ def test_llama_with_biases_and_rope_scaling_matches():
         rope_scaling={"rope_type": "linear", "factor": 2.0},
     )
     check(LlamaForCausalLM(config).eval(), torch.float32, 1e-5)
+
+
+def _qwen2_tied():
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _llama_biased():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@needs_panels_here
+@pytest.mark.parametrize("make", [_qwen2_tied, _llama_biased, lambda: make_model(make_tokenizer(), hidden=64)])
+def test_fused_float32_decode_steps_match_transformers(make, monkeypatch):
+    """Float32 with the panel kernel: each decode step runs every layer in one call (panels.decode_layers: norms,
+    q/k/v with biases, RoPE (scaled), grouped-query attention over the buffers, MLP), and matches the transformers
+    forward as the unfused path does (rtol 1e-5), rows leaving included."""
+    calls = []
+    original = panels.decode_layers
+    monkeypatch.setattr(panels, "decode_layers", lambda *a: calls.append(a[2].shape[0]) or original(*a))
+    dec = check(make(), torch.float32, 1e-5, max_new=30)
+    assert dec.fused is not None and calls == [6, 6, 4, 4, 4, 4]  # every step; rows 1 and 4 left after the third
+
+
+@needs_panels_here
+def test_fused_steps_equal_the_per_operator_steps_within_float32_rounding(monkeypatch):
+    """The same rollout through the fused step and through the per-operator panel path: next-token log-probs
+    within float32 rounding of each other at every step."""
+    model = make_model(make_tokenizer(), hidden=64, layers=3).eval()
+    prompts, owner = [[5, 9, 11, 13, 7], [8, 3]], torch.tensor([0, 0, 0, 1, 1, 1])
+    ids, mask = left_pad(prompts, 0)
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(lean_decoder, "FUSED", fused)
+        dec = LeanDecoder(model, torch.float32)
+        out = [dec.prefill(ids, mask, owner, max_new=20)]
+        g = torch.Generator().manual_seed(0)
+        for _ in range(12):
+            out.append(dec.step(torch.randint(5, 60, (6,), generator=g)))
+        assert (dec.fused is not None) == fused
+        runs.append(torch.stack([torch.log_softmax(o, -1) for o in out]))
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
 
 
 def test_unsupported_models_are_named():

@@ -3,14 +3,17 @@
 Decoding a 135M model on a CPU spends most of each token in framework overhead: a transformers forward runs
 ~500 small operators per token (module calls, per-projection matmuls, a growing KV cache concatenated each
 step, mask construction). `LeanDecoder` runs the same arithmetic with fewer, larger operators:
-- the q/k/v projections are one matmul and gate/up are one matmul (weights concatenated once per rollout);
+- the q/k/v projections are one matmul and gate/up are one matmul (weights concatenated once per rollout, or
+  packed from their parts by the panel kernel);
 - each weight is cast to the compute dtype once per rollout (bfloat16 under autocast) and, on CPUs with
   oneDNN, pre-packed for its matmul kernel;
 - keys and values go into buffers allocated once per rollout, written in place; finished rows are dropped
   from them with one index_select;
-- in float32 on a CPU (no fast bfloat16), from the first step of a rollout whose budget runs on, every linear
-  and the output head go to grpo's panel kernel (`grpo.rollout.panels`: x86 with AVX2 and FMA, and a C
-  compiler), whose layout serves any row count, so finished rows are dropped as on the plain path. Elsewhere
+- in float32 on a CPU (no fast bfloat16), for a rollout whose budget runs on, every linear and the output head
+  go to grpo's panel kernel from the prefill on (`grpo.rollout.panels`: x86 with AVX2 and FMA, and a C
+  compiler), whose layout serves any row count, so finished rows are dropped as on the plain path; and each
+  decode step runs every layer in one C call (`panels.decode_layers`: the same operations as `_forward`, where
+  ~35 torch operators a layer cost more than their arithmetic at a few rows). Elsewhere
   with MKL, the MLP weights and the head are packed for MKL's sgemm at the decode batch's row count, at least
   `packed.MIN_ROWS` slots (`grpo.rollout.packed`; `PACKED` says why not the attention projections). The batch
   then keeps its finished rows' slots (fed their last token, their logits unread), since that layout serves one
@@ -41,6 +44,7 @@ SUPPORTED = ("llama", "mistral", "qwen2")
 # weight, o 8.7x), and packing those two saved 1.7-3 ms of a 60 ms 16-row step (AVX2) for 0.65 GB more memory
 PACKED = ("gate_up", "down")
 PANELS = ("qkv", "o", "gate_up", "down")  # the panel kernel's layout is the weight's own size: all of them
+FUSED = True  # a float32 decode step on the panel kernel runs every layer in one call (`panels.decode_layers`)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -82,6 +86,7 @@ class LeanDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.hidden = config.hidden_size
         self.scale = self.head_dim**-0.5
         self.layers = []
         # per layer, each linear's weight parts and bias: q/k/v and gate/up are one matmul each, their weights
@@ -103,15 +108,20 @@ class LeanDecoder:
                 dict(
                     norm1=_rms_norm(layer.input_layernorm),
                     norm2=_rms_norm(layer.post_attention_layernorm),
+                    norm1_weight=layer.input_layernorm.weight,
+                    norm2_weight=layer.post_attention_layernorm.weight,
                     intermediate=m.gate_proj.out_features,
                 )
             )
+        norms = [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.eps = {n.variance_epsilon for n in norms}
         self.norm = _rms_norm(inner.norm)
         self.head_dtype = torch.float32 if is_fp32_head(model.lm_head) else dtype  # cast_lm_head_to_fp32
         self.head_weights = (model.lm_head.weight, model.lm_head.bias)
         self.head: Linear | None = None
         self.plain: tuple[list[dict[str, Linear]], Linear] | None = None  # `_plain_linears`, once made
         self.in_panels = False  # whether the linears are the panel kernel's (for the whole rollout)
+        self.fused: Any = None  # with the panels: every layer of a decode step in one call (`panels.decode_layers`)
         self.unpacked = False  # whether the linears are packed (MKL) or in panels, not the plain ones
         self.slots = 0  # rows of the packed batch
         self.live: torch.Tensor | None = None  # while packed: each row's slot in the batch (finished rows stay)
@@ -227,6 +237,21 @@ class LeanDecoder:
         for layer, parts in zip(self.layers, self.parts):
             layer.update({k: panels.panel_linear(*parts[k]) for k in PANELS})
         self.head = panels.panel_linear([self.head_weights[0]], self.head_weights[1])
+        same = len(self.eps) == 1 and len({layer["intermediate"] for layer in self.layers}) == 1
+        if FUSED and same and all(n.dtype == torch.float32 for n in self._norm_weights()):
+            sizes = panels.Sizes(
+                self.hidden,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                self.layers[0]["intermediate"],
+                next(iter(self.eps)),
+                self.scale,
+            )
+            self.fused = (panels.layer_table(self.layers), sizes)
+
+    def _norm_weights(self) -> list[torch.Tensor]:
+        return [layer[k] for layer in self.layers for k in ("norm1_weight", "norm2_weight")]
 
     def _plain_weights(self) -> list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
         """Each layer's linears as (weight, bias), q/k/v and gate/up concatenated (made when the plain or MKL path
@@ -248,7 +273,7 @@ class LeanDecoder:
             for layer, plain in zip(self.layers, linears):
                 layer.update(plain)
         self.unpacked = self.in_panels = False
-        self.live, self.fed, self.slots = None, None, 0
+        self.fused, self.live, self.fed, self.slots = None, None, None, 0
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         b, t = ids.shape
@@ -256,6 +281,17 @@ class LeanDecoder:
         x = F.embedding(ids, self.embed).float()
         cos, sin = self.rotary(x, positions)
         cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+        if t == 1 and self.fused is not None:  # a decode step: every layer in one call
+            table, sizes = self.fused
+            x = x[:, 0].contiguous()
+            panels.set_caches(table, self.keys, self.values)
+            mask = attend.reshape(b, end).contiguous()
+            width = self.keys[0].shape[2]
+            panels.decode_layers(
+                table, sizes, x, cos[:, 0, 0].contiguous(), sin[:, 0, 0].contiguous(), mask, width, start
+            )
+            self.length = end
+            return self.head(self.norm(x)).float()
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
             qkv = layer["qkv"](layer["norm1"](x))

@@ -101,3 +101,165 @@ int grpo_pack_panels(int count, const float *const *parts, const int *rows, int 
     }
     return 0;
 }
+
+/* ---- one decode step of a Llama-family model, every layer in one call -------------------------------------------
+ *
+ * The lean decoder's float32 step (grpo/rollout/lean_decoder.py, `_forward` with one token a row) written out, so
+ * that a step is one call instead of ~35 small torch operators a layer (each a few microseconds of dispatch, which
+ * at a decode step's few rows cost more than their arithmetic). Per layer, for B rows of hidden size D:
+ *
+ *   h = rmsnorm(x) * norm1;  [q k v] = h @ Wqkv^T (+b);  q, k rotated (cos, sin: the model's rotary embedding);
+ *   k, v written at position `pos` of the layer's key/value buffers (B, KVH, W, HD);
+ *   a = softmax(q . K^T * scale + mask) V   (a query head reads key head h / (H / KVH); mask: 0 or -inf, (B, pos+1));
+ *   x += a @ Wo^T (+b);  h = rmsnorm(x) * norm2;  [g u] = h @ Wgu^T (+b);  x += (silu(g) * u) @ Wdown^T (+b)
+ *
+ * The same operations in the same order as the torch path; sums run in another order (float32 rounding only). */
+#include <math.h>
+#include <stdlib.h>
+
+/* sum of a[i] * b[i]: eight lanes of fused multiply-adds, then the lanes and the tail */
+static float dot(const float *a, const float *b, int n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    __m256 acc = _mm256_add_ps(acc0, acc1);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    float total = _mm_cvtss_f32(s);
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* e^x for eight floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n; within
+ * 2 ulp of expf over the float range; inputs clamped to +-88.38, where expf overflows or underflows anyway) */
+static __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    /* 2^n in two factors, so that n = 128 (x near 88.7) does not overflow the exponent field */
+    __m256i half = _mm256_cvtps_epi32(_mm256_mul_ps(n, _mm256_set1_ps(0.5f)));
+    __m256i rest = _mm256_sub_epi32(_mm256_cvtps_epi32(n), half);
+    __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, a), b);
+}
+
+/* v[i] = e^(v[i] - top); returns their sum */
+static float exp_shifted(float *v, int n, float top) {
+    __m256 t = _mm256_set1_ps(top), acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), t));
+        _mm256_storeu_ps(v + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8], total = 0.0f;
+    _mm256_storeu_ps(lanes, acc);
+    for (int j = 0; j < 8; j++) total += lanes[j];
+    for (; i < n; i++) total += (v[i] = expf(v[i] - top));
+    return total;
+}
+
+/* out[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] */
+static void silu_mul(const float *g, const float *u, float *out, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+static void rms_norm_rows(int B, int D, const float *x, const float *w, float eps, float *out) {
+    for (int b = 0; b < B; b++) {
+        const float *r = x + (size_t)b * D;
+        float s = dot(r, r, D);
+        float rstd = 1.0f / sqrtf(s / D + eps);
+        for (int i = 0; i < D; i++) out[(size_t)b * D + i] = w[i] * (r[i] * rstd);
+    }
+}
+
+static void rope(float *v, const float *cos, const float *sin, int HD) {
+    int half = HD / 2;
+    for (int i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+typedef struct {
+    const float *norm1, *norm2, *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    float *keys, *values;
+} grpo_layer;
+
+int grpo_decode_layers(int B, int L, int D, int H, int KVH, int HD, int I, float eps, float scale, int W, int pos,
+                       const grpo_layer *layers, const float *cos, const float *sin, const float *mask, float *x) {
+    int Q = H * HD, KV = KVH * HD, N = Q + 2 * KV, T = pos + 1, G = H / KVH;
+    float *h = malloc(sizeof(float) * (size_t)B * D), *qkv = malloc(sizeof(float) * (size_t)B * N);
+    float *att = malloc(sizeof(float) * (size_t)B * Q), *gu = malloc(sizeof(float) * (size_t)B * 2 * I);
+    float *act = malloc(sizeof(float) * (size_t)B * I), *res = malloc(sizeof(float) * (size_t)B * D);
+    float *scores = malloc(sizeof(float) * (size_t)B * H * T);
+    if (!h || !qkv || !att || !gu || !act || !res || !scores) {
+        free(h), free(qkv), free(att), free(gu), free(act), free(res), free(scores);
+        return 1;
+    }
+    for (int l = 0; l < L; l++) {
+        const grpo_layer *ly = layers + l;
+        rms_norm_rows(B, D, x, ly->norm1, eps, h);
+        grpo_panel_gemm(B, N, D, h, ly->qkv, ly->qkv_bias, qkv);
+        for (int b = 0; b < B; b++) {
+            float *row = qkv + (size_t)b * N;
+            for (int j = 0; j < H + KVH; j++) rope(row + (size_t)j * HD, cos + (size_t)b * HD, sin + (size_t)b * HD, HD);
+            for (int j = 0; j < KVH; j++) {
+                size_t at = (((size_t)b * KVH + j) * W + pos) * HD;
+                memcpy(ly->keys + at, row + Q + (size_t)j * HD, sizeof(float) * HD);
+                memcpy(ly->values + at, row + Q + KV + (size_t)j * HD, sizeof(float) * HD);
+            }
+        }
+#pragma omp parallel for schedule(static)
+        for (int bh = 0; bh < B * H; bh++) {
+            int b = bh / H, head = bh % H, kvh = head / G;
+            const float *q = qkv + (size_t)b * N + (size_t)head * HD;
+            const float *K = ly->keys + ((size_t)b * KVH + kvh) * W * HD, *V = ly->values + ((size_t)b * KVH + kvh) * W * HD;
+            const float *m = mask + (size_t)b * T;
+            float *s = scores + (size_t)bh * T, top = -INFINITY;
+            for (int t = 0; t < T; t++) {
+                s[t] = dot(q, K + (size_t)t * HD, HD) * scale + m[t];
+                if (s[t] > top) top = s[t];
+            }
+            float total = exp_shifted(s, T, top);
+            float *out = att + (size_t)b * Q + (size_t)head * HD;
+            for (int i = 0; i < HD; i++) out[i] = 0.0f;
+            for (int t = 0; t < T; t++) {
+                float p = s[t] / total;
+                if (p != 0.0f)
+                    for (int i = 0; i < HD; i++) out[i] += p * V[(size_t)t * HD + i];
+            }
+        }
+        grpo_panel_gemm(B, D, Q, att, ly->o, ly->o_bias, res);
+        for (size_t i = 0; i < (size_t)B * D; i++) x[i] += res[i];
+        rms_norm_rows(B, D, x, ly->norm2, eps, h);
+        grpo_panel_gemm(B, 2 * I, D, h, ly->gate_up, ly->gate_up_bias, gu);
+        for (int b = 0; b < B; b++) silu_mul(gu + (size_t)b * 2 * I, gu + (size_t)b * 2 * I + I, act + (size_t)b * I, I);
+        grpo_panel_gemm(B, D, I, act, ly->down, ly->down_bias, res);
+        for (size_t i = 0; i < (size_t)B * D; i++) x[i] += res[i];
+    }
+    free(h), free(qkv), free(att), free(gu), free(act), free(res), free(scores);
+    return 0;
+}

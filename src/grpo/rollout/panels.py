@@ -12,7 +12,16 @@ weight's own size (MKL's packed layout: at least ~11.6 MB a matrix, 1.3 GB for t
 
 No weight is narrowed: every output is one float32 sum of fused multiply-adds in order over k, so results differ
 from MKL's blocked sums in the last bits only (tests: against `F.linear`, and the lean decoder against the
-transformers forward).
+transformers forward). Packing is C too (`grpo_pack_panels`: from the weights' parts, so q/k/v and gate/up are
+never concatenated), once per rollout.
+
+`decode_layers` runs a whole decode step's layers in one call (`grpo_decode_layers`): RMSNorm, q/k/v, RoPE, the
+key/value writes, grouped-query attention over the buffers, o, the MLP with SiLU, the residual adds, each as the
+torch path computes it, in float32 with AVX2 (exp by Cephes' polynomial, within 2 ulp of expf). Measured on a
+2-core AMD EPYC, AVX2 kernels, the bundled model: a decode step of 8 rows 26.5 ms, of 16 rows 42 ms (the torch
+operators around the same panel kernel: 33 and 46 ms); a 64-token rollout of 2 x 8 addition prompts 50 -> 34.5 ms a
+decode step. Tests: the fused step against the transformers forward (GQA, biases, scaled RoPE, tied head) and
+against the per-operator path, within float32 rounding.
 
 The C source is compiled once per machine with the system's C compiler (`cc`, or $CC) into a cache directory
 ($GRPO_KERNEL_CACHE, else ~/.cache/grpo/kernels; a library there that another user could have written is never
@@ -32,7 +41,9 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -79,6 +90,9 @@ def library() -> ctypes.CDLL | None:
     lib.grpo_panel_gemm.restype = ctypes.c_int
     lib.grpo_pack_panels.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.grpo_pack_panels.restype = ctypes.c_int
+    lib.grpo_decode_layers.argtypes = [ctypes.c_int] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
+    lib.grpo_decode_layers.argtypes += [ctypes.POINTER(Layer)] + [ctypes.c_void_p] * 4
+    lib.grpo_decode_layers.restype = ctypes.c_int
     return lib
 
 
@@ -134,27 +148,125 @@ def pack(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return panels
 
 
-def panel_linear(parts: Sequence[torch.Tensor], bias: torch.Tensor | None) -> Linear:
+class PanelLinear:
     """x -> x @ W.T + bias in float32 by the panel kernel, W the `parts` stacked by rows (q, k and v: one matmul),
     for inputs of up to MAX_ROWS rows (more: F.linear on W, stacked then, once). The panels are a copy: later
-    changes to the parts are not seen."""
-    lib = library()
-    bias = bias.detach().float().contiguous() if bias is not None else None
-    panels = pack(parts)
-    n, k = sum(w.shape[0] for w in parts), parts[0].shape[1]
-    stacked: list[torch.Tensor] = []  # W itself, made on the first input of over MAX_ROWS rows
+    changes to the parts are not seen. `panels` and `bias` are what `decode_layers` reads."""
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, k)
+    def __init__(self, parts: Sequence[torch.Tensor], bias: torch.Tensor | None) -> None:
+        self.parts = parts
+        self.bias = bias.detach().float().contiguous() if bias is not None else None
+        self.panels = pack(parts)
+        self.n, self.k = sum(w.shape[0] for w in parts), parts[0].shape[1]
+        self.stacked: torch.Tensor | None = None  # W itself, made on the first input of over MAX_ROWS rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.k)
         rows = flat.shape[0]
         if rows > MAX_ROWS or flat.dtype != torch.float32:
-            if not stacked:
-                stacked.append(torch.cat([w.detach() for w in parts]) if len(parts) > 1 else parts[0].detach())
-            return F.linear(x, stacked[0], bias)
+            if self.stacked is None:
+                self.stacked = torch.cat([w.detach() for w in self.parts]) if len(self.parts) > 1 else self.parts[0]
+            return F.linear(x, self.stacked.detach(), self.bias)
         flat = flat.contiguous()
-        out = torch.empty(rows, n, dtype=torch.float32)
-        extra = bias.data_ptr() if bias is not None else None
-        lib.grpo_panel_gemm(rows, n, k, flat.data_ptr(), panels.data_ptr(), extra, out.data_ptr())
-        return out.reshape(*x.shape[:-1], n)
+        out = torch.empty(rows, self.n, dtype=torch.float32)
+        library().grpo_panel_gemm(
+            rows, self.n, self.k, flat.data_ptr(), self.panels.data_ptr(), _ptr(self.bias), out.data_ptr()
+        )
+        return out.reshape(*x.shape[:-1], self.n)
 
-    return forward
+
+def panel_linear(parts: Sequence[torch.Tensor], bias: torch.Tensor | None) -> Linear:
+    """`PanelLinear` of these parts and bias."""
+    return PanelLinear(parts, bias)
+
+
+class Layer(ctypes.Structure):
+    """One decoder layer as `grpo_decode_layers` reads it (panel_gemm.c's grpo_layer): float32 pointers."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "norm1",
+            "norm2",
+            "qkv",
+            "qkv_bias",
+            "o",
+            "o_bias",
+            "gate_up",
+            "gate_up_bias",
+            "down",
+            "down_bias",
+            "keys",
+            "values",
+        )
+    ]
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return tensor.data_ptr() if tensor is not None else None
+
+
+def layer_table(layers: Sequence[dict[str, Any]]) -> ctypes.Array:
+    """The layers' norm weights and panel linears (`qkv`, `o`, `gate_up`, `down`: PanelLinear) as `decode_layers`
+    reads them; `set_caches` fills in the key/value buffers."""
+    table = (Layer * len(layers))()
+    for entry, layer in zip(table, layers):
+        entry.norm1, entry.norm2 = layer["norm1_weight"].data_ptr(), layer["norm2_weight"].data_ptr()
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(entry, name, layer[name].panels.data_ptr())
+            setattr(entry, f"{name}_bias", _ptr(layer[name].bias))
+    return table
+
+
+def set_caches(table: ctypes.Array, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    for entry, k, v in zip(table, keys, values):
+        entry.keys, entry.values = k.data_ptr(), v.data_ptr()
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A decoder's sizes, as `decode_layers` needs them."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float  # every RMSNorm's
+    scale: float  # attention's
+
+
+def decode_layers(
+    table: ctypes.Array,
+    sizes: Sizes,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    width: int,
+    position: int,
+) -> None:
+    """Every layer of one decode step, in place on the residual stream x (rows, hidden), in one call
+    (panel_gemm.c's grpo_decode_layers): cos and sin (rows, head_dim) the rotary embedding at each row's position,
+    mask (rows, position + 1) additive (0 or -inf), the key/value buffers (`set_caches`) `width` wide, this step's
+    keys and values written at `position`. All float32 and contiguous."""
+    failed = library().grpo_decode_layers(
+        x.shape[0],
+        len(table),
+        sizes.hidden,
+        sizes.heads,
+        sizes.kv_heads,
+        sizes.head_dim,
+        sizes.intermediate,
+        ctypes.c_float(sizes.eps),
+        ctypes.c_float(sizes.scale),
+        width,
+        position,
+        table,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        mask.data_ptr(),
+        x.data_ptr(),
+    )
+    if failed:
+        raise MemoryError("grpo's decode step could not allocate its working memory")
