@@ -378,3 +378,34 @@ def test_sixteen_rows_with_little_budget_left_keep_their_slots(mkl_path):
         lambda step, dec, active: seen.__setitem__(step, (dec.slots, len(active))),
     )
     assert seen[first + 1] == (16, 4)
+
+
+@needs_panels_here
+def test_the_fused_step_refuses_inputs_of_other_sizes_before_any_c_code_runs():
+    """The C step trusts its sizes: a residual stream, rotary table, mask or key/value buffer of another shape, dtype
+    or layout is refused in Python with what was given and what is read."""
+    model = make_model(make_tokenizer(), hidden=64, layers=2).eval()
+    dec = LeanDecoder(model, torch.float32)
+    dec.prefill(*left_pad([[5, 9, 11]], 0), torch.tensor([0, 0]), max_new=20)
+    table, sizes = dec.fused
+    rows, d = 2, sizes.head_dim
+    good = dict(x=torch.zeros(rows, 64), cos=torch.ones(rows, d), sin=torch.zeros(rows, d), mask=torch.zeros(rows, 4))
+    caches = dict(keys=dec.keys, values=dec.values, position=3)
+    panels.decode_layers(table, sizes, **good, **caches)  # the right sizes run
+    bad = [
+        dict(good, x=torch.zeros(rows + 1, 64)),
+        dict(good, cos=torch.ones(rows, d // 2)),
+        dict(good, mask=torch.zeros(rows, 3)),
+        dict(good, sin=torch.zeros(d, rows).T),  # not contiguous
+        dict(good, x=torch.zeros(rows, 64, dtype=torch.float64)),
+    ]
+    for inputs in bad:
+        with pytest.raises(ValueError, match="decode_layers"):
+            panels.decode_layers(table, sizes, **inputs, **caches)
+    for caches in (
+        dict(keys=[k[:1] for k in dec.keys], values=dec.values, position=3),  # buffers of another row count
+        dict(keys=dec.keys[:1], values=dec.values[:1], position=3),  # a layer missing
+        dict(keys=dec.keys, values=dec.values, position=dec.keys[0].shape[2]),  # past the buffers' width
+    ):
+        with pytest.raises(ValueError, match="decode_layers"):
+            panels.decode_layers(table, sizes, **dict(good, mask=torch.zeros(rows, caches["position"] + 1)), **caches)

@@ -284,12 +284,9 @@ class LeanDecoder:
         if t == 1 and self.fused is not None:  # a decode step: every layer in one call
             table, sizes = self.fused
             x = x[:, 0].contiguous()
-            panels.set_caches(table, self.keys, self.values)
             mask = attend.reshape(b, end).contiguous()
-            width = self.keys[0].shape[2]
-            panels.decode_layers(
-                table, sizes, x, cos[:, 0, 0].contiguous(), sin[:, 0, 0].contiguous(), mask, width, start
-            )
+            cos, sin = cos[:, 0, 0].contiguous(), sin[:, 0, 0].contiguous()
+            panels.decode_layers(table, sizes, x, cos, sin, mask, self.keys, self.values, start)
             self.length = end
             return self.head(self.norm(x)).float()
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim

@@ -218,7 +218,15 @@ def layer_table(layers: Sequence[dict[str, Any]]) -> ctypes.Array:
     return table
 
 
-def set_caches(table: ctypes.Array, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+def _set_caches(
+    table: ctypes.Array, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], shape: tuple
+) -> None:
+    """Each layer's key and value buffers into the table, checked: float32, contiguous, all of `shape`."""
+    if len(keys) != len(table) or len(values) != len(table):
+        raise ValueError(f"decode_layers: {len(keys)} key buffers for {len(table)} layers")
+    for t in (*keys, *values):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"decode_layers: a {tuple(t.shape)} {t.dtype} key/value buffer where {shape} is read")
     for entry, k, v in zip(table, keys, values):
         entry.keys, entry.values = k.data_ptr(), v.data_ptr()
 
@@ -243,13 +251,24 @@ def decode_layers(
     cos: torch.Tensor,
     sin: torch.Tensor,
     mask: torch.Tensor,
-    width: int,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
     position: int,
 ) -> None:
     """Every layer of one decode step, in place on the residual stream x (rows, hidden), in one call
     (panel_gemm.c's grpo_decode_layers): cos and sin (rows, head_dim) the rotary embedding at each row's position,
-    mask (rows, position + 1) additive (0 or -inf), the key/value buffers (`set_caches`) `width` wide, this step's
-    keys and values written at `position`. All float32 and contiguous."""
+    mask (rows, position + 1) additive (0 or -inf), each layer's key and value buffers (rows, kv_heads, width,
+    head_dim), this step's keys and values written at `position`. All float32 and contiguous: checked here, since
+    the C code trusts its sizes."""
+    rows, steps = x.shape[0], position + 1
+    expected = {x: (rows, sizes.hidden), cos: (rows, sizes.head_dim), sin: (rows, sizes.head_dim), mask: (rows, steps)}
+    for tensor, shape in expected.items():
+        if tuple(tensor.shape) != shape or tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            raise ValueError(f"decode_layers: a {tuple(tensor.shape)} {tensor.dtype} input where {shape} is read")
+    width = keys[0].shape[2] if keys and keys[0].dim() == 4 else 0
+    if width < steps:
+        raise ValueError(f"decode_layers: key/value buffers {width} wide, written at position {position}")
+    _set_caches(table, keys, values, (rows, sizes.kv_heads, width, sizes.head_dim))
     failed = library().grpo_decode_layers(
         x.shape[0],
         len(table),
