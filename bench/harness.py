@@ -155,11 +155,12 @@ def main() -> None:
         against_bounds = bounds.ratios(fp32, measured)
         print(f"grpo fp32: decode step {against_bounds['decode_step_ms']:.1f} ms against "
               f"{against_bounds['decode_bound_ms']:.1f} ms to read the float32 weights once "
-              f"({measured['read_gb_per_s']:.1f} GB/s) and {against_bounds['decode_flop_bound_ms']:.1f} ms of "
+              f"({measured['read_gb_per_s']:.1f} GB/s, the best of 3 samples from "
+              f"{measured['read_gb_per_s_low']:.1f}) and {against_bounds['decode_flop_bound_ms']:.1f} ms of "
               f"arithmetic at its {against_bounds['decode_rows_mean']:.1f} rows on average; "
               f"training pass at {against_bounds['train_vs_bound']:.2f}x "
-              f"its FLOP bound ({measured['matmul_gflop_per_s']:.0f} GFLOP/s float32 matmul, "
-              f"{measured['threads']} threads)")
+              f"its FLOP bound ({measured['matmul_gflop_per_s']:.0f} GFLOP/s float32 matmul, the best of 3 from "
+              f"{measured['matmul_gflop_per_s_low']:.0f}; {measured['threads']} threads)")
     if opts.only:
         return
     speed = {p: results[("grpo", p)]["tokens_per_s"] / results[("trl", p)]["tokens_per_s"] for p in precisions}

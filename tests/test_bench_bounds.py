@@ -44,6 +44,15 @@ def test_measurements_are_positive():
     assert bounds.read_bandwidth(4_000_000) > 0 and bounds.matmul_flops(64) > 0
 
 
+def test_the_machine_bounds_are_the_best_of_their_samples(monkeypatch):
+    reads, flops = iter([30e9, 45e9, 31e9]), iter([150e9, 140e9, 180e9])
+    monkeypatch.setattr(bounds, "read_bandwidth", lambda nbytes: next(reads))
+    monkeypatch.setattr(bounds, "matmul_flops", lambda: next(flops))
+    got = bounds.machine(1000)
+    assert (got["read_gb_per_s"], got["read_gb_per_s_low"]) == (45.0, 30.0)
+    assert (got["matmul_gflop_per_s"], got["matmul_gflop_per_s_low"]) == (180.0, 140.0)
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available() or not os.path.exists("/proc/cpuinfo"), reason="the Linux CPU's test (CUDA decides so)"
 )

@@ -239,6 +239,17 @@ def test_weights_in_parts_are_one_matmul_as_if_concatenated(rows):
     assert torch.equal(panels.pack(parts), panels.pack([torch.cat(parts)]))  # the same panels, zero-padded
 
 
+@needs_panels
+@pytest.mark.parametrize("n, k", [(48, 64), (53, 40), (7, 37), (33, 19)])
+def test_panels_hold_column_j_of_panel_p_as_row_16p_plus_j(n, k):
+    """The C packing (8 x 8 blocks transposed in registers, element by element at the edges) against the layout
+    written out in torch: panel p, row k, column j = W[16 p + j, k], zeros past N."""
+    weight = torch.randn(n, k)
+    padded = torch.zeros((n + 15) // 16 * 16, k)
+    padded[:n] = weight
+    assert torch.equal(panels.pack([weight]), padded.view(-1, 16, k).transpose(1, 2).contiguous())
+
+
 def test_without_a_compiler_or_when_switched_off_the_panel_kernel_is_not_used(monkeypatch):
     for env in ({"CC": "no-such-compiler"}, {"GRPO_PANEL_KERNEL": "0"}):
         with monkeypatch.context() as m:

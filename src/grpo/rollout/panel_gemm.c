@@ -96,8 +96,42 @@ int grpo_pack_panels(int count, const float *const *parts, const int *rows, int 
             src[j] = s < count ? parts[s] + (size_t)(r - first) * K : NULL;
         }
         float *dst = P + (size_t)p * K * 16;
-        for (int k = 0; k < K; k++)
-            for (int j = 0; j < 16; j++) dst[(size_t)k * 16 + j] = src[j] ? src[j][k] : 0.0f;
+        int k = 0;
+        for (int half = 0; half < 2; half++) { /* 8 rows x 8 k transposed in registers: one pass at memory speed */
+            const float *const *s8 = src + 8 * half;
+            int whole = 1;
+            for (int j = 0; j < 8; j++) whole &= s8[j] != NULL;
+            if (!whole) continue;
+            for (k = 0; k + 8 <= K; k += 8) {
+                __m256 r[8], t[8];
+                for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(s8[j] + k);
+                for (int j = 0; j < 8; j += 2) {
+                    t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+                    t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+                }
+                for (int j = 0; j < 8; j += 4) {
+                    r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+                    r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+                    r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+                    r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+                }
+                /* r[0..3]: rows 0-3 at k..k+7 interleaved by 128-bit lanes; r[4..7]: rows 4-7 */
+                for (int c = 0; c < 4; c++) {
+                    _mm256_storeu_ps(dst + (size_t)(k + c) * 16 + 8 * half, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+                    _mm256_storeu_ps(dst + (size_t)(k + c + 4) * 16 + 8 * half, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+                }
+            }
+            for (int kk = k; kk < K; kk++)
+                for (int j = 0; j < 8; j++) dst[(size_t)kk * 16 + 8 * half + j] = s8[j][kk];
+        }
+        for (int half = 0; half < 2; half++) { /* a half panel with missing rows (past N): element by element */
+            const float *const *s8 = src + 8 * half;
+            int whole = 1;
+            for (int j = 0; j < 8; j++) whole &= s8[j] != NULL;
+            if (whole) continue;
+            for (int kk = 0; kk < K; kk++)
+                for (int j = 0; j < 8; j++) dst[(size_t)kk * 16 + 8 * half + j] = s8[j] ? s8[j][kk] : 0.0f;
+        }
     }
     return 0;
 }
