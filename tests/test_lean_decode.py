@@ -62,39 +62,7 @@ def test_llama_next_token_distributions_match(dtype, atol):
     check(model, dtype, atol)
 
 
-needs_panels_here = pytest.mark.skipif(not panels.available(torch.zeros(1)), reason="no AVX2/FMA or no C compiler here")
-
-
-def test_qwen2_with_qkv_bias_and_tied_head_matches():
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    check(Qwen2ForCausalLM(config).eval(), torch.float32, 1e-5)
-
-
-def test_llama_with_biases_and_rope_scaling_matches():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-        attention_bias=True,
-        mlp_bias=True,
-        rope_scaling={"rope_type": "linear", "factor": 2.0},
-    )
-    check(LlamaForCausalLM(config).eval(), torch.float32, 1e-5)
+needs_panels = pytest.mark.skipif(not panels.available(torch.zeros(1)), reason="no AVX2/FMA or no C compiler here")
 
 
 def _qwen2_tied():
@@ -129,7 +97,15 @@ def _llama_biased():
     return LlamaForCausalLM(config).eval()
 
 
-@needs_panels_here
+def test_qwen2_with_qkv_bias_and_tied_head_matches():
+    check(_qwen2_tied(), torch.float32, 1e-5)
+
+
+def test_llama_with_biases_and_rope_scaling_matches():
+    check(_llama_biased(), torch.float32, 1e-5)
+
+
+@needs_panels
 @pytest.mark.parametrize("make", [_qwen2_tied, _llama_biased, lambda: make_model(make_tokenizer(), hidden=64)])
 def test_fused_float32_decode_steps_match_transformers(make, monkeypatch):
     """Float32 with the panel kernel: each decode step runs every layer in one call (panels.decode_layers: norms,
@@ -142,7 +118,7 @@ def test_fused_float32_decode_steps_match_transformers(make, monkeypatch):
     assert dec.fused is not None and calls == [6, 6, 4, 4, 4, 4]  # every step; rows 1 and 4 left after the third
 
 
-@needs_panels_here
+@needs_panels
 def test_fused_steps_equal_the_per_operator_steps_within_float32_rounding(monkeypatch):
     """The same rollout through the fused step and through the per-operator panel path: next-token log-probs
     within float32 rounding of each other at every step."""
@@ -202,7 +178,6 @@ def _decode_with_drops(prompts, owner, steps, max_new, drops, after_step):
 
 
 needs_mkl = pytest.mark.skipif(not packed.available(torch.zeros(1)), reason="no MKL packed sgemm in this torch build")
-needs_panels = pytest.mark.skipif(not panels.available(torch.zeros(1)), reason="no AVX2/FMA or no C compiler here")
 
 
 @pytest.fixture
@@ -391,7 +366,7 @@ def test_sixteen_rows_with_little_budget_left_keep_their_slots(mkl_path):
     assert seen[first + 1] == (16, 4)
 
 
-@needs_panels_here
+@needs_panels
 def test_the_fused_step_refuses_inputs_of_other_sizes_before_any_c_code_runs():
     """The C step trusts its sizes: a residual stream, rotary table, mask or key/value buffer of another shape, dtype
     or layout is refused in Python with what was given and what is read."""
