@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError, strategy
-from grpo.data import epoch_start, generation_prompt_indices
+from grpo.data import generation_prompt_indices
+from grpo.loop import epoch_start
 from test_trainer import cfg, chat_dataset, length_reward
 
 

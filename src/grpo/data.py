@@ -462,23 +462,6 @@ def is_stream(dataset: Any) -> bool:
     return isinstance(dataset, IterableDataset)
 
 
-def epoch_start(position: int, blocks_per_epoch: int) -> int:
-    """The data position where the epoch holding `position` began (ignore_data_skip resumes there)."""
-    return position - position % blocks_per_epoch
-
-
-def position_after_resume(args: Any, dataset: Any, position: int) -> int:
-    """The data position a resumed run draws its next prompts from: the checkpoint's, or with ignore_data_skip
-    the start of its epoch (the HF Trainer restarts the epoch's dataloader without fast-forwarding it)."""
-    if not args.ignore_data_skip:
-        return position
-    if is_stream(dataset):  # a stream's epoch is the run: start it over
-        return 0
-    return epoch_start(
-        position, prompts_per_generation(len(dataset), args.generation_batch_size // args.num_generations)
-    )
-
-
 def dataset_size(dataset: Any) -> int | None:
     """Rows of a map-style dataset; None for a stream."""
     return None if is_stream(dataset) else len(dataset)

@@ -4,7 +4,8 @@ micro-steps from one generation batch.
 One generation batch feeds `steps_per_generation * num_iterations` micro-steps (a cycle): it is shuffled once
 (seeded by the micro-step it was made at) and cut into `steps_per_generation` slices, taken in order and, with
 num_iterations > 1, again. `RolloutBuffer.needs_generation` says when the next micro-step must generate.
-Both pieces have a `state_dict` / `load_state_dict` pair, which is all a checkpoint reads of them.
+Both pieces have a `state_dict` / `load_state_dict` pair, which is all a checkpoint reads of them;
+`position_after_resume` is where a resumed run draws its next prompts (ignore_data_skip).
 """
 
 from __future__ import annotations
@@ -30,6 +31,22 @@ class LoopState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_step, self.data_position = int(state["micro_step"]), int(state["data_position"])
+
+
+def epoch_start(position: int, blocks_per_epoch: int) -> int:
+    """The data position where the epoch holding `position` began (ignore_data_skip resumes there)."""
+    return position - position % blocks_per_epoch
+
+
+def position_after_resume(args: Any, dataset: Any, position: int) -> int:
+    """The data position a resumed run draws its next prompts from: the checkpoint's, or with ignore_data_skip
+    the start of its epoch (the HF Trainer restarts the epoch's dataloader without fast-forwarding it)."""
+    if not args.ignore_data_skip:
+        return position
+    if data.is_stream(dataset):  # a stream's epoch is the run: start it over
+        return 0
+    blocks = data.prompts_per_generation(len(dataset), args.generation_batch_size // args.num_generations)
+    return epoch_start(position, blocks)
 
 
 class RolloutBuffer:

@@ -78,7 +78,7 @@ from grpo.distributed.accumulation import accumulating, backward
 from grpo.forward import TrainingPass
 from grpo.groups import GenerationBatch, Scored, gather_scored, rows_with_spread
 from grpo.hub import Hub
-from grpo.loop import LoopState, RolloutBuffer, TrainOutput, Update, schedule_length
+from grpo.loop import LoopState, RolloutBuffer, TrainOutput, Update, position_after_resume, schedule_length
 from grpo.loss_terms import LossTerms, router_aux_coef
 from grpo.losses import LossParams, LossScale, high_entropy_mask, masked_mean_stat, policy_loss
 from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics
@@ -186,7 +186,7 @@ class GRPOTrainer(TrlSurface):
         self.loss_params = LossParams.of(args)
         self.loss_terms = LossTerms(args, router_aux_coef(self.unwrapped_model, args))  # entropy bonus, router loss
         # what checkpoints save and load (trainer_state.json's record first)
-        resume_at = functools.partial(data.position_after_resume, args, self.train_dataset)  # ignore_data_skip
+        resume_at = functools.partial(position_after_resume, args, self.train_dataset)  # ignore_data_skip
         self.state_components = components.of_run(self, extra, data.dataset_size(self.train_dataset), resume_at)
         self.correction = SamplingCorrection.of(args, engine)  # sampling/* metrics, vLLM's IS weight, OPSM
         self.policy_version = 0  # a new number whenever the policy's weights change (the producer syncs on it)
