@@ -215,6 +215,14 @@ def test_weights_in_parts_are_one_matmul_as_if_concatenated(rows):
 
 
 @needs_panels
+def test_panels_refuse_parts_of_other_widths_and_a_bias_of_another_length():
+    with pytest.raises(ValueError, match="one width"):
+        panels.pack([torch.randn(4, 8), torch.randn(4, 9)])
+    with pytest.raises(ValueError, match="bias"):
+        panels.panel_linear([torch.randn(4, 8), torch.randn(3, 8)], torch.randn(4))
+
+
+@needs_panels
 @pytest.mark.parametrize("n, k", [(48, 64), (53, 40), (7, 37), (33, 19)])
 def test_panels_hold_column_j_of_panel_p_as_row_16p_plus_j(n, k):
     """The C packing (8 x 8 blocks transposed in registers, element by element at the edges) against the layout

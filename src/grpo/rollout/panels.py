@@ -141,6 +141,8 @@ def pack(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """(N_i, K) weights, stacked by rows as one (sum N_i, K) matrix -> its panels (ceil(N / 16), K, 16): column j
     of panel p is row 16 p + j (zeros past N). The C library reads the parts in place: nothing is concatenated."""
     parts = [w.detach().float().contiguous() for w in parts]
+    if not parts or any(w.dim() != 2 or w.shape[1] != parts[0].shape[1] for w in parts):
+        raise ValueError(f"pack: weights of one width expected, got {[tuple(w.shape) for w in parts]}")
     n, k = sum(w.shape[0] for w in parts), parts[0].shape[1]
     panels = torch.empty((n + 15) // 16, k, 16, dtype=torch.float32)
     pointers = (ctypes.c_void_p * len(parts))(*[w.data_ptr() for w in parts])
@@ -159,6 +161,8 @@ class PanelLinear:
         self.bias = bias.detach().float().contiguous() if bias is not None else None
         self.panels = pack(parts)
         self.n, self.k = sum(w.shape[0] for w in parts), parts[0].shape[1]
+        if self.bias is not None and self.bias.shape != (self.n,):  # the C code reads n biases
+            raise ValueError(f"panel_linear: a bias of {tuple(self.bias.shape)} for {self.n} outputs")
         self.stacked: torch.Tensor | None = None  # W itself, made on the first input of over MAX_ROWS rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
