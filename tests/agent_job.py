@@ -1,19 +1,20 @@
 """One GRPO step with tool calls, launched with torchrun (gloo on CPU) by test_agent_distributed.py:
 
-    torchrun --nproc_per_node N agent_job.py OUT [fsdp]
+    torchrun --nproc_per_node N agent_job.py OUT [fsdp|hang]
 
 The global batch is 2 prompts x 4 samples; with 2 processes, process 0 holds prompt 0's rows, whose samples call
 the tool 3 times, and process 1 prompt 1's, which call it once: process 1 has no rows left after the first
 round. The scripted engine runs a collective (an all-reduce, as a sharded model's generation gathers weights) in
 every generate call, so a process that skipped a round would hang the other. With `fsdp`, the policy is sharded
 through accelerate's FSDP2 path as in distributed_job.py. The update, the metrics and the engine's call counts
-go to OUT (main process)."""
+go to OUT (main process). With `hang`, process 1's tool calls hang (after writing OUT/hung) for a SIGTERM test."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,22 @@ def reward(completions, **kw):
     return [float(len(c[0]["content"]) + len(c)) for c in completions]
 
 
+def multiply_or_hang(a: int, b: int) -> int:
+    """Multiplies, except on process 1, where it hangs.
+
+    Args:
+        a: x
+        b: y
+    """
+    if os.environ.get("RANK") == "1":
+        open(os.path.join(sys.argv[1], "hung"), "w").close()
+        time.sleep(600)
+    return a * b
+
+
+multiply_or_hang.__name__ = "multiply"  # the tool the script calls
+
+
 def main() -> None:
     out = sys.argv[1]
     if len(sys.argv) > 2 and sys.argv[2] == "fsdp":
@@ -80,7 +97,7 @@ def main() -> None:
         train_dataset=data,
         args=args,
         optimizers=(sgd, None),
-        tools=[multiply],
+        tools=[multiply_or_hang if sys.argv[2:] == ["hang"] else multiply],
     )
     trainer.engine = CollectiveScript(tok, script)
     before = whole(trainer.unwrapped_model)

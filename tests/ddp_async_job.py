@@ -3,11 +3,12 @@
     torchrun --nproc_per_node N ddp_async_job.py OUT MODEL_DIR sync|async[+fsdp|+zero3] [RESUME_FROM]
 
 Each process takes 2 of a group's 4 completions (per_device_train_batch_size 2, num_generations 4), so with two
-processes every group straddles them. A checkpoint every step; with RESUME_FROM (a checkpoint's name in OUT) the
-run resumes from it. Each process writes the completions and rewards its reward function saw, in call order, to
-OUT/seen_<rank>.json; the main process writes the final parameters (OUT/final_params.pt, gathered whole from a
-sharded model) and the log history. `+fsdp` / `+zero3` shard the policy through accelerate as distributed_job.py
-does (FSDP2, DeepSpeed ZeRO-3)."""
+processes every group straddles them. A checkpoint every step (JOB_SAVE_STEPS: every that many); with RESUME_FROM
+(a checkpoint's name in OUT) the run resumes from it. JOB_HANG_RANK / JOB_HANG_CALL: that process's reward function
+hangs at that call (its round, from 0) after writing OUT/hung, the other's does not. Each process writes the
+completions and rewards its reward function saw, in call order, to OUT/seen_<rank>.json; the main process writes
+the final parameters (OUT/final_params.pt, gathered whole from a sharded model) and the log history. `+fsdp` /
+`+zero3` shard the policy through accelerate as distributed_job.py does (FSDP2, DeepSpeed ZeRO-3)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ SEEN: list[dict] = []
 
 def length_reward(completions, trainer_state, **kwargs):
     time.sleep(float(os.environ.get("JOB_REWARD_SLEEP", "0")))  # a kill test's: kills land mid-round
+    if os.environ.get("RANK") == os.environ.get("JOB_HANG_RANK") and len(SEEN) == int(os.environ["JOB_HANG_CALL"]):
+        open(os.path.join(sys.argv[1], "hung"), "w").close()  # this process's reward hangs, the other's does not
+        time.sleep(600)
     rewards = [len(c[0]["content"]) / 8.0 for c in completions]
     SEEN.append(
         dict(step=trainer_state.global_step, completions=[c[0]["content"] for c in completions], rewards=rewards)
@@ -51,7 +55,7 @@ def main() -> None:
         num_generations=4,
         max_completion_length=8,
         max_steps=4,
-        save_steps=1,
+        save_steps=int(os.environ.get("JOB_SAVE_STEPS", "1")),
         learning_rate=1e-2,
         logging_steps=1,
         disable_tqdm=True,

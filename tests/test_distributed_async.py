@@ -125,3 +125,31 @@ def test_sigterm_on_two_async_processes_saves_and_the_resume_is_exact(tiny_model
     _, after, rows_after = launch(out, tiny_model_dir, "async", checkpoints[-1])
     assert all(torch.equal(after[n], params[n]) for n in params)
     assert untimed(rows_after, resumed=True) == untimed(rows, resumed=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_while_one_process_waits_stops_both_together_and_saves_the_last_step(
+    tiny_model_dir, tmp_path, async_run, mode
+):
+    """SIGTERM while one process's reward function hangs in step 3 and the other waits for it in the round's
+    gather: the hung one stops its wait and hands the gather nothing, so both stop there together (not one in a
+    barrier, the other in the gather, until the launcher kills them), save step 2 (no periodic checkpoint is due)
+    and exit 143; the resume from it ends as the straight run."""
+    straight = async_run[1] if mode == "async" else launch(tmp_path / "straight", tiny_model_dir, mode)
+    _, params, rows = straight
+    out = tmp_path / "run"
+    hang = dict(JOB_HANG_RANK="1", JOB_HANG_CALL="2", JOB_SAVE_STEPS="100")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **hang)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    proc = subprocess.Popen([*cmd, JOB, str(out), tiny_model_dir, mode], env=env, stderr=subprocess.PIPE, text=True)
+    while not (out / "hung").exists() and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.5)  # the other process reaches the gather
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert stderr.count("exiting with status 143") == 2, stderr[-3000:]
+    assert "Unable to shutdown process" not in stderr  # none had to be killed
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
+    _, after, rows_after = resumed_from(out, tmp_path / "resumed", tiny_model_dir, mode)
+    assert all(torch.equal(after[n], params[n]) for n in params)
+    assert untimed(rows_after, resumed=True) == untimed(rows, resumed=True)

@@ -20,6 +20,7 @@ fails or is preempted loses no step. Errors about eval rows name eval_dataset (e
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import time
@@ -37,6 +38,7 @@ from grpo.groups import Scored, gather_scored
 from grpo.losses import policy_loss
 from grpo.metrics import reward_and_tool_stats
 from grpo.rollout import build_engine
+from grpo.sigterm import agreed_or_none
 
 
 @contextlib.contextmanager
@@ -139,12 +141,8 @@ class Evaluation:
                 share = -(-len(rows) // acc.num_processes)  # every process runs every batch, maybe with no rows
                 mine = rows[acc.process_index * share : (acc.process_index + 1) * share]
                 examples = [self.dataset[i] for i in mine]
-                generated = trainer.producer.generate(mine, examples, source=self.source, engine=engine)
-                rewards = torch.zeros(0, len(trainer.rewards.names))
-                if mine:
-                    log = lambda name, value: logged.setdefault(name, []).append(float(value))  # noqa: E731
-                    rewards = trainer.producer.score(examples, generated, log)
-                local = Scored(mine, generated.prompts, generated.rollout, rewards)
+                share = functools.partial(self.share, trainer, mine, examples, engine, logged)
+                local = agreed_or_none(share, acc.num_processes > 1)  # None: SIGTERM here, agreed at the gather
                 parts.append(gather_scored(local, acc))
                 losses.append(batch_loss(trainer, parts[-1], self.k))
         metrics = self.metrics(Scored.concat(parts), trainer.rewards, trainer.rollouts.uses_tools)
@@ -154,6 +152,16 @@ class Evaluation:
             metrics[f"eval_{name}"] = collectives.process_mean(acc, sum(logged[name]) / len(logged[name]))
         metrics["eval_runtime"] = round(time.perf_counter() - start, 4)
         return metrics
+
+    def share(self, trainer: Any, mine: list[int], examples: list, engine: Any, logged: dict) -> Scored:
+        """This process's rows of an evaluation batch, generated and scored (their reward functions' `log_metric`
+        calls into `logged`)."""
+        generated = trainer.producer.generate(mine, examples, source=self.source, engine=engine)
+        rewards = torch.zeros(0, len(trainer.rewards.names))
+        if mine:
+            log = lambda name, value: logged.setdefault(name, []).append(float(value))  # noqa: E731
+            rewards = trainer.producer.score(examples, generated, log)
+        return Scored(mine, generated.prompts, generated.rollout, rewards)
 
     def metrics(self, scored: Scored, rewards: Any, tools: bool) -> dict[str, float]:
         values = scored.rewards.float()
@@ -199,8 +207,9 @@ def after_step(trainer: Any, evaluate_now: bool) -> str | None:
     row, the best checkpoint it makes and the callbacks' states go into the checkpoint's trainer_state.json after
     it (`checkpoint.add_evaluation`), as the HF Trainer, which saves after evaluating, writes them. A checkpoint
     only the evaluation decides (save_strategy="best" on an eval_ metric, a callback's on_evaluate asking) is
-    written after it. SIGTERM during the evaluation: the step is complete, so one process saves it (unless saved
-    already) and exits with status 143; several processes cannot agree mid-evaluation and save nothing more.
+    written after it. SIGTERM during the evaluation: the step is complete, so it is saved (unless saved already)
+    and the run exits with status 143; by several processes when they stopped together (at a batch's gather or a
+    tool loop's check, `grpo.sigterm`), otherwise they save nothing more.
     Returns the checkpoint written, if any."""
     step = trainer.state.global_step
     path = None
@@ -210,8 +219,8 @@ def after_step(trainer: Any, evaluate_now: bool) -> str | None:
         return path
     try:
         trainer.evaluate()
-    except preemption.Preempted:
-        if trainer.accelerator.num_processes > 1:
+    except preemption.Preempted as stop:
+        if trainer.accelerator.num_processes > 1 and not stop.agreed:
             raise
         preemption.save_and_exit(trainer, None)  # the step is complete: as between steps
     if path is not None:

@@ -21,6 +21,7 @@ from accelerate.utils import gather_object
 
 from grpo.advantages import nanstd, weighted_sum
 from grpo.rollout.base import Rollout
+from grpo.sigterm import Preempted
 
 logger = logging.getLogger("grpo")
 
@@ -146,8 +147,12 @@ def rows_with_spread(scored: Scored, weights: torch.Tensor, args: Any) -> list[i
     return rows_of_groups(spread, args.num_generations)
 
 
-def gather_scored(local: Scored, accelerator: Any) -> Scored:
-    """Every process's share of a round, in process order (the identity on one process)."""
+def gather_scored(local: Scored | None, accelerator: Any) -> Scored:
+    """Every process's share of a round, in process order (the identity on one process). None: SIGTERM stopped
+    this process making its share (`sigterm.agreed_or_none`); every process then raises `Preempted(agreed=True)`."""
     if accelerator.num_processes == 1:
         return local
-    return Scored.concat(gather_object([local]))
+    parts = gather_object([local])
+    if any(part is None for part in parts):
+        raise Preempted("SIGTERM reached a process while it made its share of a round", agreed=True)
+    return Scored.concat(parts)

@@ -61,14 +61,16 @@ class StepStart:
         trainer.state.num_input_tokens_seen = self.tokens_seen
 
 
-def save_and_exit(trainer: Any, step_start: StepStart | None) -> NoReturn:
+def save_and_exit(trainer: Any, step_start: StepStart | None, agreed: bool = False) -> NoReturn:
     """After SIGTERM: save the state at the end of the last complete step when that is safe, and exit with status
     143. Between steps (`step_start` None) it is. Inside a step it is while no optimizer step has been applied in
-    it (the model and optimizer are as the last step left them; `step_start` puts the rest back), on one process;
-    several processes, which cannot agree mid-step, save nothing then."""
+    it (the model and optimizer are as the last step left them; `step_start` puts the rest back), on one process,
+    or on several that stopped together (`agreed`: at a round's gather or a tool loop's check, `grpo.sigterm`);
+    several that stopped apart save nothing then."""
     step = trainer.state.global_step
     mid_step = step_start is not None
-    safe = step > 0 and not (mid_step and (trainer.step_applied or trainer.accelerator.num_processes > 1))
+    apart = trainer.accelerator.num_processes > 1 and not agreed
+    safe = step > 0 and not (mid_step and (trainer.step_applied or apart))
     if safe and mid_step:
         step_start.restore(trainer)
     if safe and not os.path.exists(os.path.join(trainer.args.output_dir, f"checkpoint-{step}")):

@@ -4,6 +4,11 @@ Inside `preemption_guard` SIGTERM only sets a flag; every wait that can last (a 
 tool call) calls `check`, which raises `Preempted`, so the trainer sees the signal within a fraction of a second.
 What happens then (which step is saved, the exit status) is `grpo.preemption`'s: engines, tools and reward
 calling import this module only, so they stay below the trainer and its checkpoints.
+
+Several processes: each one's SIGTERM arrives on its own, and a process that stops in a wait may leave the others
+in the collective that follows it (a round's gather, a tool loop's check), hung until the launcher kills them.
+So inside a step a process that stops hands None to that collective instead (`agreed_or_none`), where every
+process learns it and raises `Preempted(agreed=True)` at the same point.
 """
 
 from __future__ import annotations
@@ -12,13 +17,33 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
+T = TypeVar("T")
 _requested = threading.Event()
 _thread = threading.local()  # a worker thread's own stop event and heartbeat (`watch`)
 
 
 class Preempted(Exception):
-    """SIGTERM arrived while a step was running; raised at the next point that checks (`check`)."""
+    """SIGTERM arrived while a step was running; raised at the next point that checks (`check`). `agreed`: raised
+    on every process at the same collective (`agreed_or_none`), so all of them are at the same point of the step."""
+
+    def __init__(self, message: str = "SIGTERM received", agreed: bool = False) -> None:
+        super().__init__(message)
+        self.agreed = agreed
+
+
+def agreed_or_none(make: Callable[[], T], several: bool) -> T | None:
+    """`make()`, or None where SIGTERM interrupted it on this process, one of `several`: the caller hands None to
+    the collective that follows (a round's gather, a tool loop's check), where every process learns it and raises
+    `Preempted(agreed=True)` together, instead of leaving the others waiting in that collective. On one process,
+    or once agreed, the error goes on as it is."""
+    try:
+        return make()
+    except Preempted as stop:
+        if stop.agreed or not several:
+            raise
+        return None
 
 
 class Cancelled(Exception):

@@ -91,6 +91,7 @@ from grpo.report import RunReport
 from grpo.rewards.calling import RewardFunctions
 from grpo.rollout import build_engine
 from grpo.sampling_correction import SamplingCorrection
+from grpo.sigterm import agreed_or_none
 from grpo.trl_surface import TrlSurface, stream_settings
 
 logger = logging.getLogger("grpo")
@@ -172,7 +173,7 @@ class GRPOTrainer(TrlSurface):
             args.max_completion_length,
             processor=built.processor,
         )
-        everywhere = functools.partial(collectives.any_process, self.accelerator)
+        everywhere = functools.partial(collectives.any_process_or_preempted, self.accelerator)  # a tool loop's
         self.rollouts = Rollouts(
             engine, self.prompts, args, self.stop_ids, everywhere, tools, self.environments, rollout_func, self
         )
@@ -264,8 +265,8 @@ class GRPOTrainer(TrlSurface):
                         total_loss += self._step()
                         if collectives.any_process(self.accelerator, preempted.is_set()):
                             preemption.save_and_exit(self, None)
-                except Preempted:
-                    preemption.save_and_exit(self, step_start)
+                except Preempted as stop:
+                    preemption.save_and_exit(self, step_start, stop.agreed)
             if checkpoint.strategy.load_best_model(self, checkpoint.load_model_weights):
                 self.policy_version += 1
             self.hub.finish_completions_upload()
@@ -320,11 +321,14 @@ class GRPOTrainer(TrlSurface):
         rounds = a.dynamic_sampling_max_attempts if a.dynamic_sampling else 1
         generated = GenerationBatch(a.num_generations)
         while generated.rounds < rounds and generated.size < a.generation_batch_size:
-            # this process's rows, generated (from the weights of `policy_version`, or an older one: async) and scored
-            produced = self.rounds.take(self.loop.data_position, self.unwrapped_model, self.policy_version, self.state)
-            generated.generation_s += produced.generation_s
+            # this process's rows, generated (from the weights of `policy_version`, or an older one: async) and
+            # scored; None where SIGTERM stopped them, which every process then learns at the gather
+            take = functools.partial(self.rounds.take, self.loop.data_position, self.unwrapped_model)
+            take = functools.partial(take, self.policy_version, self.state)
+            produced = agreed_or_none(take, self.accelerator.num_processes > 1)
             with generated.timed("scoring"):
                 scored = self._score(produced)
+            generated.generation_s += produced.generation_s
             generated.scoring_s += produced.scoring_s
             self.loop.data_position += 1
             keep = rows_with_spread(scored, self.rewards.weights, a) if a.dynamic_sampling else None
@@ -336,12 +340,12 @@ class GRPOTrainer(TrlSurface):
         self.producer.sync(self.unwrapped_model, self.policy_version)
         return self.producer.generate(rows)
 
-    def _score(self, produced: Produced) -> Scored:
+    def _score(self, produced: Produced | None) -> Scored:
         """The round's scores, every process's in global order (each producer scored its own rows); what the
         reward functions logged joins this step's metrics."""
-        for name, value in produced.logged:
+        for name, value in produced.logged if produced else ():
             self.metrics.add(name, value)
-        return gather_scored(produced.scored, self.accelerator)
+        return gather_scored(produced and produced.scored, self.accelerator)
 
     def _advantages(self, scored: Scored, group_size: int | None = None) -> Advantages:
         """Group-relative advantages; groups of num_generations (an evaluation's: num_generations_eval)."""

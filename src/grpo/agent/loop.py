@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from PIL import Image
 
@@ -28,6 +28,7 @@ from grpo.agent.parsing import parse_turn
 from grpo.agent.template import cannot_fit, tool_suffix_ids
 from grpo.agent.tools import ToolSet, run_calls
 from grpo.rollout.base import Engine, Prompt, Request, Rollout
+from grpo.sigterm import Preempted
 
 
 @dataclass
@@ -112,19 +113,48 @@ class ToolLoop:
             row.messages.append(self._parse(row, row.ids, row.prompt_ids))
             rows.append(row)
         active = [row for row in rows if row.wants_tools]
-        iteration = 0
-        while (self.max_iterations is None or iteration < self.max_iterations) and self.any_process(bool(active)):
-            going = self._call_tools(active)
-            turn = engine.generate([Request(row.next_prompt(), 1, self.budget - len(row.ids)) for row in going])
-            for j, row in enumerate(going):
-                prefix = row.prompt_ids + row.ids
-                new = list(turn.completion_ids[j])[: self.budget - len(row.ids)]
-                row.add(new, list(turn.sampling_logps[j])[: len(new)], sampled=True)
-                if new:  # a turn cut to nothing adds no message
-                    row.messages.append(self._parse(row, new, prefix))
-            active = [row for row in going if row.wants_tools]
+        iteration, stopped = 0, None
+        while self._more(iteration) and self.any_process(bool(active)):
+            try:
+                active = self._turn(engine, active)
+            except Preempted as stop:  # SIGTERM: the next check meets the other processes, which raise it there too
+                if stop.agreed:
+                    raise
+                stopped, active = stop, []
             iteration += 1
+        if stopped is not None:  # one process, or the last turn
+            raise stopped
         return self._rollout(rows)
+
+    def meet(self, stop: Preempted) -> NoReturn:
+        """SIGTERM stopped this process's first generation: the others may be waiting in the loop's first check,
+        where this process meets them (all raise `Preempted`, agreed, there)."""
+        if self._more(0):
+            self.any_process(False)
+        raise stop
+
+    def _more(self, iteration: int) -> bool:
+        return self.max_iterations is None or iteration < self.max_iterations
+
+    def _turn(self, engine: Engine, active: list[_Row]) -> list[_Row]:
+        """One turn: the active rows' tool calls, then the model's next answers; the rows that call tools again.
+        SIGTERM during the calls: the turn's generation still runs, with no rows (the other processes' may run
+        collectives), then `Preempted` is raised."""
+        stopped = None
+        try:
+            going = self._call_tools(active)
+        except Preempted as stop:
+            stopped, going = stop, []
+        turn = engine.generate([Request(row.next_prompt(), 1, self.budget - len(row.ids)) for row in going])
+        if stopped is not None:
+            raise stopped
+        for j, row in enumerate(going):
+            prefix = row.prompt_ids + row.ids
+            new = list(turn.completion_ids[j])[: self.budget - len(row.ids)]
+            row.add(new, list(turn.sampling_logps[j])[: len(new)], sampled=True)
+            if new:  # a turn cut to nothing adds no message
+                row.messages.append(self._parse(row, new, prefix))
+        return [row for row in going if row.wants_tools]
 
     def _call_tools(self, active: list[_Row]) -> list[_Row]:
         """Run the active rows' calls and append the results; the rows with room left for a next turn."""

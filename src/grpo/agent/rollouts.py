@@ -22,6 +22,7 @@ from grpo.agent.loop import ToolLoop
 from grpo.agent.template import check_tool_template
 from grpo.agent.tools import ToolSet
 from grpo.rollout.base import Engine, Rollout, group_requests
+from grpo.sigterm import Preempted
 
 ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
@@ -89,18 +90,23 @@ class Rollouts:
             instances, prompts = self.environments.start(examples)
             toolsets = [self.tools + self.environments.tools_of(env) for env in instances]
             columns["environments"] = instances
-        if self.rollout_func is not None:
-            rollout, extra = self._custom(prompts)
-            columns.update(extra)
-        else:
-            if self.environments is None:
-                requests = source.requests(rows)
-                if source.processor is not None:  # reward functions get the prompts with their image blocks
-                    prompts = [_as_given(source[row], prompt) for row, prompt in zip(rows, prompts)]
+        try:
+            if self.rollout_func is not None:
+                rollout, extra = self._custom(prompts)
+                columns.update(extra)
             else:
-                made = [source.make(r, p, t.schemas, e) for r, p, t, e in zip(rows, prompts, toolsets, examples)]
-                requests = group_requests(made)
-            rollout = engine.generate(requests)
+                if self.environments is None:
+                    requests = source.requests(rows)
+                    if source.processor is not None:  # reward functions get the prompts with their image blocks
+                        prompts = [_as_given(source[row], prompt) for row, prompt in zip(rows, prompts)]
+                else:
+                    made = [source.make(r, p, t.schemas, e) for r, p, t, e in zip(rows, prompts, toolsets, examples)]
+                    requests = group_requests(made)
+                rollout = engine.generate(requests)
+        except Preempted as stop:
+            if self.loop is None or stop.agreed:
+                raise
+            self.loop.meet(stop)  # the other processes may already wait in the tool loop
         if self.loop is not None:
             rollout = self.loop.run(engine, rollout, toolsets)
         return Generated(rollout, prompts, columns)

@@ -8,6 +8,7 @@ import math
 import torch
 from accelerate import Accelerator
 
+from grpo import sigterm
 from grpo.losses import Stat
 
 
@@ -16,6 +17,17 @@ def any_process(accelerator: Accelerator, flag: bool) -> bool:
     if accelerator.num_processes == 1:
         return flag
     return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum") > 0)
+
+
+def any_process_or_preempted(accelerator: Accelerator, flag: bool) -> bool:
+    """`any_process`, where the processes meet again and again inside a step (a tool loop's check): once SIGTERM
+    has reached any of them (`sigterm.requested`), every one raises `Preempted(agreed=True)` here instead."""
+    if accelerator.num_processes == 1:
+        return flag
+    both = accelerator.reduce(torch.tensor([float(flag), float(sigterm.requested())], device=accelerator.device))
+    if both[1] > 0:
+        raise sigterm.Preempted("SIGTERM reached a process during a tool loop", agreed=True)
+    return bool(both[0] > 0)
 
 
 def process_mean(accelerator: Accelerator, value: float) -> float:
