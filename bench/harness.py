@@ -46,6 +46,23 @@ def tree_rss(proc: psutil.Process) -> int:
     return total
 
 
+def overlap_bound(sync: dict, overlapped: dict) -> str:
+    """What overlap can gain on this machine: each phase's time on its share of the cores (the async run) against
+    all of them (the sequential run), medians over the steps after the first; async cannot beat the sequential
+    step (generation + training pass) over the longer of the two phases on their shares."""
+    def median(values: list) -> float:
+        values = sorted(values[1:] or values)
+        return values[len(values) // 2]
+
+    g_all, t_all = median(sync["generation_s"]), median(sync["train_pass_s"])
+    g_share, t_share = median(overlapped["generation_s"]), median(overlapped["train_pass_s"])
+    return (
+        f"async_overlap_bound={(g_all + t_all) / max(g_share, t_share):.2f} (generation {g_all:.2f} s on every core, "
+        f"{g_share:.2f} s on the producer's share: x{g_share / g_all:.2f}; training pass {t_all:.2f} s against "
+        f"{t_share:.2f} s on the learner's: x{t_share / t_all:.2f})"
+    )
+
+
 def run(framework: str, precision: str, overrides: dict | None = None) -> dict:
     script = "grpo" if framework == "grpo+vllm" else framework
     if framework == "grpo+vllm":
@@ -148,6 +165,7 @@ def main() -> None:
               f"max_staleness=1, tokens/s async / sequential) learner_wait_share="
               f"{overlapped['learner_wait_s'] / overlapped['seconds']:.2f} producer_wait_share="
               f"{overlapped['producer_wait_s'] / overlapped['seconds']:.2f} (time each side waited for the other)")
+        print(overlap_bound(sync, overlapped))
     against_bounds = {}
     if ("grpo", "fp32") in results:
         fp32 = results[("grpo", "fp32")]

@@ -183,7 +183,11 @@ class AsyncRounds:
         with sharding.full_parameters(self.model), torch.no_grad():  # what a resume loaded, frozen parts included
             mine = dict(self.snapshot.named_parameters()) | dict(self.snapshot.named_buffers())
             for name, value in [*self.model.named_parameters(), *self.model.named_buffers()]:
-                mine[name].copy_(value)
+                if self.loaded is None:
+                    mine[name].copy_(value)
+                else:  # its parameters hold a publication's tensors (`_load`), which stay as they are
+                    mine[name].data = value.detach().clone()
+        self.loaded = None
         self.stop.clear()
         self._beat()
         learner = max(self.cores // 2, 1)
@@ -351,14 +355,15 @@ class AsyncRounds:
         return produced
 
     def _load(self, key: int) -> None:
-        """The snapshot holds weights `key` (and the engine samples them)."""
+        """The snapshot holds weights `key` (and the engine samples them): its parameters take the publication's
+        tensors themselves, not a copy (never written to: a publication's weights are its own clone), so the
+        snapshot costs no memory of its own beside the publications."""
         if self.loaded != key:
             with self.cond:
                 weights = self.weights[key]
             params = dict(self.snapshot.named_parameters())
-            with torch.no_grad():
-                for name, value in weights.items():
-                    params[name].copy_(value)
+            for name, value in weights.items():
+                params[name].data = value
             self.loaded = key
         if self.group is not None and self.producer.version != key:  # every process done with the server's weights
             torch.distributed.barrier(group=self.group)

@@ -71,7 +71,10 @@ def read(checkpoint: str, file: str, staleness: int, params: dict[str, torch.Ten
             wid, _, name = key.partition("/")
             if name not in params or tensor.shape != params[name].shape or not wid.isdigit():
                 raise ValueError(f"it holds {key!r} {tuple(tensor.shape)}, not a trained parameter of the model")
-            weights.setdefault(int(wid), {})[name] = tensor.to(params[name].device, params[name].dtype)
+            # a tensor of its own, allocated as the publications' clones are (the snapshot samples it in place, and
+            # a kernel's result may depend on its memory's alignment, which a tensor read from the file does not have)
+            value = torch.empty_like(params[name]).copy_(tensor)
+            weights.setdefault(int(wid), {})[name] = value
         pubs = {}
         for p, pub in meta["publications"].items():
             if set(weights.get(pub["weights"], ())) != set(params):
