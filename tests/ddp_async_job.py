@@ -5,7 +5,8 @@
 Each process takes 2 of a group's 4 completions (per_device_train_batch_size 2, num_generations 4), so with two
 processes every group straddles them. A checkpoint every step (JOB_SAVE_STEPS: every that many); with RESUME_FROM
 (a checkpoint's name in OUT) the run resumes from it. JOB_HANG_RANK / JOB_HANG_CALL: that process's reward function
-hangs at that call (its round, from 0) after writing OUT/hung, the other's does not. Each process writes the
+hangs at that call (its round, from 0; "eval": its first evaluation call) after writing OUT/hung, the other's
+does not. JOB_EVAL: an evaluation every 2 steps. Each process writes the
 completions and rewards its reward function saw, in call order, to OUT/seen_<rank>.json; the main process writes
 the final parameters (OUT/final_params.pt, gathered whole from a sharded model) and the log history. `+fsdp` /
 `+zero3` shard the policy through accelerate as distributed_job.py does (FSDP2, DeepSpeed ZeRO-3)."""
@@ -27,9 +28,11 @@ from grpo import GRPOConfig, GRPOTrainer
 SEEN: list[dict] = []
 
 
-def length_reward(completions, trainer_state, **kwargs):
+def length_reward(completions, trainer_state, split=None, **kwargs):
     time.sleep(float(os.environ.get("JOB_REWARD_SLEEP", "0")))  # a kill test's: kills land mid-round
-    if os.environ.get("RANK") == os.environ.get("JOB_HANG_RANK") and len(SEEN) == int(os.environ["JOB_HANG_CALL"]):
+    hang = os.environ.get("JOB_HANG_CALL")
+    due = hang == "eval" and "eval" in (split or "") or hang == str(len(SEEN))
+    if os.environ.get("RANK") == os.environ.get("JOB_HANG_RANK") and due:
         open(os.path.join(sys.argv[1], "hung"), "w").close()  # this process's reward hangs, the other's does not
         time.sleep(600)
     rewards = [len(c[0]["content"]) / 8.0 for c in completions]
@@ -49,6 +52,9 @@ def main() -> None:
         os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
     resume = os.path.join(out, sys.argv[4]) if len(sys.argv) > 4 else None
     rows = [{"prompt": [{"role": "user", "content": f"Solve {i}+1"}]} for i in range(8)]
+    evaluating = (
+        dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2) if "JOB_EVAL" in os.environ else {}
+    )
     args = GRPOConfig(
         output_dir=out,
         per_device_train_batch_size=2,
@@ -66,8 +72,16 @@ def main() -> None:
         ddp_backend="gloo",
         async_generation=mode == "async",
         max_staleness=1,
+        **evaluating,
     )
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=Dataset.from_list(rows), args=args)
+    data = Dataset.from_list(rows)
+    trainer = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=length_reward,
+        train_dataset=data,
+        eval_dataset=Dataset.from_list([{**row, "split": "eval"} for row in rows[:2]]) if evaluating else None,
+        args=args,
+    )
     trainer.train(resume_from_checkpoint=resume)
     rank = trainer.accelerator.process_index
     with open(os.path.join(out, f"seen_{rank}.json"), "w") as f:

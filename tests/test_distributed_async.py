@@ -153,3 +153,27 @@ def test_sigterm_while_one_process_waits_stops_both_together_and_saves_the_last_
     _, after, rows_after = resumed_from(out, tmp_path / "resumed", tiny_model_dir, mode)
     assert all(torch.equal(after[n], params[n]) for n in params)
     assert untimed(rows_after, resumed=True) == untimed(rows, resumed=True)
+
+
+def test_sigterm_while_one_process_waits_in_an_evaluation_saves_the_step_on_both(tiny_model_dir, tmp_path, async_run):
+    """The evaluation after step 2: process 1's reward function hangs on an eval row, process 0 waits in the eval
+    batch's gather. SIGTERM: both stop there together; step 2 is complete, so both save it (no periodic checkpoint
+    was due) and exit 143; the resume from it ends as the straight run (evaluating changes nothing it trains)."""
+    _, params, rows = async_run[1]
+    out = tmp_path / "run"
+    hang = dict(JOB_HANG_RANK="1", JOB_HANG_CALL="eval", JOB_SAVE_STEPS="100", JOB_EVAL="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **hang)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    proc = subprocess.Popen([*cmd, JOB, str(out), tiny_model_dir, "async"], env=env, stderr=subprocess.PIPE, text=True)
+    while not (out / "hung").exists() and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert stderr.count("exiting with status 143") == 2, stderr[-3000:]
+    assert "Unable to shutdown process" not in stderr
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
+    _, after, rows_after = resumed_from(out, tmp_path / "resumed", tiny_model_dir, "async")
+    assert all(torch.equal(after[n], params[n]) for n in params)
+    trained = [r for r in untimed(rows_after, resumed=True) if not any(k.startswith("eval_") for k in r)]
+    assert trained == untimed(rows, resumed=True)
