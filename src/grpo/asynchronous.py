@@ -50,7 +50,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
@@ -70,6 +70,22 @@ from grpo.rollout.fast import own_generator
 logger = logging.getLogger("grpo")
 POLL_S = 0.05
 OWN_RANDOMNESS = ("fast", "vllm-server")  # engines whose sampling never draws from torch's global generator
+
+
+class AsyncHost(Protocol):
+    """What async generation reads of the trainer hosting it (the learner): its settings, processes, policy (as
+    prepared, and unwrapped), the producer it copies for its thread, and what an engine of its own is built from."""
+
+    args: Any  # the GRPOConfig
+    accelerator: Any
+    model: torch.nn.Module
+    unwrapped_model: torch.nn.Module
+    producer: Producer  # the sequential one (evaluation's): its rollouts, rewards, dataset and ranks
+    training_pass: Any  # `grpo.forward.TrainingPass`: the behaviour policy's log-probs
+    tokenizer: Any
+    stop_ids: list[int]
+    pixels: Any  # image prompts' vision settings, for the producer's own engine
+    loop: Any  # `grpo.loop.LoopState`: the data position a checkpoint saves from
 
 
 def round_seed(seed: int, kind: str, position: int) -> int:
@@ -109,7 +125,9 @@ class AsyncRounds:
 
     name = "in-flight rounds"
 
-    def __init__(self, producer: Producer, model: torch.nn.Module, snapshot: torch.nn.Module, trainer: Any) -> None:
+    def __init__(
+        self, producer: Producer, model: torch.nn.Module, snapshot: torch.nn.Module, trainer: AsyncHost
+    ) -> None:
         a = trainer.args
         self.producer, self.model, self.snapshot = producer, model, snapshot
         self.shared_engine = producer.own_engine is None  # vLLM: the trainer's engine, also evaluation's
@@ -423,7 +441,7 @@ def importance_stats(logps: torch.Tensor, old: torch.Tensor | None, mask: torch.
     }
 
 
-def refuse(trainer: Any) -> None:
+def refuse(trainer: AsyncHost) -> None:
     """What async generation does not do yet, as one error naming the setting."""
     a, acc = trainer.args, trainer.accelerator
     reasons = []
@@ -450,7 +468,7 @@ def local(rollouts: Rollouts) -> Rollouts:
     return mine
 
 
-def rounds_of(trainer: Any, snapshot: torch.nn.Module | None = None) -> Sequential | AsyncRounds:
+def rounds_of(trainer: AsyncHost, snapshot: torch.nn.Module | None = None) -> Sequential | AsyncRounds:
     """The trainer's source of rounds: the sequential one, or a producer thread with its own snapshot of the policy
     (`snapshot`, a whole copy made before FSDP or DeepSpeed sharded the policy; None: a copy of the policy) and its
     own engine, except vLLM's, which it shares with evaluation."""

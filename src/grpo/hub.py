@@ -32,7 +32,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import huggingface_hub
 
@@ -57,6 +57,19 @@ PUSHED = (
     *("configuration_*.py", "modeling_*.py", "tokenization_*.py", "processing_*.py", "image_processing_*.py"),
 )
 SKIPPED = ["_*", ".*", "checkpoint-*", ".tmp-checkpoint-*"]
+
+
+class PublishedRun(Protocol):
+    """What the Hub pushes and the model card read of a run (the trainer is one)."""
+
+    accelerator: Any
+    processing_class: Any
+    state: Any  # the HF TrainerState: step, log history
+    unwrapped_model: Any
+    train_dataset: Any
+    rewards: Any  # `grpo.rewards.calling.RewardFunctions`: names, weights
+
+    def save_model(self, output_dir: str | None = None) -> None: ...
 
 
 class Hub:
@@ -118,7 +131,7 @@ class Hub:
                     "Uploading the last completions to %s failed: %s", self.args.log_completions_hub_repo, err
                 )
 
-    def after_checkpoint(self, trainer: Any, checkpoint_dir: str) -> None:
+    def after_checkpoint(self, trainer: PublishedRun, checkpoint_dir: str) -> None:
         """hub_strategy's background pushes after a checkpoint was written."""
         a = self.args
         if not self.active or a.hub_strategy == "end":
@@ -141,7 +154,7 @@ class Hub:
         except Exception as err:  # the checkpoint is on disk: a push that cannot start does not stop training
             logger.warning("Pushing checkpoint %s to the Hub failed (%s); training goes on.", checkpoint_dir, err)
 
-    def push(self, trainer: Any, commit_message: str, blocking: bool, **card: Any) -> Any:
+    def push(self, trainer: PublishedRun, commit_message: str, blocking: bool, **card: Any) -> Any:
         """trainer.push_to_hub: the final model and its card, after the background pushes."""
         if not self.active and trainer.accelerator.is_main_process:
             self.active = True  # push_to_hub() called with push_to_hub=False: push anyway, as the HF Trainer
@@ -180,7 +193,7 @@ def _matching(directory: str, patterns: tuple[str, ...]) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
-def write_model_card(trainer: Any, directory: str, dataset_name: str | None = None, **extra: Any) -> str:
+def write_model_card(trainer: PublishedRun, directory: str, dataset_name: str | None = None, **extra: Any) -> str:
     """README.md in `directory`, from what the trainer knows; returns its path."""
     config = getattr(trainer.unwrapped_model, "config", None)
     base = getattr(config, "_name_or_path", None) or None

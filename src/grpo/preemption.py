@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from grpo import checkpoint
 from grpo.checkpoint import files
+from grpo.checkpoint.run import PreemptibleRun
 from grpo.distributed.accelerator import settle_processes
 from grpo.sigterm import Preempted, check, preemption_guard, requested
 
@@ -44,7 +45,7 @@ class StepStart:
     tokens_seen: int
 
     @classmethod
-    def capture(cls, trainer: Any) -> StepStart:
+    def capture(cls, trainer: PreemptibleRun) -> StepStart:
         return cls(
             files.rng_state(),
             trainer.loop.state_dict(),
@@ -53,7 +54,7 @@ class StepStart:
             trainer.state.num_input_tokens_seen,
         )
 
-    def restore(self, trainer: Any) -> None:
+    def restore(self, trainer: PreemptibleRun) -> None:
         files.set_rng_state(self.rng)
         trainer.loop.load_state_dict(self.loop)
         trainer.buffer.slices = self.buffer
@@ -61,7 +62,7 @@ class StepStart:
         trainer.state.num_input_tokens_seen = self.tokens_seen
 
 
-def save_and_exit(trainer: Any, step_start: StepStart | None, agreed: bool = False) -> NoReturn:
+def save_and_exit(trainer: PreemptibleRun, step_start: StepStart | None, agreed: bool = False) -> NoReturn:
     """After SIGTERM: save the state at the end of the last complete step when that is safe, and exit with status
     143. Between steps (`step_start` None) it is. Inside a step it is while no optimizer step has been applied in
     it (the model and optimizer are as the last step left them; `step_start` puts the rest back), on one process,

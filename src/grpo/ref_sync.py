@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,7 +27,17 @@ from grpo.modeling import unwrap
 REFERENCE = os.path.join("reference", "model.safetensors")
 
 
-def check(trainer: Any) -> None:
+class ReferencedRun(Protocol):
+    """What the reference's syncing reads of a run (the trainer is one)."""
+
+    args: Any  # the GRPOConfig: sync_ref_model, ref_model_sync_steps, ref_model_mixup_alpha
+    model: torch.nn.Module  # the policy, as prepared
+    ref_model: torch.nn.Module | None
+    ref_from_adapters: bool  # the reference is the policy with its adapters disabled (LoRA)
+    state: Any  # the HF TrainerState
+
+
+def check(trainer: ReferencedRun) -> None:
     """Refuse sync_ref_model where there is no reference model of its own to mix into (after `prepare`)."""
     if not trainer.args.sync_ref_model:
         return
@@ -55,7 +65,7 @@ def mix(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> No
             ref.mul_(1.0 - alpha).add_(theta.to(ref.dtype), alpha=alpha)
 
 
-def after_step(trainer: Any) -> bool:
+def after_step(trainer: ReferencedRun) -> bool:
     """At the end of an optimizer step: mix the policy into the reference when the step is a sync step (every
     process calls it). Returns whether it did."""
     a = trainer.args

@@ -32,7 +32,7 @@ import errno
 import json
 import os
 import shutil
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -40,11 +40,13 @@ from safetensors import SafetensorError
 from grpo import lora
 from grpo.checkpoint import files, strategy
 from grpo.checkpoint.files import CheckpointError, CheckpointMismatchError, checkpoints
+from grpo.checkpoint.run import CheckpointedRun, StateComponent
 from grpo.distributed import collectives, sharding, zero
 
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointedRun",
     "StateComponent",
     "add_evaluation",
     "checkpoints",
@@ -55,23 +57,6 @@ __all__ = [
 STATE = files.STATE
 
 
-class StateComponent(Protocol):
-    """A part of a run's state that saves and loads itself (torchtitan's Stateful, in two phases): `save` writes
-    its files into the checkpoint being written (every process calls it), `read` reads and checks them without
-    changing anything (an error names the file), `restore` applies what `read` returned once every file of the
-    checkpoint has been read. A component may also have `fields() -> dict`: entries of trainer_state.json, which
-    the checkpoint's writer collects (`components.TrainingRecord`: the run's position, logs and geometry). The
-    trainer lists its components in `state_components`."""
-
-    name: str
-
-    def save(self, directory: str) -> None: ...
-
-    def read(self, checkpoint: str, state: dict[str, Any]) -> Any: ...
-
-    def restore(self, value: Any) -> None: ...
-
-
 SHARDED = "sharded"  # torch.distributed.checkpoint directory: a sharded model's and optimizer's shards
 
 
@@ -80,7 +65,7 @@ class CheckpointWriteError(OSError):
     names the newest complete checkpoint."""
 
 
-def model_state(trainer: Any) -> dict[str, torch.Tensor]:
+def model_state(trainer: CheckpointedRun) -> dict[str, torch.Tensor]:
     """The policy's whole state dict on the main process. Every process must call it: for a sharded model it
     gathers the shards (to CPU)."""
     if sharding.is_sharded(trainer.model):
@@ -91,7 +76,7 @@ def model_state(trainer: Any) -> dict[str, torch.Tensor]:
     return trainer.accelerator.get_state_dict(trainer.model)
 
 
-def save_pretrained(trainer: Any, output_dir: str, state_dict: dict[str, torch.Tensor]) -> None:
+def save_pretrained(trainer: CheckpointedRun, output_dir: str, state_dict: dict[str, torch.Tensor]) -> None:
     """The policy (or its adapter), tokenizer and model card (the trainer's `write_model_card`) as a Hugging Face
     model directory (main process only), from `model_state`."""
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -100,7 +85,7 @@ def save_pretrained(trainer: Any, output_dir: str, state_dict: dict[str, torch.T
     trainer.write_model_card(output_dir)
 
 
-def save(trainer: Any, step: int) -> str:
+def save(trainer: CheckpointedRun, step: int) -> str:
     """Write checkpoint-<step> (every process takes part); returns its path."""
     acc, root = trainer.accelerator, trainer.args.output_dir
     final, tmp = os.path.join(root, f"checkpoint-{step}"), os.path.join(root, f".tmp-checkpoint-{step}")
@@ -115,7 +100,7 @@ def save(trainer: Any, step: int) -> str:
     return final
 
 
-def add_evaluation(trainer: Any, path: str) -> None:
+def add_evaluation(trainer: CheckpointedRun, path: str) -> None:
     """After the evaluation of a step whose checkpoint was written before it (`grpo.evaluation.after_step`):
     the evaluation's row, the best checkpoint it makes and the callbacks' states after on_evaluate go into the
     checkpoint's trainer_state.json, replaced atomically (a crash meanwhile leaves the complete checkpoint as it
@@ -136,7 +121,7 @@ def add_evaluation(trainer: Any, path: str) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
-def _add_to_state(trainer: Any, path: str) -> OSError | None:
+def _add_to_state(trainer: CheckpointedRun, path: str) -> OSError | None:
     file, tmp = os.path.join(path, STATE), os.path.join(path, STATE + ".tmp")
     try:
         with open(file) as f:
@@ -161,7 +146,7 @@ def _fresh_directory(path: str) -> None:
     os.makedirs(path)
 
 
-def _write_process_files(trainer: Any, tmp: str) -> None:
+def _write_process_files(trainer: CheckpointedRun, tmp: str) -> None:
     """What every process writes: its shards, and its state components (its generator states, its buffered
     rollouts, the mixed reference: `components`); none of it with save_only_model."""
     acc = trainer.accelerator
@@ -175,7 +160,9 @@ def _write_process_files(trainer: Any, tmp: str) -> None:
         component.save(tmp)
 
 
-def _write_main_files(trainer: Any, step: int, tmp: str, final: str, state_dict: dict[str, torch.Tensor]) -> None:
+def _write_main_files(
+    trainer: CheckpointedRun, step: int, tmp: str, final: str, state_dict: dict[str, torch.Tensor]
+) -> None:
     """What the main process writes: the model directory and trainer_state.json (the components' `fields`, the
     best checkpoint, the callbacks' states); then the rename that makes the checkpoint exist, and the rotation."""
     save_pretrained(trainer, tmp, state_dict)
@@ -209,7 +196,7 @@ def _replace(tmp: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _phase(trainer: Any, step: int, tmp: str, work: Any) -> None:
+def _phase(trainer: CheckpointedRun, step: int, tmp: str, work: Any) -> None:
     """Run one part of writing a checkpoint (every process calls it); if it fails on any process, every process
     raises a CheckpointWriteError after the temporary directory is removed, so that none waits for the others."""
     error = None
@@ -262,7 +249,7 @@ def resolve(resume_from_checkpoint: str | bool, output_dir: str) -> str:
     return path
 
 
-def load(trainer: Any, path: str) -> None:
+def load(trainer: CheckpointedRun, path: str) -> None:
     """Restore everything `save` wrote into this trainer (every process). Nothing is changed in the trainer
     until every file has been read and checked."""
     acc, args = trainer.accelerator, trainer.args
@@ -286,13 +273,13 @@ def load(trainer: Any, path: str) -> None:
         component.restore(value)
 
 
-def load_model_weights(trainer: Any, path: str) -> None:
+def load_model_weights(trainer: CheckpointedRun, path: str) -> None:
     """The model weights of checkpoint `path` into the trainer's model (every process), as a resume loads them:
     load_best_model_at_end."""
     _load_model(trainer, path, sharding.is_sharded(trainer.model), zero.in_use(trainer.accelerator))
 
 
-def _load_model(trainer: Any, path: str, sharded: bool, deepspeed: bool) -> None:
+def _load_model(trainer: CheckpointedRun, path: str, sharded: bool, deepspeed: bool) -> None:
     acc = trainer.accelerator
     model = acc.unwrap_model(trainer.model)
     if sharded:  # the shards hold the whole trainable state, adapters included, and the optimizer's

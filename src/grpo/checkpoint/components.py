@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from grpo.checkpoint import files, strategy
+from grpo.checkpoint.run import PreemptibleRun
 from grpo.distributed import sharding, zero
 
 OPTIMIZER, SCHEDULER, SCALER = "optimizer.pt", "scheduler.pt", "scaler.pt"
@@ -199,7 +200,9 @@ class BufferedRollouts:
         self.buffer.load_state_dict(value, self.device)
 
 
-def of_run(trainer: Any, extra: Sequence[Any], dataset_size: int | None, resume_at: Callable[[int], int]) -> list[Any]:
+def of_run(
+    trainer: PreemptibleRun, extra: Sequence[Any], dataset_size: int | None, resume_at: Callable[[int], int]
+) -> list[Any]:
     """A run's components, from a trainer being built (after `prepare`): its record (trainer_state.json; the
     training set has `dataset_size` rows, None for a stream; `resume_at` maps a checkpoint's data position to the
     one a resume draws from), its optimization, its buffered rollouts, the `extra` ones (the mixed reference,

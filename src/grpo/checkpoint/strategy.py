@@ -27,6 +27,7 @@ from typing import Any
 
 from grpo import reporting
 from grpo.checkpoint.files import CheckpointError, checkpoints
+from grpo.checkpoint.run import CheckpointedRun
 from grpo.distributed import collectives, sharding, zero
 
 logger = logging.getLogger("grpo")
@@ -70,7 +71,7 @@ def writes_files(save_on_each_node: bool, is_main_process: bool, is_local_main_p
     return is_local_main_process if save_on_each_node else is_main_process
 
 
-def writer(trainer: Any) -> bool:
+def writer(trainer: CheckpointedRun) -> bool:
     acc = trainer.accelerator
     return writes_files(trainer.args.save_on_each_node, acc.is_main_process, acc.is_local_main_process)
 
@@ -78,7 +79,7 @@ def writer(trainer: Any) -> bool:
 # ---- construction: settings that could never do what they say ------------------------------------------------
 
 
-def check(trainer: Any) -> None:
+def check(trainer: CheckpointedRun) -> None:
     """Refuse, before any step, settings under which the best checkpoint could not be known or loaded."""
     a = trainer.args
     needs_metric = a.save_strategy == "best" or a.load_best_model_at_end
@@ -129,7 +130,7 @@ def _check_saves_are_logged(a: Any, max_steps: int, steps_per_epoch: int) -> Non
 # ---- during training --------------------------------------------------------------------------------------------
 
 
-def metric_at(trainer: Any, step: int) -> float | None:
+def metric_at(trainer: CheckpointedRun, step: int) -> float | None:
     """metric_for_best_model as logged at `step` (None when unset, not logged then, or not finite), the same on
     every process (the mean of the processes' values). A name no logged row has ever had is an error naming
     the logged metrics."""
@@ -151,14 +152,14 @@ def metric_at(trainer: Any, step: int) -> float | None:
     return _number(trainer, row.get(key) if key is not None else None)
 
 
-def _number(trainer: Any, value: Any) -> float | None:
+def _number(trainer: CheckpointedRun, value: Any) -> float | None:
     """A logged value as a finite float the same on every process (their mean), or None."""
     number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
     number = collectives.process_mean(trainer.accelerator, number)
     return number if math.isfinite(number) else None
 
 
-def should_save(trainer: Any) -> bool:
+def should_save(trainer: CheckpointedRun) -> bool:
     """Whether the step just finished (and logged) ends with a checkpoint (every process calls it)."""
     a, state = trainer.args, trainer.state
     step = state.global_step
@@ -173,7 +174,7 @@ def should_save(trainer: Any) -> bool:
     )
 
 
-def record_best(trainer: Any, step: int, path: str) -> None:
+def record_best(trainer: CheckpointedRun, step: int, path: str) -> None:
     """Before checkpoint-<step> is written (every process): if the metric logged at its step beats the best
     saved so far, it becomes the best checkpoint (its trainer_state.json already says so)."""
     value = metric_at(trainer, step)
@@ -235,7 +236,7 @@ def resume_target(argument: str | bool | None, config_value: str | None) -> str 
     return value or None
 
 
-def load_best_model(trainer: Any, load_model: Any) -> bool:
+def load_best_model(trainer: CheckpointedRun, load_model: Any) -> bool:
     """load_best_model_at_end: the best checkpoint's model weights into the trainer's model (every process);
     whether it loaded them (the policy's weights then changed)."""
     state = trainer.state

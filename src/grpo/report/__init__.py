@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from grpo import diagnostics, run_dir
 from grpo.modeling import model_name
@@ -122,6 +122,18 @@ def rebuild(output_dir: str, path: str | None = None) -> str:
     return write(output_dir, run, path)
 
 
+class ReportedRun(Protocol):
+    """What the report's facts are read from (the trainer is one)."""
+
+    args: Any  # the GRPOConfig: output_dir, run_report
+    accelerator: Any
+    unwrapped_model: Any
+    rewards: Any  # `grpo.rewards.calling.RewardFunctions`: names
+    rollouts: Any  # `grpo.agent.Rollouts`: tool_names
+    max_steps: int
+    diagnosis: Any  # `grpo.diagnostics.Diagnosis`
+
+
 class RunReport:
     """The live report of one trainer: `running` around train(), `refresh` at each logging step."""
 
@@ -145,7 +157,7 @@ class RunReport:
         self.state: Any = None
 
     @classmethod
-    def of(cls, trainer: Any) -> RunReport:
+    def of(cls, trainer: ReportedRun) -> RunReport:
         facts = {
             "model": trainer.unwrapped_model.config._name_or_path or model_name(trainer.unwrapped_model),
             "reward_names": list(trainer.rewards.names),
