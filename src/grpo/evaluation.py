@@ -25,7 +25,7 @@ import math
 import random
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,6 +39,43 @@ from grpo.losses import policy_loss
 from grpo.metrics import reward_and_tool_stats
 from grpo.rollout import build_engine
 from grpo.sigterm import agreed_or_none
+
+
+class EvaluatedRun(Protocol):
+    """What evaluation reads of the trainer (its `evaluate`, and the evaluation after a step, are the trainer's
+    own, written here): settings, processes, state, callbacks, the policy and its producer, and the loss's parts
+    (advantages, old and reference log-probs) that an evaluation batch's `eval_loss` takes."""
+
+    args: Any
+    accelerator: Any
+    state: Any  # the HF TrainerState
+    control: Any  # the HF TrainerControl: should_evaluate, should_save
+    metrics: Any  # `grpo.metrics.MetricsLogger` (None before training)
+    max_steps: int
+    steps_per_epoch: int
+    model: torch.nn.Module
+    unwrapped_model: torch.nn.Module
+    policy_version: int
+    producer: Any  # `grpo.producer.Producer`: sync, generate, score
+    rounds: Any  # `grpo.asynchronous`: the producer thread paused while evaluating
+    engine: Any
+    rollouts: Any
+    rewards: Any
+    prompts: data.PromptSource
+    evaluations: dict[str | None, Evaluation]
+    training_pass: Any
+    loss_params: Any
+    tokenizer: Any
+    stop_ids: list[int]
+    pixels: Any
+
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]: ...
+
+    def _fire(self, event: str, **kwargs: Any) -> None: ...
+
+    def _advantages(self, scored: Scored, group_size: int | None = None) -> Any: ...
+
+    def _add_old_and_ref_logps(self, batch: Any, old: bool = True) -> Any: ...
 
 
 @contextlib.contextmanager
@@ -128,7 +165,7 @@ class Evaluation:
         every = max(math.ceil(every * max_steps), 1) if every < 1 else int(every)
         return step % every == 0
 
-    def run(self, trainer: Any, engine: Any) -> dict[str, float]:
+    def run(self, trainer: EvaluatedRun, engine: Any) -> dict[str, float]:
         """The eval_ metrics (the same on every process)."""
         acc = trainer.accelerator
         start = time.perf_counter()
@@ -153,7 +190,7 @@ class Evaluation:
         metrics["eval_runtime"] = round(time.perf_counter() - start, 4)
         return metrics
 
-    def share(self, trainer: Any, mine: list[int], examples: list, engine: Any, logged: dict) -> Scored:
+    def share(self, trainer: EvaluatedRun, mine: list[int], examples: list, engine: Any, logged: dict) -> Scored:
         """This process's rows of an evaluation batch, generated and scored (their reward functions' `log_metric`
         calls into `logged`)."""
         generated = trainer.producer.generate(mine, examples, source=self.source, engine=engine)
@@ -180,7 +217,7 @@ class Evaluation:
         return {k: v if math.isfinite(v) else None for k, v in out.items()}
 
 
-def batch_loss(trainer: Any, scored: Scored, group_size: int) -> float | None:
+def batch_loss(trainer: EvaluatedRun, scored: Scored, group_size: int) -> float | None:
     """The policy loss of one evaluation batch (every process's rows), as the HF Trainer's `eval_loss`: the batch's
     group advantages, on-policy (ratio 1; with beta > 0 the KL to the reference), each process's rows through the
     training pass without gradient, the processes' losses weighted by their rows. None for a batch some process
@@ -200,7 +237,7 @@ def batch_loss(trainer: Any, scored: Scored, group_size: int) -> float | None:
     return collectives.process_mean(acc, loss.item() * len(mine)) / rows
 
 
-def after_step(trainer: Any, evaluate_now: bool) -> str | None:
+def after_step(trainer: EvaluatedRun, evaluate_now: bool) -> str | None:
     """The end of an optimizer step (every process): its checkpoint when due, then its evaluation when due, in that
     order, so that an evaluation that fails (a reward function raising on an eval row) or is preempted loses no
     step. The events stay the HF Trainer's (on_evaluate, then on_save, which the caller fires): the evaluation's
@@ -230,7 +267,7 @@ def after_step(trainer: Any, evaluate_now: bool) -> str | None:
     return path
 
 
-def due(trainer: Any, step: int) -> bool:
+def due(trainer: EvaluatedRun, step: int) -> bool:
     """Whether the trainer evaluates after optimizer step `step`: an eval dataset's strategy says so, or a callback
     set control.should_evaluate."""
     if not trainer.evaluations:
@@ -239,7 +276,7 @@ def due(trainer: Any, step: int) -> bool:
     return strategy or trainer.control.should_evaluate
 
 
-def evaluate(trainer: Any, eval_dataset: Any, metric_key_prefix: str) -> dict[str, float]:
+def evaluate(trainer: EvaluatedRun, eval_dataset: Any, metric_key_prefix: str) -> dict[str, float]:
     """GRPOTrainer.evaluate: the trainer's eval datasets (or `eval_dataset`), from the policy's current weights; the
     metrics are logged (log_history, metrics.jsonl, trackers, on_log) and passed to on_evaluate."""
     runs = trainer.evaluations
@@ -259,7 +296,7 @@ def evaluate(trainer: Any, eval_dataset: Any, metric_key_prefix: str) -> dict[st
     return metrics
 
 
-def _run_all(trainer: Any, runs: dict[str, Any], metric_key_prefix: str) -> dict[str, float]:
+def _run_all(trainer: EvaluatedRun, runs: dict[str, Any], metric_key_prefix: str) -> dict[str, float]:
     """Every eval dataset's metrics, from the policy's current weights."""
     trainer.producer.sync(trainer.unwrapped_model, trainer.policy_version)
     engine = trainer.engine
