@@ -48,9 +48,23 @@ def launch(nproc, out, model_dir, loss_type, *mode):
         return torch.load(os.path.join(out, "update.pt")), json.load(f)
 
 
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir, tmp_path_factory):
+    """The one-process runs that two-process runs are compared with, each launched once per module (the sharded
+    modes with gradient accumulation, or with LoRA, share theirs)."""
+    runs = {}
+
+    def run(loss_type, *mode):
+        if (loss_type, *mode) not in runs:
+            runs[(loss_type, *mode)] = launch(1, tmp_path_factory.mktemp("one"), tiny_model_dir, loss_type, *mode)
+        return runs[(loss_type, *mode)]
+
+    return run
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_two_processes_update_like_one(tiny_model_dir, tmp_path, loss_type):
-    one, row1 = launch(1, tmp_path / "one", tiny_model_dir, loss_type)
+def test_two_processes_update_like_one(tiny_model_dir, tmp_path, one_process, loss_type):
+    one, row1 = one_process(loss_type)
     two, row2 = launch(2, tmp_path / "two", tiny_model_dir, loss_type)
     assert (row1["world"], row2["world"]) == (1, 2)
     for name in one:
@@ -67,7 +81,7 @@ SHARDED_MODES = ["fsdp+ga2", "fsdp+lora"] + [
 
 
 @pytest.mark.parametrize("mode", SHARDED_MODES)
-def test_sharded_training_through_accelerate_updates_like_one_process(tiny_model_dir, tmp_path, mode):
+def test_sharded_training_through_accelerate_updates_like_one_process(tiny_model_dir, tmp_path, one_process, mode):
     """The trainer under accelerate's FSDP2 path, or DeepSpeed ZeRO-2 / ZeRO-3, at 2 processes (see
     distributed_job.py): parameters sharded (FSDP, ZeRO-3; ZeRO-2 partitions gradients and optimizer state),
     the trainer's fast engine samples from the sharded model, the update equals one unsharded process's on the
@@ -81,7 +95,7 @@ def test_sharded_training_through_accelerate_updates_like_one_process(tiny_model
 
     stage, *options = mode.split("+")
     lora, kl = "lora" in options, "kl" in options
-    one, row1 = launch(1, tmp_path / "one", tiny_model_dir, "dapo", "+".join(["ddp", *options]))
+    one, row1 = one_process("dapo", "+".join(["ddp", *options]))
     two, row2 = launch(2, tmp_path / "two", tiny_model_dir, "dapo", mode)
     assert row2["world"] == 2 and row2["sharded"] is (stage != "zero2") and row2["engine"] == stage
     if kl:

@@ -43,11 +43,16 @@ def async_run(tiny_model_dir, tmp_path_factory):
     return out, launch(out, tiny_model_dir, "async")
 
 
+@pytest.fixture(scope="module")
+def sync_run(tiny_model_dir, tmp_path_factory):
+    return launch(tmp_path_factory.mktemp("sync"), tiny_model_dir, "sync")
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_group_straddling_two_processes_gets_distinct_samples(tiny_model_dir, tmp_path, async_run, mode):
+def test_a_group_straddling_two_processes_gets_distinct_samples(async_run, sync_run, mode):
     """Each group's 4 completions are 2 from each process: the two processes' halves differ (they were the same
     draws on both before each process had a stream of its own)."""
-    seen, _, _ = async_run[1] if mode == "async" else launch(tmp_path, tiny_model_dir, mode)
+    seen, _, _ = async_run[1] if mode == "async" else sync_run
     for first, second in list(zip(*seen))[:STEPS]:
         assert len(first["completions"]) == len(second["completions"]) == 2
         assert first["completions"] != second["completions"]
@@ -105,21 +110,28 @@ def test_a_sharded_policy_trains_async_like_a_replicated_one_and_resumes_exactly
     assert untimed(rows_after, resumed=True) == untimed(rows, resumed=True)
 
 
+def terminated(out, model_dir, mode, ready, delay, **job_env):
+    """The 4-step job (`mode`, JOB_* settings `job_env`) under torchrun, sent SIGTERM `delay` s after file `ready`
+    appears in `out`: both processes exit 143 within seconds, none killed by the launcher (30 s after SIGTERM)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **job_env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    proc = subprocess.Popen([*cmd, JOB, str(out), model_dir, mode], env=env, stderr=subprocess.PIPE, text=True)
+    while not (out / ready).exists() and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert stderr.count("exiting with status 143") == 2, stderr[-3000:]
+    assert "Unable to shutdown process" not in stderr
+
+
 @pytest.mark.parametrize("delay", [0.2, 0.9])
 def test_sigterm_on_two_async_processes_saves_and_the_resume_is_exact(tiny_model_dir, tmp_path, async_run, delay):
     """torchrun passes SIGTERM to both processes mid-run (a slow reward: mid-round): each saves the last complete
     step and exits 143 within seconds, nothing hangs; the resume from that checkpoint ends as the straight run."""
     _, params, rows = async_run[1]
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", JOB_REWARD_SLEEP="0.3")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    proc = subprocess.Popen([*cmd, JOB, str(out), tiny_model_dir, "async"], env=env, stderr=subprocess.PIPE, text=True)
-    while not (out / "checkpoint-1").exists() and proc.poll() is None:
-        time.sleep(0.01)
-    time.sleep(delay)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
-    assert stderr.count("exiting with status 143") == 2, stderr[-3000:]
+    terminated(out, tiny_model_dir, "async", "checkpoint-1", delay, JOB_REWARD_SLEEP="0.3")
     checkpoints = sorted(p for p in os.listdir(out) if p.startswith("checkpoint-"))
     assert checkpoints and not (out / "final_params.pt").exists()
     _, after, rows_after = launch(out, tiny_model_dir, "async", checkpoints[-1])
@@ -129,26 +141,15 @@ def test_sigterm_on_two_async_processes_saves_and_the_resume_is_exact(tiny_model
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sigterm_while_one_process_waits_stops_both_together_and_saves_the_last_step(
-    tiny_model_dir, tmp_path, async_run, mode
+    tiny_model_dir, tmp_path, async_run, sync_run, mode
 ):
     """SIGTERM while one process's reward function hangs in step 3 and the other waits for it in the round's
     gather: the hung one stops its wait and hands the gather nothing, so both stop there together (not one in a
     barrier, the other in the gather, until the launcher kills them), save step 2 (no periodic checkpoint is due)
     and exit 143; the resume from it ends as the straight run."""
-    straight = async_run[1] if mode == "async" else launch(tmp_path / "straight", tiny_model_dir, mode)
-    _, params, rows = straight
+    _, params, rows = async_run[1] if mode == "async" else sync_run
     out = tmp_path / "run"
-    hang = dict(JOB_HANG_RANK="1", JOB_HANG_CALL="2", JOB_SAVE_STEPS="100")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **hang)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    proc = subprocess.Popen([*cmd, JOB, str(out), tiny_model_dir, mode], env=env, stderr=subprocess.PIPE, text=True)
-    while not (out / "hung").exists() and proc.poll() is None:
-        time.sleep(0.01)
-    time.sleep(0.5)  # the other process reaches the gather
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
-    assert stderr.count("exiting with status 143") == 2, stderr[-3000:]
-    assert "Unable to shutdown process" not in stderr  # none had to be killed
+    terminated(out, tiny_model_dir, mode, "hung", 0.5, JOB_HANG_RANK="1", JOB_HANG_CALL="2", JOB_SAVE_STEPS="100")
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
     _, after, rows_after = resumed_from(out, tmp_path / "resumed", tiny_model_dir, mode)
     assert all(torch.equal(after[n], params[n]) for n in params)
@@ -162,16 +163,7 @@ def test_sigterm_while_one_process_waits_in_an_evaluation_saves_the_step_on_both
     _, params, rows = async_run[1]
     out = tmp_path / "run"
     hang = dict(JOB_HANG_RANK="1", JOB_HANG_CALL="eval", JOB_SAVE_STEPS="100", JOB_EVAL="1")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **hang)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    proc = subprocess.Popen([*cmd, JOB, str(out), tiny_model_dir, "async"], env=env, stderr=subprocess.PIPE, text=True)
-    while not (out / "hung").exists() and proc.poll() is None:
-        time.sleep(0.01)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
-    assert stderr.count("exiting with status 143") == 2, stderr[-3000:]
-    assert "Unable to shutdown process" not in stderr
+    terminated(out, tiny_model_dir, "async", "hung", 0.5, **hang)
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
     _, after, rows_after = resumed_from(out, tmp_path / "resumed", tiny_model_dir, "async")
     assert all(torch.equal(after[n], params[n]) for n in params)
