@@ -323,9 +323,8 @@ class GRPOTrainer(TrlSurface):
         while generated.rounds < rounds and generated.size < a.generation_batch_size:
             # this process's rows, generated (from the weights of `policy_version`, or an older one: async) and
             # scored; None where SIGTERM stopped them, which every process then learns at the gather
-            take = functools.partial(self.rounds.take, self.loop.data_position, self.unwrapped_model)
-            take = functools.partial(take, self.policy_version, self.state)
-            produced = agreed_or_none(take, self.accelerator.num_processes > 1)
+            where = (self.loop.data_position, self.unwrapped_model, self.policy_version, self.state)
+            produced = agreed_or_none(functools.partial(self.rounds.take, *where), self.accelerator.num_processes > 1)
             with generated.timed("scoring"):
                 scored = self._score(produced)
             generated.generation_s += produced.generation_s
