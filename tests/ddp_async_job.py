@@ -6,9 +6,9 @@ Each process takes 2 of a group's 4 completions (per_device_train_batch_size 2, 
 processes every group straddles them. A checkpoint every step (JOB_SAVE_STEPS: every that many); with RESUME_FROM
 (a checkpoint's name in OUT) the run resumes from it. JOB_HANG_RANK / JOB_HANG_CALL: that process's reward function
 hangs at that call (its round, from 0; "eval": its first evaluation call) after writing OUT/hung, the other's
-does not. JOB_EVAL: an evaluation every 2 steps. Each process writes the
-completions and rewards its reward function saw, in call order, to OUT/seen_<rank>.json; the main process writes
-the final parameters (OUT/final_params.pt, gathered whole from a sharded model) and the log history. `+fsdp` /
+does not. JOB_EVAL: an evaluation every 2 steps. Each process writes the completions and rewards its reward
+function saw, in call order, to OUT/seen_<rank>.json; the main process writes the final parameters
+(OUT/final_params.pt, gathered whole from a sharded model) and the log history. `+fsdp` /
 `+zero3` shard the policy through accelerate as distributed_job.py does (FSDP2, DeepSpeed ZeRO-3)."""
 
 from __future__ import annotations

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
-from test_distributed import free_port, torchrun
+from test_distributed import terminated, torchrun
 
 JOB = os.path.join(os.path.dirname(__file__), "agent_job.py")
 
@@ -43,13 +39,4 @@ def test_sigterm_while_a_tool_hangs_on_one_process_stops_both_at_the_loops_check
     """Process 1's tool call hangs while process 0 goes on to the turn's generation (a collective) and the loop's
     next check: on SIGTERM process 1 ends its wait, still joins the turn's generation with no rows, and both raise
     the preemption together at the check; both exit 143 promptly, none killed by the launcher."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    proc = subprocess.Popen([*cmd, JOB, str(tmp_path), "hang"], env=env, stderr=subprocess.PIPE, text=True)
-    while not (tmp_path / "hung").exists() and proc.poll() is None:
-        time.sleep(0.01)
-    time.sleep(0.5)  # process 0 reaches the loop's check
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
-    assert stderr.count("exiting with status 143") == 2, stderr[-3000:]
-    assert "Unable to shutdown process" not in stderr
+    terminated(JOB, tmp_path, "hang", ready="hung", delay=0.5)  # process 0 reaches the loop's check meanwhile

@@ -9,9 +9,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -40,6 +42,22 @@ def torchrun(nproc, script, *args, timeout=240):
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def terminated(script, out, *args, ready, delay, **env):
+    """`script out args` in 2 processes under torchrun, sent SIGTERM `delay` s after file `ready` appears in `out`:
+    both processes exit 143 within seconds, none killed by the launcher (30 s after SIGTERM). `env`: more
+    environment variables for the job."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    proc = subprocess.Popen([*cmd, script, str(out), *args], env=env, stderr=subprocess.PIPE, text=True)
+    while not (out / ready).exists() and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert stderr.count("exiting with status 143") == 2, stderr[-3000:]
+    assert "Unable to shutdown process" not in stderr
 
 
 def launch(nproc, out, model_dir, loss_type, *mode):

@@ -8,16 +8,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 from test_async import untimed
-from test_distributed import free_port, needs_deepspeed, torchrun
+from test_distributed import needs_deepspeed, terminated, torchrun
 
 JOB = os.path.join(os.path.dirname(__file__), "ddp_async_job.py")
 STEPS = 4
@@ -110,28 +106,13 @@ def test_a_sharded_policy_trains_async_like_a_replicated_one_and_resumes_exactly
     assert untimed(rows_after, resumed=True) == untimed(rows, resumed=True)
 
 
-def terminated(out, model_dir, mode, ready, delay, **job_env):
-    """The 4-step job (`mode`, JOB_* settings `job_env`) under torchrun, sent SIGTERM `delay` s after file `ready`
-    appears in `out`: both processes exit 143 within seconds, none killed by the launcher (30 s after SIGTERM)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **job_env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    proc = subprocess.Popen([*cmd, JOB, str(out), model_dir, mode], env=env, stderr=subprocess.PIPE, text=True)
-    while not (out / ready).exists() and proc.poll() is None:
-        time.sleep(0.01)
-    time.sleep(delay)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
-    assert stderr.count("exiting with status 143") == 2, stderr[-3000:]
-    assert "Unable to shutdown process" not in stderr
-
-
 @pytest.mark.parametrize("delay", [0.2, 0.9])
 def test_sigterm_on_two_async_processes_saves_and_the_resume_is_exact(tiny_model_dir, tmp_path, async_run, delay):
     """torchrun passes SIGTERM to both processes mid-run (a slow reward: mid-round): each saves the last complete
     step and exits 143 within seconds, nothing hangs; the resume from that checkpoint ends as the straight run."""
     _, params, rows = async_run[1]
     out = tmp_path / "run"
-    terminated(out, tiny_model_dir, "async", "checkpoint-1", delay, JOB_REWARD_SLEEP="0.3")
+    terminated(JOB, out, tiny_model_dir, "async", ready="checkpoint-1", delay=delay, JOB_REWARD_SLEEP="0.3")
     checkpoints = sorted(p for p in os.listdir(out) if p.startswith("checkpoint-"))
     assert checkpoints and not (out / "final_params.pt").exists()
     _, after, rows_after = launch(out, tiny_model_dir, "async", checkpoints[-1])
@@ -149,7 +130,8 @@ def test_sigterm_while_one_process_waits_stops_both_together_and_saves_the_last_
     and exit 143; the resume from it ends as the straight run."""
     _, params, rows = async_run[1] if mode == "async" else sync_run
     out = tmp_path / "run"
-    terminated(out, tiny_model_dir, mode, "hung", 0.5, JOB_HANG_RANK="1", JOB_HANG_CALL="2", JOB_SAVE_STEPS="100")
+    hang = dict(JOB_HANG_RANK="1", JOB_HANG_CALL="2", JOB_SAVE_STEPS="100")
+    terminated(JOB, out, tiny_model_dir, mode, ready="hung", delay=0.5, **hang)
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
     _, after, rows_after = resumed_from(out, tmp_path / "resumed", tiny_model_dir, mode)
     assert all(torch.equal(after[n], params[n]) for n in params)
@@ -163,7 +145,7 @@ def test_sigterm_while_one_process_waits_in_an_evaluation_saves_the_step_on_both
     _, params, rows = async_run[1]
     out = tmp_path / "run"
     hang = dict(JOB_HANG_RANK="1", JOB_HANG_CALL="eval", JOB_SAVE_STEPS="100", JOB_EVAL="1")
-    terminated(out, tiny_model_dir, "async", "hung", 0.5, **hang)
+    terminated(JOB, out, tiny_model_dir, "async", ready="hung", delay=0.5, **hang)
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-2"]
     _, after, rows_after = resumed_from(out, tmp_path / "resumed", tiny_model_dir, "async")
     assert all(torch.equal(after[n], params[n]) for n in params)

@@ -178,8 +178,8 @@ class Evaluation:
                 share = -(-len(rows) // acc.num_processes)  # every process runs every batch, maybe with no rows
                 mine = rows[acc.process_index * share : (acc.process_index + 1) * share]
                 examples = [self.dataset[i] for i in mine]
-                share = functools.partial(self.share, trainer, mine, examples, engine, logged)
-                local = agreed_or_none(share, acc.num_processes > 1)  # None: SIGTERM here, agreed at the gather
+                make = functools.partial(self.share, trainer, mine, examples, engine, logged)
+                local = agreed_or_none(make, acc.num_processes > 1)  # None: SIGTERM here, agreed at the gather
                 parts.append(gather_scored(local, acc))
                 losses.append(batch_loss(trainer, parts[-1], self.k))
         metrics = self.metrics(Scored.concat(parts), trainer.rewards, trainer.rollouts.uses_tools)
