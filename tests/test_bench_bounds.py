@@ -1,5 +1,6 @@
 """`make bench`'s machine bounds (bench/bounds.py): the ratios against hand-computed values, and the float32 rows
-only where bfloat16 is not fast (grpo's own test, which honours a oneDNN instruction-set cap)."""
+only where bfloat16 is not fast (grpo's own test: AMX on a CPU, honouring a oneDNN instruction-set cap;
+compute capability 8.0 on CUDA)."""
 
 from __future__ import annotations
 
@@ -53,16 +54,54 @@ def test_the_machine_bounds_are_the_best_of_their_samples(monkeypatch):
     assert (got["matmul_gflop_per_s"], got["matmul_gflop_per_s_low"]) == (180.0, 140.0)
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available() or not os.path.exists("/proc/cpuinfo"), reason="the Linux CPU's test (CUDA decides so)"
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's test (CUDA decides so)")
+@pytest.mark.parametrize(
+    "flags, cap, fast",
+    [
+        ({"avx512f", "avx512_bf16"}, "", False),  # AVX512-BF16 without AMX: measured no faster than float32
+        ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "", True),
+        ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "ALL", True),
+        ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "AVX512_CORE_AMX", True),
+        ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "AVX512_CORE_BF16", False),  # oneDNN capped below AMX
+        ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "AVX2", False),
+        ({"avx2", "fma"}, "", False),
+    ],
 )
-def test_a_onednn_cap_below_bf16_means_float32_rows_only(monkeypatch):
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert not fast_bf16_available(torch.device("cpu"))
-    assert bounds.precisions() == ("fp32",)
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
+def test_bf16_is_fast_on_cpus_with_amx_only_and_bench_runs_float32_rows_elsewhere(monkeypatch, flags, cap, fast):
+    from grpo import modeling
+
+    monkeypatch.setattr(modeling, "cpu_flags", lambda: flags)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert fast_bf16_available(torch.device("cpu")) == fast
+    assert bounds.precisions() == (("bf16", "fp32") if fast else ("fp32",))
+
+
+def test_this_machines_cpu_flags_are_read_from_proc_cpuinfo():
+    from grpo.modeling import cpu_flags
+
+    if not os.path.exists("/proc/cpuinfo"):
+        assert cpu_flags() == set()
+        return
     with open("/proc/cpuinfo") as f:
-        flags = f.read()  # read once (read again inside the generator, a second flag would see an empty string)
-    has_bf16 = any(flag in flags for flag in ("amx_bf16", "avx512_bf16"))
-    assert fast_bf16_available(torch.device("cpu")) == has_bf16
-    assert bounds.precisions() == (("bf16", "fp32") if has_bf16 else ("fp32",))
+        line = next((line for line in f if line.startswith("flags")), "flags:")
+    assert cpu_flags() == set(line.split(":", 1)[1].split())
+
+
+@pytest.mark.parametrize(
+    "capability, native, fast", [((7, 0), True, False), ((7, 5), False, False), ((8, 0), True, True), ((9, 0), True, True)]
+)
+def test_bf16_is_fast_on_cuda_from_compute_capability_8(monkeypatch, capability, native, fast):
+    """Ampere (8.0) on: native bfloat16. A V100 (7.0) or T4 (7.5) only emulates it, which torch's default
+    `is_bf16_supported()` counts (including_emulation=True)."""
+    asked = {}
+
+    def supported(including_emulation=True):
+        asked["including_emulation"] = including_emulation
+        return native or including_emulation
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert fast_bf16_available(torch.device("cuda")) == fast
+    assert asked.get("including_emulation", False) is False

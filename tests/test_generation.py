@@ -120,3 +120,50 @@ def test_prompt_order_is_a_pure_function_of_seed_and_generation():
     assert blocks == [generation_prompt_indices(g, n, per_gen, seed=1, shuffle=True) for g in range(3)]
     assert generation_prompt_indices(3, n, per_gen, 1, True) != blocks[0]  # next epoch: a new permutation
     assert generation_prompt_indices(1, n, per_gen, 1, False) == [3, 4, 5]
+
+
+def test_the_plain_engine_holds_one_steps_scores_at_a_time():
+    """generate's scores for every step would be (rows, vocabulary) floats per token until it returns (256 rows x
+    1,024 steps at a 152k vocabulary: ~159 GB): the engine reads each step's sampled log-prob and releases the step.
+    Counted every 8 steps: live tensors of the vocabulary's width. The log-probs still equal the
+    training pass's."""
+    import gc
+
+    tok = make_tokenizer()
+    model = make_model(tok).eval()
+    vocab = model.config.vocab_size
+    engine, args = engine_for(model, tok, max_completion_length=24, temperature=0.8)
+    stops = list(engine.stop_ids)
+    live, steps = [], []
+
+    def count(module, inputs, output):
+        if len(steps) % 8 == 7:  # (a look at every object takes a while)
+            live.append(sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.shape[-1:] == (vocab,)))
+        steps.append(1)
+        return output.index_fill(-1, torch.tensor(stops), -1e4)  # every row runs all 24 steps
+
+    model.lm_head.register_forward_hook(count)
+    torch.manual_seed(0)
+    rollout = engine.generate(prompts(tok))
+    assert len(steps) == 24 and all(len(c) == 24 for c in rollout.completion_ids)
+    assert max(live) <= 3, live  # before: one more at every step ([10, 18, 26])
+    batch = collate(rollout, torch.zeros(4), tok.pad_token_id, mask_truncated=False)
+    with torch.no_grad():
+        logps, _ = token_logps(model, batch, args.temperature, with_entropy=False)
+    m = batch.mask.bool()
+    torch.testing.assert_close(logps[m], batch.sampling_logps[m], rtol=1e-5, atol=1e-5)
+
+
+def test_the_plain_engine_falls_back_to_returned_scores_and_to_nan():
+    """A decoding loop that does not hand its stopping criteria the scores: the log-probs come from the scores
+    generate returned; with none, NaN (no sampling correction) rather than a wrong value."""
+    from grpo.rollout.plain import _SampledLogps
+
+    tokens = torch.tensor([[1, 2], [0, 3]])
+    scores = (torch.randn(2, 5), torch.randn(2, 5))
+    expected = torch.stack(
+        [torch.log_softmax(s, -1).gather(-1, tokens[:, t, None])[:, 0] for t, s in enumerate(scores)], 1
+    )
+    torch.testing.assert_close(_SampledLogps().logps(tokens, scores), expected)
+    assert _SampledLogps().logps(tokens, None).isnan().all()
+    assert _SampledLogps().logps(tokens[:, :0], None).shape == (2, 0)

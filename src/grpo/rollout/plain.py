@@ -58,6 +58,39 @@ class _StopOnPreemption(StoppingCriteria):
         return torch.full((input_ids.shape[0],), sigterm.requested(), dtype=torch.bool, device=input_ids.device)
 
 
+def _token_logps(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(rows,) log-probs of `tokens` under one step's (rows, vocabulary) processed scores."""
+    return torch.log_softmax(scores.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
+
+
+class _SampledLogps(StoppingCriteria):
+    """After each step, the log-probability of the token just sampled, read from that step's processed scores (the
+    last of generate's `scores`); then those scores' memory is released. generate would otherwise keep every
+    step's (rows, vocabulary) float32 scores until it returns: 256 rows x 1,024 steps at a 152k vocabulary is
+    ~159 GB. Never stops generation itself."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(scores, tuple) and scores and scores[-1].numel():
+            self.steps.append(_token_logps(scores[-1], input_ids[:, -1]))
+            scores[-1].set_()  # generate's tuple keeps the tensor object, no longer its (rows, vocabulary) memory
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def logps(self, new_tokens: torch.Tensor, scores: Any) -> torch.Tensor:
+        """(rows, steps) log-probs of `new_tokens`: the steps read as they came (a deferred stop check may have
+        run steps that generate then undid: only the first ones count), else from scores generate returned whole
+        (a decoding loop that does not hand its criteria the scores), else NaN (no sampling correction)."""
+        count = new_tokens.shape[1]
+        steps = self.steps
+        if len(steps) < count and scores is not None and len(scores) >= count and all(s.numel() for s in scores):
+            steps = [_token_logps(s, new_tokens[:, t]) for t, s in enumerate(scores[:count])]
+        if len(steps) < count:
+            return torch.full(new_tokens.shape, float("nan"))
+        return torch.stack(steps[:count], dim=1) if count else torch.zeros(new_tokens.shape)
+
+
 class TransformersEngine:
     """Samples with `model.generate` on the given (unwrapped) model, in eval mode and without gradients."""
 
@@ -107,6 +140,7 @@ class TransformersEngine:
             images = self.pixels.inputs([row.prompt for row in rows], ids.to(device), device)
         was_training = self.model.training
         self.model.eval()  # dropout off, and the KV cache on even when gradient checkpointing is enabled
+        sampled = _SampledLogps()
         try:
             with self.autocast() if self.autocast else nullcontext():
                 out = self.model.generate(
@@ -115,7 +149,7 @@ class TransformersEngine:
                     **images,
                     generation_config=self.config,
                     max_new_tokens=max(budgets),
-                    stopping_criteria=StoppingCriteriaList([_StopOnPreemption()]),
+                    stopping_criteria=StoppingCriteriaList([_StopOnPreemption(), sampled]),
                 )
         finally:
             self.model.train(was_training)
@@ -123,17 +157,9 @@ class TransformersEngine:
         if isinstance(out, torch.Tensor):  # a replaced generate returning sequences only: tokens the engine did not
             new_tokens = out[:, ids.shape[1] :]  # score (NaN log-probs: no sampling correction, as vLLM's unscored)
             token_logps = torch.full(new_tokens.shape, float("nan"))
-        else:
+        else:  # from the processed scores each token was drawn from (after temperature and every logits processor)
             new_tokens = out.sequences[:, ids.shape[1] :]
-            # scores[t] are the processed logits the token at step t was drawn from; one step at a time keeps the
-            # extra memory at (B, V)
-            token_logps = torch.stack(
-                [
-                    torch.log_softmax(s.float(), dim=-1).gather(-1, new_tokens[:, t, None])[:, 0]
-                    for t, s in enumerate(out.scores)
-                ],
-                dim=1,
-            )
+            token_logps = sampled.logps(new_tokens, out.scores)
         completions, logps = [], []
         for row, row_logps, budget in zip(new_tokens.tolist(), token_logps.tolist(), budgets):
             kept, _ = cut_at_stop(row[:budget], self.stop_ids)
