@@ -101,12 +101,16 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def load_causal_lm(model_id: str, init_kwargs: dict[str, Any] | None, trust_remote_code: bool) -> PreTrainedModel:
+def load_causal_lm(
+    model_id: str, init_kwargs: dict[str, Any] | None, trust_remote_code: bool, device: torch.device | None = None
+) -> PreTrainedModel:
     """The model `model_id` names: a causal LM, or for a vision-language model's config (one with a vision_config)
-    its image-text-to-text model."""
+    its image-text-to-text model. For a run on `device` (None: the CPU): a CPU run's weights are copied out of the
+    file's memory map (`own_memory`); an accelerator run's are not, since placement copies them there anyway."""
     config = from_pretrained_checked(AutoConfig, "model", model_id, trust_remote_code=trust_remote_code)
     auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
-    return own_memory(load_pretrained(auto, "model", model_id, init_kwargs, trust_remote_code))
+    model = load_pretrained(auto, "model", model_id, init_kwargs, trust_remote_code)
+    return own_memory(model) if device is None or device.type == "cpu" else model
 
 
 def is_vision_language(config: Any) -> bool:
@@ -207,10 +211,14 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def reference_model(
-    policy: PreTrainedModel, model_id: str | None, init_kwargs: dict[str, Any] | None, trust_remote_code: bool
+    policy: PreTrainedModel,
+    model_id: str | None,
+    init_kwargs: dict[str, Any] | None,
+    trust_remote_code: bool,
+    device: torch.device | None = None,
 ) -> PreTrainedModel:
     """A frozen copy of the initial policy: reloaded from its id, or deep-copied when given as an object."""
-    ref = load_causal_lm(model_id, init_kwargs, trust_remote_code) if model_id else copy.deepcopy(policy)
+    ref = load_causal_lm(model_id, init_kwargs, trust_remote_code, device) if model_id else copy.deepcopy(policy)
     ref.eval()
     ref.requires_grad_(False)
     return ref

@@ -53,12 +53,13 @@ def default_unused_parameters(args: Any, model: Any) -> None:
         args.ddp_find_unused_parameters = True
 
 
-def build(model: Any, processing_class: Any, peft_config: Any, args: Any, fsdp_plugin: Any) -> Models:
-    """The policy and its tokenizer; the frozen reference when beta > 0 (with LoRA: the policy with its adapters
-    disabled, no copy; beta == 0: never loaded, shared spec §1.2); checkpointing and LoRA."""
+def build(model: Any, processing_class: Any, peft_config: Any, args: Any, fsdp_plugin: Any, device: Any) -> Models:
+    """The policy and its tokenizer, loaded for a run on `device`; the frozen reference when beta > 0 (with LoRA:
+    the policy with its adapters disabled, no copy; beta == 0: never loaded, shared spec §1.2); checkpointing and
+    LoRA."""
     a = args
     model_id = model if isinstance(model, str) else None
-    policy = load_causal_lm(model, a.model_init_kwargs, a.trust_remote_code) if model_id else model
+    policy = load_causal_lm(model, a.model_init_kwargs, a.trust_remote_code, device) if model_id else model
     source = model_id or getattr(policy.config, "_name_or_path", None)
     if processing_class is None:
         processing_class = load_processing_class(source, policy.config, a.trust_remote_code)
@@ -68,7 +69,7 @@ def build(model: Any, processing_class: Any, peft_config: Any, args: Any, fsdp_p
     from_adapters = a.beta != 0.0 and (peft_config is not None or lora.is_peft_model(policy))
     ref = None
     if a.beta != 0.0 and not from_adapters:
-        ref = reference_model(policy, model_id, a.model_init_kwargs, a.trust_remote_code)
+        ref = reference_model(policy, model_id, a.model_init_kwargs, a.trust_remote_code, device)
     enable_checkpointing(policy, a, fsdp_plugin)
     set_use_cache([policy, ref], a.use_cache)
     if peft_config is not None:

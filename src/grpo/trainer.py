@@ -139,9 +139,8 @@ class GRPOTrainer(TrlSurface):
             reward_funcs, args, reward_processing_classes, self.accelerator.device, env_rewards
         )
         seeding.seed_run(args)  # full_determinism: deterministic algorithms too
-        built = models.build(
-            model, processing_class, peft_config, args, getattr(self.accelerator.state, "fsdp_plugin", None)
-        )
+        fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)
+        built = models.build(model, processing_class, peft_config, args, fsdp, self.accelerator.device)
         self.model, self.processing_class, self.ref_model = built.model, built.processing_class, built.ref_model
         self.tokenizer, self.ref_from_adapters = built.tokenizer, built.ref_from_adapters
         data.check_images(train_dataset, self.processing_class)  # image columns need a processor; rows checked

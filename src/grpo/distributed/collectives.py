@@ -62,15 +62,22 @@ def gather_values(values: torch.Tensor, accelerator: Accelerator) -> torch.Tenso
 
 def reduce_stats(stats: dict[str, Stat], accelerator: Accelerator) -> dict[str, float]:
     """Loss statistics (`grpo.losses.Stat`) reduced over processes: global masked means, min of mins, max of
-    maxes."""
-    out = {}
+    maxes. One collective and one host sync per call, whatever the number of statistics: each process's values
+    (a mean's sum and count, a min's or max's value) go in one row, every process's row is gathered at once, and
+    the table is read back to the host once."""
+    if not stats:
+        return {}
+    row = torch.cat([stat.value.detach().to(accelerator.device).float().reshape(-1) for stat in stats.values()])
+    table = accelerator.gather(row[None]) if accelerator.num_processes > 1 else row[None]
+    table = table.cpu()
+    out, column = {}, 0
     for name, stat in stats.items():
-        value = stat.value.to(accelerator.device).float()
         if stat.kind == "mean":
-            total = accelerator.reduce(value, reduction="sum")
-            out[name] = (total[0] / total[1].clamp(min=1.0)).item()
+            total = table[:, column : column + 2].sum(0)
+            out[name] = (total[0] / total[1].clamp(min=1.0)).item()  # float32, as the statistic is
+            column += 2
         else:
-            everyone = accelerator.gather(value.reshape(1))
-            valid = everyone[~torch.isnan(everyone)]
-            out[name] = (valid.min() if stat.kind == "min" else valid.max()).item() if valid.numel() else math.nan
+            valid = [v for v in table[:, column].tolist() if not math.isnan(v)]
+            out[name] = (min(valid) if stat.kind == "min" else max(valid)) if valid else math.nan
+            column += 1
     return out
