@@ -7,7 +7,23 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import on_device  # noqa: E402
 from tiny import save_tiny  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default=None,
+        help="the device of the equivalence tests (the `device` mark): cpu (default) or cuda; or GRPO_TEST_DEVICE",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device: an equivalence test that runs on --device / GRPO_TEST_DEVICE")
+    if config.getoption("--device"):
+        os.environ["GRPO_TEST_DEVICE"] = config.getoption("--device")
+    on_device.device()  # a device this machine lacks stops the run here, with one message
 
 
 @pytest.fixture(scope="session")

@@ -88,7 +88,8 @@ def test_this_machines_cpu_flags_are_read_from_proc_cpuinfo():
 
 
 @pytest.mark.parametrize(
-    "capability, native, fast", [((7, 0), True, False), ((7, 5), False, False), ((8, 0), True, True), ((9, 0), True, True)]
+    "capability, native, fast",
+    [((7, 0), True, False), ((7, 5), False, False), ((8, 0), True, True), ((9, 0), True, True)],
 )
 def test_bf16_is_fast_on_cuda_from_compute_capability_8(monkeypatch, capability, native, fast):
     """Ampere (8.0) on: native bfloat16. A V100 (7.0) or T4 (7.5) only emulates it, which torch's default

@@ -1,11 +1,14 @@
 """The fast engine against the plain path: same tokens greedily, same next-token distributions with and
-without prefix sharing, sampling log-probs equal to the training pass's, and the same sampling distribution."""
+without prefix sharing, sampling log-probs equal to the training pass's, and the same sampling distribution.
+The tests marked `device` run on `on_device.device()` (the CPU unless --device / GRPO_TEST_DEVICE says otherwise),
+at its stated tolerances."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import on_device
 from grpo import GRPOConfig
 from grpo.batch import collate
 from grpo.data import end_of_turn_ids, tokenize_prompts
@@ -17,9 +20,9 @@ from scripted import as_requests
 from tiny import make_model, make_tokenizer
 
 
-def setup(**kw):
+def setup(device="cpu", **kw):
     tok = make_tokenizer()
-    model = make_model(tok, hidden=64).eval()
+    model = make_model(tok, hidden=64).eval().to(device)
     args = GRPOConfig(
         output_dir="x",
         max_completion_length=kw.pop("max_completion_length", 16),
@@ -37,9 +40,10 @@ def greedy(logprobs):
     return logprobs.argmax(-1)
 
 
+@on_device.mark
 @pytest.mark.parametrize("share", [True, False])
 def test_greedy_tokens_equal_plain_generate(share):
-    tok, model, args, stop, rows = setup()
+    tok, model, args, stop, rows = setup(on_device.device())
     # make rows finish at different steps so finished rows leave the batch mid-way
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     calls = {"n": 0}
@@ -74,10 +78,11 @@ def test_greedy_tokens_equal_plain_generate(share):
     assert any(not t for t in c.truncated) and any(t for t in c.truncated)  # some rows stopped early
 
 
+@on_device.mark
 def test_shared_and_unshared_next_token_distributions_match():
     """Greedy sampling records each step's processed distribution; with the same tokens chosen, the rows still
     going are the same at every step, so the distributions compare row for row."""
-    tok, model, args, stop, rows = setup(temperature=0.7, top_k=20, top_p=0.9)
+    tok, model, args, stop, rows = setup(on_device.device(), temperature=0.7, top_k=20, top_p=0.9)
     seen, tokens = {}, {}
     for share in (True, False):
         steps = []
@@ -92,23 +97,34 @@ def test_shared_and_unshared_next_token_distributions_match():
     assert tokens[True] == tokens[False] and len(seen[True]) == len(seen[False]) > 1
     for lp_a, lp_b in zip(seen[True], seen[False]):
         assert lp_a.shape == lp_b.shape
-        torch.testing.assert_close(lp_a.exp(), lp_b.exp(), rtol=1e-5, atol=1e-6)
+        tolerance = on_device.float32_tolerance(lp_a.device)
+        torch.testing.assert_close(lp_a.exp(), lp_b.exp(), rtol=tolerance["rtol"], atol=tolerance["atol"] / 10)
 
 
-def test_sampling_logps_equal_training_logps():
-    tok, model, args, stop, rows = setup(temperature=0.8)
+@on_device.mark
+@on_device.dtypes
+def test_sampling_logps_equal_training_logps(dtype):
+    """The sampler's log-probs against the training pass's, as the trainer runs both: float32, or the engine on
+    bfloat16 weights against the pass under bfloat16 autocast (0.01 nats on average)."""
+    tok, model, args, stop, rows = setup(on_device.device(), temperature=0.8)
     torch.manual_seed(0)
-    rollout = FastEngine(model, tok, args, stop).generate(rows)
-    batch = collate(rollout, torch.zeros(len(rollout)), tok.pad_token_id, mask_truncated=False)
-    with torch.no_grad():
+    low = dtype if dtype == torch.bfloat16 else None
+    engine = FastEngine(model, tok, args, stop, autocast=lambda: on_device.autocast(dtype), compute_dtype=low)
+    rollout = engine.generate(rows)
+    batch = collate(rollout, torch.zeros(len(rollout)), tok.pad_token_id, mask_truncated=False).to(model.device)
+    with torch.no_grad(), on_device.autocast(dtype):
         logps, _ = token_logps(model, batch, args.temperature, with_entropy=False)
     m = batch.mask.bool()
-    torch.testing.assert_close(logps[m], batch.sampling_logps[m], rtol=1e-5, atol=1e-5)
+    if dtype == torch.bfloat16:
+        assert (logps[m] - batch.sampling_logps[m]).abs().mean() < on_device.BFLOAT16_MEAN_NATS
+    else:
+        torch.testing.assert_close(logps[m], batch.sampling_logps[m], **on_device.float32_tolerance(logps.device))
 
 
+@on_device.mark
 def test_exponential_race_samples_the_distribution():
     torch.manual_seed(0)
-    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0], device=on_device.device())
     draws = sample_from(p.log().expand(200_000, -1).clone())
     freq = torch.bincount(draws, minlength=5).float() / len(draws)
     torch.testing.assert_close(freq, p, atol=4e-3, rtol=0)
@@ -117,21 +133,24 @@ def test_exponential_race_samples_the_distribution():
 def _full_cdf_inversion(logprobs, generator):
     """The plain inversion: one float64 cumulative sum over the whole vocabulary, the same uniform numbers."""
     cdf = logprobs.double().exp().cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, generator=generator) * cdf[:, -1:]
+    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device, generator=generator) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
+@on_device.mark
 @pytest.mark.parametrize("vocab", [7, fast.SAMPLE_BLOCK, 3 * fast.SAMPLE_BLOCK + 5])
 def test_blockwise_inversion_draws_what_the_full_cumulative_sum_draws(vocab):
     torch.manual_seed(0)
-    logprobs = (torch.randn(4000, vocab) * 2).log_softmax(-1)
-    with fast.own_generator(torch.Generator().manual_seed(5)):
+    dev = on_device.device()
+    logprobs = (torch.randn(4000, vocab) * 2).log_softmax(-1).to(dev)
+    with fast.own_generator(torch.Generator(dev).manual_seed(5)):
         blockwise = sample_from(logprobs)
-    full = _full_cdf_inversion(logprobs, torch.Generator().manual_seed(5))
+    full = _full_cdf_inversion(logprobs, torch.Generator(dev).manual_seed(5))
     # the same uniform number lands in the same token (another summation order moves a boundary by ~1e-16)
     assert torch.equal(blockwise, full)
 
 
+@on_device.mark
 def test_blockwise_inversion_never_draws_a_zero_probability_token():
     vocab = 2 * fast.SAMPLE_BLOCK + 3
     logprobs = torch.full((3000, vocab), float("-inf"))
@@ -141,14 +160,16 @@ def test_blockwise_inversion_never_draws_a_zero_probability_token():
     logprobs[2000:] = float("-inf")
     logprobs[2000:, fast.SAMPLE_BLOCK : fast.SAMPLE_BLOCK + 2] = torch.tensor([1e-30, 1.0]).log()
     torch.manual_seed(0)
+    logprobs = logprobs.to(on_device.device())
     draws = sample_from(logprobs)
     assert torch.isfinite(logprobs.gather(1, draws[:, None])).all()
     assert (draws[:1000] == fast.SAMPLE_BLOCK - 1).all()
     assert set(draws[1000:2000].tolist()) == {3, vocab - 1}
 
 
+@on_device.mark
 def test_repetition_penalty_matches_plain_path_greedily():
-    tok, model, args, stop, rows = setup(repetition_penalty=1.3)
+    tok, model, args, stop, rows = setup(on_device.device(), repetition_penalty=1.3)
     fast = FastEngine(model, tok, args, stop, sampler=greedy).generate(rows)
     plain_args = GRPOConfig(
         output_dir="x",

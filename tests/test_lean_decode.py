@@ -1,6 +1,7 @@
 """The lean decoder against the transformers forward: for a fixed prefix, the next-token log-prob vectors agree
-(float32: rtol 1e-5/atol 1e-5; bfloat16 against the forward under bfloat16 autocast: within 0.05 in every
-log-prob, and the same argmax), through left-padded ragged prompts, prefix sharing and rows leaving the batch."""
+(float32: rtol/atol 1e-5 on the CPU; bfloat16 against the forward under bfloat16 autocast: within 0.05 in every
+log-prob, and the same argmax; `on_device` states the tolerances, and the device for the tests marked `device`),
+through left-padded ragged prompts, prefix sharing and rows leaving the batch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+import on_device
 from grpo.rollout import lean_decoder, packed, panels
 from grpo.rollout.base import left_pad
 from grpo.rollout.lean_decoder import LeanDecoder, unsupported_reason
@@ -17,49 +19,50 @@ PACKED_LINEAR = packed.packed_linear
 
 
 def reference_logprobs(model, rows, dtype):
-    """Next-token log-probs after each row's tokens, one unpadded transformers forward per row."""
+    """Next-token log-probs after each row's tokens, one unpadded transformers forward per row (on the model's
+    device)."""
     out = []
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+    dev = next(model.parameters()).device
+    with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         for row in rows:
-            out.append(torch.log_softmax(model(torch.tensor([row])).logits[0, -1].float(), -1))
+            out.append(torch.log_softmax(model(torch.tensor([row], device=dev)).logits[0, -1].float(), -1))
     return torch.stack(out)
 
 
-def check(model, dtype, atol, max_new=6):
-    """Six decode steps (rows 1 and 4 leave after the third) against the transformers forward; a budget of
-    `max_new` tokens (over packed.STEPS_AFTER_PACKING: the float32 panel kernel and fused steps, where they run)."""
+def check(model, dtype, max_new=6):
+    """Six decode steps (rows 1 and 4 leave after the third) against the transformers forward, on the model's
+    device; a budget of `max_new` tokens (over packed.STEPS_AFTER_PACKING: the float32 panel kernel and fused
+    steps, where they run). Tolerances: `on_device`'s for the dtype and device."""
     prompts = [[5, 9, 11, 13, 7], [8, 3], [21, 22, 23, 24, 25, 26, 27]]
-    owner = torch.tensor([0, 0, 1, 1, 2, 2])
+    dev = next(model.parameters()).device
+    owner = torch.tensor([0, 0, 1, 1, 2, 2], device=dev)
     ids, mask = left_pad(prompts, 0)
     dec = LeanDecoder(model, dtype)
     seqs = [list(prompts[o]) for o in owner.tolist()]
-    logits = dec.prefill(ids, mask, owner, max_new=max_new)
+    logits = dec.prefill(ids.to(dev), mask.to(dev), owner, max_new=max_new)
     active = list(range(len(seqs)))
     g = torch.Generator().manual_seed(0)
     for step in range(6):
         got = torch.log_softmax(logits, -1)
         expected = reference_logprobs(model, [seqs[r] for r in active], dtype)
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=atol)
-        else:
-            assert (got - expected).abs().max() < atol
-            assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        on_device.assert_next_token_logps_close(got, expected, dtype)
         tokens = torch.randint(5, 60, (len(active),), generator=g)
         for r, t in zip(active, tokens.tolist()):
             seqs[r].append(t)
         if step == 2:  # rows 1 and 4 finish and leave the batch
             keep = torch.tensor([i for i, r in enumerate(active) if r not in (1, 4)])
-            dec.select(keep)
+            dec.select(keep.to(dev))
             tokens = tokens[keep]
             active = [active[i] for i in keep.tolist()]
-        logits = dec.step(tokens)
+        logits = dec.step(tokens.to(dev))
     return dec
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
-def test_llama_next_token_distributions_match(dtype, atol):
-    model = make_model(make_tokenizer(), hidden=64, layers=2).eval()
-    check(model, dtype, atol)
+@on_device.mark
+@on_device.dtypes
+def test_llama_next_token_distributions_match(dtype):
+    model = make_model(make_tokenizer(), hidden=64, layers=2).eval().to(on_device.device())
+    check(model, dtype)
 
 
 needs_panels = pytest.mark.skipif(not panels.available(torch.zeros(1)), reason="no AVX2/FMA or no C compiler here")
@@ -97,12 +100,16 @@ def _llama_biased():
     return LlamaForCausalLM(config).eval()
 
 
-def test_qwen2_with_qkv_bias_and_tied_head_matches():
-    check(_qwen2_tied(), torch.float32, 1e-5)
+@on_device.mark
+@on_device.dtypes
+def test_qwen2_with_qkv_bias_and_tied_head_matches(dtype):
+    check(_qwen2_tied().to(on_device.device()), dtype)
 
 
-def test_llama_with_biases_and_rope_scaling_matches():
-    check(_llama_biased(), torch.float32, 1e-5)
+@on_device.mark
+@on_device.dtypes
+def test_llama_with_biases_and_rope_scaling_matches(dtype):
+    check(_llama_biased().to(on_device.device()), dtype)
 
 
 @needs_panels
@@ -114,7 +121,7 @@ def test_fused_float32_decode_steps_match_transformers(make, monkeypatch):
     calls = []
     original = panels.decode_layers
     monkeypatch.setattr(panels, "decode_layers", lambda *a: calls.append(a[2].shape[0]) or original(*a))
-    dec = check(make(), torch.float32, 1e-5, max_new=30)
+    dec = check(make(), torch.float32, max_new=30)
     assert dec.fused is not None and calls == [6, 6, 4, 4, 4, 4]  # every step; rows 1 and 4 left after the third
 
 

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+import on_device
 from grpo.batch import collate
 from grpo.data import tokenize_prompts
 from grpo.forward import token_logps
@@ -98,18 +99,20 @@ def test_chunked_head_matches_full_logits(share, dtype):
         torch.testing.assert_close(results[True][2][name], grad, **grad_tol)
 
 
+@on_device.mark
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_chunked_logps_function_matches_plain(bias, entropy_grad):
     """The hand-written backward against autograd through the plain path: log-probs, entropies and the
     gradients of hidden states, weight and bias, with a loss that uses both outputs; chunks of 4 rows over 15
-    (the last one short), vocabulary blocks of 7 over 50."""
+    (the last one short), vocabulary blocks of 7 over 50. float64, on the tests' device."""
     torch.manual_seed(0)
-    hidden = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(50, dtype=torch.float64, requires_grad=True) if bias else None
-    ids = torch.randint(0, 50, (3, 5))
-    coef = torch.randn(3, 5, dtype=torch.float64)
+    f64 = dict(dtype=torch.float64, device=on_device.device())
+    hidden = torch.randn(3, 5, 16, **f64).requires_grad_()
+    weight = torch.randn(50, 16, **f64).requires_grad_()
+    b = torch.randn(50, **f64).requires_grad_() if bias else None
+    ids = torch.randint(0, 50, (3, 5), device=on_device.device())
+    coef = torch.randn(3, 5, **f64)
     lp, ent = chunked_logps_and_entropy(hidden, weight, b, ids, 0.8, entropy_grad=entropy_grad, chunk_rows=4, block=7)
     ref_lp, ref_ent = logps_and_entropy(
         torch.nn.functional.linear(hidden, weight, b) / 0.8, ids, entropy_grad=entropy_grad
@@ -123,19 +126,44 @@ def test_chunked_logps_function_matches_plain(bias, entropy_grad):
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
 
 
+@on_device.mark
+def test_chunked_logps_in_float32_with_the_default_tiles_match_full_logits():
+    """The training pass's default tiling (CHUNK_ROWS rows, TILE_BYTES tiles: several chunks and vocabulary blocks
+    here) against full float32 logits: log-probs, entropies and the hidden/weight gradients of a loss on both, at
+    the float32 tolerance of the tests' device."""
+    torch.manual_seed(0)
+    dev = on_device.device()
+    hidden = torch.randn(5000, 64, device=dev, requires_grad=True)
+    weight = (torch.randn(3000, 64, device=dev) / 8).requires_grad_()
+    ids = torch.randint(0, 3000, (5000,), device=dev)
+    coef = torch.randn(5000, device=dev)
+    lp, ent = chunked_logps_and_entropy(hidden, weight, None, ids, 0.9, entropy_grad=True)
+    ref_lp, ref_ent = logps_and_entropy(torch.nn.functional.linear(hidden, weight) / 0.9, ids, entropy_grad=True)
+    tolerance = on_device.float32_tolerance()
+    torch.testing.assert_close(lp, ref_lp, **tolerance)
+    torch.testing.assert_close(ent, ref_ent, **tolerance)
+    g = torch.autograd.grad((coef * lp).sum() + (coef.flip(0) * ent).sum(), (hidden, weight))
+    ref_g = torch.autograd.grad((coef * ref_lp).sum() + (coef.flip(0) * ref_ent).sum(), (hidden, weight))
+    for a, r in zip(g, ref_g):
+        torch.testing.assert_close(a, r, rtol=tolerance["rtol"], atol=tolerance["atol"] * r.abs().max().item())
+
+
+@on_device.mark
 def test_chunked_logps_in_bfloat16_are_within_the_stated_tolerance():
     """Under bfloat16 autocast the projection runs in bfloat16 like the model's head; log-probs agree with the
     plain autocast path to 0.05 nats (the plain path also rounds logits / temperature to bfloat16), gradients to
-    2% of their scale."""
+    2% of their scale. On the tests' device."""
     torch.manual_seed(0)
-    hidden = torch.randn(64, 32, requires_grad=True)
-    weight = (torch.randn(300, 32) / 4).requires_grad_()
-    ids = torch.randint(0, 300, (64,))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    dev = on_device.device()
+    hidden = torch.randn(64, 32, device=dev, requires_grad=True)
+    weight = (torch.randn(300, 32, device=dev) / 4).requires_grad_()
+    ids = torch.randint(0, 300, (64,), device=dev)
+    with on_device.autocast(torch.bfloat16):
         lp, ent = chunked_logps_and_entropy(hidden, weight, None, ids, 0.7, chunk_rows=16, block=64)
         ref_lp, ref_ent = logps_and_entropy(torch.nn.functional.linear(hidden, weight) / 0.7, ids)
     assert lp.dtype == torch.float32
-    assert (lp - ref_lp).abs().max() < 0.05 and (ent - ref_ent).abs().max() < 0.05
+    nats = on_device.BFLOAT16_NATS
+    assert (lp - ref_lp).abs().max() < nats and (ent - ref_ent).abs().max() < nats
     g = torch.autograd.grad(lp.sum(), (hidden, weight))
     ref_g = torch.autograd.grad(ref_lp.sum(), (hidden, weight))
     for a, r in zip(g, ref_g):
