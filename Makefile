@@ -43,14 +43,14 @@ $(CHROMIUM):
 test: $(STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
-	$(PY) -m pytest -q -m "not slow" --ignore=tests/vllm
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/with_vllm
 	# the vLLM tests in a process of their own (an in-process vLLM engine sets process-wide state)
-	$(PY) -m pytest -q -m "not slow" tests/vllm
+	$(PY) -m pytest -q -m "not slow" tests/with_vllm
 
 # the tests marked slow (minutes each: real learning runs on the bundled model); not part of `make test`
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow --ignore=tests/vllm
-	$(PY) -m pytest -q -m slow tests/vllm
+	$(PY) -m pytest -q -m slow --ignore=tests/with_vllm
+	$(PY) -m pytest -q -m slow tests/with_vllm
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

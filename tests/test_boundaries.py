@@ -229,3 +229,14 @@ def test_checkpoints_read_no_dataset():
     (`components.TrainingRecord`) is given the dataset's size, so checkpoints never import the data module."""
     modules = (SRC / "checkpoint").glob("*.py")
     assert [f"{name(p)}:{line}" for p in modules for u, line in grpo_imports(p) if u == "data"] == []
+
+
+def test_no_test_folder_shadows_a_package():
+    """tests/ goes on sys.path (conftest, scripts): a folder there named like a package grpo or the tests import
+    would be imported in its place wherever that package is not installed (tests/vllm did so on a machine without
+    vLLM: `import vllm` succeeded and the suite stopped at collection)."""
+    tests = Path(__file__).parent
+    packages = {"vllm", "trl", "datasets", "transformers", "accelerate", "peft", "deepspeed", "math_verify", "torch"}
+    packages |= {"tokenizers", "safetensors", "rich", "grpo", "tiny", "scripted"}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert not folders & packages

@@ -1,4 +1,4 @@
-"""Effects of the vLLM (colocate) and importance-sampling fields. vLLM itself runs in tests/vllm (a process of its
+"""Effects of the vLLM (colocate) and importance-sampling fields. vLLM itself runs in tests/with_vllm (a process of its
 own); here the engine's settings are read from the functions that build them (`engine_kwargs`, `sampling_kwargs`),
 the trainer runs with a recording stand-in for the vLLM engine (its samples are the fast engine's, with log-probs
 shifted as a mismatched sampler's would be), and the correction's numbers come from `SamplingCorrection`."""
