@@ -1,16 +1,17 @@
-"""One grpo run of the workload, in its own process: python bench/run_grpo.py {bf16|fp32} [json overrides]."""
+"""One grpo run of the workload, in its own process: python bench/run_grpo.py {bf16|fp32} [json overrides].
+Overrides are GRPOConfig fields, and `dataset` (workload.dataset's names) and `model` (a model directory; default
+the bundled SmolLM2-135M-Instruct)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from workload import WORKLOAD, TokenCounter, dataset, report, timed
+from workload import WORKLOAD, TokenCounter, dataset, peak_memory, report, timed
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.bundled import bundled_model_path
 from grpo.data import tokenize_prompts
-from grpo.demo import correctness_reward
 from grpo.modeling import cpu_isa
 
 
@@ -43,12 +44,13 @@ def decode_weights(model) -> int:
 def main() -> None:
     precision = sys.argv[1]
     overrides = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    prompts = dataset(overrides.pop("dataset", "demo"))
+    prompts, reward = dataset(overrides.pop("dataset", "demo"))
+    model = overrides.pop("model", None) or bundled_model_path()
     args = GRPOConfig(
         output_dir="/tmp/grpo-bench", bf16=precision == "bf16", disable_tqdm=True, **{**WORKLOAD, **overrides}
     )
-    counter = StepCounter(correctness_reward, args.num_generations)
-    trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=counter, train_dataset=prompts, args=args)
+    counter = StepCounter(reward, args.num_generations)
+    trainer = GRPOTrainer(model=model, reward_funcs=counter, train_dataset=prompts, args=args)
     counter.tokenizer = trainer.tokenizer
     # vLLM starts in the constructor (as TRL's does): its start-up counts with the run, its warm-up is in train()
     seconds = timed(trainer.train) + getattr(trainer.engine, "startup_s", 0.0)
@@ -79,6 +81,7 @@ def main() -> None:
             "train_pass_s": passes,
             "train_tokens": counter.train_tokens,
             "decode_weights": decode_weights(trainer.unwrapped_model),
+            **peak_memory(),
         }
     )
 

@@ -1,5 +1,6 @@
 """One TRL run of the same workload, in its own process: python bench/run_trl.py {bf16|fp32} [json overrides].
-TRL is installed only for the benchmark (the `bench` extra); grpo never imports it."""
+TRL is installed only for the benchmark (the `bench` extra); grpo never imports it. Overrides as run_grpo.py's;
+`use_cpu` defaults to True (the CPU benchmark), False on a GPU."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ import json
 import sys
 import time
 
-from workload import WORKLOAD, TokenCounter, dataset, report, timed
+from workload import WORKLOAD, TokenCounter, dataset, peak_memory, report, timed
 
 from grpo.bundled import bundled_model_path
-from grpo.demo import correctness_reward
 from grpo.modeling import cpu_isa
 
 
@@ -19,11 +19,12 @@ def main() -> None:
 
     precision = sys.argv[1]
     overrides = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    prompts = dataset(overrides.pop("dataset", "demo"))
-    counter = TokenCounter(correctness_reward)
-    args = GRPOConfig(output_dir="/tmp/trl-bench", bf16=precision == "bf16", use_cpu=True, disable_tqdm=True,
-                      **{**WORKLOAD, **overrides})
-    trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=counter, train_dataset=prompts, args=args)
+    prompts, reward = dataset(overrides.pop("dataset", "demo"))
+    model = overrides.pop("model", None) or bundled_model_path()
+    counter = TokenCounter(reward)
+    args = GRPOConfig(output_dir="/tmp/trl-bench", bf16=precision == "bf16", disable_tqdm=True,
+                      **{**WORKLOAD, "use_cpu": True, **overrides})
+    trainer = GRPOTrainer(model=model, reward_funcs=counter, train_dataset=prompts, args=args)
     generation = {"seconds": 0.0}
     original = trainer._generate  # time TRL's generation phase to split generation from training
 
@@ -41,7 +42,7 @@ def main() -> None:
             "step_times": [r.get("step_time") for r in trainer.state.log_history if "step_time" in r],
             "generation_tokens_per_s": counter.tokens / gen if gen else None,
             "training_tokens_per_s": counter.tokens / max(seconds - gen, 1e-9),
-            "engine": "transformers", "isa": cpu_isa()})
+            "engine": "transformers", "isa": cpu_isa(), **peak_memory()})
 
 
 if __name__ == "__main__":

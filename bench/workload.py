@@ -59,13 +59,39 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "the first winter on Mars", "a 
 
 
 def dataset(name: str, seed: int = 0):
-    """The prompts of a run: the demo task, or ("story") prompts whose completions run to the length cap."""
-    from grpo.demo import train_dataset
+    """The prompts of a run and their reward function: the demo task, ("story") prompts whose completions run to
+    the length cap, or ("random") prompts for a random-weight model (bench/random_model.py), rewarded by a
+    function whose value only has to vary."""
+    from grpo.demo import correctness_reward, train_dataset
 
+    if name == "random":
+        import random_model
+
+        return _rows(random_model.prompts(64, seed)), random_model.varied_reward
     if name != "story":
-        return train_dataset(seed)
-    from datasets import Dataset
-
+        return train_dataset(seed), correctness_reward
     rows = [{"prompt": [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}],
              "a": 0, "b": 0} for i in range(64)]
+    return _rows(rows), correctness_reward
+
+
+def _rows(rows: list[dict]):
+    """A datasets.Dataset (TRL needs one), or the list itself where datasets is missing (grpo takes lists)."""
+    try:
+        from datasets import Dataset
+    except ImportError:
+        return rows
     return Dataset.from_list(rows)
+
+
+def peak_memory() -> dict:
+    """The process's peak memory: on CUDA the most its tensors held (torch's allocator), and its resident set."""
+    import resource
+
+    import torch
+
+    peak = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak["peak_device_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        peak["device"] = torch.cuda.get_device_name()
+    return peak

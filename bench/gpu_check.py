@@ -1,0 +1,240 @@
+"""The GPU check's phases, run one after another, each in a process of its own under a time limit, inside one
+deadline: python bench/gpu_check.py --out DIR [--dry-run]. scripts/gpu_check.sh is the command that runs it.
+
+A phase that fails, crashes or runs out of time is recorded as such and the next one runs; a phase that would
+start with too little time left is recorded as skipped. Everything lands in DIR:
+- `results.jsonl`: one JSON object per line: each phase's status and time, and each measurement;
+- `summary.md`: a short table of the phases and the headline figures (printed last, too);
+- `logs.txt`: the end of each phase's output.
+
+Phases (bench/gpu_phases.py says what each measures): versions, ceilings, equivalence (the tests marked `device`
+on CUDA: pytest --device cuda), sdpa, decode, head, train, model, then end to end: grpo and TRL 1.16 on the same
+random model of Qwen2.5-0.5B's shape (64 rows x 256 tokens, bf16, 4 steps, the first one a warm-up), and grpo
+with async_generation (max_staleness 1) on the same workload for `async_speedup`. With --dry-run the same phases
+run on the CPU at tiny sizes (a test runs it, so the script cannot rot between GPU loans).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+GIB = 2**30
+SIZES = {
+    "gpu": dict(
+        shape="qwen2.5-0.5b", copy_bytes=4 * GIB, matmul_n=8192, decode_rows=[8, 64, 256], context=384,
+        decode_steps=32, head_rows=4096, rows=64, group=8, prompt=80, completion=256, steps=4, precision="bf16",
+        default_copy_gb_per_s=4300.0, default_tflop_per_s=790.0, device="cuda",
+        equivalence=["tests/test_lean_decode.py", "tests/test_fast_generation.py",
+                     "tests/test_shared_prefix_training.py"],
+    ),
+    "dry": dict(
+        shape="tiny", copy_bytes=64 * 2**20, matmul_n=256, decode_rows=[2, 8], context=24, decode_steps=6,
+        head_rows=256, rows=8, group=4, prompt=12, completion=12, steps=2, precision="bf16",
+        default_copy_gb_per_s=20.0, default_tflop_per_s=0.5, device="cpu",
+        equivalence=["tests/test_shared_prefix_training.py::test_chunked_logps_in_bfloat16_are_within_the_stated_tolerance"],
+    ),
+}
+# (phase, seconds it may take at most); the deadline may leave it less
+PHASES = [("versions", 60), ("ceilings", 40), ("equivalence", 120), ("sdpa", 30), ("decode", 75), ("head", 45),
+          ("train", 45), ("model", 75), ("grpo", 100), ("trl", 130), ("async", 100)]
+MIN_START_S = 15  # a phase needs at least this much time left to start
+PREFIXES = ("GPU_RESULT ", "BENCH_RESULT ")
+
+
+def command(phase: str, sizes: dict) -> list[str] | str:
+    """The phase's command line, or why it is skipped."""
+    py = sys.executable
+    if phase == "equivalence":
+        return [py, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-m", "device", "--device",
+                sizes["device"], *sizes["equivalence"]]
+    if phase in ("grpo", "trl", "async"):
+        if phase == "trl" and importlib.util.find_spec("trl") is None:
+            return "trl is not installed here (make gpu-wheels brings trl 1.16.0 for the GPU machine)"
+        if not os.path.exists(os.path.join(sizes["model_dir"], "shape.json")):
+            return "no model: the model phase did not finish"
+        overrides = dict(
+            model=sizes["model_dir"], dataset="random", per_device_train_batch_size=sizes["rows"],
+            num_generations=sizes["group"], max_completion_length=sizes["completion"], max_steps=sizes["steps"],
+            use_cpu=sizes["device"] == "cpu",
+        )
+        if phase == "async":
+            overrides.update(async_generation=True, max_staleness=1)
+        script = "run_trl.py" if phase == "trl" else "run_grpo.py"
+        return [py, os.path.join(HERE, script), sizes["precision"], json.dumps(overrides)]
+    return [py, os.path.join(HERE, "gpu_phases.py"), phase, json.dumps(sizes)]
+
+
+def run_phase(phase: str, limit: float, sizes: dict) -> tuple[dict, list[dict], str]:
+    """(status record, result records, output) of one phase."""
+    cmd = command(phase, sizes)
+    if isinstance(cmd, str):
+        return {"phase": phase, "status": "skipped", "why": cmd}, [], ""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), HERE, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+        output, code = done.stdout + done.stderr, done.returncode
+        status = "ok" if code == 0 else "failed"
+    except subprocess.TimeoutExpired as err:
+        output = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+        output += (err.stderr or b"").decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
+        code, status = None, "timeout"
+    records = []
+    for line in output.splitlines():
+        for prefix in PREFIXES:
+            if line.startswith(prefix):
+                records.append({"phase": phase, **json.loads(line[len(prefix):])})
+    if phase == "equivalence":
+        records.append({"phase": phase, **pytest_counts(output)})
+    record = {"phase": phase, "status": status, "seconds": round(time.monotonic() - start, 1), "exit": code}
+    if status != "ok":
+        record["error"] = last_error(output)
+    return record, records, output
+
+
+def pytest_counts(output: str) -> dict:
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped|deselected)", output)}
+    failures = re.findall(r"^FAILED (\S+)", output, flags=re.M)
+    return {"name": "equivalence", **counts, "failures": failures}
+
+
+def last_error(output: str) -> str:
+    """The last line that reads like an error (else the last line)."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"Error|Exception|error:|Killed|FAILED", line)]
+    return (errors or lines or ["(no output)"])[-1][:300]
+
+
+def headline(records: list[dict], sizes: dict) -> dict:
+    """grpo against TRL, each phase against its floor, async_speedup: what the check is for."""
+    by = {(r["phase"], r.get("name")): r for r in records}
+    runs = {p: r for (p, name), r in by.items() if name is None and p in ("grpo", "trl", "async") and "tokens" in r}
+    for r in runs.values():
+        r["tokens_per_s"] = r["tokens"] / r["seconds"]
+    out = {}
+    grpo, trl, overlapped = runs.get("grpo"), runs.get("trl"), runs.get("async")
+    if grpo:
+        out["grpo_tokens_per_s"] = grpo["tokens_per_s"]
+        out.update(against_floors(grpo, by.get(("model", "model")), by.get(("ceilings", "ceilings")), sizes))
+    if grpo and trl:
+        out["trl_tokens_per_s"] = trl["tokens_per_s"]
+        out["speedup_vs_trl"] = grpo["tokens_per_s"] / trl["tokens_per_s"]
+        key = "peak_device_gb" if "peak_device_gb" in grpo and "peak_device_gb" in trl else "peak_rss_gb"
+        out["memory_vs_trl"] = grpo[key] / trl[key]
+        out["peak_gb"] = {"grpo": grpo[key], "trl": trl[key], "measure": key}
+    if grpo and overlapped:
+        out["async_speedup"] = overlapped["tokens_per_s"] / grpo["tokens_per_s"]
+    equivalence = by.get(("equivalence", "equivalence"))
+    if equivalence:
+        out["equivalence"] = f"{equivalence.get('passed', 0)} passed, {equivalence.get('failed', 0)} failed"
+    return out
+
+
+def against_floors(run: dict, model: dict | None, ceilings: dict | None, sizes: dict) -> dict:
+    """The end-to-end run's decode step and training pass against their floors (after the warm-up step)."""
+    from gpu_phases import _Floors
+
+    if not model:
+        return {}
+    floors = _Floors({**sizes, "ceilings": ceilings or {}})
+    keep = slice(1, None) if len(run["decode_steps"]) > 1 else slice(None)
+    steps = sum(run["decode_steps"][keep])
+    step_s = sum(run["generation_s"][keep]) / steps
+    rows = sum(run["completion_tokens"][keep]) / steps
+    floor = floors.decode(model, round(rows), sizes["prompt"] + sizes["completion"] // 2)
+    pass_s, tokens = sum(run["train_pass_s"][keep]), sum(run["train_tokens"][keep])
+    train_floor = 6 * model["parameters"] * tokens / floors.flops
+    return {
+        "decode_step_ms": 1e3 * step_s,
+        "decode_floor_ms": 1e3 * floor,
+        "decode_vs_bound": step_s / floor,
+        "generation_tokens_per_s": run["generation_tokens_per_s"],
+        "train_pass_ms": 1e3 * pass_s / len(run["train_pass_s"][keep]),
+        "train_vs_bound": pass_s / train_floor,
+        "training_tokens_per_s": tokens / pass_s,
+    }
+
+
+def figures(record: dict) -> str:
+    """A phase's measurements in a few words."""
+    skip = {"phase", "name"}
+    out = []
+    for key, value in record.items():
+        if key in skip or isinstance(value, (list, dict)):
+            continue
+        out.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
+    return " ".join(out)[:400]
+
+
+def summary(statuses: list[dict], records: list[dict], lead: dict, dry: bool, seconds: float) -> str:
+    lines = [f"# GPU check{' (dry run on the CPU)' if dry else ''}: {seconds:.0f} s", "",
+             "| phase | status | s | figures |", "|---|---|---|---|"]
+    for status in statuses:
+        phase = status["phase"]
+        found = [r for r in records if r["phase"] == phase]
+        text = "; ".join(f"{r.get('name') or phase}: {figures(r)}" for r in found) if found else ""
+        if status["status"] != "ok":
+            text = f"{status.get('error') or status.get('why', '')} {text}".strip()
+        lines.append(f"| {phase} | {status['status']} | {status.get('seconds', '-')} | {text} |")
+    lines += ["", "Headline: " + (json.dumps(lead, default=lambda x: round(x, 3)) if lead else "(none)")]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dry-run", action="store_true", help="the same phases on the CPU, tiny sizes")
+    parser.add_argument("--deadline", type=float, default=450.0, help="seconds for every phase together")
+    parser.add_argument("--phases", default=None, help="comma-separated subset of the phases")
+    opts = parser.parse_args()
+    os.makedirs(opts.out, exist_ok=True)
+    sizes = dict(SIZES["dry" if opts.dry_run else "gpu"], model_dir=os.path.join(opts.out, "model"))
+    if not opts.dry_run:
+        sizes["model_dir"] = "/tmp/gpu-check-model"  # 2 GB: kept out of the folder that comes back
+    wanted = opts.phases.split(",") if opts.phases else [p for p, _ in PHASES]
+    start = time.monotonic()
+    statuses, records = [], []
+    results = open(os.path.join(opts.out, "results.jsonl"), "w")
+    logs = open(os.path.join(opts.out, "logs.txt"), "w")
+    for phase, limit in PHASES:
+        if phase not in wanted:
+            continue
+        left = opts.deadline - (time.monotonic() - start)
+        if left < MIN_START_S:
+            status, found, output = {"phase": phase, "status": "skipped", "why": "out of time"}, [], ""
+        else:
+            status, found, output = run_phase(phase, min(limit, left), sizes)
+        if phase == "ceilings" and found:
+            sizes["ceilings"] = found[0]
+        print(f"{phase}: {status['status']} ({status.get('seconds', 0)} s) {status.get('error', '')}", flush=True)
+        statuses.append(status)
+        records += found
+        for record in [status, *found]:
+            results.write(json.dumps(record, default=str) + "\n")
+        results.flush()
+        logs.write(f"===== {phase}: {status['status']}\n{output[-4000:]}\n")
+        logs.flush()
+    lead = headline(records, sizes)
+    results.write(json.dumps({"phase": "headline", **lead}, default=str) + "\n")
+    results.close()
+    logs.close()
+    text = summary(statuses, records, lead, opts.dry_run, time.monotonic() - start)
+    with open(os.path.join(opts.out, "summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

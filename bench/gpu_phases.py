@@ -1,0 +1,292 @@
+"""The measuring phases of the GPU check, one per process: python bench/gpu_phases.py PHASE SIZES_JSON.
+
+Each prints its results as `GPU_RESULT {json}` lines (bench/gpu_check.py collects them):
+- `versions`: the GPU, the packages, which scaled_dot_product_attention backends are on, native bfloat16;
+- `ceilings`: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate on random data;
+- `sdpa`: which attention kernels accept the lean decoder's call (bfloat16, boolean mask, grouped key/value heads)
+  at a decode step and at a prefill: "No available kernel" for the efficient kernel means the math fallback;
+- `decode`: the lean decoder's step at several row counts (context ~ a prompt plus half a completion), and the
+  fast engine's whole loop per token (sampling and its host syncs included), against the step's floor, with
+  kernel launches and host syncs per step;
+- `head`: the tiled output head (`grpo.logprobs`), forward and backward, at the default tile and at a 512 MiB one;
+- `train`: one training pass (grpo's forward with the shared prompt and tiled head, then backward) over a batch of
+  the end-to-end run's shape, against 6 x weights x tokens at the measured matmul rate;
+- `model`: builds and saves the end-to-end run's random model (bench/random_model.py).
+Times are medians of CUDA-event (or, on the CPU, wall-clock) measurements after a warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+import random_model  # noqa: E402
+import torch  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def emit(name: str, **values) -> None:
+    print("GPU_RESULT " + json.dumps({"name": name, **values}, default=str), flush=True)
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def median_s(fn, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of `fn()` over `repeats` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if CUDA:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def counted(fn, calls: int = 1) -> dict:
+    """Per call of `fn`: kernel launches and host syncs on CUDA; on the CPU, top-level aten operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    events = prof.events()
+    if CUDA:
+        return {
+            "launches": sum(e.name in LAUNCHES for e in events) / calls,
+            "host_syncs": sum(e.name in SYNCS for e in events) / calls,
+        }
+    top = [e for e in events if e.name.startswith("aten::") and not (e.cpu_parent and "aten::" in e.cpu_parent.name)]
+    return {"aten_ops": len(top) / calls}
+
+
+def versions(sizes: dict) -> None:
+    import importlib.metadata as md
+
+    packages = {}
+    for name in ("torch", "transformers", "accelerate", "datasets", "trl", "peft", "pyarrow", "fsspec", "math-verify"):
+        try:
+            packages[name] = md.version(name)
+        except md.PackageNotFoundError:
+            packages[name] = None
+    emit("packages", python=sys.version.split()[0], **packages)
+    from grpo.modeling import fast_bf16_available
+
+    info = {"device": str(DEVICE), "bf16_native": fast_bf16_available(DEVICE)}
+    if CUDA:
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            memory_gb=props.total_memory / 1e9,
+            multiprocessors=props.multi_processor_count,
+            cuda=torch.version.cuda,
+            flash_sdp=torch.backends.cuda.flash_sdp_enabled(),
+            mem_efficient_sdp=torch.backends.cuda.mem_efficient_sdp_enabled(),
+            cudnn_sdp=torch.backends.cuda.cudnn_sdp_enabled(),
+            math_sdp=torch.backends.cuda.math_sdp_enabled(),
+            tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+        )
+    emit("device", **info)
+
+
+def ceilings(sizes: dict) -> None:
+    n = sizes["copy_bytes"] // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device=DEVICE)
+    dst = torch.empty_like(src)
+    copy_s = median_s(lambda: dst.copy_(src), repeats=10)
+    m = sizes["matmul_n"]
+    a, b = (torch.randn(m, m, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    matmul_s = median_s(lambda: a @ b, repeats=10, warmup=3)
+    emit(
+        "ceilings",
+        copy_gb_per_s=2 * n * 2 / copy_s / 1e9,  # bytes read + written
+        bf16_matmul_tflop_per_s=2 * m**3 / matmul_s / 1e12,
+        copy_bytes=2 * n,
+        matmul_n=m,
+    )
+
+
+def sdpa(sizes: dict) -> None:
+    import torch.nn.functional as F  # noqa: N812
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    shape = random_model.SHAPES[sizes["shape"]]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape["hidden_size"] // heads
+    rows, context = sizes["decode_rows"][-1], sizes["context"]
+    cases = {
+        "decode": (rows, 1, context, torch.ones(rows, 1, 1, context, dtype=torch.bool, device=DEVICE)),
+        "prefill": (8, context, context, torch.ones(context, context, dtype=torch.bool, device=DEVICE).tril()),
+    }
+    backends = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+    backends["math"] = "MATH"
+    for case, (b, t, keys, mask) in cases.items():
+        q = torch.randn(b, heads, t, d, dtype=torch.bfloat16, device=DEVICE)
+        k, v = (torch.randn(b, kv_heads, keys, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+        mask = mask.expand(b, 1, t, keys)
+        accepted = {}
+        for short, name in backends.items():
+            try:
+                with sdpa_kernel([getattr(SDPBackend, name)]):
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+                sync()
+                accepted[short] = True
+            except (RuntimeError, AttributeError) as err:
+                accepted[short] = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        emit(f"sdpa_{case}", rows=b, queries=t, keys=keys, **accepted)
+
+
+def _decoder_inputs(vocab: int, rows: int, context: int):
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(10, vocab, (rows, context), generator=g).to(DEVICE)
+    return ids, torch.ones_like(ids), torch.arange(rows, device=DEVICE)
+
+
+def decode(sizes: dict) -> None:
+    from grpo import GRPOConfig
+    from grpo.rollout.base import Prompt, group_requests
+    from grpo.rollout.fast import FastEngine
+    from grpo.rollout.lean_decoder import LeanDecoder
+
+    model = random_model.make_model(sizes["shape"], str(DEVICE))
+    measures = random_model.sizes_of(model)
+    floor = _Floors(sizes)
+    tok = random_model.make_tokenizer(measures["vocab"])
+    steps, context = sizes["decode_steps"], sizes["context"]
+    for rows in sizes["decode_rows"]:
+        ids, mask, owner = _decoder_inputs(measures["vocab"], rows, context)
+        dec = LeanDecoder(model, torch.bfloat16)
+        dec.prefill(ids, mask, owner, max_new=4 * steps + 8)
+        tokens = torch.randint(10, measures["vocab"], (rows,), device=DEVICE)
+        step_s = median_s(lambda dec=dec, tokens=tokens: dec.step(tokens), repeats=steps)
+        counts = counted(lambda dec=dec, tokens=tokens: dec.step(tokens), calls=3)
+        bound = floor.decode(measures, rows, context + 2 * steps)
+        # the whole loop: sampling, log-probs, finished-row checks and the syncs they make, per token
+        args = GRPOConfig(output_dir="/tmp/gpu-check-engine", max_completion_length=steps, temperature=1.0)
+        engine = FastEngine(model, tok, args, [1], compute_dtype=torch.bfloat16)
+        prompts = [Prompt(tuple(row)) for row in ids[: max(rows // 8, 1)].tolist()]
+        requests = group_requests([p for p in prompts for _ in range(rows // len(prompts))])
+        engine.generate(requests)  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        rollout = engine.generate(requests)
+        sync()
+        loop_s = (time.perf_counter() - t0) / max(max(len(c) for c in rollout.completion_ids), 1)
+        emit(
+            f"decode_{rows}_rows",
+            rows=rows,
+            context=context,
+            step_ms=1e3 * step_s,
+            loop_ms_per_token=1e3 * loop_s,
+            floor_ms=1e3 * bound,
+            step_vs_floor=step_s / bound,
+            loop_vs_floor=loop_s / bound,
+            loop_tokens_per_s=rows / loop_s,
+            **counts,
+        )
+        del dec, engine
+
+
+class _Floors:
+    """The bounds, from the ceilings measured in this run (SIZES' `ceilings`, or the H200's figures)."""
+
+    def __init__(self, sizes: dict) -> None:
+        ceilings = sizes.get("ceilings") or {}
+        self.read = ceilings.get("copy_gb_per_s", sizes["default_copy_gb_per_s"]) * 1e9  # bytes/s
+        self.flops = ceilings.get("bf16_matmul_tflop_per_s", sizes["default_tflop_per_s"]) * 1e12
+
+    def decode(self, measures: dict, rows: int, context: int) -> float:
+        """A decode step's floor: the bf16 weights and every row's keys and values read once, or its
+        arithmetic, whichever is longer."""
+        read = 2 * measures["decode_weights"] + rows * context * measures["kv_bytes_per_token"]
+        return max(read / self.read, 2 * measures["decode_weights"] * rows / self.flops)
+
+
+def head(sizes: dict) -> None:
+    from grpo import logprobs
+    from grpo.logprobs import chunked_logps_and_entropy
+
+    shape = random_model.SHAPES[sizes["shape"]]
+    n, hidden, vocab = sizes["head_rows"], shape["hidden_size"], shape["vocab_size"]
+    g = torch.Generator(DEVICE).manual_seed(0)
+    x = torch.randn(n, hidden, device=DEVICE, generator=g).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=DEVICE, generator=g) / hidden**0.5).requires_grad_()
+    ids = torch.randint(0, vocab, (n,), device=DEVICE, generator=g)
+    floor = 4 * 2 * n * hidden * vocab / _Floors(sizes).flops  # forward, its recompute, two backward matmuls
+
+    def run():
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            lp, ent = chunked_logps_and_entropy(x, w, None, ids, 1.0)
+        (lp.sum() + ent.sum()).backward()
+
+    default = logprobs.TILE_BYTES
+    for label, tile in (("default", default), ("512MiB", 512 * 2**20)):
+        logprobs.TILE_BYTES = tile
+        seconds = median_s(run, repeats=5)
+        emit(f"head_{label}_tile", rows=n, vocab=vocab, tile_bytes=tile, ms=1e3 * seconds,
+             floor_ms=1e3 * floor, vs_floor=seconds / floor, **counted(run))
+    logprobs.TILE_BYTES = default
+
+
+def train(sizes: dict) -> None:
+    from grpo.batch import collate
+    from grpo.forward import token_logps
+    from grpo.rollout.base import Rollout
+
+    model = random_model.make_model(sizes["shape"], str(DEVICE)).train()
+    measures = random_model.sizes_of(model)
+    rows, group, prompt, completion = sizes["rows"], sizes["group"], sizes["prompt"], sizes["completion"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, measures["vocab"], (prompt,), generator=g).tolist() for _ in range(rows // group)]
+    rollout = Rollout(
+        prompt_ids=[p for p in prompts for _ in range(group)],
+        completion_ids=[torch.randint(10, measures["vocab"], (completion,), generator=g).tolist() for _ in range(rows)],
+        sampling_logps=[[0.0] * completion for _ in range(rows)],
+        truncated=[True] * rows,
+    )
+    batch = collate(rollout, torch.randn(rows), 0, mask_truncated=False).to(DEVICE)
+
+    def run():
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            lp, _ = token_logps(model, batch, 1.0, with_entropy=True, share_prefix=True, chunked_head=True)
+        (lp * batch.mask).sum().backward()
+
+    seconds = median_s(run, repeats=3, warmup=1)
+    tokens = rows // group * prompt + rows * completion  # each group's prompt once, every completion token
+    floor = 6 * measures["parameters"] * tokens / _Floors(sizes).flops
+    emit("train_pass", rows=rows, tokens=tokens, ms=1e3 * seconds, floor_ms=1e3 * floor, vs_floor=seconds / floor,
+         tokens_per_s=tokens / seconds, **counted(run))
+
+
+def model(sizes: dict) -> None:
+    emit("model", path=sizes["model_dir"], **random_model.save(sizes["shape"], sizes["model_dir"], str(DEVICE)))
+
+
+PHASES = {f.__name__: f for f in (versions, ceilings, sdpa, decode, head, train, model)}
+
+if __name__ == "__main__":
+    PHASES[sys.argv[1]](json.loads(sys.argv[2]))
