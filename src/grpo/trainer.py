@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -418,15 +419,17 @@ class GRPOTrainer(TrlSurface):
         )
         bonus_mask = batch.mask if entropy_mask is None else batch.mask * entropy_mask
         loss, extra = self.loss_terms.add(loss, entropies, bonus_mask, self.training_pass.aux_loss)
-        if not torch.isfinite(loss):
-            raise TrainingError(optimization.nonfinite_message(self.state.global_step + 1, "loss", loss.item(), False))
+        # the loss and the token count in one host sync (with reduce_stats' below, two per micro-step)
+        loss_value, tokens = torch.stack([loss.detach().float(), batch.mask.sum().float()]).tolist()
+        if not math.isfinite(loss_value):
+            raise TrainingError(optimization.nonfinite_message(self.state.global_step + 1, "loss", loss_value, False))
         backward(acc, loss)
         stats = dict(metrics.stats, **sampling, **extra, entropy=masked_mean_stat(entropies.detach(), batch.mask))
         if self.args.async_generation:  # the weight against the behaviour policy that sampled (old_logps)
             stats.update(asynchronous.importance_stats(logps.detach(), batch.old_logps, batch.mask))
         self.metrics.add_many(collectives.reduce_stats(stats, acc))
-        self.metrics.add("timing/training_tokens_per_s", batch.mask.sum().item() / max(time.perf_counter() - t0, 1e-9))
-        return loss.item()
+        self.metrics.add("timing/training_tokens_per_s", tokens / max(time.perf_counter() - t0, 1e-9))
+        return loss_value
 
     def _update(self, losses: list[float]) -> Update:
         """Clip and check the accumulated gradients, apply them, advance the schedule."""
