@@ -32,22 +32,64 @@ sys.path.insert(0, HERE)
 GIB = 2**30
 SIZES = {
     "gpu": dict(
-        shape="qwen2.5-0.5b", copy_bytes=4 * GIB, matmul_n=8192, decode_rows=[8, 64, 256], context=384,
-        decode_steps=32, head_rows=4096, rows=64, group=8, prompt=80, completion=256, steps=4, precision="bf16",
-        default_copy_gb_per_s=4300.0, default_tflop_per_s=790.0, device="cuda",
-        equivalence=["tests/test_lean_decode.py", "tests/test_fast_generation.py",
-                     "tests/test_shared_prefix_training.py"],
+        shape="qwen2.5-0.5b",
+        copy_bytes=4 * GIB,
+        matmul_n=8192,
+        decode_rows=[8, 64, 256],
+        context=384,
+        decode_steps=32,
+        head_rows=4096,
+        rows=64,
+        group=8,
+        prompt=80,
+        completion=256,
+        steps=4,
+        precision="bf16",
+        default_copy_gb_per_s=4300.0,
+        default_tflop_per_s=790.0,
+        device="cuda",
+        equivalence=[
+            "tests/test_lean_decode.py",
+            "tests/test_fast_generation.py",
+            "tests/test_shared_prefix_training.py",
+        ],
     ),
     "dry": dict(
-        shape="tiny", copy_bytes=64 * 2**20, matmul_n=256, decode_rows=[2, 8], context=24, decode_steps=6,
-        head_rows=256, rows=8, group=4, prompt=12, completion=12, steps=2, precision="bf16",
-        default_copy_gb_per_s=20.0, default_tflop_per_s=0.5, device="cpu",
-        equivalence=["tests/test_shared_prefix_training.py::test_chunked_logps_in_bfloat16_are_within_the_stated_tolerance"],
+        shape="tiny",
+        copy_bytes=64 * 2**20,
+        matmul_n=256,
+        decode_rows=[2, 8],
+        context=24,
+        decode_steps=6,
+        head_rows=256,
+        rows=8,
+        group=4,
+        prompt=12,
+        completion=12,
+        steps=2,
+        precision="bf16",
+        default_copy_gb_per_s=20.0,
+        default_tflop_per_s=0.5,
+        device="cpu",
+        equivalence=[
+            "tests/test_shared_prefix_training.py::test_chunked_logps_in_bfloat16_are_within_the_stated_tolerance"
+        ],
     ),
 }
 # (phase, seconds it may take at most); the deadline may leave it less
-PHASES = [("versions", 60), ("ceilings", 40), ("equivalence", 120), ("sdpa", 30), ("decode", 75), ("head", 45),
-          ("train", 45), ("model", 75), ("grpo", 100), ("trl", 130), ("async", 100)]
+PHASES = [
+    ("versions", 60),
+    ("ceilings", 40),
+    ("equivalence", 120),
+    ("sdpa", 30),
+    ("decode", 75),
+    ("head", 45),
+    ("train", 45),
+    ("model", 75),
+    ("grpo", 100),
+    ("trl", 130),
+    ("async", 100),
+]
 MIN_START_S = 15  # a phase needs at least this much time left to start
 PREFIXES = ("GPU_RESULT ", "BENCH_RESULT ")
 
@@ -56,16 +98,32 @@ def command(phase: str, sizes: dict) -> list[str] | str:
     """The phase's command line, or why it is skipped."""
     py = sys.executable
     if phase == "equivalence":
-        return [py, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "-m", "device", "--device",
-                sizes["device"], *sizes["equivalence"]]
+        return [
+            py,
+            "-m",
+            "pytest",
+            "-q",
+            "-rf",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "device",
+            "--device",
+            sizes["device"],
+            *sizes["equivalence"],
+        ]
     if phase in ("grpo", "trl", "async"):
         if phase == "trl" and importlib.util.find_spec("trl") is None:
             return "trl is not installed here (make gpu-wheels brings trl 1.16.0 for the GPU machine)"
         if not os.path.exists(os.path.join(sizes["model_dir"], "shape.json")):
             return "no model: the model phase did not finish"
         overrides = dict(
-            model=sizes["model_dir"], dataset="random", per_device_train_batch_size=sizes["rows"],
-            num_generations=sizes["group"], max_completion_length=sizes["completion"], max_steps=sizes["steps"],
+            model=sizes["model_dir"],
+            dataset="random",
+            per_device_train_batch_size=sizes["rows"],
+            num_generations=sizes["group"],
+            max_completion_length=sizes["completion"],
+            max_steps=sizes["steps"],
             use_cpu=sizes["device"] == "cpu",
         )
         if phase == "async":
@@ -95,7 +153,7 @@ def run_phase(phase: str, limit: float, sizes: dict) -> tuple[dict, list[dict], 
     for line in output.splitlines():
         for prefix in PREFIXES:
             if line.startswith(prefix):
-                records.append({"phase": phase, **json.loads(line[len(prefix):])})
+                records.append({"phase": phase, **json.loads(line[len(prefix) :])})
     if phase == "equivalence":
         records.append({"phase": phase, **pytest_counts(output)})
     record = {"phase": phase, "status": status, "seconds": round(time.monotonic() - start, 1), "exit": code}
@@ -179,8 +237,12 @@ def figures(record: dict) -> str:
 
 
 def summary(statuses: list[dict], records: list[dict], lead: dict, dry: bool, seconds: float) -> str:
-    lines = [f"# GPU check{' (dry run on the CPU)' if dry else ''}: {seconds:.0f} s", "",
-             "| phase | status | s | figures |", "|---|---|---|---|"]
+    lines = [
+        f"# GPU check{' (dry run on the CPU)' if dry else ''}: {seconds:.0f} s",
+        "",
+        "| phase | status | s | figures |",
+        "|---|---|---|---|",
+    ]
     for status in statuses:
         phase = status["phase"]
         found = [r for r in records if r["phase"] == phase]

@@ -247,8 +247,16 @@ def head(sizes: dict) -> None:
     for label, tile in (("default", default), ("512MiB", 512 * 2**20)):
         logprobs.TILE_BYTES = tile
         seconds = median_s(run, repeats=5)
-        emit(f"head_{label}_tile", rows=n, vocab=vocab, tile_bytes=tile, ms=1e3 * seconds,
-             floor_ms=1e3 * floor, vs_floor=seconds / floor, **counted(run))
+        emit(
+            f"head_{label}_tile",
+            rows=n,
+            vocab=vocab,
+            tile_bytes=tile,
+            ms=1e3 * seconds,
+            floor_ms=1e3 * floor,
+            vs_floor=seconds / floor,
+            **counted(run),
+        )
     logprobs.TILE_BYTES = default
 
 
@@ -278,8 +286,16 @@ def train(sizes: dict) -> None:
     seconds = median_s(run, repeats=3, warmup=1)
     tokens = rows // group * prompt + rows * completion  # each group's prompt once, every completion token
     floor = 6 * measures["parameters"] * tokens / _Floors(sizes).flops
-    emit("train_pass", rows=rows, tokens=tokens, ms=1e3 * seconds, floor_ms=1e3 * floor, vs_floor=seconds / floor,
-         tokens_per_s=tokens / seconds, **counted(run))
+    emit(
+        "train_pass",
+        rows=rows,
+        tokens=tokens,
+        ms=1e3 * seconds,
+        floor_ms=1e3 * floor,
+        vs_floor=seconds / floor,
+        tokens_per_s=tokens / seconds,
+        **counted(run),
+    )
 
 
 def model(sizes: dict) -> None:

@@ -10,15 +10,9 @@ length cap, a fixed workload for both frameworks.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import string
-
-SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 SHAPES = {
     "qwen2.5-0.5b": dict(
@@ -47,26 +41,14 @@ SHAPES = {
 
 
 def make_tokenizer(vocab_size: int):
-    """ChatML, character-level, `vocab_size` entries (filler tokens past the characters)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = list(string.ascii_letters + string.digits + string.punctuation + " \n")
-    names = SPECIALS + chars
-    names += [f"<t{i}>" for i in range(vocab_size - len(names))]
-    core = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        bos_token="<bos>",
-        unk_token="<unk>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    """ChatML, character-level, `vocab_size` entries (filler tokens past the characters): the tests' tiny
+    tokenizer (tests/tiny.py, loaded from its file: tests/ itself never goes on sys.path here)."""
+    spec = importlib.util.spec_from_file_location(
+        "tiny", os.path.join(os.path.dirname(__file__), "..", "tests", "tiny.py")
     )
-    tok.chat_template = CHATML
-    return tok
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    return tiny.make_tokenizer(vocab_size)
 
 
 def make_model(shape: str, device: str = "cpu", seed: int = 0):

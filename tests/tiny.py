@@ -17,8 +17,12 @@ CHATML = (
 )
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+def make_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """The character-level ChatML tokenizer; with `vocab_size`, padded with filler tokens (<t0>, <t1>, ...) to
+    that many entries (a real model's head width: bench/random_model.py)."""
+    names = SPECIALS + CHARS
+    names += [f"<t{i}>" for i in range((vocab_size or 0) - len(names))]
+    vocab = {tok: i for i, tok in enumerate(names)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()
