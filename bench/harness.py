@@ -6,7 +6,7 @@ the largest resident set of the run's whole process tree, sampled every 20 ms. T
 `speedup_vs_trl=<bf16 ratio> memory_vs_trl=<larger peak ratio> speedup_vs_trl_fp32=<fp32 ratio>
 decode_vs_bound=<grpo fp32 decode step / memory bound> train_vs_bound=<grpo fp32 training pass / FLOP bound>`
 (bounds.py), computed from the fast engine's rows. bfloat16 rows run only where bfloat16 is fast (grpo's own test:
-AMX on a CPU); elsewhere the line starts at memory_vs_trl. `report_time_ratio` is the grpo run's time
+AMX or AVX512-BF16 on a CPU); elsewhere the line starts at memory_vs_trl. `report_time_ratio` is the grpo run's time
 (the first precision) with the run report over the same run
 with run_report=False (two runs: noise of a few % either way), `report_share` the time its report builds took,
 timed inside the run, over the run's time. Where vLLM is installed, a `grpo+vllm` bf16 row runs the same workload with
@@ -128,8 +128,8 @@ def main() -> None:
         console.print(f"warning: the load average is {busy:.1f} on {os.cpu_count()} cores before the benchmark "
                       "starts; other processes' CPU time distorts every figure below (bounds included)")
     if "bf16" not in precisions:
-        console.print("no fast bfloat16 here (no AMX, or oneDNN capped below it): float32 rows only (emulated "
-                      "bfloat16 takes minutes a step for both frameworks; AVX512-BF16 alone is no faster)")
+        console.print("no fast bfloat16 here (no AMX or AVX512-BF16, or oneDNN capped below them): float32 rows "
+                      "only (emulated bfloat16 takes minutes a step for both frameworks)")
     results = {}
     for precision in precisions:
         for framework in frameworks:

@@ -125,8 +125,8 @@ def test_prompt_order_is_a_pure_function_of_seed_and_generation():
 def test_the_plain_engine_holds_one_steps_scores_at_a_time():
     """generate's scores for every step would be (rows, vocabulary) floats per token until it returns (256 rows x
     1,024 steps at a 152k vocabulary: ~159 GB): the engine reads each step's sampled log-prob and releases the step.
-    Counted every 8 steps: live tensors of the vocabulary's width. The log-probs still equal the
-    training pass's."""
+    Counted every 8 steps: live tensors of the vocabulary's width, over those alive before. The log-probs still
+    equal the training pass's."""
     import gc
 
     tok = make_tokenizer()
@@ -136,9 +136,14 @@ def test_the_plain_engine_holds_one_steps_scores_at_a_time():
     stops = list(engine.stop_ids)
     live, steps = [], []
 
+    def vocabulary_wide() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.shape[-1:] == (vocab,))
+
+    before = vocabulary_wide()  # whatever earlier tests in this process left alive
+
     def count(module, inputs, output):
         if len(steps) % 8 == 7:  # (a look at every object takes a while)
-            live.append(sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.shape[-1:] == (vocab,)))
+            live.append(vocabulary_wide() - before)
         steps.append(1)
         return output.index_fill(-1, torch.tensor(stops), -1e4)  # every row runs all 24 steps
 

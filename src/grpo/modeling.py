@@ -224,13 +224,19 @@ def reference_model(
     return ref
 
 
+# oneDNN instruction-set caps (ONEDNN_MAX_CPU_ISA) below AVX512_CORE_BF16: its bfloat16 matmuls are emulated there
+_ONEDNN_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
 def fast_bf16_available(device: torch.device) -> bool:
     """Whether bfloat16 compute is native and pays off here: CUDA GPUs of compute capability 8.0 or more (Ampere on;
-    older ones only emulate it, which `torch.cuda.is_bf16_supported()` counts by default) and CPUs with AMX, unless
-    oneDNN, which runs the CPU's bfloat16 matmuls, is capped below AMX (ONEDNN_MAX_CPU_ISA).
+    older ones only emulate it, which `torch.cuda.is_bf16_supported()` counts by default), and CPUs with AMX or
+    AVX512-BF16 units, unless oneDNN, which runs the CPU's bfloat16 matmuls, is capped below them
+    (ONEDNN_MAX_CPU_ISA).
 
-    AVX512-BF16 alone does not count: on a 2-core AMD EPYC with it and no AMX, `make bench` ran bfloat16 at 70.9
-    tokens/s against float32's 73.9, and the demo learned less in bfloat16 (greedy accuracy 0.852 against 0.963)."""
+    AVX512-BF16 without AMX, measured on a 2-core AMD EPYC: grpo's bench workload ran at 93.9 tokens/s in bfloat16
+    against 89.2 in float32 (means of 4 runs), and at 131 against 110 with 128-token completions: the training pass
+    1.3-1.75x faster, generation 0.6-0.65x. The demo reached 0.951-1.000 greedy accuracy over seeds 0-4 either way."""
     if device.type == "cuda":
         if torch.version.hip:  # ROCm: capabilities are not NVIDIA's numbering; torch answers for the GPU
             return torch.cuda.is_bf16_supported()
@@ -240,9 +246,9 @@ def fast_bf16_available(device: torch.device) -> bool:
     if device.type != "cpu":
         return False
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).upper()
-    if cap and cap not in ("ALL", "DEFAULT") and "AMX" not in cap:
+    if cap in _ONEDNN_WITHOUT_BF16:
         return False
-    return "amx_bf16" in cpu_flags()
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def cpu_flags() -> set[str]:

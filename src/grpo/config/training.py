@@ -60,7 +60,7 @@ class OptimizationFields:
 class PrecisionFields:
     bf16: Optional[bool] = _help(
         "bfloat16 compute over float32 master weights. None: on where bfloat16 is native and fast (CUDA GPUs of "
-        "compute capability 8.0 or more, CPUs with AMX)."
+        "compute capability 8.0 or more, CPUs with AMX or AVX512-BF16)."
     )
     fp16: bool = _help("float16 mixed precision with loss scaling (GPUs; on a CPU it warns and runs float32).", False)
     bf16_full_eval: bool = _help("Evaluate in bfloat16.", False)
