@@ -145,10 +145,8 @@ def run_phase(phase: str, limit: float, sizes: dict) -> tuple[dict, list[dict], 
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
         output, code = done.stdout + done.stderr, done.returncode
         status = "ok" if code == 0 else "failed"
-    except subprocess.TimeoutExpired as err:
-        output = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
-        output += (err.stderr or b"").decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
-        code, status = None, "timeout"
+    except subprocess.TimeoutExpired as err:  # what it printed by then (bytes here, even with text=True)
+        output, code, status = _text(err.stdout) + _text(err.stderr), None, "timeout"
     records = []
     for line in output.splitlines():
         for prefix in PREFIXES:
@@ -160,6 +158,10 @@ def run_phase(phase: str, limit: float, sizes: dict) -> tuple[dict, list[dict], 
     if status != "ok":
         record["error"] = last_error(output)
     return record, records, output
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 def pytest_counts(output: str) -> dict:
@@ -179,21 +181,20 @@ def headline(records: list[dict], sizes: dict) -> dict:
     """grpo against TRL, each phase against its floor, async_speedup: what the check is for."""
     by = {(r["phase"], r.get("name")): r for r in records}
     runs = {p: r for (p, name), r in by.items() if name is None and p in ("grpo", "trl", "async") and "tokens" in r}
-    for r in runs.values():
-        r["tokens_per_s"] = r["tokens"] / r["seconds"]
+    rate = {p: r["tokens"] / r["seconds"] for p, r in runs.items()}  # end-to-end tokens/s
     out = {}
     grpo, trl, overlapped = runs.get("grpo"), runs.get("trl"), runs.get("async")
     if grpo:
-        out["grpo_tokens_per_s"] = grpo["tokens_per_s"]
+        out["grpo_tokens_per_s"] = rate["grpo"]
         out.update(against_floors(grpo, by.get(("model", "model")), by.get(("ceilings", "ceilings")), sizes))
     if grpo and trl:
-        out["trl_tokens_per_s"] = trl["tokens_per_s"]
-        out["speedup_vs_trl"] = grpo["tokens_per_s"] / trl["tokens_per_s"]
+        out["trl_tokens_per_s"] = rate["trl"]
+        out["speedup_vs_trl"] = rate["grpo"] / rate["trl"]
         key = "peak_device_gb" if "peak_device_gb" in grpo and "peak_device_gb" in trl else "peak_rss_gb"
         out["memory_vs_trl"] = grpo[key] / trl[key]
         out["peak_gb"] = {"grpo": grpo[key], "trl": trl[key], "measure": key}
     if grpo and overlapped:
-        out["async_speedup"] = overlapped["tokens_per_s"] / grpo["tokens_per_s"]
+        out["async_speedup"] = rate["async"] / rate["grpo"]
     equivalence = by.get(("equivalence", "equivalence"))
     if equivalence:
         out["equivalence"] = f"{equivalence.get('passed', 0)} passed, {equivalence.get('failed', 0)} failed"
@@ -202,11 +203,11 @@ def headline(records: list[dict], sizes: dict) -> dict:
 
 def against_floors(run: dict, model: dict | None, ceilings: dict | None, sizes: dict) -> dict:
     """The end-to-end run's decode step and training pass against their floors (after the warm-up step)."""
-    from gpu_phases import _Floors
+    from gpu_phases import Floors
 
     if not model:
         return {}
-    floors = _Floors({**sizes, "ceilings": ceilings or {}})
+    floors = Floors({**sizes, "ceilings": ceilings or {}})
     keep = slice(1, None) if len(run["decode_steps"]) > 1 else slice(None)
     steps = sum(run["decode_steps"][keep])
     step_s = sum(run["generation_s"][keep]) / steps

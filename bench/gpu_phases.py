@@ -175,7 +175,7 @@ def decode(sizes: dict) -> None:
 
     model = random_model.make_model(sizes["shape"], str(DEVICE))
     measures = random_model.sizes_of(model)
-    floor = _Floors(sizes)
+    floor = Floors(sizes)
     tok = random_model.make_tokenizer(measures["vocab"])
     steps, context = sizes["decode_steps"], sizes["context"]
     for rows in sizes["decode_rows"]:
@@ -212,7 +212,7 @@ def decode(sizes: dict) -> None:
         del dec, engine
 
 
-class _Floors:
+class Floors:
     """The bounds, from the ceilings measured in this run (SIZES' `ceilings`, or the H200's figures)."""
 
     def __init__(self, sizes: dict) -> None:
@@ -237,7 +237,7 @@ def head(sizes: dict) -> None:
     x = torch.randn(n, hidden, device=DEVICE, generator=g).requires_grad_()
     w = (torch.randn(vocab, hidden, device=DEVICE, generator=g) / hidden**0.5).requires_grad_()
     ids = torch.randint(0, vocab, (n,), device=DEVICE, generator=g)
-    floor = 4 * 2 * n * hidden * vocab / _Floors(sizes).flops  # forward, its recompute, two backward matmuls
+    floor = 4 * 2 * n * hidden * vocab / Floors(sizes).flops  # forward, its recompute, two backward matmuls
 
     def run():
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
@@ -286,7 +286,7 @@ def train(sizes: dict) -> None:
 
     seconds = median_s(run, repeats=3, warmup=1)
     tokens = rows // group * prompt + rows * completion  # each group's prompt once, every completion token
-    floor = 6 * measures["parameters"] * tokens / _Floors(sizes).flops
+    floor = 6 * measures["parameters"] * tokens / Floors(sizes).flops
     emit(
         "train_pass",
         rows=rows,

@@ -79,12 +79,13 @@ def save(shape: str, path: str, device: str = "cpu") -> dict:
 def sizes_of(model) -> dict:
     """Parameters; the weights a decode step multiplies by (all of them with a tied head); key/value bytes per
     token in bfloat16."""
+    from workload import decode_weights
+
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
-        "decode_weights": sum(p.numel() for p in model.parameters())
-        - (0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel()),
+        "decode_weights": decode_weights(model),
         "kv_bytes_per_token": 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim,
         "layers": config.num_hidden_layers,
         "hidden": config.hidden_size,

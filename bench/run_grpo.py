@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from workload import WORKLOAD, TokenCounter, dataset, peak_memory, report, timed
+from workload import WORKLOAD, TokenCounter, dataset, decode_weights, peak_memory, report, timed
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.bundled import bundled_model_path
@@ -31,14 +31,6 @@ class StepCounter(TokenCounter):
         self.completion_tokens.append(sum(lengths))
         self.train_tokens.append(prompt_tokens + sum(lengths))
         return super().__call__(completions=completions, completion_ids=completion_ids, prompts=prompts, **kwargs)
-
-
-def decode_weights(model) -> int:
-    """The numbers a decode step multiplies by: every parameter but an input embedding the output head does not
-    share (its rows are looked up, not multiplied)."""
-    total = sum(p.numel() for p in model.parameters())
-    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    return total if embedding is head else total - embedding.numel()
 
 
 def main() -> None:

@@ -84,6 +84,14 @@ def _rows(rows: list[dict]):
     return Dataset.from_list(rows)
 
 
+def decode_weights(model) -> int:
+    """The numbers a decode step multiplies by: every parameter but an input embedding the output head does not
+    share (its rows are looked up, not multiplied)."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return total if embedding is head else total - embedding.numel()
+
+
 def peak_memory() -> dict:
     """The process's peak memory: on CUDA the most its tensors held (torch's allocator), and its resident set."""
     import resource
