@@ -51,6 +51,7 @@ def overlap_bound(sync: dict, overlapped: dict) -> str:
     """What overlap can gain on this machine: each phase's time on its share of the cores (the async run) against
     all of them (the sequential run), medians over the steps after the first; async cannot beat the sequential
     step (generation + training pass) over the longer of the two phases on their shares."""
+
     def median(values: list) -> float:
         values = sorted(values[1:] or values)
         return values[len(values) // 2]
@@ -92,7 +93,7 @@ def run(framework: str, precision: str, overrides: dict | None = None) -> dict:
     lines = [line for line in output.splitlines() if line.startswith("BENCH_RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{framework} {precision} failed (exit {proc.returncode}):\n{output[-3000:]}")
-    result = json.loads(lines[-1][len("BENCH_RESULT "):])
+    result = json.loads(lines[-1][len("BENCH_RESULT ") :])
     result["framework"] = framework
     result["peak_gb"] = peak[0] / 1e9
     result["tokens_per_s"] = result["tokens"] / result["seconds"]
@@ -101,13 +102,32 @@ def run(framework: str, precision: str, overrides: dict | None = None) -> dict:
 
 def table(results: list[dict], title: str) -> Table:
     t = Table(title=title)
-    for col in ("framework", "precision", "tokens/s", "gen tokens/s", "train tokens/s", "seconds", "tokens",
-                "peak GB", "engine", "CPU ISA"):
+    for col in (
+        "framework",
+        "precision",
+        "tokens/s",
+        "gen tokens/s",
+        "train tokens/s",
+        "seconds",
+        "tokens",
+        "peak GB",
+        "engine",
+        "CPU ISA",
+    ):
         t.add_column(col)
     for r in results:
-        t.add_row(r["framework"], r["precision"], f"{r['tokens_per_s']:.1f}", _fmt(r["generation_tokens_per_s"]),
-                  _fmt(r["training_tokens_per_s"]), f"{r['seconds']:.1f}", str(r["tokens"]), f"{r['peak_gb']:.2f}",
-                  r["engine"], r["isa"])
+        t.add_row(
+            r["framework"],
+            r["precision"],
+            f"{r['tokens_per_s']:.1f}",
+            _fmt(r["generation_tokens_per_s"]),
+            _fmt(r["training_tokens_per_s"]),
+            f"{r['seconds']:.1f}",
+            str(r["tokens"]),
+            f"{r['peak_gb']:.2f}",
+            r["engine"],
+            r["isa"],
+        )
     return t
 
 
@@ -125,11 +145,15 @@ def main() -> None:
     precisions = bounds.precisions()
     busy = os.getloadavg()[0]
     if busy > 0.5:  # measured here: two other busy processes on 2 cores made decode steps 4-10x slower
-        console.print(f"warning: the load average is {busy:.1f} on {os.cpu_count()} cores before the benchmark "
-                      "starts; other processes' CPU time distorts every figure below (bounds included)")
+        console.print(
+            f"warning: the load average is {busy:.1f} on {os.cpu_count()} cores before the benchmark "
+            "starts; other processes' CPU time distorts every figure below (bounds included)"
+        )
     if "bf16" not in precisions:
-        console.print("no fast bfloat16 here (no AMX or AVX512-BF16, or oneDNN capped below them): float32 rows "
-                      "only (emulated bfloat16 takes minutes a step for both frameworks)")
+        console.print(
+            "no fast bfloat16 here (no AMX or AVX512-BF16, or oneDNN capped below them): float32 rows "
+            "only (emulated bfloat16 takes minutes a step for both frameworks)"
+        )
     results = {}
     for precision in precisions:
         for framework in frameworks:
@@ -139,8 +163,9 @@ def main() -> None:
     if opts.only in (None, "grpo"):
         # the run report's cost: the same run without report.html (run_report=False)
         console.print(f"running grpo {first} without the run report ...")
-        results[("grpo, no report", first)] = dict(run("grpo", first, {"run_report": False}),
-                                                   framework="grpo, no report")
+        results[("grpo, no report", first)] = dict(
+            run("grpo", first, {"run_report": False}), framework="grpo, no report"
+        )
     if opts.only in (None, "grpo"):
         # async_generation against the sequential loop: the same workload, longer (8 steps: 7 after the first,
         # which nothing overlaps), both on every core of the machine (async: one share each side)
@@ -156,30 +181,36 @@ def main() -> None:
         json.dump([dict(r) for r in results.values()], f, indent=1)
     with_report, without = results.get(("grpo", first)), results.get(("grpo, no report", first))
     if with_report and without:
-        print(f"report_time_ratio={with_report['seconds'] / without['seconds']:.3f} "
-              f"(grpo {first} with report.html / without; 1.00 = no cost) report_share="
-              f"{with_report['report_s'] / with_report['seconds']:.4f} ({with_report['report_builds']} builds "
-              f"took {with_report['report_s']:.3f} s of the run's {with_report['seconds']:.1f} s)")
+        print(
+            f"report_time_ratio={with_report['seconds'] / without['seconds']:.3f} "
+            f"(grpo {first} with report.html / without; 1.00 = no cost) report_share="
+            f"{with_report['report_s'] / with_report['seconds']:.4f} ({with_report['report_builds']} builds "
+            f"took {with_report['report_s']:.3f} s of the run's {with_report['seconds']:.1f} s)"
+        )
     sync, overlapped = results.get(("grpo, 8 steps", first)), results.get(("grpo async, 8 steps", first))
     if sync and overlapped:
-        print(f"async_speedup={overlapped['tokens_per_s'] / sync['tokens_per_s']:.2f} (grpo {first}, 8 steps, "
-              f"max_staleness=1, tokens/s async / sequential) learner_wait_share="
-              f"{overlapped['learner_wait_s'] / overlapped['seconds']:.2f} producer_wait_share="
-              f"{overlapped['producer_wait_s'] / overlapped['seconds']:.2f} (time each side waited for the other)")
+        print(
+            f"async_speedup={overlapped['tokens_per_s'] / sync['tokens_per_s']:.2f} (grpo {first}, 8 steps, "
+            f"max_staleness=1, tokens/s async / sequential) learner_wait_share="
+            f"{overlapped['learner_wait_s'] / overlapped['seconds']:.2f} producer_wait_share="
+            f"{overlapped['producer_wait_s'] / overlapped['seconds']:.2f} (time each side waited for the other)"
+        )
         print(overlap_bound(sync, overlapped))
     against_bounds = {}
     if ("grpo", "fp32") in results:
         fp32 = results[("grpo", "fp32")]
         measured = bounds.machine(fp32["decode_weights"])
         against_bounds = bounds.ratios(fp32, measured)
-        print(f"grpo fp32: decode step {against_bounds['decode_step_ms']:.1f} ms against "
-              f"{against_bounds['decode_bound_ms']:.1f} ms to read the float32 weights once "
-              f"({measured['read_gb_per_s']:.1f} GB/s, the best of 3 samples from "
-              f"{measured['read_gb_per_s_low']:.1f}) and {against_bounds['decode_flop_bound_ms']:.1f} ms of "
-              f"arithmetic at its {against_bounds['decode_rows_mean']:.1f} rows on average; "
-              f"training pass at {against_bounds['train_vs_bound']:.2f}x "
-              f"its FLOP bound ({measured['matmul_gflop_per_s']:.0f} GFLOP/s float32 matmul, the best of 3 from "
-              f"{measured['matmul_gflop_per_s_low']:.0f}; {measured['threads']} threads)")
+        print(
+            f"grpo fp32: decode step {against_bounds['decode_step_ms']:.1f} ms against "
+            f"{against_bounds['decode_bound_ms']:.1f} ms to read the float32 weights once "
+            f"({measured['read_gb_per_s']:.1f} GB/s, the best of 3 samples from "
+            f"{measured['read_gb_per_s_low']:.1f}) and {against_bounds['decode_flop_bound_ms']:.1f} ms of "
+            f"arithmetic at its {against_bounds['decode_rows_mean']:.1f} rows on average; "
+            f"training pass at {against_bounds['train_vs_bound']:.2f}x "
+            f"its FLOP bound ({measured['matmul_gflop_per_s']:.0f} GFLOP/s float32 matmul, the best of 3 from "
+            f"{measured['matmul_gflop_per_s_low']:.0f}; {measured['threads']} threads)"
+        )
     if opts.only:
         return
     speed = {p: results[("grpo", p)]["tokens_per_s"] / results[("trl", p)]["tokens_per_s"] for p in precisions}
@@ -188,13 +219,17 @@ def main() -> None:
         sweeps(console, first)
     if ("grpo+vllm", "bf16") in results:
         vllm, fast, trl = results[("grpo+vllm", "bf16")], results[("grpo", "bf16")], results[("trl", "bf16")]
-        print(f"vllm_generation_vs_fast={vllm['generation_tokens_per_s'] / fast['generation_tokens_per_s']:.2f} "
-              f"vllm_speedup_vs_trl={vllm['tokens_per_s'] / trl['tokens_per_s']:.2f}")
+        print(
+            f"vllm_generation_vs_fast={vllm['generation_tokens_per_s'] / fast['generation_tokens_per_s']:.2f} "
+            f"vllm_speedup_vs_trl={vllm['tokens_per_s'] / trl['tokens_per_s']:.2f}"
+        )
     line = f"speedup_vs_trl={speed['bf16']:.2f} " if "bf16" in speed else ""
     line += f"memory_vs_trl={memory:.2f} speedup_vs_trl_fp32={speed['fp32']:.2f}"
     if against_bounds:
-        line += (f" decode_vs_bound={against_bounds['decode_vs_bound']:.2f} "
-                 f"train_vs_bound={against_bounds['train_vs_bound']:.2f}")
+        line += (
+            f" decode_vs_bound={against_bounds['decode_vs_bound']:.2f} "
+            f"train_vs_bound={against_bounds['train_vs_bound']:.2f}"
+        )
     print(line)
 
 
@@ -206,11 +241,11 @@ def vllm_available() -> bool:
 
 SWEEPS = {
     # completions that run to the cap, 2 prompts x 8
-    "max_completion_length": [{"dataset": "story", "max_completion_length": n, "max_steps": 3}
-                              for n in (64, 128, 256)],
+    "max_completion_length": [{"dataset": "story", "max_completion_length": n, "max_steps": 3} for n in (64, 128, 256)],
     # 2 prompts per step, G completions each
-    "num_generations": [{"num_generations": g, "per_device_train_batch_size": 2 * g, "max_steps": 3}
-                        for g in (4, 8, 16)],
+    "num_generations": [
+        {"num_generations": g, "per_device_train_batch_size": 2 * g, "max_steps": 3} for g in (4, 8, 16)
+    ],
 }
 
 
@@ -240,8 +275,10 @@ def sweeps(console: Console, precision: str) -> None:
             t.add_row(framework, *[f"{x:.1f}" for x in times], f"{slopes[framework]:.4f}")
         console.print(t)
         ratios[name] = slopes["grpo"] / slopes["trl"]
-    print(f"slope_ratio_length={ratios['max_completion_length']:.2f} "
-          f"slope_ratio_generations={ratios['num_generations']:.2f}")
+    print(
+        f"slope_ratio_length={ratios['max_completion_length']:.2f} "
+        f"slope_ratio_generations={ratios['num_generations']:.2f}"
+    )
 
 
 if __name__ == "__main__":

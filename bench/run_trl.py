@@ -22,8 +22,12 @@ def main() -> None:
     prompts, reward = dataset(overrides.pop("dataset", "demo"))
     model = overrides.pop("model", None) or bundled_model_path()
     counter = TokenCounter(reward)
-    args = GRPOConfig(output_dir="/tmp/trl-bench", bf16=precision == "bf16", disable_tqdm=True,
-                      **{**WORKLOAD, "use_cpu": True, **overrides})
+    args = GRPOConfig(
+        output_dir="/tmp/trl-bench",
+        bf16=precision == "bf16",
+        disable_tqdm=True,
+        **{**WORKLOAD, "use_cpu": True, **overrides},
+    )
     trainer = GRPOTrainer(model=model, reward_funcs=counter, train_dataset=prompts, args=args)
     generation = {"seconds": 0.0}
     original = trainer._generate  # time TRL's generation phase to split generation from training
@@ -38,11 +42,20 @@ def main() -> None:
     trainer._generate = timed_generate
     seconds = timed(trainer.train)
     gen = generation["seconds"]
-    report({"framework": "trl", "precision": precision, "seconds": seconds, "tokens": counter.tokens,
+    report(
+        {
+            "framework": "trl",
+            "precision": precision,
+            "seconds": seconds,
+            "tokens": counter.tokens,
             "step_times": [r.get("step_time") for r in trainer.state.log_history if "step_time" in r],
             "generation_tokens_per_s": counter.tokens / gen if gen else None,
             "training_tokens_per_s": counter.tokens / max(seconds - gen, 1e-9),
-            "engine": "transformers", "isa": cpu_isa(), **peak_memory()})
+            "engine": "transformers",
+            "isa": cpu_isa(),
+            **peak_memory(),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -54,8 +54,16 @@ def timed(fn):
     return time.perf_counter() - start
 
 
-TOPICS = ["a lighthouse keeper", "a lost robot", "the first winter on Mars", "a baker's apprentice", "a river",
-          "an old clock", "two rival chess players", "a city under the sea"]
+TOPICS = [
+    "a lighthouse keeper",
+    "a lost robot",
+    "the first winter on Mars",
+    "a baker's apprentice",
+    "a river",
+    "an old clock",
+    "two rival chess players",
+    "a city under the sea",
+]
 
 
 def dataset(name: str, seed: int = 0):
@@ -70,8 +78,14 @@ def dataset(name: str, seed: int = 0):
         return _rows(random_model.prompts(64, seed)), random_model.varied_reward
     if name != "story":
         return train_dataset(seed), correctness_reward
-    rows = [{"prompt": [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}],
-             "a": 0, "b": 0} for i in range(64)]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}],
+            "a": 0,
+            "b": 0,
+        }
+        for i in range(64)
+    ]
     return _rows(rows), correctness_reward
 
 

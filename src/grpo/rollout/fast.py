@@ -48,7 +48,7 @@ from grpo import sigterm
 from grpo.distributed.sharding import full_parameters
 from grpo.modeling import accepts_logits_to_keep, cache_argument, swapped_forwards
 from grpo.perf.kernels import fixed_linear
-from grpo.rollout import lean_decoder
+from grpo.rollout import graphed, lean_decoder
 from grpo.rollout.base import Request, Rollout, assemble, expand, left_pad
 from grpo.rollout.plain import TransformersEngine
 
@@ -94,13 +94,13 @@ def own_generator(generator: torch.Generator | None) -> Iterator[None]:
 SAMPLE_BLOCK = 512
 
 
-def sample_from(logprobs: torch.Tensor) -> torch.Tensor:
+def sample_from(logprobs: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row from exp(logprobs) by inverting the CDF: one uniform number per row, where
     torch.multinomial or a Gumbel race would draw one per vocabulary entry. The CDF is summed in float64 (its bias is
     far below sampling noise), in two levels: per-block sums of SAMPLE_BLOCK entries find the block that holds the
     draw, and the cumulative sum runs within that block only (the same inversion as one full cumulative sum, in
-    another summation order). Never a zero-probability token. The uniform numbers come from the thread's
-    `own_generator` when one is set, else torch's global generator."""
+    another summation order). Never a zero-probability token. `u`: the uniform numbers (rows, 1) float64, drawn
+    by the caller; by default from the thread's `own_generator` when one is set, else torch's global generator."""
     rows, vocab = logprobs.shape
     p = logprobs.float().exp()
     blocks = -(-vocab // SAMPLE_BLOCK)
@@ -108,8 +108,9 @@ def sample_from(logprobs: torch.Tensor) -> torch.Tensor:
         p = torch.nn.functional.pad(p, (0, blocks * SAMPLE_BLOCK - vocab))
     p = p.view(rows, blocks, SAMPLE_BLOCK)
     block_cdf = p.sum(-1, dtype=torch.float64).cumsum(-1)  # (rows, blocks)
-    generator = getattr(_thread, "generator", None)
-    u = torch.rand(rows, 1, dtype=torch.float64, device=p.device, generator=generator) * block_cdf[:, -1:]
+    if u is None:
+        u = torch.rand(rows, 1, dtype=torch.float64, device=p.device, generator=getattr(_thread, "generator", None))
+    u = u * block_cdf[:, -1:]
     # the first block whose CDF exceeds u holds positive mass; u's remainder within it
     block = torch.searchsorted(block_cdf, u, right=True).clamp(max=blocks - 1)
     before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), torch.zeros_like(u))
@@ -187,9 +188,10 @@ class FastEngine:
         stop_ids: list[int],
         autocast: Any = None,
         share_prefix: bool = True,
-        sampler: Sampler = sample_from,
+        sampler: Sampler | None = None,
         compute_dtype: torch.dtype | None = None,
         lean: bool = True,
+        static: bool | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -202,7 +204,8 @@ class FastEngine:
         self.needs_history = args.repetition_penalty != 1.0
         self.autocast = autocast
         self.share_prefix = share_prefix
-        self.sampler = sampler
+        self.sampler = sampler  # None: `sample_from` on uniform numbers drawn per row and step (`draw_uniforms`)
+        self.static = static  # decode on fixed shapes (`graphed.StaticDecode`); None: on CUDA, with the lean decoder
         self.lean_reason = lean_decoder.unsupported_reason(model) if lean else "turned off"
         if self.lean_reason is not None:
             logger.info("Sampling with the transformers forward: %s.", self.lean_reason)
@@ -246,38 +249,80 @@ class FastEngine:
             owner = torch.arange(len(unique))
         budgets = torch.tensor([r.max_tokens or self.max_new_tokens for r in requests]).repeat_interleave(counts)
         n = len(owner)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
         longest = int(budgets.max()) if n else 0
         if longest == 0:
-            return tokens, logps
+            return [[] for _ in range(n)], [[] for _ in range(n)]
         ids, mask = left_pad(unique, self.tokenizer.pad_token_id)
         ids, mask, owner, budgets = ids.to(device), mask.to(device), owner.to(device), budgets.to(device)
+        generator = getattr(_thread, "generator", None)
+        static = self.static if self.static is not None else device.type == "cuda"
+        if static and self.lean_reason is None:
+            decoder = self._stepper()
+            stop_ids, graphs = self.stop_ids.to(device), device.type == "cuda"
+            run = graphed.StaticDecode(decoder, self.processors, stop_ids, self._draw, self.needs_history, graphs)
+            tokens, logps, lengths = run.run(ids, mask, owner, budgets, longest, generator, self.sampler is None)
+        else:
+            # a GPU would wait for the host at every look at the rows: there, finished rows leave every
+            # CHECK_EVERY steps; on the CPU at once
+            every = graphed.CHECK_EVERY if device.type == "cuda" else 1
+            tokens, logps, lengths = self._eager(ids, mask, owner, budgets, longest, generator, every)
+        lengths, tokens, logps = lengths.tolist(), tokens.cpu(), logps.cpu()  # the rollout's one read-back
+        return (
+            [tokens[r, : lengths[r]].tolist() for r in range(n)],
+            [logps[r, : lengths[r]].tolist() for r in range(n)],
+        )
+
+    def _draw(self, logprobs: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+        return sample_from(logprobs, u) if self.sampler is None else self.sampler(logprobs)
+
+    def _eager(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        owner: torch.Tensor,
+        budgets: torch.Tensor,
+        longest: int,
+        generator: torch.Generator | None,
+        every: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The shrinking batch: finished rows leave the batch and the cache at the first look at the rows (every
+        `every` steps). Returns the tokens and log-probs (rows, longest) and each row's length."""
+        n, device = len(owner), ids.device
         stepper = self._stepper()
         logits = stepper.prefill(ids, mask, owner, longest)
         history = ids[owner] if self.needs_history else None
         active = torch.arange(n, device=device)  # original row of each batch row
+        going = torch.ones(n, dtype=torch.bool, device=device)
+        tokens = torch.zeros(n, longest, dtype=torch.long, device=device)
+        logps = torch.zeros(n, longest, dtype=torch.float32, device=device)
+        lengths = torch.zeros(n, dtype=torch.long, device=device)
         stop_ids = self.stop_ids.to(device)
+        sample = self.sampler is None
         for step in range(longest):
             sigterm.check()  # SIGTERM ends a long rollout at the next token
+            if sample and step % graphed.CHECK_EVERY == 0:
+                uniforms = graphed.draw_uniforms(n, device, generator)
             logprobs = torch.log_softmax(self.processors(history, logits), dim=-1)
-            chosen = self.sampler(logprobs)
-            chosen_logps = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-            for row, token, lp in zip(active.tolist(), chosen.tolist(), chosen_logps.tolist()):
-                tokens[row].append(token)
-                logps[row].append(lp)
-            going = ~torch.isin(chosen, stop_ids) & (budgets[active] > step + 1)
-            if step == longest - 1 or not going.any():
+            u = uniforms[step % graphed.CHECK_EVERY, active].unsqueeze(-1) if sample else None
+            chosen = self._draw(logprobs, u)
+            tokens[active, step] = chosen
+            logps[active, step] = logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+            lengths[active] += going
+            going = going & ~torch.isin(chosen, stop_ids) & (budgets[active] > step + 1)
+            if step == longest - 1:
                 break
-            if not going.all():  # finished rows leave the batch and the cache
-                keep = going.nonzero().squeeze(-1)
-                stepper.select(keep)
-                active, chosen = active[keep], chosen[keep]
-                history = history[keep] if history is not None else None
+            if (step + 1) % every == 0:
+                if not going.any():
+                    break
+                if not going.all():  # finished rows leave the batch and the cache
+                    keep = going.nonzero().squeeze(-1)
+                    stepper.select(keep)
+                    active, chosen, going = active[keep], chosen[keep], going[keep]
+                    history = history[keep] if history is not None else None
             if history is not None:
                 history = torch.cat([history, chosen.unsqueeze(-1)], dim=-1)
             logits = stepper.step(chosen)
-        return tokens, logps
+        return tokens, logps, lengths
 
     def _stepper(self) -> Any:
         """The lean decoder where the model allows it, else the transformers forward with a dynamic cache."""

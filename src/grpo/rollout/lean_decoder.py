@@ -7,8 +7,9 @@ step, mask construction). `LeanDecoder` runs the same arithmetic with fewer, lar
   packed from their parts by the panel kernel);
 - each weight is cast to the compute dtype once per rollout (bfloat16 under autocast) and, on CPUs with
   oneDNN, pre-packed for its matmul kernel;
-- keys and values go into buffers allocated once per rollout, written in place; finished rows are dropped
-  from them with one index_select;
+- keys and values go into buffers written in place, grown by `GROW` columns as the tokens come (never sized
+  for a budget the rows do not use); finished rows are dropped from them layer by layer (one layer's copy at a
+  time, never the whole cache twice);
 - in float32 on a CPU (no fast bfloat16), for a rollout whose budget runs on, every linear and the output head
   go to grpo's panel kernel from the prefill on (`grpo.rollout.panels`: x86 with AVX2 and FMA, and a C
   compiler), whose layout serves any row count, so finished rows are dropped as on the plain path; and each
@@ -44,6 +45,7 @@ SUPPORTED = ("llama", "mistral", "qwen2")
 # weight, o 8.7x), and packing those two saved 1.7-3 ms of a 60 ms 16-row step (AVX2) for 0.65 GB more memory
 PACKED = ("gate_up", "down")
 PANELS = ("qkv", "o", "gate_up", "down")  # the panel kernel's layout is the weight's own size: all of them
+GROW = 128  # key/value columns added at a time: the cache grows with the tokens the rows have
 FUSED = True  # a float32 decode step on the panel kernel runs every layer in one call (`panels.decode_layers`)
 
 
@@ -135,14 +137,22 @@ class LeanDecoder:
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor, max_new: int) -> torch.Tensor:
         """Run the (left-padded) unique prompts once, copy their keys and values to the rows that share them
-        (`owner[row]` = its prompt) and leave room for `max_new` tokens. Returns each row's next-token logits."""
+        (`owner[row]` = its prompt) and leave room for the first of `max_new` tokens (the buffers grow by `GROW`
+        columns as the rows need them). Returns each row's next-token logits."""
         self.steps, self.max_new = 0, max_new
         if self._budget_left(packed.STEPS_AFTER_PACKING) and self._panels_available():
             self._panels()  # the prefill too: its rows (up to panels.MAX_ROWS) take the panel kernel
         else:
             self._unpack()
+        logits = self.prompt_pass(ids, mask, ids.shape[1] + min(max_new, GROW))
+        self.select(owner)
+        self.positions = mask.sum(-1, keepdim=True)[owner]
+        return logits[owner]
+
+    def prompt_pass(self, ids: torch.Tensor, mask: torch.Tensor, width: int) -> torch.Tensor:
+        """The prompts' forward into key/value buffers `width` columns wide (the first ids.shape[1] filled);
+        returns each prompt's next-token logits."""
         u, p = ids.shape
-        width = p + max_new
         shape = (u, self.kv_heads, width, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=ids.device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=ids.device) for _ in self.layers]
@@ -154,10 +164,7 @@ class LeanDecoder:
         # a padding query attends to itself only (its output is never used; an all-masked row would be NaN)
         attend = (self.valid[:, None, None, :p] & causal) | torch.eye(p, dtype=torch.bool, device=ids.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self._forward(ids, positions, attend)
-        self.select(owner)
-        self.positions = mask.sum(-1, keepdim=True)[owner]
-        return logits[owner]
+        return self._forward(ids, positions, attend, decode=False)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -166,13 +173,15 @@ class LeanDecoder:
             # the rollout runs on, its budget far from spent
             self._pack(torch.arange(len(tokens), device=tokens.device))
         self.steps += 1
+        if self.length == self.valid.shape[1]:
+            self._grow(max(self.max_new - self.steps, 1))  # the calls left, this one included
         if self.live is not None:  # the packed batch: a finished row's slot repeats its last token, unread
             tokens = self.fed = self.fed.index_copy(0, self.live, tokens)
         self.valid[:, self.length] = True
         attend = self.valid[:, None, None, : self.length + 1]
         if self.dtype == torch.float32:  # one additive mask for every layer: 0 where a key is attended, -inf elsewhere
             attend = torch.zeros(attend.shape, device=attend.device).masked_fill_(~attend, float("-inf"))
-        logits = self._forward(tokens.unsqueeze(-1), self.positions, attend)
+        logits = self._forward(tokens.unsqueeze(-1), self.positions, attend, decode=True)
         self.positions = self.positions + 1
         if self.live is not None and len(self.live) < self.slots:
             logits = logits.index_select(0, self.live)
@@ -198,11 +207,21 @@ class LeanDecoder:
         self._keep(rows)
 
     def _keep(self, rows: torch.Tensor) -> None:
-        self.keys = [k.index_select(0, rows) for k in self.keys]
-        self.values = [v.index_select(0, rows) for v in self.values]
+        # layer by layer, each old buffer freed as its copy is made: the cache is never held twice
+        for cache in (self.keys, self.values):
+            for i in range(len(cache)):
+                cache[i] = cache[i].index_select(0, rows)
         self.valid = self.valid.index_select(0, rows)
         if self.positions is not None:
             self.positions = self.positions.index_select(0, rows)
+
+    def _grow(self, wanted: int) -> None:
+        """`min(GROW, wanted)` more key/value columns, layer by layer (each old buffer freed as it is copied)."""
+        more = min(GROW, wanted)
+        self.valid = F.pad(self.valid, (0, more))
+        for cache in (self.keys, self.values):
+            for i in range(len(cache)):
+                cache[i] = F.pad(cache[i], (0, 0, 0, more))
 
     def _budget_left(self, steps: int) -> bool:
         return self.max_new - self.steps > steps
@@ -278,13 +297,13 @@ class LeanDecoder:
         self.unpacked = self.in_panels = False
         self.fused, self.live, self.fed, self.slots = None, None, None, 0
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, decode: bool) -> torch.Tensor:
         b, t = ids.shape
         start, end = self.length, self.length + t
         x = F.embedding(ids, self.embed).float()
         cos, sin = self.rotary(x, positions)
         cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
-        if t == 1 and self.fused is not None:  # a decode step: every layer in one call
+        if decode and self.fused is not None:  # every layer in one call (not a one-token prompt's pass)
             table, sizes = self.fused
             x = x[:, 0].contiguous()
             mask = attend.reshape(b, end).contiguous()

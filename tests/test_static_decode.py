@@ -1,0 +1,251 @@
+"""Decoding on fixed shapes (`grpo.rollout.graphed`, the fast engine's loop on CUDA) against the shrinking-batch loop
+the CPU runs: the same tokens from the same generator and log-probs within the device's tolerance, across sampling
+settings, budgets, stop tokens and rows that finish at every step; a step that compiles with `fullgraph=True` (no
+host sync inside it); and the key/value cache's memory: grown with the tokens, never held twice when rows leave.
+
+The tests marked `device` run on `on_device.device()`; on CUDA the fixed-shape loop replays CUDA graphs."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import on_device
+from grpo import GRPOConfig
+from grpo.batch import collate
+from grpo.data import tokenize_prompts
+from grpo.forward import token_logps
+from grpo.rollout import graphed
+from grpo.rollout.fast import FastEngine, logits_processors, sample_from
+from grpo.rollout.graphed import StaticDecode, bucket
+from grpo.rollout.lean_decoder import GROW, LeanDecoder
+from scripted import as_requests
+from tiny import make_model, make_tokenizer
+
+
+def setup(device, budgets=(150, 40, 7), **kw):
+    """Three prompts of different lengths, 5 samples each (15 rows: a batch of 16 with a spare slot), each request
+    its own budget; one token stops a row (~1% a step here), so rows finish all along the rollout."""
+    tok = make_tokenizer()
+    model = make_model(tok, hidden=64).eval().to(device)
+    args = GRPOConfig(
+        output_dir="x", max_completion_length=max(budgets), num_generations=5, per_device_train_batch_size=15, **kw
+    )
+    stop = [7]  # one token of the tiny vocabulary's 102
+    chats = [[{"role": "user", "content": text}] for text in ("hi", "what is two plus two?", "count: one two three")]
+    requests = as_requests([ids for ids in tokenize_prompts(chats, tok) for _ in range(5)])
+    requests = [dataclasses.replace(r, max_tokens=b) for r, b in zip(requests, budgets)]
+    return tok, model, args, stop, requests
+
+
+def both(model, tok, args, stop, requests, seed=0, **kw):
+    out = {}
+    for static in (False, True):
+        torch.manual_seed(seed)
+        out[static] = FastEngine(model, tok, args, stop, static=static, **kw).generate(requests)
+    return out[False], out[True]
+
+
+def assert_same(eager, fixed):
+    assert fixed.completion_ids == eager.completion_ids
+    assert fixed.truncated == eager.truncated
+    tolerance = on_device.float32_tolerance()
+    for a, b in zip(eager.sampling_logps, fixed.sampling_logps):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), **tolerance)
+
+
+SAMPLING = {
+    "plain": {},
+    "processed": dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05),
+    "repetition": dict(repetition_penalty=1.3, temperature=0.9),
+}
+
+
+@on_device.mark
+@pytest.mark.parametrize("sampling", SAMPLING)
+def test_fixed_shapes_sample_what_the_shrinking_batch_samples(sampling):
+    tok, model, args, stop, requests = setup(on_device.device(), **SAMPLING[sampling])
+    eager, fixed = both(model, tok, args, stop, requests)
+    lengths = [len(c) for c in eager.completion_ids]
+    # rows end before the first look at the rows, between looks, and on their budgets (150, 40 and 7 tokens)
+    assert min(lengths) < graphed.CHECK_EVERY < max(lengths) and any(t for t in eager.truncated)
+    assert len(set(lengths)) > 6
+    if sampling == "plain":
+        assert max(lengths) > GROW  # the cache grew while rows were going
+    assert_same(eager, fixed)
+    # and the next rollout draws on from the same generator state
+    torch.manual_seed(1)
+    again_eager = FastEngine(model, tok, args, stop, static=False).generate(requests)
+    torch.manual_seed(1)
+    again_fixed = FastEngine(model, tok, args, stop, static=True).generate(requests)
+    assert_same(again_eager, again_fixed)
+
+
+@on_device.mark
+def test_fixed_shapes_without_prefix_sharing_and_with_a_custom_sampler():
+    tok, model, args, stop, requests = setup(on_device.device(), budgets=(30, 30, 30))
+    assert_same(*both(model, tok, args, stop, requests, share_prefix=False))
+    assert_same(*both(model, tok, args, stop, requests, sampler=lambda logprobs: logprobs.argmax(-1)))
+    # a custom sampler gets the log-probs only: no uniform numbers are drawn for it
+    torch.manual_seed(5)
+    FastEngine(model, tok, args, stop, static=True, sampler=lambda lp: lp.argmax(-1)).generate(requests)
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(after, torch.rand(1))
+
+
+@on_device.mark
+@on_device.dtypes
+def test_fixed_shape_sampling_logps_equal_training_logps(dtype):
+    """The fixed-shape loop on bfloat16 weights against the training pass under bfloat16 autocast, as the trainer
+    runs both (float32: the device's tolerance; bfloat16: 0.01 nats on average)."""
+    tok, model, args, stop, requests = setup(on_device.device(), budgets=(40, 20, 7), temperature=0.8)
+    low = dtype if dtype == torch.bfloat16 else None
+    torch.manual_seed(0)
+    engine = FastEngine(model, tok, args, stop, compute_dtype=low, static=True)
+    rollout = engine.generate(requests)
+    batch = collate(rollout, torch.zeros(len(rollout)), tok.pad_token_id, mask_truncated=False).to(model.device)
+    with torch.no_grad(), on_device.autocast(dtype):
+        logps, _ = token_logps(model, batch, args.temperature, with_entropy=False)
+    m = batch.mask.bool()
+    if dtype == torch.bfloat16:
+        assert (logps[m] - batch.sampling_logps[m]).abs().mean() < on_device.BFLOAT16_MEAN_NATS
+    else:
+        torch.testing.assert_close(logps[m], batch.sampling_logps[m], **on_device.float32_tolerance(logps.device))
+
+
+def test_the_step_compiles_whole_with_no_host_sync():
+    """`fullgraph=True` refuses a graph break: reading a tensor's value on the host (.item(), .tolist(), a branch on
+    a tensor, nonzero's data-dependent shape) inside the step would fail here. The compiled step samples the same
+    rollout as the eager one."""
+    tok, model, args, stop, requests = setup("cpu", budgets=(40, 20, 7), **SAMPLING["processed"])
+    torch.manual_seed(0)
+    eager = FastEngine(model, tok, args, stop, static=True).generate(requests)
+    original = StaticDecode.__init__
+
+    def compiled_init(self, *a, **kw):
+        original(self, *a, **kw)
+        self.step_fn = torch.compile(self._step, fullgraph=True, backend="eager", dynamic=False)
+
+    torch._dynamo.reset()
+    try:
+        StaticDecode.__init__ = compiled_init
+        torch.manual_seed(0)
+        compiled = FastEngine(model, tok, args, stop, static=True).generate(requests)
+    finally:
+        StaticDecode.__init__ = original
+        torch._dynamo.reset()
+    assert_same(eager, compiled)
+
+
+def test_row_buckets_and_uniform_numbers():
+    assert [bucket(n) for n in (1, 2, 3, 8, 9, 255, 256, 257)] == [1, 2, 4, 8, 16, 256, 256, 512]
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    u = graphed.draw_uniforms(5, torch.device("cpu"), g1)
+    assert u.shape == (graphed.CHECK_EVERY, 5) and u.dtype == torch.float64
+    assert torch.equal(u, graphed.draw_uniforms(5, torch.device("cpu"), g2))
+    # sample_from with the caller's numbers draws nothing itself
+    logprobs = torch.log_softmax(torch.randn(5, 1000), -1)
+    state = torch.get_rng_state()
+    assert torch.equal(sample_from(logprobs, u[0, :, None]), sample_from(logprobs, u[0, :, None]))
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_the_cache_grows_with_the_tokens_rows_need():
+    """A 500-token budget whose rows stop within a few tokens: the buffers stay one `GROW` past the prompt, in
+    both loops, and grow by `GROW` columns when the tokens reach them."""
+    tok, model, args, stop, requests = setup("cpu", budgets=(500, 500, 500))
+    ids = torch.tensor([requests[0].prompt.ids])
+    mask = torch.ones_like(ids)
+    dec = LeanDecoder(model, torch.float32)
+    dec.prefill(ids, mask, torch.zeros(3, dtype=torch.long), max_new=500)
+    assert dec.keys[0].shape[2] == ids.shape[1] + GROW
+    token = torch.tensor([5, 6, 7])
+    for _ in range(GROW + 3):
+        dec.step(token)
+    assert dec.keys[0].shape[2] == ids.shape[1] + 2 * GROW
+    decode = StaticDecode(
+        LeanDecoder(model, torch.float32), logits_processors(args), torch.tensor(stop), sample_from, False, False
+    )
+    budgets = torch.full((3,), 500)
+    decode.run(ids, mask, torch.zeros(3, dtype=torch.long), budgets, 500, None, True)
+    assert int(decode.lengths.max()) < GROW - graphed.CHECK_EVERY  # every row stopped early
+    assert decode.decoder.keys[0].shape[2] == ids.shape[1] + GROW
+
+
+def test_finished_rows_never_hold_the_cache_twice():
+    """Peak resident memory while finished rows leave a 320 MB cache (8 layers of 2 x 20 MB buffers): at most one
+    layer's copy above the cache, in the shrinking batch (`LeanDecoder._keep`) and in the fixed-shape batch
+    (`StaticDecode._compact`). Measured in a fresh process from VmHWM, reset just before."""
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from types import SimpleNamespace
+        from grpo.rollout.lean_decoder import LeanDecoder
+        from grpo.rollout.graphed import StaticDecode
+
+        def status(key):
+            with open("/proc/self/status") as f:
+                return 1024 * int(next(line for line in f if line.startswith(key)).split()[1])
+
+        shape = (64, 4, 320, 64)  # 64 rows, 20 MiB a buffer in float32
+        layer = 4 * 64 * 4 * 320 * 64
+        def caches():
+            return [torch.ones(shape) for _ in range(8)], [torch.ones(shape) for _ in range(8)]
+        keep = torch.arange(0, 64, 2)  # half the rows leave
+
+        dec = LeanDecoder.__new__(LeanDecoder)
+        dec.keys, dec.values = caches()
+        dec.valid, dec.positions = torch.ones(64, 320, dtype=torch.bool), torch.zeros(64, 1, dtype=torch.long)
+        before = status("VmRSS:")
+        open("/proc/self/clear_refs", "w").write("5")
+        dec._keep(keep)
+        print("shrinking", (status("VmHWM:") - before) / layer)
+
+        static = StaticDecode.__new__(StaticDecode)
+        static.decoder = SimpleNamespace()
+        static.decoder.keys, static.decoder.values = caches()
+        going = torch.zeros(64, dtype=torch.bool)
+        going[keep] = True
+        static.going, static.row, static.lengths = going, torch.arange(64), torch.zeros(65, dtype=torch.long)
+        static.valid, static.logits = torch.ones(64, 320, dtype=torch.bool), torch.zeros(64, 100)
+        static.positions, static.budget, static.history = torch.zeros(64, 1, dtype=torch.long), torch.ones(64), None
+        before = status("VmRSS:")
+        open("/proc/self/clear_refs", "w").write("5")
+        static._compact(32)
+        print("fixed", (status("VmHWM:") - before) / layer)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    peaks = dict(line.split() for line in out.stdout.splitlines())
+    # a copy of one layer's kept half is 0.5 layers; holding the whole cache twice would be 8 layers
+    for path, peak in peaks.items():
+        assert float(peak) < 1.5, (path, peak)
+
+
+def test_a_one_token_prompt_decodes():
+    """A prompt of one token (a bare BOS) runs the prompt pass, not a decode step's fused kernel, in both loops."""
+    tok, model, args, stop, _ = setup("cpu", budgets=(12,))
+    requests = as_requests([[tok.bos_token_id or 1]] * 4)
+    for static in (False, True):
+        rollout = FastEngine(model, tok, args, stop, static=static).generate(requests)
+        assert len(rollout.completion_ids) == 4 and all(rollout.completion_ids)
+
+
+def test_spare_slots_copy_a_real_row():
+    """The slots past the rows (a batch of `bucket(rows)`) repeat the first row: finite logits, never read."""
+    tok, model, args, stop, requests = setup("cpu", budgets=(5, 5, 5))
+    decode = StaticDecode(
+        LeanDecoder(model, torch.float32), logits_processors(args), torch.tensor(stop), sample_from, False, False
+    )
+    ids = torch.tensor([requests[0].prompt.ids])
+    decode._prefill(ids, torch.ones_like(ids), torch.zeros(3, dtype=torch.long), torch.full((3,), 5), 5)
+    assert len(decode.row) == 4 and decode.row.tolist() == [0, 1, 2, 3]
+    assert decode.going.tolist() == [True, True, True, False]
+    assert torch.isfinite(decode.logits).all()
