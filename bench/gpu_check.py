@@ -10,7 +10,8 @@ start with too little time left is recorded as skipped. Everything lands in DIR:
 Phases (bench/gpu_phases.py says what each measures): versions, ceilings, equivalence (the tests marked `device`
 on CUDA: pytest --device cuda), sdpa, decode, head, train, model, then end to end: grpo and TRL 1.16 on the same
 random model of Qwen2.5-0.5B's shape (64 rows x 256 tokens, bf16, 4 steps, the first one a warm-up), and grpo
-with async_generation (max_staleness 1) on the same workload for `async_speedup`. With --dry-run the same phases
+with async_generation (max_staleness 1) on the same workload for `async_speedup`; last, decode and train again at
+Qwen2.5-1.5B's shape (64 and 256 rows) with the time left. With --dry-run the same phases
 run on the CPU at tiny sizes (a test runs it, so the script cannot rot between GPU loans).
 """
 
@@ -33,11 +34,14 @@ GIB = 2**30
 SIZES = {
     "gpu": dict(
         shape="qwen2.5-0.5b",
+        large_shape="qwen2.5-1.5b",
+        large_decode_rows=[64, 256],
         copy_bytes=4 * GIB,
         matmul_n=8192,
         decode_rows=[8, 64, 256],
         context=384,
         decode_steps=32,
+        loop_tokens=256,
         head_rows=4096,
         rows=64,
         group=8,
@@ -52,15 +56,19 @@ SIZES = {
             "tests/test_lean_decode.py",
             "tests/test_fast_generation.py",
             "tests/test_shared_prefix_training.py",
+            "tests/test_static_decode.py",
         ],
     ),
     "dry": dict(
         shape="tiny",
+        large_shape="tiny",
+        large_decode_rows=[4],
         copy_bytes=64 * 2**20,
         matmul_n=256,
         decode_rows=[2, 8],
         context=24,
         decode_steps=6,
+        loop_tokens=8,
         head_rows=256,
         rows=8,
         group=4,
@@ -89,6 +97,9 @@ PHASES = [
     ("grpo", 100),
     ("trl", 130),
     ("async", 100),
+    # the larger shape's decode and training pass, last: what time is left after the end-to-end runs
+    ("decode_large", 70),
+    ("train_large", 45),
 ]
 MIN_START_S = 15  # a phase needs at least this much time left to start
 PREFIXES = ("GPU_RESULT ", "BENCH_RESULT ")
@@ -130,6 +141,9 @@ def command(phase: str, sizes: dict) -> list[str] | str:
             overrides.update(async_generation=True, max_staleness=1)
         script = "run_trl.py" if phase == "trl" else "run_grpo.py"
         return [py, os.path.join(HERE, script), sizes["precision"], json.dumps(overrides)]
+    if phase.endswith("_large"):
+        large = dict(sizes, shape=sizes["large_shape"], decode_rows=sizes["large_decode_rows"])
+        return [py, os.path.join(HERE, "gpu_phases.py"), phase.removesuffix("_large"), json.dumps(large)]
     return [py, os.path.join(HERE, "gpu_phases.py"), phase, json.dumps(sizes)]
 
 

@@ -5,10 +5,11 @@ Each prints its results as `GPU_RESULT {json}` lines (bench/gpu_check.py collect
 - `ceilings`: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate on random data;
 - `sdpa`: which attention kernels accept the lean decoder's call (bfloat16, boolean mask, grouped key/value heads)
   at a decode step and at a prefill: "No available kernel" for the efficient kernel means the math fallback;
-- `decode`: the lean decoder's step at several row counts (context ~ a prompt plus half a completion), and the
-  fast engine's whole loop per token (sampling and its host syncs included), against the step's floor, with
-  kernel launches and host syncs per step;
-- `head`: the tiled output head (`grpo.logprobs`), forward and backward, at the default tile and at a 512 MiB one;
+- `decode`: at several row counts (context ~ a prompt plus half a completion), against the step's floor, with
+  kernel launches and host syncs per step: the fixed-shape step with its sampling (`grpo.rollout.graphed`, replayed
+  from a CUDA graph), the eager lean step it replaces, and the fast engine's whole loop per token (prefill,
+  captures, row checks and read-back included) over `loop_tokens`-token completions;
+- `head`: the tiled output head (`grpo.logprobs`), forward and backward, at the device's tile and the CPU's;
 - `train`: one training pass (grpo's forward with the shared prompt and tiled head, then backward) over a batch of
   the end-to-end run's shape, against 6 x weights x tokens at the measured matmul rate;
 - `model`: builds and saves the end-to-end run's random model (bench/random_model.py).
@@ -170,24 +171,36 @@ def _decoder_inputs(vocab: int, rows: int, context: int):
 def decode(sizes: dict) -> None:
     from grpo import GRPOConfig
     from grpo.rollout.base import Prompt, group_requests
-    from grpo.rollout.fast import FastEngine
+    from grpo.rollout.fast import FastEngine, logits_processors, sample_from
+    from grpo.rollout.graphed import StaticDecode
     from grpo.rollout.lean_decoder import LeanDecoder
 
     model = random_model.make_model(sizes["shape"], str(DEVICE))
     measures = random_model.sizes_of(model)
     floor = Floors(sizes)
     tok = random_model.make_tokenizer(measures["vocab"])
-    steps, context = sizes["decode_steps"], sizes["context"]
+    steps, context, loop_tokens = sizes["decode_steps"], sizes["context"], sizes["loop_tokens"]
+    args = GRPOConfig(output_dir="/tmp/gpu-check-engine", max_completion_length=loop_tokens, temperature=1.0)
+    stop = torch.tensor([1], device=DEVICE)
     for rows in sizes["decode_rows"]:
         ids, mask, owner = _decoder_inputs(measures["vocab"], rows, context)
+        # the eager step (the CPU's shrinking-batch loop), before CUDA graphs
         dec = LeanDecoder(model, torch.bfloat16)
         dec.prefill(ids, mask, owner, max_new=4 * steps + 8)
         tokens = torch.randint(10, measures["vocab"], (rows,), device=DEVICE)
-        step_s = median_s(lambda dec=dec, tokens=tokens: dec.step(tokens), repeats=steps)
-        counts = counted(lambda dec=dec, tokens=tokens: dec.step(tokens), calls=3)
-        bound = floor.decode(measures, rows, context + 2 * steps)
-        # the whole loop: sampling, log-probs, finished-row checks and the syncs they make, per token
-        args = GRPOConfig(output_dir="/tmp/gpu-check-engine", max_completion_length=steps, temperature=1.0)
+        eager_s = median_s(lambda dec=dec, tokens=tokens: dec.step(tokens), repeats=steps)
+        eager_counts = counted(lambda dec=dec, tokens=tokens: dec.step(tokens), calls=3)
+        del dec
+        # the fixed-shape step with its sampling, replayed from a CUDA graph (on the CPU: run eagerly)
+        fixed = StaticDecode(
+            LeanDecoder(model, torch.bfloat16), logits_processors(args), stop, sample_from, False, CUDA
+        )
+        fixed.prefill(ids, mask, owner, torch.full((rows,), 128, device=DEVICE), 128)
+        step_s = median_s(fixed.advance, repeats=steps)  # the warm-up runs it, then captures it
+        counts = counted(fixed.advance, calls=3)
+        del fixed
+        bound = floor.decode(measures, rows, context + steps)
+        # the engine's whole loop per token: prefill, graph captures, row checks and the read-back included
         engine = FastEngine(model, tok, args, [1], compute_dtype=torch.bfloat16)
         prompts = [Prompt(tuple(row)) for row in ids[: max(rows // 8, 1)].tolist()]
         requests = group_requests([p for p in prompts for _ in range(rows // len(prompts))])
@@ -197,19 +210,24 @@ def decode(sizes: dict) -> None:
         rollout = engine.generate(requests)
         sync()
         loop_s = (time.perf_counter() - t0) / max(max(len(c) for c in rollout.completion_ids), 1)
+        loop_bound = floor.decode(measures, rows, context + loop_tokens // 2)
         emit(
             f"decode_{rows}_rows",
             rows=rows,
             context=context,
             step_ms=1e3 * step_s,
-            loop_ms_per_token=1e3 * loop_s,
             floor_ms=1e3 * bound,
             step_vs_floor=step_s / bound,
-            loop_vs_floor=loop_s / bound,
+            eager_step_ms=1e3 * eager_s,
+            eager_vs_floor=eager_s / bound,
+            loop_tokens=loop_tokens,
+            loop_ms_per_token=1e3 * loop_s,
+            loop_vs_floor=loop_s / loop_bound,
             loop_tokens_per_s=rows / loop_s,
             **counts,
+            **{f"eager_{k}": v for k, v in eager_counts.items()},
         )
-        del dec, engine
+        del engine
 
 
 class Floors:
@@ -244,10 +262,15 @@ def head(sizes: dict) -> None:
             lp, ent = chunked_logps_and_entropy(x, w, None, ids, 1.0)
         (lp.sum() + ent.sum()).backward()
 
-    default = logprobs.TILE_BYTES
-    for label, tile in (("default", default), ("512MiB", 512 * 2**20)):
-        logprobs.TILE_BYTES = tile
-        seconds = median_s(run, repeats=5)
+    # the CPU's cache-sized tile against the device's own (`logprobs.tile_bytes`)
+    sized = logprobs.tile_bytes
+    for label, tile in (("cpu", logprobs.TILE_BYTES), ("default", sized(DEVICE))):
+        logprobs.tile_bytes = lambda device, tile=tile: tile
+        try:
+            seconds = median_s(run, repeats=5)
+            counts = counted(run)
+        finally:
+            logprobs.tile_bytes = sized
         emit(
             f"head_{label}_tile",
             rows=n,
@@ -256,9 +279,8 @@ def head(sizes: dict) -> None:
             ms=1e3 * seconds,
             floor_ms=1e3 * floor,
             vs_floor=seconds / floor,
-            **counted(run),
+            **counts,
         )
-    logprobs.TILE_BYTES = default
 
 
 def train(sizes: dict) -> None:

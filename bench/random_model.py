@@ -1,7 +1,8 @@
 """Random-weight models of real shapes for the GPU check (scripts/gpu_check.sh): no hub, no download.
 
 `SHAPES["qwen2.5-0.5b"]` is Qwen2.5-0.5B's architecture (24 layers, hidden 896, 14 query and 2 key/value heads of
-64, MLP 4864, qkv biases, tied head, 151,936-entry vocabulary) with transformers' random initialisation; "tiny" is
+64, MLP 4864, qkv biases, tied head, 151,936-entry vocabulary) with transformers' random initialisation,
+`SHAPES["qwen2.5-1.5b"]` Qwen2.5-1.5B's (28 layers, hidden 1536, 12 and 2 heads, MLP 8960); "tiny" is
 the dry run's stand-in. The tokenizer is a character-level WordLevel one (ChatML template, <|im_end|> ending a
 turn) padded with filler tokens to the vocabulary's size, so the head is the real width. A random model's next
 token is close to uniform over the vocabulary, so it almost never samples EOS: every completion runs to the
@@ -21,6 +22,18 @@ SHAPES = {
         intermediate_size=4864,
         num_hidden_layers=24,
         num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
         num_key_value_heads=2,
         max_position_embeddings=32768,
         rope_theta=1000000.0,

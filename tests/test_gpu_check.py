@@ -35,7 +35,7 @@ def test_the_dry_run_goes_through_every_phase_and_writes_its_results(tmp_path):
     names = {r.get("name") for r in records}
     for name in ("packages", "device", "ceilings", "sdpa_decode", "sdpa_prefill", "decode_2_rows", "decode_8_rows"):
         assert name in names
-    assert {"head_default_tile", "head_512MiB_tile", "train_pass", "model", "equivalence"} <= names
+    assert {"head_default_tile", "head_cpu_tile", "train_pass", "model", "equivalence"} <= names
     equivalence = next(r for r in records if r.get("name") == "equivalence")
     assert equivalence["passed"] >= 1 and not equivalence.get("failed") and not equivalence["failures"]
     decode = next(r for r in records if r.get("name") == "decode_8_rows")

@@ -148,6 +148,29 @@ def test_chunked_logps_in_float32_with_the_default_tiles_match_full_logits():
         torch.testing.assert_close(a, r, rtol=tolerance["rtol"], atol=tolerance["atol"] * r.abs().max().item())
 
 
+def test_tiles_are_sized_for_the_device(monkeypatch):
+    """A CPU keeps its cache-sized tile (the numbers of the pinned trajectory); a GPU's tile is GPU_TILE_BYTES, or
+    1/64 of a smaller device's memory. Tiles of either size give the same log-probs, entropies and gradients."""
+    from grpo import logprobs
+
+    assert logprobs.tile_bytes(torch.device("cpu")) == logprobs.TILE_BYTES == 8 * 2**20
+    for total, expected in ((141 * 2**30, logprobs.GPU_TILE_BYTES), (16 * 2**30, 2**28)):
+        props = type("Props", (), {"total_memory": total})
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
+        assert logprobs.tile_bytes(torch.device("cuda")) == expected
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 64, requires_grad=True)
+    weight = (torch.randn(3000, 64) / 8).requires_grad_()
+    ids = torch.randint(0, 3000, (300,))
+    results = []
+    for tile in (logprobs.TILE_BYTES // 64, logprobs.GPU_TILE_BYTES):  # 12 blocks of 256 columns; one block
+        monkeypatch.setattr(logprobs, "tile_bytes", lambda device, tile=tile: tile)
+        lp, ent = chunked_logps_and_entropy(hidden, weight, None, ids, 0.9, entropy_grad=True)
+        results.append((lp, ent, *torch.autograd.grad((lp + ent).sum(), (hidden, weight))))
+    for small, large in zip(*results):
+        torch.testing.assert_close(small, large, rtol=1e-5, atol=1e-5)
+
+
 @on_device.mark
 def test_chunked_logps_in_bfloat16_are_within_the_stated_tolerance():
     """Under bfloat16 autocast the projection runs in bfloat16 like the model's head; log-probs agree with the

@@ -245,7 +245,7 @@ def test_spare_slots_copy_a_real_row():
         LeanDecoder(model, torch.float32), logits_processors(args), torch.tensor(stop), sample_from, False, False
     )
     ids = torch.tensor([requests[0].prompt.ids])
-    decode._prefill(ids, torch.ones_like(ids), torch.zeros(3, dtype=torch.long), torch.full((3,), 5), 5)
+    decode.prefill(ids, torch.ones_like(ids), torch.zeros(3, dtype=torch.long), torch.full((3,), 5), 5)
     assert len(decode.row) == 4 and decode.row.tolist() == [0, 1, 2, 3]
     assert decode.going.tolist() == [True, True, True, False]
     assert torch.isfinite(decode.logits).all()

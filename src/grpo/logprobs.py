@@ -141,6 +141,18 @@ def _spans(n: int, size: int) -> list[slice]:
 # (the tile's temporaries stay in cache better), and the pass holds ~0.15 GB less at 8 MiB than at 32.
 CHUNK_ROWS = 4096
 TILE_BYTES = 8 * 2**20
+# On a GPU a tile's operators are kernel launches: at 8 MiB a 152k vocabulary takes ~300 blocks of ~45 launches each
+# per 4,096 tokens, far more time than their arithmetic. A GPU's tile is large (a few blocks per vocabulary), and at
+# most 1/64 of the device's memory (its temporaries hold a few times the tile).
+GPU_TILE_BYTES = 512 * 2**20
+
+
+def tile_bytes(device: torch.device) -> int:
+    """The float32 bytes of one tile's logits on `device`: `TILE_BYTES` on a CPU (cache-sized), up to
+    `GPU_TILE_BYTES` on a GPU."""
+    if device.type != "cuda":
+        return TILE_BYTES
+    return min(GPU_TILE_BYTES, torch.cuda.get_device_properties(device).total_memory // 64)
 
 
 def chunked_logps_and_entropy(
@@ -157,7 +169,8 @@ def chunked_logps_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token log-probs (and entropies) of `ids` from the hidden states the output head would project, without
     ever holding the (B, T, V) logits: tiles of `chunk_rows` tokens by `block` vocabulary entries (default: a
-    8 MiB float32 tile; each block of the weight is cast to the compute dtype when its tile runs).
+    float32 tile of `tile_bytes(device)`; each block of the weight is cast to the compute dtype when its tile
+    runs).
 
     Same values as projecting everything and calling `logps_and_entropy`, with one difference in bfloat16: the
     logits are divided by the temperature after the cast to float32 (as the sampler does), not before. Under
@@ -169,7 +182,7 @@ def chunked_logps_and_entropy(
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows = min(chunk_rows, max(flat.shape[0], 1))
-    block = block or max(256, TILE_BYTES // (4 * rows))
+    block = block or max(256, tile_bytes(hidden.device) // (4 * rows))
     with torch.autocast(device, enabled=False):
         lp, ent = _HeadLogps.apply(
             flat, weight, bias, ids.reshape(-1), temperature, with_entropy, entropy_grad, dtype, rows, block

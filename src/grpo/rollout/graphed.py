@@ -63,7 +63,7 @@ class StaticDecode:
         self.graphs = graphs
         self.stop_ids = stop_ids
         self.graph: Any = None  # the captured step of the current segment
-        self.warm = False  # a step of the current segment ran eagerly (CUDA graphs capture after one)
+        self.warm = False  # a step ran eagerly (CUDA graphs capture after one)
         self.step_fn: Callable[[], None] = self._step  # what runs a step eagerly (the tests compile it)
 
     @torch.no_grad()
@@ -80,7 +80,7 @@ class StaticDecode:
         """Sample up to `budgets[row]` tokens for each row (`owner[row]`: its prompt among the left-padded `ids`);
         returns the tokens and log-probs (rows, longest) and each row's length. `sample`: draw uniform numbers
         (a custom `draw` that ignores them, such as greedy decoding, leaves the generator alone)."""
-        self._prefill(ids, mask, owner, budgets, longest)
+        self.prefill(ids, mask, owner, budgets, longest)
         n, device = len(owner), ids.device
         done = 0
         while done < longest:
@@ -91,7 +91,7 @@ class StaticDecode:
             if self.prompt + done + steps > width:
                 self._grow(min(self.prompt + longest, max(self.prompt + done + steps, width + GROW)))
             for _ in range(steps):
-                self._advance()
+                self.advance()
             done += steps
             sigterm.check()  # SIGTERM ends a long rollout within CHECK_EVERY tokens
             if done >= longest:
@@ -103,9 +103,10 @@ class StaticDecode:
                 self._compact(live)
         return self.tokens[:n], self.logps[:n], self.lengths[:n]
 
-    def _prefill(
+    def prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor, budgets: torch.Tensor, longest: int
     ) -> None:
+        """The prompts' pass, and every buffer of the loop laid out for `bucket(rows)` slots."""
         dec = self.decoder
         dec._unpack()  # the plain linears: weights cast once for the rollout
         logits = dec.prompt_pass(ids, mask, ids.shape[1])
@@ -137,9 +138,9 @@ class StaticDecode:
         )
         self._grow(self.prompt + min(longest, GROW))
 
-    def _advance(self) -> None:
-        """One decode step: the captured graph's replay, or an eager step (capturing the segment's graph after
-        one on CUDA)."""
+    def advance(self) -> None:
+        """One decode step: the segment's captured graph replayed, or (on CUDA) captured first, or an eager step
+        (on CUDA: the run's first step, a warm-up on a side stream before any capture)."""
         if self.graph is not None:
             self.graph.replay()
         elif self.graphs and self.warm:
@@ -158,7 +159,7 @@ class StaticDecode:
             self.step_fn()
 
     def _new_segment(self) -> None:
-        self.graph, self.warm = None, False  # buffers moved: the next step is captured again
+        self.graph = None  # buffers moved: the next step is captured again
 
     def _step(self) -> None:
         """Sample each row's token from the logits, record it, feed it: in place on the buffers, no host sync."""
