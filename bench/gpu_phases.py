@@ -3,8 +3,9 @@
 Each prints its results as `GPU_RESULT {json}` lines (bench/gpu_check.py collects them):
 - `versions`: the GPU, the packages, which scaled_dot_product_attention backends are on, native bfloat16;
 - `ceilings`: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate on random data;
-- `sdpa`: which attention kernels accept the lean decoder's call (bfloat16, boolean mask, grouped key/value heads)
-  at a decode step and at a prefill: "No available kernel" for the efficient kernel means the math fallback;
+- `sdpa`: which attention kernels accept the eager lean step's call (bfloat16, boolean mask, grouped key/value
+  heads) and a prefill's, with grouped heads and repeated (the lean prompt pass on CUDA, transformers' training
+  forward): "No available kernel" for the efficient kernel means the math fallback;
 - `decode`: at several row counts (context ~ a prompt plus half a completion), against the step's floor, with
   kernel launches and host syncs per step: the fixed-shape step with its sampling (`grpo.rollout.graphed`, replayed
   from a CUDA graph), the eager lean step it replaces, and the fast engine's whole loop per token (prefill,
@@ -139,21 +140,26 @@ def sdpa(sizes: dict) -> None:
     heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
     d = shape["hidden_size"] // heads
     rows, context = sizes["decode_rows"][-1], sizes["context"]
+    causal = torch.ones(context, context, dtype=torch.bool, device=DEVICE).tril()
+    # (rows, queries, keys, mask, key/value heads): the fixed-shape decode step reads grouped heads with its own
+    # two products, so its case is the eager lean step's; the lean prompt pass on CUDA and transformers' training
+    # forward repeat the key/value heads before a masked call
     cases = {
-        "decode": (rows, 1, context, torch.ones(rows, 1, 1, context, dtype=torch.bool, device=DEVICE)),
-        "prefill": (8, context, context, torch.ones(context, context, dtype=torch.bool, device=DEVICE).tril()),
+        "decode": (rows, 1, context, torch.ones(rows, 1, 1, context, dtype=torch.bool, device=DEVICE), kv_heads),
+        "prefill": (8, context, context, causal, kv_heads),
+        "prefill_repeated": (8, context, context, causal, heads),
     }
     backends = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
     backends["math"] = "MATH"
-    for case, (b, t, keys, mask) in cases.items():
+    for case, (b, t, keys, mask, kv) in cases.items():
         q = torch.randn(b, heads, t, d, dtype=torch.bfloat16, device=DEVICE)
-        k, v = (torch.randn(b, kv_heads, keys, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+        k, v = (torch.randn(b, kv, keys, d, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
         mask = mask.expand(b, 1, t, keys)
         accepted = {}
         for short, name in backends.items():
             try:
                 with sdpa_kernel([getattr(SDPBackend, name)]):
-                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv != heads)
                 sync()
                 accepted[short] = True
             except (RuntimeError, AttributeError) as err:

@@ -15,12 +15,15 @@ still going into a smaller batch when they fit one (row counts are powers of two
 never held twice. Rows that finished in between keep their slots until then, their tokens not counted.
 
 On CUDA each (rows, width) segment's step is captured once as a CUDA graph (`torch.cuda.CUDAGraph`, after one
-warm-up step on a side stream) and replayed: one launch a step. Elsewhere the same step runs eagerly; the tests
+warm-up step on a side stream) and replayed: one launch a step. Graphs live for one rollout (the buffers they
+read do), so a rollout captures one graph per segment: a few, since widths grow by GROW columns and row counts
+halve. Elsewhere the same step runs eagerly; the tests
 compile it with `fullgraph=True` to show that nothing in it waits for the host.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +32,8 @@ import torch.nn.functional as F  # noqa: N812
 
 from grpo import sigterm
 from grpo.rollout.lean_decoder import GROW, LeanDecoder, _rope
+
+logger = logging.getLogger("grpo")
 
 CHECK_EVERY = 16  # decode steps between the host's looks at the rows (and between draws of uniform numbers)
 
@@ -144,19 +149,43 @@ class StaticDecode:
         if self.graph is not None:
             self.graph.replay()
         elif self.graphs and self.warm:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._step()
-            self.graph.replay()  # capturing recorded the step without running it
+            self._capture()
+            if self.graph is not None:
+                self.graph.replay()  # capturing recorded the step without running it
+            else:
+                self.step_fn()
         elif self.graphs:  # warm-up on a side stream, as CUDA graph capture wants
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
+            current, side = torch.cuda.current_stream(), torch.cuda.Stream()
+            side.wait_stream(current)
             with torch.cuda.stream(side):
-                self._step()
-            torch.cuda.current_stream().wait_stream(side)
+                self.step_fn()
+            current.wait_stream(side)
             self.warm = True
         else:
             self.step_fn()
+
+    def _capture(self) -> None:
+        """Record the step as the segment's CUDA graph (nothing runs). Not `torch.cuda.graph()`: it synchronizes
+        the device, collects Python's garbage and empties the allocator's cache before every capture (vLLM skips
+        those too). Thread-local: in an asynchronous run the learner's thread uses the device meanwhile. A step
+        that cannot be captured runs eagerly from then on, with one warning."""
+        graph = torch.cuda.CUDAGraph()
+        current, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._step()
+                finally:
+                    graph.capture_end()
+        except RuntimeError as err:
+            logger.warning("Decoding without CUDA graphs: the decode step could not be captured (%s).", err)
+            self.graphs = False
+            return
+        finally:
+            current.wait_stream(side)
+        self.graph = graph
 
     def _new_segment(self) -> None:
         self.graph = None  # buffers moved: the next step is captured again

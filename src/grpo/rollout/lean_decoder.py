@@ -325,8 +325,13 @@ class LeanDecoder:
             if t == 1 and attend.dtype == torch.float32:  # (bfloat16 keeps the kernel's float32 softmax)
                 out = _decode_attention(q, keys, values, attend, self.scale)
             else:
+                if not decode and keys.is_cuda and self.kv_heads != self.heads:
+                    # a mask rules the flash kernel out; the memory-efficient one takes a mask but, in some torch
+                    # builds, not grouped heads (the math kernel would hold every (query, key) score): the prompt
+                    # pass repeats them, as transformers' training forward does
+                    keys, values = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (keys, values))
                 out = F.scaled_dot_product_attention(
-                    q, keys, values, attn_mask=attend, scale=self.scale, enable_gqa=self.kv_heads != self.heads
+                    q, keys, values, attn_mask=attend, scale=self.scale, enable_gqa=keys.shape[1] != self.heads
                 )
             x = x + layer["o"](out.transpose(1, 2).reshape(b, t, q_size))
             gate, up = layer["gate_up"](layer["norm2"](x)).split(layer["intermediate"], dim=-1)
