@@ -65,12 +65,12 @@ clean:
 SEED ?= 0
 ASYNC ?=
 demo: $(DEMO_STAMP)
-	$(PY) -m grpo.demo --seed $(SEED) --output runs/demo$(if $(filter 1,$(ASYNC)), --set async_generation=true)
+	$(PY) -m grpo.apps.demo --seed $(SEED) --output runs/demo$(if $(filter 1,$(ASYNC)), --set async_generation=true)
 
 # Agent training: the bundled model learns to answer multiplications by calling a `multiply` tool; results in
 # runs/demo-agent.
 demo-agent: $(DEMO_STAMP)
-	$(PY) -m grpo.demo_agent --seed $(SEED) --output runs/demo-agent
+	$(PY) -m grpo.apps.demo_agent --seed $(SEED) --output runs/demo-agent
 
 # grpo against TRL 1.16 on the same workload, each in a fresh process (TRL installed only here).
 bench: $(STAMP)

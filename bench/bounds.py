@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from grpo.modeling import fast_bf16_available
+from grpo.models.modeling import fast_bf16_available
 
 
 def precisions() -> tuple[str, ...]:

@@ -10,7 +10,7 @@ Each prints its results as `GPU_RESULT {json}` lines (bench/gpu_check.py collect
   kernel launches and host syncs per step: the fixed-shape step with its sampling (`grpo.rollout.graphed`, replayed
   from a CUDA graph), the eager lean step it replaces, and the fast engine's whole loop per token (prefill,
   captures, row checks and read-back included) over `loop_tokens`-token completions;
-- `head`: the tiled output head (`grpo.logprobs`), forward and backward, at the device's tile and the CPU's;
+- `head`: the tiled output head (`grpo.algo.logprobs`), forward and backward, at the device's tile and the CPU's;
 - `train`: one training pass (grpo's forward with the shared prompt and tiled head, then backward) over a batch of
   the end-to-end run's shape, against 6 x weights x tokens at the measured matmul rate;
 - `model`: builds and saves the end-to-end run's random model (bench/random_model.py).
@@ -95,7 +95,7 @@ def versions(sizes: dict) -> None:
         except md.PackageNotFoundError:
             packages[name] = None
     emit("packages", python=sys.version.split()[0], **packages)
-    from grpo.modeling import fast_bf16_available
+    from grpo.models.modeling import fast_bf16_available
 
     info = {"device": str(DEVICE), "bf16_native": fast_bf16_available(DEVICE)}
     if CUDA:
@@ -252,8 +252,8 @@ class Floors:
 
 
 def head(sizes: dict) -> None:
-    from grpo import logprobs
-    from grpo.logprobs import chunked_logps_and_entropy
+    from grpo.algo import logprobs
+    from grpo.algo.logprobs import chunked_logps_and_entropy
 
     shape = random_model.SHAPES[sizes["shape"]]
     n, hidden, vocab = sizes["head_rows"], shape["hidden_size"], shape["vocab_size"]
@@ -290,8 +290,8 @@ def head(sizes: dict) -> None:
 
 
 def train(sizes: dict) -> None:
-    from grpo.batch import collate
-    from grpo.forward import token_logps
+    from grpo.learner.batch import collate
+    from grpo.learner.forward import token_logps
     from grpo.rollout.base import Rollout
 
     model = random_model.make_model(sizes["shape"], str(DEVICE)).train()

@@ -10,9 +10,9 @@ import sys
 from workload import WORKLOAD, TokenCounter, dataset, decode_weights, peak_memory, report, timed
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.bundled import bundled_model_path
-from grpo.data import tokenize_prompts
-from grpo.modeling import cpu_isa
+from grpo.data.prompts import tokenize_prompts
+from grpo.models.bundled import bundled_model_path
+from grpo.models.modeling import cpu_isa
 
 
 class StepCounter(TokenCounter):

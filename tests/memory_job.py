@@ -15,8 +15,8 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo.batch import collate
-from grpo.forward import token_logps
+from grpo.learner.batch import collate
+from grpo.learner.forward import token_logps
 from grpo.rollout import Rollout
 
 

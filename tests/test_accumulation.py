@@ -73,8 +73,8 @@ def test_loss_statistics_are_reduced_in_one_collective():
     """Every loss statistic of a micro-step in one gather (not one all-reduce or gather and one host sync each):
     the global masked mean (sums over counts), the min of mins and the max of maxes, NaN (a process without
     values) left out; hand-computed."""
+    from grpo.algo.losses import Stat
     from grpo.distributed.collectives import reduce_stats
-    from grpo.losses import Stat
 
     stats = {
         "kl": Stat("mean", torch.tensor([3.0, 2.0])),

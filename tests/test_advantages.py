@@ -1,4 +1,4 @@
-"""Tests for grpo.advantages against the shared spec §3 (advantages) and §8 (reward metrics).
+"""Tests for grpo.algo.advantages against the shared spec §3 (advantages) and §8 (reward metrics).
 
 Rows k*G .. k*G+G-1 form one prompt's group; NaN in rewards_per_func means the function returned None.
 A = (R - group mean) / (std + 1e-4); std is Bessel-corrected (n - 1) and NaN with fewer than 2 valid values.
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from grpo.advantages import compute_advantages, nanstd
+from grpo.algo.advantages import compute_advantages, nanstd
 
 NAN = float("nan")
 EPS = 1e-4

@@ -14,8 +14,8 @@ from datasets import Dataset
 from field_effects import BASE
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
-from grpo.batch import collate
-from grpo.losses import policy_loss
+from grpo.algo.losses import policy_loss
+from grpo.learner.batch import collate
 from scripted import TurnScript
 from tiny import make_model, make_tokenizer
 
@@ -514,7 +514,7 @@ def test_an_environment_whose_reset_raises_or_whose_tool_clashes_is_named(tmp_pa
 def test_rollouts_of_one_row_with_different_resets_are_not_prefix_shared(tmp_path):
     """An environment's reset may give each of a prompt's G rollouts its own prompt: the training pass must not
     share one prompt's tokens among them."""
-    from grpo.groups import Scored
+    from grpo.rounds.groups import Scored
 
     class Numbered(Counter):
         handed = 0
@@ -526,7 +526,7 @@ def test_rollouts_of_one_row_with_different_resets_are_not_prefix_shared(tmp_pat
     trainer = make_trainer(tmp_path, lambda t, turn, j: "done", tools=(), environment_factory=Numbered)
     generated = trainer._generate(GROUPS)
     scored = Scored(GROUPS, generated.prompts, generated.rollout, torch.zeros(8, 1))
-    from grpo.data import prompt_groups
+    from grpo.data.prompts import prompt_groups
 
     groups = prompt_groups(scored.rows, scored.rollout.prompt_ids, by_tokens=True)
     assert len(set(map(tuple, generated.rollout.prompt_ids))) == 8 and len(set(groups.tolist())) == 8

@@ -1,7 +1,7 @@
-"""Asynchronous generation (`grpo.asynchronous`): the producer thread samples round q from the learner's policy of
-round q - max_staleness, so a run does not depend on timing; the behaviour policy's log-probs are the old_logps;
-a resume is bit-identical whenever the run was killed (SIGKILL or SIGTERM, at random moments); a producer that
-fails or stalls stops training with one error; every trainer feature runs async."""
+"""Asynchronous generation (`grpo.rounds.asynchronous`): the producer thread samples round q from the learner's policy
+of round q - max_staleness, so a run does not depend on timing; the behaviour policy's log-probs are the old_logps; a
+resume is bit-identical whenever the run was killed (SIGKILL or SIGTERM, at random moments); a producer that fails or
+stalls stops training with one error; every trainer feature runs async."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError
 from grpo.config.grpo_fields import LOSS_TYPES
-from grpo.optimization import TrainingError
+from grpo.learner.optimization import TrainingError
 from test_trainer import cfg, chat_dataset, length_reward, params
 
 JOB = os.path.join(os.path.dirname(__file__), "async_job.py")
@@ -447,7 +447,7 @@ def test_torch_compile_trains_async_with_a_compiled_snapshot_and_reproducibly(tm
 def test_what_async_does_not_do_yet_is_refused_by_name(tmp_path):
     from types import SimpleNamespace
 
-    from grpo.asynchronous import refuse
+    from grpo.rounds.asynchronous import refuse
 
     def trainer(processes, **kw):
         args = cfg(tmp_path, async_generation=True, **kw)

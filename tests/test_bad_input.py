@@ -12,7 +12,7 @@ import torch
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.modeling import ModelLoadError
+from grpo.models.modeling import ModelLoadError
 from grpo.rewards.calling import RewardFunctionError
 from grpo.trainer import TrainingError
 from test_trainer import cfg, chat_dataset, length_reward

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from grpo.modeling import fast_bf16_available
+from grpo.models.modeling import fast_bf16_available
 
 _spec = importlib.util.spec_from_file_location(
     "bench_bounds", os.path.join(os.path.dirname(__file__), "..", "bench", "bounds.py")
@@ -69,7 +69,7 @@ def test_the_machine_bounds_are_the_best_of_their_samples(monkeypatch):
     ],
 )
 def test_bf16_is_fast_on_cpus_with_bf16_units_and_bench_runs_float32_rows_elsewhere(monkeypatch, flags, cap, fast):
-    from grpo import modeling
+    from grpo.models import modeling
 
     monkeypatch.setattr(modeling, "cpu_flags", lambda: flags)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
@@ -78,7 +78,7 @@ def test_bf16_is_fast_on_cpus_with_bf16_units_and_bench_runs_float32_rows_elsewh
 
 
 def test_this_machines_cpu_flags_are_read_from_proc_cpuinfo():
-    from grpo.modeling import cpu_flags
+    from grpo.models.modeling import cpu_flags
 
     if not os.path.exists("/proc/cpuinfo"):
         assert cpu_flags() == set()

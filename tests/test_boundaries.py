@@ -1,9 +1,9 @@
 """The architecture's rules, checked on the source with `ast` (style guide: dependencies point one way):
 - the math modules (losses, advantages, log-probs) import torch and the standard library only;
-- `peft` is imported in `grpo/lora.py` only; `vllm` only in the vLLM engine and server modules;
-- experiment trackers are imported in `grpo/metrics.py` only;
+- `peft` is imported in `grpo/models/lora.py` only; `vllm` only in the vLLM engine and server modules;
+- experiment trackers are imported in `grpo/observe/metrics.py` only;
 - nothing imports `grpo.*` inside a function (function-level imports are for optional dependencies);
-- grpo sets no environment variable of its own making: `os.environ` is written only by `grpo/process_env.py`.
+- grpo sets no environment variable of its own making: `os.environ` is written only by `grpo/base/process_env.py`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "grpo"
-MATH = ("losses.py", "advantages.py", "logprobs.py")
-VLLM_MODULES = ("rollout/vllm.py", "server.py")
+MATH = ("algo/losses.py", "algo/advantages.py", "algo/logprobs.py")
+VLLM_MODULES = ("rollout/vllm.py", "serve/server.py")
 TRACKERS = {
     "wandb",
     "tensorboard",
@@ -59,7 +59,8 @@ def imports(path: Path) -> list[tuple[str, bool]]:
 
 def test_the_rules_see_every_module():
     names = [name(p) for p in modules()]
-    assert set(MATH) <= set(names) and "trainer.py" in names and "lora.py" in names and "metrics.py" in names
+    assert set(MATH) <= set(names) and "trainer.py" in names
+    assert "models/lora.py" in names and "observe/metrics.py" in names and "base/process_env.py" in names
 
 
 @pytest.mark.parametrize("module", MATH)
@@ -73,11 +74,11 @@ def test_optional_heavy_dependencies_stay_in_their_modules():
     for path in modules():
         tops = {m.split(".")[0] for m, _ in imports(path)}
         if "peft" in tops:
-            assert name(path) == "lora.py", f"{name(path)} imports peft"
+            assert name(path) == "models/lora.py", f"{name(path)} imports peft"
         if "vllm" in tops:
             assert name(path) in VLLM_MODULES, f"{name(path)} imports vllm"
         if tops & TRACKERS:
-            assert name(path) == "metrics.py", f"{name(path)} imports {tops & TRACKERS}"
+            assert name(path) == "observe/metrics.py", f"{name(path)} imports {tops & TRACKERS}"
 
 
 def test_no_function_level_imports_of_grpo():
@@ -116,26 +117,43 @@ def test_only_process_env_writes_the_environment():
                 yield node.lineno
 
     found = [(name(p), line) for p in modules() for line in writes(ast.parse(p.read_text()))]
-    assert {module for module, _ in found} <= {"process_env.py"}, found
+    assert {module for module, _ in found} <= {"base/process_env.py"}, found
     assert found, "the rule checks nothing: process_env.py should write os.environ"
 
 
 # ---- grpo's own layers ----------------------------------------------------------------------------------------
-# A unit is a folder of grpo (rollout/, agent/, ...) or a module at its top level (trainer.py -> "trainer").
-# Lower layers never import higher ones, and the units' imports have no cycle: an engine, a tool or a reward
-# function's caller can be read, tested and replaced without the trainer, its checkpoints or its SIGTERM handling.
+# A unit is a package of grpo (rollout/, agent/, ...) or a module at its top level (trainer.py -> "trainer"); the
+# packages are the layers, and every unit is placed here. Lower layers never import higher ones, and the units'
+# imports have no cycle: an engine, a tool or a reward function's caller can be read, tested and replaced without
+# the trainer, its checkpoints or its SIGTERM handling.
 LAYERS = [
-    # the bottom: nothing of grpo below them
-    {"sigterm", "secrets", "process_env", "losses", "advantages", "logprobs", "background"},
+    {"base"},  # the leaves: SIGTERM, secrets, the environment set for dependencies, background threads, seeds
+    {"config"},  # GRPOConfig and the TRL field tables
+    {"algo"},  # the math: losses, advantages, log-probs, the sampling correction (pure functions of tensors)
     {"distributed"},  # collectives, sharding, ZeRO, the accelerator's teardown
+    {"models"},  # loading and preparing the policy, LoRA, the float32 head, image prompts
     {"perf"},  # speed and memory patches (they look at distributed's wrappers)
     {"rollout"},  # generation engines
-    {"agent", "rewards"},  # the tool loop above the engines; reward functions and models
-    {"report"},  # the run report (reads run files only)
-    {"checkpoint"},  # saving and loading a run (above everything it saves)
-    # the loop's orchestration; the Hub (pushes what the trainer saved, writes the model card from the trainer)
-    {"asynchronous", "async_trainer", "evaluation", "hub", "preemption", "ref_sync", "trainer"},
+    {"data"},  # datasets into prompts
+    {"agent", "rewards", "serve"},  # the tool loop above the engines; reward functions; the vLLM server
+    {"observe"},  # metrics, console, diagnostics, callbacks, the run directory and its report
+    {"checkpoint"},  # saving and loading a run (above everything it saves); in-flight rounds; the Hub
+    {"learner"},  # the training batch and pass, the micro-step loop, the optimizer, the accelerator
+    {"rounds"},  # generation rounds: produced, grouped and scored, asynchronous; evaluation; preemption
+    {"trainer", "async_trainer", "trl_surface"},  # the public trainers
+    {"cli", "train_cli", "apps"},  # the command line and the demos
 ]
+
+
+def test_every_unit_is_placed_in_a_layer():
+    units = {unit(p) for p in modules()} - {"__init__", "__main__"}
+    assert units == set().union(*LAYERS), units ^ set().union(*LAYERS)
+
+
+def test_few_modules_at_the_top():
+    """The top of grpo holds its public faces (the trainers, the command line); everything else is in a package."""
+    top = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(top) <= 10, top
 
 
 def unit(path: Path) -> str:
@@ -240,3 +258,19 @@ def test_no_test_folder_shadows_a_package():
     packages |= {"tokenizers", "safetensors", "rich", "grpo", "tiny", "scripted"}
     folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
     assert not folders & packages
+
+
+def test_the_readme_layout_table_matches_the_tree():
+    """Every package and top-level module of grpo has a row in the README's layout table, each row names only
+    what exists, and the rows follow the layers from the bottom up."""
+    readme = (SRC.parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Layout") :].split("\n\n")[2]
+    rows = [line.split("|")[1] for line in table.splitlines()[2:]]
+    listed = [name.strip("`/") for row in rows for name in row.replace(",", " ").split()]
+    on_disk = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    on_disk |= {p.name.removesuffix(".py") for p in SRC.glob("*.py")} - {"__init__", "__main__"}
+    units = [name.removesuffix(".py") for name in listed]
+    assert set(units) == on_disk, set(units) ^ on_disk
+    level = {u: i for i, layer in enumerate(LAYERS) for u in layer}
+    order = [level[u] for u in units]
+    assert order == sorted(order), list(zip(units, order))

@@ -1,4 +1,4 @@
-"""Tests for grpo.bundled: GGUF -> Hugging Face conversion and its cache."""
+"""Tests for grpo.models.bundled: GGUF -> Hugging Face conversion and its cache."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo import bundled
-from grpo.bundled import BUNDLED_MODEL_NAME, BundledModelUnavailable, bundled_model_path
+from grpo.models import bundled
+from grpo.models.bundled import BUNDLED_MODEL_NAME, BundledModelUnavailable, bundled_model_path
 
 PROMPT = [{"role": "user", "content": "Compute 3+4. Reply with only the final number."}]
 

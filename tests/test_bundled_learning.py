@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from grpo import demo
-from grpo.bundled import BundledModelUnavailable, bundled_model_path
+from grpo.apps import demo
+from grpo.models.bundled import BundledModelUnavailable, bundled_model_path
 
 
 @pytest.mark.slow

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError, strategy
-from grpo.data import generation_prompt_indices
-from grpo.loop import epoch_start
+from grpo.data.prompts import generation_prompt_indices
+from grpo.learner.loop import epoch_start
 from test_trainer import cfg, chat_dataset, length_reward
 
 

@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from grpo import GRPOConfig, cli
-from grpo.report import charts
+from grpo.observe.report import charts
 from grpo.rewards.models import RewardModel
 from test_report import charts_in, full_history, write_run
 from tiny import make_tokenizer

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from grpo import demo
-from grpo.data import tokenize_prompts
+from grpo.apps import demo
+from grpo.data.prompts import tokenize_prompts
 from grpo.rollout import packed, panels
 from tiny import make_model, make_tokenizer
 

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from grpo import demo_agent
 from grpo.agent import CHATML_TOOLS
-from grpo.bundled import BundledModelUnavailable, bundled_model_path
+from grpo.apps import demo_agent
+from grpo.models.bundled import BundledModelUnavailable, bundled_model_path
 from tiny import make_model, make_tokenizer
 
 

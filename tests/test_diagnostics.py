@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from grpo import GRPOConfig, GRPOTrainer, diagnostics
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.observe import diagnostics
 from test_trainer import cfg, chat_dataset
 
 ARGS = GRPOConfig(output_dir="/tmp/unused-diagnostics")

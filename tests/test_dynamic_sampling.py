@@ -12,7 +12,7 @@ from datasets import Dataset
 
 from grpo import GRPOTrainer
 from grpo.distributed.collectives import local_rows
-from grpo.groups import groups_with_spread, rows_of_groups
+from grpo.rounds.groups import groups_with_spread, rows_of_groups
 from test_trainer import cfg, params, text_of
 
 

@@ -10,9 +10,9 @@ import torch
 
 import on_device
 from grpo import GRPOConfig
-from grpo.batch import collate
-from grpo.data import end_of_turn_ids, tokenize_prompts
-from grpo.forward import token_logps
+from grpo.data.prompts import end_of_turn_ids, tokenize_prompts
+from grpo.learner.batch import collate
+from grpo.learner.forward import token_logps
 from grpo.rollout import fast
 from grpo.rollout.fast import FastEngine, low_precision_linears, sample_from
 from grpo.rollout.plain import TransformersEngine

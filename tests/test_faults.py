@@ -18,9 +18,9 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.checkpoint import CheckpointError, CheckpointWriteError
-from grpo.modeling import ModelLoadError
+from grpo.models.modeling import ModelLoadError
+from grpo.observe.run_dir import OutputDirError, RunDirectoryBusy, RunLock
 from grpo.rewards.calling import RewardFunctionError
-from grpo.run_dir import OutputDirError, RunDirectoryBusy, RunLock
 from scripted import ScriptedEngine
 from test_trainer import cfg, chat_dataset, length_reward
 from tiny import make_model, make_tokenizer
@@ -102,7 +102,9 @@ def test_a_second_run_in_the_same_output_dir_is_refused(tiny_model_dir, tmp_path
 def test_a_lock_left_by_a_killed_run_is_not_in_the_way(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    code = f"from grpo.run_dir import RunLock; RunLock({str(out)!r}).acquire(); print('HELD', flush=True); input()"
+    code = (
+        f"from grpo.observe.run_dir import RunLock; RunLock({str(out)!r}).acquire(); print('HELD', flush=True); input()"
+    )
     holder = subprocess.Popen(
         [sys.executable, "-c", code],
         stdout=subprocess.PIPE,
@@ -341,7 +343,7 @@ def test_dataset_problems_are_named_at_construction(tiny_model_dir, tmp_path, da
 
 
 def test_a_tool_calling_turn_without_content_is_a_valid_prompt_message():
-    from grpo.data import check_dataset
+    from grpo.data.prompts import check_dataset
 
     call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
     check_dataset(rows(r0={"prompt": [{"role": "user", "content": "hi"}, call, {"role": "tool", "content": "1"}]}))
@@ -391,7 +393,7 @@ def test_a_missing_hub_id_fails_fast_and_says_so(tmp_path):
     """Offline (HF_HUB_OFFLINE unset, no network here): one clear error in seconds, without the hub client's
     retries (transformers' adapter lookup ignored local_files_only: 23 s of retried requests)."""
     code = (
-        "import time; from grpo.modeling import load_causal_lm\nstart = time.monotonic()\n"
+        "import time; from grpo.models.modeling import load_causal_lm\nstart = time.monotonic()\n"
         "try:\n    load_causal_lm('no-such-org/no-such-model', None, False)\nexcept OSError as err:\n"
         "    print(type(err).__name__, err)\nprint('SECONDS', time.monotonic() - start)"
     )
@@ -465,11 +467,11 @@ def test_sigterm_ends_a_long_generation_at_the_next_token(which):
     makes either engine raise `Preempted` at the next token, not at the end of a 4000-token rollout."""
     import signal
 
-    from grpo.data import end_of_turn_ids, make_prompt
-    from grpo.preemption import Preempted, preemption_guard
+    from grpo.data.prompts import end_of_turn_ids, make_prompt
     from grpo.rollout import Request
     from grpo.rollout.fast import FastEngine
     from grpo.rollout.plain import TransformersEngine
+    from grpo.rounds.preemption import Preempted, preemption_guard
 
     tok = make_tokenizer()
     model = make_model(tok).eval()

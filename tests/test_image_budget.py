@@ -1,6 +1,6 @@
 """A pixel budget for images, checked from the header before anything is decoded (issue #32 item 4): a 0.4 MB PNG of
 20000x20000 pixels would decode to 1.2 GB. Dataset files and bytes, dataset PIL images and a generation server's
-base64 images are held to `grpo.vision.MAX_IMAGE_PIXELS`; PIL's decompression-bomb warning and error become the
+base64 images are held to `grpo.models.vision.MAX_IMAGE_PIXELS`; PIL's decompression-bomb warning and error become the
 same one error; every row's images are checked when the trainer is built (headers only), each problem named by row
 and path."""
 
@@ -20,7 +20,8 @@ from datasets import Dataset
 from datasets import Image as ImageFeature
 from PIL import Image, ImageFile
 
-from grpo import data, vision
+from grpo.data import prompts as data
+from grpo.models import vision
 from test_vision import build
 from tiny_vlm import BUILDERS, image
 

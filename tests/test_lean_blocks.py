@@ -155,7 +155,7 @@ def test_padding_positions_skip_the_linears_and_the_head(share, monkeypatch):
     """Padding's hidden states are never read by a real token (causal attention, masked keys): the lean MLPs and
     the attention projections run on the real positions only, the tiled head projects only real completion tokens;
     the values are those above (float32: the forward bit for bit)."""
-    import grpo.forward as forward
+    import grpo.learner.forward as forward
 
     batch, model = batch_and_model()
     rows, projected = [], []

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from grpo.forward import token_logps
+from grpo.learner.forward import token_logps
 from grpo.perf.linears import lean_linears
 from test_shared_prefix_training import batch_and_model
 

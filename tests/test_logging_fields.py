@@ -1,4 +1,4 @@
-"""The logging fields of GRPOConfig (HF Trainer meaning, `grpo.reporting`): when rows are logged
+"""The logging fields of GRPOConfig (HF Trainer meaning, `grpo.observe.reporting`): when rows are logged
 (logging_strategy, logging_first_step), what a row says about tokens (num_tokens, include_num_input_tokens_seen),
 log levels per process (log_level, log_level_replica, log_on_each_node), the progress display (disable_tqdm),
 trackers (report_to, project, run_name), the completions table (log_unique_prompts), torch_empty_cache_steps, and
@@ -20,9 +20,10 @@ import pytest
 import torch
 import transformers
 
-from grpo import GRPOConfig, GRPOTrainer, reporting
-from grpo.batch import collate
-from grpo.metrics import CompletionLog, MetricsLogger, start_trackers, tensorboard_run_dir, tracker_init_kwargs
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.learner.batch import collate
+from grpo.observe import reporting
+from grpo.observe.metrics import CompletionLog, MetricsLogger, start_trackers, tensorboard_run_dir, tracker_init_kwargs
 from grpo.perf import allocator
 from grpo.rollout.base import Rollout
 from test_trainer import cfg, chat_dataset, length_reward
@@ -427,7 +428,7 @@ def test_fields_that_do_not_apply_warn(field, value):
 
 def test_a_tracker_that_is_not_installed_is_an_error():
     """accelerate would warn and train without it; the HF Trainer refuses, and so does grpo."""
-    from grpo.metrics import check_trackers_installed
+    from grpo.observe.metrics import check_trackers_installed
 
     pytest.importorskip("tensorboardX")
     check_trackers_installed(["tensorboard"])  # installed: fine

@@ -12,7 +12,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
-from grpo.forward import token_logps
+from grpo.learner.forward import token_logps
 from grpo.rollout.fast import FastEngine
 from grpo.rollout.plain import TransformersEngine
 from test_trainer import cfg, chat_dataset, length_reward
@@ -142,7 +142,7 @@ def test_resume_restores_the_adapter_exactly(tiny_model_dir, tmp_path):
         assert torch.equal(p, q), name
 
 
-# ---- grpo.lora on its own --------------------------------------------------------------------------------------
+# ---- grpo.models.lora on its own -------------------------------------------------------------------------------
 
 
 class Wrapper(torch.nn.Module):
@@ -154,7 +154,7 @@ class Wrapper(torch.nn.Module):
 
 
 def test_wrap_adds_trainable_adapters_and_is_seen_through_wrappers(tiny_model_dir):
-    from grpo import lora
+    from grpo.models import lora
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not lora.is_peft_model(base) and not lora.is_peft_model(Wrapper(base))
@@ -169,7 +169,7 @@ def test_wrap_adds_trainable_adapters_and_is_seen_through_wrappers(tiny_model_di
 
 
 def test_adapters_disabled_gives_the_base_model_through_a_wrapper(tiny_model_dir):
-    from grpo import lora
+    from grpo.models import lora
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     ids = torch.tensor([[5, 6, 7, 8]])
@@ -188,7 +188,7 @@ def test_adapters_disabled_gives_the_base_model_through_a_wrapper(tiny_model_dir
 
 
 def test_load_adapter_restores_saved_weights_and_names_what_does_not_fit(tiny_model_dir, tmp_path):
-    from grpo import lora
+    from grpo.models import lora
 
     def adapted(seed):
         torch.manual_seed(seed)

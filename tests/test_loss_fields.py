@@ -17,13 +17,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralForCausalLM
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.batch import collate
-from grpo.data import tokenize_prompts
-from grpo.entropy_control import EntropyController
-from grpo.forward import token_logps
-from grpo.fp32_head import Float32Head, cast_lm_head_to_fp32
-from grpo.loss_terms import LossTerms, router_aux_coef
-from grpo.losses import policy_loss
+from grpo.algo.entropy_control import EntropyController
+from grpo.algo.loss_terms import LossTerms, router_aux_coef
+from grpo.algo.losses import policy_loss
+from grpo.data.prompts import tokenize_prompts
+from grpo.learner.batch import collate
+from grpo.learner.forward import token_logps
+from grpo.models.fp32_head import Float32Head, cast_lm_head_to_fp32
 from grpo.rollout import Rollout
 from scripted import ScriptedEngine
 from test_trainer import cfg, chat_dataset, length_reward

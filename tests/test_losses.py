@@ -1,4 +1,4 @@
-"""Tests for grpo.losses against the shared spec §2 (loss math), §8 (loss metrics) and §10.1 (entropy mask).
+"""Tests for grpo.algo.losses against the shared spec §2 (loss math), §8 (loss metrics) and §10.1 (entropy mask).
 
 Hand-worked examples share one small batch (B=2, T=3, the last token of row 1 is padding):
 
@@ -20,9 +20,9 @@ import math
 import pytest
 import torch
 
+from grpo.algo.losses import LOSS_TYPES as TABLE
+from grpo.algo.losses import LossParams, LossScale, entropy_bonus, high_entropy_mask, kl_k3, policy_loss
 from grpo.config import LOSS_TYPES, GRPOConfig
-from grpo.losses import LOSS_TYPES as TABLE
-from grpo.losses import LossParams, LossScale, entropy_bonus, high_entropy_mask, kl_k3, policy_loss
 
 F64 = torch.float64
 LN2 = math.log(2.0)

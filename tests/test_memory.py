@@ -58,7 +58,7 @@ def test_weights_are_copied_out_of_the_file_map_for_a_cpu_run_only(tiny_model_di
     import torch
 
     from grpo import GRPOConfig
-    from grpo.models import build
+    from grpo.models.build import build
 
     if not os.path.exists("/proc/self/maps"):
         pytest.skip("no /proc/self/maps here")

@@ -1,5 +1,5 @@
-"""`grpo.metrics` on its own: a logging window's averages, the rows of metrics.jsonl, the window a checkpoint keeps,
-and a resume dropping the rows a killed run wrote after its checkpoint."""
+"""`grpo.observe.metrics` on its own: a logging window's averages, the rows of metrics.jsonl, the window a checkpoint
+keeps, and a resume dropping the rows a killed run wrote after its checkpoint."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo.metrics import MetricsLogger
+from grpo.observe.metrics import MetricsLogger
 
 
 def logger(tmp_path):

@@ -1,8 +1,8 @@
-"""The producer/learner seam (`grpo.producer`) and the checkpoints' state components (`grpo.checkpoint.components`):
-the engine gets the policy's weights exactly when their version changed (once per generation, not per step; again
-after a resume), a produced round is this process's rows with the version that sampled it and what the reward
-functions logged (kept out of the learner's metrics until it takes the round), and a component added to
-`state_components` is saved with every checkpoint and restored on resume."""
+"""The producer/learner seam (`grpo.rounds.producer`) and the checkpoints' state components
+(`grpo.checkpoint.components`): the engine gets the policy's weights exactly when their version changed (once per
+generation, not per step; again after a resume), a produced round is this process's rows with the version that sampled
+it and what the reward functions logged (kept out of the learner's metrics until it takes the round), and a component
+added to `state_components` is saved with every checkpoint and restored on resume."""
 
 from __future__ import annotations
 

@@ -12,8 +12,9 @@ import shutil
 import pandas as pd
 import pytest
 
-from grpo import GRPOTrainer, cli, diagnostics, report, run_dir
-from grpo.report import charts, record
+from grpo import GRPOTrainer, cli
+from grpo.observe import diagnostics, report, run_dir
+from grpo.observe.report import charts, record
 from test_trainer import cfg, chat_dataset, length_reward
 
 EVERY_CHART = (

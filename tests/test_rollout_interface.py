@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.data import PromptSource, end_of_turn_ids, make_prompt
+from grpo.data.prompts import PromptSource, end_of_turn_ids, make_prompt
 from grpo.rollout import Request, Rollout, build_engine
 from grpo.rollout.fast import FastEngine
 from grpo.rollout.plain import TransformersEngine

@@ -17,9 +17,9 @@ import torch
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.algo.losses import LossScale
 from grpo.distributed.handlers import kwargs_handlers
-from grpo.losses import LossScale
-from grpo.modeling import enable_checkpointing, recomputes_activations
+from grpo.models.modeling import enable_checkpointing, recomputes_activations
 from grpo.perf import compilation
 from grpo.rewards.calling import RewardFunctionError, RewardFunctions
 from grpo.rollout.base import Rollout
@@ -168,7 +168,7 @@ def test_fsdp_plugin_checkpoint_wrappers_count_as_recomputation(tiny_model_dir):
     from transformers import AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from grpo.forward import prefix_sharing_unsupported_reason
+    from grpo.learner.forward import prefix_sharing_unsupported_reason
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not recomputes_activations(model) and prefix_sharing_unsupported_reason(model) is None
@@ -213,7 +213,7 @@ def test_kwargs_handlers_map_the_fields_as_the_hf_trainer():
 
 
 def test_a_one_process_accelerator_gets_the_handlers(tmp_path):
-    from grpo.acceleration import make_accelerator
+    from grpo.learner.acceleration import make_accelerator
 
     accelerator = make_accelerator(cfg(tmp_path, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=3, ddp_timeout=60))
     assert accelerator.ddp_handler.to_kwargs() == {"find_unused_parameters": True, "bucket_cap_mb": 3}

@@ -1,4 +1,4 @@
-"""Tests for grpo.sampling_correction (shared spec §4.2-4.3, TRL 1.16) and for how `policy_loss` applies the
+"""Tests for grpo.algo.sampling_correction (shared spec §4.2-4.3, TRL 1.16) and for how `policy_loss` applies the
 sampling-mismatch weight rho and the off-policy sequence mask (spec §2.5-2.6).
 
 Hand-worked batch (B=2, T=3; row 1's last token is padding, row 1's middle token was not scored by the engine):
@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.losses import LOSS_TYPES, LossParams, Stat, policy_loss
-from grpo.sampling_correction import MODES, off_policy_mask, sampling_ratio, sampling_stats
+from grpo.algo.losses import LOSS_TYPES, LossParams, Stat, policy_loss
+from grpo.algo.sampling_correction import MODES, off_policy_mask, sampling_ratio, sampling_stats
 
 F64 = torch.float64
 NAN = float("nan")

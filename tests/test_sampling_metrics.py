@@ -8,7 +8,7 @@ import torch
 
 from field_effects import BASE, chat_dataset, length_reward
 from grpo import GRPOConfig, GRPOTrainer
-from grpo.batch import collate
+from grpo.learner.batch import collate
 
 
 def trainer(model_dir, tmp_path, **cfg):

@@ -8,9 +8,11 @@ import collections
 import json
 from unittest import mock
 
-from grpo import GRPOConfig, GRPOTrainer, modeling, report
-from grpo.report import record
-from grpo.secrets import PLACEHOLDER, is_secret_key, redact, redact_text
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.base.secrets import PLACEHOLDER, is_secret_key, redact, redact_text
+from grpo.models import modeling
+from grpo.observe import report
+from grpo.observe.report import record
 from test_hub import FakeApi
 from test_report import full_history, write_run
 from test_trainer import cfg, chat_dataset, length_reward

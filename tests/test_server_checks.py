@@ -1,8 +1,8 @@
 """`grpo vllm-serve`'s checks that need no vLLM engine, and the trainer's client's checks of what a server answers.
 
-- Who may ask (`grpo.server_http`): a keyless server answers loopback Host names only (a DNS-rebinding page sends
+- Who may ask (`grpo.serve.server_http`): a keyless server answers loopback Host names only (a DNS-rebinding page sends
   its own domain), never a web page's request (Origin), and bodies must carry their Content-Type.
-- Weight versions belong to the server (`grpo.server.Server`): each push gets the next number and names its run,
+- Weight versions belong to the server (`grpo.serve.server.Server`): each push gets the next number and names its run,
   so a run whose weights another run has replaced is refused; non-finite weights are never loaded.
 - The client (`grpo.rollout.remote.ServerEngine`) checks every reply's shape, ids and counts, and names the server.
 """
@@ -20,11 +20,11 @@ import torch
 from safetensors.torch import save
 
 import tiny
-from grpo import server as server_module
 from grpo.rollout.base import Prompt, Request
 from grpo.rollout.remote import ServerEngine, ServerError
-from grpo.server import Server
-from grpo.server_http import Access, Handler, RequestError, host_name
+from grpo.serve import server as server_module
+from grpo.serve.server import Server
+from grpo.serve.server_http import Access, Handler, RequestError, host_name
 
 
 class FakeApp:
@@ -140,7 +140,7 @@ def test_host_names_are_read_with_and_without_ports():
 
 @pytest.fixture
 def engine_free_server(monkeypatch):
-    """grpo.server.Server with its checks and bookkeeping, an engine that records loads."""
+    """grpo.serve.server.Server with its checks and bookkeeping, an engine that records loads."""
     model = tiny.make_model(tiny.make_tokenizer(), 0)
     app = object.__new__(Server)
     app.model, app.lock, app.parallel, app.tied, app.dtype = "tiny", threading.Lock(), 1, False, torch.float32

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import on_device
-from grpo.batch import collate
-from grpo.data import tokenize_prompts
-from grpo.forward import token_logps
-from grpo.logprobs import chunked_logps_and_entropy, logps_and_entropy
+from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
+from grpo.data.prompts import tokenize_prompts
+from grpo.learner.batch import collate
+from grpo.learner.forward import token_logps
 from grpo.rollout import Rollout
 from tiny import make_model, make_tokenizer
 
@@ -151,7 +151,7 @@ def test_chunked_logps_in_float32_with_the_default_tiles_match_full_logits():
 def test_tiles_are_sized_for_the_device(monkeypatch):
     """A CPU keeps its cache-sized tile (the numbers of the pinned trajectory); a GPU's tile is GPU_TILE_BYTES, or
     1/64 of a smaller device's memory. Tiles of either size give the same log-probs, entropies and gradients."""
-    from grpo import logprobs
+    from grpo.algo import logprobs
 
     assert logprobs.tile_bytes(torch.device("cpu")) == logprobs.TILE_BYTES == 8 * 2**20
     for total, expected in ((141 * 2**30, logprobs.GPU_TILE_BYTES), (16 * 2**30, 2**28)):
@@ -226,7 +226,7 @@ def test_length_sorted_trimmed_pieces_match_one_padded_pass(chunk_size, monkeypa
 
 
 def test_pieces_are_length_sorted_chunks():
-    from grpo.forward import _pieces
+    from grpo.learner.forward import _pieces
 
     lengths = torch.tensor([30, 2, 3, 2, 31, 3])
     assert [p.tolist() for p in _pieces(lengths, 4)] == [[1, 3, 2, 5], [0, 4]]

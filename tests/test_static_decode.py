@@ -17,9 +17,9 @@ import torch
 
 import on_device
 from grpo import GRPOConfig
-from grpo.batch import collate
-from grpo.data import tokenize_prompts
-from grpo.forward import token_logps
+from grpo.data.prompts import tokenize_prompts
+from grpo.learner.batch import collate
+from grpo.learner.forward import token_logps
 from grpo.rollout import graphed
 from grpo.rollout.fast import FastEngine, logits_processors, sample_from
 from grpo.rollout.graphed import StaticDecode, bucket

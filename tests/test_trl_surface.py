@@ -228,7 +228,7 @@ def test_a_model_with_custom_code_needs_trust_remote_code(tiny_model_dir, tmp_pa
     import json
     import shutil
 
-    from grpo.modeling import ModelLoadError
+    from grpo.models.modeling import ModelLoadError
 
     remote = tmp_path / "remote"
     shutil.copytree(tiny_model_dir, remote)

@@ -19,11 +19,12 @@ import torch
 from datasets import Dataset
 from PIL import Image
 
-from grpo import GRPOConfig, GRPOTrainer, data
+from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
-from grpo.batch import collate
+from grpo.data import prompts as data
+from grpo.learner.batch import collate
+from grpo.models.vision import language_model
 from grpo.rollout.base import Rollout, assemble
-from grpo.vision import language_model
 from test_distributed import torchrun
 from test_trainer import cfg, length_reward, params
 from tiny import make_model, make_tokenizer

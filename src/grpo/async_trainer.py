@@ -1,5 +1,5 @@
 """`AsyncGRPOTrainer`: TRL 1.16's asynchronous GRPO trainer's constructor on `GRPOTrainer` with async_generation
-(`grpo.asynchronous`): generation overlapped with training, deterministic, resumable exactly.
+(`grpo.rounds.asynchronous`): generation overlapped with training, deterministic, resumable exactly.
 
     from grpo import AsyncGRPOTrainer, AsyncGRPOConfig
     trainer = AsyncGRPOTrainer(model="path/to/model", reward_funcs=reward, train_dataset=ds, args=AsyncGRPOConfig(...))
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo.config.async_config import AsyncGRPOConfig
-from grpo.modeling import model_name
+from grpo.models.modeling import model_name
 from grpo.trainer import GRPOTrainer
 
 logger = logging.getLogger("grpo")

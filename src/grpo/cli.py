@@ -1,6 +1,6 @@
 """The `grpo` command: `grpo train ...` (TRL's `trl grpo`, `grpo.train_cli`), `grpo vllm-serve ...` (a
-generation server for the trainer, `grpo.server`) and `grpo report <output_dir>` (a run's report.html rebuilt
-from its files, `grpo.report`)."""
+generation server for the trainer, `grpo.serve.server`) and `grpo report <output_dir>` (a run's report.html rebuilt
+from its files, `grpo.observe.report`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from grpo import report, server, train_cli
+from grpo import train_cli
+from grpo.observe import report
+from grpo.serve import server
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from grpo import lora
 from grpo.config import GRPOConfig
-from grpo.data import load_local
+from grpo.data.prompts import load_local
+from grpo.models import lora
 from grpo.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
 from grpo.trainer import GRPOTrainer
 
@@ -201,7 +201,7 @@ def reward_functions(script: ScriptArguments) -> list:
 
 
 def load_datasets(script: ScriptArguments, evaluate: bool) -> tuple[Any, Any]:
-    """(train, eval or None): a local data file or save_to_disk directory (`grpo.data.load_local`), or a hub
+    """(train, eval or None): a local data file or save_to_disk directory (`grpo.data.prompts.load_local`), or a hub
     dataset (with dataset_config and dataset_streaming)."""
     from datasets import load_dataset
 

@@ -3,14 +3,14 @@
     trainer = GRPOTrainer(model="path/to/model", reward_funcs=my_reward, train_dataset=ds, args=GRPOConfig(...))
     trainer.train()
 
-The algorithm as implemented (DeepSeekMath, arXiv:2402.03300, with the loss variants of `grpo.losses`):
+The algorithm as implemented (DeepSeekMath, arXiv:2402.03300, with the loss variants of `grpo.algo.losses`):
 every `steps_per_generation * num_iterations` micro-steps, take `generation_batch_size / G` prompts, sample G
 completions for each with the current policy, score them with the reward functions, turn the rewards into
 group-relative advantages, and compute the old-policy log-probs (only when the batch will be reused off-policy)
 and the reference log-probs (only when beta > 0). Then each micro-step takes one slice of that batch and
 backpropagates the policy loss; every `gradient_accumulation_steps` micro-steps the optimizer steps. `_step`
 below is one optimizer step, top to bottom; each phase is one call with a typed result. Generating and scoring go
-through `grpo.producer` (this process's rows, from weights pushed by version); the trainer is the learner.
+through `grpo.rounds.producer` (this process's rows, from weights pushed by version); the trainer is the learner.
 
 Where grpo departs from the reference (TRL 1.16, shared spec):
 - a completion stops at the chat template's end-of-turn token as well as EOS (reference quirk 10);
@@ -29,7 +29,7 @@ Where grpo departs from the reference (TRL 1.16, shared spec):
 - a tensor-parallel vLLM engine (`vllm_tensor_parallel_size` > 1) samples each generation under a seed its
   processes agree on, and they may bring different numbers of rows (the reference relies on the engine's seed
   alone, which the training between generations can desynchronize, and assumes equal numbers);
-- image prompts (`grpo.vision`): the image placeholder token, which generation never samples (as the reference),
+- image prompts (`grpo.models.vision`): the image placeholder token, which generation never samples (as the reference),
   has probability 0 in the training pass too, so the importance weight compares the same distribution;
 - tool calls (`grpo.agent`): the `<tool_call>` format is read where the tokenizer has no response parser, each
   call runs under `tool_call_timeout`, and a failing call becomes an error message to the model.
@@ -48,51 +48,43 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, TrainerState
 
-from grpo import (
-    asynchronous,
-    checkpoint,
-    data,
-    evaluation,
-    hub,
-    lora,
-    models,
-    optimization,
-    preemption,
-    ref_sync,
-    reporting,
-    run_dir,
-    seeding,
-    vision,
-)
-from grpo.acceleration import make_accelerator
-from grpo.advantages import Advantages, compute_advantages
+from grpo import checkpoint
 from grpo.agent import Environments, Generated, Rollouts
 from grpo.agent.environments import placeholder_dataset
-from grpo.batch import TrainBatch, collate
-from grpo.callbacks import Callbacks
-from grpo.checkpoint import components
+from grpo.algo.advantages import Advantages, compute_advantages
+from grpo.algo.loss_terms import LossTerms, router_aux_coef
+from grpo.algo.losses import LossParams, LossScale, high_entropy_mask, masked_mean_stat, policy_loss
+from grpo.algo.sampling_correction import SamplingCorrection
+from grpo.base import seeding
+from grpo.base.sigterm import agreed_or_none
+from grpo.checkpoint import components, hub
+from grpo.checkpoint.hub import Hub
 from grpo.config import GRPOConfig, resolve_args, warn_odd_combinations
-from grpo.diagnostics import Diagnosis
+from grpo.data import prompts as data
 from grpo.distributed import collectives
 from grpo.distributed.accelerator import end_training
 from grpo.distributed.accumulation import accumulating, backward
-from grpo.forward import TrainingPass
-from grpo.groups import GenerationBatch, Scored, gather_scored, rows_with_spread
-from grpo.hub import Hub
-from grpo.loop import LoopState, RolloutBuffer, TrainOutput, Update, position_after_resume, schedule_length
-from grpo.loss_terms import LossTerms, router_aux_coef
-from grpo.losses import LossParams, LossScale, high_entropy_mask, masked_mean_stat, policy_loss
-from grpo.metrics import CompletionLog, MetricsLogger, generation_metrics
-from grpo.modeling import generation_eos, model_name
-from grpo.optimization import TrainingError
+from grpo.learner import optimization, ref_sync
+from grpo.learner.acceleration import make_accelerator
+from grpo.learner.batch import TrainBatch, collate
+from grpo.learner.forward import TrainingPass
+from grpo.learner.loop import LoopState, RolloutBuffer, TrainOutput, Update, position_after_resume, schedule_length
+from grpo.learner.optimization import TrainingError
+from grpo.models import build as models
+from grpo.models import lora, vision
+from grpo.models.modeling import generation_eos, model_name
+from grpo.observe import reporting, run_dir
+from grpo.observe.callbacks import Callbacks
+from grpo.observe.diagnostics import Diagnosis
+from grpo.observe.metrics import CompletionLog, MetricsLogger, generation_metrics
+from grpo.observe.report import RunReport
 from grpo.perf import allocator, attention
-from grpo.preemption import Preempted, preemption_guard
-from grpo.producer import Produced, Producer
-from grpo.report import RunReport
 from grpo.rewards.calling import RewardFunctions
 from grpo.rollout import build_engine
-from grpo.sampling_correction import SamplingCorrection
-from grpo.sigterm import agreed_or_none
+from grpo.rounds import asynchronous, evaluation, preemption
+from grpo.rounds.groups import GenerationBatch, Scored, gather_scored, rows_with_spread
+from grpo.rounds.preemption import Preempted, preemption_guard
+from grpo.rounds.producer import Produced, Producer
 from grpo.trl_surface import TrlSurface, stream_settings
 
 logger = logging.getLogger("grpo")
@@ -488,8 +480,9 @@ class GRPOTrainer(TrlSurface):
     # ---- evaluation and callbacks ----------------------------------------------------------------------------
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Completions of every eval prompt scored by the reward functions: the `eval_` metrics (`grpo.evaluation`),
-        logged and passed to the callbacks' on_evaluate. Changes nothing training depends on."""
+        """Completions of every eval prompt scored by the reward functions: the `eval_` metrics
+        (`grpo.rounds.evaluation`), logged and passed to the callbacks' on_evaluate. Changes nothing training
+        depends on."""
         return evaluation.evaluate(self, eval_dataset, metric_key_prefix)
 
     def _fire(self, event: str, **kwargs: Any) -> None:

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from grpo import checkpoint
-from grpo.data import is_stream
+from grpo.algo.losses import entropy_cut_mask, off_policy_mask
+from grpo.data.prompts import is_stream
 from grpo.distributed import collectives
 from grpo.distributed.accelerator import end_run
-from grpo.losses import entropy_cut_mask, off_policy_mask
-from grpo.metrics import trl_logs
+from grpo.observe.metrics import trl_logs
 
 logger = logging.getLogger("grpo")
 
@@ -68,7 +68,8 @@ class TrlSurface:
     @property
     def _logs(self) -> dict[str, Any]:
         """The latest generation batch as TRL's `trainer._logs` holds it (callbacks written for TRL read it):
-        prompt, completion, rewards, advantages, extra (`log_extra` columns), images (`grpo.metrics.trl_logs`)."""
+        prompt, completion, rewards, advantages, extra (`log_extra` columns), images
+        (`grpo.observe.metrics.trl_logs`)."""
         scored, advantages = self.latest_batch or (None, None)
         return trl_logs(scored, advantages, self.rewards.names, self.args.log_multimodal)
 
@@ -98,7 +99,7 @@ class TrlSurface:
         self.callback_handler.remove(callback)
 
     def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, **card: Any) -> Any:
-        """Save the model and its card to output_dir and push them to hub_model_id (`grpo.hub`)."""
+        """Save the model and its card to output_dir and push them to hub_model_id (`grpo.checkpoint.hub`)."""
         return self.hub.push(self, commit_message, blocking, **card)
 
     def end(self) -> None:

@@ -119,7 +119,7 @@ def _ignore_data_skip(s: Setting):
 
 @effect("data_seed", 7)
 def _data_seed(s: Setting):
-    from grpo.data import generation_prompt_indices
+    from grpo.data.prompts import generation_prompt_indices
 
     trainer = s.trainer()
     order = [sorted(set(trainer.producer.rows(k))) for k in range(4)]

@@ -1,4 +1,4 @@
-"""Effects of the logging and tracker fields (`grpo.reporting`, `grpo.metrics`)."""
+"""Effects of the logging and tracker fields (`grpo.observe.reporting`, `grpo.observe.metrics`)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _logging_first_step(s: Setting):
 
 @effect("log_on_each_node", False)
 def _log_on_each_node(s: Setting):
-    from grpo import reporting
+    from grpo.observe import reporting
 
     node_1_first = SimpleNamespace(is_main_process=False, is_local_main_process=True)
     args = s.config(log_level="error", log_level_replica="critical")
@@ -97,7 +97,7 @@ def _log_level(s: Setting):
 def _log_level_replica(s: Setting):
     import transformers
 
-    from grpo import reporting
+    from grpo.observe import reporting
 
     with _levels_restored():
         replica = SimpleNamespace(is_main_process=False, is_local_main_process=False)

@@ -24,7 +24,7 @@ REF_OFFSETS = [[0.7, 0.0, -0.7], [-0.7, 0.7, 5.0]]
 
 def _loss(config, on_policy=False):
     """(loss, d loss / d logps) of policy_loss on the fixed batch under `config`."""
-    from grpo.losses import LossParams, policy_loss
+    from grpo.algo.losses import LossParams, policy_loss
 
     lp = torch.tensor(LOGPS, dtype=F64, requires_grad=True)
     old = None if on_policy else lp.detach() - torch.log(torch.tensor(RATIOS, dtype=F64))
@@ -37,7 +37,7 @@ def _loss(config, on_policy=False):
 
 def _loss_differs(s: Setting, param=None, on_policy=False, **more):
     """LossParams carries the value, and the loss (or its gradient) differs from the default's."""
-    from grpo.losses import LossParams
+    from grpo.algo.losses import LossParams
 
     assert getattr(LossParams.of(s.config(**more)), param or s.field) == s.value
     (loss, grad), (default_loss, default_grad) = (
@@ -226,7 +226,7 @@ def _use_adaptive_entropy(s: Setting):
 
 
 def _controller_after_one_step(config, entropy):
-    from grpo.entropy_control import EntropyController
+    from grpo.algo.entropy_control import EntropyController
 
     controller = EntropyController.of(config)
     controller.end_step(entropy, 1.0)
@@ -306,7 +306,7 @@ def _model_init_kwargs(s: Setting):
 
 @effect("trust_remote_code", True)
 def _trust_remote_code(s: Setting):
-    from grpo import modeling
+    from grpo.models import modeling
 
     seen = []
     original = modeling.from_pretrained_checked
@@ -342,7 +342,7 @@ def _disable_dropout(s: Setting):
 
 @effect("cast_lm_head_to_fp32", True)
 def _cast_lm_head_to_fp32(s: Setting):
-    from grpo.fp32_head import Float32Head
+    from grpo.models.fp32_head import Float32Head
 
     model = s.trainer(model_init_kwargs={"dtype": "bfloat16"}, bf16=True).unwrapped_model
     assert isinstance(model.lm_head, Float32Head) and model.lm_head.weight.dtype == torch.float32

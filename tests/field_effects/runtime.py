@@ -156,7 +156,7 @@ def _layers(trainer):
 
 @effect("gradient_checkpointing", False)
 def _gradient_checkpointing(s: Setting):
-    from grpo.modeling import recomputes_activations
+    from grpo.models.modeling import recomputes_activations
 
     trainer = s.trainer()
     assert not recomputes_activations(trainer.model) and not any(m.gradient_checkpointing for m in _layers(trainer))
@@ -178,7 +178,7 @@ def _gradient_checkpointing_kwargs(s: Setting):
 
 @effect("activation_checkpointing", False)
 def _activation_checkpointing(s: Setting):
-    from grpo.modeling import recomputes_activations
+    from grpo.models.modeling import recomputes_activations
 
     config = s.config()
     assert config.gradient_checkpointing is False  # the new name wins over TRL's default gradient_checkpointing=True
@@ -196,7 +196,7 @@ def _activation_checkpointing_kwargs(s: Setting):
 
 @effect("use_cache", True)
 def _use_cache(s: Setting):
-    from grpo.modeling import unwrap
+    from grpo.models.modeling import unwrap
 
     def caches_kept(trainer) -> list[bool]:
         """Whether the decoder stack returned a KV cache, in each training forward of one row at a time (the pass

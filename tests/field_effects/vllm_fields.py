@@ -63,7 +63,7 @@ def _engine_kwargs(s: Setting, device: str = "cpu", default: bool = False):
 def _correction(config):
     """(rho, sampler_logps, stats) of the config's correction on a fixed 2 x 3 batch whose sampler log-probs are
     lower than the trainer's by 0.5 per token (row 1's last token is padding)."""
-    from grpo.sampling_correction import SamplingCorrection
+    from grpo.algo.sampling_correction import SamplingCorrection
 
     trainer = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -7.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
@@ -177,7 +177,7 @@ def _clip_min(s: Setting):
 
 @effect("off_policy_mask_threshold", 0.1)
 def _opsm(s: Setting):
-    from grpo.losses import LossParams, policy_loss
+    from grpo.algo.losses import LossParams, policy_loss
 
     logps = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]], requires_grad=True)
     sampler = logps.detach() + 0.5  # drifted by 0.5 per token: above the threshold

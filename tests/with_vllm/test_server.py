@@ -1,4 +1,4 @@
-"""`grpo vllm-serve` (grpo.server) in processes of its own on the tiny head-size-32 Llama: log-probs equal the
+"""`grpo vllm-serve` (grpo.serve.server) in processes of its own on the tiny head-size-32 Llama: log-probs equal the
 model's own, a weight update changes them to the pushed model's, stale versions are refused, the key is required
 wherever it must be, and no bad request takes the server down."""
 

@@ -13,7 +13,7 @@ import tiny
 from field_effects import BASE, chat_dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
-from grpo.data import make_prompt
+from grpo.data.prompts import make_prompt
 from test_server_mode import Server
 from test_vllm_engine import FP32_TOL, policy_logps
 

@@ -15,8 +15,8 @@ import torch
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
-from grpo.batch import collate
-from grpo.vision import language_model
+from grpo.learner.batch import collate
+from grpo.models.vision import language_model
 from test_server_mode import Server
 from test_trainer import length_reward, params
 from test_vision import CallFirst, image_rows, picture

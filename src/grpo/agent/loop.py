@@ -27,8 +27,8 @@ from grpo.agent.budget import token_span
 from grpo.agent.parsing import parse_turn
 from grpo.agent.template import cannot_fit, tool_suffix_ids
 from grpo.agent.tools import ToolSet, run_calls
+from grpo.base.sigterm import Preempted
 from grpo.rollout.base import Engine, Prompt, Request, Rollout
-from grpo.sigterm import Preempted
 
 
 @dataclass

@@ -16,13 +16,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo import data
 from grpo.agent.environments import EMPTY_PROMPT, Environments
 from grpo.agent.loop import ToolLoop
 from grpo.agent.template import check_tool_template
 from grpo.agent.tools import ToolSet
+from grpo.base.sigterm import Preempted
+from grpo.data import prompts as data
 from grpo.rollout.base import Engine, Rollout, group_requests
-from grpo.sigterm import Preempted
 
 ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpo import sigterm
-from grpo.background import BackgroundLoop, DaemonCall
+from grpo.base import sigterm
+from grpo.base.background import BackgroundLoop, DaemonCall
 
 logger = logging.getLogger("grpo")
 

@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from grpo import lora
 from grpo.checkpoint import files, strategy
 from grpo.checkpoint.files import CheckpointError, CheckpointMismatchError, checkpoints
 from grpo.checkpoint.run import CheckpointedRun, StateComponent
 from grpo.distributed import collectives, sharding, zero
+from grpo.models import lora
 
 __all__ = [
     "CheckpointError",
@@ -101,7 +101,7 @@ def save(trainer: CheckpointedRun, step: int) -> str:
 
 
 def add_evaluation(trainer: CheckpointedRun, path: str) -> None:
-    """After the evaluation of a step whose checkpoint was written before it (`grpo.evaluation.after_step`):
+    """After the evaluation of a step whose checkpoint was written before it (`grpo.rounds.evaluation.after_step`):
     the evaluation's row, the best checkpoint it makes and the callbacks' states after on_evaluate go into the
     checkpoint's trainer_state.json, replaced atomically (a crash meanwhile leaves the complete checkpoint as it
     was); rotation then sees the new best. Every process calls it."""

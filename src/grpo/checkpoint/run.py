@@ -39,7 +39,7 @@ class CheckpointedRun(Protocol):
     lr_scheduler: Any
     processing_class: Any
     state: TrainerState
-    callback_handler: Any  # `grpo.callbacks.Callbacks`: states() / restore()
+    callback_handler: Any  # `grpo.observe.callbacks.Callbacks`: states() / restore()
     state_components: list[StateComponent]
     max_steps: int
     steps_per_epoch: int
@@ -48,11 +48,11 @@ class CheckpointedRun(Protocol):
 
 
 class PreemptibleRun(CheckpointedRun, Protocol):
-    """A run as its components record it (`components.of_run`) and `grpo.preemption` saves it after SIGTERM: also
+    """A run as its components record it (`components.of_run`) and `grpo.rounds.preemption` saves it after SIGTERM: also
     what a step changes before its optimizer step."""
 
-    loop: Any  # `grpo.loop.LoopState`: micro-step, data position
-    buffer: Any  # `grpo.loop.RolloutBuffer`
-    metrics: Any  # `grpo.metrics.MetricsLogger` (made when training starts)
-    loss_terms: Any  # `grpo.loss_terms.LossTerms`: the entropy control
+    loop: Any  # `grpo.learner.loop.LoopState`: micro-step, data position
+    buffer: Any  # `grpo.learner.loop.RolloutBuffer`
+    metrics: Any  # `grpo.observe.metrics.MetricsLogger` (made when training starts)
+    loss_terms: Any  # `grpo.algo.loss_terms.LossTerms`: the entropy control
     step_applied: bool  # whether the current step's optimizer step has been applied

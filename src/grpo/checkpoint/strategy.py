@@ -4,7 +4,7 @@ save_on_each_node, resume_from_checkpoint and ignore_data_skip, for grpo's loop.
 
 - save_strategy "steps": every save_steps optimizer steps; "epoch": at the end of every epoch (steps_per_epoch
   optimizer steps) and at the last step, where the HF Trainer's last, possibly partial, epoch ends; "best":
-  whenever the logged metric_for_best_model improves; "no": never (SIGTERM still saves, `grpo.preemption`).
+  whenever the logged metric_for_best_model improves; "no": never (SIGTERM still saves, `grpo.rounds.preemption`).
 - The metric is read in the row logged at a step (metrics.jsonl). With an eval dataset, an "eval_" name is the
   evaluation's metric, read at the steps it runs (the HF Trainer's meaning); without one, "eval_reward" names the
   logged training "reward" (the HF Trainer adds that prefix to find its evaluation metric). A checkpoint is
@@ -25,10 +25,10 @@ import os
 import shutil
 from typing import Any
 
-from grpo import reporting
 from grpo.checkpoint.files import CheckpointError, checkpoints
 from grpo.checkpoint.run import CheckpointedRun
 from grpo.distributed import collectives, sharding, zero
+from grpo.observe import reporting
 
 logger = logging.getLogger("grpo")
 BEST_FIELDS = ("best_metric", "best_global_step", "best_model_checkpoint")

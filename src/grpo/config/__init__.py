@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers.training_args import OptimizerNames
 
-from grpo import secrets
+from grpo.base import secrets
 from grpo.config import compat
 from grpo.config.grpo_fields import (
     IS_MODES,
@@ -170,7 +170,7 @@ class GRPOConfig(
             self.steps_per_generation = self.generation_batch_size // per_step
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict, secrets redacted at every depth (`grpo.secrets`): what checkpoints, trackers, the
+        """The fields as a dict, secrets redacted at every depth (`grpo.base.secrets`): what checkpoints, trackers, the
         report and the model card save. The config itself keeps the real values."""
         return secrets.redact(dataclasses.asdict(self))
 

@@ -4,7 +4,8 @@ every engine) and TRL's async field names are accepted.
 
 TRL's defaults where its async config sets its own: learning_rate 1e-6, logging_steps 1, lr_scheduler_type
 "constant", max_staleness 4, ignore_data_skip True. `max_staleness` means a fixed lag here, not a drop threshold
-(`grpo.asynchronous`); `weight_sync_steps` and `heartbeat_stale_after_s` are GRPOConfig fields with TRL's meaning.
+(`grpo.rounds.asynchronous`);
+`weight_sync_steps` and `heartbeat_stale_after_s` are GRPOConfig fields with TRL's meaning.
 `dtype` loads the model in that dtype (TRL's async default: float32). The fields of TRL's own pipeline that grpo's
 producer has no counterpart for (ASYNC_ONLY) keep TRL's defaults and refuse any other value, all named at once.
 """

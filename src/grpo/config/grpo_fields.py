@@ -181,8 +181,8 @@ class GrpoOnlyFields:
     )
     async_generation: bool = _help(
         "Generate while training: a producer thread samples the next generation batches from a snapshot of the "
-        "policy max_staleness generations old while the learner trains (`grpo.asynchronous`); the same seed gives "
-        "the same run whatever the timing, and a resume is exact, in-flight rounds included.",
+        "policy max_staleness generations old while the learner trains (`grpo.rounds.asynchronous`); the same "
+        "seed gives the same run whatever the timing, and a resume is exact, in-flight rounds included.",
         False,
     )
     max_staleness: int = _help(

@@ -1,5 +1,5 @@
 """The end of a run's process group: trackers finished, processes settled, the group torn down (the accelerator is
-made in `grpo.acceleration`)."""
+made in `grpo.learner.acceleration`)."""
 
 from __future__ import annotations
 

@@ -24,5 +24,5 @@ def accumulating(accelerator: Accelerator, model: Any, last: bool) -> Iterator[N
 
 def backward(accelerator: Accelerator, loss: torch.Tensor) -> None:
     """`loss.backward()` through accelerate (fp16 loss scaling, DeepSpeed); the loss is already scaled for
-    accumulation (`grpo.losses.LossScale`)."""
+    accumulation (`grpo.algo.losses.LossScale`)."""
     accelerator.backward(loss, **zero.backward_kwargs(accelerator))

@@ -8,8 +8,8 @@ import math
 import torch
 from accelerate import Accelerator
 
-from grpo import sigterm
-from grpo.losses import Stat
+from grpo.algo.losses import Stat
+from grpo.base import sigterm
 
 
 def any_process(accelerator: Accelerator, flag: bool) -> bool:
@@ -61,7 +61,7 @@ def gather_values(values: torch.Tensor, accelerator: Accelerator) -> torch.Tenso
 
 
 def reduce_stats(stats: dict[str, Stat], accelerator: Accelerator) -> dict[str, float]:
-    """Loss statistics (`grpo.losses.Stat`) reduced over processes: global masked means, min of mins, max of
+    """Loss statistics (`grpo.algo.losses.Stat`) reduced over processes: global masked means, min of mins, max of
     maxes. One collective and one host sync per call, whatever the number of statistics: each process's values
     (a mean's sum and count, a min's or max's value) go in one row, every process's row is gathered at once, and
     the table is read back to the host once."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo import process_env
+from grpo.base import process_env
 
 
 class EngineGroup:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo.modeling import unwrap
-from grpo.process_env import set_for_dependency
+from grpo.base.process_env import set_for_dependency
+from grpo.models.modeling import unwrap
 
 SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
 

@@ -23,7 +23,7 @@ give 0 at padding, whose hidden states no real token reads (causal attention, ma
 completions are about 40% padding. Float32 forward
 values are bit-identical (a row's matmul does not depend on the other rows here); weight gradients sum the same
 terms in another blocking (float32 rounding). Measured per trained token on the benchmark workload (2-core AMX
-machine, with the head skipping padding too, `grpo.forward`): float32 7.46 -> 4.81 ms, bfloat16 5.23 -> 3.90 ms;
+machine, with the head skipping padding too, `grpo.learner.forward`): float32 7.46 -> 4.81 ms, bfloat16 5.23 -> 3.90 ms;
 capped to AVX2 kernels the float32 training pass is then 1.67x its FLOP bound (was 2.59x).
 Not used with gradient checkpointing (its recomputation runs outside the context and must see the same blocks).
 """
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from grpo.modeling import recomputes_activations, swapped_forwards, unwrap
+from grpo.models.modeling import recomputes_activations, swapped_forwards, unwrap
 from grpo.perf.kernels import rms_norm
 
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from grpo.modeling import swapped_forwards, unwrap
+from grpo.models.modeling import swapped_forwards, unwrap
 
 logger = logging.getLogger("grpo")
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from grpo.distributed.sharding import is_sharded
 from grpo.distributed.zero import is_partitioned
-from grpo.modeling import recomputes_activations, swapped_forwards
+from grpo.models.modeling import recomputes_activations, swapped_forwards
 
 
 class _Linear(torch.autograd.Function):

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from grpo import sigterm
-from grpo.background import BackgroundLoop, DaemonCall
+from grpo.base import sigterm
+from grpo.base.background import BackgroundLoop, DaemonCall
 from grpo.rewards.models import load_reward_model
 from grpo.rollout.base import Rollout
 
@@ -138,7 +138,7 @@ def score(
     `kwargs` is the keywords, or a function making a fresh copy of them for each reward function (so that what one
     function does to its arguments reaches neither the others nor the trainer). The `async def` functions start
     first, on the background loop, each under the time limit; the sync ones run in turn, each on a daemon worker
-    thread while this thread waits (so a hung one is reported, and SIGTERM is seen: `grpo.sigterm`). An error
+    thread while this thread waits (so a hung one is reported, and SIGTERM is seen: `grpo.base.sigterm`). An error
     is reported at once, without waiting for the other functions."""
     fresh = kwargs if callable(kwargs) else (lambda: kwargs)
     is_async = [_is_async(func) for func in funcs]

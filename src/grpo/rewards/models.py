@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from grpo.modeling import ModelLoadError, from_pretrained_checked, load_pretrained, model_name
+from grpo.models.modeling import ModelLoadError, from_pretrained_checked, load_pretrained, model_name
 
 
 class RewardModel:

@@ -31,7 +31,7 @@ def build_engine(
     model: Any, tokenizer: Any, args: Any, stop_ids: list[int], accelerator: Any, pixels: Any = None
 ) -> Engine:
     """vLLM with use_vllm; else the fast engine where it applies, else the plain `model.generate` engine; the log
-    says which and why. `pixels` (`grpo.vision.Pixels`): a vision-language model's image inputs."""
+    says which and why. `pixels` (`grpo.models.vision.Pixels`): a vision-language model's image inputs."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     if args.use_vllm and args.vllm_mode == "server":
         logger.info("Generating on the vLLM server at %s.", remote.server_url(args))

@@ -3,7 +3,7 @@
     rollout = engine.generate([Request(prompt, num_samples=G), ...])   # a request's samples: consecutive rows
     engine.sync_weights(model)                                         # before generating with newer weights
 
-A `Prompt` is tokenized once (`grpo.data.PromptSource`) and carries what it came from: the messages of a
+A `Prompt` is tokenized once (`grpo.data.prompts.PromptSource`) and carries what it came from: the messages of a
 conversational prompt, and room for images. A `Request` asks for `num_samples` completions of one prompt (G for a
 fresh prompt, or a process's share of them; 1 for a follow-up turn of a multi-turn rollout), optionally with a
 smaller token budget. A `Rollout` holds one row per completion, request by request, with everything the training
@@ -22,7 +22,7 @@ import torch
 @dataclass(frozen=True)
 class Prompt:
     """One prompt, tokenized. `messages` is set for conversational prompts; `images` for image prompts (their
-    blocks are in `messages` too), whose rendered `text` the processor reads with them (`grpo.vision`)."""
+    blocks are in `messages` too), whose rendered `text` the processor reads with them (`grpo.models.vision`)."""
 
     ids: tuple[int, ...]
     messages: tuple[dict, ...] | None = None

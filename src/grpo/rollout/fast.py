@@ -44,9 +44,9 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from grpo import sigterm
+from grpo.base import sigterm
 from grpo.distributed.sharding import full_parameters
-from grpo.modeling import accepts_logits_to_keep, cache_argument, swapped_forwards
+from grpo.models.modeling import accepts_logits_to_keep, cache_argument, swapped_forwards
 from grpo.perf.kernels import fixed_linear
 from grpo.rollout import graphed, lean_decoder
 from grpo.rollout.base import Request, Rollout, assemble, expand, left_pad

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from grpo import sigterm
+from grpo.base import sigterm
 from grpo.rollout.lean_decoder import GROW, LeanDecoder, _rope
 
 logger = logging.getLogger("grpo")

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from grpo.fp32_head import is_fp32_head
-from grpo.modeling import unwrap
+from grpo.models.fp32_head import is_fp32_head
+from grpo.models.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear, rms_norm
 from grpo.rollout import packed, panels
 

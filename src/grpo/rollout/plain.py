@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from grpo import sigterm
+from grpo.base import sigterm
 from grpo.rollout.base import Request, Rollout, assemble, cut_at_stop, expand, left_pad
 
 
@@ -113,7 +113,7 @@ class TransformersEngine:
         self.max_new_tokens = self.config.max_new_tokens  # generation_kwargs may set it
         self.autocast = autocast
         self.batch_size = batch_size
-        self.pixels = pixels  # a vision-language model's image inputs (`grpo.vision.Pixels`)
+        self.pixels = pixels  # a vision-language model's image inputs (`grpo.models.vision.Pixels`)
         if pixels is not None:  # a sampled image token would have no image features (the training pass agrees)
             self.config.suppress_tokens = [*(self.config.suppress_tokens or []), *suppressed_tokens(model)]
 

@@ -1,6 +1,6 @@
 """`ServerEngine`: generation on a `grpo vllm-serve` server (`use_vllm=True`, `vllm_mode="server"`), over HTTP.
 
-The server (`grpo.server`) hosts vLLM in its own process; this client never imports vLLM. Protocol: JSON
+The server (`grpo.serve.server`) hosts vLLM in its own process; this client never imports vLLM. Protocol: JSON
 `POST /generate`, raw safetensors `POST /update_weights` with an `X-Weight-Version` header, `GET /health` and
 `GET /weight_version`; every route but /health carries `Authorization: Bearer <key>` when a key is set
 (`vllm_server_api_key`, or the environment variable GRPO_VLLM_API_KEY).
@@ -37,11 +37,11 @@ import torch
 from accelerate.utils import broadcast_object_list
 from safetensors.torch import save
 
-from grpo import sigterm
+from grpo.base import sigterm
+from grpo.models.vision import encode_image
 from grpo.rollout.base import Request, Rollout, assemble, expand
 from grpo.rollout.vllm import check_expanded, multimodal_input
 from grpo.rollout.weights import checkpoint_weights
-from grpo.vision import encode_image
 
 API_KEY_ENV = "GRPO_VLLM_API_KEY"
 _POLL_S = 1.0  # how often /health is asked while waiting

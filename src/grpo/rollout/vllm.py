@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo import process_env, sigterm
+from grpo.base import process_env, sigterm
 from grpo.distributed.accelerator import before_teardown
 from grpo.distributed.engine_group import EngineGroup
 from grpo.rollout.base import Request, Rollout, assemble, expand
@@ -235,7 +235,7 @@ def load_weights(llm: Any, weights: Iterable[tuple[str, torch.Tensor]] | str, dt
     as its loader does, a tied output head is repacked from the new embedding, and the prefix and encoder caches
     (computed with the old weights) are dropped. `weights` may instead be the path of a safetensors file, which
     each of the engine's workers reads itself (workers in processes of their own: a server's shards). Shared by
-    `VLLMEngine.sync_weights` and `grpo.server`."""
+    `VLLMEngine.sync_weights` and `grpo.serve.server`."""
     if isinstance(weights, str):
         llm.collective_rpc(_reload_from_file, args=(weights, dtype))
     else:  # in the engine's dtype: vLLM would cast each tensor itself, with a warning per parameter

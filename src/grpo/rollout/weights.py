@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import torch
 
-from grpo import lora
 from grpo.distributed.sharding import full_parameters
-from grpo.modeling import unwrap
+from grpo.models import lora
+from grpo.models.modeling import unwrap
 
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 

@@ -1,0 +1,1 @@
+"""The demos that `make demo` and `make demo-agent` run."""

@@ -1,0 +1,1 @@
+"""Datasets into prompts: tokenizing, checking and ordering a dataset's rows (`prompts`)."""

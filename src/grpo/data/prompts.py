@@ -1,0 +1,490 @@
+"""Prompts in, `Prompt` records out (shared spec §5.3): the one place prompts are rendered and tokenized.
+
+Also the prompt order: which dataset rows feed generation number k. It is a pure function of (seed, k), so a
+resumed run sees exactly the prompts the uninterrupted one would have seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from grpo.base import seeding
+from grpo.models import vision
+from grpo.rollout.base import Prompt, Request, group_requests
+
+logger = logging.getLogger("grpo")
+IMAGE_PROMPTS_KEPT = 512  # image prompts PromptSource keeps decoded (text prompts: all)
+
+
+def is_conversational(prompt: Any) -> bool:
+    """A prompt is conversational when it is a list of messages (dicts with a "role")."""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+# keywords the trainer itself passes to reward functions: a dataset column of that name would be shadowed
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+# columns not passed to reward functions, as in TRL (a dataset's own completions are not the sampled ones)
+DROPPED_COLUMNS = ("completion",)
+
+
+def check_dataset(dataset: Any, tools: bool = False, environments: bool = False, name: str = "train_dataset") -> None:
+    """Fail early, with the fix, on datasets the trainer cannot use: the columns, and every row's prompt (its
+    shape only, no tokenization: cheap for any size). With tools, prompts must be conversational; with
+    environments, a row may have no prompt (its environment's reset supplies one). Errors call the dataset
+    `name` (an evaluation's: "eval_dataset", "eval_dataset['<key>']")."""
+    if dataset is None:
+        raise ValueError(f"{name} is None: pass a datasets.Dataset (or list of dicts) with a 'prompt' column.")
+    if is_stream(dataset):  # no length and no random access: its first row is checked; each prompt when used
+        first = next(iter(dataset), None)
+        if first is None:
+            raise ValueError(f"{name} is an empty stream: it yields no rows.")
+        if "prompt" not in first and not environments:
+            raise ValueError(f"{name}'s rows have no 'prompt' (its first row has {sorted(first)}).")
+        _check_columns(list(first), environments, name)
+        return
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty: it needs at least one row with a 'prompt'.")
+    columns = list(getattr(dataset, "column_names", None) or dataset[0].keys())
+    if "prompt" not in columns and not environments:
+        raise ValueError(
+            f"{name} has no 'prompt' column (columns: {columns}). Rename the column that holds "
+            "the prompts to 'prompt', e.g. dataset.rename_column('question', 'prompt')."
+        )
+    _check_columns(columns, environments, name)
+    if "prompt" not in columns:
+        return
+    prompts = dataset["prompt"] if hasattr(dataset, "column_names") else None
+    for i in range(len(dataset)):
+        if prompts is None and "prompt" not in dataset[i]:
+            if environments:
+                continue
+            raise ValueError(f"{name} row {i} has no 'prompt': every row needs one.")
+        prompt = prompts[i] if prompts is not None else dataset[i]["prompt"]
+        if prompt is None and environments:
+            continue
+        problem = _prompt_problem(prompt)
+        if problem is None and tools and not is_conversational(prompt):
+            problem = (
+                "tools= need conversational prompts (a list of {'role': ..., 'content': ...} messages), so that "
+                "tool results can follow as messages; this one is a string."
+            )
+        if problem:
+            raise ValueError(f"{name} row {i}: {problem}")
+
+
+def _check_columns(columns: list[str], environments: bool, dataset: str = "train_dataset") -> None:
+    for name in RESERVED_COLUMNS + (("environments",) if environments else ()):
+        if name in columns:
+            raise ValueError(
+                f"{dataset} has a '{name}' column, but reward functions receive the trainer's own '{name}' "
+                f"under that keyword. Rename the column (dataset.rename_column('{name}', 'my_{name}'))."
+            )
+    for name in DROPPED_COLUMNS:
+        if name in columns:
+            warnings.warn(
+                f"{dataset}'s '{name}' column is not passed to reward functions (they get the sampled "
+                f"completions as 'completions', as in TRL); rename it to pass it.",
+                stacklevel=4,
+            )
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    """What is wrong with one prompt (None: nothing)."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "the prompt is empty; give every row a non-empty prompt (or drop it)."
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return (
+            f"the prompt is {type(prompt).__name__} {prompt!r:.80}; a prompt is a non-empty string or a "
+            "list of {'role': ..., 'content': ...} messages."
+        )
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"message {j} of the prompt has no 'role'; each message is {{'role': ..., 'content': ...}}."
+        content = message.get("content")
+        if content is None and message.get("tool_calls"):  # an assistant turn that only calls tools
+            continue
+        if not isinstance(content, (str, list)):
+            return (
+                f"message {j} of the prompt ({message['role']}) has no text 'content' (it is "
+                f"{type(content).__name__}); give it a string."
+            )
+    return None
+
+
+def render_prompts(
+    prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
+) -> list[str]:
+    """Conversational prompts through the chat template (with the generation prompt, and the tools' schemas when
+    there are tools); strings as they are."""
+    texts = []
+    for prompt in prompts:
+        if is_conversational(prompt):
+            texts.append(
+                tokenizer.apply_chat_template(
+                    list(prompt),
+                    tools=tools or None,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **(chat_template_kwargs or {}),
+                )
+            )
+        elif isinstance(prompt, str):
+            texts.append(prompt)
+        else:
+            raise ValueError(
+                f"A prompt must be a string or a list of {{'role', 'content'}} messages; got "
+                f"{type(prompt).__name__}: {str(prompt)[:80]!r}."
+            )
+    return texts
+
+
+def tokenize_prompts(
+    prompts: Sequence[Any], tokenizer: Any, chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
+) -> list[list[int]]:
+    """Token ids per prompt. The chat template already writes its special tokens, so rendered conversations
+    are tokenized without adding any; standard prompts get the tokenizer's defaults (e.g. BOS)."""
+    texts = render_prompts(prompts, tokenizer, chat_template_kwargs, tools)
+    ids = []
+    for prompt, text in zip(prompts, texts):
+        ids.append(tokenizer(text, add_special_tokens=not is_conversational(prompt))["input_ids"])
+    return ids
+
+
+def make_prompt(
+    prompt: Any,
+    tokenizer: Any,
+    chat_template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
+    processor: Any = None,
+    images: Sequence[Any] | None = None,
+    row: int = 0,
+) -> Prompt:
+    """A dataset prompt (string or messages) as a tokenized `Prompt` record. With a vision-language model's
+    `processor`, a conversational prompt becomes content blocks with the row's `images` placed in them
+    (`grpo.models.vision.multimodal_messages`) and is rendered and tokenized by the processor, which expands each image
+    into its image tokens."""
+    if processor is None or not is_conversational(prompt):
+        ids = tokenize_prompts([prompt], tokenizer, chat_template_kwargs, tools)[0]
+        messages = tuple(dict(m) for m in prompt) if is_conversational(prompt) else None
+        return Prompt(ids=tuple(ids), messages=messages)
+    images = list(images or [])
+    messages = vision.multimodal_messages(prompt, images, row)
+    text = processor.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+    )
+    ids = processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0]
+    return Prompt(ids=tuple(ids), messages=tuple(messages), images=tuple(images) or None, text=text)
+
+
+def check_images(dataset: Any, processing_class: Any, dataset_name: str = "train_dataset") -> None:
+    """An image column needs a vision-language model's processor. With one, before training: each row with images
+    has a conversational prompt with room for them (`vision.multimodal_messages`), and each image (a path, bytes
+    or a PIL image) is a readable image within the pixel budget (`vision.check_image_file`: headers only, nothing
+    decoded; the pixels are read when the row is first used). A stream's rows are checked as they are read."""
+    streaming = is_stream(dataset)
+    columns = getattr(dataset, "column_names", None)  # a datasets.Dataset's: row 0 is not decoded to find them
+    if not columns:
+        first = next(iter(dataset), None) if streaming else dataset[0]
+        columns = list(first or {})
+    name = vision.image_column(list(columns))
+    if name is None:
+        return
+    if not vision.is_processor(processing_class):
+        raise ValueError(
+            f"{dataset_name} has an '{name}' column, but the model is text-only: its processing class is a "
+            f"{type(processing_class).__name__}, not a multimodal processor. Train a vision-language model (its "
+            "processor is loaded with it, or pass processing_class=AutoProcessor.from_pretrained(...)), or remove "
+            f"the column (dataset.remove_columns('{name}')) to train on text only."
+        )
+    if streaming:
+        return
+    if hasattr(dataset, "with_format"):  # arrow values: images stay undecoded (paths and bytes)
+        table = dataset.with_format("arrow")
+        values, prompts = table[name].to_pylist(), dataset["prompt"]
+    else:
+        values, prompts = [r.get(name) for r in dataset], [r.get("prompt") for r in dataset]
+    for row, (value, prompt) in enumerate(zip(values, prompts)):
+        images = vision.image_values(name, value, row, dataset_name)
+        if not images:
+            continue
+        if not is_conversational(prompt):
+            raise ValueError(
+                f"{dataset_name} row {row} has images but its prompt is a string: image prompts are conversational "
+                "(a list of {'role': ..., 'content': ...} messages), so that the processor's chat template can "
+                "place the images. Give the raw messages and let the trainer apply the chat template."
+            )
+        vision.multimodal_messages(prompt, images, row, dataset_name)  # as many images as room for them
+        for image in images:
+            vision.check_image_file(image, row, dataset_name)
+
+
+class PromptSource:
+    """The dataset's prompts as `Prompt` records, each tokenized once (on first use) and kept. With the model's
+    context length, a prompt that does not fit is an error naming its row, and one that leaves less room than
+    max_completion_length a warning (once)."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        tokenizer: Any,
+        chat_template_kwargs: dict | None = None,
+        context: int | None = None,
+        max_completion_length: int = 0,
+        tools: list[dict] | None = None,
+        processor: Any = None,
+        name: str = "train_dataset",
+    ) -> None:
+        self.dataset = dataset
+        self.name = name  # what errors call the dataset (an evaluation's: "eval_dataset", ...)
+        self.tools = tools
+        self.processor = processor  # a vision-language model's processor (image prompts), else None
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs
+        self.context = context
+        self.max_completion_length = max_completion_length
+        self._cache: dict[int, Prompt] = {}
+        self._image_cache: OrderedDict[int, Prompt] = OrderedDict()
+        self._warned = False
+
+    def __getitem__(self, row: int) -> Prompt:
+        if row in self._cache:
+            return self._cache[row]
+        if row in self._image_cache:
+            self._image_cache.move_to_end(row)
+            return self._image_cache[row]
+        example = self.dataset[row]
+        record = self.make(row, example["prompt"], example=example)
+        if record.images:  # decoded images are large: only the recently used are kept (re-reading gives the same)
+            self._image_cache[row] = record
+            while len(self._image_cache) > IMAGE_PROMPTS_KEPT:
+                self._image_cache.popitem(last=False)
+        else:
+            self._cache[row] = record
+        return record
+
+    def make(self, row: int, prompt: Any, tools: list[dict] | None = None, example: dict | None = None) -> Prompt:
+        """Row `row`'s prompt (as given: an environment may have added to it) rendered, tokenized and checked;
+        with a processor, with the images of the dataset row `example` (`vision.row_images`)."""
+        images = vision.row_images(example or {}, row, self.name) if self.processor is not None else None
+        record = make_prompt(
+            prompt, self.tokenizer, self.chat_template_kwargs, tools or self.tools, self.processor, images, row
+        )
+        self._check_length(row, len(record.ids))
+        return record
+
+    def _check_length(self, row: int, length: int) -> None:
+        if not self.context:
+            return
+        if length >= self.context:
+            raise ValueError(
+                f"{self.name} row {row}: the prompt is {length} tokens, but the model's context is "
+                f"{self.context}: no completion fits. Shorten it, or filter long prompts out of the dataset."
+            )
+        if length + self.max_completion_length > self.context and not self._warned:
+            self._warned = True
+            logger.warning(
+                "%s row %d: the prompt (%d tokens) plus max_completion_length (%d) exceeds the model's "
+                "context (%d); completions running that long go past the positions the model was trained on.",
+                self.name,
+                row,
+                length,
+                self.max_completion_length,
+                self.context,
+            )
+
+    def requests(self, rows: Sequence[int]) -> list[Request]:
+        """The rows' prompts as requests, a run of equal consecutive prompts as one (`group_requests`)."""
+        return group_requests([self[row] for row in rows])
+
+
+def end_of_turn_ids(tokenizer: Any, model_eos: int | list[int] | None = None) -> list[int]:
+    """Every token that ends a completion: EOS, the chat template's end-of-turn token (e.g. <|im_end|>,
+    <|eot_id|>) and the model's generation_config EOS ids. The reference stops at EOS only (its quirk 10),
+    which lets chat models whose end-of-turn is not EOS run on to max_completion_length."""
+    ids = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    if model_eos is not None:
+        ids.extend([model_eos] if isinstance(model_eos, int) else list(model_eos))
+    turn_end = _template_turn_end(tokenizer)
+    if turn_end is not None:
+        ids.append(turn_end)
+    return list(dict.fromkeys(ids))
+
+
+def _template_turn_end(tokenizer: Any) -> int | None:
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    sentinel = "GRPOSENTINEL"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": sentinel}], tokenize=False
+        )
+    except Exception:  # templates that refuse this shape simply have no detectable end-of-turn
+        return None
+    if sentinel not in text:
+        return None
+    suffix = tokenizer(text.split(sentinel, 1)[1], add_special_tokens=False)["input_ids"]
+    special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    return suffix[0] if suffix and suffix[0] in special else None
+
+
+def prompts_per_generation(num_rows: int, unique_per_generation: int) -> int:
+    """Whole blocks of unique prompts per epoch; an incomplete last block is dropped (as the reference)."""
+    blocks = num_rows // unique_per_generation
+    if blocks == 0:
+        raise ValueError(
+            f"train_dataset has {num_rows} prompts but one generation needs {unique_per_generation} "
+            "distinct prompts (generation_batch_size / num_generations). Add prompts or lower "
+            "per_device_train_batch_size / steps_per_generation."
+        )
+    return blocks
+
+
+def generation_prompt_indices(
+    generation: int, num_rows: int, unique_per_generation: int, seed: int, shuffle: bool
+) -> list[int]:
+    """Dataset row indices of generation number `generation` (0-based), unique prompts only.
+
+    Epoch e uses the permutation drawn from a generator seeded with (seed, e), so the order is a pure function
+    of the generation index and resuming needs no sampler state."""
+    blocks = prompts_per_generation(num_rows, unique_per_generation)
+    epoch, block = divmod(generation, blocks)
+    if shuffle:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = torch.randperm(num_rows, generator=gen).tolist()
+    else:
+        order = list(range(num_rows))
+    return order[block * unique_per_generation : (block + 1) * unique_per_generation]
+
+
+def local_rows(position: int, num_rows: int | None, args: Any, process_index: int, num_processes: int) -> list[int]:
+    """Dataset rows a process generates for at data position `position`: each prompt repeated G times, this
+    process's contiguous share of the generation batch (shared spec §5.1-5.2). A stream (num_rows None) is read in
+    order: position k takes its next generation_batch_size / G rows."""
+    per_generation = args.generation_batch_size // args.num_generations
+    if num_rows is None:
+        unique = list(range(position * per_generation, (position + 1) * per_generation))
+    else:
+        unique = generation_prompt_indices(
+            position, num_rows, per_generation, seeding.prompt_order_seed(args), args.shuffle_dataset
+        )
+    repeated = [i for i in unique for _ in range(args.num_generations)]
+    per_process = len(repeated) // num_processes
+    return repeated[process_index * per_process : (process_index + 1) * per_process]
+
+
+def prompt_groups(rows: Sequence[int], prompt_ids: Sequence[Sequence[int]], by_tokens: bool) -> torch.Tensor:
+    """(N,) an id per prompt: rows with the same id have the same prompt tokens (the training pass shares their
+    prefix). The dataset row, or `by_tokens` (with environments, whose reset may give a row's G rollouts different
+    prompts) one id per distinct token sequence."""
+    if not by_tokens:
+        return torch.tensor(list(rows), dtype=torch.long)
+    ids: dict[tuple[int, ...], int] = {}
+    return torch.tensor([ids.setdefault(tuple(p), len(ids)) for p in prompt_ids], dtype=torch.long)
+
+
+class StreamRows:
+    """A streaming dataset (`datasets.IterableDataset`, or any iterable of rows) read as rows by position: row i is
+    the i-th row of the stream repeated end to end (a new pass when it runs out, as another epoch). Positions only
+    grow while training, so a small window of recent rows is kept; an earlier position (a resumed run) reads the
+    stream again from its start and skips to it, which is exact for a deterministic stream (a shuffled stream:
+    `IterableDataset.shuffle(seed=...)` with a fixed seed). grpo does not shuffle a stream itself."""
+
+    streaming = True
+
+    def __init__(self, dataset: Any, window: int) -> None:
+        self.dataset = dataset
+        self.window = max(window, 1)
+        self.rows: dict[int, dict] = {}
+        self._start()
+
+    def _start(self) -> None:
+        self.passes = 0
+        self._set_epoch(0)
+        self.iterator = iter(self.dataset)
+        self.next_index = 0
+        self.rows.clear()
+
+    def _set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):  # a shuffled IterableDataset reshuffles per pass
+            self.dataset.set_epoch(epoch)
+
+    def _next(self) -> dict:
+        try:
+            return next(self.iterator)
+        except StopIteration:
+            if self.next_index == 0:
+                raise ValueError("train_dataset is an empty stream: it yields no rows.") from None
+        self.passes += 1  # the stream ran out: the next pass
+        self._set_epoch(self.passes)
+        self.iterator = iter(self.dataset)
+        try:
+            return next(self.iterator)
+        except StopIteration:
+            raise ValueError(f"train_dataset's stream yields no rows on its pass {self.passes + 1}.") from None
+
+    def __getitem__(self, index: int) -> dict:
+        if index in self.rows:
+            return self.rows[index]
+        if index < self.next_index:  # behind the window: read the stream again from its start
+            self._start()
+        while self.next_index <= index:
+            row = self._next()
+            if self.next_index > index - self.window:
+                self.rows[self.next_index] = row
+            self.next_index += 1
+        for old in [i for i in self.rows if i <= index - self.window]:
+            del self.rows[old]
+        return self.rows[index]
+
+    def __len__(self) -> int:
+        raise TypeError(
+            "train_dataset is a streaming dataset: it has no length. Set max_steps (as TRL requires for an "
+            "IterableDataset)."
+        )
+
+
+def is_stream(dataset: Any) -> bool:
+    """A dataset without random access: a `datasets.IterableDataset` (or `StreamRows` over one)."""
+    if getattr(dataset, "streaming", False):
+        return True
+    try:
+        from datasets import IterableDataset
+    except ImportError:  # pragma: no cover (datasets is a dependency)
+        return False
+    return isinstance(dataset, IterableDataset)
+
+
+def dataset_size(dataset: Any) -> int | None:
+    """Rows of a map-style dataset; None for a stream."""
+    return None if is_stream(dataset) else len(dataset)
+
+
+DATA_FILES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_local(dataset: Any, split: str = "train", streaming: bool = False) -> Any:
+    """A dataset given by path: a .json/.jsonl/.parquet/.csv file (its rows as split `split`), or a directory
+    written by `save_to_disk`; anything else as it is."""
+    if not isinstance(dataset, (str, os.PathLike)):
+        return dataset
+    from datasets import load_dataset, load_from_disk
+
+    path = os.fspath(dataset)
+    if os.path.isfile(path):
+        builder = DATA_FILES.get(os.path.splitext(path)[1].lower())
+        if builder is None:
+            raise ValueError(f"{path}: a dataset file is .json, .jsonl, .parquet or .csv.")
+        return load_dataset(builder, data_files={split: path}, streaming=streaming)[split]
+    if os.path.isdir(path):
+        loaded = load_from_disk(path)
+        return loaded[split] if hasattr(loaded, "keys") and split in loaded else loaded
+    raise ValueError(f"The dataset path {path} does not exist (a data file or a save_to_disk directory).")

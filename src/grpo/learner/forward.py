@@ -1,0 +1,361 @@
+"""The training pass: token log-probs (and entropies) of a `TrainBatch`'s completions under a model.
+
+`TrainingPass` holds the choices made once per run from the model and config, each logged when it does not apply:
+- prefix sharing: the rows of one prompt run the prompt once (exact; needs the KV cache, which gradient
+  checkpointing turns off, and a cache that can select rows);
+- the tiled output head (`grpo.algo.logprobs.chunked_logps_and_entropy`): the (B, T, V) logits never exist;
+- the memory-saving blocks and, opt-in (`lean_linears`), linears of `grpo.perf`, around the gradient pass only;
+- a mixture-of-experts model's router loss (`router_aux_loss_coef`): the gradient pass asks the model for router
+  logits and keeps the load-balancing loss it returns (`aux_loss`), computed over whole sequences (so the prompt
+  is not shared then);
+- `torch_compile`: the policy's decoder stack compiled (`grpo.perf.compilation`), in both kinds of pass.
+Position ids follow the attention mask, as in generation, so left padding never shifts a token's position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from transformers import DynamicCache
+
+from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
+from grpo.algo.loss_terms import router_aux_coef
+from grpo.distributed.zero import is_partitioned
+from grpo.learner.batch import TrainBatch
+from grpo.models.fp32_head import is_fp32_head
+from grpo.models.modeling import accepts_logits_to_keep, cache_argument, recomputes_activations, unwrap
+from grpo.models.vision import computes_own_positions
+from grpo.perf import blocks, compilation, linears
+from grpo.rollout.plain import SUPPRESSED, suppressed_tokens
+
+logger = logging.getLogger("grpo")
+
+
+class TrainingPass:
+    """How this run scores completions; `logps` for the no-gradient passes (old policy, reference), `train` for the
+    pass that is backpropagated."""
+
+    def __init__(self, model: Any, args: Any, autocast: Any, mixed_precision: str, pixels: Any = None) -> None:
+        self.temperature = args.temperature
+        self.pixels = pixels  # a vision-language model's image inputs (`grpo.models.vision.Pixels`)
+        # tokens generation never samples (image placeholders): the same distribution here, without them
+        self.suppressed = tuple(suppressed_tokens(unwrap(model))) if pixels is not None else ()
+        self.autocast = autocast
+        self.router_aux = router_aux_coef(unwrap(model), args) != 0.0
+        self.aux_loss: torch.Tensor | None = None  # the last gradient pass's router loss (router_aux)
+        reason = prefix_sharing_unsupported_reason(model)
+        if reason is None and pixels is not None:
+            reason = "image prompts run whole (their pixel inputs go with the prompt)"
+        if reason is None and self.router_aux:
+            reason = "the router's load-balancing loss is computed over whole sequences"
+        if reason is not None:
+            logger.info("Training pass runs each row's prompt itself: %s.", reason)
+        self.share_prefix = reason is None
+        reason = tiled_head_unsupported_reason(model)
+        if reason is not None:
+            logger.info("Training pass computes the full logits: %s.", reason)
+        self.chunked_head = reason is None
+        low = torch.bfloat16 if mixed_precision == "bf16" and args.lean_linears else None
+        reason = linears.unsupported_reason(model, low) if args.lean_linears else None
+        if reason is not None:
+            logger.info("lean_linears is not used: %s.", reason)
+        self.lean_dtype = low if reason is None else None
+        reason = blocks.unsupported_reason(model)
+        device = getattr(unwrap(model), "device", torch.device("cpu"))
+        self.compiled = compilation.compiled_forward(model, args, device)
+        if self.compiled is not None:  # the compiler plans the blocks' memory itself: no swapped forwards
+            reason = "torch_compile compiles the blocks as transformers writes them"
+            if self.lean_dtype is not None:
+                warnings.warn("lean_linears is not used with torch_compile (the compiler plans memory).", stacklevel=3)
+            self.lean_dtype = None
+        if reason is not None:
+            logger.info("Training pass keeps the model's own blocks: %s.", reason)
+        self.lean_blocks = reason is None
+
+    def for_copy(self, model: Any) -> TrainingPass:
+        """This pass for another copy of the policy (an async producer's snapshot, passed to `logps`): with
+        torch_compile, the copy's own compiled stack, so that the copy's passes never swap the policy's forward."""
+        other = copy.copy(self)
+        if self.compiled is not None:
+            other.compiled = compilation.CompiledForward(model, self.compiled.backend, self.compiled.mode)
+        return other
+
+    def logps(self, model: Any, batch: TrainBatch, chunk_size: int | None = None) -> torch.Tensor:
+        """Token log-probs without gradient, under the run's precision, `chunk_size` rows at a time."""
+        with torch.no_grad(), self.autocast(), self._compiled():
+            logps, _ = token_logps(
+                model,
+                batch,
+                self.temperature,
+                with_entropy=False,
+                chunk_size=chunk_size,
+                share_prefix=self.share_prefix,
+                chunked_head=self.chunked_head,
+                images=self._images(),
+            )
+        return logps
+
+    def train(self, model: Any, batch: TrainBatch, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token log-probs and entropies with gradient (entropies only with `entropy_grad`); with `router_aux`,
+        the router's load-balancing loss in `self.aux_loss`."""
+        lean = linears.lean_linears(model, self.lean_dtype) if self.lean_dtype else contextlib.nullcontext()
+        kept = blocks.lean_blocks(model) if self.lean_blocks else contextlib.nullcontext()
+        aux_losses = [] if self.router_aux else None
+        with self.autocast(), lean, kept, self._compiled():
+            logps, entropies = token_logps(
+                model,
+                batch,
+                self.temperature,
+                with_entropy=True,
+                entropy_grad=entropy_grad,
+                share_prefix=self.share_prefix,
+                chunked_head=self.chunked_head,
+                aux_losses=aux_losses,
+                images=self._images(),
+            )
+        self.aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
+        return logps, entropies
+
+    def _images(self) -> ImageInputs | None:
+        return ImageInputs(self.pixels, self.suppressed) if self.pixels is not None else None
+
+    def _compiled(self) -> contextlib.AbstractContextManager:
+        """torch_compile: the policy's compiled decoder stack for the pass (a reference model runs as it is)."""
+        return self.compiled() if self.compiled is not None else contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """What a vision-language model's pass adds: each row's pixel inputs, and the tokens it never samples (their
+    logits are pushed to SUPPRESSED, where their probability is exactly 0 in float32 and entropies stay finite)."""
+
+    pixels: Any
+    suppressed: tuple[int, ...]
+
+    def inputs(self, part: TrainBatch) -> dict[str, Any]:
+        """The pixel inputs of the piece's rows (none when no row of it has images)."""
+        if part.vision is None:
+            return {}
+        ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)
+        return self.pixels.inputs(part.vision, ids, ids.device)
+
+
+def prefix_sharing_unsupported_reason(model: Any) -> str | None:
+    """Why the rows of one prompt cannot share the prompt's pass (None when they can)."""
+    inner = unwrap(model)
+    if recomputes_activations(model):
+        return "gradient checkpointing turns the KV cache off"
+    if not getattr(inner, "_supports_cache_class", True) or getattr(inner.config, "is_encoder_decoder", False):
+        return "the model does not use transformers' dynamic KV cache"
+    return None
+
+
+def token_logps(
+    model: Any,
+    batch: TrainBatch,
+    temperature: float,
+    with_entropy: bool = True,
+    chunk_size: int | None = None,
+    entropy_grad: bool = False,
+    share_prefix: bool = False,
+    chunked_head: bool = False,
+    aux_losses: list[torch.Tensor] | None = None,
+    images: ImageInputs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the completion tokens under `model` (logits divided by temperature), and their entropies,
+    as (B, C) tensors (values on padding positions are meaningless: the mask removes them).
+
+    Rows are sorted by completion length and cut into pieces of `chunk_size` rows (one piece when None); each
+    piece is trimmed to its own longest completion, so short completions do not pay for a long one's padding.
+    Padding never changes a real token's outputs (causal attention, masked keys), so this is exact. Entropies
+    carry a gradient only with `entropy_grad` (the entropy bonus). Padding positions skip the lean MLP blocks
+    (`grpo.perf.blocks.real_tokens`, in the gradient pass) and the tiled head: their values are 0. With
+    `share_prefix`, rows of one prompt run
+    the prompt once (see `_forward_shared`). With `chunked_head`, the output projection runs inside
+    `chunked_logps_and_entropy`, a chunk of tokens at a time, and the (B, T, V) logits never exist. A piece keeps
+    the batch's `pad_to_multiple_of` (its width is rounded up to it). With `aux_losses` (a list), the model is
+    asked for its router logits and each piece's load-balancing loss is appended (whole sequences: the prompt is
+    then not shared). With `images` (a vision-language model), each piece gets its rows' pixel inputs and the
+    suppressed tokens' logits are SUPPRESSED."""
+    forward = _forward_shared if share_prefix and aux_losses is None else _forward
+    lengths = batch.completion_attention.sum(-1)
+    logps = entropies = None
+    for rows in _pieces(lengths, chunk_size):
+        part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
+        extra = images.inputs(part) if images is not None else None
+        outputs = forward(model, part, chunked_head, aux_losses, extra)
+        suppressed = images.suppressed if images is not None else ()
+        lp, ent = _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head, suppressed)
+        where = (rows.unsqueeze(1), torch.arange(lp.shape[1], device=rows.device))
+        logps = (lp.new_zeros(batch.completion_ids.shape) if logps is None else logps).index_put(where, lp)
+        if with_entropy:
+            entropies = ent.new_zeros(batch.completion_ids.shape) if entropies is None else entropies
+            entropies = entropies.index_put(where, ent)
+    return logps, entropies
+
+
+def _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head, suppressed=()):
+    if chunked_head:
+        head = unwrap(model).get_output_embeddings()
+        dtype = torch.float32 if is_fp32_head(head) else None  # cast_lm_head_to_fp32: project in float32
+        bias = head.bias
+        if suppressed:  # the head's bias with SUPPRESSED at those tokens: their logits without a (B, T, V) copy
+            bias = head.weight.new_zeros(head.weight.shape[0]) if bias is None else bias.clone()
+            bias[list(suppressed)] = SUPPRESSED
+        real = part.completion_attention.bool()  # padding's log-probs are never read: not projected (0 there)
+        if bool(real.all()):
+            real = None
+        hidden, ids = (outputs, part.completion_ids) if real is None else (outputs[real], part.completion_ids[real])
+        lp, ent = chunked_logps_and_entropy(
+            hidden, head.weight, bias, ids, temperature, with_entropy, entropy_grad, dtype=dtype
+        )
+        if real is not None:
+            lp = lp.new_zeros(real.shape).masked_scatter(real, lp)
+            ent = ent if ent is None else ent.new_zeros(real.shape).masked_scatter(real, ent)
+        return lp, ent
+    if suppressed:
+        outputs = outputs.index_fill(-1, torch.tensor(suppressed, device=outputs.device), SUPPRESSED)
+    return logps_and_entropy(outputs / temperature, part.completion_ids, with_entropy, entropy_grad)
+
+
+def _pieces(lengths: torch.Tensor, chunk_size: int | None) -> list[torch.Tensor]:
+    """Row indices sorted by completion length, cut into chunk_size pieces (one piece when None).
+
+    Sorting makes each piece's rows alike in length, so trimming pads less. Splitting an unchunked batch
+    further was measured slower on CPU (one more forward costs more than the padding it saves)."""
+    order = torch.argsort(lengths, stable=True)
+    return list(order.split(chunk_size)) if chunk_size else [order]
+
+
+def tiled_head_unsupported_reason(model: Any) -> str | None:
+    """Why the tiled output head cannot take over this model's head (None when it can). It needs a plain linear head
+    with nothing applied after it (no logit soft-capping or scaling), not its own FSDP unit: the tiled kernel reads
+    the head's weight outside the head's forward, and FSDP frees a unit's gathered weight when its forward ends (a
+    head sharded with the root unit stays gathered, and is fine); nor partitioned by DeepSpeed ZeRO-3, which
+    likewise releases it after the head's forward."""
+    model = unwrap(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    if not isinstance(head, torch.nn.Linear):
+        return "the output head is not a plain linear layer"
+    if any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        return "the model scales or caps its logits after the head"
+    if isinstance(head, FSDPModule):
+        return "the output head is its own FSDP unit"
+    if is_partitioned(head):
+        return "the output head is partitioned by DeepSpeed ZeRO-3"
+    return None
+
+
+def _outputs(model: Any, chunked_head: bool, aux_losses: list | None = None, **inputs: Any) -> torch.Tensor:
+    """The model's logits (B, T, V), or with `chunked_head` the hidden states its output head would have
+    projected (B, T, H): a pre-hook captures them and hands the head an empty slice, so no logits are made.
+    With `aux_losses`, the model's router loss is appended to it."""
+    if aux_losses is not None:
+        inputs["output_router_logits"] = True
+    if not chunked_head:
+        out = model(**inputs)
+        _keep_aux_loss(out, aux_losses)
+        return out.logits
+    captured = {}
+
+    def skip_head(module, args):
+        captured["hidden"] = args[0]
+        return (args[0][..., :0, :],) + tuple(args[1:])
+
+    handle = unwrap(model).get_output_embeddings().register_forward_pre_hook(skip_head)
+    try:
+        out = model(**inputs)
+    finally:
+        handle.remove()
+    _keep_aux_loss(out, aux_losses)
+    return captured["hidden"]
+
+
+def _keep_aux_loss(out: Any, aux_losses: list | None) -> None:
+    if aux_losses is not None:
+        if getattr(out, "aux_loss", None) is None:
+            raise ValueError(
+                "The model returned no aux_loss although asked for its router logits (output_router_logits=True); "
+                "set router_aux_loss_coef=0 to train without the load-balancing loss."
+            )
+        aux_losses.append(out.aux_loss)
+
+
+def _forward(
+    model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: list | None = None, extra: dict | None = None
+) -> torch.Tensor:
+    """Outputs predicting each completion token, (B, C, V or H), from one pass over prompt + completion. `extra`:
+    a vision-language model's pixel inputs (`ImageInputs.inputs`); position ids are given unless the model
+    derives its own from the image layout."""
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
+    if extra is None or not computes_own_positions(unwrap(model)):
+        extra = {**(extra or {}), "position_ids": (attention.cumsum(-1) - 1).clamp(min=0)}
+    c = batch.completion_ids.shape[1]
+    kwargs = {"logits_to_keep": c + 1} if accepts_logits_to_keep(unwrap(model)) else {}
+    with blocks.real_tokens(attention):
+        out = _outputs(
+            model,
+            chunked_head,
+            aux_losses,
+            input_ids=input_ids,
+            attention_mask=attention,
+            **extra,
+            **kwargs,
+        )
+    return out[:, -(c + 1) : -1, :]  # position t predicts completion token t
+
+
+def _forward_shared(
+    model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: None = None, extra: None = None
+) -> torch.Tensor:
+    """The same outputs as `_forward`, running each distinct prompt once (`aux_losses` is always None here:
+    `token_logps` runs whole sequences when the router loss is wanted; `extra` too: image prompts run whole).
+
+    The prompt pass fills a KV cache (with gradient), whose rows are copied to the completions of that prompt;
+    the completions then attend to it. Causal attention makes this exact: a prompt token never sees the
+    completion, so its keys and values are the same for all G rows, and autograd sums their gradients back.
+    With prompts longer than completions this removes most of the training pass's work."""
+    groups, inverse = torch.unique(batch.group, return_inverse=True)
+    # one row per prompt (which one does not matter: all rows of a group hold the same prompt tokens)
+    first = torch.empty(len(groups), dtype=torch.long, device=inverse.device).scatter_(
+        0, inverse, torch.arange(len(inverse), device=inverse.device)
+    )
+    prompt_mask = batch.prompt_mask[first]
+    cache = DynamicCache()
+    cache_arg = cache_argument(unwrap(model))
+    prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    with blocks.real_tokens(prompt_mask):
+        last = _outputs(
+            model,
+            chunked_head,
+            input_ids=batch.prompt_ids[first],
+            attention_mask=prompt_mask,
+            position_ids=prompt_positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_arg: cache},
+        )
+    cache.batch_select_indices(inverse)
+    attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
+    c = batch.completion_ids.shape[1]
+    positions = batch.prompt_mask.sum(-1, keepdim=True) + torch.arange(c, device=attention.device)
+    with blocks.real_tokens(batch.completion_attention):
+        rest = _outputs(
+            model,
+            chunked_head,
+            input_ids=batch.completion_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            **{cache_arg: cache},
+        )
+    return torch.cat([last[inverse, -1:, :], rest[:, :-1, :]], dim=1)
