@@ -9,7 +9,8 @@ DEMO_STAMP := $(VENV)/.installed-demo
 .PHONY: demo demo-agent test test-slow bench bench-full gpu-wheels lint install install-demo clean
 
 # Everything (`make test`, `make bench`): the test tools, vLLM's CPU build and DeepSpeed. It has all the demos need.
-$(STAMP): pyproject.toml constraints.txt
+# setup.py builds grpo's optional CPU kernel (src/grpo/rollout/cpu/panel_gemm.c) at install: a changed kernel reinstalls
+$(STAMP): pyproject.toml constraints.txt setup.py src/grpo/rollout/cpu/panel_gemm.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt -e ".[test,demo,vllm]"
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP) $(DEMO_STAMP)
 
 # What the demos need, and no more: grpo and the bundled model's converter (no vLLM, DeepSpeed or test tools).
-$(DEMO_STAMP): pyproject.toml constraints.txt
+$(DEMO_STAMP): pyproject.toml constraints.txt setup.py src/grpo/rollout/cpu/panel_gemm.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt -e ".[demo]"
@@ -41,8 +42,8 @@ $(CHROMIUM):
 	else echo "no apt-get here: install Chromium at $(CHROMIUM) for the report's browser test (skipped without it)"; fi
 
 test: $(STAMP) $(CHROMIUM)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests setup.py
+	$(VENV)/bin/ruff format --check src tests setup.py
 	$(PY) -m pytest -q -m "not slow" --ignore=tests/with_vllm
 	# the vLLM tests in a process of their own (an in-process vLLM engine sets process-wide state)
 	$(PY) -m pytest -q -m "not slow" tests/with_vllm
@@ -53,8 +54,8 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests/with_vllm
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests setup.py
+	$(VENV)/bin/ruff format --check src tests setup.py
 
 clean:
 	rm -rf $(VENV)

@@ -11,7 +11,7 @@ import pytest
 
 from grpo.apps import demo
 from grpo.data.prompts import tokenize_prompts
-from grpo.rollout import packed, panels
+from grpo.rollout.cpu import packed, panels
 from tiny import make_model, make_tokenizer
 
 PACKED_LINEAR = packed.packed_linear

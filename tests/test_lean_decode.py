@@ -5,13 +5,16 @@ through left-padded ragged prompts, prefix sharing and rows leaving the batch.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import on_device
-from grpo.rollout import lean_decoder, packed, panels
+from grpo.rollout import lean_decoder
 from grpo.rollout.base import left_pad
+from grpo.rollout.cpu import packed, panels
 from grpo.rollout.lean_decoder import LeanDecoder, unsupported_reason
 from tiny import make_model, make_tokenizer
 
@@ -65,7 +68,9 @@ def test_llama_next_token_distributions_match(dtype):
     check(model, dtype)
 
 
-needs_panels = pytest.mark.skipif(not panels.available(torch.zeros(1)), reason="no AVX2/FMA or no C compiler here")
+needs_panels = pytest.mark.skipif(
+    not panels.available(torch.zeros(1)), reason="no AVX2/FMA here, or grpo was installed without its kernel"
+)
 
 
 def _qwen2_tied():
@@ -240,39 +245,42 @@ def test_panels_hold_column_j_of_panel_p_as_row_16p_plus_j(n, k):
     assert torch.equal(panels.pack([weight]), padded.view(-1, 16, k).transpose(1, 2).contiguous())
 
 
-def test_without_a_compiler_or_when_switched_off_the_panel_kernel_is_not_used(monkeypatch):
-    for env in ({"CC": "no-such-compiler"}, {"GRPO_PANEL_KERNEL": "0"}):
-        with monkeypatch.context() as m:
-            for name, value in env.items():
-                m.setenv(name, value)
-            panels.library.cache_clear()
-            assert panels.library() is None and not panels.available(torch.zeros(1))
-    panels.library.cache_clear()
-
-
 @needs_panels
-@pytest.mark.parametrize("open_to", ["file", "directory"])
-def test_a_kernel_file_other_users_could_have_written_is_never_loaded(monkeypatch, tmp_path, open_to):
-    """A planted library in the kernel cache (a file, or a directory, writable by others) is not loaded: the
-    kernel is compiled afresh (over the file, or in a private directory) and computes F.linear."""
-    import os
-    import shutil
+def test_the_kernel_is_the_extension_built_at_install():
+    """No compiling or caching at run time: the library is the package's own extension, built by setup.py."""
+    import importlib.util
 
-    monkeypatch.setenv("GRPO_KERNEL_CACHE", str(tmp_path))
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    planted = tmp_path / f"panel_gemm-{panels.build_key(compiler)}.so"  # this build's name in the cache
-    planted.write_bytes(b"not a shared library")
-    (tmp_path if open_to == "directory" else planted).chmod(0o777)
-    panels.library.cache_clear()
+    origin = importlib.util.find_spec(panels.EXTENSION).origin
+    assert panels.library()._name == origin and origin.startswith(str(Path(panels.__file__).parent))
+    assert Path(panels.__file__).with_name("panel_gemm.c").exists()
+
+
+def test_without_the_built_kernel_float32_decoding_uses_mkl(monkeypatch, caplog, tmp_path):
+    """An install without the kernel (no C compiler then) and a damaged kernel file (empty, or not a library)
+    each fall back with one log line, nothing raised."""
+    import importlib.machinery
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(panels, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(panels.platform, "machine", lambda: "x86_64")
+    (tmp_path / "empty.so").write_bytes(b"")
+    (tmp_path / "junk.so").write_bytes(b"\x7fELF not really a library")
     try:
-        lib = panels.library()  # loading the planted file would raise (no ELF header)
-        assert lib is not None
-        if open_to == "directory":  # built in a private directory, the planted file left as it was
-            assert lib._name != str(planted) and planted.read_bytes() == b"not a shared library"
-        else:  # built over it
-            assert lib._name == str(planted) and planted.read_bytes()[:4] == b"\x7fELF"
-        weight, x = torch.randn(20, 8), torch.randn(3, 8)
-        torch.testing.assert_close(panels.panel_linear([weight], None)(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+        for origin in (None, tmp_path / "empty.so", tmp_path / "junk.so"):
+            spec = (
+                None if origin is None else importlib.machinery.ModuleSpec(panels.EXTENSION, None, origin=str(origin))
+            )
+            monkeypatch.setattr(
+                importlib.util,
+                "find_spec",
+                lambda name, spec=spec: spec if name == panels.EXTENSION else find_spec(name),
+            )
+            panels.library.cache_clear()
+            caplog.clear()
+            with caplog.at_level("INFO", logger="grpo"):
+                assert panels.library() is None and not panels.available(torch.zeros(1))
+            assert "MKL's packed sgemm" in caplog.text
     finally:
         panels.library.cache_clear()
 
@@ -312,7 +320,7 @@ def _no_weight_concatenation(cat):
 @needs_mkl
 def test_packed_float32_decode_matches_transformers_and_repacks_as_its_batch_empties(monkeypatch, mkl_path):
     """Float32 on a CPU with MKL: after PACK_AFTER steps the weights are packed for the decode batch
-    (grpo.rollout.packed). Finished rows keep their slots while more than half the slots are live; then the batch
+    (grpo.rollout.cpu.packed). Finished rows keep their slots while more than half the slots are live; then the batch
     is repacked at half as many slots (not below MIN_ROWS), and a last row alone takes the plain path. Next-token
     log-probs match the transformers forward throughout."""
     packs = []

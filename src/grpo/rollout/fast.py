@@ -15,8 +15,8 @@ the tests:
   feeds the same bfloat16 numbers to the same matmul: identical logits, less time per token;
 - **float32 weights packed once per rollout** (CPUs without fast bfloat16): on x86 with AVX2 the lean decoder
   packs every weight into grpo's panel kernel's layout and runs each decode step's layers in one C call
-  (`grpo.rollout.panels`); elsewhere it packs the MLP and head weights into MKL's sgemm layout for the decode batch
-  (`grpo.rollout.packed`), and again for fewer rows as the batch empties. Float32 arithmetic throughout;
+  (`grpo.rollout.cpu.panels`); elsewhere it packs the MLP and head weights into MKL's sgemm layout for the decode batch
+  (`grpo.rollout.cpu.packed`), and again for fewer rows as the batch empties. Float32 arithmetic throughout;
 - **sampling by a two-level CDF inversion** (`sample_from`): block sums, then one block's cumulative sum, where
   a full-vocabulary float64 exp and cumsum took a tenth of a decode step.
 

@@ -11,12 +11,12 @@ step, mask construction). `LeanDecoder` runs the same arithmetic with fewer, lar
   for a budget the rows do not use); finished rows are dropped from them layer by layer (one layer's copy at a
   time, never the whole cache twice);
 - in float32 on a CPU (no fast bfloat16), for a rollout whose budget runs on, every linear and the output head
-  go to grpo's panel kernel from the prefill on (`grpo.rollout.panels`: x86 with AVX2 and FMA, and a C
+  go to grpo's panel kernel from the prefill on (`grpo.rollout.cpu.panels`: x86 with AVX2 and FMA, and a C
   compiler), whose layout serves any row count, so finished rows are dropped as on the plain path; and each
   decode step runs every layer in one C call (`panels.decode_layers`: the same operations as `_forward`, where
   ~35 torch operators a layer cost more than their arithmetic at a few rows). Elsewhere
   with MKL, the MLP weights and the head are packed for MKL's sgemm at the decode batch's row count, at least
-  `packed.MIN_ROWS` slots (`grpo.rollout.packed`; `PACKED` says why not the attention projections). The batch
+  `packed.MIN_ROWS` slots (`grpo.rollout.cpu.packed`; `PACKED` says why not the attention projections). The batch
   then keeps its finished rows' slots (fed their last token, their logits unread), since that layout serves one
   row count; once half its slots are free it is repacked for the rows left (at least `packed.MIN_ROWS`), and a
   last row alone leaves for the plain matrix-vector product.
@@ -38,7 +38,7 @@ import torch.nn.functional as F  # noqa: N812
 from grpo.models.fp32_head import is_fp32_head
 from grpo.models.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear, rms_norm
-from grpo.rollout import packed, panels
+from grpo.rollout.cpu import packed, panels
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 # the linears packed for MKL (with the head): MKL's packed layout costs at least ~11.6 MB a matrix (qkv 5.2x its
@@ -229,7 +229,7 @@ class LeanDecoder:
     def _pack(self, rows: torch.Tensor, slots: int | None = None) -> None:
         """Float32 on a CPU: the panel kernel where it runs (`_panels`); else, with MKL, the `PACKED` linears and
         the head packed for a batch of `slots` rows
-        (`grpo.rollout.packed`; default and at least: as many as `rows`, and `packed.MIN_ROWS`), holding these
+        (`grpo.rollout.cpu.packed`; default and at least: as many as `rows`, and `packed.MIN_ROWS`), holding these
         `rows` of the batch (the other slots repeat the first row, their logits unread). A single row keeps the
         plain path."""
         if self.dtype != torch.float32 or len(rows) < 2 or not packed.available(self.head_weights[0]):

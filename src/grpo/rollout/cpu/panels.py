@@ -24,26 +24,21 @@ operators around the same panel kernel: 33 and 46 ms); a 64-token rollout of 2 x
 decode step. Tests: the fused step against the transformers forward (GQA, biases, scaled RoPE, tied head) and
 against the per-operator path, within float32 rounding.
 
-The C source is compiled once per machine with the system's C compiler (`cc`, or $CC) into a cache directory
-($GRPO_KERNEL_CACHE, else ~/.cache/grpo/kernels; a library there that another user could have written is never
-loaded); without a compiler, on other CPUs, or with GRPO_PANEL_KERNEL=0, the
-lean decoder keeps MKL's packed sgemm (`grpo.rollout.packed`), and `available()` says so.
+The C source is built at install, where a C compiler with OpenMP and an x86 target allow (`setup.py`: an optional
+extension, `grpo.rollout.cpu._panel_gemm`, loaded here with ctypes; no compiling or caching at run time). Without
+it, on other CPUs, or when the file cannot be loaded (logged once), the lean decoder keeps MKL's packed sgemm
+(`grpo.rollout.cpu.packed`), and `available()` says so.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
+import importlib.util
 import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,8 +47,7 @@ import torch.nn.functional as F  # noqa: N812
 from grpo.perf.kernels import Linear
 
 logger = logging.getLogger("grpo")
-SOURCE = Path(__file__).with_name("panel_gemm.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+EXTENSION = "grpo.rollout.cpu._panel_gemm"  # panel_gemm.c, built by setup.py
 MAX_ROWS = 256  # more rows (a long prefill) take the plain matmul on the weight itself
 
 
@@ -70,24 +64,27 @@ def cpu_flags() -> set[str]:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel (built on first use, then cached), or None where it cannot run here (logged once)."""
-    if os.environ.get("GRPO_PANEL_KERNEL", "1") == "0":
-        return None
+    """The kernel built at install (`setup.py`), or None where it cannot run here (logged once)."""
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        logger.info("No C compiler (cc): float32 decoding uses MKL's packed sgemm instead of grpo's panel kernel.")
+    spec = importlib.util.find_spec(EXTENSION)
+    if spec is None or spec.origin is None:
+        logger.info(
+            "grpo's panel kernel was not built at install (no C compiler or OpenMP then): float32 decoding uses "
+            "MKL's packed sgemm. Reinstall grpo where `cc` works to build it."
+        )
         return None
-    key = build_key(compiler)
-    cache = Path(os.environ.get("GRPO_KERNEL_CACHE") or Path.home() / ".cache" / "grpo" / "kernels")
     try:
-        path = _built(compiler, cache, key)
-    except (OSError, subprocess.SubprocessError) as err:
-        logger.info("grpo's panel kernel could not be built (%s): float32 decoding uses MKL's packed sgemm.", err)
+        lib = ctypes.CDLL(spec.origin)
+        lib.grpo_panel_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
+    except (OSError, AttributeError) as err:  # a damaged file, or another build's
+        logger.warning(
+            "grpo's panel kernel %s cannot be loaded (%s): float32 decoding uses MKL's packed sgemm. Reinstall grpo "
+            "to rebuild it.",
+            spec.origin,
+            err,
+        )
         return None
-    lib = ctypes.CDLL(str(path))
-    lib.grpo_panel_gemm.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
     lib.grpo_panel_gemm.restype = ctypes.c_int
     lib.grpo_pack_panels.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.grpo_pack_panels.restype = ctypes.c_int
@@ -95,41 +92,6 @@ def library() -> ctypes.CDLL | None:
     lib.grpo_decode_layers.argtypes += [ctypes.POINTER(Layer)] + [ctypes.c_void_p] * 4
     lib.grpo_decode_layers.restype = ctypes.c_int
     return lib
-
-
-def build_key(compiler: str) -> str:
-    """The cached library's name for this source, compiler and flags."""
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-
-
-def _built(compiler: str, cache: Path, key: str) -> Path:
-    """The shared library for this source and compiler: from `cache` when it holds one that only this user can
-    have written, else compiled there (under a temporary name, then renamed: concurrent processes never load half a
-    file), or, where `cache` is not writable, into a private temporary directory. A library another user could
-    have placed is never loaded."""
-    target = cache / f"panel_gemm-{key}.so"
-    if target.exists() and _private(target) and _private(cache):
-        return target
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        if not _private(cache):
-            raise PermissionError(f"{cache} is writable by other users")
-        return _compile(compiler, target)
-    except PermissionError:
-        return _compile(compiler, Path(tempfile.mkdtemp(prefix="grpo-kernel-")) / target.name)
-
-
-def _compile(compiler: str, target: Path) -> Path:
-    partial = target.with_name(f".{target.name}.{os.getpid()}")
-    subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], check=True, capture_output=True, timeout=120)
-    os.replace(partial, target)
-    return target
-
-
-def _private(path: Path) -> bool:
-    """Owned by this user and writable by no one else."""
-    info = path.stat()
-    return info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
 def available(weight: torch.Tensor) -> bool:
