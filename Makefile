@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo demo-agent test test-slow bench bench-full gpu-wheels lint install install-demo clean
+.PHONY: demo demo-agent test test-slow bench bench-full gpu-wheels lint docs install install-demo clean
 
 # Everything (`make test`, `make bench`): the test tools, vLLM's CPU build and DeepSpeed. It has all the demos need.
 # setup.py builds grpo's optional CPU kernel (src/grpo/rollout/cpu/panel_gemm.c) at install: a changed kernel reinstalls
@@ -52,6 +52,10 @@ test: $(STAMP) $(CHROMIUM)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow --ignore=tests/with_vllm
 	$(PY) -m pytest -q -m slow tests/with_vllm
+
+# the documentation site (docs/, mkdocs.yml) into site/; strict: a broken link or API reference fails
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests setup.py

@@ -12,7 +12,7 @@ with run_report=False (two runs: noise of a few % either way), `report_share` th
 timed inside the run, over the run's time. Where vLLM is installed, a `grpo+vllm` bf16 row runs the same workload with
 `use_vllm=True` (its engine's start-up counted in its time, its warm-up inside train()), and the line before gives
 `vllm_generation_vs_fast=<generation tokens/s ratio> vllm_speedup_vs_trl=<end-to-end ratio>`. TRL's own colocate
-mode is not run: on vLLM's CPU build it crashes at its first weight sync (README). Two more grpo runs of 8 steps,
+mode is not run: on vLLM's CPU build it crashes at its first weight sync (docs/vllm.md). Two more grpo runs of 8 steps,
 sequential and `async_generation` (max_staleness 1), give `async_speedup=<tokens/s ratio>` and the share of the
 async run's time that the learner and the producer each spent waiting for the other, then `async_overlap_bound`:
 the most overlap could give here, from each phase's time on its share of the cores against all of them.

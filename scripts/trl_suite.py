@@ -13,7 +13,7 @@ models and the ``trl-internal-testing/zen`` datasets are replaced by local stand
 found as directories of the same relative names from the working directory the tests run in; the hub is offline.
 
 Prints one line per test (TRL's outcome, grpo's, and why where a test is not passed: `REASONS`) and the totals, and
-writes ``results.json`` and ``table.md`` (the README's table) in --out.
+writes ``results.json`` and ``table.md`` (the table in docs/trl.md) in --out.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def reason(name: str) -> str:
 
 
 def markdown(table: dict, trainers: tuple[str, ...]) -> str:
-    """The README's table: every test not passed by both, with why."""
+    """The table in docs/trl.md: every test not passed by both, with why."""
     lines = ["| test | " + " | ".join(trainers) + " | why |", "|---|" + "---|" * len(trainers) + "---|"]
     for name, cells in table.items():
         outcomes = [cells[t][0] for t in trainers]

@@ -260,11 +260,11 @@ def test_no_test_folder_shadows_a_package():
     assert not folders & packages
 
 
-def test_the_readme_layout_table_matches_the_tree():
-    """Every package and top-level module of grpo has a row in the README's layout table, each row names only
-    what exists, and the rows follow the layers from the bottom up."""
-    readme = (SRC.parents[1] / "README.md").read_text()
-    table = readme[readme.index("## Layout") :].split("\n\n")[2]
+def test_the_documented_layout_table_matches_the_tree():
+    """Every package and top-level module of grpo has a row in the layout table of docs/development.md, each row
+    names only what exists, and the rows follow the layers from the bottom up."""
+    page = (SRC.parents[1] / "docs" / "development.md").read_text()
+    table = page[page.index("## Layout") :].split("\n\n")[2]
     rows = [line.split("|")[1] for line in table.splitlines()[2:]]
     listed = [name.strip("`/") for row in rows for name in row.replace(",", " ").split()]
     on_disk = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}

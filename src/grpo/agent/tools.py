@@ -55,7 +55,7 @@ def make_tool(fn: Any, where: str = "tools") -> Tool:
         raise ValueError(
             f"{where}: cannot describe the tool '{fn.__name__}' to the model: {err} A tool needs a type hint on "
             "every argument and a Google-style docstring with a description and an 'Args:' section naming each "
-            "argument (see the multiply example in the README)."
+            "argument (see the multiply example in docs/agents.md)."
         ) from err
     return Tool(fn.__name__, fn, schema, inspect.iscoroutinefunction(fn))
 

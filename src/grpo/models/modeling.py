@@ -232,8 +232,8 @@ def fast_bf16_available(device: torch.device) -> bool:
     """Whether bfloat16 compute is native and pays off here: CUDA GPUs of compute capability 8.0 or more (Ampere on;
     older ones only emulate it, which `torch.cuda.is_bf16_supported()` counts by default), and CPUs with AMX or
     AVX512-BF16 units, unless oneDNN, which runs the CPU's bfloat16 matmuls, is capped below them
-    (ONEDNN_MAX_CPU_ISA). AVX512-BF16 without AMX was measured faster end to end than float32 (the README's `bf16`
-    row)."""
+    (ONEDNN_MAX_CPU_ISA). AVX512-BF16 without AMX was measured faster end to end than float32
+    (`bench/RESULTS.md`)."""
     if device.type == "cuda":
         if torch.version.hip:  # ROCm: capabilities are not NVIDIA's numbering; torch answers for the GPU
             return torch.cuda.is_bf16_supported()

@@ -3,7 +3,7 @@
 Each check is a pure function of the logged rows (`trainer.state.log_history`: training rows and evaluation rows)
 and the run's settings, and returns a `Finding` or None. The trainer runs them at every logging step and prints a
 finding as one warning line the first time it appears; the run report (`grpo.observe.report`) states them at its top.
-Each check's threshold is in `THRESHOLDS` (stated in the report and the README too).
+Each check's threshold is in `THRESHOLDS` (stated in the report and in docs/report.md too).
 """
 
 from __future__ import annotations
