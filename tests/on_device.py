@@ -21,6 +21,9 @@ import os
 import pytest
 import torch
 
+from grpo.learner.batch import collate
+from grpo.learner.forward import token_logps
+
 FLOAT32 = {"cpu": dict(rtol=1e-5, atol=1e-5), "cuda": dict(rtol=1e-4, atol=1e-4)}
 BFLOAT16_NATS = 0.05  # the largest difference in any next-token log-prob
 BFLOAT16_MEAN_NATS = 0.01  # the mean difference of sampled tokens' log-probs
@@ -64,3 +67,17 @@ def assert_next_token_logps_close(got: torch.Tensor, expected: torch.Tensor, dty
     top2 = expected.topk(2, dim=-1).values
     clear = top2[:, 0] - top2[:, 1] > 2 * worst
     assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
+
+
+def assert_sampling_logps_match_training(model, pad_token_id, rollout, temperature: float, dtype: torch.dtype) -> None:
+    """An engine's sampling log-probs against the training pass's over the same rollout, as the trainer runs both:
+    float32 at the device's tolerance; bfloat16 (the engine on bfloat16 weights, the pass under bfloat16 autocast)
+    within BFLOAT16_MEAN_NATS on average."""
+    batch = collate(rollout, torch.zeros(len(rollout)), pad_token_id, mask_truncated=False).to(model.device)
+    with torch.no_grad(), autocast(dtype):
+        logps, _ = token_logps(model, batch, temperature, with_entropy=False)
+    m = batch.mask.bool()
+    if dtype == torch.bfloat16:
+        assert (logps[m] - batch.sampling_logps[m]).abs().mean() < BFLOAT16_MEAN_NATS
+    else:
+        torch.testing.assert_close(logps[m], batch.sampling_logps[m], **float32_tolerance(logps.device))

@@ -11,8 +11,6 @@ import torch
 import on_device
 from grpo import GRPOConfig
 from grpo.data.prompts import end_of_turn_ids, tokenize_prompts
-from grpo.learner.batch import collate
-from grpo.learner.forward import token_logps
 from grpo.rollout import fast
 from grpo.rollout.fast import FastEngine, low_precision_linears, sample_from
 from grpo.rollout.plain import TransformersEngine
@@ -111,14 +109,7 @@ def test_sampling_logps_equal_training_logps(dtype):
     low = dtype if dtype == torch.bfloat16 else None
     engine = FastEngine(model, tok, args, stop, autocast=lambda: on_device.autocast(dtype), compute_dtype=low)
     rollout = engine.generate(rows)
-    batch = collate(rollout, torch.zeros(len(rollout)), tok.pad_token_id, mask_truncated=False).to(model.device)
-    with torch.no_grad(), on_device.autocast(dtype):
-        logps, _ = token_logps(model, batch, args.temperature, with_entropy=False)
-    m = batch.mask.bool()
-    if dtype == torch.bfloat16:
-        assert (logps[m] - batch.sampling_logps[m]).abs().mean() < on_device.BFLOAT16_MEAN_NATS
-    else:
-        torch.testing.assert_close(logps[m], batch.sampling_logps[m], **on_device.float32_tolerance(logps.device))
+    on_device.assert_sampling_logps_match_training(model, tok.pad_token_id, rollout, args.temperature, dtype)
 
 
 @on_device.mark

@@ -18,8 +18,6 @@ import torch
 import on_device
 from grpo import GRPOConfig
 from grpo.data.prompts import tokenize_prompts
-from grpo.learner.batch import collate
-from grpo.learner.forward import token_logps
 from grpo.rollout import graphed
 from grpo.rollout.fast import FastEngine, logits_processors, sample_from
 from grpo.rollout.graphed import StaticDecode, bucket
@@ -109,14 +107,7 @@ def test_fixed_shape_sampling_logps_equal_training_logps(dtype):
     torch.manual_seed(0)
     engine = FastEngine(model, tok, args, stop, compute_dtype=low, static=True)
     rollout = engine.generate(requests)
-    batch = collate(rollout, torch.zeros(len(rollout)), tok.pad_token_id, mask_truncated=False).to(model.device)
-    with torch.no_grad(), on_device.autocast(dtype):
-        logps, _ = token_logps(model, batch, args.temperature, with_entropy=False)
-    m = batch.mask.bool()
-    if dtype == torch.bfloat16:
-        assert (logps[m] - batch.sampling_logps[m]).abs().mean() < on_device.BFLOAT16_MEAN_NATS
-    else:
-        torch.testing.assert_close(logps[m], batch.sampling_logps[m], **on_device.float32_tolerance(logps.device))
+    on_device.assert_sampling_logps_match_training(model, tok.pad_token_id, rollout, args.temperature, dtype)
 
 
 def test_the_step_compiles_whole_with_no_host_sync():
