@@ -112,7 +112,7 @@ def test_refusing_a_bomb_costs_no_memory(bombs):
     (which PIL alone would decode to 144 MB, 432 MB as RGB) is refused."""
     code = (
         "import json, resource, sys\n"
-        "from grpo import vision\n"
+        "from grpo.models import vision\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "try:\n"
         "    vision.load_image(sys.argv[1], 0)\n"
