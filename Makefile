@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo demo-agent test test-slow bench bench-full gpu-wheels lint docs install install-demo clean
+.PHONY: demo demo-agent test test-unit test-slow bench bench-full gpu-wheels lint docs install install-demo clean
 
 # Everything (`make test`, `make bench`): the test tools, vLLM's CPU build and DeepSpeed. It has all the demos need.
 # setup.py builds grpo's optional CPU kernel (src/grpo/rollout/cpu/panel_gemm.c) at install: a changed kernel reinstalls
@@ -47,6 +47,10 @@ test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q -m "not slow" --ignore=tests/with_vllm
 	# the vLLM tests in a process of their own (an in-process vLLM engine sets process-wide state)
 	$(PY) -m pytest -q -m "not slow" tests/with_vllm
+
+# the unit tier: no trainer is built, about a minute on 2 cores
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 # the tests marked slow (minutes each: real learning runs on the bundled model); not part of `make test`
 test-slow: $(STAMP)

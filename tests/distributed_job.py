@@ -30,8 +30,8 @@ from transformers import AutoModelForCausalLM
 from grpo import GRPOTrainer
 from grpo.models.modeling import unwrap
 from scripted import FixedEngine, as_requests
+from support import cfg, chat_dataset
 from test_accumulation import length_reward
-from test_trainer import cfg, chat_dataset
 
 
 def allow_fsdp_on_cpu() -> None:

@@ -18,7 +18,7 @@ import torch
 
 from grpo.rollout.base import Request
 from grpo.rollout.remote import ServerError
-from test_distributed import torchrun
+from support import torchrun
 from test_vllm_engine import FP32_TOL, fixed_completion, make_trainer, perturb, policy_logps
 
 JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")

@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from test_distributed import torchrun
+from support import torchrun
 from test_server_mode import JOB, Server
 from test_vllm_engine import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from field_effects import chat_dataset
-from test_distributed import torchrun
+from support import torchrun
 from test_vllm_engine import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
 
 JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")

@@ -1,0 +1,90 @@
+"""Two CPU processes (torchrun, gloo) make the same update as one process on the same global batch: prompts,
+groups and rewards are distributed, rewards normalized over whole groups, metrics reduced, the loss normalized
+so that DDP's gradient average equals the one-process gradient (dapo: token sum over the global token count;
+grpo: mean of per-sequence means). bnpo is a mean of per-process token means by definition, so it is not
+compared."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from support import launch, needs_deepspeed
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir, tmp_path_factory):
+    """The one-process runs that two-process runs are compared with, each launched once per module (the sharded
+    modes with gradient accumulation, or with LoRA, share theirs)."""
+    runs = {}
+
+    def run(loss_type, *mode):
+        if (loss_type, *mode) not in runs:
+            runs[(loss_type, *mode)] = launch(1, tmp_path_factory.mktemp("one"), tiny_model_dir, loss_type, *mode)
+        return runs[(loss_type, *mode)]
+
+    return run
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_processes_update_like_one(tiny_model_dir, tmp_path, one_process, loss_type):
+    one, row1 = one_process(loss_type)
+    two, row2 = launch(2, tmp_path / "two", tiny_model_dir, loss_type)
+    assert (row1["world"], row2["world"]) == (1, 2)
+    for name in one:
+        assert one[name].abs().sum() > 0
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-7)
+    # metrics are reduced over both processes: the same numbers as one process on the whole batch
+    for key in ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm", "loss"):
+        assert row2[key] == pytest.approx(row1[key], rel=1e-5, abs=1e-7), key
+
+
+SHARDED_MODES = ["fsdp+ga2", "fsdp+lora"] + [
+    pytest.param(mode, marks=needs_deepspeed) for mode in ("zero2+ga2", "zero3+ga2", "zero3+lora", "zero3+kl")
+]
+
+
+@pytest.mark.parametrize("mode", SHARDED_MODES)
+def test_sharded_training_through_accelerate_updates_like_one_process(tiny_model_dir, tmp_path, one_process, mode):
+    """The trainer under accelerate's FSDP2 path, or DeepSpeed ZeRO-2 / ZeRO-3, at 2 processes (see
+    distributed_job.py): parameters sharded (FSDP, ZeRO-3; ZeRO-2 partitions gradients and optimizer state),
+    the trainer's fast engine samples from the sharded model, the update equals one unsharded process's on the
+    same global batch, metrics are reduced alike, and save_model after train() writes the whole updated model.
+    With +lora: a PEFT model with LoRA on q/v, sharded the same way, and beta > 0 with the adapter-less model as
+    the reference: only the adapters move, as in one process, and save_model writes the adapter. With +kl: two
+    steps with beta > 0 and a reference model, which ZeRO-3 partitions too. With +ga2: the same completions in
+    two accumulated micro-steps (DeepSpeed reduces, clips and steps at the boundary the trainer marks)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    stage, *options = mode.split("+")
+    lora, kl = "lora" in options, "kl" in options
+    one, row1 = one_process("dapo", "+".join(["ddp", *options]))
+    two, row2 = launch(2, tmp_path / "two", tiny_model_dir, "dapo", mode)
+    assert row2["world"] == 2 and row2["sharded"] is (stage != "zero2") and row2["engine"] == stage
+    if kl:
+        assert row2["step"] == 2 and row2["reference_sharded"] is True and row1["kl"] > 0
+    assert len(row2["sampled"]) == 2 and all(1 <= n <= 8 for n in row2["sampled"])
+    for name in one:
+        trains = "lora_" in name or not lora
+        assert bool(one[name].abs().sum() > 0) is trains, name
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-7)
+    compared = ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm", "loss")
+    for key in compared + ("kl",) * (lora or kl):
+        assert row2[key] == pytest.approx(row1[key], rel=1e-5, abs=1e-7), key
+    if lora:
+        saved = load_file(os.path.join(tmp_path / "two", "saved", "adapter_model.safetensors"))
+        initial = torch.load(os.path.join(tmp_path / "two", "initial.pt"))
+        assert set(saved) == {n.replace(".default", "") for n in two if "lora_" in n}
+        for name, update in two.items():
+            if "lora_" in name:
+                torch.testing.assert_close(
+                    saved[name.replace(".default", "")], initial[name] + update, rtol=0, atol=1e-6
+                )
+        return
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    saved = load_file(os.path.join(tmp_path / "two", "saved", "model.safetensors"))
+    for name, update in two.items():
+        torch.testing.assert_close(saved[name], initial[name].detach() + update, rtol=0, atol=1e-6)

@@ -1,0 +1,81 @@
+"""The prepared GPU check (scripts/gpu_check.sh, bench/gpu_check.py) cannot rot between GPU loans: its dry run
+goes through every phase on this CPU at tiny sizes, and a phase that fails or hangs is recorded while the next
+one still runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
+
+
+def test_the_dry_run_goes_through_every_phase_and_writes_its_results(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    env.pop("GRPO_TEST_DEVICE", None)
+    done = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    statuses = {r["phase"]: r["status"] for r in records if "status" in r}
+    trl = "ok" if importlib.util.find_spec("trl") else "skipped"  # TRL comes with the bench extra only
+    expected = {phase: "ok" for phase, _ in gpu_check.PHASES}
+    assert statuses == dict(expected, trl=trl), (tmp_path / "logs.txt").read_text()[-4000:]
+    names = {r.get("name") for r in records}
+    for name in ("packages", "device", "ceilings", "sdpa_decode", "sdpa_prefill", "decode_2_rows", "decode_8_rows"):
+        assert name in names
+    assert {"head_default_tile", "head_cpu_tile", "train_pass", "model", "equivalence"} <= names
+    equivalence = next(r for r in records if r.get("name") == "equivalence")
+    assert equivalence["passed"] >= 1 and not equivalence.get("failed") and not equivalence["failures"]
+    decode = next(r for r in records if r.get("name") == "decode_8_rows")
+    assert decode["step_ms"] > 0 and decode["floor_ms"] > 0 and decode["aten_ops"] > 0
+    lead = records[-1]
+    assert lead["phase"] == "headline"
+    for key in ("grpo_tokens_per_s", "decode_vs_bound", "train_vs_bound", "async_speedup"):
+        assert lead[key] > 0, lead
+    if trl == "ok":
+        assert lead["speedup_vs_trl"] > 0 and lead["memory_vs_trl"] > 0
+    table = (tmp_path / "summary.md").read_text()
+    assert table.startswith("# GPU check (dry run on the CPU)") and "| grpo | ok |" in table
+    assert table.rstrip().splitlines()[-1].startswith("Headline: {")
+
+
+def test_a_failing_or_hanging_phase_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
+    scripts = {
+        "versions": "import sys; print('ValueError: the phase broke', file=sys.stderr); sys.exit(3)",
+        "ceilings": "import time; time.sleep(60)",
+        "sdpa": 'print(\'GPU_RESULT \' + \'{"name": "sdpa_decode", "flash": true}\')',
+    }
+    monkeypatch.setattr(gpu_check, "command", lambda phase, sizes: [sys.executable, "-c", scripts[phase]])
+    monkeypatch.setattr(gpu_check, "PHASES", [("versions", 30), ("ceilings", 2), ("sdpa", 30)])
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--out", str(tmp_path), "--dry-run"])
+    gpu_check.main()
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    statuses = [r for r in records if "status" in r]
+    assert [(r["phase"], r["status"]) for r in statuses] == [
+        ("versions", "failed"),
+        ("ceilings", "timeout"),
+        ("sdpa", "ok"),
+    ]
+    assert statuses[0]["exit"] == 3 and "ValueError: the phase broke" in statuses[0]["error"]
+    assert {"phase": "sdpa", "name": "sdpa_decode", "flash": True} in records
+
+
+def test_phases_that_would_start_after_the_deadline_are_skipped(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "command", lambda phase, sizes: [sys.executable, "-c", "pass"])
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--out", str(tmp_path), "--dry-run", "--deadline", "5"])
+    gpu_check.main()
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert {r["status"] for r in records if "status" in r} == {"skipped"}
+    assert all(r["why"] == "out of time" for r in records if "status" in r)

@@ -1,0 +1,416 @@
+"""Image prompts (issue 20) on two tiny vision-language architectures (`tiny_vlm`): Qwen2.5-VL (multimodal RoPE,
+image patches flattened over the batch) and Idefics3/SmolVLM (tiled images batched per row).
+
+The image really reaches the model: the training pass's log-probs of the sampled tokens equal the sampler's, and
+change when a row's image is replaced. Training changes every parameter of the language model; LoRA leaves the
+vision tower alone; a run resumed mid-cycle (the buffered image rows restored from the checkpoint) ends
+bit-identical to a straight one; bad image input fails at construction with the row (and path) named."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import os
+
+import pandas as pd
+import pytest
+import torch
+from datasets import Dataset
+from PIL import Image
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.agent import CHATML_TOOLS
+from grpo.data import prompts as data
+from grpo.learner.batch import collate
+from grpo.models.vision import language_model
+from grpo.rollout.base import Rollout, assemble
+from support import cfg, length_reward, params, torchrun
+from tiny import make_model, make_tokenizer
+from tiny_vlm import BUILDERS, image
+
+ARCHITECTURES = sorted(BUILDERS)
+# grpo's tool template, with a user turn's image blocks written as Qwen2.5-VL writes them
+QWEN_TOOLS = CHATML_TOOLS.replace(
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>",
+    "{% else %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
+    "<|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>",
+)
+
+
+def image_rows(n=4, with_images=None, sizes=True):
+    """Conversational rows, each with its own image (of its own size with `sizes`); rows not in `with_images`
+    (None: all) have none."""
+    rows = []
+    for i in range(n):
+        has = with_images is None or i in with_images
+        size = (24 + 10 * i, 28 + 6 * (i % 3)) if sizes else (40, 32)
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"What is in picture {i}?"}],
+                "image": image(i, *size) if has else None,
+            }
+        )
+    return rows
+
+
+def trainer_for(arch, tmp_path, rows=None, seed=0, **kw):
+    model, processor = BUILDERS[arch](seed)
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=4, **kw)
+    return GRPOTrainer(
+        model=model,
+        processing_class=processor,
+        reward_funcs=length_reward,
+        train_dataset=rows or image_rows(),
+        args=args,
+    )
+
+
+def sampled_batch(trainer, rows):
+    """Completions of `rows` from the trainer's engine, as a training batch."""
+    generated = trainer._generate(rows)
+    n = len(generated.rollout)
+    return collate(generated.rollout, torch.zeros(n), trainer.tokenizer.pad_token_id, False), generated.rollout
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_training_logps_equal_sampling_logps_and_depend_on_the_image(arch, tmp_path):
+    trainer = trainer_for(arch, tmp_path, image_rows(4, with_images={0, 1, 3}))  # a text-only row among them
+    batch, rollout = sampled_batch(trainer, [0, 0, 1, 1, 2, 2, 3, 3])
+    assert [p is not None and bool(p.images) for p in batch.vision] == [True] * 4 + [False] * 2 + [True] * 2
+    assert batch.vision[0] is batch.vision[1]  # the G completions of a prompt share its image
+    mask = batch.completion_attention.bool()
+    logps = trainer.training_pass.logps(trainer.model, batch, 3)  # pieces of 3 rows: pixels sliced per piece
+    torch.testing.assert_close(logps[mask], batch.sampling_logps[mask], rtol=1e-5, atol=1e-6)
+    # the same rows with row 0's image replaced (same size: the same image tokens) score differently
+    swapped = dataclasses.replace(batch.vision[0], images=(image(99, *batch.vision[0].images[0].size),))
+    other = dataclasses.replace(batch, vision=[swapped, swapped, *batch.vision[2:]])
+    changed = trainer.training_pass.logps(trainer.model, other, 3)
+    assert not torch.allclose(changed[:2][mask[:2]], logps[:2][mask[:2]], rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(changed[2:][mask[2:]], logps[2:][mask[2:]], rtol=1e-5, atol=1e-6)
+    assert isinstance(rollout, Rollout) and all(len(c) for c in rollout.completion_ids)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_steps_change_every_language_model_parameter(arch, tmp_path, checkpointing):
+    trainer = trainer_for(arch, tmp_path, max_steps=3, gradient_checkpointing=checkpointing, beta=0.04)
+    language = {id(p) for p in language_model(trainer.unwrapped_model).parameters()}
+    before = params(trainer.unwrapped_model)
+    trainer.train()
+    after = dict(trainer.unwrapped_model.named_parameters())
+    unchanged = [n for n, p in after.items() if id(p) in language and torch.equal(p.detach(), before[n])]
+    assert not unchanged, unchanged
+    assert any(not torch.equal(after[n].detach(), before[n]) for n in before if "vision" in n or "visual" in n)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_lora_targets_the_language_model_and_leaves_the_vision_tower(arch, tmp_path):
+    from peft import LoraConfig
+
+    model, processor = BUILDERS[arch](0)
+    vision_before = {n: p.detach().clone() for n, p in model.named_parameters() if "vision" in n or "visual" in n}
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=4, max_steps=2, beta=0.04)
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=processor,
+        reward_funcs=length_reward,
+        train_dataset=image_rows(),
+        args=args,
+        peft_config=config,
+    )
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert not [n for n in trainable if "vision" in n or "visual" in n or "connector" in n or "merger" in n]
+    adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    now = dict(trainer.model.named_parameters())
+    assert all(not torch.equal(now[n].detach(), adapters[n]) for n in adapters if "lora_B" in n)
+    for name, value in vision_before.items():
+        match = [p for n, p in now.items() if n.endswith(name)]
+        assert len(match) == 1 and torch.equal(match[0].detach(), value), name
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_resume_mid_cycle_with_images_is_exact(arch, tmp_path):
+    """steps_per_generation=2: checkpoint-1 holds the second half of a generation batch of image rows."""
+    common = dict(max_steps=3, steps_per_generation=2, save_strategy="steps", save_steps=1, beta=0.04)
+    straight = trainer_for(arch, tmp_path / "a", **common)
+    straight.train()
+    resumed = trainer_for(arch, tmp_path / "b", **common)
+    resumed.train()  # its own run, then again from its checkpoint-1 in a fresh trainer
+    again = trainer_for(arch, tmp_path / "b", **common)
+    assert glob.glob(str(tmp_path / "b" / "out" / "checkpoint-1" / "rollouts_0.pt"))
+    again.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-1"))
+    for (name, p), q in zip(straight.unwrapped_model.named_parameters(), again.unwrapped_model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_rewards_get_the_images_and_image_prompts(tmp_path):
+    seen = {}
+
+    def reward(prompts, completions, image, **kwargs):
+        seen.update(prompts=prompts, image=image)
+        return [float(len(c[0]["content"])) for c in completions]
+
+    model, processor = BUILDERS["qwen2.5-vl"](0)
+    rows = image_rows(2)
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, log_completions=True)
+    args.num_completions_to_print = 0
+    GRPOTrainer(model=model, processing_class=processor, reward_funcs=reward, train_dataset=rows, args=args).train()
+    assert len(seen["image"]) == 4 and all(isinstance(i, Image.Image) for i in seen["image"])
+    first = seen["prompts"][0][0]["content"]
+    assert first[0]["type"] == "image" and isinstance(first[0]["image"], Image.Image)
+    assert first[1] == {"type": "text", "text": first[1]["text"]} and "picture" in first[1]["text"]
+    table = pd.read_parquet(glob.glob(os.path.join(args.output_dir, "completions", "*.parquet"))[0])
+    assert set(table["image"]) == {"<image 24x28>", "<image 34x34>"}
+    assert table["prompt"].str.count("<\\|image_pad\\|>").max() == 1  # the template's text, not the expanded ids
+
+
+def test_image_paths_and_lists_of_images(tmp_path):
+    """An `images` column of paths, one row with two images and one with none; file names reach the log."""
+    paths = []
+    for i in range(3):
+        path = tmp_path / f"photo{i}.png"
+        image(i, 30 + 4 * i, 30).save(path)
+        paths.append(str(path))
+    rows = [
+        {"prompt": [{"role": "user", "content": "Compare."}], "images": paths[:2]},
+        {"prompt": [{"role": "user", "content": "Describe."}], "images": [paths[2]]},
+        {"prompt": [{"role": "user", "content": "No picture."}], "images": []},
+        {"prompt": [{"role": "user", "content": "Again."}], "images": [paths[0]]},
+    ]
+    trainer = trainer_for("idefics3", tmp_path, rows, max_steps=2, log_completions=True)
+    trainer.args.num_completions_to_print = 0
+    trainer.train()
+    assert len(trainer.prompts[0].images) == 2 and trainer.prompts[2].images is None
+    files = sorted(glob.glob(os.path.join(trainer.args.output_dir, "completions", "*.parquet")))
+    names = set(pd.concat(pd.read_parquet(f) for f in files)["image"].dropna())
+    assert names <= {"photo0.png, photo1.png", "photo2.png", "photo0.png", ""} and "photo0.png, photo1.png" in names
+
+
+def build(tmp_path, rows, arch="qwen2.5-vl"):
+    model, processor = BUILDERS[arch](0)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4)
+    return GRPOTrainer(
+        model=model, processing_class=processor, reward_funcs=length_reward, train_dataset=rows, args=args
+    )
+
+
+def test_bad_image_input_is_named_before_training(tmp_path):
+    chat = [{"role": "user", "content": "Look."}]
+    missing = str(tmp_path / "nowhere.png")
+    with pytest.raises(ValueError, match=f"row 2: the image file {missing} does not exist"):
+        build(tmp_path, [{"prompt": chat, "image": image(0)}] * 2 + [{"prompt": chat, "image": missing}] * 2)
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not an image at all")
+    with pytest.raises(ValueError, match=f"row 0: cannot read the image {broken}"):
+        build(tmp_path, [{"prompt": chat, "image": str(broken)}] * 4)
+    with pytest.raises(ValueError, match="row 1 has images but its prompt is a string.*conversational"):
+        build(tmp_path, [{"prompt": chat, "image": image(0)}, {"prompt": "Look.", "image": image(1)}] * 2)
+    two_slots = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which?"}]}]
+    with pytest.raises(ValueError, match=r"row 0: the row has 2 image\(s\) but its prompt has 1 image placeholder"):
+        build(tmp_path, [{"prompt": two_slots, "images": [image(0), image(1)]}] * 4)
+    with pytest.raises(ValueError, match="'images' column holds a Image"):
+        build(tmp_path, [{"prompt": chat, "images": image(0)}] * 4).train()
+    assert not os.path.exists(tmp_path / "out" / "checkpoint-1")
+
+
+def test_a_vision_model_defaults_ddp_to_find_unused_parameters(tmp_path):
+    trainer = trainer_for("idefics3", tmp_path)
+    assert trainer.args.ddp_find_unused_parameters is True
+    text_only = cfg(tmp_path, ddp_find_unused_parameters=False)
+    model, processor = BUILDERS["idefics3"](0)
+    t = GRPOTrainer(
+        model=model, processing_class=processor, reward_funcs=length_reward, train_dataset=image_rows(), args=text_only
+    )
+    assert t.args.ddp_find_unused_parameters is False
+
+
+def test_mixed_batch_without_any_image_trains(tmp_path):
+    """A vision-language model on rows of which a whole generation batch may have no image."""
+    rows = [{"prompt": [{"role": "user", "content": f"Text only {i}"}], "image": None} for i in range(4)]
+    trainer = trainer_for("qwen2.5-vl", tmp_path, rows, max_steps=1)
+    before = params(trainer.unwrapped_model)
+    trainer.train()
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.unwrapped_model.named_parameters())
+
+
+def test_dataset_of_image_features(tmp_path):
+    """A datasets.Dataset whose image column is a datasets Image feature (decoded to PIL by datasets)."""
+    rows = image_rows(4)
+    dataset = Dataset.from_list(rows)
+    assert type(dataset.features["image"]).__name__ == "Image"
+    trainer = trainer_for("qwen2.5-vl", tmp_path, dataset, max_steps=1)
+    trainer.train()
+    assert trainer.prompts[0].images[0].size == rows[0]["image"].size
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+class CallFirst:
+    """The first turn of every row is a scripted tool call; every later turn is sampled by `engine` (the real one,
+    which needs the row's image on every turn)."""
+
+    name = "call-first"
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tok = engine, tokenizer
+        self.call = tokenizer('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>')["input_ids"]
+        self.call += [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.follow_ups = []
+
+    def sync_weights(self, model):
+        self.engine.sync_weights(model)
+
+    def generate(self, requests):
+        if any("<|im_start|>tool" in self.tok.decode(list(r.prompt.ids)) for r in requests):
+            self.follow_ups.append(list(requests))
+            return self.engine.generate(requests)
+        rows = [r for r in requests for _ in range(r.num_samples)]
+        ids = [list(self.call) for _ in rows]
+        return assemble(rows, ids, [[0.0] * len(c) for c in ids], {self.call[-1]}, self.tok)
+
+
+def test_tool_turns_see_the_prompts_image(tmp_path):
+    """With tools, each next turn is sampled with the row's image, and the training pass agrees on its tokens."""
+    model, processor = BUILDERS["qwen2.5-vl"](0)
+    processor.chat_template = processor.tokenizer.chat_template = QWEN_TOOLS
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=120)
+    rows = image_rows(2)
+    trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[multiply])
+    trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
+    rollout = trainer._generate([0, 0, 1, 1]).rollout
+    follow_ups = trainer.engine.follow_ups[0]
+    assert [r.prompt.images for r in follow_ups] == [(rows[0]["image"],)] * 2 + [(rows[1]["image"],)] * 2
+    assert all(rollout.tool_calls) and rollout.vision[0].images == (rows[0]["image"],)
+    batch = collate(rollout, torch.zeros(4), trainer.tokenizer.pad_token_id, False)
+    sampled = batch.mask.bool() & (batch.sampling_logps != 0)  # the real engine's turn (the script's logps are 0)
+    assert sampled.sum() > 0
+    logps = trainer.training_pass.logps(trainer.model, batch, 2)
+    torch.testing.assert_close(logps[sampled], batch.sampling_logps[sampled], rtol=1e-5, atol=1e-6)
+
+
+def picture(name: str) -> list:
+    """Show a picture.
+
+    Args:
+        name: Which picture.
+    """
+    return [{"type": "image", "image": image(len(name), 28 + 8 * len(name), 30)}, {"type": "text", "text": name}]
+
+
+def picture_trainer(tmp_path, rows, name="x"):
+    model, processor = BUILDERS["qwen2.5-vl"](0)
+    processor.chat_template = processor.tokenizer.chat_template = QWEN_TOOLS
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=200)
+    trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[picture])
+    trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
+    call = f'<tool_call>{{"name": "picture", "arguments": {{"name": "{name}"}}}}</tool_call>'
+    trainer.engine.call = trainer.tokenizer(call)["input_ids"] + [trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return trainer
+
+
+def test_a_tools_image_reaches_the_next_turn_and_the_training_pass(tmp_path):
+    """A tool returns an image: the next turn is sampled seeing it (after the prompt's, or alone on a text-only
+    row), and the training pass scores that turn alike, with the image; another image changes its log-probs."""
+    rows = image_rows(2, with_images={0})
+    trainer = picture_trainer(tmp_path, rows)
+    rollout = trainer._generate([0, 0, 1, 1]).rollout
+    shown = picture("x")[0]["image"]
+    follow_ups = trainer.engine.follow_ups[0]
+    assert [len(r.prompt.images) for r in follow_ups] == [2, 2, 1, 1]
+    assert follow_ups[0].prompt.images[1].tobytes() == shown.tobytes()
+    image_token = trainer.unwrapped_model.config.image_token_id
+    assert all(image_token in ids for ids in rollout.completion_ids)  # the tool's image tokens, in the completion
+    assert [len(p.images) for p in rollout.vision] == [2, 2, 1, 1]
+    batch = collate(rollout, torch.zeros(4), trainer.tokenizer.pad_token_id, False)
+    sampled = batch.mask.bool() & (batch.sampling_logps != 0)
+    assert sampled[:, :].sum(-1).min() > 0
+    logps = trainer.training_pass.logps(trainer.model, batch, 2)
+    torch.testing.assert_close(logps[sampled], batch.sampling_logps[sampled], rtol=1e-5, atol=1e-6)
+    other = [dataclasses.replace(p, images=(*p.images[:-1], image(50, *shown.size))) for p in batch.vision]
+    changed = trainer.training_pass.logps(trainer.model, dataclasses.replace(batch, vision=other), 2)
+    assert (changed[sampled] - logps[sampled]).abs().max() > 1e-5  # 10x the agreement asserted above
+
+
+def test_a_tools_image_for_a_text_only_model_is_refused(tmp_path):
+    tok = make_tokenizer()
+    tok.chat_template = CHATML_TOOLS
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=200)
+    rows = [{"prompt": [{"role": "user", "content": f"Show {i}"}]} for i in range(2)]
+    trainer = GRPOTrainer(
+        make_model(tok, context=4096), length_reward, args, rows, processing_class=tok, tools=[picture]
+    )
+    trainer.engine = CallFirst(trainer.engine, tok)
+    trainer.engine.call = tok('<tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>')["input_ids"]
+    trainer.engine.call += [tok.convert_tokens_to_ids("<|im_end|>")]
+    with pytest.raises(ValueError, match="The tool 'picture' returned an image, but the model is text-only"):
+        trainer._generate([0, 0, 1, 1])
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_two_processes_with_images_on_one_only(arch, tmp_path):
+    """DDP with the vision tower unused on one process: both end with the same, changed, parameters."""
+    torchrun(2, os.path.join(os.path.dirname(os.path.dirname(__file__)), "vision_job.py"), tmp_path, arch, timeout=600)
+    first, second = (torch.load(tmp_path / f"params_{rank}.pt") for rank in (0, 1))
+    assert first["rows"] == [0, 0, 1, 1] and second["rows"] == [2, 2, 3, 3]
+    initial = dict(BUILDERS[arch](0)[0].named_parameters())
+    for name, value in first["params"].items():
+        assert torch.equal(value, second["params"][name]), name
+    moved = [n for n, v in first["params"].items() if not torch.equal(v, initial[n].detach())]
+    assert any("vision" in n or "visual" in n for n in moved) and len(moved) > len(initial) // 2
+
+
+def test_a_vision_model_loads_from_its_directory_with_its_processor(tmp_path):
+    model, processor = BUILDERS["idefics3"](0)
+    model.save_pretrained(tmp_path / "idefics3")
+    processor.save_pretrained(tmp_path / "idefics3")
+    trainer = GRPOTrainer(str(tmp_path / "idefics3"), length_reward, cfg(tmp_path, max_steps=1), image_rows())
+    assert type(trainer.unwrapped_model).__name__ == "Idefics3ForConditionalGeneration"
+    assert type(trainer.processing_class).__name__ == "Idefics3Processor" and trainer.pixels is not None
+    trainer.train()
+
+
+def test_a_processor_that_needs_torchvision_is_one_clear_error(tmp_path):
+    """transformers cannot build a Qwen2.5-VL processor without torchvision (its video processor needs it)."""
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the processor builds")
+    model, processor = BUILDERS["qwen2.5-vl"](0)
+    model.save_pretrained(tmp_path / "qwen")
+    processor.save_pretrained(tmp_path / "qwen")
+    with pytest.raises(OSError, match="is a vision-language model, but its processor needs torchvision"):
+        GRPOTrainer(str(tmp_path / "qwen"), length_reward, cfg(tmp_path), image_rows())
+
+
+def test_a_frozen_vision_tower_stays_as_it_was(tmp_path):
+    """Full fine-tuning trains the vision tower too (as TRL); `requires_grad_(False)` on it keeps it."""
+    model, processor = BUILDERS["idefics3"](0)
+    model.model.vision_model.requires_grad_(False)
+    before = params(model)
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=4, max_steps=2)
+    trainer = GRPOTrainer(model, length_reward, args, image_rows(), processing_class=processor)
+    trainer.train()
+    for name, p in trainer.unwrapped_model.named_parameters():
+        assert torch.equal(p.detach(), before[name]) == ("vision_model" in name), name
+
+
+def test_only_recent_image_prompts_stay_decoded(tmp_path, monkeypatch):
+    """Decoded images are large: the prompt source keeps the latest IMAGE_PROMPTS_KEPT image prompts; one read
+    again is equal to the first (the same ids, text and pixels)."""
+    monkeypatch.setattr(data, "IMAGE_PROMPTS_KEPT", 2)
+    trainer = trainer_for("qwen2.5-vl", tmp_path)
+    first = [trainer.prompts[row] for row in range(4)]
+    assert len(trainer.prompts._image_cache) == 2
+    again = trainer.prompts[0]
+    assert again is not first[0] and again == first[0] and again.text == first[0].text

@@ -1,0 +1,102 @@
+"""What many tests share: the small run's config, datasets, a reward with spread, a parameter snapshot, and the torchrun
+launcher for tests of several processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+
+from field_effects import BASE
+from grpo import GRPOConfig
+
+JOB = os.path.join(os.path.dirname(__file__), "distributed_job.py")
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed not installed")
+
+
+def cfg(tmp_path, **kw):
+    """The small run most tests train (field_effects.BASE: 8 completions of at most 8 tokens, one step)."""
+    return GRPOConfig(**{**BASE, "output_dir": str(tmp_path / "out"), **kw})
+
+
+def chat_dataset(n=8):
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"Solve {i}+1"}],
+                "solution": str(i + 1),
+                "task": "math" if i % 2 == 0 else "format",
+            }
+            for i in range(n)
+        ]
+    )
+
+
+def text_dataset(n=8):
+    return Dataset.from_list([{"prompt": f"Solve the equation x = {i}.", "ground_truth": str(i)} for i in range(n)])
+
+
+def text_of(completion):
+    return completion if isinstance(completion, str) else completion[0]["content"]
+
+
+def length_reward(completions, **kwargs):
+    """A reward with spread within groups: longer completions score more."""
+    return [len(text_of(c)) / 8.0 for c in completions]
+
+
+def params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc, script, *args, timeout=240):
+    """`script args` in nproc processes with torchrun (gloo on CPU, one thread each); asserts it succeeded."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        script,
+        *map(str, args),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def terminated(script, out, *args, ready, delay, **env):
+    """`script out args` in 2 processes under torchrun, sent SIGTERM `delay` s after file `ready` appears in `out`:
+    both processes exit 143 within seconds, none killed by the launcher (30 s after SIGTERM). `env`: more
+    environment variables for the job."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    proc = subprocess.Popen([*cmd, script, str(out), *args], env=env, stderr=subprocess.PIPE, text=True)
+    while not (out / ready).exists() and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert stderr.count("exiting with status 143") == 2, stderr[-3000:]
+    assert "Unable to shutdown process" not in stderr
+
+
+def launch(nproc, out, model_dir, loss_type, *mode):
+    torchrun(nproc, JOB, out, model_dir, loss_type, *mode)
+    with open(os.path.join(out, "row.json")) as f:
+        return torch.load(os.path.join(out, "update.pt")), json.load(f)

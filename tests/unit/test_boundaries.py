@@ -1,0 +1,276 @@
+"""The architecture's rules, checked on the source with `ast` (style guide: dependencies point one way):
+- the math modules (losses, advantages, log-probs) import torch and the standard library only;
+- `peft` is imported in `grpo/models/lora.py` only; `vllm` only in the vLLM engine and server modules;
+- experiment trackers are imported in `grpo/observe/metrics.py` only;
+- nothing imports `grpo.*` inside a function (function-level imports are for optional dependencies);
+- grpo sets no environment variable of its own making: `os.environ` is written only by `grpo/base/process_env.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "grpo"
+MATH = ("algo/losses.py", "algo/advantages.py", "algo/logprobs.py")
+VLLM_MODULES = ("rollout/vllm.py", "serve/server.py")
+TRACKERS = {
+    "wandb",
+    "tensorboard",
+    "tensorboardX",
+    "trackio",
+    "mlflow",
+    "comet_ml",
+    "clearml",
+    "aim",
+    "swanlab",
+    "neptune",
+    "dvclive",
+}
+
+
+def modules():
+    return sorted(p for p in SRC.rglob("*.py"))
+
+
+def name(path: Path) -> str:
+    return path.relative_to(SRC).as_posix()
+
+
+def imports(path: Path) -> list[tuple[str, bool]]:
+    """(top-level package or 'grpo.x.y', inside a function?) for every import of the module."""
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                found.append((child.module, in_function))
+            visit(child, nested)
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def test_the_rules_see_every_module():
+    names = [name(p) for p in modules()]
+    assert set(MATH) <= set(names) and "trainer.py" in names
+    assert "models/lora.py" in names and "observe/metrics.py" in names and "base/process_env.py" in names
+
+
+@pytest.mark.parametrize("module", MATH)
+def test_math_modules_import_torch_and_the_standard_library_only(module):
+    allowed = {"torch", "__future__"} | set(sys.stdlib_module_names)
+    outside = [m for m, _ in imports(SRC / module) if m.split(".")[0] not in allowed]
+    assert outside == [], f"{module} imports {outside}"
+
+
+def test_optional_heavy_dependencies_stay_in_their_modules():
+    for path in modules():
+        tops = {m.split(".")[0] for m, _ in imports(path)}
+        if "peft" in tops:
+            assert name(path) == "models/lora.py", f"{name(path)} imports peft"
+        if "vllm" in tops:
+            assert name(path) in VLLM_MODULES, f"{name(path)} imports vllm"
+        if tops & TRACKERS:
+            assert name(path) == "observe/metrics.py", f"{name(path)} imports {tops & TRACKERS}"
+
+
+def test_no_function_level_imports_of_grpo():
+    late = [
+        (name(p), m)
+        for p in modules()
+        for m, in_function in imports(p)
+        if in_function and (m == "grpo" or m.startswith("grpo."))
+    ]
+    assert late == []
+
+
+def test_only_process_env_writes_the_environment():
+    def writes(tree):
+        for node in ast.walk(tree):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
+            for target in targets:
+                if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "os.environ":
+                    yield node.lineno
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in (
+                "os.environ.update",
+                "os.environ.setdefault",
+                "os.putenv",
+                "os.environ.pop",
+            ):
+                yield node.lineno
+            if isinstance(node, ast.Delete) and any(
+                isinstance(t, ast.Subscript) and ast.unparse(t.value) == "os.environ" for t in node.targets
+            ):
+                yield node.lineno
+
+    found = [(name(p), line) for p in modules() for line in writes(ast.parse(p.read_text()))]
+    assert {module for module, _ in found} <= {"base/process_env.py"}, found
+    assert found, "the rule checks nothing: process_env.py should write os.environ"
+
+
+# ---- grpo's own layers ----------------------------------------------------------------------------------------
+# A unit is a package of grpo (rollout/, agent/, ...) or a module at its top level (trainer.py -> "trainer"); the
+# packages are the layers, and every unit is placed here. Lower layers never import higher ones, and the units'
+# imports have no cycle: an engine, a tool or a reward function's caller can be read, tested and replaced without
+# the trainer, its checkpoints or its SIGTERM handling.
+LAYERS = [
+    {"base"},  # the leaves: SIGTERM, secrets, the environment set for dependencies, background threads, seeds
+    {"config"},  # GRPOConfig and the TRL field tables
+    {"algo"},  # the math: losses, advantages, log-probs, the sampling correction (pure functions of tensors)
+    {"distributed"},  # collectives, sharding, ZeRO, the accelerator's teardown
+    {"models"},  # loading and preparing the policy, LoRA, the float32 head, image prompts
+    {"perf"},  # speed and memory patches (they look at distributed's wrappers)
+    {"rollout"},  # generation engines
+    {"data"},  # datasets into prompts
+    {"agent", "rewards", "serve"},  # the tool loop above the engines; reward functions; the vLLM server
+    {"observe"},  # metrics, console, diagnostics, callbacks, the run directory and its report
+    {"checkpoint"},  # saving and loading a run (above everything it saves); in-flight rounds; the Hub
+    {"learner"},  # the training batch and pass, the micro-step loop, the optimizer, the accelerator
+    {"rounds"},  # generation rounds: produced, grouped and scored, asynchronous; evaluation; preemption
+    {"trainer", "async_trainer", "trl_surface"},  # the public trainers
+    {"cli", "train_cli", "apps"},  # the command line and the demos
+]
+
+
+def test_every_unit_is_placed_in_a_layer():
+    units = {unit(p) for p in modules()} - {"__init__", "__main__"}
+    assert units == set().union(*LAYERS), units ^ set().union(*LAYERS)
+
+
+def test_few_modules_at_the_top():
+    """The top of grpo holds its public faces (the trainers, the command line); everything else is in a package."""
+    top = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(top) <= 10, top
+
+
+def unit(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return parts[0]
+
+
+def grpo_imports(path: Path) -> list[tuple[str, int]]:
+    """(unit imported, line) for every import of a grpo module outside `if TYPE_CHECKING:` blocks."""
+    found = []
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                parts = child.module.split(".")
+                if parts[0] == "grpo":
+                    targets = [a.name for a in child.names] if len(parts) == 1 else [parts[1]]
+                    found.extend((t, child.lineno) for t in targets)
+            elif isinstance(child, ast.Import):
+                found.extend((a.name.split(".")[1], child.lineno) for a in child.names if a.name.startswith("grpo."))
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def unit_graph() -> dict[str, dict[str, list[str]]]:
+    """{unit: {unit it imports: ["path:line", ...]}}, imports inside a unit left out."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in modules():
+        here = unit(path)
+        for target, line in grpo_imports(path):
+            if target not in (here, "__init__"):
+                graph.setdefault(here, {}).setdefault(target, []).append(f"{name(path)}:{line}")
+    return graph
+
+
+def test_every_layer_names_real_units():
+    units = {unit(p) for p in modules()} - {"__init__", "__main__"}
+    named = set().union(*LAYERS)
+    assert named <= units, named - units
+
+
+def test_lower_layers_never_import_higher_ones():
+    level = {u: i for i, layer in enumerate(LAYERS) for u in layer}
+    upward = [
+        f"{source} (layer {level[source]}) imports {target} (layer {level[target]}) at {', '.join(where)}"
+        for source, targets in unit_graph().items()
+        for target, where in targets.items()
+        if source in level and target in level and level[target] > level[source]
+    ]
+    assert upward == [], "\n".join(upward)
+
+
+def test_grpo_units_import_each_other_without_cycles():
+    graph = unit_graph()
+    cycles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def strong(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(set(graph) | {w for targets in graph.values() for w in targets}):
+        if v not in index:
+            strong(v)
+    detail = [f"{a} -> {b} at {', '.join(graph[a][b])}" for c in cycles for a in c for b in graph.get(a, {}) if b in c]
+    assert cycles == [], "\n".join(detail)
+
+
+def test_checkpoints_read_no_dataset():
+    """The checkpoint package saves and loads the state components the trainer hands it: the run's record
+    (`components.TrainingRecord`) is given the dataset's size, so checkpoints never import the data module."""
+    modules = (SRC / "checkpoint").glob("*.py")
+    assert [f"{name(p)}:{line}" for p in modules for u, line in grpo_imports(p) if u == "data"] == []
+
+
+def test_no_test_folder_shadows_a_package():
+    """tests/ goes on sys.path (conftest, scripts): a folder there named like a package grpo or the tests import
+    would be imported in its place wherever that package is not installed (tests/vllm did so on a machine without
+    vLLM: `import vllm` succeeded and the suite stopped at collection)."""
+    tests = Path(__file__).parents[1]
+    packages = {"vllm", "trl", "datasets", "transformers", "accelerate", "peft", "deepspeed", "math_verify", "torch"}
+    packages |= {"tokenizers", "safetensors", "rich", "grpo", "tiny", "scripted"}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert not folders & packages
+
+
+def test_the_documented_layout_table_matches_the_tree():
+    """Every package and top-level module of grpo has a row in the layout table of docs/development.md, each row
+    names only what exists, and the rows follow the layers from the bottom up."""
+    page = (SRC.parents[1] / "docs" / "development.md").read_text()
+    table = page[page.index("## Layout") :].split("\n\n")[2]
+    rows = [line.split("|")[1] for line in table.splitlines()[2:]]
+    listed = [name.strip("`/") for row in rows for name in row.replace(",", " ").split()]
+    on_disk = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    on_disk |= {p.name.removesuffix(".py") for p in SRC.glob("*.py")} - {"__init__", "__main__"}
+    units = [name.removesuffix(".py") for name in listed]
+    assert set(units) == on_disk, set(units) ^ on_disk
+    level = {u: i for i, layer in enumerate(LAYERS) for u in layer}
+    order = [level[u] for u in units]
+    assert order == sorted(order), list(zip(units, order))
