@@ -53,15 +53,15 @@ SIZES = {
         default_tflop_per_s=790.0,
         device="cuda",
         equivalence=[
-            "tests/test_lean_decode.py",
-            "tests/test_fast_generation.py",
-            "tests/test_shared_prefix_training.py",
-            "tests/test_static_decode.py",
+            "tests/unit/test_lean_decode.py",
+            "tests/unit/test_fast_generation.py",
+            "tests/unit/test_shared_prefix_training.py",
+            "tests/unit/test_static_decode.py",
         ],
     ),
     "dry": dict(
         shape="tiny",
-        large_shape="tiny",
+        large_shape="tiny",  # the same: the dry run skips the larger shape's phases
         large_decode_rows=[4],
         copy_bytes=64 * 2**20,
         matmul_n=256,
@@ -80,7 +80,7 @@ SIZES = {
         default_tflop_per_s=0.5,
         device="cpu",
         equivalence=[
-            "tests/test_shared_prefix_training.py::test_chunked_logps_in_bfloat16_are_within_the_stated_tolerance"
+            "tests/unit/test_shared_prefix_training.py::test_chunked_logps_in_bfloat16_are_within_the_stated_tolerance"
         ],
     ),
 }
@@ -142,6 +142,8 @@ def command(phase: str, sizes: dict) -> list[str] | str:
         script = "run_trl.py" if phase == "trl" else "run_grpo.py"
         return [py, os.path.join(HERE, script), sizes["precision"], json.dumps(overrides)]
     if phase.endswith("_large"):
+        if sizes["large_shape"] == sizes["shape"]:
+            return "no larger shape here (the dry run's one shape ran in decode and train)"
         large = dict(sizes, shape=sizes["large_shape"], decode_rows=sizes["large_decode_rows"])
         return [py, os.path.join(HERE, "gpu_phases.py"), phase.removesuffix("_large"), json.dumps(large)]
     return [py, os.path.join(HERE, "gpu_phases.py"), phase, json.dumps(sizes)]

@@ -4,10 +4,9 @@ Llama, with and without it, in one process, one step of each in turn (same promp
     .venv/bin/python bench/torch_compile.py                         # tiny: hidden 32, 2 layers
     .venv/bin/python bench/torch_compile.py --hidden 512 --layers 13  # ~30M parameters
 
-Prints, for each setting, the first step (compilation included) and the median of the later steps, for the
-whole optimizer step and for its training pass (forward + backward). (The two runs share torch's sampling RNG
-in turn, so their completions differ; `tests/test_runtime_fields.py` checks that compiling leaves the loss as it
-is.)
+Prints, for each setting, the first step (compilation included) and the median of the later steps, for the whole
+optimizer step and for its training pass (forward + backward). (The two runs share torch's sampling RNG in turn, so
+their completions differ; `tests/integration/test_runtime_fields.py` checks that compiling leaves the loss as it is.)
 """
 
 from __future__ import annotations

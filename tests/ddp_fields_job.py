@@ -1,5 +1,5 @@
-"""One process of the two-process run of `tests/test_runtime_fields.py` (torchrun, gloo on CPU): a trainer with
-every DDP and process-group field set and average_tokens_across_devices=False trains one step; each process writes
+"""One process of the two-process run of `tests/integration/test_runtime_fields.py` (torchrun, gloo on CPU): a trainer
+with every DDP and process-group field set and average_tokens_across_devices=False trains one step; each process writes
 what its DDP wrapper and process group were built with, and the token counts its loss was normalized by.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/ddp_fields_job.py OUT MODEL_DIR

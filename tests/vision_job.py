@@ -1,5 +1,5 @@
-"""One process of the two-process vision-language run of `tests/test_vision.py` (torchrun, gloo on CPU): a tiny
-VLM trains two steps on rows of which the second process gets only text (its vision tower has no gradient: DDP's
+"""One process of the two-process vision-language run of `tests/integration/test_vision.py` (torchrun, gloo on CPU): a
+tiny VLM trains two steps on rows of which the second process gets only text (its vision tower has no gradient: DDP's
 default for a vision-language model, find_unused_parameters, lets it be); each process saves its parameters.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/vision_job.py OUT ARCH

@@ -1,5 +1,5 @@
 """What each TRL 1.16 config field does when set to a value other than its default: one registered check per
-field, run by `tests/test_trl_fields.py::test_each_field_set_to_a_non_default_value`.
+field, run by `tests/integration/test_trl_fields.py::test_each_field_set_to_a_non_default_value`.
 
 A check is registered with `@effect(field, value)` in one of the theme modules beside this file, and receives a
 `Setting`: `s.config(**more)` is a small GRPOConfig with the field set to `value`; `s.trainer(**more)` a trainer

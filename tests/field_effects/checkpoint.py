@@ -1,4 +1,4 @@
-"""Effects of the checkpoint and resume fields (tests/test_checkpoint_fields.py tests them further)."""
+"""Effects of the checkpoint and resume fields (tests/integration/test_checkpoint_fields.py tests them further)."""
 
 from __future__ import annotations
 

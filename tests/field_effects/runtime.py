@@ -1,5 +1,5 @@
 """Effects of the runtime fields: compilation and precision, checkpointing, DDP and the process group, devices and
-seeds, reward columns, the optimizer and schedule, batch sizes, and generation (tests/test_runtime_fields.py
+seeds, reward columns, the optimizer and schedule, batch sizes, and generation (tests/integration/test_runtime_fields.py
 tests them further)."""
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def _use_cache(s: Setting):
 
 @effect("ddp_find_unused_parameters", True)
 def _ddp_find_unused_parameters(s: Setting):
-    # the handler accelerate wraps the policy in DDP with (several processes: tests/test_runtime_fields.py)
+    # the handler accelerate wraps the policy in DDP with (several processes: tests/integration/test_runtime_fields.py)
     assert s.trainer().accelerator.ddp_handler.find_unused_parameters is True
     assert s.default_trainer().accelerator.ddp_handler is None  # DDP's own defaults
 

@@ -30,7 +30,7 @@ def test_the_dry_run_goes_through_every_phase_and_writes_its_results(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     statuses = {r["phase"]: r["status"] for r in records if "status" in r}
     trl = "ok" if importlib.util.find_spec("trl") else "skipped"  # TRL comes with the bench extra only
-    expected = {phase: "ok" for phase, _ in gpu_check.PHASES}
+    expected = {phase: "skipped" if phase.endswith("_large") else "ok" for phase, _ in gpu_check.PHASES}
     assert statuses == dict(expected, trl=trl), (tmp_path / "logs.txt").read_text()[-4000:]
     names = {r.get("name") for r in records}
     for name in ("packages", "device", "ceilings", "sdpa_decode", "sdpa_prefill", "decode_2_rows", "decode_8_rows"):
@@ -79,3 +79,13 @@ def test_phases_that_would_start_after_the_deadline_are_skipped(tmp_path, monkey
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert {r["status"] for r in records if "status" in r} == {"skipped"}
     assert all(r["why"] == "out of time" for r in records if "status" in r)
+
+
+def test_the_larger_shape_runs_the_same_phases():
+    sizes = dict(gpu_check.SIZES["gpu"], model_dir="/nowhere")
+    cmd = gpu_check.command("decode_large", sizes)
+    assert cmd[2] == "decode"
+    large = json.loads(cmd[3])
+    assert large["shape"] == "qwen2.5-1.5b" and large["decode_rows"] == [64, 256]
+    assert gpu_check.command("train_large", sizes)[2] == "train"
+    assert "no larger shape" in gpu_check.command("decode_large", dict(gpu_check.SIZES["dry"], model_dir="/x"))

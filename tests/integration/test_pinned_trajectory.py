@@ -5,7 +5,7 @@ parameters must equal the committed values, so a refactor that changes the numbe
 Tolerance: rtol 1e-5 (float32 on one machine gives the same bits run to run; the slack covers other CPUs'
 kernels). When a change of the numbers is intended, say why in the commit and re-pin: run
 
-    .venv/bin/python tests/test_pinned_trajectory.py
+    PYTHONPATH=tests .venv/bin/python tests/integration/test_pinned_trajectory.py
 
 which prints the new `PINNED` dict to paste below.
 """

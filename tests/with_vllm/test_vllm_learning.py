@@ -1,6 +1,6 @@
 """Slow (`make test-slow`): the demo's real learning run on the bundled SmolLM2-135M-Instruct with generation in
 vLLM (colocate), the importance-sampling correction on. Greedy accuracy on all 81 digit pairs must rise clearly, as
-it does with grpo's own engine (tests/test_bundled_learning.py). The same run from the command line:
+it does with grpo's own engine (tests/integration/test_bundled_learning.py). The same run from the command line:
 `python -m grpo.apps.demo --set use_vllm=true`."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Image prompts through vLLM on this CPU (issue 20), colocate and server mode, on the tiny Idefics3 (SmolVLM's
-architecture; its language model 128 wide, whose heads vLLM's CPU attention supports). vLLM gets the template's
-token ids and the images and expands them itself; the sampled tokens' log-probs it returns match the training
-pass's, which sees the images (tests/test_vision.py: those change when an image does), so vLLM saw them too."""
+architecture; its language model 128 wide, whose heads vLLM's CPU attention supports). vLLM gets the template's token
+ids and the images and expands them itself; the sampled tokens' log-probs it returns match the training pass's, which
+sees the images (tests/integration/test_vision.py: those change when an image does), so vLLM saw them too."""
 
 from __future__ import annotations
 
