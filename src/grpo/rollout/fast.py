@@ -5,7 +5,11 @@ the tests:
 - **prefix sharing**: a request's samples share its prompt; the prompt is prefilled once and its KV cache
   copied to the request's rows (prefill work / G);
 - **finished rows leave the batch**: a row that emitted a stop token (or used its request's token budget) is
-  dropped from the decode batch and its cache, so late steps run on the rows still going;
+  dropped from the decode batch and its cache, so late steps run on the rows still going (on a CPU at once; on
+  a GPU, which would wait for the host at every look, every 16 steps);
+- **on a GPU, fixed shapes** (`grpo.rollout.graphed`): with the lean decoder, a decode step reads and writes
+  device buffers only, sampling included, so it is captured once as a CUDA graph and replayed; both loops read
+  the same uniform numbers, one per row and step, and sample the same tokens from one generator;
 - **lean sampling**: the processed distribution is built once per step with transformers' own logits
   processors (repetition penalty, temperature, top-k, top-p, min-p: the plain path's semantics and order),
   the token drawn from it, and its log-probability read from the same tensor.
