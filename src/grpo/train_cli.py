@@ -18,10 +18,13 @@ as a flag, is one error naming the nearest valid one.
 from __future__ import annotations
 
 import difflib
+import enum
 import importlib
 import os
 import re
 import sys
+import types
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -104,6 +107,7 @@ def parse(argv: Sequence[str]) -> tuple[ScriptArguments, GRPOConfig, ModelArgume
                 raise UsageError(f"grpo train: {config_path}: the key {key!r} is not a field name (a string).")
             if key not in known:
                 raise UsageError(f"grpo train: {config_path}: unknown field '{key}'{_nearest(key, known)}.")
+        _check_kinds(values, config_path)
         parser.set_defaults(**{k: _as_flag_default(v) for k, v in values.items()})
     namespace, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -149,6 +153,70 @@ def read_config(path: str) -> dict:
         f"grpo train: {path} {what}, not a mapping of field: value; write one field per line, e.g. "
         "'model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct'."
     )
+
+
+def _check_kinds(values: dict, path: str) -> None:
+    """A config file's value of the wrong kind (null, a list, a mapping, true/false where the field wants another)
+    is one UsageError naming the field, the kind it needs and the kind it got. Strings are left to argparse, which
+    converts them as it converts flags (YAML reads 1e-5 as a string)."""
+    hints: dict[str, Any] = {}
+    for group in (ScriptArguments, GRPOConfig, ModelArguments):
+        hints.update(typing.get_type_hints(group))
+    for key, value in values.items():
+        if not isinstance(value, str) and key in hints and not _fits(value, hints[key]):
+            raise UsageError(f"grpo train: {path}: {key} needs {_kind(hints[key])}, not {_kind_of(value)}.")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a YAML value can be the field's (kinds this does not know are let through)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if origin in (list, tuple) or hint in (list, tuple):
+        args = typing.get_args(hint)
+        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float):  # a fraction for an integer field is refused by GRPOConfig, naming the field
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)  # a number for a name: as a flag
+    return True
+
+
+def _kind(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(_kind(h) for h in typing.get_args(hint)))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    names = {type(None): "null", bool: "true or false", int: "a number", float: "a number", str: "a string"}
+    if hint in names:
+        return names[hint]
+    if origin in (list, tuple) or hint in (list, tuple):
+        args = typing.get_args(hint)
+        return f"a list of {_kind(args[0]).removeprefix('a ')}s" if args and args[0] in names else "a list"
+    if origin is dict or hint is dict:
+        return "a mapping"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _kind_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    if isinstance(value, list):
+        return f"the list {value!r}"
+    return f"a {type(value).__name__}" if not isinstance(value, dict) else "a mapping"
 
 
 def _config_path(argv: list[str]) -> str | None:

@@ -20,6 +20,7 @@ from transformers import (
 from grpo import GRPOConfig, cli
 from grpo.observe.report import charts
 from grpo.rewards.models import RewardModel
+from grpo.train_cli import parse
 from test_report import charts_in, full_history, write_run
 from tiny import make_tokenizer
 
@@ -65,6 +66,29 @@ def test_other_command_line_mistakes_exit_with_the_same_status(tmp_path, capsys)
     with pytest.raises(SystemExit) as argparse_exit:  # argparse's own usage error, for comparison
         cli.main(["train", "--max_steps", "1.5"])
     assert argparse_exit.value.code == 2 and "invalid int value: '1.5'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("logging_steps: null", "logging_steps needs a number, not null"),
+        ("learning_rate: [0.001]", "learning_rate needs a number, not the list [0.001]"),
+        ("bf16: 3", "bf16 needs true or false or null, not the number 3"),
+        ("report_to: [wandb, 3]", "report_to needs null or a string or a list of strings, not the list"),
+        ("lr_scheduler_type: [cosine]", "lr_scheduler_type needs a string, not the list ['cosine']"),
+    ],
+)
+def test_a_config_value_of_the_wrong_kind_names_the_field_and_the_kind(tmp_path, capsys, text, message):
+    """YAML values skip argparse's conversion: one of the wrong kind is named with the kind its field needs (it
+    used to surface as "'>' not supported between instances of 'NoneType' and 'int'"); values of the right
+    kind, and strings argparse converts (YAML reads 1e-5 as one), still parse."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text + "\n")
+    assert cli.main(["train", "--config", str(path)]) == 2
+    assert f"grpo train: {path}: {message}" in capsys.readouterr().err
+    path.write_text("learning_rate: 1e-5\nreward_weights: [1.0, 0.5]\nmodel_init_kwargs: {dtype: float32}\n")
+    _, args, _ = parse(["--config", str(path)])
+    assert args.learning_rate == 1e-5 and args.reward_weights == [1.0, 0.5]
 
 
 # ---- (b) integer fields ---------------------------------------------------------------------------------------
