@@ -183,6 +183,37 @@ def test_settings_the_fast_path_does_not_cover_fall_back():
     assert "cache_implementation" in supports(model, GRPOConfig(output_dir="x", cache_implementation="static"))
 
 
+RECURRENT = ["Mamba", "Mamba2", "Jamba", "Bamba", "FalconH1", "NemotronH", "Qwen3Next", "Zamba2", "RecurrentGemma"]
+RECURRENT += ["Rwkv", "GraniteMoeHybrid", "xLSTM", "Qwen3_5"]
+
+
+@pytest.mark.parametrize("stateful_marker", [True, False], ids=["transformers-5.19", "without-_is_stateful"])
+@pytest.mark.parametrize("kind", RECURRENT + ["Llama", "Qwen2", "Qwen3", "Gemma2", "Gemma3", "Mistral"])
+def test_models_with_recurrent_state_keep_the_plain_engine_without_transformers_private_marker(
+    kind, stateful_marker, monkeypatch
+):
+    """Mamba, linear-attention, RWKV, xLSTM and Griffin layers keep state the fast engine's shared-prefix cache does
+    not hold: such models sample with the plain engine, found from their layers and parameters even where
+    transformers no longer has `_is_stateful` (5.25 removed it); attention-only models keep the fast engine.
+    Models built on the meta device from their default configs (4 layers): nothing is allocated."""
+    import transformers
+
+    from grpo.rollout.fast import unsupported_reason as supports
+
+    cls = getattr(transformers, f"{kind}ForCausalLM")
+    config = cls.config_class()
+    config.num_hidden_layers = 4
+    with torch.device("meta"):
+        model = cls(config)
+    if not stateful_marker:  # as on transformers 5.25
+        monkeypatch.setattr(cls, "_is_stateful", False, raising=False)
+    reason = supports(model, GRPOConfig(output_dir="x"))
+    if kind in RECURRENT:
+        assert reason is not None and "recurrent state" in reason
+    else:
+        assert reason is None
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_low_precision_linears_give_autocasts_logits_exactly(bias):
     """Weights cast (and on CPU pre-packed) once give the very numbers bfloat16 autocast computes per forward;
