@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import TrainerState
 
@@ -49,42 +50,89 @@ def write(
         json.dump(meta, f)
 
 
-def read(checkpoint: str, file: str, staleness: int, params: dict[str, torch.Tensor]) -> Any:
+def read(
+    checkpoint: str, file: str, staleness: int, params: dict[str, torch.Tensor], position: int | None = None
+) -> Any:
     """`write`'s publications and weights (None for a sequential run's checkpoint), checked against this run's
-    max_staleness and trained parameters `params` (names, shapes; loaded to their devices and dtypes)."""
+    max_staleness, the checkpoint's data `position` and trained parameters `params` (names, shapes, finite values;
+    loaded to their devices and dtypes). Anything else is one CheckpointError naming the file."""
     meta_path = os.path.join(checkpoint, file + ".json")
-    if not os.path.exists(meta_path):  # a sequential run's checkpoint: the next rounds sample the resumed policy
+    tensors_path = os.path.join(checkpoint, file + ".tensors")
+    if not os.path.exists(meta_path):
+        if os.path.exists(tensors_path):  # an asynchronous run's checkpoint that lost half its in-flight rounds
+            raise files.invalid(
+                meta_path,
+                f"is missing, while {file}.tensors is there: the rounds after this checkpoint cannot be sampled "
+                "from the policies they were. Restore the file, or resume from another checkpoint",
+            )
+        # a sequential run's checkpoint: the next rounds sample the resumed policy
         logger.warning("%s has no in-flight rounds (a sequential run's): async resumes on-policy.", checkpoint)
         return None
     try:
         with open(meta_path) as f:
-            meta = json.load(f)
-        tensors = load_file(os.path.join(checkpoint, file + ".tensors"))
+            meta = json.load(f, parse_constant=_no_constant)
+        if not isinstance(meta, dict):
+            raise ValueError(f"it holds a {type(meta).__name__}, not an object")
         if meta["max_staleness"] != staleness:
             raise files.invalid(
                 meta_path,
                 f"was written with max_staleness={meta['max_staleness']}, this run has {staleness}: the rounds after "
                 "the checkpoint would sample other weights. Resume with the same max_staleness",
             )
+        listed = _publications(meta, staleness, position)
+        tensors = load_file(tensors_path)
         weights: dict[int, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             wid, _, name = key.partition("/")
             if name not in params or tensor.shape != params[name].shape or not wid.isdigit():
                 raise ValueError(f"it holds {key!r} {tuple(tensor.shape)}, not a trained parameter of the model")
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise ValueError(f"{file}.tensors holds values of {key!r} that are not finite numbers")
             # a tensor of its own, allocated as the publications' clones are (the snapshot samples it in place, and
             # a kernel's result may depend on its memory's alignment, which a tensor read from the file does not have)
             value = torch.empty_like(params[name]).copy_(tensor)
             weights.setdefault(int(wid), {})[name] = value
         pubs = {}
-        for p, pub in meta["publications"].items():
+        for p, pub in listed.items():
             if set(weights.get(pub["weights"], ())) != set(params):
                 raise ValueError(f"publication {p} names weights the file does not hold in full")
-            pubs[int(p)] = Publication(pub["weights"], None, int(pub["step"]), TrainerState(**pub["state"]))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            pubs[p] = Publication(pub["weights"], None, pub["step"], TrainerState(**pub["state"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, SafetensorError) as error:
         if isinstance(error, files.CheckpointError):
             raise
-        raise files.invalid(meta_path, f"cannot be read as in-flight rounds ({error})") from error
+        problem = "nested too deeply" if isinstance(error, RecursionError) else error
+        raise files.invalid(meta_path, f"cannot be read as in-flight rounds ({problem})") from None
     return pubs, weights
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"it holds {name}, not a number JSON allows")
+
+
+def _publications(meta: dict, staleness: int, position: int | None) -> dict[int, dict]:
+    """The publications, each field checked against the checkpoint's data position and max_staleness: a round
+    from the checkpoint's position on samples a publication made at most max_staleness rounds before it."""
+    start = meta["data_position"]
+    if type(start) is not int or start < 0 or (position is not None and start != position):
+        raise ValueError(f"its data_position {start!r} is not the checkpoint's ({position})")
+    listed = meta["publications"]
+    if not isinstance(listed, dict):
+        raise ValueError("its publications are not an object")
+    first = max(start - staleness, 0)
+    out = {}
+    for p, pub in listed.items():
+        if not p.isdigit() or not first <= int(p) <= start:
+            raise ValueError(
+                f"publication {p!r} is not a round a checkpoint at data position {start} with max_staleness="
+                f"{staleness} holds ({first}..{start})"
+            )
+        if not isinstance(pub, dict) or not isinstance(pub.get("state"), dict):
+            raise ValueError(f"publication {p} is not an object with a trainer state")
+        for key in ("weights", "step"):
+            if type(pub.get(key)) is not int or pub[key] < 0:
+                raise ValueError(f"publication {p}'s {key} is {pub.get(key)!r}, not a count")
+        out[int(p)] = pub
+    return out
 
 
 def _state_json(state: TrainerState) -> dict[str, Any]:

@@ -415,7 +415,8 @@ class AsyncRounds:
 
     def read(self, checkpoint: str, state: dict[str, Any]) -> Any:
         params = dict(self.snapshot.named_parameters())  # whole, where the learner's may be sharded
-        return inflight.read(checkpoint, self.file, self.s, {name: params[name] for name in self.names})
+        named = {name: params[name] for name in self.names}
+        return inflight.read(checkpoint, self.file, self.s, named, state["data_position"])
 
     def restore(self, value: Any) -> None:
         if value is None:
