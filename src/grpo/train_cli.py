@@ -168,7 +168,10 @@ def _check_kinds(values: dict, path: str) -> None:
 
 
 def _fits(value: Any, hint: Any) -> bool:
-    """Whether a YAML value can be the field's (kinds this does not know are let through)."""
+    """Whether a YAML value can be the field's (kinds this does not know are let through; strings too, which the
+    parser converts)."""
+    if isinstance(value, str):
+        return True
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_fits(value, h) for h in typing.get_args(hint))
@@ -186,7 +189,7 @@ def _fits(value: Any, hint: Any) -> bool:
     if hint in (int, float):  # a fraction for an integer field is refused by GRPOConfig, naming the field
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)  # a number for a name: as a flag
+        return isinstance(value, (int, float)) and not isinstance(value, bool)  # a number for a name, as a flag gives
     return True
 
 

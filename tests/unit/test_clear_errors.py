@@ -74,7 +74,7 @@ def test_other_command_line_mistakes_exit_with_the_same_status(tmp_path, capsys)
         ("logging_steps: null", "logging_steps needs a number, not null"),
         ("learning_rate: [0.001]", "learning_rate needs a number, not the list [0.001]"),
         ("bf16: 3", "bf16 needs true or false or null, not the number 3"),
-        ("report_to: [wandb, 3]", "report_to needs null or a string or a list of strings, not the list"),
+        ("report_to: [wandb, null]", "report_to needs null or a string or a list of strings, not the list"),
         ("lr_scheduler_type: [cosine]", "lr_scheduler_type needs a string, not the list ['cosine']"),
     ],
 )
