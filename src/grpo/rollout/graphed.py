@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from grpo.base import sigterm
-from grpo.rollout.lean_decoder import GROW, LeanDecoder, _rope
+from grpo.rollout.lean_decoder import GROW, LeanDecoder, _rope, grouped_attention
 
 logger = logging.getLogger("grpo")
 
@@ -261,17 +261,3 @@ class StaticDecode:
         self.budget = self.budget[slot]
         self.history = self.history[slot] if self.history is not None else None
         self._new_segment()
-
-
-def grouped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention of one query per row (b, heads, 1, d) over keys and values (b, kv_heads, width, d), a query head
-    reading its group's key head, `bias` (b, 1, 1, width) added to the scores: two batched matrix products that read
-    the cache once (no key/value head repeated), scores and softmax in float32 from the product in the keys' dtype
-    (as transformers' eager attention computes them)."""
-    b, heads, _, d = q.shape
-    kv_heads = keys.shape[1]
-    grouped = q.reshape(b, kv_heads, heads // kv_heads, d)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float().mul_(scale).add_(bias)
-    return torch.matmul(scores.softmax(-1).to(values.dtype), values).reshape(b, heads, 1, d)
