@@ -163,7 +163,7 @@ def _check_kinds(values: dict, path: str) -> None:
     for group in (ScriptArguments, GRPOConfig, ModelArguments):
         hints.update(typing.get_type_hints(group))
     for key, value in values.items():
-        if not isinstance(value, str) and key in hints and not _fits(value, hints[key]):
+        if key in hints and not _fits(value, hints[key]):
             raise UsageError(f"grpo train: {path}: {key} needs {_kind(hints[key])}, not {_kind_of(value)}.")
 
 
@@ -214,12 +214,12 @@ def _kind_of(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
-        return f"{str(value).lower()}"
+        return str(value).lower()
     if isinstance(value, (int, float)):
         return f"the number {value}"
     if isinstance(value, list):
         return f"the list {value!r}"
-    return f"a {type(value).__name__}" if not isinstance(value, dict) else "a mapping"
+    return "a mapping" if isinstance(value, dict) else f"a {type(value).__name__}"
 
 
 def _config_path(argv: list[str]) -> str | None:
