@@ -64,6 +64,8 @@ docs: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests setup.py
 	$(VENV)/bin/ruff format --check src tests setup.py
+	# the type check of src/grpo, as pyproject.toml's [tool.mypy] configures it
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV)

@@ -54,6 +54,13 @@ def length_reward(completions, **kwargs):
     return [len(text_of(c)) / 8.0 for c in completions]
 
 
+def generate(trainer, rows):
+    """Completions of dataset rows `rows` (tool rounds included) from the trainer's current policy: its producer,
+    synced to the policy's weights first, as a training round does."""
+    trainer.producer.sync(trainer.unwrapped_model, trainer.policy_version)
+    return trainer.producer.generate(rows)
+
+
 def params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

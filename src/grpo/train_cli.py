@@ -91,7 +91,9 @@ def parse(argv: Sequence[str]) -> tuple[ScriptArguments, GRPOConfig, ModelArgume
     from transformers import HfArgumentParser
 
     # no abbreviations: a misspelled flag is an error, never silently another field
-    parser = HfArgumentParser((ScriptArguments, GRPOConfig, ModelArguments), prog="grpo train", allow_abbrev=False)
+    dataclass_types = (ScriptArguments, GRPOConfig, ModelArguments)
+    # transformers types its dataclass classes as a NewType of Any, which a class is not
+    parser = HfArgumentParser(dataclass_types, prog="grpo train", allow_abbrev=False)  # type: ignore[arg-type]
     parser.add_argument("--config", default=None, help="A YAML (or JSON) file of any of these fields.")
     for action in parser._actions:  # a field's help is plain text: its "%" is not argparse's formatting
         if action.help and "%(" not in action.help:
@@ -124,7 +126,7 @@ def parse(argv: Sequence[str]) -> tuple[ScriptArguments, GRPOConfig, ModelArgume
             flagged = name and any(a.split("=")[0] in (f"--{name}", f"--{name.replace('_', '-')}") for a in argv)
             where = f"{config_path}: " if name in values and not flagged else ""
             raise UsageError(f"grpo train: {where}{err}") from err
-    return tuple(groups)  # type: ignore[return-value]
+    return tuple(groups)  # type: ignore[return-value]  # one instance of each dataclass type, in order
 
 
 def read_config(path: str) -> dict:
@@ -322,6 +324,7 @@ def model_init_kwargs(model: ModelArguments, args: GRPOConfig) -> dict:
             bnb_4bit_use_double_quant=model.use_bnb_nested_quant,
             bnb_4bit_quant_storage=model.bnb_4bit_quant_storage,
         )
+    assert not isinstance(args.model_init_kwargs, str)  # GRPOConfig.__post_init__ parsed the JSON
     return {**kwargs, **(args.model_init_kwargs or {})}
 
 

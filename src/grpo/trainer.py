@@ -9,8 +9,9 @@ completions for each with the current policy, score them with the reward functio
 group-relative advantages, and compute the old-policy log-probs (only when the batch will be reused off-policy)
 and the reference log-probs (only when beta > 0). Then each micro-step takes one slice of that batch and
 backpropagates the policy loss; every `gradient_accumulation_steps` micro-steps the optimizer steps. `_step`
-below is one optimizer step, top to bottom; each phase is one call with a typed result. Generating and scoring go
-through `grpo.rounds.producer` (this process's rows, from weights pushed by version); the trainer is the learner.
+below is one optimizer step, top to bottom; each phase is one call with a typed result. A generation batch comes
+from one call, `grpo.rounds.sequential.Rounds.next` (generated, scored, gathered, filtered and timed, the same for
+the sequential and the asynchronous loop); the trainer is the learner.
 
 Where grpo departs from the reference (TRL 1.16, shared spec):
 - a completion stops at the chat template's end-of-turn token as well as EOS (reference quirk 10);
@@ -49,14 +50,13 @@ import torch
 from transformers import PreTrainedModel, TrainerState
 
 from grpo import checkpoint
-from grpo.agent import Environments, Generated, Rollouts
+from grpo.agent import Environments, Rollouts
 from grpo.agent.environments import placeholder_dataset
 from grpo.algo.advantages import Advantages, compute_advantages
 from grpo.algo.loss_terms import LossTerms, router_aux_coef
 from grpo.algo.losses import LossParams, LossScale, high_entropy_mask, masked_mean_stat, policy_loss
 from grpo.algo.sampling_correction import SamplingCorrection
 from grpo.base import seeding
-from grpo.base.sigterm import agreed_or_none
 from grpo.checkpoint import components, hub
 from grpo.checkpoint.hub import Hub
 from grpo.config import GRPOConfig, resolve_args, warn_odd_combinations
@@ -82,9 +82,9 @@ from grpo.perf import allocator, attention
 from grpo.rewards.calling import RewardFunctions
 from grpo.rollout import build_engine
 from grpo.rounds import asynchronous, evaluation, preemption
-from grpo.rounds.groups import GenerationBatch, Scored, gather_scored, rows_with_spread
+from grpo.rounds.groups import GenerationBatch, Scored
 from grpo.rounds.preemption import Preempted, preemption_guard
-from grpo.rounds.producer import Produced, Producer
+from grpo.rounds.producer import Producer
 from grpo.trl_surface import TrlSurface, stream_settings
 
 logger = logging.getLogger("grpo")
@@ -112,15 +112,9 @@ class GRPOTrainer(TrlSurface):
         environment_factory: Any = None,
     ) -> None:
         self.args = args = resolve_args(args, model_name(model), model, quantization_config)
-
         run_dir.check_output_dir(args.output_dir)
         self.environments = Environments(environment_factory) if environment_factory is not None else None
-        train_dataset = placeholder_dataset(data.load_local(train_dataset), args, environment_factory)
-        data.check_dataset(train_dataset, bool(tools) or self.environments is not None, self.environments is not None)
-        stream_settings(args, train_dataset, eval_dataset)  # dispatch_batches, dataloader_num_workers
-        if data.is_stream(train_dataset):
-            train_dataset = data.StreamRows(train_dataset, 4 * args.generation_batch_size)
-        self.train_dataset = train_dataset
+        self.train_dataset = self._training_data(train_dataset, eval_dataset, bool(tools), environment_factory)
         warn_odd_combinations(args)
         models.default_unused_parameters(args, model)  # a vision-language model's DDP default
         self.accelerator = make_accelerator(args)
@@ -132,11 +126,35 @@ class GRPOTrainer(TrlSurface):
             reward_funcs, args, reward_processing_classes, self.accelerator.device, env_rewards
         )
         seeding.seed_run(args)  # full_determinism: deterministic algorithms too
-        fsdp = getattr(self.accelerator.state, "fsdp_plugin", None)
-        built = models.build(model, processing_class, peft_config, args, fsdp, self.accelerator.device)
+        snapshot, processor = self._build_policy(model, processing_class, peft_config, optimizers)
+        self._build_rounds(tools, rollout_func, processor, snapshot)
+        self._build_bookkeeping(eval_dataset, callbacks)
+        self._fire("init_end")
+
+    # ---- construction ----------------------------------------------------------------------------------------
+
+    def _training_data(self, train_dataset: Any, eval_dataset: Any, tools: bool, environment_factory: Any) -> Any:
+        """The training rows, checked (an environment's placeholder rows where it has none; a stream read by
+        position)."""
+        args, environments = self.args, self.environments is not None
+        train_dataset = placeholder_dataset(data.load_local(train_dataset), args, environment_factory)
+        data.check_dataset(train_dataset, tools or environments, environments)
+        stream_settings(args, train_dataset, eval_dataset)  # dispatch_batches, dataloader_num_workers
+        if data.is_stream(train_dataset):
+            train_dataset = data.StreamRows(train_dataset, 4 * args.generation_batch_size)
+        return train_dataset
+
+    def _build_policy(
+        self, model: Any, processing_class: Any, peft_config: Any, optimizers: tuple[Any, Any]
+    ) -> tuple[Any, Any]:
+        """The policy, tokenizer and reference model, the schedule and optimizer, prepared by accelerate; returns
+        the producer's snapshot (async: a whole copy made before sharding, else None) and the image processor."""
+        args, acc = self.args, self.accelerator
+        fsdp = getattr(acc.state, "fsdp_plugin", None)
+        built = models.build(model, processing_class, peft_config, args, fsdp, acc.device)
         self.model, self.processing_class, self.ref_model = built.model, built.processing_class, built.ref_model
         self.tokenizer, self.ref_from_adapters = built.tokenizer, built.ref_from_adapters
-        data.check_images(train_dataset, self.processing_class)  # image columns need a processor; rows checked
+        data.check_images(self.train_dataset, self.processing_class)  # image columns need a processor; rows checked
         self.pixels = vision.Pixels.of(built.processor, built.model)  # image prompts' pixel inputs
         self.state = TrainerState()
         self.flop_parameters = reporting.non_embedding_parameters(self.model)  # total_flos, as the HF Trainer
@@ -144,36 +162,45 @@ class GRPOTrainer(TrlSurface):
         self.state.max_steps = self.max_steps
         self._build_optimization(*optimizers)
         self.model, self.optimizer, self.ref_model, snapshot = models.prepare(
-            self.accelerator, args, self.model, self.optimizer, self.ref_model
+            acc, args, self.model, self.optimizer, self.ref_model
         )
-        seeding.distinct_per_process(args, self.accelerator)  # a group split over processes: distinct samples
+        seeding.distinct_per_process(args, acc)  # a group split over processes: distinct samples
         ref_sync.check(self)  # sync_ref_model needs a reference model of its own
         checkpoint.strategy.check(self)  # the best checkpoint must be knowable and loadable
+        return snapshot, built.processor
+
+    def _build_rounds(self, tools: Any, rollout_func: Any, processor: Any, snapshot: Any) -> None:
+        """The engine, prompts, tool loop and producer; the training pass; the rounds (in turn, or async)."""
+        args, acc = self.args, self.accelerator
         self.stop_ids = data.end_of_turn_ids(self.tokenizer, generation_eos(self.unwrapped_model))
-        engine = build_engine(self.unwrapped_model, self.tokenizer, args, self.stop_ids, self.accelerator, self.pixels)
+        engine = self._engine(self.unwrapped_model, args)
         attention.use_grouped_heads(self.model)
-        self.training_pass = TrainingPass(
-            self.model, args, self.accelerator.autocast, self.accelerator.mixed_precision, self.pixels
-        )
+        self.training_pass = TrainingPass(self.model, args, acc.autocast, acc.mixed_precision, self.pixels)
         context = getattr(self.unwrapped_model.config.get_text_config(), "max_position_embeddings", None)
         context = (args.use_vllm and args.vllm_max_model_length) or context  # vLLM's own context, if set
         self.prompts = data.PromptSource(
-            train_dataset,
+            self.train_dataset,
             self.tokenizer,
             args.chat_template_kwargs,
             context,
             args.max_completion_length,
-            processor=built.processor,
+            processor=processor,
         )
-        everywhere = functools.partial(collectives.any_process_or_preempted, self.accelerator)  # a tool loop's
+        everywhere = functools.partial(collectives.any_process_or_preempted, acc)  # a tool loop's
         self.rollouts = Rollouts(
             engine, self.prompts, args, self.stop_ids, everywhere, tools, self.environments, rollout_func, self
         )
-        ranks = self.accelerator.process_index, self.accelerator.num_processes
-        self.producer = Producer(self.rollouts, self.rewards, train_dataset, args, *ranks, self.state)
+        ranks = acc.process_index, acc.num_processes
+        self.producer = Producer(self.rollouts, self.rewards, self.train_dataset, args, *ranks, self.state)
         self.loop = LoopState()
         self.buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
-        self.rounds = asynchronous.rounds_of(self, snapshot)  # generate -> score: in turn with training, or async
+        pad, learner = self.tokenizer.pad_token_id, (self.producer, self.model, self.training_pass)
+        side = asynchronous.Learner(args, acc, *learner, pad, self.loop, self._engine)
+        self.rounds = asynchronous.rounds_of(side, snapshot)  # generate -> score: in turn with training, or async
+
+    def _build_bookkeeping(self, eval_dataset: Any, callbacks: Any) -> None:
+        """The loss's parts, what checkpoints hold, metrics, evaluation, the report, the Hub and the callbacks."""
+        args = self.args
         mixed_reference = ref_sync.MixedReference.of(args, self.ref_model, self.accelerator)
         extra = [*mixed_reference, *([self.rounds] if args.async_generation else [])]  # in-flight rounds
         self.loss_params = LossParams.of(args)
@@ -181,7 +208,7 @@ class GRPOTrainer(TrlSurface):
         # what checkpoints save and load (trainer_state.json's record first)
         resume_at = functools.partial(position_after_resume, args, self.train_dataset)  # ignore_data_skip
         self.state_components = components.of_run(self, extra, data.dataset_size(self.train_dataset), resume_at)
-        self.correction = SamplingCorrection.of(args, engine)  # sampling/* metrics, vLLM's IS weight, OPSM
+        self.correction = SamplingCorrection.of(args, self.engine)  # sampling/* metrics, vLLM's IS weight, OPSM
         self.policy_version = 0  # a new number whenever the policy's weights change (the producer syncs on it)
         self.gradient_check = optimization.GradientCheck(args.max_grad_norm)  # clip; non-finite norms
         self.step_applied = False  # whether the current step's optimizer step has been applied
@@ -190,6 +217,14 @@ class GRPOTrainer(TrlSurface):
         self.latest_batch: tuple[Scored, torch.Tensor] | None = None  # the last generation batch and its advantages
         self.eval_dataset = eval_dataset
         self.evaluations = evaluation.build(eval_dataset, args, self.prompts, self.accelerator.num_processes)
+        parts = (
+            self.producer,
+            self.rounds,
+            self.prompts,
+            self._eval_loss,
+            functools.partial(self._engine, self.unwrapped_model),
+        )
+        self.evaluator = evaluation.Evaluator(args, self.accelerator, *parts)  # what evaluate() runs on
         self.diagnosis = Diagnosis()  # what the logged metrics say is going wrong: one warning each
         self.run_report = RunReport.of(self)  # <output_dir>/report.html
         self.hub = Hub(args, self.accelerator.is_main_process)
@@ -197,9 +232,6 @@ class GRPOTrainer(TrlSurface):
         self.hub.create_repo()  # with push_to_hub, as the HF Trainer: at construction
         handles = self.model, self.processing_class, self.optimizer, self.lr_scheduler
         self.callback_handler = Callbacks(callbacks, *handles)
-        self._fire("init_end")
-
-    # ---- construction ----------------------------------------------------------------------------------------
 
     def _build_optimization(self, optimizer: Any, lr_scheduler: Any) -> None:
         """The given optimizer and schedule, or AdamW and the config's schedule."""
@@ -208,6 +240,11 @@ class GRPOTrainer(TrlSurface):
         if lr_scheduler is None:
             lr_scheduler = optimization.default_scheduler(optimizer, self.args, self.max_steps)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+
+    def _engine(self, model: torch.nn.Module, settings: GRPOConfig) -> Any:
+        """An engine of the configured kind sampling `model` (the policy, or an async producer's snapshot), with
+        `settings` (the run's, or eval_greedy's)."""
+        return build_engine(model, self.tokenizer, settings, self.stop_ids, self.accelerator, self.pixels)
 
     @property
     def unwrapped_model(self) -> PreTrainedModel:
@@ -275,18 +312,12 @@ class GRPOTrainer(TrlSurface):
         start = time.perf_counter()
         self.step_applied = False
         losses = []
-        self.rounds.step_begins(self.loop.data_position)
         if self.state.global_step % self.steps_per_epoch == 0:
             self._fire("epoch_begin")
         self._fire("step_begin")
         for micro in range(self.args.gradient_accumulation_steps):
             if self.buffer.needs_generation(self.loop.micro_step):
-                generated = self._generation_batch()  # rounds of generate -> score
-                advantages = self._advantages(generated.batch)
-                batch = self._collate(generated.batch, advantages)
-                batch = self._add_old_and_ref_logps(batch)
-                self._log_generation(generated, advantages, batch)
-                self.buffer.fill(batch, self.loop.micro_step)
+                self.buffer.fill(self._generation(), self.loop.micro_step)
             batch = self.buffer.take(self.loop.micro_step)
             self.loop.micro_step += 1
             last = micro == self.args.gradient_accumulation_steps - 1
@@ -298,45 +329,24 @@ class GRPOTrainer(TrlSurface):
         self._fire("step_end")
         self._log_step(update, time.perf_counter() - start)
         step = self.state.global_step
-        self._checkpoint(evaluation.due(self, step))  # due: eval_strategy, or a callback's control.should_evaluate
+        self._checkpoint(self._evaluation_due(step))
         if step % self.steps_per_epoch == 0 or step == self.max_steps:
             self._fire("epoch_end")
         return update.loss
 
     # ---- generate, score, advantages, old/reference log-probs ------------------------------------------------
 
-    def _generation_batch(self) -> GenerationBatch:
-        """One generation batch, every process's rows. With dynamic_sampling, groups without reward spread are
-        dropped and further prompts generated (the data position advances) until the batch is full or
-        dynamic_sampling_max_attempts rounds have run."""
-        a = self.args
-        rounds = a.dynamic_sampling_max_attempts if a.dynamic_sampling else 1
-        generated = GenerationBatch(a.num_generations)
-        while generated.rounds < rounds and generated.size < a.generation_batch_size:
-            # this process's rows, generated (from the weights of `policy_version`, or an older one: async) and
-            # scored; None where SIGTERM stopped them, which every process then learns at the gather
-            where = (self.loop.data_position, self.unwrapped_model, self.policy_version, self.state)
-            produced = agreed_or_none(functools.partial(self.rounds.take, *where), self.accelerator.num_processes > 1)
-            with generated.timed("scoring"):
-                scored = self._score(produced)
-            generated.generation_s += produced.generation_s
-            generated.scoring_s += produced.scoring_s
-            self.loop.data_position += 1
-            keep = rows_with_spread(scored, self.rewards.weights, a) if a.dynamic_sampling else None
-            generated.add_round(produced.scored.rollout, scored, keep)
-        return generated.finish(a.generation_batch_size)
-
-    def _generate(self, rows: list[int]) -> Generated:
-        """Completions for this process's rows (tool rounds included), from the current policy's weights."""
-        self.producer.sync(self.unwrapped_model, self.policy_version)
-        return self.producer.generate(rows)
-
-    def _score(self, produced: Produced | None) -> Scored:
-        """The round's scores, every process's in global order (each producer scored its own rows); what the
-        reward functions logged joins this step's metrics."""
-        for name, value in produced.logged if produced else ():
-            self.metrics.add(name, value)
-        return gather_scored(produced and produced.scored, self.accelerator)
+    def _generation(self) -> TrainBatch:
+        """The next generation batch (`grpo.rounds.sequential.Rounds.next`: every process's rows, generated from the
+        current policy or, async, an older one, scored, gathered, filtered), its advantages, this process's share
+        collated with its old-policy and reference log-probs, logged."""
+        where = (self.loop.data_position, self.unwrapped_model, self.policy_version, self.state)
+        generated = self.rounds.next(*where)
+        self.loop.data_position += generated.rounds
+        advantages = self._advantages(generated.batch)
+        batch = self._add_old_and_ref_logps(self._collate(generated.batch, advantages))
+        self._log_generation(generated, advantages, batch)
+        return batch
 
     def _advantages(self, scored: Scored, group_size: int | None = None) -> Advantages:
         """Group-relative advantages; groups of num_generations (an evaluation's: num_generations_eval)."""
@@ -445,6 +455,8 @@ class GRPOTrainer(TrlSurface):
     # ---- log and checkpoint ----------------------------------------------------------------------------------
 
     def _log_generation(self, generated: GenerationBatch, advantages: Advantages, batch: TrainBatch) -> None:
+        for name, value in generated.logged:  # reward functions' log_metric calls; an async round's staleness
+            self.metrics.add(name, value)
         mode = self.args.include_num_input_tokens_seen
         reporting.count_tokens(self.state, self.metrics, generated.batch.rollout, batch, self.accelerator, mode)
         names, tools = self.rewards.names, self.rollouts.uses_tools
@@ -470,9 +482,29 @@ class GRPOTrainer(TrlSurface):
         reporting.release_cached_memory(self.args, step, self.accelerator.device)  # torch_empty_cache_steps
 
     def _checkpoint(self, evaluate: bool) -> None:
-        """The step's checkpoint (save_strategy, control.should_save) written before its evaluation, so that a failed
-        or preempted evaluation loses no step; on_evaluate still fires before on_save (`evaluation.after_step`)."""
-        path = evaluation.after_step(self, evaluate)
+        """The end of an optimizer step (every process): its checkpoint when due, then its evaluation when due, in
+        that order, so that an evaluation that fails (a reward function raising on an eval row) or is preempted
+        loses no step. The events stay the HF Trainer's (on_evaluate, then on_save): the evaluation's row, the best
+        checkpoint it makes and the callbacks' states go into the checkpoint's trainer_state.json after it
+        (`checkpoint.add_evaluation`), as the HF Trainer, which saves after evaluating, writes them. A checkpoint only
+        the evaluation decides (save_strategy="best" on an eval_ metric, a callback's on_evaluate asking) is written
+        after it. SIGTERM during the evaluation: the step is complete, so it is saved (unless saved already) and the
+        run exits with status 143; by several processes when they stopped together (at a batch's gather or a tool
+        loop's check, `grpo.base.sigterm`), otherwise they save nothing more."""
+        step, path = self.state.global_step, None
+        if checkpoint.strategy.should_save(self) or self.control.should_save:
+            path = checkpoint.save(self, step)
+        if evaluate:
+            try:
+                self.evaluate()
+            except Preempted as stop:
+                if self.accelerator.num_processes > 1 and not stop.agreed:
+                    raise
+                preemption.save_and_exit(self, None)  # the step is complete: as between steps
+            if path is not None:
+                checkpoint.add_evaluation(self, path)
+            elif checkpoint.strategy.should_save(self) or self.control.should_save:
+                path = checkpoint.save(self, step)
         if path is not None:
             self.hub.after_checkpoint(self, path)  # hub_strategy (main process, in the background)
             self._fire("save")
@@ -483,7 +515,45 @@ class GRPOTrainer(TrlSurface):
         """Completions of every eval prompt scored by the reward functions: the `eval_` metrics
         (`grpo.rounds.evaluation`), logged and passed to the callbacks' on_evaluate. Changes nothing training
         depends on."""
-        return evaluation.evaluate(self, eval_dataset, metric_key_prefix)
+        runs = self.evaluations
+        if eval_dataset is not None:
+            runs = evaluation.build(eval_dataset, self.args, self.prompts, self.accelerator.num_processes)
+        state, policy = self.state, (self.unwrapped_model, self.policy_version)
+        metrics = self.evaluator.run(runs, metric_key_prefix, *policy, state.global_step)
+        row = {**metrics, "epoch": round(state.epoch or 0.0, 4), "step": state.global_step}
+        state.log_history.append(row)
+        if self.metrics is not None:
+            self.metrics.write_row(row)
+        self._fire("log", logs=row)
+        self._fire("evaluate", metrics=metrics)
+        return metrics
+
+    def _evaluation_due(self, step: int) -> bool:
+        """Whether the trainer evaluates after optimizer step `step`: an eval dataset's strategy says so, or a
+        callback set control.should_evaluate."""
+        if not self.evaluations:
+            return False
+        due = self.evaluator.due(self.evaluations, step, self.max_steps, self.steps_per_epoch)
+        return due or self.control.should_evaluate
+
+    def _eval_loss(self, scored: Scored, group_size: int) -> float | None:
+        """The policy loss of one evaluation batch (every process's rows), as the HF Trainer's `eval_loss`: the
+        batch's group advantages, on-policy (ratio 1; with beta > 0 the KL to the reference), each process's rows
+        through the training pass without gradient, the processes' losses weighted by their rows. None for a batch
+        some process has no rows of (a last, short batch): a sharded model's forward is collective, so all or none
+        run it."""
+        acc, a = self.accelerator, self.args
+        mine = list(collectives.local_rows(len(scored), acc.process_index, acc.num_processes))
+        if collectives.any_process(acc, not mine):
+            return None
+        advantages = self._advantages(scored, group_size).advantages[mine]
+        pad = self.tokenizer.pad_token_id
+        batch = collate(scored.rollout.select(mine), advantages, pad, a.mask_truncated_completions).to(acc.device)
+        batch = self._add_old_and_ref_logps(batch, old=False)
+        logps = self.training_pass.logps(self.model, batch, a.per_device_eval_batch_size)
+        loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, self.loss_params, batch.ref_logps)
+        rows = collectives.process_mean(acc, float(len(mine)))
+        return collectives.process_mean(acc, loss.item() * len(mine)) / rows
 
     def _fire(self, event: str, **kwargs: Any) -> None:
         self.callback_handler.fire(event, self.args, self.state, **kwargs)

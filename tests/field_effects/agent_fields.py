@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 from field_effects import Setting, effect
+from support import generate
 
 CALL = '<tool_call>{"name": "%s", "arguments": {"x": 1}}</tool_call>'
 
@@ -44,7 +45,7 @@ def echo(x: int) -> int:
 
 @effect("max_tool_calling_iterations", 3)
 def _(s: Setting) -> None:
-    rollout = _tool_trainer(s, echo)._generate([0] * 4).rollout
+    rollout = generate(_tool_trainer(s, echo), [0] * 4).rollout
     assert rollout.tool_calls == [3] * 4  # a model that always calls: exactly 3 rounds (None: until the budget)
     assert [m["role"] for m in rollout.messages[0]] == ["assistant", "tool"] * 3 + ["assistant"]
 
@@ -63,7 +64,7 @@ def _(s: Setting) -> None:
         return x
 
     try:
-        rollout = _tool_trainer(s, hang, max_tool_calling_iterations=1)._generate([0] * 4).rollout
+        rollout = generate(_tool_trainer(s, hang, max_tool_calling_iterations=1), [0] * 4).rollout
     finally:
         release.set()
     assert rollout.tool_failures == [1] * 4

@@ -17,6 +17,7 @@ from grpo.agent import CHATML_TOOLS
 from grpo.algo.losses import policy_loss
 from grpo.learner.batch import collate
 from scripted import TurnScript
+from support import generate
 from tiny import make_model, make_tokenizer
 
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -77,7 +78,7 @@ def call_then_answer(text, turn, j):
 def test_the_trained_sequence_is_the_sampled_tokens_plus_the_tool_turns(tmp_path):
     trainer = make_trainer(tmp_path, call_then_answer)
     tok, engine = trainer.processing_class, trainer.engine
-    rollout = trainer._generate(GROUPS).rollout
+    rollout = generate(trainer, GROUPS).rollout
     first, second = engine.turn_ids(CALL), engine.turn_ids("6")
     suffix = tok("\n<|im_start|>tool\n6<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     for i in range(8):
@@ -116,7 +117,7 @@ def test_a_template_that_rerenders_earlier_turns_trains_the_sampled_tokens(tmp_p
         "{% for call in message.get('tool_calls') or [] %}",
         "{% if loop.last %}<think></think>{% endif %}{% for call in message.get('tool_calls') or [] %}",
     )
-    rollout = trainer._generate(GROUPS).rollout
+    rollout = generate(trainer, GROUPS).rollout
     first, second = engine.turn_ids(CALL), engine.turn_ids("6")
     suffix = tok("\n<|im_start|>tool\n6<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert rollout.completion_ids[0] == first + suffix + second
@@ -140,7 +141,7 @@ def test_iteration_limit_ends_the_loop_with_the_last_call_unexecuted(tmp_path):
     trainer = make_trainer(
         tmp_path, lambda text, turn, j: CALL, args=dict(max_tool_calling_iterations=2, max_completion_length=400)
     )
-    rollout = trainer._generate(GROUPS).rollout
+    rollout = generate(trainer, GROUPS).rollout
     roles = [m["role"] for m in rollout.messages[0]]
     assert roles == ["assistant", "tool", "assistant", "tool", "assistant"]
     assert rollout.messages[0][-1]["tool_calls"] and rollout.tool_calls == [2] * 8
@@ -151,7 +152,7 @@ def test_no_limit_runs_until_the_token_budget(tmp_path):
     """max_tool_calling_iterations=None: a model that always calls stops when the next results would leave no
     room for another token; those results are then not added (the call counts: it ran)."""
     trainer = make_trainer(tmp_path, lambda text, turn, j: CALL, args=dict(max_completion_length=280))
-    rollout = trainer._generate(GROUPS).rollout
+    rollout = generate(trainer, GROUPS).rollout
     call, suffix = len(trainer.engine.turn_ids(CALL)), 21  # tokens of a call turn and of a tool turn
     assert [len(ids) for ids in rollout.completion_ids] == [3 * call + 2 * suffix] * 8  # a 3rd result would not fit
     assert 3 * call + 3 * suffix >= 280 > 3 * call + 2 * suffix
@@ -162,7 +163,7 @@ def test_no_limit_runs_until_the_token_budget(tmp_path):
 def test_a_turn_cut_by_the_budget_is_truncated(tmp_path):
     long_answer = "x" * 400
     trainer = make_trainer(tmp_path, lambda text, turn, j: CALL if turn == 0 else long_answer)
-    rollout = trainer._generate(GROUPS).rollout
+    rollout = generate(trainer, GROUPS).rollout
     assert all(len(ids) == 200 for ids in rollout.completion_ids) and all(rollout.truncated)
     assert rollout.messages[0][-1]["content"] == "x" * (
         200 - rollout.loss_mask[0].index(0) - rollout.loss_mask[0].count(0)
@@ -193,7 +194,7 @@ def test_failing_tools_become_messages_and_count_as_failures(tmp_path):
     row = trainer.state.log_history[-1]
     # per group: 1 + 1 + 2 calls (the unparsable one is text), of which 3 failed
     assert row["tools/call_frequency"] == 1.0 and row["tools/failure_frequency"] == 0.75
-    rollout = trainer._generate([0] * 4).rollout
+    rollout = generate(trainer, [0] * 4).rollout
     assert "missing a required argument" in rollout.messages[0][1]["content"]
     assert "Tool nope not found." in rollout.messages[1][1]["content"]
     assert [m["content"] for m in rollout.messages[2][1:3]] == ["6", str({"error": "no"})]
@@ -234,7 +235,7 @@ def test_async_tools_and_a_hung_tool(tmp_path):
         return "6"
 
     trainer = make_trainer(tmp_path, script, tools=(amultiply, stuck), args=dict(tool_call_timeout=0.3))
-    rollout = trainer._generate([0] * 4).rollout
+    rollout = generate(trainer, [0] * 4).rollout
     release.set()
     assert [m["content"] for m in rollout.messages[0]][1:] == ["6", "6"]
     assert "did not return within 0.3 s" in rollout.messages[1][1]["content"]
@@ -243,7 +244,7 @@ def test_async_tools_and_a_hung_tool(tmp_path):
 
 def test_tool_tokens_give_exactly_zero_gradient_but_are_attended(tmp_path):
     trainer = make_trainer(tmp_path, call_then_answer)
-    rollout = trainer._generate(GROUPS).rollout
+    rollout = generate(trainer, GROUPS).rollout
     batch = collate(rollout, torch.linspace(-1, 1, 8), trainer.processing_class.pad_token_id, False)
     logps, _ = trainer.training_pass.train(trainer.model, batch, entropy_grad=False)
     loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, trainer.loss_params)
@@ -524,7 +525,7 @@ def test_rollouts_of_one_row_with_different_resets_are_not_prefix_shared(tmp_pat
             return f" #{Numbered.handed}"
 
     trainer = make_trainer(tmp_path, lambda t, turn, j: "done", tools=(), environment_factory=Numbered)
-    generated = trainer._generate(GROUPS)
+    generated = generate(trainer, GROUPS)
     scored = Scored(GROUPS, generated.prompts, generated.rollout, torch.zeros(8, 1))
     from grpo.data.prompts import prompt_groups
 

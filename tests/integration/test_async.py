@@ -452,7 +452,7 @@ def test_what_async_does_not_do_yet_is_refused_by_name(tmp_path):
     def trainer(processes, **kw):
         args = cfg(tmp_path, async_generation=True, **kw)
         return SimpleNamespace(
-            args=args, accelerator=SimpleNamespace(num_processes=processes, state=None), model=torch.nn.Linear(1, 1)
+            args=args, accelerator=SimpleNamespace(num_processes=processes, state=None), policy=torch.nn.Linear(1, 1)
         )
 
     refuse(trainer(2))  # an engine per process: several processes run async

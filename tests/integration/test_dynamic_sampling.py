@@ -82,9 +82,9 @@ def test_dynamic_sampling_trains_only_groups_with_spread(tiny_model_dir, tmp_pat
     # 2 prompts x 4 completions per batch, shuffled prompts: flat groups are dropped and refilled
     args = cfg(tmp_path, dynamic_sampling=True, dynamic_sampling_max_attempts=8, max_steps=3)
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=kind_reward, train_dataset=mixed_dataset(), args=args)
-    drawn = []
-    score_round = trainer._score
-    trainer._score = lambda *a: drawn.append(score_round(*a)) or drawn[-1]
+    drawn = []  # every round scored (one process: this process's round is the whole round)
+    take = trainer.rounds._take
+    trainer.rounds._take = lambda *a: (produced := take(*a), drawn.append(produced.scored))[0]
     batches = train_and_watch(trainer)
     data = mixed_dataset()
     for batch in batches:

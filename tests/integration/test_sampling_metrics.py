@@ -9,6 +9,7 @@ import torch
 from field_effects import BASE, chat_dataset, length_reward
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.learner.batch import collate
+from support import generate
 
 
 def trainer(model_dir, tmp_path, **cfg):
@@ -18,7 +19,7 @@ def trainer(model_dir, tmp_path, **cfg):
 
 def mismatch(t, perturbation: float) -> dict[str, float]:
     """The sampling/* metrics of one generation batch whose policy moved by `perturbation` after sampling."""
-    rollout = t._generate(t.producer.rows(0)).rollout
+    rollout = generate(t, t.producer.rows(0)).rollout
     batch = collate(rollout, torch.zeros(len(rollout)), t.processing_class.pad_token_id, mask_truncated=False)
     with torch.no_grad():
         for p in t.unwrapped_model.parameters():

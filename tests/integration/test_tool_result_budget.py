@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from grpo.agent import CHATML_TOOLS
 from grpo.agent.budget import COMPOSED, Span, token_span
 from grpo.agent.template import cannot_fit, tool_suffix_ids
+from support import generate
 from test_agent import GROUPS, make_trainer
 from tiny import SPECIALS, make_tokenizer
 
@@ -65,7 +66,7 @@ def record_tokenized(tok):
 def test_a_4mb_result_ends_its_row_without_being_tokenized(tmp_path, tool):
     trainer = make_trainer(tmp_path, calling(tool.__name__, 4_000_000), tools=(tool,))
     lengths = record_tokenized(trainer.processing_class)
-    rollout = trainer._generate(GROUPS).rollout
+    rollout = generate(trainer, GROUPS).rollout
     assert rollout.tool_calls == [1] * 8
     assert all([m["role"] for m in messages] == ["assistant"] for messages in rollout.messages)  # the row ended
     assert max(lengths) < 10_000  # the prompts and the calls; never the result
@@ -85,10 +86,10 @@ def test_rollouts_equal_tokenizing_every_result_whole(tmp_path):
             engine.script = calling(tool, n)
             loop.span = token_span(trainer.processing_class)
             lengths.clear()
-            fast = trainer._generate(GROUPS).rollout
+            fast = generate(trainer, GROUPS).rollout
             assert (max(lengths) < n) == (n >= 12 * room[len(str(n))]), n  # the length decides from 12 x room
             loop.span = None  # every result tokenized whole
-            slow = trainer._generate(GROUPS).rollout
+            slow = generate(trainer, GROUPS).rollout
             assert fast.completion_ids == slow.completion_ids and fast.messages == slow.messages, (tool, n)
             assert fast.loss_mask == slow.loss_mask and fast.tool_calls == slow.tool_calls
             assert (len(fast.messages[0]) == 3) == (n < room[3] - 20), n  # only the shortest were let in

@@ -25,7 +25,7 @@ from grpo.data import prompts as data
 from grpo.learner.batch import collate
 from grpo.models.vision import language_model
 from grpo.rollout.base import Rollout, assemble
-from support import cfg, length_reward, params, torchrun
+from support import cfg, generate, length_reward, params, torchrun
 from tiny import make_model, make_tokenizer
 from tiny_vlm import BUILDERS, image
 
@@ -69,7 +69,7 @@ def trainer_for(arch, tmp_path, rows=None, seed=0, **kw):
 
 def sampled_batch(trainer, rows):
     """Completions of `rows` from the trainer's engine, as a training batch."""
-    generated = trainer._generate(rows)
+    generated = generate(trainer, rows)
     n = len(generated.rollout)
     return collate(generated.rollout, torch.zeros(n), trainer.tokenizer.pad_token_id, False), generated.rollout
 
@@ -290,7 +290,7 @@ def test_tool_turns_see_the_prompts_image(tmp_path):
     rows = image_rows(2)
     trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[multiply])
     trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
-    rollout = trainer._generate([0, 0, 1, 1]).rollout
+    rollout = generate(trainer, [0, 0, 1, 1]).rollout
     follow_ups = trainer.engine.follow_ups[0]
     assert [r.prompt.images for r in follow_ups] == [(rows[0]["image"],)] * 2 + [(rows[1]["image"],)] * 2
     assert all(rollout.tool_calls) and rollout.vision[0].images == (rows[0]["image"],)
@@ -326,7 +326,7 @@ def test_a_tools_image_reaches_the_next_turn_and_the_training_pass(tmp_path):
     row), and the training pass scores that turn alike, with the image; another image changes its log-probs."""
     rows = image_rows(2, with_images={0})
     trainer = picture_trainer(tmp_path, rows)
-    rollout = trainer._generate([0, 0, 1, 1]).rollout
+    rollout = generate(trainer, [0, 0, 1, 1]).rollout
     shown = picture("x")[0]["image"]
     follow_ups = trainer.engine.follow_ups[0]
     assert [len(r.prompt.images) for r in follow_ups] == [2, 2, 1, 1]
@@ -356,7 +356,7 @@ def test_a_tools_image_for_a_text_only_model_is_refused(tmp_path):
     trainer.engine.call = tok('<tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>')["input_ids"]
     trainer.engine.call += [tok.convert_tokens_to_ids("<|im_end|>")]
     with pytest.raises(ValueError, match="The tool 'picture' returned an image, but the model is text-only"):
-        trainer._generate([0, 0, 1, 1])
+        generate(trainer, [0, 0, 1, 1])
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -274,3 +274,12 @@ def test_the_documented_layout_table_matches_the_tree():
     level = {u: i for i, layer in enumerate(LAYERS) for u in layer}
     order = [level[u] for u in units]
     assert order == sorted(order), list(zip(units, order))
+
+
+def test_the_trainer_constructor_stays_short():
+    """`GRPOTrainer.__init__` reads in one screen (at most 60 lines, signature included): its parts are named
+    builders (`_build_policy`, `_build_rounds`, `_build_bookkeeping`)."""
+    tree = ast.parse((SRC / "trainer.py").read_text())
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer")
+    init = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert init.end_lineno - init.lineno + 1 <= 60

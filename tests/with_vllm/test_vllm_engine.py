@@ -14,6 +14,7 @@ from field_effects import BASE, chat_dataset, length_reward
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.rollout.base import Request
 from grpo.rollout.fast import logits_processors
+from support import generate
 
 FP32_TOL = 1e-3  # max |logp difference| per token, float32 engine vs float32 policy
 BF16_MEAN_TOL = 0.05  # bfloat16 engine vs bfloat16 (autocast) policy: mean |difference| per token ...
@@ -102,7 +103,7 @@ def test_sampled_log_probs_are_the_policys_processed_ones(vllm_model_dir, tmp_pa
         dict(temperature=1.3, min_p=0.02),
     ):
         trainer = make_trainer(vllm_model_dir, tmp_path, max_completion_length=12, **settings)
-        rollout = trainer._generate(list(range(4))).rollout
+        rollout = generate(trainer, list(range(4))).rollout
         processors = logits_processors(trainer.args)
         for prompt, completion, logps in zip(rollout.prompt_ids, rollout.completion_ids, rollout.sampling_logps):
             expected = policy_logps(trainer, prompt, completion, processors)
@@ -148,7 +149,7 @@ def test_completions_stop_at_eos_and_end_of_turn_keep_the_stop_token_and_respect
         generation_kwargs={"logit_bias": {5: 2.5}},
     )
     stops = set(trainer.stop_ids)
-    rollout = trainer._generate(list(range(8)) * 2).rollout
+    rollout = generate(trainer, list(range(8)) * 2).rollout
     assert any(not t for t in rollout.truncated) and all(len(c) <= 24 for c in rollout.completion_ids)
     for ids, truncated in zip(rollout.completion_ids, rollout.truncated):
         assert truncated == (ids[-1] not in stops)
@@ -159,7 +160,7 @@ def test_completions_stop_at_eos_and_end_of_turn_keep_the_stop_token_and_respect
 
 def test_structured_outputs_regex_constrains_the_completions(vllm_model_dir, tmp_path):
     trainer = make_trainer(vllm_model_dir, tmp_path, max_completion_length=6, vllm_structured_outputs_regex="[0-9]{3}")
-    rollout = trainer._generate([0, 1, 2, 3]).rollout
+    rollout = generate(trainer, [0, 1, 2, 3]).rollout
     assert all(re.fullmatch("[0-9]{3}", text) for text in rollout.texts), rollout.texts
 
 

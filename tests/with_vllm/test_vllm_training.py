@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from field_effects import chat_dataset
-from support import torchrun
+from support import generate, torchrun
 from test_vllm_engine import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
 
 JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")
@@ -153,7 +153,7 @@ def test_the_engine_is_not_used_for_an_unknown_dataset_shape(vllm_model_dir, tmp
 
 def test_chat_dataset_rows_reach_vllm_as_the_rendered_prompt(vllm_model_dir, tmp_path):
     trainer = make_trainer(vllm_model_dir, tmp_path, dataset=chat_dataset())
-    rollout = trainer._generate([0, 0, 1, 1]).rollout
+    rollout = generate(trainer, [0, 0, 1, 1]).rollout
     text = trainer.processing_class.decode(rollout.prompt_ids[0])
     assert text.startswith("<|im_start|>user\nSolve 0+1<|im_end|>") and text.endswith("<|im_start|>assistant\n")
     assert rollout.messages[0][0]["role"] == "assistant" and len(rollout) == 4

@@ -17,7 +17,7 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.learner.batch import collate
 from grpo.models.vision import language_model
-from support import length_reward, params
+from support import generate, length_reward, params
 from test_server_mode import Server
 from test_vision import CallFirst, image_rows, picture
 
@@ -62,7 +62,7 @@ def trainer(vlm_dir, tmp_path, **kw):
 
 def assert_engine_matches_training_pass(t):
     t.engine.sync_weights(t.unwrapped_model)
-    generated = t._generate(ROWS)
+    generated = generate(t, ROWS)
     assert [bool(p.images) for p in generated.rollout.vision] == [True, True, False, False, True, True, True, True]
     batch = collate(generated.rollout, torch.zeros(len(ROWS)), t.tokenizer.pad_token_id, False)
     mask = batch.completion_attention.bool()
@@ -126,7 +126,7 @@ def test_a_tools_image_reaches_vllms_next_turn(tmp_path):
     call = '<tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>'
     trainer.engine.call = trainer.tokenizer(call)["input_ids"] + [trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     trainer.engine.sync_weights(trainer.unwrapped_model)
-    rollout = trainer._generate([0, 0, 1, 1]).rollout
+    rollout = generate(trainer, [0, 0, 1, 1]).rollout
     assert [len(p.images) for p in rollout.vision] == [2, 2, 1, 1]
     batch = collate(rollout, torch.zeros(4), trainer.tokenizer.pad_token_id, False)
     sampled = batch.mask.bool() & (batch.sampling_logps != 0)  # vLLM's turn (the script's log-probs are 0)

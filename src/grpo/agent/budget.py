@@ -27,21 +27,23 @@ import json
 import unicodedata
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 COMPOSED = 4  # NFC/NFKC compose at most this many characters into one (the longest canonical decomposition)
 _KEEP_CHARACTERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}  # pre-tokenizers
 _CHARACTER_SPLIT = {"type": "Split", "pattern": {"String": ""}, "behavior": "Isolated", "invert": False}
+Composition = Literal["NFC", "NFKC"]  # the normalizers that compose characters
 
 
 @dataclass(frozen=True)
 class Span:
     longest: int  # the longest token string
     shrink: Fraction = Fraction(1)  # how much the normalizer can shorten any text
-    composes: str | None = None  # the normalizer is this composition alone: it shortens no text already in its form
+    # the normalizer is this composition alone: it shortens no text already in its form
+    composes: Composition | None = None
     strips: bool = False  # an added token takes the whitespace beside it: whitespace is not counted
 
-    def at_least(self, text: str, start: int, tokens: int) -> bool:
+    def at_least(self, text: str, start: int, tokens: float) -> bool:
         """Whether the tokens that cover `text[start:]`, `text` being what the tokenizer is given, are certain to
         number `tokens` or more."""
         region = text[start:]
@@ -54,7 +56,7 @@ class Span:
 
 def token_span(tokenizer: Any) -> Span | None:
     """The tokenizer's `Span` (see the module docstring), or None where it has no bound."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    backend: Any = getattr(tokenizer, "backend_tokenizer", None)  # None: the AttributeError below
     try:
         spec = json.loads(backend.to_str())
     except Exception:  # no `tokenizers` backend (a slow tokenizer), or one that does not serialize
@@ -71,7 +73,7 @@ def token_span(tokenizer: Any) -> Span | None:
     return Span(longest, normalizer[0], normalizer[1], strips)
 
 
-def _normalizer(spec: dict | None) -> tuple[Fraction, str | None] | None:
+def _normalizer(spec: dict | None) -> tuple[Fraction, Composition | None] | None:
     """(shrink, composition form) of a normalizer; None where it can remove characters."""
     if spec is None:
         return Fraction(1), None

@@ -27,7 +27,7 @@ EMPTY_PROMPT = ({"role": "user", "content": ""},)
 class Environments:
     def __init__(self, factory: Callable | dict[str, Callable]) -> None:
         self.routed = isinstance(factory, dict)
-        self.factories: dict[Any, Callable] = dict(factory) if self.routed else {None: factory}
+        self.factories: dict[Any, Callable] = dict(factory) if isinstance(factory, dict) else {None: factory}
         if not self.factories or not all(callable(f) for f in self.factories.values()):
             raise ValueError(
                 "environment_factory must be a zero-argument callable that returns an environment, or a dict "
@@ -127,7 +127,8 @@ def with_observation(prompt: list[dict], observation: Any) -> list[dict]:
     return [*prompt[:-1], {**prompt[-1], "content": content + observation}]
 
 
-def _reward_of(cls: type) -> Callable:
+def _reward_of(cls: Any) -> Callable:  # an environment class: its get_reward method, sync or async
+    reward: Callable[..., Any]
     if inspect.iscoroutinefunction(cls.get_reward):
 
         async def reward(environments: list, **kwargs: Any) -> list:

@@ -113,6 +113,7 @@ class Rollouts:
 
     def _custom(self, prompts: list) -> tuple[Rollout, dict[str, list]]:
         """rollout_func(prompts, trainer)'s output as a Rollout, and its further keys as reward columns."""
+        assert self.rollout_func is not None  # called only with one
         n = len(prompts)
         if n == 0:  # a process with no rows in this (evaluation) batch
             return Rollout([], [], [], []), {}

@@ -14,6 +14,7 @@ failure. Nothing a tool does stops training. Results come back in call order.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import json
 import logging
@@ -114,16 +115,17 @@ class _Pending:
 
     def __init__(self, tool: Tool, arguments: dict, timeout: float | None) -> None:
         self.name = tool.name
+        self.future: concurrent.futures.Future | None = None  # exactly one of the two is set
+        self.thread: DaemonCall | None = None
         if tool.is_async:
             self.future = BackgroundLoop.submit([asyncio.wait_for(tool.fn(**arguments), timeout or None)])
-            self.thread = None
         else:
-            self.future = None
             self.thread = DaemonCall(lambda: tool.fn(**arguments), f"grpo-tool-{tool.name}")
 
     def join(self, seconds: float) -> bool:
         if self.thread is not None:
             return self.thread.join(seconds)
+        assert self.future is not None
         try:
             self.future.result(timeout=seconds)
         except Exception:  # not done yet, or done with an error (read in `result`)
@@ -135,7 +137,11 @@ class _Pending:
             _warn_abandoned(self.name, timeout)
             return _failure(self.name, f"Tool {self.name} did not return within {timeout:g} s.")
         try:
-            value = self.thread.outcome() if self.thread is not None else self.future.result()[0]
+            if self.thread is not None:
+                value = self.thread.outcome()
+            else:
+                assert self.future is not None
+                value = self.future.result()[0]
             if isinstance(value, BaseException):  # gathered with return_exceptions=True
                 raise value
             return CallResult(self.name, value if isinstance(value, list) else str(value), False)

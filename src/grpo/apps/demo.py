@@ -202,7 +202,7 @@ def report_path(output_dir: str) -> str:
 
 
 def demo_config(output_dir: str, seed: int, steps: int, **overrides: Any) -> GRPOConfig:
-    params = dict(
+    params: dict[str, Any] = dict(
         output_dir=output_dir,
         seed=seed,
         max_steps=steps,

@@ -128,7 +128,10 @@ def measure(model: Any, tokenizer: Any, pairs: list[tuple[int, int]], max_comple
         rollout = loop.run(engine, first, [tools] * len(pairs))
     rewards = correct_answer(rollout.messages, [a for a, _ in pairs], [b for _, b in pairs])
     called = [c > 0 for c in rollout.tool_calls]
-    exchanges = [(question(a, b), m, r == 1.0) for (a, b), m, r in zip(pairs, rollout.messages, rewards)]
+    exchanges = []
+    for (a, b), messages, reward in zip(pairs, rollout.messages, rewards):
+        assert messages is not None  # a chat prompt's completion is messages
+        exchanges.append((question(a, b), messages, reward == 1.0))
     return Measured(sum(rewards) / len(pairs), sum(called) / len(pairs), exchanges)
 
 
@@ -152,12 +155,14 @@ def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: An
         tools=[multiply],
     )
     model = trainer.unwrapped_model
-    before = measure(model, tokenizer, held, args.max_completion_length)
+    max_completion_length = args.max_completion_length
+    assert max_completion_length is not None  # demo_config sets it
+    before = measure(model, tokenizer, held, max_completion_length)
     print(f"Before training: greedy accuracy {before.accuracy:.3f}, tool calls {before.tool_calls:.3f} (held-out)")
     start = time.perf_counter()
     trainer.train()
     train_time = time.perf_counter() - start
-    after = measure(model, tokenizer, held, args.max_completion_length)
+    after = measure(model, tokenizer, held, max_completion_length)
     trainer.save_model(os.path.join(output_dir, "model"))
     _write_samples(output_dir, before, after)
     rewards = [json.loads(line)["reward"] for line in open(os.path.join(output_dir, "metrics.jsonl"))]

@@ -101,7 +101,7 @@ def save(trainer: CheckpointedRun, step: int) -> str:
 
 
 def add_evaluation(trainer: CheckpointedRun, path: str) -> None:
-    """After the evaluation of a step whose checkpoint was written before it (`grpo.rounds.evaluation.after_step`):
+    """After the evaluation of a step whose checkpoint was written before it (`GRPOTrainer._checkpoint`):
     the evaluation's row, the best checkpoint it makes and the callbacks' states after on_evaluate go into the
     checkpoint's trainer_state.json, replaced atomically (a crash meanwhile leaves the complete checkpoint as it
     was); rotation then sees the new best. Every process calls it."""
@@ -352,7 +352,8 @@ def _as_model_keys(model: torch.nn.Module, saved: dict, own: dict) -> dict:
     try:
         from transformers.modeling_utils import revert_weight_conversion
 
-        original = revert_weight_conversion(model, dict(own))
+        # typed for a PreTrainedModel; another module raises, handled below
+        original = revert_weight_conversion(model, dict(own))  # type: ignore[arg-type]
     except Exception:  # no conversion known (older transformers): the names are compared as they are
         return saved
     name_of = {t.data_ptr(): n for n, t in own.items()}

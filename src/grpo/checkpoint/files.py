@@ -9,7 +9,7 @@ import os
 import random
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -131,7 +131,8 @@ def read_state(checkpoint: str, max_steps: int, accumulation_steps: int) -> dict
 def rng_state() -> dict[str, Any]:
     """Every generator's state as tensors and plain numbers (loadable weights-only)."""
     version, mt, gauss = random.getstate()
-    kind, key, pos, has_gauss, cached = np.random.get_state()
+    # legacy=True (the default) gives the tuple, not the dict
+    kind, key, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state = {
         "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
         "numpy": {

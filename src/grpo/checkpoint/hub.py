@@ -62,12 +62,15 @@ SKIPPED = ["_*", ".*", "checkpoint-*", ".tmp-checkpoint-*"]
 class PublishedRun(Protocol):
     """What the Hub pushes and the model card read of a run (the trainer is one)."""
 
+    args: Any  # the GRPOConfig
     accelerator: Any
     processing_class: Any
     state: Any  # the HF TrainerState: step, log history
-    unwrapped_model: Any
     train_dataset: Any
     rewards: Any  # `grpo.rewards.calling.RewardFunctions`: names, weights
+
+    @property
+    def unwrapped_model(self) -> Any: ...
 
     def save_model(self, output_dir: str | None = None) -> None: ...
 
@@ -175,7 +178,9 @@ class Hub:
         """`folder` to the repository: a checkpoint whole (path_in_repo), the output directory's model and card
         (PUSHED) unless hub_upload_run_files."""
         whole = path_in_repo is not None or self.args.hub_upload_run_files
-        return self.api().upload_folder(
+        assert self.repo_id is not None  # create_repo() ran
+        # run_as_future is a bool here: huggingface_hub overloads upload_folder on its True and False literals
+        return self.api().upload_folder(  # type: ignore[call-overload]
             repo_id=self.repo_id,
             folder_path=folder,
             path_in_repo=path_in_repo,
@@ -207,7 +212,9 @@ def write_model_card(trainer: PublishedRun, directory: str, dataset_name: str | 
     rewards = "\n".join(
         f"| `{name}` | {weight:g} |" for name, weight in zip(trainer.rewards.names, trainer.rewards.weights.tolist())
     )
-    last = next((row for row in reversed(trainer.state.log_history) if "loss" in row or "eval_reward" in row), {})
+    last: dict[str, Any] = next(
+        (row for row in reversed(trainer.state.log_history) if "loss" in row or "eval_reward" in row), {}
+    )
     metrics = "\n".join(f"| `{k}` | {_cell(v)} |" for k, v in last.items())
     versions = record.versions()
     body = f"""---

@@ -44,7 +44,7 @@ class CheckpointedRun(Protocol):
     max_steps: int
     steps_per_epoch: int
 
-    def write_model_card(self, output_dir: str) -> None: ...
+    def write_model_card(self, output_dir: str) -> str: ...  # README.md's path
 
 
 class PreemptibleRun(CheckpointedRun, Protocol):

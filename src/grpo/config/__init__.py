@@ -251,6 +251,9 @@ def _check_optim(name: str) -> None:
 
 
 def _validate(c: GRPOConfig) -> None:
+    # resolved by __post_init__ before this runs
+    assert c.generation_batch_size is not None and c.steps_per_generation is not None and c.epsilon_high is not None
+    assert not isinstance(c.pad_to_multiple_of, str)
     _check_optim(str(c.optim))
     _require(c.loss_type in LOSS_TYPES, "loss_type", f"is {c.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
     _require(
@@ -437,7 +440,8 @@ def _reject_unknown_kwargs(init, config=None):
     return checked_init
 
 
-GRPOConfig.__init__ = _reject_unknown_kwargs(GRPOConfig.__init__)
+# wraps the dataclass-made __init__ (its signature unchanged), which mypy does not let a method be assigned
+GRPOConfig.__init__ = _reject_unknown_kwargs(GRPOConfig.__init__)  # type: ignore[method-assign]
 
 
 def warn_odd_combinations(a: GRPOConfig) -> None:
@@ -454,6 +458,7 @@ def warn_odd_combinations(a: GRPOConfig) -> None:
             "length; GSPO normalizes per sequence (loss_type='grpo').",
             a.loss_type,
         )
+    assert a.epsilon_high is not None  # __post_init__: epsilon's value by default
     if a.delta is not None and a.delta <= 1 + a.epsilon_high:
         warnings.warn(
             f"delta={a.delta} is not above 1 + epsilon_high; it will also cap the clipped branch.", stacklevel=3
@@ -487,5 +492,6 @@ def resolve_args(
                 "quantization_config applies when the trainer loads the model from its id or path; this model is "
                 "already loaded: quantize it when you load it, or pass model as a string."
             )
+        assert not isinstance(args.model_init_kwargs, str)  # __post_init__ parsed the JSON
         args.model_init_kwargs = {**(args.model_init_kwargs or {}), "quantization_config": quantization_config}
     return args

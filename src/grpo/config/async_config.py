@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from grpo.config import GRPOConfig, _reject_unknown_kwargs
+from grpo.config import GRPOConfig, _reject_unknown_kwargs, compat
 from grpo.config.fields import help_field as _help
 
 # TRL 1.16 AsyncGRPOConfig fields grpo has no counterpart for: (default, why)
@@ -70,9 +70,15 @@ class AsyncGRPOConfig(GRPOConfig):
         if self.dtype not in (None, "auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"AsyncGRPOConfig: dtype is {self.dtype!r}; use auto, bfloat16, float16 or float32.")
         if self.dtype is not None:
-            self.model_init_kwargs = {"dtype": self.dtype, **(self.model_init_kwargs or {})}
+            init_kwargs = self.model_init_kwargs
+            if isinstance(init_kwargs, str):  # JSON from a command line: GRPOConfig.__post_init__ parses it later
+                init_kwargs = compat.json_dict("model_init_kwargs", init_kwargs)
+            self.model_init_kwargs = {"dtype": self.dtype, **(init_kwargs or {})}
         self.async_generation = True
         super().__post_init__()
 
 
-AsyncGRPOConfig.__init__ = _reject_unknown_kwargs(AsyncGRPOConfig.__init__, AsyncGRPOConfig)
+# wraps the dataclass-made __init__ (its signature unchanged), which mypy does not let a method be assigned
+AsyncGRPOConfig.__init__ = _reject_unknown_kwargs(  # type: ignore[method-assign]
+    AsyncGRPOConfig.__init__, AsyncGRPOConfig
+)

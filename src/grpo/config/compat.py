@@ -48,7 +48,8 @@ def field_list() -> dict[str, FieldEntry]:
 def check_unsupported(config: Any) -> None:
     """Refuse (one error naming every such field) or warn about values grpo cannot honour."""
     defaults = {f.name: _default(f) for f in dataclasses.fields(config)}
-    refused, warned = [], []
+    refused: list[str] = []
+    warned: list[str] = []
     for entry in field_list().values():
         value = getattr(config, entry.name)
         if entry.status not in ("not applicable: warns", "not applicable: refuses") and not entry.later:
@@ -84,7 +85,9 @@ def check_unsupported(config: Any) -> None:
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    return f.default_factory()  # type: ignore[misc]
+    factory = f.default_factory
+    assert callable(factory), f"{f.name} has neither a default nor a default_factory"
+    return factory()
 
 
 def _same(value: Any, default: Any) -> bool:

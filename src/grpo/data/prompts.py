@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from grpo.base import seeding
+from grpo.distributed import collectives
 from grpo.models import vision
 from grpo.rollout.base import Prompt, Request, group_requests
 
@@ -175,12 +176,12 @@ def make_prompt(
         messages = tuple(dict(m) for m in prompt) if is_conversational(prompt) else None
         return Prompt(ids=tuple(ids), messages=messages)
     images = list(images or [])
-    messages = vision.multimodal_messages(prompt, images, row)
+    blocks = vision.multimodal_messages(prompt, images, row)
     text = processor.apply_chat_template(
-        messages, tools=tools or None, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        blocks, tools=tools or None, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
     )
     ids = processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0]
-    return Prompt(ids=tuple(ids), messages=tuple(messages), images=tuple(images) or None, text=text)
+    return Prompt(ids=tuple(ids), messages=tuple(blocks), images=tuple(images) or None, text=text)
 
 
 def check_images(dataset: Any, processing_class: Any, dataset_name: str = "train_dataset") -> None:
@@ -377,8 +378,7 @@ def local_rows(position: int, num_rows: int | None, args: Any, process_index: in
             position, num_rows, per_generation, seeding.prompt_order_seed(args), args.shuffle_dataset
         )
     repeated = [i for i in unique for _ in range(args.num_generations)]
-    per_process = len(repeated) // num_processes
-    return repeated[process_index * per_process : (process_index + 1) * per_process]
+    return [repeated[i] for i in collectives.local_rows(len(repeated), process_index, num_processes)]
 
 
 def prompt_groups(rows: Sequence[int], prompt_ids: Sequence[Sequence[int]], by_tokens: bool) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -55,7 +55,8 @@ def full_parameters(model: torch.nn.Module):
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A sharded model's whole state dict, gathered to CPU (every process must call it)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], state)  # full_state_dict: every entry gathered to a whole CPU tensor
 
 
 def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
@@ -68,7 +69,7 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direct
     """`save_shards`'s shards back into a model sharded the same way, and its optimizer (every process). The
     checkpoint's metadata (a pickle) is read with an unpickler that builds only checkpoint-metadata classes."""
     model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer)
-    state = {"model": model_state_dict, "optimizer": optimizer_state_dict}
+    state: dict[str, Any] = {"model": model_state_dict, "optimizer": optimizer_state_dict}
     dcp.load(state, storage_reader=_MetadataOnlyReader(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +108,7 @@ class TrainingPass:
         the router's load-balancing loss in `self.aux_loss`."""
         lean = linears.lean_linears(model, self.lean_dtype) if self.lean_dtype else contextlib.nullcontext()
         kept = blocks.lean_blocks(model) if self.lean_blocks else contextlib.nullcontext()
-        aux_losses = [] if self.router_aux else None
+        aux_losses: list[torch.Tensor] | None = [] if self.router_aux else None
         with self.autocast(), lean, kept, self._compiled():
             logps, entropies = token_logps(
                 model,
@@ -121,6 +122,7 @@ class TrainingPass:
                 images=self._images(),
             )
         self.aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
+        assert entropies is not None  # with_entropy
         return logps, entropies
 
     def _images(self) -> ImageInputs | None:
@@ -184,9 +186,10 @@ def token_logps(
     asked for its router logits and each piece's load-balancing loss is appended (whole sequences: the prompt is
     then not shared). With `images` (a vision-language model), each piece gets its rows' pixel inputs and the
     suppressed tokens' logits are SUPPRESSED."""
-    forward = _forward_shared if share_prefix and aux_losses is None else _forward
+    forward: Callable[..., torch.Tensor] = _forward_shared if share_prefix and aux_losses is None else _forward
     lengths = batch.completion_attention.sum(-1)
-    logps = entropies = None
+    logps: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
     for rows in _pieces(lengths, chunk_size):
         part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
         extra = images.inputs(part) if images is not None else None
@@ -198,6 +201,7 @@ def token_logps(
         if with_entropy:
             entropies = ent.new_zeros(batch.completion_ids.shape) if entropies is None else entropies
             entropies = entropies.index_put(where, ent)
+    assert logps is not None  # one piece at least
     return logps, entropies
 
 
@@ -332,6 +336,7 @@ def _forward_shared(
     prompt_mask = batch.prompt_mask[first]
     cache = DynamicCache()
     cache_arg = cache_argument(unwrap(model))
+    cache_kwargs: dict[str, Any] = {cache_arg: cache}  # the model's name for the cache argument
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     with blocks.real_tokens(prompt_mask):
         last = _outputs(
@@ -342,7 +347,7 @@ def _forward_shared(
             position_ids=prompt_positions,
             use_cache=True,
             logits_to_keep=1,
-            **{cache_arg: cache},
+            **cache_kwargs,
         )
     cache.batch_select_indices(inverse)
     attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
@@ -356,6 +361,6 @@ def _forward_shared(
             attention_mask=attention,
             position_ids=positions,
             use_cache=True,
-            **{cache_arg: cache},
+            **cache_kwargs,
         )
     return torch.cat([last[inverse, -1:, :], rest[:, :-1, :]], dim=1)

@@ -28,7 +28,8 @@ def default_optimizer(model: torch.nn.Module, args: Any) -> torch.optim.Optimize
     to the per-tensor AdamW (the same update) where the parameters cannot be fused."""
     name = str(args.optim)  # checked by GRPOConfig
     try:
-        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        # typed PreTrainedModel; it reads only the parameters, of any module (GaLore's, Apollo's, LOMO's)
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)  # type: ignore[arg-type]
     except ImportError as e:  # bitsandbytes, torchao, ... not installed
         raise ValueError(f"GRPOConfig.optim={name!r} needs a package that is not installed: {e}") from None
     except ValueError as e:
@@ -45,7 +46,7 @@ def default_optimizer(model: torch.nn.Module, args: Any) -> torch.optim.Optimize
     return cls([g for g in groups if g["params"]], **kwargs)
 
 
-def _unconsumed_optim_args(cls: type, kwargs: dict, optim_args: str | None) -> dict[str, Any]:
+def _unconsumed_optim_args(cls: type[torch.optim.Optimizer], kwargs: dict, optim_args: str | None) -> dict[str, Any]:
     """`optim_args` keys the HF resolver left unused (it reads only some, per optimizer): passed on when the
     optimizer takes them, an error otherwise, so that no argument the user gave is silently dropped."""
     extra = {}
@@ -89,7 +90,8 @@ def clip_gradients(accelerator: Accelerator, model: torch.nn.Module, max_norm: f
     if max_norm and max_norm > 0:
         return float(accelerator.clip_grad_norm_(params, max_norm))
     accelerator.unscale_gradients()  # fp16 loss scaling (as clip_grad_norm_ does): the norm of the true gradients
-    return float(torch.nn.utils.get_total_norm([p.grad for p in params])) if params else 0.0
+    grads = [p.grad for p in params if p.grad is not None]  # all of them: params were chosen for it
+    return float(torch.nn.utils.get_total_norm(grads)) if params else 0.0
 
 
 class GradientCheck:

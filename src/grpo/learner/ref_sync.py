@@ -47,6 +47,7 @@ def check(trainer: ReferencedRun) -> None:
             "with its adapters disabled, so there is no separate reference model to mix the policy into. Set "
             "sync_ref_model=False, or train without peft_config to get a reference model of its own."
         )
+    assert trainer.ref_model is not None  # beta > 0 (GRPOConfig refuses sync_ref_model with beta=0), no adapters
     if sharding.is_sharded(trainer.ref_model):
         raise NotImplementedError(
             "GRPOConfig.sync_ref_model=True is not supported under FSDP: the mixed reference could not be saved in "

@@ -62,6 +62,11 @@ def build(model: Any, processing_class: Any, peft_config: Any, args: Any, fsdp_p
     policy = load_causal_lm(model, a.model_init_kwargs, a.trust_remote_code, device) if model_id else model
     source = model_id or getattr(policy.config, "_name_or_path", None)
     if processing_class is None:
+        if source is None:
+            raise ValueError(
+                "The model's config names no checkpoint (`_name_or_path`) to load its tokenizer from: pass "
+                "processing_class=."
+            )
         processing_class = load_processing_class(source, policy.config, a.trust_remote_code)
     tokenizer = prepare_tokenizer(processing_class)
     if a.disable_dropout:

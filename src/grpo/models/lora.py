@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from grpo.models.modeling import unwrap
 
@@ -43,7 +44,7 @@ def is_adapter_layer(module: Any) -> bool:
 
 
 def wrap(
-    model: torch.nn.Module, peft_config: Any, gradient_checkpointing: bool, language_targets: list[str] | None = None
+    model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool, language_targets: list[str] | None = None
 ) -> torch.nn.Module:
     """The policy with `peft_config`'s adapters added (frozen base, trainable adapters). For a vision-language model
     (`language_targets`: its language model's linear layers), a config that leaves the targets to peft (None) or asks
@@ -98,7 +99,9 @@ def merged_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
                 "yet: generate in-process (use_vllm=False), or use plain LoRA."
             )
         if adapters:
-            deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in adapters)
+            # each LoraLayer subclass (Linear, Embedding, Conv*) defines get_delta_weight, LoraLayer itself does not
+            parts: list[torch.Tensor] = [module.get_delta_weight(a) for a in adapters]  # type: ignore[attr-defined]
+            deltas[f"{name}.base_layer.weight"] = sum(parts[1:], parts[0])
     for name, param in model.named_parameters():
         delta = deltas.get(name)
         yield name, param.detach() if delta is None else param.detach() + delta.to(param.dtype)
@@ -116,7 +119,7 @@ def load_adapter(model: Any, path: str) -> list[str]:
             "model: resume with the model the run was started with."
         )
     result = set_peft_model_state_dict(model, load_peft_weights(path, device="cpu"))
-    return list(result.unexpected_keys)
+    return list(result.unexpected_keys)  # type: ignore[attr-defined]  # peft annotates it as "namedtuple"
 
 
 def lora_config(**kwargs: Any) -> Any:

@@ -226,7 +226,7 @@ class Pixels:
     def __init__(self, processor: Any, token_types: Sequence[int | None] = (), keep: int = 8) -> None:
         self.processor = processor
         self.token_types = tuple(token_types)  # (image token id, video token id)
-        self.placeholder = getattr(processor, "image_token", None)  # one per image in a rendered prompt
+        self.placeholder: str | None = getattr(processor, "image_token", None)  # one per image in a rendered prompt
         self.keep = keep
         self._cache: OrderedDict[tuple[int, ...], tuple[list, dict]] = OrderedDict()
 
@@ -289,7 +289,14 @@ class Pixels:
         if text is None:  # a text-only prompt whose row got an image from a tool
             text = self.processor.tokenizer.decode(prompt.ids[: prompt.text_tokens])
         later = len(prompt.images or ()) - (text.count(self.placeholder) if self.placeholder else 0)
-        return text + self.placeholder * later if later > 0 else text
+        if later <= 0:
+            return text
+        if self.placeholder is None:
+            raise ValueError(
+                f"The processor ({type(self.processor).__name__}) has no image_token: grpo cannot mark where a "
+                "row's images go in its text."
+            )
+        return text + self.placeholder * later
 
 
 def lora_target_modules(model: torch.nn.Module) -> list[str] | None:

@@ -206,7 +206,7 @@ def generation_metrics(
     tools: bool = False,
 ) -> dict[str, float]:
     """Lengths (model tokens only: tool results are not counted) and rewards of one generation batch (global: every
-    process's completions), this process's generation and scoring time, with dynamic_sampling the groups it
+    process's completions), this process's generation, scoring and gathering time, with dynamic_sampling the groups it
     dropped and the rounds it took, and with tools TRL 1.16's tools/call_frequency (calls per completion) and
     tools/failure_frequency (failed calls per call)."""
     scored = generated.batch
@@ -228,6 +228,7 @@ def generation_metrics(
         "timing/generation_tokens_per_s": generated.tokens / max(generated.generation_s, 1e-9),
         "timing/generation_s": generated.generation_s,
         "timing/scoring_s": generated.scoring_s,
+        "timing/gather_s": generated.gather_s,  # putting every process's rows together (0 on one process)
     }
     m.update(reward_and_tool_stats(scored, reward_names, tools))
     if dynamic_sampling:

@@ -151,7 +151,7 @@ def add_summary(rows: list[dict[str, Any]], summary: dict[str, float], step: int
     if rows and rows[-1].get("step") == step and "loss" in rows[-1]:
         rows[-1].update(record)
         return record
-    latest = next((r for r in reversed(rows) if "loss" in r), {})
+    latest: dict[str, Any] = next((r for r in reversed(rows) if "loss" in r), {})
     skip = ("loss", "grad_norm", "learning_rate", "step", "epoch")
     rows.append({**{k: v for k, v in latest.items() if k not in skip}, **record})
     return record

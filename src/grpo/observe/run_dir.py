@@ -69,14 +69,14 @@ class RunLock:
                 "would overwrite each other's checkpoints and metrics. Wait for it to finish, or pass another "
                 "output_dir."
             ) from None
-        holder = {
+        record = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "command": " ".join(sys.argv)[:300],
             "started": datetime.datetime.now().isoformat(timespec="seconds"),
         }
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(holder).encode())
+        os.write(fd, json.dumps(record).encode())
         self.fd = fd
 
     def release(self) -> None:

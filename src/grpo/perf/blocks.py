@@ -114,15 +114,16 @@ def real_tokens(mask: torch.Tensor):
         _pass.real = previous
 
 
-def _mlp_forward(module: torch.nn.Module):
+def _mlp_forward(module: Any):  # a Llama-family MLP: gate_proj, up_proj, down_proj, act_fn
     def forward(x: torch.Tensor) -> torch.Tensor:
         return module.down_proj(_SiluMul.apply(module.gate_proj(x), module.up_proj(x)))
 
     return forward
 
 
-def _pack_input(module: torch.nn.Module, args: tuple) -> tuple | None:
-    """Forward pre-hook: a per-token module's (B, T, H) input as the (N, H) real positions (`real_tokens`)."""
+def _pack_input(module: Any, args: tuple) -> tuple | None:
+    """Forward pre-hook: a per-token module's (B, T, H) input as the (N, H) real positions (`real_tokens`). The
+    module (Any: it is given a `_packed_shape` attribute, which torch types as a tensor or module) keeps its shape."""
     real = getattr(_pass, "real", None)
     x = args[0]
     if real is None or x.dim() != 3 or tuple(x.shape[:2]) != real[0]:
@@ -132,7 +133,7 @@ def _pack_input(module: torch.nn.Module, args: tuple) -> tuple | None:
     return (x.reshape(-1, x.shape[-1]).index_select(0, real[1]), *args[1:])
 
 
-def _unpack_output(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+def _unpack_output(module: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
     """Forward hook: the (N, out) output back at its positions, 0 at padding."""
     shape = module._packed_shape
     if shape is None:

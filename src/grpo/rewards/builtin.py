@@ -53,7 +53,9 @@ def _math_rewards(
             try_extract_without_anchor=False,
         )
     ]
-    rewards, golds, answers = [], [], []
+    rewards: list[float | None] = []
+    golds: list[str] = []
+    answers: list[str] = []
     for content, sol in zip(contents, solution, strict=True):
         if content is None:
             rewards.append(0.0)

@@ -115,7 +115,7 @@ def _check_values(name: str, values: Any, n: int) -> list[float]:
                 f"sample {i}; rewards must be numbers, or None when the function does not "
                 "apply to a sample."
             )
-        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        if not math.isfinite(value) or abs(float(value)) > FLOAT32_MAX:
             raise RewardFunctionError(
                 f"Reward function '{name}' returned {value} for sample {i}; rewards must be finite in float32 "
                 "(|x| <= 3.4e38), the precision they are normalized in. Return None to say the function does "
@@ -190,6 +190,7 @@ async def _timed(name: str, func: Callable, kwargs: dict[str, Any], timeout: flo
     try:
         return await asyncio.wait_for(_call(name, func, kwargs), timeout or None)
     except asyncio.TimeoutError:
+        assert timeout is not None  # wait_for times out only under a limit
         raise _too_slow([name], timeout) from None
 
 
@@ -200,6 +201,7 @@ def _wait(done: Callable[[float], bool], names: Sequence[str], timeout: float | 
     while not done(0.05):
         sigterm.check()
         if deadline is not None and time.monotonic() > deadline:
+            assert timeout is not None  # the deadline is set from it
             raise _too_slow(names, timeout)
 
 

@@ -38,7 +38,8 @@ class RewardModel:
         self.tokenizer = tokenizer
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model.config.pad_token_id = tokenizer.pad_token_id
+        config: Any = model.config  # its transformers config (torch types a module attribute as Tensor | Module)
+        config.pad_token_id = tokenizer.pad_token_id
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.batch_size = batch_size
         self.__name__ = model_name(model)
@@ -110,6 +111,8 @@ def load_reward_model(
     device: torch.device,
 ) -> RewardModel:
     """A `RewardModel` for a reward_funcs entry that is a model id/path or a module."""
+    model: torch.nn.Module
+    source: str | None
     if isinstance(entry, str):
         model = load_pretrained(
             AutoModelForSequenceClassification, "reward model", entry, init_kwargs, trust_remote_code, num_labels=1

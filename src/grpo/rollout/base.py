@@ -72,9 +72,9 @@ class Rollout:
     tool_failures: list[int] = field(default_factory=list)  # of which failed
     # where any row has images: each row's Prompt (the forward passes give the model their pixels); else None
     vision: list[Prompt | None] = field(default_factory=list)
-    # the log-probs of the policy that sampled each row, computed by the training pass (an asynchronous producer's
-    # behaviour policy: the learner's old_logps); None where not computed
-    behaviour_logps: list[list[float] | None] = field(default_factory=list)
+    # the log-probs of the policy that sampled each row, a 1-d tensor each (an asynchronous producer's behaviour
+    # policy: the learner's old_logps); None where not computed
+    behaviour_logps: list[torch.Tensor | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
@@ -185,5 +185,5 @@ def right_pad(rows: Sequence[Sequence[Any]], pad: Any, dtype: torch.dtype = torc
     out = torch.full((len(rows), max(width, 1)), pad, dtype=dtype)
     for i, r in enumerate(rows):
         if len(r):
-            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+            out[i, : len(r)] = r if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=dtype)
     return out

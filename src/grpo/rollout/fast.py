@@ -134,7 +134,7 @@ class low_precision_linears:  # noqa: N801 (a context manager used like a functi
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None) -> None:
         self.model, self.dtype = model, dtype
-        self.patched: list[torch.nn.Module] = []
+        self.patched: list[torch.nn.Linear] = []
         self.swap: Any = nullcontext()
 
     def __enter__(self) -> low_precision_linears:
@@ -293,10 +293,10 @@ class FastEngine:
             # CHECK_EVERY steps; on the CPU at once
             every = graphed.CHECK_EVERY if device.type == "cuda" else 1
             tokens, logps, lengths = self._eager(ids, mask, owner, budgets, longest, generator, every)
-        lengths, tokens, logps = lengths.tolist(), tokens.cpu(), logps.cpu()  # the rollout's one read-back
+        ends, tokens, logps = lengths.tolist(), tokens.cpu(), logps.cpu()  # the rollout's one read-back
         return (
-            [tokens[r, : lengths[r]].tolist() for r in range(n)],
-            [logps[r, : lengths[r]].tolist() for r in range(n)],
+            [tokens[r, : ends[r]].tolist() for r in range(n)],
+            [logps[r, : ends[r]].tolist() for r in range(n)],
         )
 
     def _draw(self, logprobs: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
@@ -329,7 +329,9 @@ class FastEngine:
             sigterm.check()  # SIGTERM ends a long rollout at the next token
             if sample and step % graphed.CHECK_EVERY == 0:
                 uniforms = graphed.draw_uniforms(n, device, generator)
-            logprobs = torch.log_softmax(self.processors(history, logits), dim=-1)
+            # history is None where no processor reads the tokens (no repetition penalty); transformers types it
+            # as a LongTensor
+            logprobs = torch.log_softmax(self.processors(history, logits), dim=-1)  # type: ignore[arg-type]
             u = uniforms[step % graphed.CHECK_EVERY, active].unsqueeze(-1) if sample else None
             chosen = self._draw(logprobs, u)
             tokens[active, step] = chosen

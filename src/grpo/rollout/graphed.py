@@ -55,7 +55,7 @@ class StaticDecode:
     def __init__(
         self,
         decoder: LeanDecoder,
-        processors: Callable[[Any, torch.Tensor], torch.Tensor],
+        processors: Callable[[Any, Any], torch.Tensor],  # (history or None, logits) -> processed logits
         stop_ids: torch.Tensor,
         draw: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         with_history: bool,
@@ -214,6 +214,7 @@ class StaticDecode:
         """The lean decoder's layers for one token per row, its keys and values written at `column`, attention
         over the buffers' whole width (the columns not attended masked out)."""
         dec = self.decoder
+        assert dec.head is not None  # made by the decoder's prefill
         b = len(tokens)
         q_size, kv_size = dec.heads * dec.head_dim, dec.kv_heads * dec.head_dim
         x = F.embedding(tokens.unsqueeze(-1), dec.embed).float()

@@ -176,11 +176,13 @@ class LeanDecoder:
         if self.length == self.valid.shape[1]:
             self._grow(max(self.max_new - self.steps, 1))  # the calls left, this one included
         if self.live is not None:  # the packed batch: a finished row's slot repeats its last token, unread
+            assert self.fed is not None  # set with live
             tokens = self.fed = self.fed.index_copy(0, self.live, tokens)
         self.valid[:, self.length] = True
         attend = self.valid[:, None, None, : self.length + 1]
         if self.dtype == torch.float32:  # one additive mask for every layer: 0 where a key is attended, -inf elsewhere
             attend = torch.zeros(attend.shape, device=attend.device).masked_fill_(~attend, float("-inf"))
+        assert self.positions is not None, "prefill first"
         logits = self._forward(tokens.unsqueeze(-1), self.positions, attend, decode=True)
         self.positions = self.positions + 1
         if self.live is not None and len(self.live) < self.slots:
@@ -298,6 +300,7 @@ class LeanDecoder:
         self.fused, self.live, self.fed, self.slots = None, None, None, 0
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, decode: bool) -> torch.Tensor:
+        assert self.head is not None  # made by prefill (`_panels` or `_unpack`)
         b, t = ids.shape
         start, end = self.length, self.length + t
         x = F.embedding(ids, self.embed).float()
@@ -340,7 +343,7 @@ class LeanDecoder:
         return self.head(self.norm(x[:, -1])).float()
 
 
-def _rms_norm(module: torch.nn.Module) -> Linear:
+def _rms_norm(module: Any) -> Linear:  # a Llama-family RMSNorm: weight, variance_epsilon
     """The RMSNorm module's arithmetic on its weight as it is now (the module's forward is not called: under FSDP
     that would run its sharding hooks outside the model's forward). Float32 input, as in the lean forward."""
     weight, eps = module.weight, module.variance_epsilon

@@ -31,7 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from accelerate.utils import broadcast_object_list
@@ -169,7 +169,7 @@ class ServerEngine:
                     "weight version: is it a `grpo vllm-serve` of this grpo version?"
                 )
         if group is not None:
-            shared = [version, self.run]
+            shared: list[Any] = [version, self.run]
             torch.distributed.broadcast_object_list(shared, src=0, group=group)
             version, self.run = shared
         elif self.accelerator.num_processes > 1:  # the others wait here until the server has loaded the push
@@ -192,14 +192,15 @@ class ServerEngine:
         sigterm.check()
         if not requests:  # a follow-up turn of a tool loop where this process has no row left
             return Rollout([], [], [], [])
+        sent = [self._request_of(r) for r in requests]
         payload = {
-            "requests": [self._request_of(r) for r in requests],
+            "requests": sent,
             "sampling": self.sampling,
             "weight_version": self.version,
             "run": self.run if self.version is not None else None,
         }
         answer = self._while_alive("/generate", json.dumps(payload).encode(), {"Content-Type": "application/json"})
-        tokens, logps = self._checked(answer, payload["requests"])
+        tokens, logps = self._checked(answer, sent)
         for request, expanded in zip(requests, answer.get("prompt_ids") or [None] * len(requests)):
             check_expanded(request.prompt, expanded)
         return assemble(expand(requests), tokens, logps, self.stop_ids, self.tokenizer)
@@ -240,5 +241,5 @@ class ServerEngine:
         return tokens, logps
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)

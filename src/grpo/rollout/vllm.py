@@ -355,7 +355,8 @@ class VLLMEngine:
         params = [sampling_params(self.sampling, r.num_samples, self._budget(r)) for r in requests]
         drawing = self.group.same_random_numbers() if self.group is not None else contextlib.nullcontext()
         with self._awake(), self._explained("generate with"), drawing:
-            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+            # the inputs are vLLM TokensPrompt dicts, built untyped (`multimodal_input`: vllm is optional)
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)  # type: ignore[arg-type]
         sigterm.check()
         for request, output in zip(requests, outputs):
             check_expanded(request.prompt, output.prompt_token_ids)
@@ -411,14 +412,14 @@ def _unique_shared_memory_names(token: str) -> None:
 
     shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
     name = getattr(shm, "make_group_name", None)
-    if name is None:  # another vLLM version: nothing of this shape to name
+    if shm is None or name is None:  # another vLLM version: nothing of this shape to name
         return
     original = getattr(name, "grpo_original", name)
 
     def make_group_name(communicator: Any) -> str:
         return f"{original(communicator)}-{token}"
 
-    make_group_name.grpo_original = original
+    make_group_name.grpo_original = original  # type: ignore[attr-defined]  # a marker on the function
     shm.make_group_name = staticmethod(make_group_name)
 
 

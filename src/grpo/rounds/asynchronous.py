@@ -44,13 +44,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import math
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
@@ -64,29 +64,30 @@ from grpo.distributed import sharding
 from grpo.learner.batch import collate
 from grpo.learner.optimization import TrainingError
 from grpo.rewards.calling import copy_state
-from grpo.rollout import build_engine
 from grpo.rollout.fast import own_generator
 from grpo.rounds.producer import Produced, Producer
+from grpo.rounds.sequential import Rounds, Sequential
 
 logger = logging.getLogger("grpo")
 POLL_S = 0.05
 OWN_RANDOMNESS = ("fast", "vllm-server")  # engines whose sampling never draws from torch's global generator
 
 
-class AsyncHost(Protocol):
-    """What async generation reads of the trainer hosting it (the learner): its settings, processes, policy (as
-    prepared, and unwrapped), the producer it copies for its thread, and what an engine of its own is built from."""
+@dataclass(frozen=True)
+class Learner:
+    """What async generation reads of the learner hosting it: its settings and processes, its sequential producer
+    (rollouts, rewards, dataset and ranks, which the thread's producer copies; evaluation's, whose engine version is
+    reset around pauses), the policy as prepared, the training pass (the behaviour policy's log-probs), the pad id,
+    the loop position a checkpoint saves from, and a builder of an engine on another model (the snapshot)."""
 
     args: Any  # the GRPOConfig
     accelerator: Any
-    model: torch.nn.Module
-    unwrapped_model: torch.nn.Module
-    producer: Producer  # the sequential one (evaluation's): its rollouts, rewards, dataset and ranks
-    training_pass: Any  # `grpo.learner.forward.TrainingPass`: the behaviour policy's log-probs
-    tokenizer: Any
-    stop_ids: list[int]
-    pixels: Any  # image prompts' vision settings, for the producer's own engine
-    loop: Any  # `grpo.learner.loop.LoopState`: the data position a checkpoint saves from
+    producer: Producer
+    policy: torch.nn.Module  # as prepared (DDP, FSDP2, DeepSpeed); unwrapped by the accelerator
+    training_pass: Any  # `grpo.learner.forward.TrainingPass`
+    pad_id: int
+    loop: Any  # `grpo.learner.loop.LoopState`
+    engine_on: Callable[[torch.nn.Module, Any], Any]  # (model, settings) -> an engine of the configured kind
 
 
 def round_seed(seed: int, kind: str, position: int) -> int:
@@ -94,48 +95,20 @@ def round_seed(seed: int, kind: str, position: int) -> int:
     return zlib.crc32(f"{kind}:{position}".encode()) << 31 ^ seed
 
 
-class Sequential:
-    """The sequential loop's rounds: sync the engine to the learner's weights, then produce (`grpo.rounds.producer`)."""
-
-    def __init__(self, producer: Producer) -> None:
-        self.producer = producer
-
-    def take(self, position: int, model: torch.nn.Module, version: int, state: Any) -> Produced:
-        start = time.perf_counter()
-        self.producer.sync(model, version)  # lazily: with steps_per_generation > 1 not after every step
-        synced = time.perf_counter() - start
-        produced = self.producer.produce(position)  # this process's rows, generated and scored
-        produced.generation_s += synced
-        return produced
-
-    def step_begins(self, position: int) -> None:
-        pass
-
-    def running(self, position: int) -> Any:
-        return nullcontext()
-
-    def paused(self, step: int) -> Any:
-        return nullcontext()
-
-    def learning(self, micro_step: int) -> Any:
-        return nullcontext()
-
-
-class AsyncRounds:
+class AsyncRounds(Rounds):
     """The producer thread and the learner's side of it (see the module docstring); a checkpoint component."""
 
     name = "in-flight rounds"
 
-    def __init__(
-        self, producer: Producer, model: torch.nn.Module, snapshot: torch.nn.Module, trainer: AsyncHost
-    ) -> None:
-        a = trainer.args
-        self.producer, self.model, self.snapshot = producer, model, snapshot
+    def __init__(self, producer: Producer, model: torch.nn.Module, snapshot: torch.nn.Module, learner: Learner) -> None:
+        a = learner.args
+        super().__init__(producer, learner.accelerator)
+        self.model, self.snapshot = model, snapshot
         self.shared_engine = producer.own_engine is None  # vLLM: the trainer's engine, also evaluation's
-        self.outer = trainer.producer  # evaluation's producer (its engine version is reset around pauses)
-        self.training_pass = trainer.training_pass.for_copy(snapshot)  # torch_compile: the snapshot's own
-        self.tokenizer, self.loop = trainer.tokenizer, trainer.loop
-        rank = trainer.accelerator.process_index  # each process samples its own rows from its own streams (seed + rank)
+        self.outer = learner.producer  # evaluation's producer (its engine version is reset around pauses)
+        self.training_pass = learner.training_pass.for_copy(snapshot)  # torch_compile: the snapshot's own
+        self.pad_id, self.loop = learner.pad_id, learner.loop
+        rank = learner.accelerator.process_index  # each process samples its own rows from its own streams (seed + rank)
         self.s, self.seed, self.sync_steps = a.max_staleness, a.seed + rank, a.weight_sync_steps
         self.stale_after, self.chunk = a.heartbeat_stale_after_s, a.per_device_train_batch_size
         self.pad_multiple, self.sampler_logps = a.pad_to_multiple_of, a.async_behaviour_logps == "sampler"
@@ -149,18 +122,27 @@ class AsyncRounds:
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
         self.rounds: dict[int, Produced] = {}
         self.next_weights, self.loaded, self.floor = 0, None, 0
+        self.step: int | None = None  # the optimizer step whose first round was asked for last (`next`)
         self.error: BaseException | None = None
         self.doing, self.heartbeat = "starting", time.monotonic()
         self.stop, self.thread, self.idle = threading.Event(), None, False
         self.cores = torch.get_num_threads()
         # several processes on one server, which holds one weight version: the producers go in lockstep over a
         # group of their own (the default one is the learner's), and stop between rounds together
-        several = trainer.accelerator.num_processes > 1 and getattr(producer.engine, "name", "") == "vllm-server"
+        several = learner.accelerator.num_processes > 1 and getattr(producer.engine, "name", "") == "vllm-server"
         self.group = torch.distributed.new_group(backend="gloo") if several else None
 
     # ---- the learner's side ----------------------------------------------------------------------------------
 
-    def take(self, position: int, model: torch.nn.Module, version: int, state: Any) -> Produced:
+    def next(self, position: int, model: torch.nn.Module, version: int, state: Any) -> Any:
+        """`Rounds.next`; the first call of an optimizer step drops the rounds before `position` and the
+        publications no round from it samples (a step preempted midway saves from the position it started at)."""
+        if self.step != state.global_step:
+            self.step = state.global_step
+            self._drop_before(position)
+        return super().next(position, model, version, state)
+
+    def _take(self, position: int, model: torch.nn.Module, version: int, state: Any) -> Produced:
         """Publish the learner's policy for round `position`, then wait for the round (see the module docstring)."""
         self._publish(position, version, state)
         start = time.perf_counter()
@@ -172,18 +154,15 @@ class AsyncRounds:
             pub = self.pubs[self._source(position)]
         waited = time.perf_counter() - start
         staleness = float(state.global_step - pub.step)  # optimizer steps between the sampling and trained policy
-        produced.logged = [
-            *produced.logged,
+        timing = (
             ("sample/staleness_mean", staleness),
             ("sample/staleness_max", staleness),
             ("timing/learner_wait_s", waited),
             ("timing/producer_wait_s", produced.producer_wait_s),
-        ]
-        return produced
+        )
+        return dataclasses.replace(produced, logged=produced.logged + timing)
 
-    def step_begins(self, position: int) -> None:
-        """A step starts at data position `position`: rounds before it, and publications no round from it samples,
-        are dropped (a step preempted midway saves from `position`)."""
+    def _drop_before(self, position: int) -> None:
         with self.cond:
             needed = self._source(position)
             for p in [p for p in self.pubs if p < needed]:
@@ -364,14 +343,11 @@ class AsyncRounds:
             with own_generator(generator), self.rng_lock if self.lock_rng else nullcontext():
                 if self.lock_rng:
                     torch.manual_seed(round_seed(self.seed, "round", q))
-                self.producer.trainer_state = pub.state
-                produced = self.producer.produce(q)
-                self._behaviour(produced.scored.rollout)  # async_behaviour_logps: the training pass, or the sampler
+                # async_behaviour_logps: the training pass's, or the sampler's; rewards see the publication's state
+                produced = self.producer.produce(q, pub.state, self._behaviour)
                 if device.type == "cuda":  # the round's tensors complete before the learner's stream reads them
                     torch.cuda.current_stream(device).synchronize()
-        produced.version = pub.version
-        produced.producer_wait_s = self.waited
-        return produced
+        return dataclasses.replace(produced, version=pub.version, producer_wait_s=self.waited)
 
     def _load(self, key: int) -> None:
         """The snapshot holds weights `key` (and the engine samples them): its parameters take the publication's
@@ -388,19 +364,18 @@ class AsyncRounds:
             torch.distributed.barrier(group=self.group)
         self.producer.sync(self.snapshot, key, self.group)  # vLLM: pushed; grpo's own engines sample the snapshot
 
-    def _behaviour(self, rollout: Any) -> None:
+    def _behaviour(self, rollout: Any) -> list[torch.Tensor | None]:
         """The sampling policy's log-probs of each row (the learner's old_logps): by the training pass on the
-        snapshot, or the engine's own (0 where it scored no token: masked positions, never trained)."""
-        if not len(rollout):
-            return
+        snapshot, or the engine's own (0 where it scored no token: masked positions, never trained). A tensor per
+        row, its own copy (a row sent to another process carries no more than itself)."""
         if self.sampler_logps:
-            rollout.behaviour_logps = [[0.0 if math.isnan(x) else x for x in row] for row in rollout.sampling_logps]
-            return
-        pad = self.tokenizer.pad_token_id
-        batch = collate(rollout, torch.zeros(len(rollout)), pad, False, pad_to_multiple_of=self.pad_multiple)
+            return [torch.tensor(row, dtype=torch.float32).nan_to_num(0.0) for row in rollout.sampling_logps]
+        if not len(rollout):
+            return []
+        batch = collate(rollout, torch.zeros(len(rollout)), self.pad_id, False, pad_to_multiple_of=self.pad_multiple)
         device = next(self.snapshot.parameters()).device
         logps = self.training_pass.logps(self.snapshot, batch.to(device), self.chunk).float().cpu()
-        rollout.behaviour_logps = [logps[i, : len(ids)].tolist() for i, ids in enumerate(rollout.completion_ids)]
+        return [logps[i, : len(ids)].clone() for i, ids in enumerate(rollout.completion_ids)]
 
     # ---- checkpoints (a StateComponent) ----------------------------------------------------------------------
 
@@ -443,9 +418,9 @@ def importance_stats(logps: torch.Tensor, old: torch.Tensor | None, mask: torch.
     }
 
 
-def refuse(trainer: AsyncHost) -> None:
+def refuse(learner: Learner) -> None:
     """What async generation does not do yet, as one error naming the setting."""
-    a, acc = trainer.args, trainer.accelerator
+    a, acc = learner.args, learner.accelerator
     reasons = []
     tp = a.vllm_tensor_parallel_size
     if acc.num_processes > 1 and a.use_vllm and a.vllm_mode == "colocate" and tp > 1:
@@ -453,7 +428,7 @@ def refuse(trainer: AsyncHost) -> None:
             f"vllm_tensor_parallel_size={tp} with {acc.num_processes} processes (an engine split across processes; "
             "an engine per process, or a vLLM server, runs async on several)"
         )
-    if any(isinstance(m, FSDP1) for m in trainer.model.modules()):
+    if any(isinstance(m, FSDP1) for m in learner.policy.modules()):
         reasons.append("FSDP1 (its wrappers rename the parameters; fsdp_version 2, or DeepSpeed, runs async)")
     if reasons:
         raise ValueError(f"async_generation=True does not support {' and '.join(reasons)}: set async_generation=False.")
@@ -470,21 +445,18 @@ def local(rollouts: Rollouts) -> Rollouts:
     return mine
 
 
-def rounds_of(trainer: AsyncHost, snapshot: torch.nn.Module | None = None) -> Sequential | AsyncRounds:
-    """The trainer's source of rounds: the sequential one, or a producer thread with its own snapshot of the policy
+def rounds_of(learner: Learner, snapshot: torch.nn.Module | None = None) -> Rounds:
+    """The learner's source of rounds: the sequential one, or a producer thread with its own snapshot of the policy
     (`snapshot`, a whole copy made before FSDP or DeepSpeed sharded the policy; None: a copy of the policy) and its
     own engine, except vLLM's, which it shares with evaluation."""
-    if not trainer.args.async_generation:
-        return Sequential(trainer.producer)
-    refuse(trainer)
-    model = trainer.unwrapped_model
+    a, p = learner.args, learner.producer
+    if not a.async_generation:
+        return Sequential(p, learner.accelerator)
+    refuse(learner)
+    model = learner.accelerator.unwrap_model(learner.policy)
     if snapshot is None:
         snapshot = copy.deepcopy(model).eval().requires_grad_(False)
-    engine = None
-    if not trainer.args.use_vllm:
-        acc = trainer.accelerator
-        engine = build_engine(snapshot, trainer.tokenizer, trainer.args, trainer.stop_ids, acc, trainer.pixels)
-    p = trainer.producer
+    engine = None if a.use_vllm else learner.engine_on(snapshot, a)
     ranks = p.process_index, p.num_processes
     producer = Producer(local(p.rollouts), p.rewards, p.dataset, p.args, *ranks, p.trainer_state, engine)
-    return AsyncRounds(producer, model, snapshot, trainer)
+    return AsyncRounds(producer, model, snapshot, learner)

@@ -13,8 +13,9 @@ sum reaches `eval_pass_threshold` (grpo, default 1.0: a correctness reward's ful
 Evaluating changes nothing that training depends on: the random generators (Python, NumPy, torch, CUDA) are put
 back as they were, the data position, rollout buffer, metrics window and completions log are untouched, and no
 parameter moves; so a run with evaluations ends with the same weights as the same run without them, and resumes as
-exactly. During training a step's checkpoint is written before its evaluation (`after_step`): an evaluation that
-fails or is preempted loses no step. Errors about eval rows name eval_dataset (eval_dataset['<key>'] in a dict).
+exactly. During training a step's checkpoint is written before its evaluation (`GRPOTrainer._checkpoint`): an
+evaluation that fails or is preempted loses no step. Errors about eval rows name eval_dataset
+(eval_dataset['<key>'] in a dict).
 """
 
 from __future__ import annotations
@@ -24,60 +25,20 @@ import functools
 import math
 import random
 import time
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from grpo import checkpoint
 from grpo.algo.advantages import nanstd, weighted_sum
-from grpo.algo.losses import policy_loss
 from grpo.base.sigterm import agreed_or_none
 from grpo.data import prompts as data
 from grpo.distributed import collectives
-from grpo.learner.batch import collate
 from grpo.observe.metrics import reward_and_tool_stats
-from grpo.rollout import build_engine
-from grpo.rounds import preemption
 from grpo.rounds.groups import Scored, gather_scored
-
-
-class EvaluatedRun(Protocol):
-    """What evaluation reads of the trainer (its `evaluate`, and the evaluation after a step, are the trainer's
-    own, written here): settings, processes, state, callbacks, the policy and its producer, and the loss's parts
-    (advantages, old and reference log-probs) that an evaluation batch's `eval_loss` takes."""
-
-    args: Any
-    accelerator: Any
-    state: Any  # the HF TrainerState
-    control: Any  # the HF TrainerControl: should_evaluate, should_save
-    metrics: Any  # `grpo.observe.metrics.MetricsLogger` (None before training)
-    max_steps: int
-    steps_per_epoch: int
-    model: torch.nn.Module
-    unwrapped_model: torch.nn.Module
-    policy_version: int
-    producer: Any  # `grpo.rounds.producer.Producer`: sync, generate, score
-    rounds: Any  # `grpo.rounds.asynchronous`: the producer thread paused while evaluating
-    engine: Any
-    rollouts: Any
-    rewards: Any
-    prompts: data.PromptSource
-    evaluations: dict[str | None, Evaluation]
-    training_pass: Any
-    loss_params: Any
-    tokenizer: Any
-    stop_ids: list[int]
-    pixels: Any
-
-    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]: ...
-
-    def _fire(self, event: str, **kwargs: Any) -> None: ...
-
-    def _advantages(self, scored: Scored, group_size: int | None = None) -> Any: ...
-
-    def _add_old_and_ref_logps(self, batch: Any, old: bool = True) -> Any: ...
+from grpo.rounds.producer import Producer
 
 
 @contextlib.contextmanager
@@ -167,9 +128,9 @@ class Evaluation:
         every = max(math.ceil(every * max_steps), 1) if every < 1 else int(every)
         return step % every == 0
 
-    def run(self, trainer: EvaluatedRun, engine: Any) -> dict[str, float]:
+    def run(self, evaluator: Evaluator, engine: Any) -> dict[str, float]:
         """The eval_ metrics (the same on every process)."""
-        acc = trainer.accelerator
+        acc = evaluator.accelerator
         start = time.perf_counter()
         logged: dict[str, list[float]] = {}
         parts, losses = [], []
@@ -177,14 +138,15 @@ class Evaluation:
         with random_state_kept(), torch.no_grad():
             for first in range(0, n, self.prompts_per_batch):
                 rows = [i for i in range(first, min(first + self.prompts_per_batch, n)) for _ in range(self.k)]
-                share = -(-len(rows) // acc.num_processes)  # every process runs every batch, maybe with no rows
-                mine = rows[acc.process_index * share : (acc.process_index + 1) * share]
+                # every process runs every batch, maybe with no rows
+                mine = [rows[i] for i in collectives.local_rows(len(rows), acc.process_index, acc.num_processes)]
                 examples = [self.dataset[i] for i in mine]
-                make = functools.partial(self.share, trainer, mine, examples, engine, logged)
+                make = functools.partial(self.share, evaluator.producer, mine, examples, engine, logged)
                 local = agreed_or_none(make, acc.num_processes > 1)  # None: SIGTERM here, agreed at the gather
                 parts.append(gather_scored(local, acc))
-                losses.append(batch_loss(trainer, parts[-1], self.k))
-        metrics = self.metrics(Scored.concat(parts), trainer.rewards, trainer.rollouts.uses_tools)
+                losses.append(evaluator.loss(parts[-1], self.k))
+        producer = evaluator.producer
+        metrics = self.metrics(Scored.concat(parts), producer.rewards, producer.rollouts.uses_tools)
         losses = [loss for loss in losses if loss is not None]
         metrics["eval_loss"] = sum(losses) / len(losses) if losses else None
         for name in sorted(logged):  # every process logs the same names (the same functions ran everywhere)
@@ -192,14 +154,14 @@ class Evaluation:
         metrics["eval_runtime"] = round(time.perf_counter() - start, 4)
         return metrics
 
-    def share(self, trainer: EvaluatedRun, mine: list[int], examples: list, engine: Any, logged: dict) -> Scored:
+    def share(self, producer: Producer, mine: list[int], examples: list, engine: Any, logged: dict) -> Scored:
         """This process's rows of an evaluation batch, generated and scored (their reward functions' `log_metric`
         calls into `logged`)."""
-        generated = trainer.producer.generate(mine, examples, source=self.source, engine=engine)
-        rewards = torch.zeros(0, len(trainer.rewards.names))
+        generated = producer.generate(mine, examples, source=self.source, engine=engine)
+        rewards = torch.zeros(0, len(producer.rewards.names))
         if mine:
             log = lambda name, value: logged.setdefault(name, []).append(float(value))  # noqa: E731
-            rewards = trainer.producer.score(examples, generated, log)
+            rewards = producer.score(examples, generated, log)
         return Scored(mine, generated.prompts, generated.rollout, rewards)
 
     def metrics(self, scored: Scored, rewards: Any, tools: bool) -> dict[str, float]:
@@ -219,101 +181,39 @@ class Evaluation:
         return {k: v if math.isfinite(v) else None for k, v in out.items()}
 
 
-def batch_loss(trainer: EvaluatedRun, scored: Scored, group_size: int) -> float | None:
-    """The policy loss of one evaluation batch (every process's rows), as the HF Trainer's `eval_loss`: the batch's
-    group advantages, on-policy (ratio 1; with beta > 0 the KL to the reference), each process's rows through the
-    training pass without gradient, the processes' losses weighted by their rows. None for a batch some process
-    has no rows of (a last, short batch): a sharded model's forward is collective, so all or none run it."""
-    acc, a = trainer.accelerator, trainer.args
-    mine = list(collectives.local_rows(len(scored), acc.process_index, acc.num_processes))
-    if collectives.any_process(acc, not mine):
-        return None
-    advantages = trainer._advantages(scored, group_size).advantages[mine]
-    batch = collate(
-        scored.rollout.select(mine), advantages, trainer.tokenizer.pad_token_id, a.mask_truncated_completions
-    )
-    batch = trainer._add_old_and_ref_logps(batch.to(acc.device), old=False)
-    logps = trainer.training_pass.logps(trainer.model, batch, a.per_device_eval_batch_size)
-    loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, trainer.loss_params, batch.ref_logps)
-    rows = collectives.process_mean(acc, float(len(mine)))
-    return collectives.process_mean(acc, loss.item() * len(mine)) / rows
+@dataclass(frozen=True)
+class Evaluator:
+    """What an evaluation needs, and no more: the settings and processes, the producer (its engine, rewards and
+    tool loop; evaluation generates and scores through it), the rounds (an asynchronous producer is paused while
+    evaluating), the training prompts' settings (for an `eval_dataset` given to `evaluate`), the policy loss of
+    an evaluation batch (`eval_loss`: the learner's) and a builder of an engine from other settings (eval_greedy)."""
 
+    args: Any
+    accelerator: Any
+    producer: Producer
+    rounds: Any  # `grpo.rounds.sequential.Rounds`
+    prompts: data.PromptSource
+    loss: Callable[[Scored, int], float | None]  # (every process's batch, group size) -> eval loss; None: none
+    engine_with: Callable[[Any], Any]  # settings -> an engine on the policy (eval_greedy's top_k=1 copy)
 
-def after_step(trainer: EvaluatedRun, evaluate_now: bool) -> str | None:
-    """The end of an optimizer step (every process): its checkpoint when due, then its evaluation when due, in that
-    order, so that an evaluation that fails (a reward function raising on an eval row) or is preempted loses no
-    step. The events stay the HF Trainer's (on_evaluate, then on_save, which the caller fires): the evaluation's
-    row, the best checkpoint it makes and the callbacks' states go into the checkpoint's trainer_state.json after
-    it (`checkpoint.add_evaluation`), as the HF Trainer, which saves after evaluating, writes them. A checkpoint
-    only the evaluation decides (save_strategy="best" on an eval_ metric, a callback's on_evaluate asking) is
-    written after it. SIGTERM during the evaluation: the step is complete, so it is saved (unless saved already)
-    and the run exits with status 143; by several processes when they stopped together (at a batch's gather or a
-    tool loop's check, `grpo.base.sigterm`), otherwise they save nothing more.
-    Returns the checkpoint written, if any."""
-    step = trainer.state.global_step
-    path = None
-    if checkpoint.strategy.should_save(trainer) or trainer.control.should_save:
-        path = checkpoint.save(trainer, step)
-    if not evaluate_now:
-        return path
-    try:
-        trainer.evaluate()
-    except preemption.Preempted as stop:
-        if trainer.accelerator.num_processes > 1 and not stop.agreed:
-            raise
-        preemption.save_and_exit(trainer, None)  # the step is complete: as between steps
-    if path is not None:
-        checkpoint.add_evaluation(trainer, path)
-    elif checkpoint.strategy.should_save(trainer) or trainer.control.should_save:
-        path = checkpoint.save(trainer, step)
-    return path
+    def due(self, runs: dict[str | None, Evaluation], step: int, max_steps: int, steps_per_epoch: int) -> bool:
+        """Whether an eval dataset's strategy evaluates after optimizer step `step`."""
+        return any(e.due(step, max_steps, steps_per_epoch) for e in runs.values())
 
-
-def due(trainer: EvaluatedRun, step: int) -> bool:
-    """Whether the trainer evaluates after optimizer step `step`: an eval dataset's strategy says so, or a callback
-    set control.should_evaluate."""
-    if not trainer.evaluations:
-        return False
-    strategy = any(e.due(step, trainer.max_steps, trainer.steps_per_epoch) for e in trainer.evaluations.values())
-    return strategy or trainer.control.should_evaluate
-
-
-def evaluate(trainer: EvaluatedRun, eval_dataset: Any, metric_key_prefix: str) -> dict[str, float]:
-    """GRPOTrainer.evaluate: the trainer's eval datasets (or `eval_dataset`), from the policy's current weights; the
-    metrics are logged (log_history, metrics.jsonl, trackers, on_log) and passed to on_evaluate."""
-    runs = trainer.evaluations
-    if eval_dataset is not None:
-        runs = build(eval_dataset, trainer.args, trainer.prompts, trainer.accelerator.num_processes)
-    if not runs:
-        raise ValueError("evaluate() needs an eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or here.")
-    with trainer.rounds.paused(trainer.state.global_step):  # async_generation: the producer between rounds
-        metrics = _run_all(trainer, runs, metric_key_prefix)
-    state = trainer.state
-    row = {**metrics, "epoch": round(state.epoch or 0.0, 4), "step": state.global_step}
-    state.log_history.append(row)
-    if trainer.metrics is not None:
-        trainer.metrics.write_row(row)
-    trainer._fire("log", logs=row)
-    trainer._fire("evaluate", metrics=metrics)
-    return metrics
-
-
-def _run_all(trainer: EvaluatedRun, runs: dict[str, Any], metric_key_prefix: str) -> dict[str, float]:
-    """Every eval dataset's metrics, from the policy's current weights."""
-    trainer.producer.sync(trainer.unwrapped_model, trainer.policy_version)
-    engine = trainer.engine
-    if trainer.args.eval_greedy:
-        model, tokenizer, stop_ids, acc = (
-            trainer.unwrapped_model,
-            trainer.tokenizer,
-            trainer.stop_ids,
-            trainer.accelerator,
-        )
-        engine = greedy(
-            engine, trainer.args, lambda args: build_engine(model, tokenizer, args, stop_ids, acc, trainer.pixels)
-        )
-    metrics: dict[str, float] = {}
-    for name, run in runs.items():
-        prefix = metric_key_prefix + (f"_{name}" if name else "")
-        metrics.update({prefix + key[len("eval") :]: value for key, value in run.run(trainer, engine).items()})
-    return metrics
+    def run(
+        self, runs: dict[str | None, Evaluation], prefix: str, model: torch.nn.Module, version: int, step: int
+    ) -> dict[str, float]:
+        """Every eval dataset's metrics (`runs`: the trainer's, or an `eval_dataset`'s built by `build`), from
+        `model`'s weights (`version`), after optimizer step `step` (the generator's seed when async)."""
+        if not runs:
+            raise ValueError("evaluate() needs an eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or here.")
+        with self.rounds.paused(step):  # async_generation: the producer between rounds
+            self.producer.sync(model, version)
+            engine = self.producer.engine
+            if self.args.eval_greedy:
+                engine = greedy(engine, self.args, self.engine_with)
+            metrics: dict[str, float] = {}
+            for name, run in runs.items():
+                label = prefix + (f"_{name}" if name else "")
+                metrics.update({label + key[len("eval") :]: value for key, value in run.run(self, engine).items()})
+        return metrics

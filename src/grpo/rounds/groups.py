@@ -10,9 +10,7 @@ each process then trains on an even, contiguous slice.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -64,65 +62,43 @@ class Scored:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationBatch:
-    """The rounds that made one generation batch: the completions kept (every process's), how many rounds ran and
-    groups were dropped (dynamic sampling), and this process's time and tokens in generation and scoring."""
+    """One generation batch as the rounds made it (`grpo.rounds.sequential.Rounds.next`): the completions kept
+    (every process's, in global order), how many rounds (data positions) it took and how many groups dynamic
+    sampling dropped, this process's time generating, scoring and gathering, the completion tokens it sampled, and
+    what its reward functions logged with `log_metric`, in order."""
 
-    num_generations: int
-    kept: list[Scored] = field(default_factory=list)
-    batch: Scored | None = None  # the kept completions, set by `finish`
-    last_round: Scored | None = None  # the newest round as it came, before filtering
-    rounds: int = 0
+    batch: Scored
+    rounds: int = 1
     groups_dropped: int = 0
     generation_s: float = 0.0
     scoring_s: float = 0.0
-    tokens: int = 0  # completion tokens this process generated
+    gather_s: float = 0.0
+    tokens: int = 0  # completion tokens this process sampled (tool results are not)
+    logged: tuple[tuple[str, float], ...] = ()
 
-    @property
-    def size(self) -> int:
-        return sum(len(part) for part in self.kept)
 
-    @contextmanager
-    def timed(self, phase: str) -> Iterator[None]:
-        """Add the block's wall time to `<phase>_s`."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            setattr(self, f"{phase}_s", getattr(self, f"{phase}_s") + time.perf_counter() - start)
-
-    def add_round(self, local: Rollout, scored: Scored, keep: list[int] | None = None) -> None:
-        """Record a round: this process's rollout, the gathered scored round, and the rows to keep (None: all)."""
-        self.rounds += 1
-        self.tokens += sum(sum(mask) for mask in local.loss_mask)  # sampled tokens (tool results are not)
-        self.last_round = scored
-        if keep is not None:
-            self.groups_dropped += (len(scored) - len(keep)) // self.num_generations
-            scored = scored.select(keep)
-        self.kept.append(scored)
-
-    def finish(self, wanted: int) -> GenerationBatch:
-        """`batch`: at most `wanted` kept completions. With none kept, the last round as it came (advantages all
-        0); a short batch trains on what it has. Both are said in a warning."""
-        scored = Scored.concat(self.kept)
-        self.batch = scored.select(range(min(len(scored), wanted)))
-        if len(self.batch) == 0 and self.last_round is not None:
-            logger.warning(
-                "Dynamic sampling: no group had reward spread in %d rounds; this step's policy gradient is "
-                "zero. Check the reward functions, or raise dynamic_sampling_max_attempts.",
-                self.rounds,
-            )
-            self.batch = self.last_round
-        elif len(self.batch) < wanted:
-            g = self.num_generations
-            logger.warning(
-                "Dynamic sampling: %d of %d groups have reward spread after %d rounds; this step trains on those.",
-                len(self.batch) // g,
-                wanted // g,
-                self.rounds,
-            )
-        return self
+def kept_rows(kept: Sequence[Scored], last_round: Scored, wanted: int, rounds: int, num_generations: int) -> Scored:
+    """At most `wanted` of the completions dynamic sampling kept over `rounds` rounds. With none kept, the last
+    round as it came (advantages all 0); a short batch trains on what it has. Both are said in a warning."""
+    scored = Scored.concat(kept)
+    batch = scored.select(range(min(len(scored), wanted)))
+    if len(batch) == 0:
+        logger.warning(
+            "Dynamic sampling: no group had reward spread in %d rounds; this step's policy gradient is "
+            "zero. Check the reward functions, or raise dynamic_sampling_max_attempts.",
+            rounds,
+        )
+        return last_round
+    if len(batch) < wanted:
+        logger.warning(
+            "Dynamic sampling: %d of %d groups have reward spread after %d rounds; this step trains on those.",
+            len(batch) // num_generations,
+            wanted // num_generations,
+            rounds,
+        )
+    return batch
 
 
 def groups_with_spread(

@@ -4,7 +4,7 @@ While training, the signal only sets a flag. Between steps the loop sees it, sav
 a step, every wait that can last (a reward function, a generation) checks the flag and raises `Preempted`, so a
 hung reward function or a long rollout does not delay the exit; the trainer then saves the state at the end of
 the previous step when nothing of it has changed yet (no optimizer step applied in this step), and exits. In the
-evaluation that follows a step, the step is complete: it is saved as between steps (`grpo.rounds.evaluation.after_step`;
+evaluation that follows a step, the step is complete: it is saved as between steps (`GRPOTrainer._checkpoint`;
 its checkpoint, when due, was written before the evaluation).
 
 The flag itself (`Preempted`, `check`, `preemption_guard`) is `grpo.base.sigterm`'s, below everything that waits; this

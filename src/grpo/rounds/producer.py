@@ -4,9 +4,10 @@ scored, from the policy weights it was explicitly given.
     producer.sync(model, version)          # the engine samples `model`, known as weight version `version`
     produced = producer.produce(position)  # data position -> this process's rows, generated and scored
 
-The learner (the trainer) does the rest: it gathers every process's round (`grpo.rounds.groups.gather_scored`), keeps or
-drops groups (dynamic sampling), computes advantages and trains. Evaluation generates and scores through the same
-producer (`generate` and `score`, with its own rows, prompts and engine).
+`grpo.rounds.sequential.Rounds.next` turns rounds into the learner's generation batch: it gathers every process's
+round (`grpo.rounds.groups.gather_scored`) and keeps or drops groups (dynamic sampling); the learner (the trainer)
+computes advantages and trains. Evaluation generates and scores through the same producer (`generate` and `score`,
+with its own rows, prompts and engine). A `Produced` round is frozen: whoever adds to it makes a new one.
 
 Weight versions: the learner numbers its policy (`GRPOTrainer.policy_version`: a new number whenever the weights
 change, by an optimizer step or a load); `sync` pushes the weights to the engine only when the version differs
@@ -17,9 +18,10 @@ inside the producer.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,18 +29,19 @@ import torch
 from grpo.agent import Generated, Rollouts
 from grpo.data import prompts as data
 from grpo.rewards.calling import RewardFunctions
+from grpo.rollout.base import Rollout
 from grpo.rounds.groups import Scored
 
 
-@dataclass
+@dataclass(frozen=True)
 class Produced:
     """One round of this process's rows: generated (tool rounds included) and scored, not gathered."""
 
     scored: Scored  # this process's rows, prompts, rollout, rewards and log_extra columns
     version: int | None  # the weight version that sampled it (None: never synced, the engine's own weights)
-    generation_s: float
+    generation_s: float  # generating, and bringing the engine the weights it samples
     scoring_s: float
-    logged: list[tuple[str, float]] = field(default_factory=list)  # reward functions' log_metric calls, in order
+    logged: tuple[tuple[str, float], ...] = ()  # reward functions' log_metric calls, in order (then the rounds')
     producer_wait_s: float = 0.0  # an asynchronous producer's wait for the learner's weights before this round
 
 
@@ -97,19 +100,32 @@ class Producer:
         generated: Generated,
         log_metric: Callable[[str, float], None],
         log_extra: Callable[[str, list], None] | None = None,
+        state: Any = None,
     ) -> torch.Tensor:
         """(rows, functions) rewards of `generated`'s completions of `examples`; reward functions' log_metric calls
-        go to `log_metric`, their log_extra columns to `log_extra`."""
+        go to `log_metric`, their log_extra columns to `log_extra`; they get `state` as `trainer_state` (None: the
+        producer's, the trainer's own)."""
         extra = log_extra or (lambda name, values: None)
-        g = generated
-        return self.rewards(list(examples), g.rollout, self.trainer_state, log_metric, extra, g.prompts, g.columns)
+        g, state = generated, self.trainer_state if state is None else state
+        return self.rewards(list(examples), g.rollout, state, log_metric, extra, g.prompts, g.columns)
 
-    def produce(self, position: int) -> Produced:
-        """Data position `position`: this process's rows, generated with the weights of the last `sync`, scored."""
+    def produce(
+        self,
+        position: int,
+        state: Any = None,
+        behaviour: Callable[[Rollout], list[torch.Tensor | None]] | None = None,
+        synced_s: float = 0.0,
+    ) -> Produced:
+        """Data position `position`: this process's rows, generated with the weights of the last `sync` (which took
+        `synced_s`, counted as generation), scored with `state` as the reward functions' `trainer_state` (None: the
+        trainer's); `behaviour` gives each row's behaviour-policy log-probs (an asynchronous producer's)."""
         rows = self.rows(position)
         examples = [self.dataset[i] for i in rows]
         start = time.perf_counter()
         generated = self.generate(rows, examples)
+        rollout = generated.rollout
+        if behaviour is not None:
+            rollout = dataclasses.replace(rollout, behaviour_logps=behaviour(rollout))
         scoring = time.perf_counter()
         logged: list[tuple[str, float]] = []
         columns: dict[str, list] = {}
@@ -118,7 +134,8 @@ class Producer:
             generated,
             lambda name, value: logged.append((name, float(value))),
             lambda name, values: columns.__setitem__(name, list(values)),
+            state,
         )
-        scored = Scored(rows, generated.prompts, generated.rollout, rewards, columns)
+        scored = Scored(rows, generated.prompts, rollout, rewards, columns)
         end = time.perf_counter()
-        return Produced(scored, self.version, scoring - start, end - scoring, logged)
+        return Produced(scored, self.version, synced_s + scoring - start, end - scoring, tuple(logged))

@@ -49,8 +49,7 @@ import os
 import sys
 import tempfile
 import threading
-from http.server import ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -62,7 +61,7 @@ from grpo.rollout.vllm import (
     samples,
     sampling_params,
 )
-from grpo.serve.server_http import Access, Handler, RequestError, is_loopback
+from grpo.serve.server_http import Access, AppServer, Handler, RequestError, is_loopback
 
 logger = logging.getLogger("grpo")
 
@@ -126,7 +125,7 @@ def serve(args: argparse.Namespace) -> int:
         print(refusal, file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    httpd = ThreadingHTTPServer((args.host, args.port), Handler)  # bound now: a busy port fails before the load
+    httpd = AppServer((args.host, args.port), Handler)  # bound now: a busy port fails before the load
     httpd.daemon_threads = True
     httpd.access = Access(args.allowed_hosts, keyed=key is not None)
     httpd.app = Server(args, key)
@@ -413,7 +412,7 @@ def _samples(output: Any) -> list[dict]:
     ]
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -20,9 +20,12 @@ import json
 import logging
 import socket
 import time
-from http.server import BaseHTTPRequestHandler
-from typing import Any
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from grpo.serve.server import Server
 
 logger = logging.getLogger("grpo")
 
@@ -97,9 +100,17 @@ class Access:
         return None
 
 
+class AppServer(ThreadingHTTPServer):
+    """The HTTP server that `Handler` answers for: `app` is the `grpo.serve.server.Server`, `access` who may ask."""
+
+    app: Server
+    access: Access
+
+
 class Handler(BaseHTTPRequestHandler):
     """HTTP for `grpo.serve.server.Server` (`self.server.app`) with `self.server.access` deciding who may ask."""
 
+    server: AppServer
     timeout = _SOCKET_TIMEOUT_S
     routes = {"/health": "GET", "/weight_version": "GET", "/generate": "POST", "/update_weights": "POST"}
 

@@ -87,7 +87,9 @@ def write(output_dir: str, run: Run, path: str | None = None) -> str:
 
 def saved_status(output_dir: str, info: dict[str, Any]) -> tuple[str, str]:
     """How the run stands, from run_info.json and the run lock: running while a process holds the lock."""
-    ended = info.get("ended") if isinstance(info.get("ended"), dict) else {}
+    ended = info.get("ended")
+    if not isinstance(ended, dict):
+        ended = {}
     status = info.get("status")
     if run_dir.is_held(output_dir):
         return "running", "a grpo run holds this directory now; this page is a snapshot"
@@ -127,11 +129,13 @@ class ReportedRun(Protocol):
 
     args: Any  # the GRPOConfig: output_dir, run_report
     accelerator: Any
-    unwrapped_model: Any
     rewards: Any  # `grpo.rewards.calling.RewardFunctions`: names
     rollouts: Any  # `grpo.agent.Rollouts`: tool_names
     max_steps: int
     diagnosis: Any  # `grpo.observe.diagnostics.Diagnosis`
+
+    @property
+    def unwrapped_model(self) -> Any: ...
 
 
 class RunReport:

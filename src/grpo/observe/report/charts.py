@@ -131,9 +131,10 @@ def charts(rows: Sequence[dict]) -> list[Chart]:
                 ("step_time", "optimizer step"),
                 ("timing/generation_s", "generation"),
                 ("timing/scoring_s", "scoring (rewards)"),
+                ("timing/gather_s", "gathering (processes)"),
             ),
             ylabel="seconds",
-            note="Seconds per optimizer step, and per generation batch for generating and scoring it.",
+            note="Seconds per optimizer step, and per generation batch for generating, scoring and gathering it.",
         ),
         Chart(
             "Throughput",
@@ -281,6 +282,8 @@ class Scale:
 
     def __init__(self, values: Sequence[float], log: bool, unit: bool) -> None:
         self.log = log
+        self.lo: float
+        self.hi: float
         if log:
             positive = [v for v in values if v > 0]
             self.lo, self.hi = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)))

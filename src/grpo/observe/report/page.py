@@ -138,7 +138,7 @@ def _summary(run: Run, training: list[dict]) -> str:
         first, last = charts.first_and_last(training, key)
         if first is not None:
             items.append(f"<tr><td>{label}</td><td class=num>{_n(first)}</td><td class=num>{_n(last)}</td></tr>")
-    seconds = [r.get("step_time") for r in training if isinstance(r.get("step_time"), (int, float))]
+    seconds = [r["step_time"] for r in training if isinstance(r.get("step_time"), (int, float))]
     evals = [r for r in run.rows if isinstance(r.get("eval_reward"), (int, float))]
     if evals:
         first, last = evals[0]["eval_reward"], evals[-1]["eval_reward"]

@@ -80,7 +80,9 @@ def write_atomically(path: str, text: str) -> None:
 def record_start(output_dir: str, args: Any, facts: dict[str, Any], step: int, resumed_from: str | None) -> None:
     """At train(): run_info.json with this start added (the earlier starts of the run kept)."""
     info = read_info(output_dir)
-    starts = info.get("starts") if isinstance(info.get("starts"), list) else []
+    starts = info.get("starts")
+    if not isinstance(starts, list):
+        starts = []
     if not resumed_from:
         starts = []  # a fresh run in the directory: the earlier run's starts are not this run's
     starts.append({"time": now(), "step": step, "resumed_from": resumed_from})

@@ -88,9 +88,21 @@ def library() -> ctypes.CDLL | None:
     lib.grpo_panel_gemm.restype = ctypes.c_int
     lib.grpo_pack_panels.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.grpo_pack_panels.restype = ctypes.c_int
-    lib.grpo_decode_layers.argtypes = [ctypes.c_int] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
-    lib.grpo_decode_layers.argtypes += [ctypes.POINTER(Layer)] + [ctypes.c_void_p] * 4
+    lib.grpo_decode_layers.argtypes = [
+        *[ctypes.c_int] * 7,
+        *[ctypes.c_float] * 2,
+        *[ctypes.c_int] * 2,
+        ctypes.POINTER(Layer),
+        *[ctypes.c_void_p] * 4,
+    ]
     lib.grpo_decode_layers.restype = ctypes.c_int
+    return lib
+
+
+def _loaded() -> ctypes.CDLL:
+    """`library()` for a caller that checked `available()` first."""
+    lib = library()
+    assert lib is not None, "grpo's panel kernel is not available here: check available() first"
     return lib
 
 
@@ -109,7 +121,7 @@ def pack(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     panels = torch.empty((n + 15) // 16, k, 16, dtype=torch.float32)
     pointers = (ctypes.c_void_p * len(parts))(*[w.data_ptr() for w in parts])
     rows = (ctypes.c_int * len(parts))(*[w.shape[0] for w in parts])
-    library().grpo_pack_panels(len(parts), pointers, rows, k, panels.data_ptr())
+    _loaded().grpo_pack_panels(len(parts), pointers, rows, k, panels.data_ptr())
     return panels
 
 
@@ -136,7 +148,7 @@ class PanelLinear:
             return F.linear(x, self.stacked.detach(), self.bias)
         flat = flat.contiguous()
         out = torch.empty(rows, self.n, dtype=torch.float32)
-        library().grpo_panel_gemm(
+        _loaded().grpo_panel_gemm(
             rows, self.n, self.k, flat.data_ptr(), self.panels.data_ptr(), _ptr(self.bias), out.data_ptr()
         )
         return out.reshape(*x.shape[:-1], self.n)
@@ -236,7 +248,7 @@ def decode_layers(
     if width < steps:
         raise ValueError(f"decode_layers: key/value buffers {width} wide, written at position {position}")
     _set_caches(table, keys, values, (rows, sizes.kv_heads, width, sizes.head_dim))
-    failed = library().grpo_decode_layers(
+    failed = _loaded().grpo_decode_layers(
         x.shape[0],
         len(table),
         sizes.hidden,
