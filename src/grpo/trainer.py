@@ -94,6 +94,9 @@ __all__ = ["GRPOTrainer", "TrainOutput", "TrainingError"]
 class GRPOTrainer(TrlSurface):
     """TRL-compatible GRPO trainer. See the module docstring for the algorithm and `GRPOConfig` for options."""
 
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+
     def __init__(
         self,
         model: str | PreTrainedModel,
@@ -247,6 +250,12 @@ class GRPOTrainer(TrlSurface):
         return build_engine(model, self.tokenizer, settings, self.stop_ids, self.accelerator, self.pixels)
 
     @property
+    def _window(self) -> MetricsLogger:
+        """The metrics window of the run in progress (train() makes it)."""
+        assert self.metrics is not None, "the metrics window exists while train() runs"
+        return self.metrics
+
+    @property
     def unwrapped_model(self) -> PreTrainedModel:
         return self.accelerator.unwrap_model(self.model)
 
@@ -380,16 +389,16 @@ class GRPOTrainer(TrlSurface):
         """Old-policy log-probs only when the batch is reused after an update (and `old`); reference log-probs only
         when beta > 0. Chunked by the micro-batch size, no gradient checkpointing needed."""
         chunk = self.args.per_device_train_batch_size
-        needs_old, old = old and self._needs_old_logps(), batch.old_logps  # async: the behaviour policy's
+        needs_old, old_logps = old and self._needs_old_logps(), batch.old_logps  # async: the behaviour policy's
         ref = None
-        if needs_old and old is None:
-            old = self.training_pass.logps(self.model, batch, chunk)
+        if needs_old and old_logps is None:
+            old_logps = self.training_pass.logps(self.model, batch, chunk)
         if self.ref_model is not None:
             ref = self.training_pass.logps(self.ref_model, batch, chunk)
         elif self.ref_from_adapters:
             with lora.adapters_disabled(self.model):
                 ref = self.training_pass.logps(self.model, batch, chunk)
-        return dataclasses.replace(batch, old_logps=old, ref_logps=ref)
+        return dataclasses.replace(batch, old_logps=old_logps, ref_logps=ref)
 
     # ---- loss, backward, update ------------------------------------------------------------------------------
 
@@ -429,8 +438,8 @@ class GRPOTrainer(TrlSurface):
         stats = dict(metrics.stats, **sampling, **extra, entropy=masked_mean_stat(entropies.detach(), batch.mask))
         if self.args.async_generation:  # the weight against the behaviour policy that sampled (old_logps)
             stats.update(asynchronous.importance_stats(logps.detach(), batch.old_logps, batch.mask))
-        self.metrics.add_many(collectives.reduce_stats(stats, acc))
-        self.metrics.add("timing/training_tokens_per_s", tokens / max(time.perf_counter() - t0, 1e-9))
+        self._window.add_many(collectives.reduce_stats(stats, acc))
+        self._window.add("timing/training_tokens_per_s", tokens / max(time.perf_counter() - t0, 1e-9))
         return loss_value
 
     def _update(self, losses: list[float]) -> Update:
@@ -447,7 +456,7 @@ class GRPOTrainer(TrlSurface):
         self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1  # the producer pushes these weights before its next generation
         self.state.global_step += 1
-        self.metrics.add_many(self.loss_terms.end_step(self.accelerator))  # the adaptive entropy controller
+        self._window.add_many(self.loss_terms.end_step(self.accelerator))  # the adaptive entropy controller
         ref_sync.after_step(self)  # sync_ref_model (TR-DPO)
         self.state.epoch = self.state.global_step / self.steps_per_epoch
         return Update(loss, grad_norm, self.lr_scheduler.get_last_lr()[0])
@@ -456,11 +465,11 @@ class GRPOTrainer(TrlSurface):
 
     def _log_generation(self, generated: GenerationBatch, advantages: Advantages, batch: TrainBatch) -> None:
         for name, value in generated.logged:  # reward functions' log_metric calls; an async round's staleness
-            self.metrics.add(name, value)
+            self._window.add(name, value)
         mode = self.args.include_num_input_tokens_seen
         reporting.count_tokens(self.state, self.metrics, generated.batch.rollout, batch, self.accelerator, mode)
         names, tools = self.rewards.names, self.rollouts.uses_tools
-        self.metrics.add_many(generation_metrics(generated, advantages, names, self.args.dynamic_sampling, tools))
+        self._window.add_many(generation_metrics(generated, advantages, names, self.args.dynamic_sampling, tools))
         self.latest_batch = (generated.batch, advantages.advantages)  # trainer._logs
         if self.completion_log is not None:
             self.completion_log.record(generated.batch, advantages.advantages, self.tokenizer)
@@ -468,17 +477,17 @@ class GRPOTrainer(TrlSurface):
     def _log_step(self, update: Update, seconds: float) -> None:
         step = self.state.global_step
         values = dict(loss=update.loss, grad_norm=update.grad_norm, learning_rate=update.learning_rate)
-        self.metrics.add_many(dict(values, step_time=seconds))
-        self.metrics.advance(step)
+        self._window.add_many(dict(values, step_time=seconds))
+        self._window.advance(step)
         if reporting.should_log(self.args, step, self.max_steps, self.steps_per_epoch) or self.control.should_log:
-            self.state.log_history.append(self.metrics.log(step, self.state.epoch))
+            self.state.log_history.append(self._window.log(step, self.state.epoch))
             if self.completion_log is not None and self.accelerator.is_main_process:
-                self.completion_log.flush(step, self.metrics.console)
+                self.completion_log.flush(step, self._window.console)
             self._fire("log", logs=self.state.log_history[-1])
             self.diagnosis.update(self.state.log_history, self.args, self.accelerator.is_main_process)
             self.run_report.refresh()  # report.html, when due
         elif self.args.logging_strategy == "no":
-            self.metrics.discard()  # no row will ever average this window
+            self._window.discard()  # no row will ever average this window
         reporting.release_cached_memory(self.args, step, self.accelerator.device)  # torch_empty_cache_steps
 
     def _checkpoint(self, evaluate: bool) -> None:
@@ -511,16 +520,16 @@ class GRPOTrainer(TrlSurface):
 
     # ---- evaluation and callbacks ----------------------------------------------------------------------------
 
-    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float | None]:
         """Completions of every eval prompt scored by the reward functions: the `eval_` metrics
-        (`grpo.rounds.evaluation`), logged and passed to the callbacks' on_evaluate. Changes nothing training
-        depends on."""
+        (`grpo.rounds.evaluation`; None where a value is not finite), logged and passed to the callbacks'
+        on_evaluate. Changes nothing training depends on."""
         runs = self.evaluations
         if eval_dataset is not None:
             runs = evaluation.build(eval_dataset, self.args, self.prompts, self.accelerator.num_processes)
         state, policy = self.state, (self.unwrapped_model, self.policy_version)
         metrics = self.evaluator.run(runs, metric_key_prefix, *policy, state.global_step)
-        row = {**metrics, "epoch": round(state.epoch or 0.0, 4), "step": state.global_step}
+        row: dict[str, Any] = {**metrics, "epoch": round(state.epoch or 0.0, 4), "step": state.global_step}
         state.log_history.append(row)
         if self.metrics is not None:
             self.metrics.write_row(row)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -19,10 +19,30 @@ from grpo.distributed import collectives
 from grpo.distributed.accelerator import end_run
 from grpo.observe.metrics import trl_logs
 
+if TYPE_CHECKING:
+    from grpo.agent import Environments, Rollouts
+    from grpo.algo.loss_terms import LossTerms
+    from grpo.checkpoint.hub import Hub, PublishedRun
+    from grpo.checkpoint.run import CheckpointedRun
+    from grpo.observe.callbacks import Callbacks
+    from grpo.rewards.calling import RewardFunctions
+    from grpo.rounds.groups import Scored
+
 logger = logging.getLogger("grpo")
 
 
 class TrlSurface:
+    # what GRPOTrainer, the class this mixes into, sets
+    args: Any  # the GRPOConfig
+    accelerator: Any
+    rewards: RewardFunctions
+    rollouts: Rollouts
+    environments: Environments | None
+    loss_terms: LossTerms
+    latest_batch: tuple[Scored, torch.Tensor] | None
+    callback_handler: Callbacks
+    hub: Hub
+
     @property
     def reward_func_names(self) -> list[str]:
         """The reward functions' names, as their metrics (rewards/<name>/mean) and TRL name them: a function's
@@ -100,7 +120,7 @@ class TrlSurface:
 
     def push_to_hub(self, commit_message: str = "End of training", blocking: bool = True, **card: Any) -> Any:
         """Save the model and its card to output_dir and push them to hub_model_id (`grpo.checkpoint.hub`)."""
-        return self.hub.push(self, commit_message, blocking, **card)
+        return self.hub.push(cast("PublishedRun", self), commit_message, blocking, **card)
 
     def end(self) -> None:
         """Finish the trackers and end the process group: once, at the very end of a script (as the HF Trainer)."""
@@ -109,10 +129,11 @@ class TrlSurface:
     def save_model(self, output_dir: str | None = None) -> None:
         """Write the policy (and tokenizer) as a normal Hugging Face model directory."""
         output_dir = output_dir or self.args.output_dir
+        run = cast("CheckpointedRun", self)  # GRPOTrainer, the class this mixes into, is one
         self.accelerator.wait_for_everyone()
-        state_dict = checkpoint.model_state(self)  # every process: a sharded model is gathered
-        if checkpoint.strategy.writer(self):  # the main process, or each node's with save_on_each_node
-            checkpoint.save_pretrained(self, output_dir, state_dict)
+        state_dict = checkpoint.model_state(run)  # every process: a sharded model is gathered
+        if checkpoint.strategy.writer(run):  # the main process, or each node's with save_on_each_node
+            checkpoint.save_pretrained(run, output_dir, state_dict)
 
 
 def stream_settings(args: Any, train_dataset: Any, eval_dataset: Any) -> None:

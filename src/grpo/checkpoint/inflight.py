@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,7 @@ def write(
 
 
 def read(
-    checkpoint: str, file: str, staleness: int, params: dict[str, torch.Tensor], position: int | None = None
+    checkpoint: str, file: str, staleness: int, params: Mapping[str, torch.Tensor], position: int | None = None
 ) -> Any:
     """`write`'s publications and weights (None for a sequential run's checkpoint), checked against this run's
     max_staleness, the checkpoint's data `position` and trained parameters `params` (names, shapes, finite values;

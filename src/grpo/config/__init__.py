@@ -20,7 +20,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from transformers.training_args import OptimizerNames
 
@@ -47,7 +47,7 @@ from grpo.config.training import (
     PrecisionFields,
 )
 
-__all__ = ["GRPOConfig", "LOSS_TYPES", "reject_later_features", "warn_odd_combinations"]
+__all__ = ["GRPOConfig", "LOSS_TYPES", "ResolvedConfig", "reject_later_features", "warn_odd_combinations"]
 
 SCALE_REWARDS = ("group", "batch", "none")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
@@ -474,9 +474,25 @@ def reject_later_features(args: GRPOConfig, eval_dataset: Any, callbacks: Any) -
         warnings.warn("callbacks are ignored: grpo does not run transformers callbacks.", stacklevel=3)
 
 
+if TYPE_CHECKING:
+
+    class ResolvedConfig(GRPOConfig):
+        """A GRPOConfig after `__post_init__` and `resolve_args`, as the type checker should see it: the fields
+        that the command line lets be None or text are resolved (their checks are `_check`'s)."""
+
+        output_dir: str
+        generation_batch_size: int
+        steps_per_generation: int
+        max_completion_length: int
+        pad_to_multiple_of: int | None
+        chat_template_kwargs: dict | None
+else:
+    ResolvedConfig = GRPOConfig
+
+
 def resolve_args(
     args: GRPOConfig | None, model_name: str, model: Any = None, quantization_config: Any = None
-) -> GRPOConfig:
+) -> ResolvedConfig:
     """The trainer's config: the given one, or the defaults; output_dir defaults to '<model name>-GRPO' and is made
     absolute (against the working directory at construction); a
     quantization_config (TRL 1.16's trainer argument) joins model_init_kwargs, for a model loaded from its id."""
@@ -494,4 +510,4 @@ def resolve_args(
             )
         assert not isinstance(args.model_init_kwargs, str)  # __post_init__ parsed the JSON
         args.model_init_kwargs = {**(args.model_init_kwargs or {}), "quantization_config": quantization_config}
-    return args
+    return cast(ResolvedConfig, args)

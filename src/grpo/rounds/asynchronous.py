@@ -121,11 +121,13 @@ class AsyncRounds(Rounds):
         self.pubs: dict[int, Publication] = {}
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
         self.rounds: dict[int, Produced] = {}
-        self.next_weights, self.loaded, self.floor = 0, None, 0
+        self.next_weights, self.floor = 0, 0
+        self.loaded: int | None = None  # the publication weights the snapshot holds (None: the policy's own)
         self.step: int | None = None  # the optimizer step whose first round was asked for last (`next`)
         self.error: BaseException | None = None
         self.doing, self.heartbeat = "starting", time.monotonic()
-        self.stop, self.thread, self.idle = threading.Event(), None, False
+        self.stop, self.idle = threading.Event(), False
+        self.thread: threading.Thread | None = None
         self.cores = torch.get_num_threads()
         # several processes on one server, which holds one weight version: the producers go in lockstep over a
         # group of their own (the default one is the learner's), and stop between rounds together
@@ -189,10 +191,10 @@ class AsyncRounds(Rounds):
         self.stop.clear()
         self._beat()
         learner = max(self.cores // 2, 1)
-        self.thread = threading.Thread(target=self._run, args=(position, max(self.cores - learner, 1)), daemon=True)
-        self.thread.name = "grpo-producer"
+        thread = threading.Thread(target=self._run, args=(position, max(self.cores - learner, 1)), daemon=True)
+        thread.name, self.thread = "grpo-producer", thread
         torch.set_num_threads(learner)
-        self.thread.start()
+        thread.start()
         try:
             yield
             self._drain()  # several processes on one server: every producer ends after the same round
@@ -200,7 +202,7 @@ class AsyncRounds(Rounds):
             self.stop.set()
             with self.cond:
                 self.cond.notify_all()
-            self.thread.join(timeout=10)  # it stops at its next token; one stuck elsewhere is a daemon
+            thread.join(timeout=10)  # it stops at its next token; one stuck elsewhere is a daemon
             torch.set_num_threads(self.cores)
 
     @contextmanager
@@ -246,7 +248,7 @@ class AsyncRounds(Rounds):
             last = self.pubs[max(self.pubs)] if self.pubs else None
         k = self.sync_steps  # weight_sync_steps > 1: the weights of the first round asked for in each k steps
         same = last is not None and (last.version == version or (k > 1 and last.step // k == state.global_step // k))
-        if same:
+        if last is not None and same:
             key = last.weights
         else:
             with sharding.full_parameters(self.model):  # a sharded learner: gathered whole (every process)
@@ -269,7 +271,7 @@ class AsyncRounds(Rounds):
                 f"The rollout producer failed while {self.doing}: {type(self.error).__name__}: {self.error}"
             ) from self.error
         sigterm.check()
-        if not self.thread.is_alive():
+        if self.thread is None or not self.thread.is_alive():
             what = f"producing round {position}" if position is not None else "its last round"
             raise TrainingError(f"The rollout producer stopped before {what} ({self.doing}).")
         idle = time.monotonic() - self.heartbeat

@@ -128,8 +128,8 @@ class Evaluation:
         every = max(math.ceil(every * max_steps), 1) if every < 1 else int(every)
         return step % every == 0
 
-    def run(self, evaluator: Evaluator, engine: Any) -> dict[str, float]:
-        """The eval_ metrics (the same on every process)."""
+    def run(self, evaluator: Evaluator, engine: Any) -> dict[str, float | None]:
+        """The eval_ metrics (the same on every process; None where not finite)."""
         acc = evaluator.accelerator
         start = time.perf_counter()
         logged: dict[str, list[float]] = {}
@@ -147,8 +147,8 @@ class Evaluation:
                 losses.append(evaluator.loss(parts[-1], self.k))
         producer = evaluator.producer
         metrics = self.metrics(Scored.concat(parts), producer.rewards, producer.rollouts.uses_tools)
-        losses = [loss for loss in losses if loss is not None]
-        metrics["eval_loss"] = sum(losses) / len(losses) if losses else None
+        done = [loss for loss in losses if loss is not None]
+        metrics["eval_loss"] = sum(done) / len(done) if done else None
         for name in sorted(logged):  # every process logs the same names (the same functions ran everywhere)
             metrics[f"eval_{name}"] = collectives.process_mean(acc, sum(logged[name]) / len(logged[name]))
         metrics["eval_runtime"] = round(time.perf_counter() - start, 4)
@@ -164,7 +164,7 @@ class Evaluation:
             rewards = producer.score(examples, generated, log)
         return Scored(mine, generated.prompts, generated.rollout, rewards)
 
-    def metrics(self, scored: Scored, rewards: Any, tools: bool) -> dict[str, float]:
+    def metrics(self, scored: Scored, rewards: Any, tools: bool) -> dict[str, float | None]:
         values = scored.rewards.float()
         unscorable = torch.isnan(values).all(dim=1)
         total = weighted_sum(values, rewards.weights.float(), unscorable)
@@ -202,7 +202,7 @@ class Evaluator:
 
     def run(
         self, runs: dict[str | None, Evaluation], prefix: str, model: torch.nn.Module, version: int, step: int
-    ) -> dict[str, float]:
+    ) -> dict[str, float | None]:
         """Every eval dataset's metrics (`runs`: the trainer's, or an `eval_dataset`'s built by `build`), from
         `model`'s weights (`version`), after optimizer step `step` (the generator's seed when async)."""
         if not runs:
@@ -212,7 +212,7 @@ class Evaluator:
             engine = self.producer.engine
             if self.args.eval_greedy:
                 engine = greedy(engine, self.args, self.engine_with)
-            metrics: dict[str, float] = {}
+            metrics: dict[str, float | None] = {}
             for name, run in runs.items():
                 label = prefix + (f"_{name}" if name else "")
                 metrics.update({label + key[len("eval") :]: value for key, value in run.run(self, engine).items()})

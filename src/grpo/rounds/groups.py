@@ -127,6 +127,7 @@ def gather_scored(local: Scored | None, accelerator: Any) -> Scored:
     """Every process's share of a round, in process order (the identity on one process). None: SIGTERM stopped
     this process making its share (`sigterm.agreed_or_none`); every process then raises `Preempted(agreed=True)`."""
     if accelerator.num_processes == 1:
+        assert local is not None  # on one process SIGTERM raised where it came (`agreed_or_none`)
         return local
     parts = gather_object([local])
     if any(part is None for part in parts):

@@ -72,7 +72,7 @@ def save_and_exit(trainer: PreemptibleRun, step_start: StepStart | None, agreed:
     mid_step = step_start is not None
     apart = trainer.accelerator.num_processes > 1 and not agreed
     safe = step > 0 and not (mid_step and (trainer.step_applied or apart))
-    if safe and mid_step:
+    if safe and step_start is not None:
         step_start.restore(trainer)
     if safe and not os.path.exists(os.path.join(trainer.args.output_dir, f"checkpoint-{step}")):
         checkpoint.save(trainer, step)

@@ -47,7 +47,7 @@ class Rounds:
             take = functools.partial(self._take, position + rounds, model, version, state)
             produced = agreed_or_none(take, several)
             start = time.perf_counter()
-            scored = gather_scored(produced and produced.scored, self.accelerator)
+            scored = gather_scored(produced.scored if produced is not None else None, self.accelerator)
             gather_s += time.perf_counter() - start
             assert produced is not None  # one process: SIGTERM raised; several: the gather raised for all
             generation_s, scoring_s = generation_s + produced.generation_s, scoring_s + produced.scoring_s
