@@ -136,9 +136,8 @@ def _spans(n: int, size: int) -> list[slice]:
 
 
 # Rows per chunk, and float32 bytes of one tile's logits: big enough for fast matrix products, small next to the
-# model. The vocabulary block is whatever fits the tile (at least 256 columns). Measured on the benchmark's head
-# (1100 rows x 49152 x 576, bf16): 2-16 MiB tiles run forward+backward in 0.48-0.59 s, 32 MiB in 0.67-0.77 s
-# (the tile's temporaries stay in cache better), and the pass holds ~0.15 GB less at 8 MiB than at 32.
+# model. The vocabulary block is whatever fits the tile (at least 256 columns). On a CPU, tiles of a few MiB keep
+# their temporaries in cache (faster and smaller than 32 MiB: `bench/RESULTS.md`).
 CHUNK_ROWS = 4096
 TILE_BYTES = 8 * 2**20
 # On a GPU a tile's operators are kernel launches: at 8 MiB a 152k vocabulary takes ~300 blocks of ~45 launches each

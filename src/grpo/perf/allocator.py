@@ -19,12 +19,12 @@ def keep_freed_memory() -> bool:
     """Have glibc keep freed memory for reuse instead of handing it back to the kernel (CPU training).
 
     By default glibc serves every allocation over a few MiB with a fresh mmap and unmaps it on free, so each
-    step's logits, activations and gradients are faulted in page by page again: measured here, 300k-670k page
-    faults and 1-4 s of kernel time per training pass of the benchmark (about a third of it). With mmap
-    disabled and trimming off, large blocks come from the heap and are reused from the second step on (0 faults);
-    the peak resident size is the heap's high-water mark, which measured no larger (4.67 vs 4.82 GB). Same
-    numbers, only where memory comes from. `GRPOConfig(cpu_keep_freed_memory=False)` keeps the system's policy.
-    Returns whether the policy was applied (glibc only); it holds for the whole process, and is logged."""
+    step's logits, activations and gradients are faulted in page by page again (about a third of a CPU training
+    pass's time in kernel page faults: `bench/RESULTS.md`). With mmap disabled and trimming off, large blocks
+    come from the heap and are reused from the second step on; the peak resident size is the heap's high-water
+    mark, no larger. Same numbers, only where memory comes from. `GRPOConfig(cpu_keep_freed_memory=False)` keeps
+    the system's policy. Returns whether the policy was applied (glibc only); it holds for the whole process, and
+    is logged."""
     if platform.libc_ver()[0] != "glibc":
         return False
     try:

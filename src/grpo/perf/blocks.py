@@ -15,16 +15,14 @@ autograd's order (both Functions are bit-identical to autograd on their own, tes
   before the norm's backward, where autocast sums their float32 casts: one bfloat16 rounding on gradients that
   are bfloat16 already (tested: within 2^-5 of autocast's, and no further from float32 gradients than autocast's
   own).
-Measured on the benchmark workload (bf16): allocated memory at the training pass's peak 3.43 -> 2.82 GB; peak
-process memory 4.21 -> 3.82 GB; training-pass time unchanged (interleaved runs).
+It lowers the training pass's peak memory at the same speed (`bench/RESULTS.md`).
 Padding (`real_tokens`, set by the training pass around each forward): the MLPs and the attention's q/k/v/o
 projections (through hooks, which compose with lean_linears and LoRA layers) run on the real positions only and
 give 0 at padding, whose hidden states no real token reads (causal attention, masked keys); the demo's
 completions are about 40% padding. Float32 forward
 values are bit-identical (a row's matmul does not depend on the other rows here); weight gradients sum the same
-terms in another blocking (float32 rounding). Measured per trained token on the benchmark workload (2-core AMX
-machine, with the head skipping padding too, `grpo.learner.forward`): float32 7.46 -> 4.81 ms, bfloat16 5.23 -> 3.90 ms;
-capped to AVX2 kernels the float32 training pass is then 1.67x its FLOP bound (was 2.59x).
+terms in another blocking (float32 rounding). With the head skipping padding too (`grpo.learner.forward`), the
+time per trained token falls by about the padding's share (`bench/RESULTS.md`).
 Not used with gradient checkpointing (its recomputation runs outside the context and must see the same blocks).
 """
 

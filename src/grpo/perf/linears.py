@@ -11,9 +11,9 @@ summed in float32 where an input feeds several layers (tested bit-identical to a
 the better: a weight used by two forward calls in one pass (the prefix-shared training pass) gets its two
 gradients summed in float32, where autocast sums them in bfloat16 at its single cached cast.
 Cost: each weight is cast once more per forward, in backward (a few tens of milliseconds per step for a 135M
-model). Saved: a bfloat16 copy of every weight and of the repeated inputs (~0.4 GB of saved tensors).
-Measured on the benchmark workload (bf16): peak 4.23 -> 4.01 GB, training pass ~10% slower (Python-level
-Function per layer call, the extra casts). So it is opt-in: `GRPOConfig(lean_linears=True)`.
+model). Saved: a bfloat16 copy of every weight and of the repeated inputs. It trades some speed (a Python-level
+Function per layer call, the extra casts) for memory (`bench/RESULTS.md`), so it is opt-in:
+`GRPOConfig(lean_linears=True)`.
 """
 
 from __future__ import annotations

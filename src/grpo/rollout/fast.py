@@ -93,8 +93,7 @@ def own_generator(generator: torch.Generator | None) -> Iterator[None]:
 
 
 # `sample_from` inverts the CDF in two levels: block sums locate the block holding the draw, then only that block is
-# scanned. A full-vocabulary float64 exp and cumsum took ~7 ms of a 16-row decode step at a 49k vocabulary on a 2-core
-# AVX2 CPU (a tenth of the step); the two levels take well under one.
+# scanned; a full-vocabulary float64 exp and cumsum took a tenth of a CPU decode step (`bench/RESULTS.md`).
 SAMPLE_BLOCK = 512
 
 

@@ -41,8 +41,8 @@ from grpo.perf.kernels import Linear, fixed_linear, rms_norm
 from grpo.rollout.cpu import packed, panels
 
 SUPPORTED = ("llama", "mistral", "qwen2")
-# the linears packed for MKL (with the head): MKL's packed layout costs at least ~11.6 MB a matrix (qkv 5.2x its
-# weight, o 8.7x), and packing those two saved 1.7-3 ms of a 60 ms 16-row step (AVX2) for 0.65 GB more memory
+# the linears packed for MKL (with the head): packing qkv and o too costs several times their weights' memory for a
+# few percent of a step (`bench/RESULTS.md`)
 PACKED = ("gate_up", "down")
 PANELS = ("qkv", "o", "gate_up", "down")  # the panel kernel's layout is the weight's own size: all of them
 GROW = 128  # key/value columns added at a time: the cache grows with the tokens the rows have
@@ -367,8 +367,7 @@ def grouped_attention(
     values (b, kv_heads, width, d), a query head reading its group's key head (the cache read once, no head
     repeated), `bias` (b, 1, 1, width) added to the scores; scores and softmax in float32 from the product in the
     keys' dtype (as transformers' eager attention computes them). Float32 on a CPU: measured faster than
-    scaled_dot_product_attention's kernel at decode shapes (16 rows, 100 keys, 9 query and 3 key heads: 121
-    against 158 us with a boolean mask)."""
+    scaled_dot_product_attention's kernel at decode shapes (`bench/RESULTS.md`)."""
     b, heads, _, d = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(b, kv_heads, heads // kv_heads, d)  # query heads of one key head: rows of one matmul

@@ -2,27 +2,21 @@
 16-column panels.
 
 Why: a float32 decode step of the demo's 16 rows is bound by reading the weights and by the arithmetic at once,
-and MKL's sgemm (packed or not) does one after the other: measured with AVX2 kernels on 2 threads (an AVX512
-machine capped to AVX2), the bundled model's gate/up matmul at 16 rows reads its weights at 12-13 GB/s and
-computes at ~100 GFLOP/s, against 30 GB/s and ~195 GFLOP/s for each alone. The panel kernel prefetches the next
-panels while it multiplies the current one (`panel_gemm.c`). Per matmul at 16 rows (AVX2, 2 threads, µs; MKL
-packed for 16 rows / the panel kernel): qkv 120 / 118, o 66 / 75, gate/up 534 / 445, down 264 / 228, head 7828 /
-6832; at 3 rows gate/up 309 / 243. The layout serves every row count (no repacking as rows finish) and costs the
-weight's own size (MKL's packed layout: at least ~11.6 MB a matrix, 1.3 GB for the bundled model's MLPs and head).
+and MKL's sgemm (packed or not) does one after the other; the panel kernel prefetches the next panels while it
+multiplies the current one (`panel_gemm.c`). The layout serves every row count (no repacking as rows finish) and
+costs the weight's own size (MKL's packed layout is several times larger). Measurements: `bench/RESULTS.md`.
 
 No weight is narrowed: every output is one float32 sum of fused multiply-adds in order over k, so results differ
 from MKL's blocked sums in the last bits only (tests: against `F.linear`, and the lean decoder against the
 transformers forward). Packing is C too (`grpo_pack_panels`: from the weights' parts, so q/k/v and gate/up are
-never concatenated; 8 x 8 blocks transposed in AVX2 registers), once per rollout: ~45 ms for the bundled model
-once its memory is warm, where torch's transposing copy and the concatenations took 0.4-1 s.
+never concatenated; 8 x 8 blocks transposed in AVX2 registers), once per rollout, an order of magnitude faster
+than torch's transposing copy and concatenations.
 
 `decode_layers` runs a whole decode step's layers in one call (`grpo_decode_layers`): RMSNorm, q/k/v, RoPE, the
 key/value writes, grouped-query attention over the buffers, o, the MLP with SiLU, the residual adds, each as the
-torch path computes it, in float32 with AVX2 (exp by Cephes' polynomial, within 2 ulp of expf). Measured on a
-2-core AMD EPYC, AVX2 kernels, the bundled model: a decode step of 8 rows 26.5 ms, of 16 rows 42 ms (the torch
-operators around the same panel kernel: 33 and 46 ms); a 64-token rollout of 2 x 8 addition prompts 50 -> 34.5 ms a
-decode step. Tests: the fused step against the transformers forward (GQA, biases, scaled RoPE, tied head) and
-against the per-operator path, within float32 rounding.
+torch path computes it, in float32 with AVX2 (exp by Cephes' polynomial, within 2 ulp of expf), which saves the
+~35 torch operators a layer around the matmuls. Tests: the fused step against the transformers forward (GQA,
+biases, scaled RoPE, tied head) and against the per-operator path, within float32 rounding.
 
 The C source is built at install, where a C compiler with OpenMP and an x86 target allow (`setup.py`: an optional
 extension, `grpo.rollout.cpu._panel_gemm`, loaded here with ctypes; no compiling or caching at run time). Without
