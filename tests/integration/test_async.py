@@ -12,6 +12,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -199,6 +200,37 @@ def test_a_producer_that_makes_no_progress_stops_training_after_the_heartbeat(tm
 
     with pytest.raises(TrainingError, match="no progress for .* while generating round 2.*heartbeat_stale_after_s=0.5"):
         run(tmp_path, "a", prepare=stall, heartbeat_stale_after_s=0.5)
+
+
+def test_a_reward_function_that_hangs_in_the_producer_is_a_stall(tmp_path):
+    """Waiting on a hung reward function is no progress: the producer's stall is reported after
+    heartbeat_stale_after_s, long before reward_timeout (600 s) would end it."""
+    release, calls = threading.Event(), []
+
+    def hangs_in_round_2(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the producer's third round
+            release.wait(60)
+        return length_reward(completions)
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(TrainingError, match="no progress for .* while generating round 2"):
+            run(tmp_path, "a", reward=hangs_in_round_2, heartbeat_stale_after_s=1.0, reward_timeout=600)
+    finally:
+        release.set()
+    assert time.monotonic() - start < 60  # the stall, not the reward's release or its timeout, ended it
+
+
+def test_a_slow_reward_function_that_returns_is_progress(tmp_path):
+    """Reward functions that each return within heartbeat_stale_after_s, but take longer together, are progress."""
+
+    def slow(completions, **kwargs):
+        time.sleep(0.4)
+        return length_reward(completions)
+
+    trainer = run(tmp_path, "a", reward=[slow, slow, slow], max_steps=2, heartbeat_stale_after_s=1.0)
+    assert trainer.state.global_step == 2
 
 
 # ---- killed at random moments, then resumed (separate processes) ----------------------------------------------

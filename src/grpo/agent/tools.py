@@ -103,8 +103,11 @@ def run_calls(
     pending = [p for row in started for p in row if isinstance(p, _Pending)]
     deadline = time.monotonic() + timeout + 0.5 if timeout else None  # the async ones time out on their own
     while pending:
-        sigterm.check()  # SIGTERM is seen while a tool runs
+        sigterm.check(progress=False)  # SIGTERM is seen while a tool runs; waiting on it is no progress
+        before = len(pending)
         pending = [p for p in pending if not p.join(0.02)]
+        if len(pending) < before:  # a call finished
+            sigterm.check()
         if deadline is not None and time.monotonic() > deadline:
             break
     return [[p.result(timeout) if isinstance(p, _Pending) else p for p in row] for row in started]

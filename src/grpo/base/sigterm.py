@@ -54,16 +54,19 @@ def requested() -> bool:
     return _requested.is_set()
 
 
-def check() -> None:
+def check(progress: bool = True) -> None:
     """Raise `Preempted` if SIGTERM arrived inside `preemption_guard`; in a thread that `watch`es a stop event,
-    raise `Cancelled` once it is set, and otherwise beat its heartbeat (every check is progress)."""
+    raise `Cancelled` once it is set, and otherwise beat its heartbeat: a check made at a step of work (a token
+    sampled, a call finished) is progress; a poll while waiting for user code (a reward function, a tool) is
+    not (`progress=False`), so code that hangs there is seen as a stall."""
     if _requested.is_set():
         raise Preempted("SIGTERM received")
     stop = getattr(_thread, "stop", None)
     if stop is not None:
         if stop.is_set():
             raise Cancelled("stopped")
-        _thread.beat()
+        if progress:
+            _thread.beat()
 
 
 def watch(stop: threading.Event, beat: Callable[[], None]) -> None:

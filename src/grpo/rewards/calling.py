@@ -199,10 +199,11 @@ def _wait(done: Callable[[float], bool], names: Sequence[str], timeout: float | 
     for the async functions' own limits to fire) the named functions are reported as hung."""
     deadline = time.monotonic() + timeout + 1.0 if timeout else None
     while not done(0.05):
-        sigterm.check()
+        sigterm.check(progress=False)  # waiting on a reward function is no progress (a hang is a stall)
         if deadline is not None and time.monotonic() > deadline:
             assert timeout is not None  # the deadline is set from it
             raise _too_slow(names, timeout)
+    sigterm.check()  # it returned: progress
 
 
 def _call_in_thread(name: str, func: Callable, kwargs: dict[str, Any], timeout: float | None) -> Any:
