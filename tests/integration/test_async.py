@@ -22,7 +22,7 @@ from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError
 from grpo.config.grpo_fields import LOSS_TYPES
 from grpo.learner.optimization import TrainingError
-from support import cfg, chat_dataset, length_reward, params
+from support import cfg, chat_dataset, length_reward, params, text_of
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "async_job.py")
 SESSION = ("train_loss",)  # the summary row's loss averages the steps this process trained (the HF Trainer's)
@@ -231,6 +231,46 @@ def test_a_slow_reward_function_that_returns_is_progress(tmp_path):
 
     trainer = run(tmp_path, "a", reward=[slow, slow, slow], max_steps=2, heartbeat_stale_after_s=1.0)
     assert trainer.state.global_step == 2
+
+
+def test_a_stateful_reward_with_evaluations_gives_the_same_run_whatever_the_timing(tmp_path):
+    """A reward function that counts its calls, an evaluation every step, max_staleness=2: the producer has made
+    every round it may before each evaluation, so the calls come in one order, whether the producer runs ahead (a
+    slow learner) or behind (a slow generation)."""
+
+    def counting():
+        calls = []
+
+        def reward(completions, **kwargs):
+            calls.append(1)
+            return [len(calls) % 3 + 0.01 * len(text_of(c)) for c in completions]
+
+        return reward
+
+    def slow_learner(trainer):
+        loss = trainer._loss_and_backward
+        trainer._loss_and_backward = lambda batch: time.sleep(0.3) or loss(batch)
+
+    def slow_producer(trainer):
+        engine = trainer.rounds.producer.engine
+        generate = engine.generate
+        engine.generate = lambda requests: time.sleep(0.3) or generate(requests)
+
+    evaluated = dict(eval_strategy="steps", eval_steps=1, max_staleness=2, max_steps=4)
+    runs = []
+    for name, prepare in (("ahead", slow_learner), ("behind", slow_producer)):
+        args = cfg(tmp_path / name, logging_steps=1, async_generation=True, **evaluated)
+        trainer = GRPOTrainer(
+            model=MODEL[0],
+            reward_funcs=counting(),
+            train_dataset=chat_dataset(),
+            eval_dataset=chat_dataset(2),
+            args=args,
+        )
+        prepare(trainer)
+        trainer.train()
+        runs.append(trainer)
+    assert_same_run(*runs)
 
 
 # ---- killed at random moments, then resumed (separate processes) ----------------------------------------------

@@ -207,8 +207,10 @@ class AsyncRounds(Rounds):
 
     @contextmanager
     def paused(self, step: int) -> Iterator[None]:
-        """Evaluation: the producer between rounds, the global generator seeded from the step."""
-        if self._drain():  # and every process's: none generates any more when evaluation pushes to the server
+        """Evaluation: the producer after every round the publications allow (so the reward functions are called
+        in the same order whatever the timing: a stateful one gives the same run), the global generator seeded
+        from the step."""
+        if self._drain(always=True):  # and every process's: none generates any more when evaluation pushes
             torch.distributed.barrier()
         with self.engine_lock, self.rng_lock:
             if self.shared_engine:
@@ -228,18 +230,19 @@ class AsyncRounds(Rounds):
             torch.manual_seed(round_seed(self.seed, "learn", micro_step))
             yield
 
-    def _drain(self) -> bool:
-        """Producers in lockstep (`self.group`): wait until this process's producer has made every round the
-        publications allow and waits for the next one, as every process's then does: none is in a generation
-        or a push, so an evaluation may push the learner's weights, and training may end, without a process's
-        producer left in a collective the others never join. False: no lockstep, nothing to wait for."""
-        if self.group is None or self.thread is None:
+    def _drain(self, always: bool = False) -> bool:
+        """Wait until this process's producer has made every round the publications allow and waits for the next
+        one: with producers in lockstep (`self.group`) every process's then does, so none is in a generation or a
+        push, and an evaluation may push the learner's weights, and training may end, without a process's producer
+        left in a collective the others never join; `always` (an evaluation) waits without lockstep too. Returns
+        whether the producers are in lockstep (the caller then waits for every process)."""
+        if self.thread is None or (self.group is None and not always):
             return False
         with self.cond:
             while not self.idle and self.thread.is_alive():
                 self._check(None)  # its error, SIGTERM or stall
                 self.cond.wait(POLL_S)
-        return True
+        return self.group is not None
 
     def _publish(self, position: int, version: int, state: Any) -> None:
         with self.cond:
