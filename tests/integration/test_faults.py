@@ -360,6 +360,36 @@ def test_a_prompt_longer_than_the_context_is_named(tiny_model_dir, tmp_path, cap
     assert "row 0: the prompt (500 tokens) plus max_completion_length (32) exceeds the model's context" in caplog.text
 
 
+@pytest.mark.parametrize("positions", ["learned", "rope"])
+def test_completions_are_capped_at_the_positions_a_prompt_leaves(tmp_path, caplog, positions):
+    """A prompt near the context: completions stop at the last position (a learned 64-position table has no row
+    past it; a RoPE model was never trained there), said once; training goes on."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tiny import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    if positions == "learned":
+        ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tok), n_positions=64, **ids))
+        context, prompt_length = 64, 60
+    else:
+        model, context, prompt_length = make_model(tok, context=512), 512, 511
+    data = Dataset.from_list([{"prompt": "x" * prompt_length}] * 8)
+    args = cfg(tmp_path, max_completion_length=8, max_steps=1, shuffle_dataset=False)
+    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=length_reward, train_dataset=data, args=args)
+    seen = []
+    take = trainer.rounds._take
+    trainer.rounds._take = lambda *a: (produced := take(*a), seen.append(produced.scored.rollout))[0]
+    with caplog.at_level("WARNING", logger="grpo"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+    rollout = seen[0]
+    assert all(len(p) + len(c) <= context for p, c in zip(rollout.prompt_ids, rollout.completion_ids))
+    assert max(map(len, rollout.completion_ids)) == context - len(rollout.prompt_ids[0]) < 8
+    assert caplog.text.count("capped at the positions left") == 1
+
+
 def test_a_completion_column_is_said_not_to_reach_rewards(tiny_model_dir, tmp_path):
     data = Dataset.from_list([{"prompt": f"p{i}", "completion": "c"} for i in range(8)])
     with pytest.warns(UserWarning, match="'completion' column is not passed to reward functions"):

@@ -101,7 +101,7 @@ class Rollouts:
                         prompts = [_as_given(source[row], prompt) for row, prompt in zip(rows, prompts)]
                 else:
                     made = [source.make(r, p, t.schemas, e) for r, p, t, e in zip(rows, prompts, toolsets, examples)]
-                    requests = group_requests(made)
+                    requests = source.fit(group_requests(made))
                 rollout = engine.generate(requests)
         except Preempted as stop:
             if self.loop is None or stop.agreed:

@@ -6,6 +6,7 @@ resumed run sees exactly the prompts the uninterrupted one would have seen.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -229,7 +230,7 @@ def check_images(dataset: Any, processing_class: Any, dataset_name: str = "train
 class PromptSource:
     """The dataset's prompts as `Prompt` records, each tokenized once (on first use) and kept. With the model's
     context length, a prompt that does not fit is an error naming its row, and one that leaves less room than
-    max_completion_length a warning (once)."""
+    max_completion_length has its completions capped at the positions left (`fit`), said once in a warning."""
 
     def __init__(
         self,
@@ -292,7 +293,8 @@ class PromptSource:
             self._warned = True
             logger.warning(
                 "%s row %d: the prompt (%d tokens) plus max_completion_length (%d) exceeds the model's "
-                "context (%d); completions running that long go past the positions the model was trained on.",
+                "context (%d); completions of such prompts are capped at the positions left (they count as "
+                "truncated there). Shorten the prompts or max_completion_length to keep the full budget.",
                 self.name,
                 row,
                 length,
@@ -301,8 +303,22 @@ class PromptSource:
             )
 
     def requests(self, rows: Sequence[int]) -> list[Request]:
-        """The rows' prompts as requests, a run of equal consecutive prompts as one (`group_requests`)."""
-        return group_requests([self[row] for row in rows])
+        """The rows' prompts as requests, a run of equal consecutive prompts as one (`group_requests`), each
+        fitted to the context (`fit`)."""
+        return self.fit(group_requests([self[row] for row in rows]))
+
+    def fit(self, requests: Sequence[Request]) -> list[Request]:
+        """Each request's completions capped at the positions its prompt leaves in the model's context (a learned
+        position table has no row past it; a RoPE model was never trained there)."""
+        if not self.context:
+            return list(requests)
+        fitted = []
+        for request in requests:
+            room = self.context - len(request.prompt.ids)
+            if room < (request.max_tokens or self.max_completion_length):
+                request = dataclasses.replace(request, max_tokens=room)
+            fitted.append(request)
+        return fitted
 
 
 def end_of_turn_ids(tokenizer: Any, model_eos: int | list[int] | None = None) -> list[int]:
