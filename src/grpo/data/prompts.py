@@ -188,8 +188,8 @@ def make_prompt(
 def check_images(dataset: Any, processing_class: Any, dataset_name: str = "train_dataset") -> None:
     """An image column needs a vision-language model's processor. With one, before training: each row with images
     has a conversational prompt with room for them (`vision.multimodal_messages`), and each image (a path, bytes
-    or a PIL image) is a readable image within the pixel budget (`vision.check_image_file`: headers only, nothing
-    decoded; the pixels are read when the row is first used). A stream's rows are checked as they are read."""
+    or a PIL image) is a readable image within the pixel budget that decodes (`vision.check_image_file`: the header
+    first, then the pixels, one image at a time, none kept). A stream's rows are checked as they are read."""
     streaming = is_stream(dataset)
     columns = getattr(dataset, "column_names", None)  # a datasets.Dataset's: row 0 is not decoded to find them
     if not columns:

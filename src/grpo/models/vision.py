@@ -81,12 +81,17 @@ def load_image(value: Any, row: int, dataset: str = "train_dataset") -> Any:
 
 
 def check_image_file(value: Any, row: int, dataset: str = "train_dataset") -> None:
-    """What `load_image` would refuse, found without decoding: a PIL image past the pixel budget; a file or bytes
-    that are missing, do not read as an image, or whose header gives a size past the budget."""
+    """What `load_image` would refuse, found before training: a PIL image past the pixel budget; a file or bytes
+    that are missing, do not read as an image, whose header gives a size past the budget (refused before any
+    pixel is decoded), or whose data does not decode (a truncated PNG): each file is decoded once here and
+    dropped, so no more than one image is held at a time. A PIL image opened from a file and not yet read is
+    decoded from its file the same way."""
     if isinstance(value, Image.Image):
         check_pixels(value.size, f"{dataset} row {row}: the image {image_name(value)}")
+        if getattr(value, "fp", None) is not None and getattr(value, "filename", ""):  # opened lazily, not read
+            _opened(value.filename, row, dataset, lambda image: image.load())
     else:
-        _opened(value, row, dataset, lambda image: None)
+        _opened(value, row, dataset, lambda image: image.load())
 
 
 def check_pixels(size: tuple[int, int], what: str) -> None:
