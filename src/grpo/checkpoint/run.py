@@ -56,3 +56,4 @@ class PreemptibleRun(CheckpointedRun, Protocol):
     metrics: Any  # `grpo.observe.metrics.MetricsLogger` (made when training starts)
     loss_terms: Any  # `grpo.algo.loss_terms.LossTerms`: the entropy control
     step_applied: bool  # whether the current step's optimizer step has been applied
+    rounds: Any  # `grpo.rounds.sequential.Rounds`: an asynchronous producer thread, halted before saving

@@ -88,8 +88,9 @@ def check_image_file(value: Any, row: int, dataset: str = "train_dataset") -> No
     decoded from its file the same way."""
     if isinstance(value, Image.Image):
         check_pixels(value.size, f"{dataset} row {row}: the image {image_name(value)}")
-        if getattr(value, "fp", None) is not None and getattr(value, "filename", ""):  # opened lazily, not read
-            _opened(value.filename, row, dataset, lambda image: image.load())
+        filename: str = getattr(value, "filename", "") or ""
+        if getattr(value, "fp", None) is not None and filename:  # opened lazily from a file, not read yet
+            _opened(filename, row, dataset, lambda image: image.load())
     else:
         _opened(value, row, dataset, lambda image: image.load())
 

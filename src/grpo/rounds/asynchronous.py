@@ -199,11 +199,22 @@ class AsyncRounds(Rounds):
             yield
             self._drain()  # several processes on one server: every producer ends after the same round
         finally:
-            self.stop.set()
-            with self.cond:
-                self.cond.notify_all()
-            thread.join(timeout=10)  # it stops at its next token; one stuck elsewhere is a daemon
+            self.halt()
             torch.set_num_threads(self.cores)
+
+    def halt(self) -> None:
+        """Stop the producer thread and wait for it (it stops at its next token or check; one stuck in user code
+        past 10 s is left as a daemon, said in a warning): no thread of it runs Python while the processes settle
+        and the process group is torn down (gloo's teardown needs the GIL free: `settle_processes`)."""
+        self.stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        thread = self.thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout=10)
+        if thread.is_alive():
+            logger.warning("The rollout producer did not stop within 10 s (%s); leaving it as a daemon.", self.doing)
 
     @contextmanager
     def paused(self, step: int) -> Iterator[None]:

@@ -25,7 +25,7 @@ from grpo import checkpoint
 from grpo.base.sigterm import Preempted, check, preemption_guard, requested
 from grpo.checkpoint import files
 from grpo.checkpoint.run import PreemptibleRun
-from grpo.distributed.accelerator import settle_processes
+from grpo.distributed.accelerator import end_training, settle_processes
 
 __all__ = ["EXIT_STATUS", "Preempted", "StepStart", "check", "preemption_guard", "requested", "save_and_exit"]
 
@@ -68,6 +68,7 @@ def save_and_exit(trainer: PreemptibleRun, step_start: StepStart | None, agreed:
     it (the model and optimizer are as the last step left them; `step_start` puts the rest back), on one process,
     or on several that stopped together (`agreed`: at a round's gather or a tool loop's check, `grpo.base.sigterm`);
     several that stopped apart save nothing then."""
+    trainer.rounds.halt()  # an asynchronous producer stops before anything is saved or settled
     step = trainer.state.global_step
     mid_step = step_start is not None
     apart = trainer.accelerator.num_processes > 1 and not agreed
@@ -77,6 +78,7 @@ def save_and_exit(trainer: PreemptibleRun, step_start: StepStart | None, agreed:
     if safe and not os.path.exists(os.path.join(trainer.args.output_dir, f"checkpoint-{step}")):
         checkpoint.save(trainer, step)
     trainer.metrics.close()
+    end_training(trainer.accelerator)  # the group torn down at exit, settled, not left to interpreter shutdown
     settle_processes(trainer.accelerator)
     newest = checkpoint.checkpoints(trainer.args.output_dir)
     where = f"the newest checkpoint is {newest[-1][1]}" if newest else "no checkpoint was written"

@@ -79,6 +79,9 @@ class Rounds:
         """A micro-step's forward and backward (the global generator seeded from its position)."""
         return nullcontext()
 
+    def halt(self) -> None:
+        """Stop making rounds now (SIGTERM: before the processes settle and the group is torn down)."""
+
 
 class Sequential(Rounds):
     """Rounds made in turn with training: sync the engine to the learner's weights, then produce."""
