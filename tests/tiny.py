@@ -38,6 +38,23 @@ def make_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     return tok
 
 
+# a tiny NemotronH (Mamba and attention layers: recurrent state, so the plain engine samples it)
+NEMOTRON_H = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    layers_block_type=["mamba", "attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=4,
+    mamba_num_heads=4,
+    mamba_head_dim=8,
+    ssm_state_size=8,
+    n_groups=1,
+    mamba_chunk_size=8,
+)
+
+
 def make_model(
     tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden: int = 32, layers: int = 2, context: int = 512
 ) -> LlamaForCausalLM:

@@ -10,7 +10,7 @@ import transformers
 
 from grpo import GRPOTrainer
 from support import cfg, chat_dataset, length_reward, params
-from tiny import make_tokenizer
+from tiny import NEMOTRON_H, make_tokenizer
 
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 FAMILIES = {
@@ -20,20 +20,7 @@ FAMILIES = {
     "Mistral": dict(SMALL, head_dim=4),
     "Gemma2": dict(SMALL, head_dim=4),
     "Gemma3": dict(SMALL, head_dim=4),  # Gemma3ForCausalLM: the text model
-    "NemotronH": dict(  # Mamba and attention layers: the plain engine (recurrent state)
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        layers_block_type=["mamba", "attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=4,
-        mamba_num_heads=4,
-        mamba_head_dim=8,
-        ssm_state_size=8,
-        n_groups=1,
-        mamba_chunk_size=8,
-    ),
+    "NemotronH": NEMOTRON_H,  # Mamba and attention layers: the plain engine (recurrent state)
 }
 
 

@@ -283,24 +283,13 @@ def test_a_hybrid_mamba_model_generates_and_trains(tmp_path):
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     from grpo import GRPOTrainer
-    from tiny import make_tokenizer
+    from tiny import NEMOTRON_H, make_tokenizer
 
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
     config = NemotronHConfig(
         vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        layers_block_type=["mamba", "attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=4,
-        mamba_num_heads=4,
-        mamba_head_dim=8,
-        ssm_state_size=8,
-        n_groups=1,
-        mamba_chunk_size=8,
+        **NEMOTRON_H,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
