@@ -1,6 +1,7 @@
 """Pinned trajectories: 5 optimizer steps on a tiny model with scripted completions, float32 on the CPU, every
 numerics-relevant GRPOConfig field set explicitly. The per-step losses, gradient norms and a checksum of the final
-parameters must equal the committed values, so a refactor that changes the numbers fails loudly.
+parameters must equal the committed values, so a refactor that changes the numbers fails loudly. One run per
+loss type (two passes over each generation and a KL term, `loss_<type>`), and two that vary the batching.
 
 Tolerance: rtol 1e-5 (float32 on one machine gives the same bits run to run; the slack covers other CPUs'
 kernels). When a change of the numbers is intended, say why in the commit and re-pin: run
@@ -17,6 +18,7 @@ import torch
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.config.grpo_fields import LOSS_TYPES
 from scripted import ScriptedEngine
 from tiny import make_model, make_tokenizer
 
@@ -86,6 +88,23 @@ RUNS = {
         num_iterations=2,
     ),
 }
+# every loss type: two passes over each generation (the second off-policy), a KL term against the reference
+RUNS.update(
+    {
+        f"loss_{loss_type}": dict(
+            loss_type=loss_type,
+            beta=0.04,
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_iterations=2,
+        )
+        for loss_type in LOSS_TYPES
+        if loss_type != "grpo"  # grpo_kl is that run
+    }
+)
+# what each loss logs beyond the common metrics
+LOSS_METRIC = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean", "sapo": "entropy"}
 PINNED = {
     "dapo": {
         "loss": [
@@ -119,6 +138,103 @@ PINNED = {
         "param_sum": 160.01126935301568,
         "param_weighted": -42.64589893894549,
     },
+    "loss_bnpo": {
+        "loss": [
+            -0.3766002655029297,
+            -0.4863678216934204,
+            -0.35253793001174927,
+            -0.39543619751930237,
+            -0.3061560392379761,
+        ],
+        "grad_norm": [
+            1.4500302076339722,
+            0.9007558822631836,
+            1.045609951019287,
+            1.0928633213043213,
+            0.9409055709838867,
+        ],
+        "reward": [1.171875, 1.125, 1.171875],
+        "param_sum": 159.86641960452857,
+        "param_weighted": -40.027471756126715,
+    },
+    "loss_cispo": {
+        "loss": [0.48728299140930176, 0.4527776539325714, 0.4158592224121094, 0.4044509828090668, 0.3424288034439087],
+        "grad_norm": [
+            0.4060084819793701,
+            0.32854723930358887,
+            0.26898428797721863,
+            0.25434011220932007,
+            0.23296989500522614,
+        ],
+        "reward": [1.171875, 1.125, 1.171875],
+        "param_sum": 159.2852746723604,
+        "param_weighted": -40.335467926576484,
+    },
+    "loss_dapo": {
+        "loss": [
+            -0.3766002655029297,
+            -0.4863678216934204,
+            -0.35253793001174927,
+            -0.39543619751930237,
+            -0.3061560392379761,
+        ],
+        "grad_norm": [
+            1.4500302076339722,
+            0.9007558822631836,
+            1.045609951019287,
+            1.0928633213043213,
+            0.9409055709838867,
+        ],
+        "reward": [1.171875, 1.125, 1.171875],
+        "param_sum": 159.86641960452857,
+        "param_weighted": -40.027471756126715,
+    },
+    "loss_dr_grpo": {
+        "loss": [
+            -0.2530283033847809,
+            -0.326778382062912,
+            -0.22032803297042847,
+            -0.24648219347000122,
+            -0.20570127665996552,
+        ],
+        "grad_norm": [0.9742391705513, 0.6051954627037048, 0.652606725692749, 0.6836163997650146, 0.6312134861946106],
+        "reward": [1.171875, 1.125, 1.171875],
+        "param_sum": 159.97041189099787,
+        "param_weighted": -40.167470757728324,
+    },
+    "loss_luspo": {
+        "loss": [-2.024226665496826, -2.614226818084717, -1.7627208232879639, -1.9744096994400024, -1.6457453966140747],
+        "grad_norm": [7.7939133644104, 4.8415632247924805, 5.2302117347717285, 5.47015905380249, 5.072085857391357],
+        "reward": [1.171875, 1.125, 1.171875],
+        "param_sum": 159.8458186463124,
+        "param_weighted": -39.995382905991164,
+    },
+    "loss_sapo": {
+        "loss": [
+            -0.03744093328714371,
+            -0.18280112743377686,
+            -0.033292800188064575,
+            -0.06912583112716675,
+            -0.03128857910633087,
+        ],
+        "grad_norm": [1.737221598625183, 1.3523688316345215, 1.122219204902649, 1.0202322006225586, 1.2762422561645508],
+        "reward": [1.171875, 1.125, 1.171875],
+        "param_sum": 161.21346559970902,
+        "param_weighted": -42.80970341593161,
+    },
+    "loss_vespo": {
+        "loss": [1.740296483039856, -0.7893171906471252, 1.5460221767425537, -0.6150509715080261, 1.276556372642517],
+        "grad_norm": [
+            1.4500302076339722,
+            0.7567472457885742,
+            1.2768679857254028,
+            0.7739590406417847,
+            1.0619663000106812,
+        ],
+        "reward": [1.171875, 1.125, 1.171875],
+        "param_sum": 159.1619390424146,
+        "param_weighted": -40.965411358435404,
+    },
 }
 
 
@@ -135,7 +251,7 @@ def trajectory(name: str, output_dir: str) -> dict:
     tokenizer = make_tokenizer()
     model = make_model(tokenizer, seed=0)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(16)])
-    args = GRPOConfig(output_dir=output_dir, **COMMON, **RUNS[name])
+    args = GRPOConfig(output_dir=output_dir, **{**COMMON, **RUNS[name]})
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[length_reward, variety_reward],
@@ -149,6 +265,8 @@ def trajectory(name: str, output_dir: str) -> dict:
     params = [p.detach().double() for p in trainer.unwrapped_model.parameters()]
     weights = [torch.arange(p.numel(), dtype=torch.float64).remainder(7).sub(3).reshape(p.shape) for p in params]
     return {
+        "metrics": sorted(history[-1]),
+        "kl": [row.get("kl") for row in history],
         "loss": [row["loss"] for row in history],
         "grad_norm": [row["grad_norm"] for row in history],
         "reward": [row["reward"] for row in history if "reward" in row],
@@ -164,10 +282,16 @@ def test_trajectory_is_pinned(tmp_path, name):
     assert len(got["loss"]) == 5
     for key in want:
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    if RUNS[name]["beta"] > 0:
+        assert got["kl"][-1] > 0  # the policy has moved away from the reference
+    loss_type = RUNS[name]["loss_type"]
+    assert LOSS_METRIC.get(loss_type, "clip_ratio/region_mean") in got["metrics"]
 
 
 if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        print("PINNED = " + repr({name: trajectory(name, f"{tmp}/{name}") for name in sorted(RUNS)}))
+        runs = {name: trajectory(name, f"{tmp}/{name}") for name in sorted(RUNS)}
+        pinned = {name: {k: v for k, v in run.items() if k not in ("metrics", "kl")} for name, run in runs.items()}
+        print("PINNED = " + repr(pinned))
