@@ -45,7 +45,7 @@ def test_a_produced_round_is_this_processs_rows_scored_with_its_version_and_logs
     produced = trainer.producer.produce(0)
     assert produced.scored.rows == trainer.producer.rows(0) and produced.version == 7
     assert len(produced.scored.rollout.completion_ids) == len(produced.scored.rows) == produced.scored.rewards.shape[0]
-    assert produced.logged == [("my_metric", 3.0)]
+    assert produced.logged == (("my_metric", 3.0),)
     assert produced.generation_s > 0 and produced.scoring_s > 0
     assert trainer.metrics is None  # no learner's window yet: what was logged travels with the round
     calls = counting_syncs(trainer)
