@@ -65,6 +65,7 @@ from grpo.learner.batch import collate
 from grpo.learner.optimization import TrainingError
 from grpo.rewards.calling import copy_state
 from grpo.rollout.fast import own_generator
+from grpo.rounds.groups import GenerationBatch
 from grpo.rounds.producer import Produced, Producer
 from grpo.rounds.sequential import Rounds, Sequential
 
@@ -136,7 +137,7 @@ class AsyncRounds(Rounds):
 
     # ---- the learner's side ----------------------------------------------------------------------------------
 
-    def next(self, position: int, model: torch.nn.Module, version: int, state: Any) -> Any:
+    def next(self, position: int, model: torch.nn.Module, version: int, state: Any) -> GenerationBatch:
         """`Rounds.next`; the first call of an optimizer step drops the rounds before `position` and the
         publications no round from it samples (a step preempted midway saves from the position it started at)."""
         if self.step != state.global_step:
