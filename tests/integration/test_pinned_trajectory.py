@@ -60,6 +60,7 @@ COMMON = dict(
     cast_lm_head_to_fp32=False,
     router_aux_loss_coef=None,
     pad_to_multiple_of=None,
+    packing="padded",
     shuffle_dataset=True,
     gradient_checkpointing=False,
     disable_dropout=True,
@@ -103,9 +104,50 @@ RUNS.update(
         if loss_type != "grpo"  # grpo_kl is that run
     }
 )
+# packing="tree": the same two batchings as one token tree per prompt group (their numbers equal the padded runs'
+# to float32 rounding: test_tree_trajectories_follow_the_padded_ones)
+RUNS.update({f"{name}_tree": dict(RUNS[name], packing="tree") for name in ("dapo", "grpo_kl")})
 # what each loss logs beyond the common metrics
 LOSS_METRIC = {"cispo": "cispo_clip_ratio", "vespo": "vespo/phi_seq_mean", "sapo": "entropy"}
 PINNED = {
+    "dapo_tree": {
+        "loss": [
+            -0.04116620123386383,
+            -0.780504435300827,
+            -0.21898464858531952,
+            -0.5587687194347382,
+            -0.12478454038500786,
+        ],
+        "grad_norm": [
+            0.8085532188415527,
+            2.448718547821045,
+            1.0950855016708374,
+            1.7066608667373657,
+            0.7162492871284485,
+        ],
+        "reward": [1.1484375, 1.140625, 1.140625],
+        "param_sum": 158.32359042108715,
+        "param_weighted": -40.604119141966976,
+    },
+    "grpo_kl_tree": {
+        "loss": [
+            -1.1175870895385742e-08,
+            -0.09911815077066422,
+            0.0013606492429971695,
+            -0.03258755803108215,
+            0.0024347975850105286,
+        ],
+        "grad_norm": [
+            1.737221598625183,
+            0.6956425905227661,
+            1.0735501050949097,
+            1.0212461948394775,
+            1.2452868223190308,
+        ],
+        "reward": [1.171875, 1.125, 1.171875],
+        "param_sum": 160.0112689042819,
+        "param_weighted": -42.645897667370036,
+    },
     "dapo": {
         "loss": [
             -0.04116620495915413,
@@ -286,6 +328,15 @@ def test_trajectory_is_pinned(tmp_path, name):
         assert got["kl"][-1] > 0  # the policy has moved away from the reference
     loss_type = RUNS[name]["loss_type"]
     assert LOSS_METRIC.get(loss_type, "clip_ratio/region_mean") in got["metrics"]
+
+
+@pytest.mark.parametrize("name", ["dapo", "grpo_kl"])
+def test_tree_trajectories_follow_the_padded_ones(name):
+    """packing="tree" computes the padded pass's numbers in another order: the pinned runs agree to float32
+    rounding (the runs themselves are checked against their pins above)."""
+    tree, padded = PINNED[f"{name}_tree"], PINNED[name]
+    for key in padded:
+        assert tree[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-7), key
 
 
 if __name__ == "__main__":

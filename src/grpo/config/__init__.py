@@ -308,6 +308,7 @@ def _validate(c: GRPOConfig) -> None:
         "async_behaviour_logps",
         f"is {c.async_behaviour_logps!r}; use 'training' or 'sampler'",
     )
+    _require(c.packing in ("padded", "tree"), "packing", f"is {c.packing!r}; use 'padded' or 'tree'")
     _require(c.heartbeat_stale_after_s > 0, "heartbeat_stale_after_s", "must be > 0 seconds")
     _require(c.learning_rate >= 0, "learning_rate", "must be >= 0")
     for name in ("seed", "data_seed"):  # numpy's generator (seeded with every other) takes 32-bit seeds

@@ -208,6 +208,13 @@ class GrpoOnlyFields:
         "reward or tool call finished) before stopping the run with an error naming what it was doing.",
         300.0,
     )
+    packing: str = _help(
+        "How the training pass lays out a micro-batch. 'padded': each completion a row, padded to the longest, "
+        "each prompt once when the model allows (its KV cache shared). 'tree': one token tree per prompt group: "
+        "the prompt once and each completion's tokens unpadded, attending through an ancestor mask "
+        "(`grpo.learner.tree`); the same numbers, fewer positions computed.",
+        "padded",
+    )
     lean_linears: bool = _help(
         "bf16 training pass: linear layers keep their float32 weights for backward instead of "
         "bfloat16 copies (autocast's numbers; measured -0.22 GB peak, ~10 percent slower training "

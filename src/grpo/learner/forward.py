@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 from grpo.algo.loss_terms import router_aux_coef
 from grpo.distributed.zero import is_partitioned
+from grpo.learner import tree
 from grpo.learner.batch import TrainBatch
 from grpo.models.fp32_head import is_fp32_head
 from grpo.models.modeling import accepts_logits_to_keep, cache_argument, recomputes_activations, unwrap
@@ -59,6 +60,16 @@ class TrainingPass:
         if reason is not None:
             logger.info("Training pass runs each row's prompt itself: %s.", reason)
         self.share_prefix = reason is None
+        self.tree = args.packing == "tree"
+        if self.tree:
+            reason = tree.unsupported_reason(model)
+            if reason is None and pixels is not None:
+                reason = "image prompts keep the padded layout (their pixel inputs follow the rows)"
+            if reason is None and self.router_aux:
+                reason = "the router's load-balancing loss is computed over padded sequences"
+            if reason is not None:
+                warnings.warn(f"packing='tree' is not used: {reason}. The padded layout trains instead.", stacklevel=3)
+            self.tree = reason is None
         reason = tiled_head_unsupported_reason(model)
         if reason is not None:
             logger.info("Training pass computes the full logits: %s.", reason)
@@ -100,6 +111,7 @@ class TrainingPass:
                 share_prefix=self.share_prefix,
                 chunked_head=self.chunked_head,
                 images=self._images(),
+                as_trees=self.tree,
             )
         return logps
 
@@ -120,6 +132,7 @@ class TrainingPass:
                 chunked_head=self.chunked_head,
                 aux_losses=aux_losses,
                 images=self._images(),
+                as_trees=self.tree,
             )
         self.aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
         assert entropies is not None  # with_entropy
@@ -170,6 +183,7 @@ def token_logps(
     chunked_head: bool = False,
     aux_losses: list[torch.Tensor] | None = None,
     images: ImageInputs | None = None,
+    as_trees: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens under `model` (logits divided by temperature), and their entropies,
     as (B, C) tensors (values on padding positions are meaningless: the mask removes them).
@@ -185,14 +199,17 @@ def token_logps(
     the batch's `pad_to_multiple_of` (its width is rounded up to it). With `aux_losses` (a list), the model is
     asked for its router logits and each piece's load-balancing loss is appended (whole sequences: the prompt is
     then not shared). With `images` (a vision-language model), each piece gets its rows' pixel inputs and the
-    suppressed tokens' logits are SUPPRESSED."""
-    forward: Callable[..., torch.Tensor] = _forward_shared if share_prefix and aux_losses is None else _forward
+    suppressed tokens' logits are SUPPRESSED. With `as_trees` (`packing="tree"`), each piece runs as one token tree per
+    prompt group (`grpo.learner.tree`: no padding inside a group, each prompt once), unless a row is longer than the
+    model's sliding window."""
+    plain: Callable[..., torch.Tensor] = _forward_shared if share_prefix and aux_losses is None else _forward
     lengths = batch.completion_attention.sum(-1)
     logps: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
     for rows in _pieces(lengths, chunk_size):
         part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
         extra = images.inputs(part) if images is not None else None
+        forward = _forward_tree if as_trees and tree.fits_window(model, part) else plain
         outputs = forward(model, part, chunked_head, aux_losses, extra)
         suppressed = images.suppressed if images is not None else ()
         lp, ent = _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head, suppressed)
@@ -364,3 +381,22 @@ def _forward_shared(
             **cache_kwargs,
         )
     return torch.cat([last[inverse, -1:, :], rest[:, :-1, :]], dim=1)
+
+
+def _forward_tree(
+    model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: None = None, extra: None = None
+) -> torch.Tensor:
+    """The same outputs as `_forward`, from the rows laid out as token trees (`grpo.learner.tree.layout`): each
+    prompt once and no padding inside a group (`aux_losses` and `extra` are always None: router losses and image
+    prompts keep the padded layout)."""
+    trees = tree.layout(batch)
+    with blocks.real_tokens(trees.real):
+        out = _outputs(
+            model,
+            chunked_head,
+            input_ids=trees.input_ids,
+            attention_mask=tree.attention_mask(model, trees),
+            position_ids=trees.positions,
+            use_cache=False,
+        )
+    return out[trees.row, trees.column]

@@ -1,0 +1,88 @@
+"""`packing="tree"`: the training pass over one token tree per prompt group gives the padded pass's log-probs,
+entropies and gradients (float32: rtol 1e-5 / atol 1e-6), with ragged prompts, ragged and empty completions,
+shuffled rows, both attention implementations, the tiled and the full output head, and rows cut into pieces; and
+it computes fewer positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.learner import tree
+from grpo.learner.forward import token_logps
+from test_shared_prefix_training import batch_and_model, logps_and_grads
+from tiny import make_model, make_tokenizer
+
+
+def assert_same_pass(a, b, batch):
+    """float32: log-probs at rtol 1e-5 / atol 1e-6, entropies at atol 1e-5, gradients at rtol 1e-5 / atol 5e-6 (the
+    attention's sums run over other widths than the padded pass's, so their rounding differs; gradients here are
+    of order 0.1)."""
+    m = batch.mask.bool()
+    torch.testing.assert_close(a[0][m], b[0][m], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a[1][m], b[1][m], rtol=1e-5, atol=1e-5)
+    for name, grad in b[2].items():
+        torch.testing.assert_close(a[2][name], grad, rtol=1e-5, atol=5e-6)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("chunked_head", [False, True])
+def test_tree_pass_matches_the_padded_pass(attention, chunked_head):
+    batch, model = batch_and_model()
+    model.config._attn_implementation = attention
+    padded = logps_and_grads(model, batch, chunked_head=chunked_head)
+    trees = logps_and_grads(model, batch, chunked_head=chunked_head, as_trees=True)
+    assert_same_pass(trees, padded, batch)
+    assert any(g.abs().sum() > 0 for g in trees[2].values())
+
+
+def test_tree_pass_in_pieces_and_with_an_empty_completion():
+    batch, model = batch_and_model()
+    batch.completion_attention[3] = 0  # a row masked whole (a truncated completion under mask_truncated_completions)
+    batch.mask[3] = 0
+    padded = logps_and_grads(model, batch, share_prefix=True)
+    trees = logps_and_grads(model, batch, as_trees=True, chunk_size=5)  # pieces split groups
+    assert_same_pass(trees, padded, batch)
+
+
+def test_the_layout_holds_each_prompt_once_and_no_padding_inside_a_group():
+    batch, _ = batch_and_model()
+    trees = tree.layout(batch)
+    prompts = {g: int(batch.prompt_mask[batch.group == g][0].sum()) for g in batch.group.unique().tolist()}
+    per_group = {
+        g: prompts[g] + int(batch.completion_attention[batch.group == g].sum()) for g in batch.group.unique().tolist()
+    }
+    assert sorted(trees.real.sum(-1).tolist()) == sorted(per_group.values())
+    assert trees.positions_computed == len(per_group) * max(per_group.values())
+    assert trees.positions_computed < batch.prompt_ids.numel() + batch.completion_ids.numel()
+    # a completion's first token sits at its prompt's length, as in the padded pass (the output at column[i, 1]
+    # predicts token 1, so it is token 0's)
+    for i in range(len(batch)):
+        if batch.completion_attention[i].sum() > 1:
+            assert trees.positions[trees.row[i, 0], trees.column[i, 1]] == prompts[int(batch.group[i])]
+
+
+def test_a_row_past_the_sliding_window_keeps_the_padded_layout():
+    batch, model = batch_and_model()
+    model.config.sliding_window = 4  # shorter than every row: the tree's mask would drop the window
+    assert not tree.fits_window(model, batch)
+    model.config.sliding_window = 4096
+    assert tree.fits_window(model, batch)
+
+
+def test_models_whose_attention_takes_no_prepared_mask_are_named():
+    model = make_model(make_tokenizer())
+    model.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in tree.unsupported_reason(model)
+    model.config._attn_implementation = "sdpa"
+    assert tree.unsupported_reason(model) is None
+
+
+def test_float64_tree_pass_is_exact_to_rounding():
+    batch, model = batch_and_model()
+    model = model.double()
+    with torch.no_grad():
+        padded, _ = token_logps(model, batch, 1.0, with_entropy=False)
+        trees, _ = token_logps(model, batch, 1.0, with_entropy=False, as_trees=True)
+    m = batch.mask.bool()
+    torch.testing.assert_close(trees[m], padded[m], rtol=1e-12, atol=1e-12)
