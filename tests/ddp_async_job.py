@@ -1,6 +1,9 @@
 """A 4-step run on N CPU processes (torchrun, gloo) with the trainer's own fast engine, for test_distributed_async.py:
 
     torchrun --nproc_per_node N ddp_async_job.py OUT MODEL_DIR sync|async[+fsdp|+zero3] [RESUME_FROM]
+    torchrun --nproc_per_node N ddp_async_job.py OUT MODEL_DIR --runs sync async
+
+(--runs: replicated runs one after another in the same processes, a trainer each, mode M into OUT/M.)
 
 Each process takes 2 of a group's 4 completions (per_device_train_batch_size 2, num_generations 4), so with two
 processes every group straddles them. A checkpoint every step (JOB_SAVE_STEPS: every that many); with RESUME_FROM
@@ -44,13 +47,23 @@ def length_reward(completions, trainer_state, split=None, **kwargs):
 
 def main() -> None:
     out, model_dir, mode = sys.argv[1:4]
+    if mode == "--runs":
+        for run_mode in sys.argv[4:]:
+            assert run_mode in ("sync", "async"), f"{run_mode}: only replicated runs share a launch"
+            run(os.path.join(out, run_mode), model_dir, run_mode)
+    else:
+        run(out, model_dir, mode, os.path.join(out, sys.argv[4]) if len(sys.argv) > 4 else None)
+
+
+def run(out: str, model_dir: str, mode: str, resume: str | None = None) -> None:
+    SEEN.clear()
+    os.makedirs(out, exist_ok=True)
     mode, _, sharded = mode.partition("+")
     if sharded == "fsdp":
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
         allow_fsdp_on_cpu()
     if sharded == "zero3":
         os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
-    resume = os.path.join(out, sys.argv[4]) if len(sys.argv) > 4 else None
     rows = [{"prompt": [{"role": "user", "content": f"Solve {i}+1"}]} for i in range(8)]
     evaluating = (
         dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2) if "JOB_EVAL" in os.environ else {}

@@ -1,5 +1,5 @@
-"""What many tests share: the small run's config, datasets, a reward with spread, a parameter snapshot, and the torchrun
-launcher for tests of several processes."""
+"""What many tests share: the small run's config, datasets, a reward with spread, a parameter snapshot, the torchrun
+launcher for tests of several processes, and `ahead`, which runs the processes of several tests two at a time."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -107,3 +109,42 @@ def launch(nproc, out, model_dir, loss_type, *mode):
     torchrun(nproc, JOB, out, model_dir, loss_type, *mode)
     with open(os.path.join(out, "row.json")) as f:
         return torch.load(os.path.join(out, "update.pt")), json.load(f)
+
+
+def launch_runs(nproc, out, model_dir, runs):
+    """Several replicated runs, `runs` as (loss_type, mode), one after another in one launch of nproc processes (a
+    trainer each): {(loss_type, mode): (update, logged row)}, as `launch` would give each."""
+    specs = [f"{loss_type}:{mode}" for loss_type, mode in runs]
+    torchrun(nproc, JOB, out, model_dir, "--runs", *specs)
+    results = {}
+    for run, spec in zip(runs, specs):
+        with open(os.path.join(out, spec, "row.json")) as f:
+            results[run] = torch.load(os.path.join(out, spec, "update.pt")), json.load(f)
+    return results
+
+
+def side_by_side(*calls: Callable[[], object]) -> list:
+    """The results of `calls` (functions of no arguments), run at the same time: for independent processes that a
+    test launches, each of which keeps about one core busy (a 2-core machine runs two in the time of one)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
+
+
+def ahead(
+    request, scenarios: dict[str, Callable[[], object]], first: dict[str, Callable[[], object]] | None = None
+) -> dict[str, Future]:
+    """Start now, two at a time, the `first` scenarios (what several tests compare with), then the scenarios of the
+    tests of this module that this session runs, in the tests' order; each test then takes its scenario's result
+    (`future.result()`: what it saw, or the exception it raised) and checks it.
+
+    For tests that each drive processes of their own, one after another (a run killed, then resumed): each such
+    process keeps about one core busy, so two scenarios side by side take about the time of one on a 2-core
+    machine. `scenarios` maps a test's name (`request.node.name`, parameters included) to a function that runs its
+    processes and returns what the test asserts on; no scenario may depend on another's timing."""
+    selected = [item.name for item in request.session.items if item.module is request.module]
+    pool = ThreadPoolExecutor(2)
+    futures = {name: pool.submit(run) for name, run in (first or {}).items()}
+    futures.update({name: pool.submit(scenarios[name]) for name in selected if name in scenarios})
+    pool.shutdown(wait=False)
+    return futures

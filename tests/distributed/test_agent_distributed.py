@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from support import terminated, torchrun
+from support import side_by_side, terminated, torchrun
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "agent_job.py")
 
@@ -23,8 +23,9 @@ def launch(nproc, out, *mode):
 
 @pytest.mark.parametrize("mode", [(), pytest.param(("fsdp",), marks=pytest.mark.slow)])
 def test_processes_whose_rows_finish_at_different_rounds(tmp_path, mode):
-    one, row1 = launch(1, tmp_path / "one", *mode)
-    two, row2 = launch(2, tmp_path / "two", *mode)
+    (one, row1), (two, row2) = side_by_side(
+        lambda: launch(1, tmp_path / "one", *mode), lambda: launch(2, tmp_path / "two", *mode)
+    )
     # process 1's rows were done after one round; it still joined rounds 2 and 3 (with no rows)
     assert row1["engine_calls"] == [4] and row2["engine_calls"] == [4, 4]
     assert row1["tools/call_frequency"] == row2["tools/call_frequency"] == 2.0  # (3 + 1) calls / 2 per group

@@ -28,20 +28,31 @@ def resumed_from(straight, out, model_dir, mode, checkpoint="checkpoint-2"):
 
 def launch(out, model_dir, mode, resume=None):
     torchrun(2, JOB, out, model_dir, mode, *([resume] if resume else []))
+    return outcome(out)
+
+
+def outcome(out):
     seen = [json.load(open(os.path.join(out, f"seen_{rank}.json"))) for rank in (0, 1)]
     rows = json.load(open(os.path.join(out, "log_history.json")))
     return seen, torch.load(os.path.join(out, "final_params.pt")), rows
 
 
 @pytest.fixture(scope="module")
-def async_run(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("async")
-    return out, launch(out, tiny_model_dir, "async")
+def straight_runs(tiny_model_dir, tmp_path_factory):
+    """The straight sync and async runs, one after the other in a single launch (a trainer each)."""
+    out = tmp_path_factory.mktemp("straight")
+    torchrun(2, JOB, out, tiny_model_dir, "--runs", "sync", "async")
+    return out
 
 
 @pytest.fixture(scope="module")
-def sync_run(tiny_model_dir, tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("sync"), tiny_model_dir, "sync")
+def async_run(straight_runs):
+    return straight_runs / "async", outcome(straight_runs / "async")
+
+
+@pytest.fixture(scope="module")
+def sync_run(straight_runs):
+    return outcome(straight_runs / "sync")
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

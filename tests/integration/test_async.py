@@ -22,7 +22,7 @@ from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError
 from grpo.config.grpo_fields import LOSS_TYPES
 from grpo.learner.optimization import TrainingError
-from support import cfg, chat_dataset, length_reward, params, text_of
+from support import ahead, cfg, chat_dataset, length_reward, params, text_of
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "async_job.py")
 SESSION = ("train_loss",)  # the summary row's loss averages the steps this process trained (the HF Trainer's)
@@ -307,16 +307,39 @@ def straight_job(tiny_model_dir, tmp_path_factory):
     return outcome(out), seconds
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGTERM])
-def test_killed_at_a_random_moment_then_resumed_is_bit_identical(tmp_path, straight_job, seed, kill):
-    (params_ref, rows_ref), seconds = straight_job
-    out = tmp_path / "run"
-    delay = random.Random(seed).uniform(0, 0.8 * seconds)  # a moment of steps 2-8 (generation, step, save, ...)
-    status, stderr, _ = job(out, False, kill, delay)
+SEEDS = [0, 1, 2, 3]
+KILLS = [signal.SIGKILL, signal.SIGTERM]
+
+
+@pytest.fixture(scope="module")
+def killed_runs(request, tmp_path_factory, straight_job):
+    """Every kill-and-resume scenario of the tests this session runs, two at a time (`support.ahead`): the killed
+    run's (status, stderr, seconds), the resumed one's, and the run's directory."""
+    _, seconds = straight_job
+
+    def scenario(kill, seed):
+        out = tmp_path_factory.mktemp("run") / "run"
+        delay = random.Random(seed).uniform(0, 0.8 * seconds)  # a moment of steps 2-8 (generation, step, save, ...)
+        return lambda: (job(out, False, kill, delay), job(out, True), out)
+
+    return ahead(
+        request,
+        {
+            f"test_killed_at_a_random_moment_then_resumed_is_bit_identical[{int(kill)}-{seed}]": scenario(kill, seed)
+            for kill in KILLS
+            for seed in SEEDS
+        },
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("kill", KILLS)
+def test_killed_at_a_random_moment_then_resumed_is_bit_identical(request, straight_job, killed_runs, seed, kill):
+    (params_ref, rows_ref), _ = straight_job
+    (status, stderr, _), resumed_job, out = killed_runs[request.node.name].result()
     # SIGTERM while training saves and exits 143; one after training (the final files) ends the process as usual
     assert status in ((-signal.SIGKILL,) if kill == signal.SIGKILL else (143, -signal.SIGTERM)), stderr[-3000:]
-    status, stderr, _ = job(out, True)
+    status, stderr, _ = resumed_job
     assert status == 0, stderr[-3000:]
     resumed, rows = outcome(out)
     assert all(torch.equal(resumed[n], params_ref[n]) for n in params_ref)

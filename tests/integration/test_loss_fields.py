@@ -467,10 +467,12 @@ def test_pad_to_multiple_of_in_training(tmp_path):
 def test_sync_ref_model_under_zero3(tiny_model_dir, tmp_path):
     """Two steps of sync_ref_model (every step) at 2 processes under DeepSpeed ZeRO-3, which partitions the
     reference too (distributed_job.py +sync): the mixed reference and the KL against it equal one process's."""
-    from support import launch
+    from support import launch, side_by_side
 
-    one, row1 = launch(1, tmp_path / "one", tiny_model_dir, "dapo", "ddp+sync")
-    two, row2 = launch(2, tmp_path / "two", tiny_model_dir, "dapo", "zero3+sync")
+    (one, row1), (two, row2) = side_by_side(
+        lambda: launch(1, tmp_path / "one", tiny_model_dir, "dapo", "ddp+sync"),
+        lambda: launch(2, tmp_path / "two", tiny_model_dir, "dapo", "zero3+sync"),
+    )
     assert row2["engine"] == "zero3" and row2["reference_sharded"] is True and row2["step"] == 2
     assert row2["kl"] == pytest.approx(row1["kl"], rel=1e-5) and row1["kl"] > 0
     reference1, reference2 = (torch.load(tmp_path / run / "reference.pt") for run in ("one", "two"))

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointMismatchError
-from support import cfg, chat_dataset, length_reward, needs_deepspeed, torchrun
+from support import ahead, cfg, chat_dataset, length_reward, needs_deepspeed, torchrun
 from tiny import make_model, make_tokenizer
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "resume_job.py")
@@ -58,15 +58,42 @@ def final_params(out):
     return torch.load(os.path.join(out, "final_params.pt"))
 
 
+HUNG = [(1, 3), (2, 5)]  # (steps_per_generation, the step whose reward function hangs)
+
+
 @pytest.fixture(scope="module")
-def straight(tiny_model_dir, tmp_path_factory):
+def runs(request, tiny_model_dir, tmp_path_factory):
+    """The processes of this module's one-process tests, two at a time (`support.ahead`), the straight runs first:
+    each test's scenario returns the run's directory and what it saw between the killed run and the resumed one."""
+
+    def scenario(name, run, *args):
+        out = tmp_path_factory.mktemp(name) / "run"
+        return lambda: (out, run(out, tiny_model_dir, *args))
+
+    first = {f"straight{spg}": scenario("straight", straight_run, spg) for spg in (1, 2)}
+    scenarios = {
+        f"test_sigkill_after_checkpoint_then_resume_is_exact[{spg}]": scenario("sigkill", sigkill_after_checkpoint, spg)
+        for spg in (1, 2)
+    }
+    scenarios["test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one"] = scenario(
+        "writing", kill_while_writing
+    )
+    scenarios["test_sigterm_saves_and_exits_cleanly_then_resumes_exactly"] = scenario("sigterm", sigterm_between_steps)
+    for spg, hang_at in HUNG:
+        name = f"test_sigterm_during_a_hung_reward_ends_promptly_and_resumes_exactly[{spg}-{hang_at}]"
+        scenarios[name] = scenario("hung", sigterm_during_a_hung_reward, spg, hang_at)
+    return ahead(request, scenarios, first)
+
+
+def straight_run(out, model, spg):
+    job(out, model, spg, False)
+    return final_params(out)
+
+
+@pytest.fixture(scope="module")
+def straight(runs):
     """The uninterrupted 6-step runs, per steps_per_generation."""
-    runs = {}
-    for spg in (1, 2):
-        out = tmp_path_factory.mktemp(f"straight{spg}")
-        job(out, tiny_model_dir, spg, False)
-        runs[spg] = final_params(out)
-    return runs
+    return {spg: runs[f"straight{spg}"].result()[1] for spg in (1, 2)}
 
 
 def assert_bit_identical(resumed, reference, initial_dir):
@@ -75,17 +102,23 @@ def assert_bit_identical(resumed, reference, initial_dir):
         assert torch.equal(resumed[name], reference[name]), name
 
 
+def sigkill_after_checkpoint(out, model, spg):
+    job(out, model, spg, False, "--pause-after", "3", wait_for="SAVED")
+    killed = dict(files=os.listdir(out), steps=steps_logged(out))
+    killed["rollouts"] = os.path.exists(out / "checkpoint-3" / "rollouts_0.pt")
+    job(out, model, spg, True)
+    return killed
+
+
 @pytest.mark.parametrize("spg", [1, 2])
-def test_sigkill_after_checkpoint_then_resume_is_exact(tiny_model_dir, tmp_path, straight, spg):
-    out = tmp_path / "run"
-    job(out, tiny_model_dir, spg, False, "--pause-after", "3", wait_for="SAVED")
+def test_sigkill_after_checkpoint_then_resume_is_exact(request, tiny_model_dir, tmp_path, runs, straight, spg):
+    out, killed = runs[request.node.name].result()
     # nothing else is left (the report's page is there only if a logging step before the kill had time for it)
-    left = sorted(set(os.listdir(out)) - {"report.html"})
+    left = sorted(set(killed["files"]) - {"report.html"})
     assert left == [".grpo.lock", "checkpoint-3", "metrics.jsonl", "run_info.json"]
-    assert steps_logged(out) == [1, 2, 3]
+    assert killed["steps"] == [1, 2, 3]
     if spg == 2:  # step 3 is the first half of a generation cycle: the rest of the batch was saved
-        assert os.path.exists(out / "checkpoint-3" / "rollouts_0.pt")
-    job(out, tiny_model_dir, spg, True)
+        assert killed["rollouts"]
     assert steps_logged(out) == [1, 2, 3, 4, 5, 6]  # the resumed process appended steps 4-6 only
     resumed = final_params(out)
     at_3 = GRPOTrainer(
@@ -98,55 +131,64 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(tiny_model_dir, tmp_path,
     assert_bit_identical(resumed, straight[spg], tiny_model_dir)
 
 
-def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tiny_model_dir, tmp_path, straight):
-    out = tmp_path / "run"
-    job(out, tiny_model_dir, 1, False, "--block-writing", "6", wait_for="WRITING")
-    assert "checkpoint-6" not in os.listdir(out) and ".tmp-checkpoint-6" in os.listdir(out)
-    assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
-    job(out, tiny_model_dir, 1, True)
+def kill_while_writing(out, model):
+    job(out, model, 1, False, "--block-writing", "6", wait_for="WRITING")
+    killed = dict(files=os.listdir(out), steps=steps_logged(out))
+    job(out, model, 1, True)
+    return killed
+
+
+def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(request, tiny_model_dir, runs, straight):
+    out, killed = runs[request.node.name].result()
+    assert "checkpoint-6" not in killed["files"] and ".tmp-checkpoint-6" in killed["files"]
+    assert killed["steps"] == [1, 2, 3, 4, 5, 6]
     assert steps_logged(out) == [1, 2, 3, 4, 5, 6]  # rows after checkpoint-3 were dropped, then rewritten
     assert_bit_identical(final_params(out), straight[1], tiny_model_dir)
 
 
-def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tiny_model_dir, tmp_path, straight):
+def sigterm_between_steps(out, model):
+    stderr, _ = job(out, model, 1, False, "--term-at", "2", status=143)
+    stopped = dict(stderr=stderr, files=os.listdir(out), steps=steps_logged(out))
+    stopped["status"] = json.loads((out / "run_info.json").read_text())["status"]
+    job(out, model, 1, True)
+    return stopped
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(request, tiny_model_dir, runs, straight):
     """Preempted between steps: the step finishes, is saved, and the process exits with status 143 (not 0: a
     `train && upload` script must not upload an unfinished run)."""
-    out = tmp_path / "run"
-    stderr, _ = job(out, tiny_model_dir, 1, False, "--term-at", "2", status=143)
+    out, stopped = runs[request.node.name].result()
+    stderr = stopped["stderr"]
     assert "SIGTERM received: the newest checkpoint is" in stderr and "Traceback" not in stderr
     assert "checkpoint-2" in stderr and "status 143" in stderr
     files = [".grpo.lock", "checkpoint-2", "metrics.jsonl", "report.html", "run_info.json"]
-    assert sorted(os.listdir(out)) == files and steps_logged(out) == [1, 2]
-    assert json.loads((out / "run_info.json").read_text())["status"] == "stopped"  # and the report says so
-    job(out, tiny_model_dir, 1, True)
+    assert sorted(stopped["files"]) == files and stopped["steps"] == [1, 2]
+    assert stopped["status"] == "stopped"  # and the report says so
     assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
     assert_bit_identical(final_params(out), straight[1], tiny_model_dir)
 
 
-@pytest.mark.parametrize("spg, hang_at", [(1, 3), (2, 5)])
+def sigterm_during_a_hung_reward(out, model, spg, hang_at):
+    stderr, seconds = job(
+        out, model, spg, False, "--hang-reward-at", str(hang_at), wait_for="HUNG", send=signal.SIGTERM, status=143
+    )
+    stopped = dict(stderr=stderr, seconds=seconds, files=os.listdir(out), steps=steps_logged(out))
+    job(out, model, spg, True)
+    return stopped
+
+
+@pytest.mark.parametrize("spg, hang_at", HUNG)
 def test_sigterm_during_a_hung_reward_ends_promptly_and_resumes_exactly(
-    tiny_model_dir, tmp_path, straight, spg, hang_at
+    request, tiny_model_dir, runs, straight, spg, hang_at
 ):
     """The reward function hangs in step N (no time limit would end it soon: the default is 600 s); SIGTERM ends
     the process within seconds with status 143, having saved the state at the end of step N-1 (nothing of step N
     was applied), and resuming from it ends bit-identical to a straight run."""
-    out = tmp_path / "run"
-    stderr, seconds = job(
-        out,
-        tiny_model_dir,
-        spg,
-        False,
-        "--hang-reward-at",
-        str(hang_at),
-        wait_for="HUNG",
-        send=signal.SIGTERM,
-        status=143,
-    )
-    assert seconds < 15, seconds
-    assert "SIGTERM received during a step" in stderr and f"checkpoint-{hang_at - 1}" in stderr
-    assert f"checkpoint-{hang_at - 1}" in os.listdir(out)
-    assert steps_logged(out) == list(range(1, hang_at))
-    job(out, tiny_model_dir, spg, True)
+    out, stopped = runs[request.node.name].result()
+    assert stopped["seconds"] < 15, stopped["seconds"]
+    assert "SIGTERM received during a step" in stopped["stderr"] and f"checkpoint-{hang_at - 1}" in stopped["stderr"]
+    assert f"checkpoint-{hang_at - 1}" in stopped["files"]
+    assert stopped["steps"] == list(range(1, hang_at))
     assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
     assert_bit_identical(final_params(out), straight[spg], tiny_model_dir)
 

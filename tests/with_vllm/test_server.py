@@ -21,6 +21,7 @@ from safetensors.torch import save
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpo.rollout.vllm import sampling_kwargs
+from support import side_by_side
 
 FP32_TOL = 1e-3
 KEY = "secret"
@@ -271,18 +272,27 @@ def test_the_key_server_requires_its_key_except_on_health(servers, reference):
     assert push(port, reference, "K", headers=good) == (200, {"weight_version": 1, "run": "K"})
 
 
-def _cli(*args: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "grpo", *args], capture_output=True, text=True, timeout=120, env={**_env(), **env}
-    )
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=_env())
+
+
+def _side_by_side(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """The commands' results, run at the same time (each a process of its own that mostly imports: one core)."""
+    return side_by_side(*(lambda command=command: _run(command) for command in commands))
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "grpo", *args]
 
 
 def test_binding_another_address_without_a_key_is_refused(vllm_model_dir):
-    result = _cli("vllm-serve", "--model", vllm_model_dir, "--host", "0.0.0.0")
-    assert result.returncode == 2
-    assert "--api-key" in result.stderr and "GRPO_VLLM_API_KEY" in result.stderr and "0.0.0.0" in result.stderr
-    result = _cli("vllm-serve", "--model", vllm_model_dir, "--tensor-parallel-size", "0")
-    assert result.returncode == 2 and "--tensor-parallel-size must be at least 1" in result.stderr
+    public, no_shards = _side_by_side(
+        _cli("vllm-serve", "--model", vllm_model_dir, "--host", "0.0.0.0"),
+        _cli("vllm-serve", "--model", vllm_model_dir, "--tensor-parallel-size", "0"),
+    )
+    assert public.returncode == 2
+    assert "--api-key" in public.stderr and "GRPO_VLLM_API_KEY" in public.stderr and "0.0.0.0" in public.stderr
+    assert no_shards.returncode == 2 and "--tensor-parallel-size must be at least 1" in no_shards.stderr
 
 
 def test_a_tensor_parallel_server_samples_from_the_model_and_loads_pushed_weights_into_every_shard(
@@ -314,11 +324,9 @@ def test_a_tensor_parallel_server_samples_from_the_model_and_loads_pushed_weight
 
 
 def test_grpo_help_lists_vllm_serve():
-    result = _cli("--help")
-    assert result.returncode == 0 and "vllm-serve" in result.stdout
-    script = Path(sys.executable).parent / "grpo"
-    if script.exists():  # the console script (pip install -e .)
-        result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    script = Path(sys.executable).parent / "grpo"  # the console script (pip install -e .)
+    results = _side_by_side(_cli("--help"), *([[str(script), "--help"]] if script.exists() else []))
+    for result in results:
         assert result.returncode == 0 and "vllm-serve" in result.stdout
 
 

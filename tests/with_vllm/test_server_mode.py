@@ -153,44 +153,54 @@ def test_a_server_killed_mid_run_stops_it_clearly_and_resume_continues(vllm_mode
         back.kill()
 
 
-def test_a_server_with_a_key_refuses_a_trainer_without_it(vllm_model_dir, tmp_path):
-    s = Server(vllm_model_dir, None, "--api-key", "s3cret")
-    try:
-        trainer = make_trainer(vllm_model_dir, tmp_path, vllm_mode="server", vllm_server_port=s.port)
-        with pytest.raises(ServerError, match=r"refused /update_weights \(401\).*vllm_server_api_key"):
-            trainer.train()
-        keyed = make_trainer(
-            vllm_model_dir, tmp_path / "k", vllm_mode="server", vllm_server_port=s.port, vllm_server_api_key="s3cret"
-        )
-        keyed.train()
-        assert keyed.state.global_step == 1
-    finally:
-        s.kill()
+@pytest.fixture(scope="module")
+def keyed_bfloat16_server(vllm_model_dir):
+    """A bfloat16 server with a key, for the key's test and the bfloat16 one."""
+    s = Server(vllm_model_dir, None, "--dtype", "bfloat16", "--api-key", "s3cret")
+    yield s
+    s.kill()
 
 
-def test_a_bfloat16_server_samples_the_pushed_lora_policy_within_its_tolerance(vllm_model_dir, tmp_path):
+def test_a_server_with_a_key_refuses_a_trainer_without_it(vllm_model_dir, tmp_path, keyed_bfloat16_server):
+    s = keyed_bfloat16_server
+    trainer = make_trainer(vllm_model_dir, tmp_path, vllm_mode="server", vllm_server_port=s.port)
+    with pytest.raises(ServerError, match=r"refused /update_weights \(401\).*vllm_server_api_key"):
+        trainer.train()
+    keyed = make_trainer(
+        vllm_model_dir, tmp_path / "k", vllm_mode="server", vllm_server_port=s.port, vllm_server_api_key="s3cret"
+    )
+    keyed.train()
+    assert keyed.state.global_step == 1
+
+
+def test_a_bfloat16_server_samples_the_pushed_lora_policy_within_its_tolerance(
+    vllm_model_dir, tmp_path, keyed_bfloat16_server
+):
     """A bfloat16 server and a LoRA policy: the push carries base + adapter delta in the server's dtype; its
     log-probs match the (bfloat16 autocast) policy's within the bf16 tolerance, and not the adapter-less base's."""
     from peft import LoraConfig
 
     from test_vllm_engine import BF16_MAX_TOL, BF16_MEAN_TOL
 
-    s = Server(vllm_model_dir, None, "--dtype", "bfloat16")
-    try:
-        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-        trainer = make_trainer(
-            vllm_model_dir, tmp_path, peft_config=lora, bf16=True, vllm_mode="server", vllm_server_port=s.port
-        )
-        assert trainer.engine.info["dtype"] == "bfloat16"
-        trainer.train()
-        trainer.engine.sync_weights(trainer.unwrapped_model)
-        rollout = trainer.engine.generate([Request(trainer.prompts[0], num_samples=1, max_tokens=12)])
-        prompt, tokens = list(rollout.prompt_ids[0]), rollout.completion_ids[0]
-        server_logps = torch.tensor(rollout.sampling_logps[0])
-        diff = (server_logps - policy_logps(trainer, prompt, tokens)).abs()
-        assert diff.mean() < BF16_MEAN_TOL and diff.max() < BF16_MAX_TOL
-        with trainer.unwrapped_model.disable_adapter():
-            base = (server_logps - policy_logps(trainer, prompt, tokens)).abs()
-        assert base.mean() > max(2 * diff.mean(), BF16_MEAN_TOL)  # the adapters reached the server
-    finally:
-        s.kill()
+    s = keyed_bfloat16_server
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    trainer = make_trainer(
+        vllm_model_dir,
+        tmp_path,
+        peft_config=lora,
+        bf16=True,
+        vllm_mode="server",
+        vllm_server_port=s.port,
+        vllm_server_api_key="s3cret",
+    )
+    assert trainer.engine.info["dtype"] == "bfloat16"
+    trainer.train()
+    trainer.engine.sync_weights(trainer.unwrapped_model)
+    rollout = trainer.engine.generate([Request(trainer.prompts[0], num_samples=1, max_tokens=12)])
+    prompt, tokens = list(rollout.prompt_ids[0]), rollout.completion_ids[0]
+    server_logps = torch.tensor(rollout.sampling_logps[0])
+    diff = (server_logps - policy_logps(trainer, prompt, tokens)).abs()
+    assert diff.mean() < BF16_MEAN_TOL and diff.max() < BF16_MAX_TOL
+    with trainer.unwrapped_model.disable_adapter():
+        base = (server_logps - policy_logps(trainer, prompt, tokens)).abs()
+    assert base.mean() > max(2 * diff.mean(), BF16_MEAN_TOL)  # the adapters reached the server
