@@ -1,8 +1,12 @@
 """One GRPO step on fixed completions, launched with torchrun (gloo on CPU) by test_distributed.py:
 
     torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR LOSS_TYPE [fsdp|zero2|zero3|ddp][+lora][+kl][+ga2]
+    torchrun --nproc_per_node N distributed_job.py OUT MODEL_DIR --runs LOSS_TYPE:ddp[+...] ...
 
-(+sync: beta > 0 and sync_ref_model every step; the reference's parameters go to OUT too.)
+(+sync: beta > 0 and sync_ref_model every step; the reference's parameters go to OUT too. +tree: packing="tree".)
+With --runs, several replicated (ddp) runs one after another in the same processes, a trainer each, run
+LOSS_TYPE:MODE into OUT/LOSS_TYPE:MODE: one launch for what several would compute alike (a sharded mode sets up the
+whole process, so it has a launch of its own).
 
 Every process takes 8/N completions per micro-step, so the global batch is the same 8 completions whatever N is.
 The update (SGD, linear in the gradient) and the logged metrics go to OUT (main process).
@@ -62,8 +66,19 @@ def whole(model):
 
 
 def main() -> None:
-    out, model_dir, loss_type = sys.argv[1:4]
-    mode, *options = (sys.argv[4] if len(sys.argv) > 4 else "ddp").split("+")
+    out, model_dir = sys.argv[1:3]
+    if sys.argv[3] == "--runs":
+        for run_spec in sys.argv[4:]:
+            loss_type, mode = run_spec.split(":")
+            assert mode.split("+")[0] == "ddp", f"{run_spec}: only replicated runs share a launch"
+            run(os.path.join(out, run_spec), model_dir, loss_type, mode)
+    else:
+        run(out, model_dir, sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "ddp")
+
+
+def run(out: str, model_dir: str, loss_type: str, mode_spec: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    mode, *options = mode_spec.split("+")
     if mode == "fsdp":
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
         allow_fsdp_on_cpu()
@@ -75,6 +90,7 @@ def main() -> None:
     sync = "sync" in options  # sync_ref_model: the policy mixed into the reference after every step
     kl = lora or sync or "kl" in options  # beta > 0: without LoRA, a reference model
     ga = 2 if "ga2" in options else 1  # the same 8 completions in two accumulated micro-steps
+    packing = "tree" if "tree" in options else "padded"  # packing="tree": the training pass as token trees
     args = cfg(
         Path(out),
         output_dir=out,
@@ -88,6 +104,7 @@ def main() -> None:
         max_steps=2 if kl else 1,
         sync_ref_model=sync,
         ref_model_sync_steps=1,
+        packing=packing,
     )  # step 2: the policy has left the reference
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if lora:
@@ -104,7 +121,7 @@ def main() -> None:
     trainer = GRPOTrainer(
         model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args, optimizers=(sgd, None)
     )
-    extra = {}
+    extra = {"tree": trainer.training_pass.tree}  # packing="tree" taken (not fallen back from)
     if mode != "ddp":
         from grpo.data.prompts import tokenize_prompts
         from grpo.distributed import zero

@@ -7,31 +7,46 @@ compared."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from support import launch, needs_deepspeed
+from support import launch, launch_runs, needs_deepspeed
+
+# the one-process runs that two-process runs are compared with (the sharded modes with gradient accumulation, or
+# with LoRA, share theirs)
+ONE_PROCESS = [("dapo", "ddp"), ("grpo", "ddp"), ("dapo", "ddp+ga2"), ("dapo", "ddp+lora"), ("dapo", "ddp+kl")]
+TWO_PROCESSES = [("dapo", "ddp"), ("grpo", "ddp")]
+# packing="tree" at two processes, against one padded process: beta > 0 with a reference, LoRA (its reference the
+# adapter-less model), gradient accumulation
+TREES = [("dapo", "ddp+kl+tree"), ("dapo", "ddp+lora+tree"), ("dapo", "ddp+ga2+tree"), ("grpo", "ddp+tree")]
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny_model_dir, tmp_path_factory):
-    """The one-process runs that two-process runs are compared with, each launched once per module (the sharded
-    modes with gradient accumulation, or with LoRA, share theirs)."""
-    runs = {}
+def replicated(tiny_model_dir, tmp_path_factory):
+    """Every one-process run in a single launch (a trainer each, one after another), and beside it the replicated
+    (DDP) two-process runs of both loss types in another: (one-process runs, two-process runs)."""
+    with ThreadPoolExecutor(1) as beside:
+        two = beside.submit(launch_runs, 2, tmp_path_factory.mktemp("two"), tiny_model_dir, TWO_PROCESSES + TREES)
+        one = launch_runs(1, tmp_path_factory.mktemp("one"), tiny_model_dir, ONE_PROCESS)
+        return one, two.result()
 
-    def run(loss_type, *mode):
-        if (loss_type, *mode) not in runs:
-            runs[(loss_type, *mode)] = launch(1, tmp_path_factory.mktemp("one"), tiny_model_dir, loss_type, *mode)
-        return runs[(loss_type, *mode)]
 
-    return run
+@pytest.fixture(scope="module")
+def one_process(replicated):
+    return replicated[0]
+
+
+@pytest.fixture(scope="module")
+def two_processes(replicated):
+    return replicated[1]
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_two_processes_update_like_one(tiny_model_dir, tmp_path, one_process, loss_type):
-    one, row1 = one_process(loss_type)
-    two, row2 = launch(2, tmp_path / "two", tiny_model_dir, loss_type)
+def test_two_processes_update_like_one(one_process, two_processes, loss_type):
+    one, row1 = one_process[(loss_type, "ddp")]
+    two, row2 = two_processes[(loss_type, "ddp")]
     assert (row1["world"], row2["world"]) == (1, 2)
     for name in one:
         assert one[name].abs().sum() > 0
@@ -39,6 +54,22 @@ def test_two_processes_update_like_one(tiny_model_dir, tmp_path, one_process, lo
     # metrics are reduced over both processes: the same numbers as one process on the whole batch
     for key in ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm", "loss"):
         assert row2[key] == pytest.approx(row1[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("loss_type, mode", TREES)
+def test_two_processes_of_token_trees_update_like_one_padded_process(one_process, two_processes, loss_type, mode):
+    """packing="tree" at two processes (each laying out its rows of a group as that group's tree) updates the
+    weights as one process training the padded layout, with the KL to a reference, LoRA and accumulation."""
+    one, row1 = one_process[(loss_type, mode.removesuffix("+tree"))]
+    two, row2 = two_processes[(loss_type, mode)]
+    assert (row1["world"], row2["world"], row1["tree"], row2["tree"]) == (1, 2, False, True)
+    lora = "lora" in mode
+    for name in one:
+        assert bool(one[name].abs().sum() > 0) is ("lora_" in name or not lora), name
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
+    compared = ("reward", "reward_std", "completions/mean_length", "entropy", "grad_norm", "loss")
+    for key in compared + ("kl",) * ("kl" in mode or lora):
+        assert row2[key] == pytest.approx(row1[key], rel=1e-5, abs=1e-6), key
 
 
 SHARDED_MODES = ["fsdp+ga2", "fsdp+lora"] + [
@@ -61,7 +92,7 @@ def test_sharded_training_through_accelerate_updates_like_one_process(tiny_model
 
     stage, *options = mode.split("+")
     lora, kl = "lora" in options, "kl" in options
-    one, row1 = one_process("dapo", "+".join(["ddp", *options]))
+    one, row1 = one_process[("dapo", "+".join(["ddp", *options]))]
     two, row2 = launch(2, tmp_path / "two", tiny_model_dir, "dapo", mode)
     assert row2["world"] == 2 and row2["sharded"] is (stage != "zero2") and row2["engine"] == stage
     if kl:

@@ -209,7 +209,7 @@ def token_logps(
     for rows in _pieces(lengths, chunk_size):
         part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
         extra = images.inputs(part) if images is not None else None
-        forward = _forward_tree if as_trees and tree.fits_window(model, part) else plain
+        forward: Callable[..., torch.Tensor] = _forward_tree if as_trees and tree.fits_window(model, part) else plain
         outputs = forward(model, part, chunked_head, aux_losses, extra)
         suppressed = images.suppressed if images is not None else ()
         lp, ent = _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head, suppressed)

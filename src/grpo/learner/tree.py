@@ -54,8 +54,8 @@ def layout(batch: TrainBatch) -> Tree:
     device = batch.prompt_ids.device
     lengths = batch.completion_attention.sum(-1).tolist()
     groups: dict[int, list[int]] = {}
-    for index, group in enumerate(batch.group.tolist()):
-        groups.setdefault(group, []).append(index)
+    for i, group in enumerate(batch.group.tolist()):
+        groups.setdefault(group, []).append(i)
     c = batch.completion_ids.shape[1]
     row = torch.zeros(len(batch), c, dtype=torch.long)
     column = torch.zeros(len(batch), c, dtype=torch.long)
@@ -64,19 +64,19 @@ def layout(batch: TrainBatch) -> Tree:
         first = members[0]  # every row of a group holds the same prompt tokens
         prompt = batch.prompt_ids[first][batch.prompt_mask[first].bool()]
         p = len(prompt)
-        ids, positions, segments = [prompt], [torch.arange(p)], [torch.zeros(p, dtype=torch.long)]
+        ids, places, segments = [prompt], [torch.arange(p)], [torch.zeros(p, dtype=torch.long)]
         start = p
         for k, i in enumerate(members):
             n = lengths[i]
             ids.append(batch.completion_ids[i, :n])
-            positions.append(torch.arange(p, p + n))
+            places.append(torch.arange(p, p + n))
             segments.append(torch.full((n,), k + 1, dtype=torch.long))
             row[i] = r
             # token 0 is predicted by the prompt's last token, token t by its own token t - 1
             if n:
                 column[i, :n] = torch.cat([torch.tensor([p - 1]), torch.arange(start, start + n - 1)])
             start += n
-        trees.append((torch.cat(ids), torch.cat(positions), torch.cat(segments)))
+        trees.append((torch.cat(ids), torch.cat(places), torch.cat(segments)))
     width = max(len(t[0]) for t in trees)
     pad = int(batch.prompt_ids[0, 0]) if batch.prompt_ids.numel() else 0
     input_ids = torch.full((len(trees), width), pad, dtype=batch.prompt_ids.dtype)
