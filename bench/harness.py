@@ -15,7 +15,9 @@ timed inside the run, over the run's time. Where vLLM is installed, a `grpo+vllm
 mode is not run: on vLLM's CPU build it crashes at its first weight sync (docs/vllm.md). Two more grpo runs of 8 steps,
 sequential and `async_generation` (max_staleness 1), give `async_speedup=<tokens/s ratio>` and the share of the
 async run's time that the learner and the producer each spent waiting for the other, then `async_overlap_bound`:
-the most overlap could give here, from each phase's time on its share of the cores against all of them.
+the most overlap could give here, from each phase's time on its share of the cores against all of them. Then
+`tree_positions_ratio`, `tree_train_speedup` and `tree_train_speedup_checkpointing`: packing="tree" against the
+padded layout on the micro-batches of a short run (tree_packing.py).
 """
 
 from __future__ import annotations
@@ -211,6 +213,13 @@ def main() -> None:
             f"its FLOP bound ({measured['matmul_gflop_per_s']:.0f} GFLOP/s float32 matmul, the best of 3 from "
             f"{measured['matmul_gflop_per_s_low']:.0f}; {measured['threads']} threads)"
         )
+    if opts.only in (None, "grpo"):
+        # packing="tree" against the padded layout, on the micro-batches of a short run (tree_packing.py)
+        console.print(f"running the training pass as token trees against padded ({first}) ...")
+        tree = subprocess.run(
+            [sys.executable, os.path.join(HERE, "tree_packing.py"), first], capture_output=True, text=True
+        )
+        print(tree.stdout.strip().splitlines()[-1] if tree.returncode == 0 else f"tree_packing failed: {tree.stderr}")
     if opts.only:
         return
     speed = {p: results[("grpo", p)]["tokens_per_s"] / results[("trl", p)]["tokens_per_s"] for p in precisions}

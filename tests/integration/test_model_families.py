@@ -57,3 +57,32 @@ def test_each_family_trains_and_resumes_exactly(family_dirs, tmp_path, family):
     resumed = run("resumed")
     resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "out" / "checkpoint-1"))
     assert all(torch.equal(after[n], value) for n, value in params(resumed.model).items())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_takes_token_trees_with_the_padded_numbers(family_dirs, family):
+    """packing="tree" on each family: log-probs and gradients equal the padded pass's, or (recurrent layers) the
+    family is named unsupported and keeps the padded layout."""
+    from grpo.learner import tree
+    from grpo.learner.forward import token_logps
+    from test_shared_prefix_training import batch_and_model
+
+    batch, _ = batch_and_model()
+    model = getattr(transformers, f"{family}ForCausalLM").from_pretrained(family_dirs[family])
+    reason = tree.unsupported_reason(model)
+    if family == "NemotronH":
+        assert reason is not None and "recurrent" in reason
+        return
+    assert reason is None
+
+    def pass_(as_trees):
+        model.zero_grad()
+        logps, _ = token_logps(model, batch, 0.9, with_entropy=False, as_trees=as_trees)
+        (logps * batch.mask).sum().backward()
+        return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (padded, grads), (trees, tree_grads) = pass_(False), pass_(True)
+    m = batch.mask.bool()
+    torch.testing.assert_close(trees[m], padded[m], rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(tree_grads[name], grad, rtol=1e-5, atol=5e-6)

@@ -62,6 +62,24 @@ def test_the_layout_holds_each_prompt_once_and_no_padding_inside_a_group():
             assert trees.positions[trees.row[i, 0], trees.column[i, 1]] == prompts[int(batch.group[i])]
 
 
+def test_a_group_longer_than_the_widest_tree_is_cut_into_trees():
+    batch, model = batch_and_model()
+    widest = int((batch.prompt_mask.sum(-1) + batch.completion_attention.sum(-1)).max())
+    groups = len(batch.group.unique())
+    trees = tree.layout(batch, max_width=widest)  # no tree wider than the longest row
+    assert trees.input_ids.shape[1] == widest and groups < len(trees.input_ids) < len(batch)
+    assert len(tree.layout(batch, max_width=10**6).input_ids) == groups
+    with torch.no_grad():
+        padded, _ = token_logps(model, batch, 1.0, with_entropy=False)
+        tree.MAX_WIDTH, kept = widest + 3, tree.MAX_WIDTH  # trees of one or two completions
+        try:
+            trees_lp, _ = token_logps(model, batch, 1.0, with_entropy=False, as_trees=True)
+        finally:
+            tree.MAX_WIDTH = kept
+    m = batch.mask.bool()
+    torch.testing.assert_close(trees_lp[m], padded[m], rtol=1e-5, atol=1e-6)
+
+
 def test_a_row_past_the_sliding_window_keeps_the_padded_layout():
     batch, model = batch_and_model()
     model.config.sliding_window = 4  # shorter than every row: the tree's mask would drop the window

@@ -48,19 +48,31 @@ class Tree:
         return self.input_ids.numel()
 
 
-def layout(batch: TrainBatch) -> Tree:
-    """`batch`'s rows as one tree per group (`batch.group`); completions are their attended tokens
-    (`completion_attention`, a prefix of each row)."""
+# A tree row's most tokens (beyond its prompt and longest completion): the mask and the attention grow with the
+# square of a row's length, so a group whose completions add up to more is cut into several trees, each with the
+# prompt once (the same numbers; the prompt is computed once per tree).
+MAX_WIDTH = 2048
+
+
+def layout(batch: TrainBatch, max_width: int | None = None) -> Tree:
+    """`batch`'s rows as one tree per group (`batch.group`), or several where a group's tokens pass `max_width`;
+    completions are their attended tokens (`completion_attention`, a prefix of each row)."""
     device = batch.prompt_ids.device
+    max_width = max_width or MAX_WIDTH
     lengths = batch.completion_attention.sum(-1).tolist()
-    groups: dict[int, list[int]] = {}
+    prompts = batch.prompt_mask.sum(-1).tolist()
+    groups: dict[int, list[list[int]]] = {}
     for i, group in enumerate(batch.group.tolist()):
-        groups.setdefault(group, []).append(i)
+        trees_of_group = groups.setdefault(group, [[]])
+        width = prompts[i] + sum(lengths[j] for j in trees_of_group[-1]) + lengths[i]
+        if trees_of_group[-1] and width > max_width:
+            trees_of_group.append([])
+        trees_of_group[-1].append(i)
     c = batch.completion_ids.shape[1]
     row = torch.zeros(len(batch), c, dtype=torch.long)
     column = torch.zeros(len(batch), c, dtype=torch.long)
     trees = []
-    for r, members in enumerate(groups.values()):
+    for r, members in enumerate(m for parts in groups.values() for m in parts):
         first = members[0]  # every row of a group holds the same prompt tokens
         prompt = batch.prompt_ids[first][batch.prompt_mask[first].bool()]
         p = len(prompt)

@@ -1,0 +1,106 @@
+"""packing="tree" against the padded layout, on the demo workload: python bench/tree_packing.py [bf16|fp32] [steps]
+
+A short grpo run of the workload (bench/workload.py) keeps the micro-batches its training pass got; then each is
+trained again in both layouts, alternately, `REPEATS` times (forward, the loss's sum, backward: the pass the trainer
+times), on the run's final weights. Prints the positions each layout computes and the training tokens/s of each:
+
+    tree_positions_ratio=<tree / padded positions> tree_train_speedup=<tree / padded training tokens/s>
+    tree_train_speedup_checkpointing=<the same with gradient checkpointing, GRPOConfig's default>
+
+The padded layout is today's default (each prompt once through the shared KV cache, completions padded to the
+micro-batch's longest); the tree lays out one token tree per prompt group (`grpo.learner.tree`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+from workload import WORKLOAD, dataset
+
+from grpo import GRPOConfig, GRPOTrainer
+from grpo.learner import tree
+from grpo.learner.forward import TrainingPass
+from grpo.models.bundled import bundled_model_path
+
+REPEATS = 3
+
+
+def padded_positions(batch) -> int:
+    """What the padded pass computes: each group's prompt once (left-padded to the batch's prompt width), each
+    completion padded to the longest."""
+    groups = len(batch.group.unique())
+    width = int(batch.completion_attention.sum(-1).max())
+    return groups * batch.prompt_ids.shape[1] + len(batch) * width
+
+
+def main() -> None:
+    precision = sys.argv[1] if len(sys.argv) > 1 else "fp32"
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    prompts, reward = dataset("demo")
+    overrides = dict(WORKLOAD, max_steps=steps)
+    args = GRPOConfig(output_dir="/tmp/grpo-bench-tree", bf16=precision == "bf16", disable_tqdm=True, **overrides)
+    trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=reward, train_dataset=prompts, args=args)
+    passes = trainer.training_pass
+    kept = []
+    train = passes.train
+
+    def keeping(model, batch, entropy_grad):
+        kept.append(batch)
+        return train(model, batch, entropy_grad)
+
+    passes.train = keeping
+    trainer.train()
+    passes.train = train
+    model = trainer.model
+    tokens = sum(int(b.completion_attention.sum()) for b in kept)
+    padded = sum(padded_positions(b) for b in kept)
+    trees = sum(tree.layout(b).positions_computed for b in kept)
+    result = {
+        "precision": precision,
+        "micro_batches": len(kept),
+        "completion_tokens": tokens,
+        "completion_padding_share": 1 - tokens / sum(len(b) * int(b.completion_attention.sum(-1).max()) for b in kept),
+        "padded_positions": padded,
+        "tree_positions": trees,
+    }
+    speedups = {}
+    # as the workload runs (no gradient checkpointing: prompts shared through the KV cache, padding skipped by the
+    # lean blocks' per-token modules), then with the trainer's default gradient checkpointing (neither applies)
+    for setting in ("workload", "checkpointing"):
+        if setting == "checkpointing":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            a = trainer.accelerator
+            passes = TrainingPass(model, args, a.autocast, a.mixed_precision)
+        seconds = timed_passes(model, passes, kept)
+        result[f"{setting}_padded_tokens_per_s"] = tokens / seconds[False]
+        result[f"{setting}_tree_tokens_per_s"] = tokens / seconds[True]
+        speedups[setting] = seconds[False] / seconds[True]
+    print("TREE_RESULT " + json.dumps(result))
+    print(
+        f"tree_positions_ratio={trees / padded:.2f} tree_train_speedup={speedups['workload']:.2f} "
+        f"tree_train_speedup_checkpointing={speedups['checkpointing']:.2f} "
+        f"({precision}, {len(kept)} micro-batches, {tokens} completion tokens, "
+        f"{result['completion_padding_share']:.0%} of padded completion positions are padding)"
+    )
+
+
+def timed_passes(model, passes, kept) -> dict[bool, float]:
+    """Median seconds of the training pass over the kept micro-batches, per layout (tree or not), alternating."""
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(REPEATS):
+        for as_trees in (False, True):
+            passes.tree = as_trees
+            start = time.perf_counter()
+            for batch in kept:
+                logps, _ = passes.train(model, batch, entropy_grad=False)
+                (logps * batch.mask).sum().backward()
+            seconds[as_trees].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    return {k: statistics.median(v) for k, v in seconds.items()}
+
+
+if __name__ == "__main__":
+    main()
