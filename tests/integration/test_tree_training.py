@@ -1,0 +1,75 @@
+"""packing="tree" through the trainer: it trains like the padded layout (with gradient checkpointing, where the
+padded pass neither shares prompts nor skips padding), async too; a wrong value is named; a model it cannot serve
+keeps the padded layout with one warning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from field_effects import BASE
+from grpo import AsyncGRPOConfig, GRPOTrainer
+from support import cfg, chat_dataset, length_reward, params
+from tiny import NEMOTRON_H, make_tokenizer
+
+
+def trained(model_dir, tmp_path, **kw):
+    """Two steps of SGD (an update linear in the gradient, so the layouts' float32 rounding stays that small)."""
+    args = cfg(tmp_path, max_steps=2, logging_steps=1, **kw)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args, optimizers=(sgd, None)
+    )
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_tree_run_trains_like_a_padded_one(tiny_model_dir, tmp_path, checkpointing):
+    padded = trained(tiny_model_dir, tmp_path / "padded", gradient_checkpointing=checkpointing)
+    trees = trained(tiny_model_dir, tmp_path / "tree", gradient_checkpointing=checkpointing, packing="tree")
+    assert trees.training_pass.tree and not padded.training_pass.tree
+    assert padded.training_pass.share_prefix is not checkpointing  # the cache sharing gradient checkpointing stops
+    for name, value in params(padded.model).items():
+        torch.testing.assert_close(params(trees.model)[name], value, rtol=1e-4, atol=1e-6)
+    for row, tree_row in zip(padded.state.log_history, trees.state.log_history):
+        if "loss" in row:
+            assert tree_row["loss"] == pytest.approx(row["loss"], rel=1e-4, abs=1e-6)
+            assert tree_row["entropy"] == pytest.approx(row["entropy"], rel=1e-4)
+
+
+def test_async_trains_as_trees(tiny_model_dir, tmp_path):
+    args = AsyncGRPOConfig(**{**BASE, "output_dir": str(tmp_path / "out"), "max_steps": 2, "packing": "tree"})
+    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    before = params(trainer.model)
+    trainer.train()
+    assert trainer.training_pass.tree and trainer.state.global_step == 2
+    assert any(not torch.equal(before[n], v) for n, v in params(trainer.model).items())
+
+
+def test_an_unknown_packing_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"packing.*'trees'.*'padded' or 'tree'"):
+        cfg(tmp_path, packing="trees")
+
+
+def test_a_recurrent_model_keeps_the_padded_layout_with_a_warning(tmp_path):
+    tokenizer = make_tokenizer()
+    model = transformers.NemotronHForCausalLM(
+        transformers.NemotronHConfig(
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **NEMOTRON_H,
+        )
+    )
+    with pytest.warns(UserWarning, match="packing='tree' is not used: the model has recurrent layers"):
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path, packing="tree"),
+            processing_class=tokenizer,
+        )
+    assert not trainer.training_pass.tree
