@@ -33,8 +33,10 @@ that says so; SIGTERM reaches both threads (`grpo.base.sigterm`) and saves as th
 
 Several processes: each producer makes its process's share of a round from its own streams (seed + process
 index) and makes no collective the learner's thread could interleave with, except over a group of its own: with
-one vLLM server for all (one weight version at a time), the producers push in lockstep (a barrier, then the main
-process's push, its version broadcast) and stop together between rounds (`_drain`). A sharded policy (FSDP2,
+one vLLM server for all (one weight version at a time), the producers push in lockstep (before each weight change
+they meet and stop together if one stops: `_lockstep`; then the main process's push, its version broadcast), a
+producer that ends for any reason meets the others once more, and at the end they stop between rounds together
+(`_drain`). A sharded policy (FSDP2,
 ZeRO-3) is gathered whole for each publication; the snapshot is a whole copy made before sharding
 (`grpo.models.build.prepare`).
 """
@@ -128,6 +130,7 @@ class AsyncRounds(Rounds):
         self.error: BaseException | None = None
         self.doing, self.heartbeat = "starting", time.monotonic()
         self.stop, self.idle = threading.Event(), False
+        self.voted = False  # this thread's producer took part in its group's decision to stop (`_lockstep`)
         self.thread: threading.Thread | None = None
         self.cores = torch.get_num_threads()
         # several processes on one server, which holds one weight version: the producers go in lockstep over a
@@ -190,6 +193,7 @@ class AsyncRounds(Rounds):
                     mine[name].data = value.detach().clone()
         self.loaded = None
         self.stop.clear()
+        self.voted = False
         self._beat()
         learner = max(self.cores // 2, 1)
         thread = threading.Thread(target=self._run, args=(position, max(self.cores - learner, 1)), daemon=True)
@@ -321,6 +325,12 @@ class AsyncRounds(Rounds):
             with self.cond:
                 self.error = error
                 self.cond.notify_all()
+        finally:
+            if self.group is not None and not self.voted:  # the others' producers stop at their lockstep point too
+                try:
+                    self._lockstep(stop=True)
+                except sigterm.Cancelled:
+                    pass
 
     def _rounds_from(self, q: int) -> None:
         while True:
@@ -334,6 +344,17 @@ class AsyncRounds(Rounds):
 
     def _beat(self) -> None:
         self.heartbeat = time.monotonic()
+
+    def _lockstep(self, stop: bool) -> None:
+        """Producers in lockstep (one server for all, `self.group`) meet here before each weight change, and a
+        producer that ends for any reason (stopped mid-round, an error) comes here once more on its way out: each
+        says whether it stops, and all stop (`sigterm.Cancelled`) if one does. So no producer is ever left waiting in
+        a collective that another process's producer will not join (the process group could not be torn down)."""
+        flag = torch.tensor([int(stop or self.stop.is_set())])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        if flag.item():
+            self.voted = True
+            raise sigterm.Cancelled("stopped")
 
     def _wait_publication(self, q: int) -> Publication:
         start = time.perf_counter()
@@ -378,7 +399,7 @@ class AsyncRounds(Rounds):
                 params[name].data = value
             self.loaded = key
         if self.group is not None and self.producer.version != key:  # every process done with the server's weights
-            torch.distributed.barrier(group=self.group)
+            self._lockstep(stop=False)
         self.producer.sync(self.snapshot, key, self.group)  # vLLM: pushed; grpo's own engines sample the snapshot
 
     def _behaviour(self, rollout: Any) -> list[torch.Tensor | None]:
