@@ -48,9 +48,9 @@ class Tree:
         return self.input_ids.numel()
 
 
-# A tree row's most tokens (beyond its prompt and longest completion): the mask and the attention grow with the
-# square of a row's length, so a group whose completions add up to more is cut into several trees, each with the
-# prompt once (the same numbers; the prompt is computed once per tree).
+# A tree's most tokens: the mask and the attention grow with the square of a row's length, so a group whose prompt
+# and completions add up to more is cut into several trees, each with the prompt once (the same numbers; a tree of
+# one completion may be longer).
 MAX_WIDTH = 2048
 
 
@@ -59,8 +59,11 @@ def layout(batch: TrainBatch, max_width: int | None = None) -> Tree:
     completions are their attended tokens (`completion_attention`, a prefix of each row)."""
     device = batch.prompt_ids.device
     max_width = max_width or MAX_WIDTH
+    # laid out on the host (a few small tensors), moved to the batch's device at the end
+    prompt_ids, prompt_mask = batch.prompt_ids.cpu(), batch.prompt_mask.cpu()
+    completion_ids = batch.completion_ids.cpu()
     lengths = batch.completion_attention.sum(-1).tolist()
-    prompts = batch.prompt_mask.sum(-1).tolist()
+    prompts = prompt_mask.sum(-1).tolist()
     groups: dict[int, list[list[int]]] = {}
     for i, group in enumerate(batch.group.tolist()):
         trees_of_group = groups.setdefault(group, [[]])
@@ -74,13 +77,13 @@ def layout(batch: TrainBatch, max_width: int | None = None) -> Tree:
     trees = []
     for r, members in enumerate(m for parts in groups.values() for m in parts):
         first = members[0]  # every row of a group holds the same prompt tokens
-        prompt = batch.prompt_ids[first][batch.prompt_mask[first].bool()]
+        prompt = prompt_ids[first][prompt_mask[first].bool()]
         p = len(prompt)
         ids, places, segments = [prompt], [torch.arange(p)], [torch.zeros(p, dtype=torch.long)]
         start = p
         for k, i in enumerate(members):
             n = lengths[i]
-            ids.append(batch.completion_ids[i, :n])
+            ids.append(completion_ids[i, :n])
             places.append(torch.arange(p, p + n))
             segments.append(torch.full((n,), k + 1, dtype=torch.long))
             row[i] = r
@@ -90,12 +93,12 @@ def layout(batch: TrainBatch, max_width: int | None = None) -> Tree:
             start += n
         trees.append((torch.cat(ids), torch.cat(places), torch.cat(segments)))
     width = max(len(t[0]) for t in trees)
-    pad = int(batch.prompt_ids[0, 0]) if batch.prompt_ids.numel() else 0
-    input_ids = torch.full((len(trees), width), pad, dtype=batch.prompt_ids.dtype)
+    # any id will do at the padding between trees: no real token attends to it and its outputs are never read
+    input_ids = torch.full((len(trees), width), int(prompt_ids[0, 0]), dtype=prompt_ids.dtype)
     positions = torch.zeros(len(trees), width, dtype=torch.long)
     segment = torch.full((len(trees), width), -1, dtype=torch.long)  # -1: padding
     for r, (ids_, pos, seg) in enumerate(trees):
-        input_ids[r, : len(ids_)], positions[r, : len(pos)], segment[r, : len(seg)] = ids_, pos.cpu(), seg
+        input_ids[r, : len(ids_)], positions[r, : len(pos)], segment[r, : len(seg)] = ids_, pos, seg
     index = torch.arange(width)
     causal = index.view(1, width, 1) >= index.view(1, 1, width)  # query i may see key j <= i ...
     query, key = segment.unsqueeze(2), segment.unsqueeze(1)
