@@ -265,6 +265,33 @@ def test_tool_tokens_give_exactly_zero_gradient_but_are_attended(tmp_path):
     assert not torch.equal(a[i, answer], b[i, answer])
 
 
+def test_multi_turn_rollouts_as_token_trees_train_like_padded_rows(tmp_path):
+    """packing="tree" with tools: each row's sampled turns and tool turns stay one completion (append-only), laid
+    out in its prompt's tree; log-probs and gradients equal the padded rows'."""
+    from grpo.learner.forward import token_logps
+
+    trainer = make_trainer(tmp_path, call_then_answer, args={"packing": "tree"})
+    assert trainer.training_pass.tree
+    rollout = generate(trainer, GROUPS).rollout
+    batch = collate(rollout, torch.linspace(-1, 1, 8), trainer.processing_class.pad_token_id, False)
+    batch = dataclasses.replace(batch, group=torch.tensor(GROUPS))
+    assert ((batch.completion_attention == 1) & (batch.mask == 0)).sum() > 0  # tool tokens, attended, not trained
+
+    def pass_(as_trees):
+        trainer.model.zero_grad()
+        logps, _ = token_logps(trainer.model, batch, 1.0, with_entropy=False, as_trees=as_trees)
+        (logps * batch.mask * batch.advantages.unsqueeze(1)).sum().backward()
+        return logps.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+    (padded, grads), (trees, tree_grads) = pass_(False), pass_(True)
+    m = batch.completion_attention.bool()
+    torch.testing.assert_close(trees[m], padded[m], rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(tree_grads[name], grad, rtol=1e-5, atol=5e-6)
+    trainer.train()  # and the trainer trains them so
+    assert trainer.state.log_history[-1]["tools/call_frequency"] > 0
+
+
 def test_completions_log_shows_the_whole_exchange(tmp_path):
     trainer = make_trainer(tmp_path, call_then_answer, args=dict(log_completions=True))
     trainer.train()
