@@ -52,24 +52,23 @@ class TrainingPass:
         self.autocast = autocast
         self.router_aux = router_aux_coef(unwrap(model), args) != 0.0
         self.aux_loss: torch.Tensor | None = None  # the last gradient pass's router loss (router_aux)
-        reason = prefix_sharing_unsupported_reason(model)
-        if reason is None and pixels is not None:
-            reason = "image prompts run whole (their pixel inputs go with the prompt)"
-        if reason is None and self.router_aux:
-            reason = "the router's load-balancing loss is computed over whole sequences"
+        # what keeps every row whole, in either layout: pixel inputs go with each row's prompt, and the router loss
+        # is computed over whole padded sequences
+        whole_rows = (
+            "image prompts run whole (their pixel inputs go with each row)"
+            if pixels is not None
+            else "the router's load-balancing loss is computed over whole sequences"
+            if self.router_aux
+            else None
+        )
+        reason = prefix_sharing_unsupported_reason(model) or whole_rows
         if reason is not None:
             logger.info("Training pass runs each row's prompt itself: %s.", reason)
         self.share_prefix = reason is None
-        self.tree = args.packing == "tree"
-        if self.tree:
-            reason = tree.unsupported_reason(model)
-            if reason is None and pixels is not None:
-                reason = "image prompts keep the padded layout (their pixel inputs follow the rows)"
-            if reason is None and self.router_aux:
-                reason = "the router's load-balancing loss is computed over padded sequences"
-            if reason is not None:
-                warnings.warn(f"packing='tree' is not used: {reason}. The padded layout trains instead.", stacklevel=3)
-            self.tree = reason is None
+        reason = (tree.unsupported_reason(model) or whole_rows) if args.packing == "tree" else None
+        if reason is not None:
+            warnings.warn(f"packing='tree' is not used: {reason}. The padded layout trains instead.", stacklevel=3)
+        self.tree = args.packing == "tree" and reason is None
         reason = tiled_head_unsupported_reason(model)
         if reason is not None:
             logger.info("Training pass computes the full logits: %s.", reason)
