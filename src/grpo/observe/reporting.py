@@ -28,13 +28,13 @@ from typing import Any
 import torch
 import transformers
 
-from grpo import config
+from grpo.config import validation
 from grpo.perf import allocator
 
 logger = logging.getLogger("grpo")
 
 # GRPOConfig's level names -> logging's levels ("passive": leave the level as it is)
-LOG_LEVELS = {name: None if name == "passive" else logging.getLevelName(name.upper()) for name in config.LOG_LEVELS}
+LOG_LEVELS = {name: None if name == "passive" else logging.getLevelName(name.upper()) for name in validation.LOG_LEVELS}
 TOKENS_SEEN = "num_input_tokens_seen"  # the HF Trainer's name for the row's count
 
 
