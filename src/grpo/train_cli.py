@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from grpo.config import GRPOConfig
-from grpo.data.prompts import load_local
+from grpo.data.datasets import load_local
 from grpo.models import lora
 from grpo.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
 from grpo.trainer import GRPOTrainer
@@ -274,7 +274,7 @@ def reward_functions(script: ScriptArguments) -> list:
 
 
 def load_datasets(script: ScriptArguments, evaluate: bool) -> tuple[Any, Any]:
-    """(train, eval or None): a local data file or save_to_disk directory (`grpo.data.prompts.load_local`), or a hub
+    """(train, eval or None): a local data file or save_to_disk directory (`grpo.data.datasets.load_local`), or a hub
     dataset (with dataset_config and dataset_streaming)."""
     from datasets import load_dataset
 

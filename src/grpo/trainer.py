@@ -60,6 +60,7 @@ from grpo.base import seeding
 from grpo.checkpoint import components, hub
 from grpo.checkpoint.hub import Hub
 from grpo.config import GRPOConfig, resolve_args, warn_odd_combinations
+from grpo.data import datasets
 from grpo.data import prompts as data
 from grpo.distributed import collectives
 from grpo.distributed.accelerator import end_training
@@ -140,11 +141,11 @@ class GRPOTrainer(TrlSurface):
         """The training rows, checked (an environment's placeholder rows where it has none; a stream read by
         position)."""
         args, environments = self.args, self.environments is not None
-        train_dataset = placeholder_dataset(data.load_local(train_dataset), args, environment_factory)
+        train_dataset = placeholder_dataset(datasets.load_local(train_dataset), args, environment_factory)
         data.check_dataset(train_dataset, tools or environments, environments)
         stream_settings(args, train_dataset, eval_dataset)  # dispatch_batches, dataloader_num_workers
-        if data.is_stream(train_dataset):
-            train_dataset = data.StreamRows(train_dataset, 4 * args.generation_batch_size)
+        if datasets.is_stream(train_dataset):
+            train_dataset = datasets.StreamRows(train_dataset, 4 * args.generation_batch_size)
         return train_dataset
 
     def _build_policy(
@@ -210,7 +211,7 @@ class GRPOTrainer(TrlSurface):
         self.loss_terms = LossTerms(args, router_aux_coef(self.unwrapped_model, args))  # entropy bonus, router loss
         # what checkpoints save and load (trainer_state.json's record first)
         resume_at = functools.partial(position_after_resume, args, self.train_dataset)  # ignore_data_skip
-        self.state_components = components.of_run(self, extra, data.dataset_size(self.train_dataset), resume_at)
+        self.state_components = components.of_run(self, extra, datasets.dataset_size(self.train_dataset), resume_at)
         self.correction = SamplingCorrection.of(args, self.engine)  # sampling/* metrics, vLLM's IS weight, OPSM
         self.policy_version = 0  # a new number whenever the policy's weights change (the producer syncs on it)
         self.gradient_check = optimization.GradientCheck(args.max_grad_norm)  # clip; non-finite norms

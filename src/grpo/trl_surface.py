@@ -14,7 +14,7 @@ import torch
 
 from grpo import checkpoint
 from grpo.algo.losses import entropy_cut_mask, off_policy_mask
-from grpo.data.prompts import is_stream
+from grpo.data.datasets import is_stream
 from grpo.distributed import collectives
 from grpo.distributed.accelerator import end_run
 from grpo.observe.metrics import trl_logs

@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset, IterableDataset
 
 from grpo import GRPOTrainer
-from grpo.data.prompts import StreamRows
+from grpo.data.datasets import StreamRows
 from support import cfg, chat_dataset, length_reward
 
 

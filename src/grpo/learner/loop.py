@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from grpo.data import datasets
 from grpo.data import prompts as data
 from grpo.learner.batch import TrainBatch
 
@@ -43,7 +44,7 @@ def position_after_resume(args: Any, dataset: Any, position: int) -> int:
     the start of its epoch (the HF Trainer restarts the epoch's dataloader without fast-forwarding it)."""
     if not args.ignore_data_skip:
         return position
-    if data.is_stream(dataset):  # a stream's epoch is the run: start it over
+    if datasets.is_stream(dataset):  # a stream's epoch is the run: start it over
         return 0
     blocks = data.prompts_per_generation(len(dataset), args.generation_batch_size // args.num_generations)
     return epoch_start(position, blocks)
@@ -104,7 +105,7 @@ class Update:
 def schedule_length(train_dataset: Any, args: Any) -> tuple[int, int]:
     """(max_steps, optimizer steps per epoch) of a run on `train_dataset`."""
     a = args
-    if data.is_stream(train_dataset):  # no length: max_steps is the run, and its only "epoch"
+    if datasets.is_stream(train_dataset):  # no length: max_steps is the run, and its only "epoch"
         if a.max_steps <= 0:
             raise ValueError(
                 "train_dataset is a streaming dataset (no length): set max_steps, as TRL requires for an "

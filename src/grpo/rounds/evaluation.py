@@ -34,6 +34,7 @@ import torch
 
 from grpo.algo.advantages import nanstd, weighted_sum
 from grpo.base.sigterm import agreed_or_none
+from grpo.data import datasets
 from grpo.data import prompts as data
 from grpo.distributed import collectives
 from grpo.observe.metrics import reward_and_tool_stats
@@ -84,8 +85,8 @@ def build(dataset: Any, args: Any, source: data.PromptSource, num_processes: int
     out = {}
     for key, part in named.items():
         label = "eval_dataset" if key is None else f"eval_dataset[{key!r}]"  # what its errors call it
-        part = data.load_local(part)
-        if data.is_stream(part):  # evaluation reads every row, in order: an eval stream is read once, here
+        part = datasets.load_local(part)
+        if datasets.is_stream(part):  # evaluation reads every row, in order: an eval stream is read once, here
             part = list(part)
         data.check_dataset(part, bool(source.tools), name=label)
         own = data.PromptSource(

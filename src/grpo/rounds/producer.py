@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from grpo.agent import Generated, Rollouts
+from grpo.data import datasets
 from grpo.data import prompts as data
 from grpo.rewards.calling import RewardFunctions
 from grpo.rollout.base import Rollout
@@ -82,7 +83,7 @@ class Producer:
 
     def rows(self, position: int) -> list[int]:
         """This process's share of data position `position`'s rows (`data.local_rows`)."""
-        size = data.dataset_size(self.dataset)
+        size = datasets.dataset_size(self.dataset)
         return data.local_rows(position, size, self.args, self.process_index, self.num_processes)
 
     def generate(
