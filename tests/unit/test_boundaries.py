@@ -140,7 +140,7 @@ LAYERS = [
     {"checkpoint"},  # saving and loading a run (above everything it saves); in-flight rounds; the Hub
     {"learner"},  # the training batch and pass, the micro-step loop, the optimizer, the accelerator
     {"rounds"},  # generation rounds: produced, grouped and scored, asynchronous; evaluation; preemption
-    {"trainer", "async_trainer", "trl_surface"},  # the public trainers
+    {"trainer", "async_trainer", "trl_surface", "assembly"},  # the public trainers and how one is assembled
     {"cli", "train_cli", "apps"},  # the command line and the demos
 ]
 
