@@ -17,7 +17,9 @@ sequential and `async_generation` (max_staleness 1), give `async_speedup=<tokens
 async run's time that the learner and the producer each spent waiting for the other, then `async_overlap_bound`:
 the most overlap could give here, from each phase's time on its share of the cores against all of them. Then
 `tree_positions_ratio`, `tree_train_speedup` and `tree_train_speedup_checkpointing`: packing="tree" against the
-padded layout on the micro-batches of a short run (tree_packing.py).
+padded layout on the micro-batches of a short run (tree_packing.py). `multi_turn_tree_vs_forked_tokens`,
+`multi_turn_tree_vs_appended_tokens` and `multi_turn_tree_speedup`: multi-turn tool rollouts under a
+reasoning-stripping template, the tree against forked rows and append-only rows (multi_turn_tree.py).
 """
 
 from __future__ import annotations
@@ -220,6 +222,16 @@ def main() -> None:
             [sys.executable, os.path.join(HERE, "tree_packing.py"), first], capture_output=True, text=True
         )
         print(tree.stdout.strip().splitlines()[-1] if tree.returncode == 0 else f"tree_packing failed: {tree.stderr}")
+        # multi-turn tool rollouts under a reasoning-stripping template: the tree against forked rows
+        console.print("running multi-turn rendered turns as token trees against forked rows ...")
+        turns = subprocess.run(
+            [sys.executable, os.path.join(HERE, "multi_turn_tree.py")], capture_output=True, text=True
+        )
+        print(
+            turns.stdout.strip().splitlines()[-1]
+            if turns.returncode == 0
+            else f"multi_turn_tree failed: {turns.stderr}"
+        )
     if opts.only:
         return
     speed = {p: results[("grpo", p)]["tokens_per_s"] / results[("trl", p)]["tokens_per_s"] for p in precisions}

@@ -3,7 +3,7 @@
 #
 #   here, once:   make gpu-wheels   (what the H200's image lacks, into .whl/: datasets, math-verify, trl 1.16)
 #   on the GPU:   bash scripts/gpu_check.sh            (device run: carry [".whl"], timeout_s 540)
-#   here:         bash scripts/gpu_check.sh --dry-run  (the same phases on this CPU at tiny sizes, < 5 minutes)
+#   here:         bash scripts/gpu_check.sh --dry-run  (the same phases on this CPU at tiny sizes, two at a time)
 #
 # Results go to $OUT (the folder a device run hands back; /tmp/gpu-check otherwise): results.jsonl, summary.md,
 # logs.txt. bench/gpu_check.py runs the phases, each in its own process under a time limit, so one failure or hang
@@ -16,7 +16,7 @@ out="${OUT:-/tmp/gpu-check}"
 mkdir -p "$out"
 if [ "${1:-}" = "--dry-run" ]; then
   py="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
-  exec timeout 300 "$py" bench/gpu_check.py --out "$out" --dry-run --deadline 280
+  exec timeout 300 "$py" bench/gpu_check.py --out "$out" --dry-run --deadline 280 --jobs 2
 fi
 py=python3
 if ls .whl/*.whl >/dev/null 2>&1; then

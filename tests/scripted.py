@@ -3,6 +3,8 @@ runs, and a helper that turns rows of prompt ids into requests."""
 
 from __future__ import annotations
 
+import torch
+
 from grpo.rollout.base import Prompt, assemble, expand, group_requests
 
 
@@ -87,3 +89,25 @@ class TurnScript:
                 sampled = self.turn_ids(self.script(text, turn, j))
                 ids.append(sampled[: r.max_tokens] if r.max_tokens else sampled)
         return assemble(expand(requests), ids, [[-0.5] * len(c) for c in ids], {self.end}, self.tok)
+
+
+class ScoredTurnScript(TurnScript):
+    """A TurnScript whose sampled tokens carry their log-probs under `model` (at `temperature`) after exactly the
+    prompt each request gave: the log-probs a sampler of that model would report for them."""
+
+    def __init__(self, tokenizer, script, model, temperature=1.0):
+        super().__init__(tokenizer, script)
+        self.model = model
+        self.temperature = temperature
+
+    def generate(self, requests):
+        rollout = super().generate(requests)
+        rows = expand(requests)
+        for i, (row, ids) in enumerate(zip(rows, rollout.completion_ids)):
+            if not ids:
+                continue
+            sequence = torch.tensor([list(row.prompt.ids) + list(ids)])
+            with torch.no_grad():
+                logits = self.model(input_ids=sequence).logits[0, -len(ids) - 1 : -1].float() / self.temperature
+            rollout.sampling_logps[i] = logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist()
+        return rollout

@@ -45,11 +45,17 @@ def test_the_layout_holds_each_prompt_once_and_no_padding_inside_a_group():
     batch, _ = batch_and_model()
     trees = tree.layout(batch)
     prompts = {g: int(batch.prompt_mask[batch.group == g][0].sum()) for g in batch.group.unique().tolist()}
-    per_group = {
-        g: prompts[g] + int(batch.completion_attention[batch.group == g].sum()) for g in batch.group.unique().tolist()
-    }
-    assert sorted(trees.real.sum(-1).tolist()) == sorted(per_group.values())
-    assert trees.positions_computed == len(per_group) * max(per_group.values())
+    # a group's tree holds each distinct prefix of its rows' sequences once: the prompt, then each completion's
+    # tokens (completions that begin alike share those tokens too)
+    per_group: dict[int, set] = {}
+    for i in range(len(batch)):
+        n = int(batch.completion_attention[i].sum())
+        sequence = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist() + batch.completion_ids[i, :n].tolist()
+        per_group.setdefault(int(batch.group[i]), set()).update(tuple(sequence[: k + 1]) for k in range(len(sequence)))
+    sizes = {g: len(prefixes) for g, prefixes in per_group.items()}
+    assert all(sizes[g] <= prompts[g] + int(batch.completion_attention[batch.group == g].sum()) for g in sizes)
+    assert sorted(trees.real.sum(-1).tolist()) == sorted(sizes.values())
+    assert trees.positions_computed == len(sizes) * max(sizes.values())
     assert trees.positions_computed < batch.prompt_ids.numel() + batch.completion_ids.numel()
     # a completion's first token sits at its prompt's length, as in the padded pass (the output at column[i, 1]
     # predicts token 1, so it is token 0's)

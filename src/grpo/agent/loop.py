@@ -7,11 +7,21 @@ one tool message per call, and generate their next turn (one sample per row), un
 `max_completion_length` (the whole multi-turn completion counts; the results are then not added and the row ends).
 Results certain not to fit are found from their length, before they are tokenized (`grpo.agent.budget`).
 
-The trained sequence is exactly what happened: the prompt's tokens, the model's sampled tokens, the tokens of each
-rendered tool turn (`template.tool_suffix_ids`), the next sampled tokens, and so on; nothing is re-rendered. Tool
-tokens have loss mask 0 and sampling log-prob 0.0 (a placeholder the mask hides): the model attends to them, they
-are not trained. Every process joins every round, with or without rows left, so the collectives a sharded model's
-generation runs are matched on every process.
+What each turn after the first continues (`turn_context`):
+- "appended": the tokens so far, as they happened: the prompt's tokens, the model's sampled tokens, the tokens of
+  each rendered tool turn (`template.tool_suffix_ids`), the next sampled tokens, and so on; nothing is re-rendered.
+  The row is one sequence.
+- "rendered": the conversation so far (the prompt's messages, the model's turns as parsed, the tool results) as the
+  chat template renders it, as a deployed model meets it where the template re-renders earlier turns (strips their
+  reasoning). Where that rendering continues the tokens so far, the tool turn's tokens are appended as above;
+  where it does not, the turn starts a new span of the row's completion after its own context (`Rollout.turns`),
+  and the training pass scores each span after exactly that context (`grpo.learner.tree`). The completion then
+  holds the sampled tokens (and the appended tool turns) only. A vision-language model's rows, and rows without
+  messages (a rollout_func's), are appended.
+Tool tokens have loss mask 0 and sampling log-prob 0.0 (a placeholder the mask hides): the model attends to them,
+they are not trained. A row's token budget (`max_completion_length`) counts what its next turn continues, past the
+prompt. Every process joins every round, with or without rows left, so the collectives a sharded model's generation
+runs are matched on every process.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from grpo.agent.parsing import parse_turn
 from grpo.agent.template import cannot_fit, tool_suffix_ids
 from grpo.agent.tools import ToolSet, run_calls
 from grpo.base.sigterm import Preempted
+from grpo.data.prompts import tokenize_prompts
 from grpo.rollout.base import Engine, Prompt, Request, Rollout
 
 
@@ -44,6 +55,33 @@ class _Row:
     messages: list[dict] = field(default_factory=list)  # the completion as messages
     calls: int = 0
     failures: int = 0
+    # what the completion's tokens from `start` on continue: the prompt, or with rendered turns the current turn's
+    # rendered history; `done` holds the finished turns (start, end, context) once a turn was forked
+    context: list[int] = field(default_factory=list)
+    start: int = 0
+    done: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    prompt_messages: list[dict] | None = None  # the prompt's messages where turns are rendered, else None
+
+    @property
+    def chain(self) -> list[int]:
+        """The tokens the next turn continues."""
+        return self.context + self.ids[self.start :]
+
+    @property
+    def spent(self) -> int:
+        """The budget spent: the tokens the next turn continues, past the prompt."""
+        return len(self.context) - len(self.prompt_ids) + len(self.ids) - self.start
+
+    def fork(self, context: list[int]) -> None:
+        """The next turn continues `context` (a rendered history that does not continue the tokens so far)."""
+        self.done.append((self.start, len(self.ids), tuple(self.context)))
+        self.context, self.start = context, len(self.ids)
+
+    @property
+    def turns(self) -> tuple[tuple[int, int, tuple[int, ...]], ...] | None:
+        if not self.done:
+            return None  # one sequence: the prompt, then the completion
+        return (*self.done, (self.start, len(self.ids), tuple(self.context)))
 
     def add(self, ids: list[int], logps: list[float], sampled: bool, unexpanded: list[int] | None = None) -> None:
         self.ids += ids
@@ -54,7 +92,7 @@ class _Row:
     def next_prompt(self) -> Prompt:
         """What the next turn continues: the prompt and the completion so far, with the row's images (its prompt's
         and its tools')."""
-        ids = tuple(self.prompt_ids + self.ids)
+        ids = tuple(self.chain)
         if self.image_prompt is None:
             return Prompt(ids)
         # not the dataset's prompt record (messages None): its text renders the first text_tokens ids only
@@ -88,6 +126,7 @@ class ToolLoop:
         chat_template_kwargs: dict | None,
         any_process: Callable[[bool], bool],
         processor: Any = None,
+        rendered: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.processor = processor  # a vision-language model's: tool results may hold images
@@ -99,14 +138,23 @@ class ToolLoop:
         self.chat_template_kwargs = chat_template_kwargs
         self.any_process = any_process  # True everywhere when true on any process (a collective)
         self.span = token_span(tokenizer)  # how many characters a token can stand for (None: no bound)
+        self.rendered = rendered  # turn_context: each next turn after the conversation as the template renders it
 
-    def run(self, engine: Engine, first: Rollout, toolsets: Sequence[ToolSet]) -> Rollout:
+    def run(
+        self, engine: Engine, first: Rollout, toolsets: Sequence[ToolSet], prompts: Sequence[Prompt] | None = None
+    ) -> Rollout:
         """The rollout with every row's tool rounds done (next turns from `engine`): completions as whole
-        exchanges."""
+        exchanges. `prompts`: each row's prompt record (its messages, for rendered turns)."""
         rows = []
         for i, tools in enumerate(toolsets):
             image_prompt = first.vision[i]
             row = _Row(list(first.prompt_ids[i]), tools, image_prompt)
+            row.context = list(row.prompt_ids)
+            record = prompts[i] if prompts is not None else None
+            text_only = self.processor is None and image_prompt is None  # a processor's images are expanded
+            if self.rendered and text_only and record is not None and record.messages is not None:
+                if list(record.ids) == row.prompt_ids:  # a rollout_func's own prompt ids: not this record's
+                    row.prompt_messages = [dict(m) for m in record.messages]
             prompt = image_prompt or Prompt(tuple(first.prompt_ids[i]))
             row.unexpanded = prompt.unexpanded_ids(self.tokenizer)  # an image prompt's: its text's tokens
             row.add(list(first.completion_ids[i]), list(first.sampling_logps[i]), sampled=True)
@@ -145,12 +193,12 @@ class ToolLoop:
             going = self._call_tools(active)
         except Preempted as stop:
             stopped, going = stop, []
-        turn = engine.generate([Request(row.next_prompt(), 1, self.budget - len(row.ids)) for row in going])
+        turn = engine.generate([Request(row.next_prompt(), 1, self.budget - row.spent) for row in going])
         if stopped is not None:
             raise stopped
         for j, row in enumerate(going):
-            prefix = row.prompt_ids + row.ids
-            new = list(turn.completion_ids[j])[: self.budget - len(row.ids)]
+            prefix = row.chain
+            new = list(turn.completion_ids[j])[: self.budget - row.spent]
             row.add(new, list(turn.sampling_logps[j])[: len(new)], sampled=True)
             if new:  # a turn cut to nothing adds no message
                 row.messages.append(self._parse(row, new, prefix))
@@ -165,22 +213,42 @@ class ToolLoop:
             row.failures += sum(r.failed for r in outcome)
             tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in outcome]
             images = self._tool_images(tool_messages)
-            room = min(self.budget - len(row.ids), self.context - len(row.prompt_ids) - len(row.ids))
-            if cannot_fit(self.tokenizer, tool_messages, self.stop_ids, room, self.span, self.chat_template_kwargs):
-                continue  # as below, but a 4 MB result is not tokenized first
-            unexpanded = tool_suffix_ids(self.tokenizer, tool_messages, self.stop_ids, self.chat_template_kwargs)
-            suffix = unexpanded
-            if images:  # the processor turns each placeholder into the image's tokens
-                text = self.tokenizer.decode(unexpanded)
-                suffix = self.processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0]
-            if len(suffix) >= room:
+            chain = row.chain
+            room = min(self.budget - row.spent, self.context - len(chain))
+            # as below, but a 4 MB result is not tokenized first (a rendered history may drop earlier tokens: then
+            # only a result that alone would pass the budget or the context is certain not to fit)
+            sure = room if row.prompt_messages is None else min(self.budget, self.context - len(row.prompt_ids))
+            if cannot_fit(self.tokenizer, tool_messages, self.stop_ids, sure, self.span, self.chat_template_kwargs):
+                continue
+            if row.prompt_messages is not None:  # rendered: the conversation with the results, as the template has it
+                after = self._render(row, row.messages + tool_messages)
+                unexpanded = suffix = after[len(chain) :] if after[: len(chain)] == chain else None
+            else:
+                unexpanded = tool_suffix_ids(self.tokenizer, tool_messages, self.stop_ids, self.chat_template_kwargs)
+                suffix = unexpanded
+                if images:  # the processor turns each placeholder into the image's tokens
+                    text = self.tokenizer.decode(unexpanded)
+                    suffix = self.processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0]
+                after = chain + suffix
+            if len(after) - len(chain) >= room:
                 continue  # no room for the model's answer: the results are not added, the row ends here
             row.messages += tool_messages
-            row.add(suffix, [], sampled=False, unexpanded=unexpanded)
+            if suffix is None:  # the rendered history does not continue the tokens so far: a turn of its own
+                row.fork(after)
+            else:
+                row.add(suffix, [], sampled=False, unexpanded=unexpanded)
             if images:
                 row.add_images(images)
             going.append(row)
         return going
+
+    def _render(self, row: _Row, messages: list[dict]) -> list[int]:
+        """The row's prompt and `messages` as the chat template renders them, with the next assistant header: the
+        tokens a deployed model's next turn continues."""
+        assert row.prompt_messages is not None  # rendered rows only
+        return tokenize_prompts(
+            [row.prompt_messages + messages], self.tokenizer, self.chat_template_kwargs, row.tools.schemas or None
+        )[0]
 
     def _tool_images(self, tool_messages: Sequence[dict]) -> list:
         """The images of the tool results' image blocks (a vision-language model sees them in its next turn)."""
@@ -217,6 +285,7 @@ class ToolLoop:
             tool_calls=[row.calls for row in rows],
             tool_failures=[row.failures for row in rows],
             vision=[row.image_prompt for row in rows] if any(row.image_prompt for row in rows) else [],
+            turns=[row.turns for row in rows],
         )
 
 

@@ -12,17 +12,20 @@ and the tool loop still runs on its output when there are tools.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from grpo.agent.environments import EMPTY_PROMPT, Environments
 from grpo.agent.loop import ToolLoop
-from grpo.agent.template import check_tool_template
+from grpo.agent.template import check_tool_template, rerenders
 from grpo.agent.tools import ToolSet
 from grpo.base.sigterm import Preempted
 from grpo.data import prompts as data
-from grpo.rollout.base import Engine, Rollout, group_requests
+from grpo.rollout.base import Engine, Rollout, expand, group_requests
+
+logger = logging.getLogger("grpo")
 
 ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
@@ -64,6 +67,16 @@ class Rollouts:
         if self.uses_tools:
             check_tool_template(self.tokenizer, args.chat_template_kwargs, self.stop_ids)
             source.tools = self.tools.schemas
+            rendered = args.turn_context == "rendered"
+            if args.turn_context == "auto":
+                rendered = rerenders(self.tokenizer, args.chat_template_kwargs)
+                logger.info(
+                    "turn_context='auto': %s",
+                    "the chat template re-renders earlier assistant turns, so each turn is sampled after the "
+                    "conversation as it renders it ('rendered')"
+                    if rendered
+                    else "the chat template keeps earlier assistant turns as they were, so turns are appended",
+                )
             self.loop = ToolLoop(
                 self.tokenizer,
                 stop_ids,
@@ -74,6 +87,7 @@ class Rollouts:
                 args.chat_template_kwargs,
                 any_process,
                 source.processor,
+                rendered,
             )
 
     def __call__(
@@ -86,6 +100,7 @@ class Rollouts:
         prompts = [example.get("prompt") for example in examples]
         columns: dict[str, list] = {}
         toolsets = [self.tools] * len(rows)
+        records = None  # each row's prompt record (the tool loop renders rendered turns from its messages)
         if self.environments is not None:
             instances, prompts = self.environments.start(examples)
             toolsets = [self.tools + self.environments.tools_of(env) for env in instances]
@@ -97,18 +112,20 @@ class Rollouts:
             else:
                 if self.environments is None:
                     requests = source.requests(rows)
+                    records = [request.prompt for request in expand(requests)]
                     if source.processor is not None:  # reward functions get the prompts with their image blocks
                         prompts = [_as_given(source[row], prompt) for row, prompt in zip(rows, prompts)]
                 else:
                     made = [source.make(r, p, t.schemas, e) for r, p, t, e in zip(rows, prompts, toolsets, examples)]
                     requests = source.fit(group_requests(made))
+                    records = made
                 rollout = engine.generate(requests)
         except Preempted as stop:
             if self.loop is None or stop.agreed:
                 raise
             self.loop.meet(stop)  # the other processes may already wait in the tool loop
         if self.loop is not None:
-            rollout = self.loop.run(engine, rollout, toolsets)
+            rollout = self.loop.run(engine, rollout, toolsets, records)
         return Generated(rollout, prompts, columns)
 
     def _custom(self, prompts: list) -> tuple[Rollout, dict[str, list]]:

@@ -215,3 +215,28 @@ def _ids(rendered: Any) -> list[int]:
     if rendered and isinstance(rendered[0], list):
         rendered = rendered[0]
     return list(rendered)
+
+
+_REASONING = "grpo_reasoning_x7"
+
+
+def rerenders(tokenizer: Any, chat_template_kwargs: dict | None = None) -> bool:
+    """Whether the chat template renders an earlier assistant turn otherwise than the model sampled it, once a tool
+    result follows (what `turn_context="auto"` asks): checked on a sentinel conversation whose assistant turn holds
+    a reasoning block and a tool call. It re-renders when the conversation with the tool result drops the
+    reasoning (DeepSeek-R1's and QwQ's templates strip it from every earlier turn), does not begin with the
+    generation prompt the turn was sampled after (Qwen3's with enable_thinking=False opens every turn with an empty
+    reasoning block and drops it from earlier ones), or does not begin with the assistant turn as rendered last."""
+    kwargs = chat_template_kwargs or {}
+    user = [{"role": "user", "content": "hi"}]
+    turn = {**_call(_NAME, {_KEY: _VALUE}), "content": f"<think>\n{_REASONING}\n</think>\n\n"}
+    result = {"role": "tool", "name": _NAME, "content": _CONTENT}
+    try:
+        asked = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, **kwargs)
+        alone = tokenizer.apply_chat_template([*user, turn], tokenize=False, **kwargs)
+        followed = tokenizer.apply_chat_template(
+            [*user, turn, result], tokenize=False, add_generation_prompt=True, **kwargs
+        )
+    except Exception:  # check_tool_template has named what the template cannot render
+        return False
+    return _REASONING not in followed or not followed.startswith(asked) or not followed.startswith(alone)

@@ -215,6 +215,16 @@ class GrpoOnlyFields:
         "(`grpo.learner.tree`); the same numbers, fewer positions computed.",
         "padded",
     )
+    turn_context: str = _help(
+        "Multi-turn rollouts (tools, environments): what each turn after the first is sampled after. 'appended': "
+        "the tokens so far, the model's own earlier turns as it sampled them (TRL 1.16's). 'rendered': the "
+        "conversation so far as the chat template renders it, which is what the model meets when deployed where a "
+        "template re-renders earlier turns (one that strips earlier reasoning); each turn's tokens are trained "
+        "after exactly the context they were sampled under (with packing='tree' in one pass, each rendered history "
+        "once). 'auto': 'rendered' when the chat template re-renders an earlier assistant turn once a tool result "
+        "follows it (checked once on a sentinel conversation), else 'appended'.",
+        "auto",
+    )
     lean_linears: bool = _help(
         "bf16 training pass: linear layers keep their float32 weights for backward instead of "
         "bfloat16 copies (autocast's numbers; measured -0.22 GB peak, ~10 percent slower training "

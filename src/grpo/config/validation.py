@@ -139,6 +139,11 @@ def validate(c: GRPOConfig) -> None:
         f"is {c.async_behaviour_logps!r}; use 'training' or 'sampler'",
     )
     require(c.packing in ("padded", "tree"), "packing", f"is {c.packing!r}; use 'padded' or 'tree'")
+    require(
+        c.turn_context in ("auto", "appended", "rendered"),
+        "turn_context",
+        f"is {c.turn_context!r}; use 'auto', 'appended' or 'rendered'",
+    )
     require(c.heartbeat_stale_after_s > 0, "heartbeat_stale_after_s", "must be > 0 seconds")
     require(c.learning_rate >= 0, "learning_rate", "must be >= 0")
     for name in ("seed", "data_seed"):  # numpy's generator (seeded with every other) takes 32-bit seeds

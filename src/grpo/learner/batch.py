@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from grpo.rollout.base import Prompt, Rollout, left_pad, right_pad
+from grpo.rollout.base import Prompt, Rollout, Turns, left_pad, right_pad
 
 # completion-position tensors: trimmed together when padding columns are dropped
 _COMPLETION_FIELDS = ("completion_ids", "completion_attention", "mask", "sampling_logps", "old_logps", "ref_logps")
@@ -37,6 +37,9 @@ class TrainBatch:
     num_items_in_batch: float = 0.0  # trained tokens in the whole generation batch, all processes
     pad_to_multiple_of: int | None = None  # prompt and completion widths are multiples of it
     vision: list[Prompt | None] | None = None  # image prompts: each row's Prompt (None: text-only row)
+    # multi-turn rollouts sampled from rendered histories (`Rollout.turns`): each row's turns, None for a row that is
+    # one sequence (the prompt, then the completion); None when no row has turns
+    turns: list[Turns | None] | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -58,9 +61,11 @@ class TrainBatch:
 
     def select(self, rows: torch.Tensor | slice) -> TrainBatch:
         batch = self._map(lambda t: t[rows])
+        index = range(len(self))[rows] if isinstance(rows, slice) else rows.tolist()
         if self.vision is not None:
-            index = range(len(self))[rows] if isinstance(rows, slice) else rows.tolist()
             batch.vision = [self.vision[i] for i in index]
+        if self.turns is not None:
+            batch.turns = [self.turns[i] for i in index]
         return batch
 
     def trim(self, width: int) -> TrainBatch:
@@ -129,6 +134,7 @@ def collate(
         num_items_in_batch=float(mask.sum()),
         pad_to_multiple_of=n,
         vision=list(rollout.vision) if any(p is not None for p in rollout.vision) else None,
+        turns=list(rollout.turns) if any(t is not None for t in rollout.turns) else None,
     )
 
 

@@ -209,6 +209,8 @@ def token_logps(
         part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
         extra = images.inputs(part) if images is not None else None
         forward: Callable[..., torch.Tensor] = _forward_tree if as_trees and tree.fits_window(model, part) else plain
+        if forward is not _forward_tree and part.turns is not None:
+            forward = _forked(plain)
         outputs = forward(model, part, chunked_head, aux_losses, extra)
         suppressed = images.suppressed if images is not None else ()
         lp, ent = _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head, suppressed)
@@ -380,6 +382,19 @@ def _forward_shared(
             **cache_kwargs,
         )
     return torch.cat([last[inverse, -1:, :], rest[:, :-1, :]], dim=1)
+
+
+def _forked(plain: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`plain` (`_forward` or `_forward_shared`) over a batch with turns laid out as one row per turn
+    (`grpo.learner.tree.forked`): the outputs at each completion position of the batch, from its own turn's row."""
+
+    def forward(
+        model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: list | None = None, extra: None = None
+    ) -> torch.Tensor:
+        rows, row, column = tree.forked(batch)
+        return plain(model, rows, chunked_head, aux_losses, extra)[row, column]
+
+    return forward
 
 
 def _forward_tree(

@@ -1,12 +1,17 @@
 """Tree packing (`packing="tree"`): the training pass over a micro-batch laid out as one token tree per prompt group.
 
-A group's row holds its prompt once (its real tokens, no left padding), then each completion's real tokens one
-after another (no right padding). Attention follows an ancestor mask: a completion token sees the prompt and the
-earlier tokens of its own completion, never another completion's; positions follow each token's own context (a
-completion's first token is at the prompt's length, as in the padded pass). So every completion token gets the
-outputs it gets in the padded pass, while the pass computes each prompt token once and no padding inside a group:
-only the rows of different groups are padded to the longest tree (those positions attend to themselves alone and no
-real token attends to them).
+Each row is one or more sequences: its prompt then its completion, or, for a multi-turn row whose turns were sampled
+after rendered histories (`TrainBatch.turns`), each turn's context then the turn's tokens. A group's sequences are
+merged on their common prefixes (a trie): the prompt once, each rendered history once, a stripped reasoning block as
+a branch no later turn attends to, and no padding. Attention follows an ancestor mask: a token sees the tokens of
+its own context and itself, never a sibling branch's; positions follow each token's own context (a completion's
+first token is at its context's length, as in the padded pass). So every trained token gets the outputs it gets
+scored alone after its own context, while the pass computes each distinct prefix once. Only the rows of different
+groups are padded to the longest tree (those positions attend to themselves alone and no real token attends to
+them).
+
+The padded layout's counterpart for rows with turns is `forked`: one row per turn, its context as the prompt (what
+other trainers do to train such histories exactly).
 
 The mask is handed to the model as a prepared 4D mask (transformers uses one as it is, for its eager and SDPA
 attention); `unsupported_reason` names the models and settings where that would not give the padded pass's numbers,
@@ -18,10 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from grpo.learner.batch import TrainBatch
 from grpo.models.modeling import unwrap
+from grpo.rollout.base import left_pad, right_pad
 from grpo.rollout.fast import keeps_recurrent_state
 
 # the attention implementations that read a prepared 4D mask as it is given (a boolean one for SDPA, an additive one
@@ -31,7 +38,7 @@ _MASKED = ("sdpa", "eager")
 
 @dataclass(frozen=True)
 class Tree:
-    """A micro-batch as trees: `input_ids`, `positions` and `real` (R, T) for R groups, `mask` (R, 1, T, T) True where
+    """A micro-batch as trees: `input_ids`, `positions` and `real` (R, T) for R trees, `mask` (R, 1, T, T) True where
     a query may attend a key, and for each completion position of the batch (B, C) the tree row and column whose
     output predicts it (`row`, `column`)."""
 
@@ -54,61 +61,118 @@ class Tree:
 MAX_WIDTH = 2048
 
 
+class _Trie:
+    """Token sequences merged on their common prefixes: node k holds `tokens[k]` after its ancestors, `parent[k]`
+    (-1 at a root) and `depth[k]` (its position). Nodes are numbered in insertion order, so every node comes after
+    its ancestors (the causal order the model's mask needs)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parent: list[int] = []
+        self.depth: list[int] = []
+        self.children: dict[tuple[int, int], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def insert(self, sequence: list[int]) -> list[int]:
+        """The node of each token of `sequence`, adding those its prefixes lack."""
+        nodes, node = [], -1
+        for depth, token in enumerate(sequence):
+            key = (node, token)
+            found = self.children.get(key)
+            if found is None:
+                found = self.children[key] = len(self.tokens)
+                self.tokens.append(token)
+                self.parent.append(node)
+                self.depth.append(depth)
+            node = found
+            nodes.append(node)
+        return nodes
+
+    def added(self, sequences: list[list[int]]) -> int:
+        """How many nodes inserting `sequences` would add (the trie unchanged)."""
+        extra: dict[tuple[int, int], int] = {}  # the would-be nodes, numbered after the trie's own
+        for sequence in sequences:
+            node = -1
+            for token in sequence:
+                key = (node, token)
+                found = self.children.get(key)
+                if found is None:
+                    found = extra.setdefault(key, len(self.tokens) + len(extra))
+                node = found
+        return len(extra)
+
+    def ancestors(self) -> np.ndarray:
+        """(T, T) True where node j is node i or one of its ancestors (what node i attends to)."""
+        seen = np.zeros((len(self), len(self)), dtype=bool)
+        for i, parent in enumerate(self.parent):
+            if parent >= 0:
+                seen[i] = seen[parent]
+            seen[i, i] = True
+        return seen
+
+
+def contexts(batch: TrainBatch, i: int, prompt: list[int], length: int) -> list[tuple[list[int], int, int]]:
+    """Row `i`'s turns as (context, start, end): its completion positions start..end-1 continue `context` (every
+    token before them: a multi-turn rollout's rendered history), cut at the row's `length` attended tokens. A row
+    without turns is one: the prompt, then the whole completion."""
+    turns = batch.turns[i] if batch.turns is not None else None
+    if turns is None:
+        return [(prompt, 0, length)]
+    return [(list(context), start, min(end, length)) for start, end, context in turns if start < length]
+
+
 def layout(batch: TrainBatch, max_width: int | None = None) -> Tree:
     """`batch`'s rows as one tree per group (`batch.group`), or several where a group's tokens pass `max_width`;
-    completions are their attended tokens (`completion_attention`, a prefix of each row)."""
+    completions are their attended tokens (`completion_attention`, a prefix of each row). Each row's sequences
+    (the prompt and its completion, or with turns each turn's context and tokens, `contexts`) are merged on their
+    common prefixes: every distinct prefix is computed once."""
     device = batch.prompt_ids.device
     max_width = max_width or MAX_WIDTH
     # laid out on the host (a few small tensors), moved to the batch's device at the end
     prompt_ids, prompt_mask = batch.prompt_ids.cpu(), batch.prompt_mask.cpu()
-    completion_ids = batch.completion_ids.cpu()
+    completion_ids = batch.completion_ids.cpu().tolist()
     lengths = batch.completion_attention.sum(-1).tolist()
-    prompts = prompt_mask.sum(-1).tolist()
-    groups: dict[int, list[list[int]]] = {}
-    for i, group in enumerate(batch.group.tolist()):
-        trees_of_group = groups.setdefault(group, [[]])
-        width = prompts[i] + sum(lengths[j] for j in trees_of_group[-1]) + lengths[i]
-        if trees_of_group[-1] and width > max_width:
-            trees_of_group.append([])
-        trees_of_group[-1].append(i)
     c = batch.completion_ids.shape[1]
     row = torch.zeros(len(batch), c, dtype=torch.long)
     column = torch.zeros(len(batch), c, dtype=torch.long)
-    trees = []
-    for r, members in enumerate(m for parts in groups.values() for m in parts):
-        first = members[0]  # every row of a group holds the same prompt tokens
-        prompt = prompt_ids[first][prompt_mask[first].bool()]
-        p = len(prompt)
-        ids, places, segments = [prompt], [torch.arange(p)], [torch.zeros(p, dtype=torch.long)]
-        start = p
-        for k, i in enumerate(members):
-            n = lengths[i]
-            ids.append(completion_ids[i, :n])
-            places.append(torch.arange(p, p + n))
-            segments.append(torch.full((n,), k + 1, dtype=torch.long))
-            row[i] = r
-            # token 0 is predicted by the prompt's last token, token t by its own token t - 1
-            if n:
-                column[i, :n] = torch.cat([torch.tensor([p - 1]), torch.arange(start, start + n - 1)])
-            start += n
-        trees.append((torch.cat(ids), torch.cat(places), torch.cat(segments)))
-    width = max(len(t[0]) for t in trees)
+    groups: dict[int, list[_Trie]] = {}
+    owner = []  # each row's (group, trie of the group)
+    for i, group in enumerate(batch.group.tolist()):
+        prompt = prompt_ids[i][prompt_mask[i].bool()].tolist()
+        turns = contexts(batch, i, prompt, int(lengths[i]))
+        sequences = [context + completion_ids[i][start:end] for context, start, end in turns]
+        tries = groups.setdefault(group, [_Trie()])
+        if len(tries[-1]) and len(tries[-1]) + tries[-1].added(sequences) > max_width:
+            tries.append(_Trie())
+        for (context, start, end), sequence in zip(turns, sequences):
+            nodes = tries[-1].insert(sequence)
+            # token t of the turn is predicted by the node before it: the context's last token for the first
+            column[i, start:end] = torch.tensor(nodes[len(context) - 1 : len(sequence) - 1], dtype=torch.long)
+        owner.append((group, len(tries) - 1))
+    first, count = {}, 0  # each group's first tree's index
+    for group, tries in groups.items():
+        first[group], count = count, count + len(tries)
+    trees = [trie for tries in groups.values() for trie in tries]
+    for i, (group, k) in enumerate(owner):
+        row[i] = first[group] + k
+    width = max(len(t) for t in trees)
     # any id will do at the padding between trees: no real token attends to it and its outputs are never read
     input_ids = torch.full((len(trees), width), int(prompt_ids[0, 0]), dtype=prompt_ids.dtype)
     positions = torch.zeros(len(trees), width, dtype=torch.long)
-    segment = torch.full((len(trees), width), -1, dtype=torch.long)  # -1: padding
-    for r, (ids_, pos, seg) in enumerate(trees):
-        input_ids[r, : len(ids_)], positions[r, : len(pos)], segment[r, : len(seg)] = ids_, pos, seg
-    index = torch.arange(width)
-    causal = index.view(1, width, 1) >= index.view(1, 1, width)  # query i may see key j <= i ...
-    query, key = segment.unsqueeze(2), segment.unsqueeze(1)
-    ancestor = (key == 0) | (key == query)  # ... of the prompt, or of its own completion
-    mask = causal & ancestor & (key >= 0)
-    mask = mask | (torch.eye(width, dtype=torch.bool) & (query == -1))  # padding sees itself: no empty softmax
+    real = torch.zeros(len(trees), width, dtype=torch.long)
+    mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)  # padding sees itself: no empty softmax
+    for r, trie in enumerate(trees):
+        n = len(trie)
+        input_ids[r, :n] = torch.tensor(trie.tokens, dtype=prompt_ids.dtype)
+        positions[r, :n] = torch.tensor(trie.depth, dtype=torch.long)
+        real[r, :n] = 1
+        mask[r, :n, :n] = torch.from_numpy(trie.ancestors())
     return Tree(
         input_ids=input_ids.to(device),
         positions=positions.to(device),
-        real=(segment >= 0).long().to(device),
+        real=real.to(device),
         mask=mask.unsqueeze(1).to(device),
         row=row.to(device),
         column=column.to(device),
@@ -125,14 +189,63 @@ def attention_mask(model: Any, tree: Tree) -> torch.Tensor:
     )
 
 
+def longest(batch: TrainBatch) -> int:
+    """The longest sequence a row's tokens are scored in: its prompt and completion, or with turns (`contexts`) a
+    turn's context and tokens."""
+    prompts = batch.prompt_mask.sum(-1).tolist()
+    lengths = batch.completion_attention.sum(-1).tolist()
+    if batch.turns is None:
+        return int(max(p + n for p, n in zip(prompts, lengths)))
+    return max(
+        len(context) + end - start
+        for i in range(len(batch))
+        for context, start, end in contexts(batch, i, [0] * int(prompts[i]), int(lengths[i]))
+    )
+
+
 def fits_window(model: Any, batch: TrainBatch) -> bool:
     """Whether every row's whole sequence fits the model's sliding attention window (always, without one): a
     prepared mask replaces the window's own, which only matters past the window."""
     window = getattr(unwrap(model).config, "sliding_window", None)
-    if not window:
-        return True
-    longest = int((batch.prompt_mask.sum(-1) + batch.completion_attention.sum(-1)).max())
-    return longest <= window
+    return not window or longest(batch) <= window
+
+
+def forked(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
+    """A batch with turns (`TrainBatch.turns`) as one row per turn: the turn's context as its prompt, its tokens as
+    its completion (what the other trainers call forked rows); and for each completion position of `batch` the
+    forked row and column that hold it. Rows of the same context share a group (a prompt pass shares them)."""
+    prompt_ids, prompt_mask = batch.prompt_ids.cpu(), batch.prompt_mask.cpu()
+    completion_ids = batch.completion_ids.cpu().tolist()
+    lengths = batch.completion_attention.sum(-1).tolist()
+    c = batch.completion_ids.shape[1]
+    where_row = torch.zeros(len(batch), c, dtype=torch.long)
+    where_column = torch.zeros(len(batch), c, dtype=torch.long)
+    prompts: list[list[int]] = []
+    completions: list[list[int]] = []
+    groups: dict[tuple[int, ...], int] = {}
+    for i in range(len(batch)):
+        prompt = prompt_ids[i][prompt_mask[i].bool()].tolist()
+        for context, start, end in contexts(batch, i, prompt, int(lengths[i])):
+            where_row[i, start:end] = len(prompts)
+            where_column[i, start:end] = torch.arange(end - start)
+            prompts.append(context)
+            completions.append(completion_ids[i][start:end])
+            groups.setdefault(tuple(context), len(groups))
+    pad = int(prompt_ids[0, 0])
+    ids, mask = left_pad(prompts, pad)
+    attention = right_pad([[1] * len(x) for x in completions], 0)
+    device = batch.prompt_ids.device
+    part = TrainBatch(
+        prompt_ids=ids.to(device),
+        prompt_mask=mask.to(device),
+        completion_ids=right_pad(completions, pad).to(device),
+        completion_attention=attention.to(device),
+        mask=attention.float().to(device),
+        advantages=torch.zeros(len(prompts), device=device),
+        sampling_logps=torch.zeros(attention.shape, device=device),
+        group=torch.tensor([groups[tuple(p)] for p in prompts], device=device),
+    )
+    return part, where_row.to(device), where_column.to(device)
 
 
 def unsupported_reason(model: Any) -> str | None:

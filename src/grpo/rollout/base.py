@@ -56,6 +56,11 @@ class Request:
     max_tokens: int | None = None
 
 
+# A multi-turn row sampled from rendered histories: its completion positions in spans, (start, end, context) each,
+# the span's tokens sampled after `context` (every token before them, the prompt included)
+Turns = tuple[tuple[int, int, tuple[int, ...]], ...]
+
+
 @dataclass
 class Rollout:
     """One row per completion, ragged lists (no padding)."""
@@ -75,6 +80,9 @@ class Rollout:
     # the log-probs of the policy that sampled each row, a 1-d tensor each (an asynchronous producer's behaviour
     # policy: the learner's old_logps); None where not computed
     behaviour_logps: list[torch.Tensor | None] = field(default_factory=list)
+    # a multi-turn row whose later turns were sampled from the conversation as the chat template renders it
+    # (`turn_context`): its turns (`Turns`); None for a row that is one sequence, the prompt then the completion
+    turns: list[Turns | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
@@ -91,6 +99,8 @@ class Rollout:
             self.vision = [None] * len(self.completion_ids)
         if not self.behaviour_logps:
             self.behaviour_logps = [None] * len(self.completion_ids)
+        if not self.turns:
+            self.turns = [None] * len(self.completion_ids)
 
     def __len__(self) -> int:
         return len(self.completion_ids)

@@ -1,0 +1,159 @@
+"""`turn_context`: with a chat template that strips earlier reasoning (DeepSeek-R1's way), each tool-loop turn after
+the first is sampled after the conversation as the template renders it, the row's turns say which context each
+token followed, and the training pass scores every sampled token after exactly that context (its log-probs equal the
+sampler's), as token trees and as forked rows alike; `auto` picks it for such a template only; where the rendering
+continues the tokens so far, rendered turns are the appended ones; `appended` keeps TRL's behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo import GRPOTrainer
+from grpo.agent import CHATML_TOOLS
+from grpo.agent.template import rerenders
+from grpo.learner.batch import collate
+from grpo.learner.forward import token_logps
+from scripted import ScoredTurnScript
+from support import generate, params
+from test_agent import CALL, GROUPS, cfg, dataset, final_is_6, multiply, tool_tokenizer
+from tiny import make_model
+
+# every assistant turn rendered without its reasoning block, as DeepSeek-R1's and QwQ's templates do
+STRIPPING = CHATML_TOOLS.replace(
+    "<|im_start|>assistant\n{{ message['content'] or '' }}",
+    "<|im_start|>assistant\n{{ (message['content'] or '').split('</think>')[-1] | trim }}",
+)
+THINK = "<think>first I multiply</think>"
+
+
+def reason_call_answer(text, turn, j):
+    """Even samples reason, call multiply, then answer 6 after more reasoning; odd ones answer at once."""
+    if turn == 0 and j % 2 == 0:
+        return THINK + CALL
+    return "<think>so</think>6"
+
+
+def make(tmp_path, template=STRIPPING, sgd=False, **args):
+    """A trainer with the tool and `template`, whose engine samples `reason_call_answer` and reports the model's
+    log-probs of it after each request's prompt; with `sgd`, plain SGD (an update linear in the gradient)."""
+    tok = tool_tokenizer()
+    tok.chat_template = template
+    model = make_model(tok, context=4096)
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tok,
+        reward_funcs=final_is_6,
+        train_dataset=dataset(),
+        args=cfg(tmp_path, max_steps=2, temperature=0.9, **args),
+        tools=[multiply],
+        optimizers=(torch.optim.SGD(model.parameters(), lr=1e-2), None) if sgd else (None, None),
+    )
+    trainer.engine = ScoredTurnScript(tok, reason_call_answer, trainer.model, temperature=0.9)
+    return trainer
+
+
+def test_auto_renders_turns_only_for_a_template_that_rerenders_earlier_turns():
+    tok = tool_tokenizer()
+    assert not rerenders(tok)  # CHATML_TOOLS keeps every turn as it was
+    tok.chat_template = STRIPPING
+    assert rerenders(tok)
+    # an opening the generation prompt writes and earlier turns lose (Qwen3's enable_thinking=False)
+    tok.chat_template = CHATML_TOOLS.replace(
+        "{% if add_generation_prompt %}<|im_start|>assistant\n",
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think></think>",
+    )
+    assert rerenders(tok)
+
+
+def test_each_turn_is_sampled_after_the_rendered_history_and_scored_after_it(tmp_path):
+    trainer = make(tmp_path)
+    tok, engine = trainer.processing_class, trainer.engine
+    assert trainer.rollouts.loop.rendered  # auto: the template strips earlier reasoning
+    rollout = generate(trainer, GROUPS).rollout
+    first, second = engine.turn_ids(THINK + CALL), engine.turn_ids("<think>so</think>6")
+
+    def rendered_history(k):  # prompt k's conversation after the tool's result, as the template renders it
+        call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 2, "b": 3}}}
+        conversation = [
+            {"role": "user", "content": f"2*3 {k}"},
+            {"role": "assistant", "content": THINK, "tool_calls": [call]},
+            {"role": "tool", "name": "multiply", "content": "6"},
+        ]
+        text = tok.apply_chat_template(
+            conversation, tools=trainer.rollouts.tools.schemas, tokenize=False, add_generation_prompt=True
+        )
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    rendered = [rendered_history(k) for k in (0, 1)]
+    assert "first I multiply" not in tok.decode(rendered[0])  # the stripped reasoning is not in the next context
+    for i in range(8):
+        if i % 2 == 0:
+            # the completion holds the sampled tokens; the second turn followed the rendered history
+            assert rollout.completion_ids[i] == first + second
+            assert rollout.loss_mask[i] == [1] * (len(first) + len(second))
+            assert rollout.turns[i] == (
+                (0, len(first), tuple(rollout.prompt_ids[i])),
+                (len(first), len(first) + len(second), tuple(rendered[GROUPS[i]])),
+            )
+            assert rollout.tool_calls[i] == 1
+        else:
+            assert rollout.completion_ids[i] == second and rollout.turns[i] is None
+    follow_up = engine.requests[1][0]
+    assert list(follow_up.prompt.ids) == rendered[0]
+    # the budget counts what the next turn continues, past the prompt
+    assert follow_up.max_tokens == 200 - (len(rendered[0]) - len(rollout.prompt_ids[0]))
+    # each sampled token's training log-prob is its sampling log-prob: the same context, as trees and forked rows
+    batch = collate(rollout, torch.zeros(8), tok.pad_token_id, False)
+    m = batch.mask.bool()
+    sampled = batch.sampling_logps[m]
+    for as_trees in (True, False):
+        with torch.no_grad():
+            logps, _ = token_logps(trainer.model, batch, 0.9, with_entropy=False, as_trees=as_trees)
+        torch.testing.assert_close(logps[m], sampled, rtol=1e-5, atol=1e-5)
+
+
+def test_appended_turns_keep_the_reasoning_the_template_would_strip(tmp_path):
+    trainer = make(tmp_path, turn_context="appended")
+    tok = trainer.processing_class
+    rollout = generate(trainer, GROUPS).rollout
+    assert all(t is None for t in rollout.turns)
+    assert "first I multiply" in tok.decode(list(trainer.engine.requests[1][0].prompt.ids))
+    first = trainer.engine.turn_ids(THINK + CALL)
+    assert rollout.completion_ids[0][: len(first)] == first and 0 in rollout.loss_mask[0]  # tool tokens appended
+
+
+def test_rendered_turns_equal_appended_ones_where_the_rendering_continues_the_tokens(tmp_path):
+    """CHATML_TOOLS renders the model's turns as sampled: rendered rows are one sequence, token for token the
+    appended rows."""
+    rendered = make(tmp_path / "r", template=CHATML_TOOLS, turn_context="rendered")
+    appended = make(tmp_path / "a", template=CHATML_TOOLS, turn_context="appended")
+    assert rendered.rollouts.loop.rendered and not appended.rollouts.loop.rendered
+    one, other = generate(rendered, GROUPS).rollout, generate(appended, GROUPS).rollout
+    assert one.completion_ids == other.completion_ids and one.loss_mask == other.loss_mask
+    assert all(t is None for t in one.turns)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_tree_run_over_rendered_turns_trains_like_forked_rows(tmp_path, checkpointing):
+    """Two steps of SGD over rendered turns: the tree layout's update equals the forked rows' (the padded layout)."""
+    runs = {}
+    for packing in ("padded", "tree"):
+        trainer = make(
+            tmp_path / packing, sgd=True, packing=packing, gradient_checkpointing=checkpointing, logging_steps=1
+        )
+        trainer.train()
+        runs[packing] = trainer
+    assert runs["tree"].training_pass.tree
+    assert runs["tree"].state.log_history[0]["tools/call_frequency"] == 0.5
+    tree_params = params(runs["tree"].model)
+    for name, value in params(runs["padded"].model).items():
+        torch.testing.assert_close(tree_params[name], value, rtol=1e-4, atol=1e-6)
+    for row, tree_row in zip(runs["padded"].state.log_history, runs["tree"].state.log_history):
+        if "loss" in row:
+            assert tree_row["loss"] == pytest.approx(row["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_an_unknown_turn_context_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"turn_context.*'forked'.*'auto', 'appended' or 'rendered'"):
+        cfg(tmp_path, turn_context="forked")
