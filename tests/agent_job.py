@@ -1,13 +1,16 @@
 """One GRPO step with tool calls, launched with torchrun (gloo on CPU) by test_agent_distributed.py:
 
-    torchrun --nproc_per_node N agent_job.py OUT [fsdp|hang]
+    torchrun --nproc_per_node N agent_job.py OUT [fsdp|hang|rendered]
 
 The global batch is 2 prompts x 4 samples; with 2 processes, process 0 holds prompt 0's rows, whose samples call
 the tool 3 times, and process 1 prompt 1's, which call it once: process 1 has no rows left after the first
 round. The scripted engine runs a collective (an all-reduce, as a sharded model's generation gathers weights) in
 every generate call, so a process that skipped a round would hang the other. With `fsdp`, the policy is sharded
 through accelerate's FSDP2 path as in distributed_job.py. The update, the metrics and the engine's call counts
-go to OUT (main process). With `hang`, process 1's tool calls hang (after writing OUT/hung) for a SIGTERM test."""
+go to OUT (main process). With `hang`, process 1's tool calls hang (after writing OUT/hung) for a SIGTERM test.
+With `rendered`, a second trainer follows in the same processes (its results in OUT/rendered): every turn opens with
+a reasoning block that the chat template strips from earlier turns, so each later turn is sampled after the rendered
+history (turn_context="auto"), and the pass runs as token trees."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from distributed_job import allow_fsdp_on_cpu, whole
 from grpo import GRPOConfig, GRPOTrainer
 from scripted import TurnScript
 from test_agent import CALL, multiply, tool_tokenizer
+from test_rendered_turns import STRIPPING
 from tiny import make_model
 
 
@@ -31,9 +35,11 @@ class CollectiveScript(TurnScript):
     def __init__(self, tokenizer, script):
         super().__init__(tokenizer, script)
         self.calls = 0
+        self.kept_reasoning = 0  # follow-up turns asked after a context that holds an earlier turn's reasoning
 
     def generate(self, requests):
         self.calls += 1
+        self.kept_reasoning += sum("<think>" in self.tok.decode(list(r.prompt.ids)) for r in requests)
         if dist.is_initialized():
             dist.all_reduce(torch.ones(1))
         return super().generate(requests)
@@ -72,8 +78,18 @@ def main() -> None:
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
         allow_fsdp_on_cpu()
     torch.set_num_threads(1)
+    run(out)
+    if sys.argv[2:] == ["rendered"]:
+        run(os.path.join(out, "rendered"), rendered=True)
+
+
+def run(out: str, rendered: bool = False) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = tool_tokenizer()
+    turns = script
+    if rendered:
+        tok.chat_template = STRIPPING
+        turns = lambda text, turn, j: "<think>r</think>" + script(text, turn, j)  # noqa: E731
     model = make_model(tok, context=4096)
     args = GRPOConfig(
         output_dir=out,
@@ -87,6 +103,7 @@ def main() -> None:
         disable_tqdm=True,
         bf16=False,
         gradient_checkpointing=False,
+        packing="tree" if rendered else "padded",
     )
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"go {i}"}]} for i in range(8)])
     sgd = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -99,8 +116,9 @@ def main() -> None:
         optimizers=(sgd, None),
         tools=[multiply_or_hang if sys.argv[2:] == ["hang"] else multiply],
     )
-    trainer.engine = CollectiveScript(tok, script)
+    trainer.engine = CollectiveScript(tok, turns)
     before = whole(trainer.unwrapped_model)
+    os.makedirs(out, exist_ok=True)
     trainer.train()
     after = whole(trainer.unwrapped_model)
     calls = [None] * world
@@ -111,7 +129,17 @@ def main() -> None:
     if trainer.accelerator.is_main_process:
         torch.save({n: p - before[n] for n, p in after.items()}, os.path.join(out, "update.pt"))
         with open(os.path.join(out, "row.json"), "w") as f:
-            json.dump({**trainer.state.log_history[-1], "world": world, "engine_calls": calls}, f)
+            json.dump(
+                {
+                    **trainer.state.log_history[-1],
+                    "world": world,
+                    "engine_calls": calls,
+                    "rendered": trainer.rollouts.loop.rendered,
+                    "tree": trainer.training_pass.tree,
+                    "kept_reasoning": trainer.engine.kept_reasoning,
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def reason_call_answer(text, turn, j):
     return "<think>so</think>6"
 
 
-def make(tmp_path, template=STRIPPING, sgd=False, **args):
+def make(tmp_path, template=STRIPPING, sgd=False, peft_config=None, **args):
     """A trainer with the tool and `template`, whose engine samples `reason_call_answer` and reports the model's
     log-probs of it after each request's prompt; with `sgd`, plain SGD (an update linear in the gradient)."""
     tok = tool_tokenizer()
@@ -48,6 +48,7 @@ def make(tmp_path, template=STRIPPING, sgd=False, **args):
         args=cfg(tmp_path, max_steps=2, temperature=0.9, **args),
         tools=[multiply],
         optimizers=(torch.optim.SGD(model.parameters(), lr=1e-2), None) if sgd else (None, None),
+        peft_config=peft_config,
     )
     trainer.engine = ScoredTurnScript(tok, reason_call_answer, trainer.model, temperature=0.9)
     return trainer
@@ -134,14 +135,18 @@ def test_rendered_turns_equal_appended_ones_where_the_rendering_continues_the_to
     assert all(t is None for t in one.turns)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_a_tree_run_over_rendered_turns_trains_like_forked_rows(tmp_path, checkpointing):
-    """Two steps of SGD over rendered turns: the tree layout's update equals the forked rows' (the padded layout)."""
+@pytest.mark.parametrize(
+    "setting",
+    [{}, {"gradient_checkpointing": True}, {"gradient_accumulation_steps": 2, "beta": 0.04}],
+    ids=["plain", "checkpointing", "ga2+kl"],
+)
+def test_a_tree_run_over_rendered_turns_trains_like_forked_rows(tmp_path, setting):
+    """Two steps of SGD over rendered turns: the tree layout's update equals the forked rows' (the padded layout),
+    with gradient checkpointing, and with two accumulated micro-batches and a KL term against a reference model
+    (whose pass scores the turns too)."""
     runs = {}
     for packing in ("padded", "tree"):
-        trainer = make(
-            tmp_path / packing, sgd=True, packing=packing, gradient_checkpointing=checkpointing, logging_steps=1
-        )
+        trainer = make(tmp_path / packing, sgd=True, packing=packing, logging_steps=1, **setting)
         trainer.train()
         runs[packing] = trainer
     assert runs["tree"].training_pass.tree
@@ -152,6 +157,33 @@ def test_a_tree_run_over_rendered_turns_trains_like_forked_rows(tmp_path, checkp
     for row, tree_row in zip(runs["padded"].state.log_history, runs["tree"].state.log_history):
         if "loss" in row:
             assert tree_row["loss"] == pytest.approx(row["loss"], rel=1e-4, abs=1e-6)
+            if "kl" in row:
+                assert tree_row["kl"] == pytest.approx(row["kl"], rel=1e-4, abs=1e-7)
+
+
+def test_a_lora_policys_turns_score_alike_as_trees_and_forked_rows(tmp_path):
+    """LoRA (adapters on q and v): the rendered turns' log-probs and the adapters' gradients from the tree equal
+    the forked rows'."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    trainer = make(tmp_path, peft_config=lora)
+    rollout = generate(trainer, GROUPS).rollout
+    assert any(rollout.turns)
+    batch = collate(rollout, torch.zeros(8), trainer.processing_class.pad_token_id, False)
+    m = batch.mask.bool()
+
+    def pass_(as_trees):
+        trainer.model.zero_grad()
+        logps, _ = token_logps(trainer.model, batch, 0.9, with_entropy=False, as_trees=as_trees)
+        (logps * batch.mask).sum().backward()
+        return logps.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+    (forked, grads), (trees, tree_grads) = pass_(False), pass_(True)
+    torch.testing.assert_close(trees[m], forked[m], rtol=1e-5, atol=1e-6)
+    assert grads and all("lora_" in name for name in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(tree_grads[name], grad, rtol=1e-5, atol=5e-6)
 
 
 def test_an_unknown_turn_context_is_named(tmp_path):
