@@ -108,24 +108,22 @@ def test_float64_tree_pass_is_exact_to_rounding():
     torch.testing.assert_close(trees[m], padded[m], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_every_loss_types_gradient_is_the_padded_one(loss_type):
-    """Each loss type's gradient through the tree pass equals the padded pass's: off-policy (old log-probs moved
-    away), a KL term against a reference, the entropies the losses read."""
-    batch, model = batch_and_model()
-    g = torch.Generator().manual_seed(1)
+def assert_loss_types_gradients_agree(model, batch, loss_type, group, seed=1):
+    """`loss_type`'s gradient (old log-probs moved off the policy, a KL term against a reference) through the tree
+    pass equals the padded pass's (forked rows, for a batch with turns)."""
+    g = torch.Generator().manual_seed(seed)
     advantages = torch.randn(len(batch), generator=g)
     with torch.no_grad():
         base, _ = token_logps(model, batch, 0.9, with_entropy=False)
     old = base + 0.05 * torch.randn(base.shape, generator=g)
     ref = base + 0.1 * torch.randn(base.shape, generator=g)
     args = GRPOConfig(
-        output_dir="unused", loss_type=loss_type, beta=0.04, per_device_train_batch_size=4, num_generations=4
+        output_dir="unused", loss_type=loss_type, beta=0.04, per_device_train_batch_size=group, num_generations=group
     )
 
     def gradient(as_trees):
         model.zero_grad()
-        logps, entropies = token_logps(model, batch, 0.9, as_trees=as_trees)
+        logps, _ = token_logps(model, batch, 0.9, as_trees=as_trees)
         loss, _ = policy_loss(logps, old, advantages, batch.mask, args, ref_logps=ref, num_items_in_batch=50.0)
         loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -134,3 +132,11 @@ def test_every_loss_types_gradient_is_the_padded_one(loss_type):
     assert any(g.abs().sum() > 0 for g in padded.values())
     for name, grad in padded.items():
         torch.testing.assert_close(trees[name], grad, rtol=1e-5, atol=GRAD_ATOL)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_types_gradient_is_the_padded_one(loss_type):
+    """Each loss type's gradient through the tree pass equals the padded pass's: off-policy (old log-probs moved
+    away), a KL term against a reference, the entropies the losses read."""
+    batch, model = batch_and_model()
+    assert_loss_types_gradients_agree(model, batch, loss_type, group=4)

@@ -9,15 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo import GRPOConfig
-from grpo.algo.losses import policy_loss
 from grpo.config.grpo_fields import LOSS_TYPES
 from grpo.learner import tree
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.rollout.base import Rollout
 from test_shared_prefix_training import assert_same_pass, logps_and_grads
-from test_tree_packing import GRAD_ATOL
+from test_tree_packing import GRAD_ATOL, assert_loss_types_gradients_agree
 from tiny import make_model, make_tokenizer
 
 
@@ -166,24 +164,4 @@ def test_every_loss_types_gradient_through_turns_is_the_forked_rows(loss_type):
     """Each loss type's gradient (old log-probs moved off the policy, KL to a reference) from the tree equals the
     forked rows'."""
     batch, _, _, _, model = turns_batch(seed=2)
-    g = torch.Generator().manual_seed(3)
-    advantages = torch.randn(len(batch), generator=g)
-    with torch.no_grad():
-        base, _ = token_logps(model, batch, 0.9, with_entropy=False)
-    old = base + 0.05 * torch.randn(base.shape, generator=g)
-    ref = base + 0.1 * torch.randn(base.shape, generator=g)
-    args = GRPOConfig(
-        output_dir="unused", loss_type=loss_type, beta=0.04, per_device_train_batch_size=3, num_generations=3
-    )
-
-    def gradient(as_trees):
-        model.zero_grad()
-        logps, _ = token_logps(model, batch, 0.9, as_trees=as_trees)
-        loss, _ = policy_loss(logps, old, advantages, batch.mask, args, ref_logps=ref, num_items_in_batch=40.0)
-        loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    forked, trees = gradient(False), gradient(True)
-    for name, grad in forked.items():
-        torch.testing.assert_close(trees[name], grad, rtol=1e-5, atol=GRAD_ATOL)
-    assert any(g.abs().sum() > 0 for g in trees.values())
+    assert_loss_types_gradients_agree(model, batch, loss_type, group=3, seed=3)

@@ -123,6 +123,19 @@ def contexts(batch: TrainBatch, i: int, prompt: list[int], length: int) -> list[
     return [(list(context), start, min(end, length)) for start, end, context in turns if start < length]
 
 
+def _host_turns(batch: TrainBatch) -> list[list[tuple[list[int], int, int, list[int]]]]:
+    """Each row's turns on the host, as lists: (context, start, end, the completion's tokens start..end-1)."""
+    prompt_ids, prompt_mask = batch.prompt_ids.cpu(), batch.prompt_mask.cpu()
+    completion_ids = batch.completion_ids.cpu().tolist()
+    lengths = batch.completion_attention.sum(-1).tolist()
+    rows = []
+    for i in range(len(batch)):
+        prompt = prompt_ids[i][prompt_mask[i].bool()].tolist()
+        turns = contexts(batch, i, prompt, int(lengths[i]))
+        rows.append([(context, start, end, completion_ids[i][start:end]) for context, start, end in turns])
+    return rows
+
+
 def layout(batch: TrainBatch, max_width: int | None = None) -> Tree:
     """`batch`'s rows as one tree per group (`batch.group`), or several where a group's tokens pass `max_width`;
     completions are their attended tokens (`completion_attention`, a prefix of each row). Each row's sequences
@@ -131,22 +144,17 @@ def layout(batch: TrainBatch, max_width: int | None = None) -> Tree:
     device = batch.prompt_ids.device
     max_width = max_width or MAX_WIDTH
     # laid out on the host (a few small tensors), moved to the batch's device at the end
-    prompt_ids, prompt_mask = batch.prompt_ids.cpu(), batch.prompt_mask.cpu()
-    completion_ids = batch.completion_ids.cpu().tolist()
-    lengths = batch.completion_attention.sum(-1).tolist()
     c = batch.completion_ids.shape[1]
     row = torch.zeros(len(batch), c, dtype=torch.long)
     column = torch.zeros(len(batch), c, dtype=torch.long)
     groups: dict[int, list[_Trie]] = {}
     owner = []  # each row's (group, trie of the group)
-    for i, group in enumerate(batch.group.tolist()):
-        prompt = prompt_ids[i][prompt_mask[i].bool()].tolist()
-        turns = contexts(batch, i, prompt, int(lengths[i]))
-        sequences = [context + completion_ids[i][start:end] for context, start, end in turns]
+    for i, (turns, group) in enumerate(zip(_host_turns(batch), batch.group.tolist())):
+        sequences = [context + tokens for context, _, _, tokens in turns]
         tries = groups.setdefault(group, [_Trie()])
         if len(tries[-1]) and len(tries[-1]) + tries[-1].added(sequences) > max_width:
             tries.append(_Trie())
-        for (context, start, end), sequence in zip(turns, sequences):
+        for (context, start, end, _), sequence in zip(turns, sequences):
             nodes = tries[-1].insert(sequence)
             # token t of the turn is predicted by the node before it: the context's last token for the first
             column[i, start:end] = torch.tensor(nodes[len(context) - 1 : len(sequence) - 1], dtype=torch.long)
@@ -159,13 +167,13 @@ def layout(batch: TrainBatch, max_width: int | None = None) -> Tree:
         row[i] = first[group] + k
     width = max(len(t) for t in trees)
     # any id will do at the padding between trees: no real token attends to it and its outputs are never read
-    input_ids = torch.full((len(trees), width), int(prompt_ids[0, 0]), dtype=prompt_ids.dtype)
+    input_ids = torch.full((len(trees), width), int(batch.prompt_ids[0, 0]), dtype=batch.prompt_ids.dtype)
     positions = torch.zeros(len(trees), width, dtype=torch.long)
     real = torch.zeros(len(trees), width, dtype=torch.long)
     mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)  # padding sees itself: no empty softmax
     for r, trie in enumerate(trees):
         n = len(trie)
-        input_ids[r, :n] = torch.tensor(trie.tokens, dtype=prompt_ids.dtype)
+        input_ids[r, :n] = torch.tensor(trie.tokens, dtype=batch.prompt_ids.dtype)
         positions[r, :n] = torch.tensor(trie.depth, dtype=torch.long)
         real[r, :n] = 1
         mask[r, :n, :n] = torch.from_numpy(trie.ancestors())
@@ -214,24 +222,20 @@ def forked(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
     """A batch with turns (`TrainBatch.turns`) as one row per turn: the turn's context as its prompt, its tokens as
     its completion (what the other trainers call forked rows); and for each completion position of `batch` the
     forked row and column that hold it. Rows of the same context share a group (a prompt pass shares them)."""
-    prompt_ids, prompt_mask = batch.prompt_ids.cpu(), batch.prompt_mask.cpu()
-    completion_ids = batch.completion_ids.cpu().tolist()
-    lengths = batch.completion_attention.sum(-1).tolist()
     c = batch.completion_ids.shape[1]
     where_row = torch.zeros(len(batch), c, dtype=torch.long)
     where_column = torch.zeros(len(batch), c, dtype=torch.long)
     prompts: list[list[int]] = []
     completions: list[list[int]] = []
     groups: dict[tuple[int, ...], int] = {}
-    for i in range(len(batch)):
-        prompt = prompt_ids[i][prompt_mask[i].bool()].tolist()
-        for context, start, end in contexts(batch, i, prompt, int(lengths[i])):
+    for i, turns in enumerate(_host_turns(batch)):
+        for context, start, end, tokens in turns:
             where_row[i, start:end] = len(prompts)
             where_column[i, start:end] = torch.arange(end - start)
             prompts.append(context)
-            completions.append(completion_ids[i][start:end])
+            completions.append(tokens)
             groups.setdefault(tuple(context), len(groups))
-    pad = int(prompt_ids[0, 0])
+    pad = int(batch.prompt_ids[0, 0])
     ids, mask = left_pad(prompts, pad)
     attention = right_pad([[1] * len(x) for x in completions], 0)
     device = batch.prompt_ids.device
