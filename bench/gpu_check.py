@@ -103,10 +103,13 @@ PHASES = [
     ("decode_large", 70),
     ("train_large", 45),
 ]
-# the phase whose results a phase needs: the bounds it is measured against, the model it trains
+# the phases a phase waits for: those whose results it needs (the bounds it is measured against, the model it
+# trains), and for the end-to-end runs each other (they share the bench's output directory)
 AFTER = {
-    **{p: "ceilings" for p in ("sdpa", "decode", "head", "train", "decode_large", "train_large")},
-    **{p: "model" for p in ("grpo", "trl", "async")},
+    **{p: ("ceilings",) for p in ("sdpa", "decode", "head", "train", "decode_large", "train_large")},
+    "grpo": ("model",),
+    "trl": ("model", "grpo"),
+    "async": ("model", "grpo", "trl"),
 }
 MIN_START_S = 15  # a phase needs at least this much time left to start
 PREFIXES = ("GPU_RESULT ", "BENCH_RESULT ")
@@ -301,8 +304,9 @@ def main() -> None:
     done: dict[str, threading.Event] = {phase: threading.Event() for phase, _ in PHASES}
 
     def run(phase: str, limit: float) -> None:
-        if AFTER.get(phase) in wanted:  # its measurements need another phase's (the ceilings, the model)
-            done[AFTER[phase]].wait()
+        for before in AFTER.get(phase, ()):
+            if before in wanted:
+                done[before].wait()
         left = opts.deadline - (time.monotonic() - start)
         if left < MIN_START_S:
             status, found, output = {"phase": phase, "status": "skipped", "why": "out of time"}, [], ""
