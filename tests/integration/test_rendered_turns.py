@@ -14,9 +14,9 @@ from grpo.agent import CHATML_TOOLS
 from grpo.agent.template import rerenders
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from scripted import ScoredTurnScript
+from scripted import ScoredTurnScript, TurnScript
 from support import generate, params
-from test_agent import CALL, GROUPS, cfg, dataset, final_is_6, multiply, tool_tokenizer
+from test_agent import CALL, GROUPS, cfg, dataset, multiply, tool_tokenizer
 from tiny import make_model
 
 # every assistant turn rendered without its reasoning block, as DeepSeek-R1's and QwQ's templates do
@@ -34,6 +34,12 @@ def reason_call_answer(text, turn, j):
     return "<think>so</think>6"
 
 
+def answered_after_a_call(completions, **kw):
+    """1 for an exchange that called the tool and then answered 6 (after its reasoning), else 0: a spread within
+    each group, so the updates are not zero."""
+    return [1.0 if len(c) > 1 and c[-1]["content"].endswith("6") else 0.0 for c in completions]
+
+
 def make(tmp_path, template=STRIPPING, sgd=False, peft_config=None, **args):
     """A trainer with the tool and `template`, whose engine samples `reason_call_answer` and reports the model's
     log-probs of it after each request's prompt; with `sgd`, plain SGD (an update linear in the gradient)."""
@@ -43,7 +49,7 @@ def make(tmp_path, template=STRIPPING, sgd=False, peft_config=None, **args):
     trainer = GRPOTrainer(
         model=model,
         processing_class=tok,
-        reward_funcs=final_is_6,
+        reward_funcs=answered_after_a_call,
         train_dataset=dataset(),
         args=cfg(tmp_path, max_steps=2, temperature=0.9, **args),
         tools=[multiply],
@@ -151,7 +157,8 @@ def test_a_tree_run_over_rendered_turns_trains_like_forked_rows(tmp_path, settin
         runs[packing] = trainer
     assert runs["tree"].training_pass.tree
     assert runs["tree"].state.log_history[0]["tools/call_frequency"] == 0.5
-    tree_params = params(runs["tree"].model)
+    tree_params, initial = params(runs["tree"].model), params(make(tmp_path / "initial").model)
+    assert any(not torch.equal(initial[n], v) for n, v in tree_params.items())  # the runs moved the weights
     for name, value in params(runs["padded"].model).items():
         torch.testing.assert_close(tree_params[name], value, rtol=1e-4, atol=1e-6)
     for row, tree_row in zip(runs["padded"].state.log_history, runs["tree"].state.log_history):
@@ -189,3 +196,18 @@ def test_a_lora_policys_turns_score_alike_as_trees_and_forked_rows(tmp_path):
 def test_an_unknown_turn_context_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"turn_context.*'forked'.*'auto', 'appended' or 'rendered'"):
         cfg(tmp_path, turn_context="forked")
+
+
+def test_async_generation_trains_rendered_turns(tmp_path):
+    """async_generation: the producer runs the tool loop with rendered turns and scores its rows' behaviour
+    log-probs on its snapshot (turns and all); the learner trains them as trees."""
+    trainer = make(tmp_path, async_generation=True, packing="tree", logging_steps=1)
+    producer = trainer.rounds.producer
+    producer.own_engine = TurnScript(trainer.processing_class, reason_call_answer)  # the producer's, scripted
+    assert producer.rollouts.loop.rendered
+    before = params(trainer.model)
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.training_pass.tree
+    assert any(producer.own_engine.requests[1:])  # follow-up turns were sampled in the producer
+    assert trainer.state.log_history[0]["tools/call_frequency"] == 0.5
+    assert any(not torch.equal(before[n], v) for n, v in params(trainer.model).items())
