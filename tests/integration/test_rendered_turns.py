@@ -157,6 +157,10 @@ def test_a_tree_run_over_rendered_turns_trains_like_forked_rows(tmp_path, settin
         runs[packing] = trainer
     assert runs["tree"].training_pass.tree
     assert runs["tree"].state.log_history[0]["tools/call_frequency"] == 0.5
+    # the sampling/* metrics show it: each sampled token's training log-prob is its sampling log-prob
+    for run in runs.values():
+        steps = [row for row in run.state.log_history if "loss" in row]
+        assert steps and all(row["sampling/sampling_logp_difference/max"] < 1e-4 for row in steps)
     tree_params, initial = params(runs["tree"].model), params(make(tmp_path / "initial").model)
     assert any(not torch.equal(initial[n], v) for n, v in tree_params.items())  # the runs moved the weights
     for name, value in params(runs["padded"].model).items():
