@@ -29,6 +29,7 @@ from workload import WORKLOAD
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
+from grpo.apps.demo_agent import multiply
 from grpo.learner import tree
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
@@ -41,16 +42,6 @@ STRIPPING = CHATML_TOOLS.replace(
 )
 PROMPTS, GROUP, REPEATS = 2, 4, 3
 WORDS = "so the product of these two numbers needs the tool first then I check the result again".split()
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiplies two integers.
-
-    Args:
-        a: the first factor
-        b: the second factor
-    """
-    return a * b
 
 
 class Sampler:

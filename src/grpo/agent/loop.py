@@ -57,10 +57,13 @@ class _Row:
     failures: int = 0
     # what the completion's tokens from `start` on continue: the prompt, or with rendered turns the current turn's
     # rendered history; `done` holds the finished turns (start, end, context) once a turn was forked
-    context: list[int] = field(default_factory=list)
+    context: list[int] = field(init=False)
     start: int = 0
     done: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
     prompt_messages: list[dict] | None = None  # the prompt's messages where turns are rendered, else None
+
+    def __post_init__(self) -> None:
+        self.context = list(self.prompt_ids)  # the first turn continues the prompt
 
     @property
     def chain(self) -> list[int]:
@@ -149,12 +152,10 @@ class ToolLoop:
         for i, tools in enumerate(toolsets):
             image_prompt = first.vision[i]
             row = _Row(list(first.prompt_ids[i]), tools, image_prompt)
-            row.context = list(row.prompt_ids)
-            record = prompts[i] if prompts is not None else None
+            record = prompts[i] if prompts is not None else None  # None: a rollout_func's rows
             text_only = self.processor is None and image_prompt is None  # a processor's images are expanded
             if self.rendered and text_only and record is not None and record.messages is not None:
-                if list(record.ids) == row.prompt_ids:  # a rollout_func's own prompt ids: not this record's
-                    row.prompt_messages = [dict(m) for m in record.messages]
+                row.prompt_messages = [dict(m) for m in record.messages]
             prompt = image_prompt or Prompt(tuple(first.prompt_ids[i]))
             row.unexpanded = prompt.unexpanded_ids(self.tokenizer)  # an image prompt's: its text's tokens
             row.add(list(first.completion_ids[i]), list(first.sampling_logps[i]), sampled=True)

@@ -228,13 +228,14 @@ def forked(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
     prompts: list[list[int]] = []
     completions: list[list[int]] = []
     groups: dict[tuple[int, ...], int] = {}
+    group: list[int] = []  # each forked row's group: the index of its context
     for i, turns in enumerate(_host_turns(batch)):
         for context, start, end, tokens in turns:
             where_row[i, start:end] = len(prompts)
             where_column[i, start:end] = torch.arange(end - start)
             prompts.append(context)
             completions.append(tokens)
-            groups.setdefault(tuple(context), len(groups))
+            group.append(groups.setdefault(tuple(context), len(groups)))
     pad = int(batch.prompt_ids[0, 0])
     ids, mask = left_pad(prompts, pad)
     attention = right_pad([[1] * len(x) for x in completions], 0)
@@ -247,7 +248,7 @@ def forked(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
         mask=attention.float().to(device),
         advantages=torch.zeros(len(prompts), device=device),
         sampling_logps=torch.zeros(attention.shape, device=device),
-        group=torch.tensor([groups[tuple(p)] for p in prompts], device=device),
+        group=torch.tensor(group, device=device),
     )
     return part, where_row.to(device), where_column.to(device)
 
