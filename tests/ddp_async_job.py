@@ -25,7 +25,7 @@ import torch
 from datasets import Dataset
 
 import grpo.checkpoint as ckpt
-from distributed_job import allow_fsdp_on_cpu, whole
+from distributed_job import allow_fsdp_on_cpu, use_deepspeed, whole
 from grpo import GRPOConfig, GRPOTrainer
 
 SEEN: list[dict] = []
@@ -63,7 +63,7 @@ def run(out: str, model_dir: str, mode: str, resume: str | None = None) -> None:
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
         allow_fsdp_on_cpu()
     if sharded == "zero3":
-        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
+        use_deepspeed(3)
     rows = [{"prompt": [{"role": "user", "content": f"Solve {i}+1"}]} for i in range(8)]
     evaluating = (
         dict(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2) if "JOB_EVAL" in os.environ else {}

@@ -53,6 +53,17 @@ def allow_fsdp_on_cpu() -> None:
     state.AcceleratorState.__init__ = init
 
 
+def use_deepspeed(stage: int | str) -> None:
+    """What `accelerate launch --use_deepspeed --zero_stage N` sets, less one of DeepSpeed's CPU kernels: its
+    shared-memory all-reduce, which DeepSpeed would compile from C++ at the first launch on a machine (about 25 s
+    on 2 cores). That kernel serves DeepSpeed's inference all-reduce only (ZeRO training reduces through
+    torch.distributed, gloo here as NCCL on a GPU) and has no GPU counterpart, so nothing the tests check uses it."""
+    import deepspeed.ops
+
+    os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(stage))
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def whole(model):
     """Every parameter, gathered whole when sharded (a collective: every process calls it)."""
     from torch.distributed.tensor import DTensor
@@ -82,8 +93,8 @@ def run(out: str, model_dir: str, loss_type: str, mode_spec: str) -> None:
     if mode == "fsdp":
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
         allow_fsdp_on_cpu()
-    if mode.startswith("zero"):  # what `accelerate launch --use_deepspeed --zero_stage N` sets
-        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=mode[-1])
+    if mode.startswith("zero"):
+        use_deepspeed(mode[-1])
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     lora = "lora" in options  # LoRA adapters on q/v (random A and B, so both train), KL to the adapter-less model

@@ -56,7 +56,9 @@ def main() -> None:
     global HANG_AT
     HANG_AT = o.hang_reward_at
     if o.zero:
-        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(o.zero))
+        from distributed_job import use_deepspeed
+
+        use_deepspeed(o.zero)
     torch.set_num_threads(1)
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Solve {i}+1"}]} for i in range(8)])
     args = GRPOConfig(

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from transformers import TrainerCallback  # noqa: E402
 
-from distributed_job import allow_fsdp_on_cpu  # noqa: E402
+from distributed_job import allow_fsdp_on_cpu, use_deepspeed  # noqa: E402
 from field_effects import BASE, chat_dataset, length_reward  # noqa: E402
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.rollout import Request  # noqa: E402
@@ -53,7 +53,7 @@ def main() -> None:
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
         allow_fsdp_on_cpu()
     if mode == "zero3":
-        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
+        use_deepspeed(3)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     peft_config = None
     if "lora" in options:
