@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'grpo[vllm]')")
 
+import served  # noqa: E402
 import tiny  # noqa: E402
 
 _REAL_LLM = vllm.LLM
@@ -74,3 +76,21 @@ def vllm_tied_model_dir(tmp_path_factory):
 def tiny_model_dir_h8(tmp_path_factory):
     """The main suite's tiny Llama (head size 8, which vLLM's CPU attention does not support)."""
     return tiny.save_tiny(tmp_path_factory.mktemp("tiny-h8") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def servers(vllm_model_dir, tmp_path_factory):
+    """Ports of two float32 `grpo vllm-serve` servers of the head-size-32 tiny model, started at once and stopped
+    at the end of the session: `open`, which any test may push its run's weights to (a test asserts on versions
+    relative to the server's current one), and `keyed`, which requires served.KEY (test_server.py's alone)."""
+    tmp = tmp_path_factory.mktemp("servers")
+    small = ("--kv-cache-gib", "0.05")
+    keyed = (*small, "--api-key", served.KEY)
+    procs = [served.start(vllm_model_dir, tmp, *small), served.start(vllm_model_dir, tmp, *keyed)]
+    try:
+        for proc in procs:
+            served.wait(proc)
+        yield SimpleNamespace(open=procs[0].port, keyed=procs[1].port)
+    finally:
+        for proc in procs:
+            served.stop(proc)

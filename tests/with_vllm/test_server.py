@@ -4,9 +4,6 @@ wherever it must be, and no bad request takes the server down."""
 
 from __future__ import annotations
 
-import http.client
-import json
-import os
 import socket
 import subprocess
 import sys
@@ -21,79 +18,12 @@ from safetensors.torch import save
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpo.rollout.vllm import sampling_kwargs
+from served import KEY, request, server_env, start, stop, wait
 from support import side_by_side
 
 FP32_TOL = 1e-3
-KEY = "secret"
 EOS = 1  # tiny.SPECIALS
 PROMPTS = [[4, 10, 11, 12], [4, 20, 21]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "GRPO_VLLM_API_KEY"}
-
-
-def _start(model_dir: str, tmp: Path, *extra: str) -> subprocess.Popen:
-    port = _free_port()
-    command = [sys.executable, "-m", "grpo", "vllm-serve", "--model", model_dir, "--port", str(port)]
-    command += ["--dtype", "float32", "--kv-cache-gib", "0.05", *extra]
-    log = open(tmp / f"server-{port}.log", "w")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_env())
-    proc.port, proc.log = port, log.name
-    return proc
-
-
-def _wait(proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}):\n{Path(proc.log).read_text()[-3000:]}")
-        try:
-            if request(proc.port, "GET", "/health", timeout=2)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server did not answer /health in {timeout} s:\n{Path(proc.log).read_text()[-3000:]}")
-
-
-@pytest.fixture(scope="session")
-def servers(vllm_model_dir, tmp_path_factory):
-    """(open server's port, key server's port): both started at once, stopped at the end of the session."""
-    tmp = tmp_path_factory.mktemp("servers")
-    procs = [_start(vllm_model_dir, tmp), _start(vllm_model_dir, tmp, "--api-key", KEY)]
-    try:
-        for proc in procs:
-            _wait(proc)
-        yield SimpleNamespace(open=procs[0].port, keyed=procs[1].port)
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def request(port, method, path, body=None, headers=None, timeout=60):
-    """(status, decoded JSON answer) of one request; `body` a dict is sent as JSON, bytes as they are."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        data = json.dumps(body).encode() if isinstance(body, dict) else body
-        if isinstance(body, dict):
-            headers = {"Content-Type": "application/json", **(headers or {})}
-        conn.request(method, path, body=data, headers=headers or {})
-        response = conn.getresponse()
-        return response.status, json.loads(response.read() or b"null")
-    finally:
-        conn.close()
 
 
 def sampling(max_tokens: int = 8) -> dict:
@@ -273,7 +203,7 @@ def test_the_key_server_requires_its_key_except_on_health(servers, reference):
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=_env())
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=server_env())
 
 
 def _side_by_side(*commands: list[str]) -> list[subprocess.CompletedProcess]:
@@ -300,9 +230,9 @@ def test_a_tensor_parallel_server_samples_from_the_model_and_loads_pushed_weight
 ):
     """--tensor-parallel-size 2: the model in two shards, each in a worker process of its own (each reads the
     pushed weights from the server's private file and keeps its part)."""
-    proc = _start(vllm_model_dir, tmp_path, "--tensor-parallel-size", "2")
+    proc = start(vllm_model_dir, tmp_path, "--kv-cache-gib", "0.05", "--tensor-parallel-size", "2")
     try:
-        _wait(proc, timeout=240)
+        wait(proc, timeout=240)
         status, answer = generate(proc.port)
         assert status == 200 and max_diff(answer["outputs"], reference) < FP32_TOL
         perturbed = AutoModelForCausalLM.from_pretrained(vllm_model_dir, torch_dtype=torch.float32).eval()
@@ -316,11 +246,7 @@ def test_a_tensor_parallel_server_samples_from_the_model_and_loads_pushed_weight
         assert max_diff(answer["outputs"], perturbed) < FP32_TOL
         assert max_diff(answer["outputs"], reference) > 100 * FP32_TOL
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def test_grpo_help_lists_vllm_serve():
@@ -339,9 +265,9 @@ def test_health_answers_while_a_generation_runs(servers):
     worker = threading.Thread(target=request, args=(servers.open, "POST", "/generate", body))
     worker.start()
     time.sleep(0.5)
-    start = time.monotonic()
+    began = time.monotonic()
     status = request(servers.open, "GET", "/health")[0]
     answered_during = worker.is_alive()
-    elapsed = time.monotonic() - start
+    elapsed = time.monotonic() - began
     worker.join()
     assert status == 200 and answered_during, f"/health took {elapsed:.1f} s"

@@ -7,59 +7,26 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from grpo.rollout.base import Request
 from grpo.rollout.remote import ServerError
+from served import Server
 from support import torchrun
 from test_vllm_engine import FP32_TOL, fixed_completion, make_trainer, perturb, policy_logps
 
 JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m grpo vllm-serve` in its own process on a free 127.0.0.1 port, float32."""
-
-    def __init__(self, model_dir: str, port: int | None = None, *extra: str) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "grpo", "vllm-serve", "--model", model_dir, "--port", str(self.port)]
-        cmd += ["--dtype", "float32", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    json.loads(response.read())
-                    return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not come up (exit {self.proc.poll()})") from None
-                time.sleep(0.5)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
 @pytest.fixture(scope="module")
-def server(vllm_model_dir):
-    s = Server(vllm_model_dir)
-    yield s
-    s.kill()
+def server(servers):
+    """The session's open server (conftest.py)."""
+    return SimpleNamespace(port=servers.open, url=f"http://127.0.0.1:{servers.open}")
 
 
 def served(trainer, prompt, completion_len=12):

@@ -14,7 +14,7 @@ from field_effects import BASE, chat_dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.data.prompts import make_prompt
-from test_server_mode import Server
+from served import Server
 from test_vllm_engine import FP32_TOL, policy_logps
 
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'

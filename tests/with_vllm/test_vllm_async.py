@@ -10,7 +10,7 @@ import json
 import torch
 
 from support import torchrun
-from test_server_mode import JOB, Server
+from test_server_mode import JOB
 from test_vllm_engine import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
 
 
@@ -33,22 +33,18 @@ def test_colocated_vllm_samples_the_producers_snapshot(vllm_model_dir, tmp_path)
     assert difference.abs().max() < FP32_TOL
 
 
-def test_a_server_samples_the_producers_snapshot(vllm_model_dir, tmp_path):
-    server = Server(vllm_model_dir)
-    try:
-        trainer = make_trainer(
-            vllm_model_dir,
-            tmp_path,
-            vllm_mode="server",
-            vllm_server_port=server.port,
-            max_steps=4,
-            async_generation=True,
-            max_staleness=1,
-        )
-        trainer.train()
-        check_rounds(trainer, 4)
-    finally:
-        server.kill()
+def test_a_server_samples_the_producers_snapshot(vllm_model_dir, tmp_path, servers):
+    trainer = make_trainer(
+        vllm_model_dir,
+        tmp_path,
+        vllm_mode="server",
+        vllm_server_port=servers.open,
+        max_steps=4,
+        async_generation=True,
+        max_staleness=1,
+    )
+    trainer.train()
+    check_rounds(trainer, 4)
 
 
 def test_colocated_async_runs_are_reproducible(vllm_model_dir, tmp_path):

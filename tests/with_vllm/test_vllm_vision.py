@@ -17,8 +17,8 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.learner.batch import collate
 from grpo.models.vision import language_model
+from served import Server
 from support import generate, length_reward, params
-from test_server_mode import Server
 from test_vision import CallFirst, image_rows, picture
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])

@@ -1,0 +1,97 @@
+"""`grpo vllm-serve` in processes of their own for the vLLM tests: started on a free 127.0.0.1 port in float32 (a
+later `--dtype` in `extra` wins), waited for on /health, spoken to in JSON. A server takes about 10 s to come up
+on 2 cores, so the tiny model's plain float32 server and its keyed twin are the session's (`servers` in
+conftest.py), shared by every test that only needs a server to push to and sample from."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KEY = "secret"  # the keyed server's
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env() -> dict:
+    """The tests' environment without a key in GRPO_VLLM_API_KEY (a server would take it)."""
+    return {k: v for k, v in os.environ.items() if k != "GRPO_VLLM_API_KEY"}
+
+
+def request(port, method, path, body=None, headers=None, timeout=60):
+    """(status, decoded JSON answer) of one request; `body` a dict is sent as JSON, bytes as they are."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        if isinstance(body, dict):
+            headers = {"Content-Type": "application/json", **(headers or {})}
+        conn.request(method, path, body=data, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        conn.close()
+
+
+def start(model_dir: str, log_dir: str | Path, *extra: str, port: int | None = None) -> subprocess.Popen:
+    """The server's process, not yet answering (see `wait`); its output goes to a log in `log_dir`."""
+    port = port or free_port()
+    command = [sys.executable, "-m", "grpo", "vllm-serve", "--model", model_dir, "--port", str(port)]
+    command += ["--dtype", "float32", *extra]
+    log = open(Path(log_dir) / f"server-{port}.log", "w")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=server_env())
+    proc.port, proc.log = port, log.name
+    return proc
+
+
+def wait(proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Until the server answers /health; its log's tail in the error if it exits or does not answer in time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}):\n{Path(proc.log).read_text()[-3000:]}")
+        try:
+            if request(proc.port, "GET", "/health", timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not answer /health in {timeout} s:\n{Path(proc.log).read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not ended 20 s later."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class Server:
+    """A server started and answering; `kill()` ends it at once (SIGKILL, as a crash would)."""
+
+    def __init__(self, model_dir: str, port: int | None = None, *extra: str) -> None:
+        self.proc = start(model_dir, tempfile.mkdtemp(prefix="grpo-server-"), *extra, port=port)
+        self.port = self.proc.port
+        self.url = f"http://127.0.0.1:{self.port}"
+        try:
+            wait(self.proc)
+        except BaseException:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
