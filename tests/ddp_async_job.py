@@ -1,9 +1,10 @@
 """A 4-step run on N CPU processes (torchrun, gloo) with the trainer's own fast engine, for test_distributed_async.py:
 
     torchrun --nproc_per_node N ddp_async_job.py OUT MODEL_DIR sync|async[+fsdp|+zero3] [RESUME_FROM]
-    torchrun --nproc_per_node N ddp_async_job.py OUT MODEL_DIR --runs sync async
+    torchrun --nproc_per_node N ddp_async_job.py OUT MODEL_DIR --runs sync async again=async b=async@async/checkpoint-2
 
-(--runs: replicated runs one after another in the same processes, a trainer each, mode M into OUT/M.)
+(--runs: replicated runs one after another in the same processes, a trainer each: mode M into OUT/M, or NAME=M
+into OUT/NAME; NAME=M@RUN/CHECKPOINT resumes from a copy of an earlier run's checkpoint, OUT/RUN/CHECKPOINT.)
 
 Each process takes 2 of a group's 4 completions (per_device_train_batch_size 2, num_generations 4), so with two
 processes every group straddles them. A checkpoint every step (JOB_SAVE_STEPS: every that many); with RESUME_FROM
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -48,9 +50,19 @@ def length_reward(completions, trainer_state, split=None, **kwargs):
 def main() -> None:
     out, model_dir, mode = sys.argv[1:4]
     if mode == "--runs":
-        for run_mode in sys.argv[4:]:
+        for spec in sys.argv[4:]:
+            name, _, run_mode = spec.rpartition("=")
+            run_mode, _, start = run_mode.partition("@")
             assert run_mode in ("sync", "async"), f"{run_mode}: only replicated runs share a launch"
-            run(os.path.join(out, run_mode), model_dir, run_mode)
+            run_out = os.path.join(out, name or run_mode)
+            resume = os.path.join(run_out, os.path.basename(start)) if start else None
+            if resume:  # copied by the main process, before any process's trainer reads it (an earlier run of
+                # this launch set up the process group)
+                assert torch.distributed.is_initialized(), "a resumed run follows a run of its own launch"
+                if int(os.environ["RANK"]) == 0:
+                    shutil.copytree(os.path.join(out, start), resume)
+                torch.distributed.barrier()
+            run(run_out, model_dir, run_mode, resume)
     else:
         run(out, model_dir, mode, os.path.join(out, sys.argv[4]) if len(sys.argv) > 4 else None)
 

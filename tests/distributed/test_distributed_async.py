@@ -39,9 +39,11 @@ def outcome(out):
 
 @pytest.fixture(scope="module")
 def straight_runs(tiny_model_dir, tmp_path_factory):
-    """The straight sync and async runs, one after the other in a single launch (a trainer each)."""
+    """The straight sync and async runs, then the async run again and the async run resumed from its step 2, one
+    after the other in a single launch (a trainer each; the other resumes below are fresh launches)."""
     out = tmp_path_factory.mktemp("straight")
-    torchrun(2, JOB, out, tiny_model_dir, "--runs", "sync", "async")
+    runs = ("sync", "async", "again=async", "resumed=async@async/checkpoint-2")
+    torchrun(2, JOB, out, tiny_model_dir, "--runs", *runs)
     return out
 
 
@@ -80,14 +82,14 @@ def test_async_on_two_processes_trains_on_both_processes_rounds(async_run):
     assert any(p.abs().sum() > 0 for p in params.values())
 
 
-def test_async_on_two_processes_is_reproducible_and_resumes_exactly(tiny_model_dir, tmp_path, async_run):
+def test_async_on_two_processes_is_reproducible_and_resumes_exactly(straight_runs, async_run):
     straight, (_, params, rows) = async_run
-    _, again, rows_again = launch(tmp_path / "again", tiny_model_dir, "async")  # other timings, the same run
+    _, again, rows_again = outcome(straight_runs / "again")  # other timings, the same run
     assert all(torch.equal(again[n], params[n]) for n in params)
     assert untimed(rows_again) == untimed(rows)
     inflight = sorted(p for p in os.listdir(straight / "checkpoint-2") if p.startswith("inflight_"))
     assert inflight == ["inflight_0.json", "inflight_0.tensors", "inflight_1.json", "inflight_1.tensors"]
-    _, after, rows_after = resumed_from(straight, tmp_path / "resumed", tiny_model_dir, "async")
+    _, after, rows_after = outcome(straight_runs / "resumed")
     assert all(torch.equal(after[n], params[n]) for n in params)
     assert untimed(rows_after, resumed=True) == untimed(rows, resumed=True)
 
