@@ -1,7 +1,12 @@
-"""packing="tree" against the padded layout, on the demo workload: python bench/tree_packing.py [bf16|fp32] [steps]
+"""packing="tree" against the padded layout, on the demo workload:
+
+    python bench/tree_packing.py [bf16|fp32] [steps] [demo|story] [max_completion_length] [repeats]
+
+(`story` with a longer cap: completions that all run to the cap, where nothing is padding and every group's tree
+is as long as it gets.)
 
 A short grpo run of the workload (bench/workload.py) keeps the micro-batches its training pass got; then each is
-trained again in both layouts, alternately, `REPEATS` times (forward, the loss's sum, backward: the pass the trainer
+trained again in both layouts, alternately, `repeats` times (3; forward, the loss's sum, backward: the pass the trainer
 times), on the run's final weights. Prints the positions each layout computes and the training tokens/s of each:
 
     tree_positions_ratio=<tree / padded positions> tree_train_speedup=<tree / padded training tokens/s>
@@ -39,8 +44,11 @@ def padded_positions(batch) -> int:
 def main() -> None:
     precision = sys.argv[1] if len(sys.argv) > 1 else "fp32"
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    prompts, reward = dataset("demo")
-    overrides = dict(WORKLOAD, max_steps=steps)
+    task = sys.argv[3] if len(sys.argv) > 3 else "demo"
+    length = int(sys.argv[4]) if len(sys.argv) > 4 else WORKLOAD["max_completion_length"]
+    repeats = int(sys.argv[5]) if len(sys.argv) > 5 else REPEATS
+    prompts, reward = dataset(task)
+    overrides = dict(WORKLOAD, max_steps=steps, max_completion_length=length)
     args = GRPOConfig(output_dir="/tmp/grpo-bench-tree", bf16=precision == "bf16", disable_tqdm=True, **overrides)
     trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=reward, train_dataset=prompts, args=args)
     passes = trainer.training_pass
@@ -60,6 +68,8 @@ def main() -> None:
     trees = sum(tree.layout(b).positions_computed for b in kept)
     result = {
         "precision": precision,
+        "task": task,
+        "max_completion_length": length,
         "micro_batches": len(kept),
         "completion_tokens": tokens,
         "completion_padding_share": 1 - tokens / sum(len(b) * int(b.completion_attention.sum(-1).max()) for b in kept),
@@ -74,7 +84,7 @@ def main() -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             a = trainer.accelerator
             passes = TrainingPass(model, args, a.autocast, a.mixed_precision)
-        seconds = timed_passes(model, passes, kept)
+        seconds = timed_passes(model, passes, kept, repeats)
         result[f"{setting}_padded_tokens_per_s"] = tokens / seconds[False]
         result[f"{setting}_tree_tokens_per_s"] = tokens / seconds[True]
         speedups[setting] = seconds[False] / seconds[True]
@@ -82,15 +92,15 @@ def main() -> None:
     print(
         f"tree_positions_ratio={trees / padded:.2f} tree_train_speedup={speedups['workload']:.2f} "
         f"tree_train_speedup_checkpointing={speedups['checkpointing']:.2f} "
-        f"({precision}, {len(kept)} micro-batches, {tokens} completion tokens, "
+        f"({precision}, {task} to {length} tokens, {len(kept)} micro-batches, {tokens} completion tokens, "
         f"{result['completion_padding_share']:.0%} of padded completion positions are padding)"
     )
 
 
-def timed_passes(model, passes, kept) -> dict[bool, float]:
+def timed_passes(model, passes, kept, repeats: int) -> dict[bool, float]:
     """Median seconds of the training pass over the kept micro-batches, per layout (tree or not), alternating."""
     seconds: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for as_trees in (False, True):
             passes.tree = as_trees
             start = time.perf_counter()
