@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 
-from distributed_job import allow_fsdp_on_cpu, whole
+from distributed_job import use_fsdp, whole
 from grpo import GRPOConfig, GRPOTrainer
 from scripted import TurnScript
 from test_agent import CALL, multiply, tool_tokenizer
@@ -75,8 +75,7 @@ multiply_or_hang.__name__ = "multiply"  # the tool the script calls
 def main() -> None:
     out = sys.argv[1]
     if len(sys.argv) > 2 and sys.argv[2] == "fsdp":
-        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
-        allow_fsdp_on_cpu()
+        use_fsdp()
     torch.set_num_threads(1)
     run(out)
     if sys.argv[2:] == ["rendered"]:

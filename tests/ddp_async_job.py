@@ -27,7 +27,7 @@ import torch
 from datasets import Dataset
 
 import grpo.checkpoint as ckpt
-from distributed_job import allow_fsdp_on_cpu, use_deepspeed, whole
+from distributed_job import use_deepspeed, use_fsdp, whole
 from grpo import GRPOConfig, GRPOTrainer
 
 SEEN: list[dict] = []
@@ -72,8 +72,7 @@ def run(out: str, model_dir: str, mode: str, resume: str | None = None) -> None:
     os.makedirs(out, exist_ok=True)
     mode, _, sharded = mode.partition("+")
     if sharded == "fsdp":
-        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
-        allow_fsdp_on_cpu()
+        use_fsdp()
     if sharded == "zero3":
         use_deepspeed(3)
     rows = [{"prompt": [{"role": "user", "content": f"Solve {i}+1"}]} for i in range(8)]

@@ -14,10 +14,10 @@ The update (SGD, linear in the gradient) and the logged metrics go to OUT (main 
 With `fsdp`, the run goes through accelerate's FSDP2 path as `accelerate launch` with an FSDP config sets it up
 (ACCELERATE_USE_FSDP / FSDP_VERSION=2 in the environment): accelerate's `prepare` shards every decoder layer and
 the root. accelerate enables FSDP only on accelerators (its state keeps MULTI_CPU), while torch's FSDP2 runs on
-CPU over gloo, so the job lifts that one gate (`allow_fsdp_on_cpu`) and everything else is accelerate's own path.
+CPU over gloo, so the job lifts that one gate (`use_fsdp`) and everything else is accelerate's own path.
 With `zero2` / `zero3`, the run goes through accelerate's DeepSpeed path as `accelerate launch --use_deepspeed
 --zero_stage N` sets it up (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_ZERO_STAGE); DeepSpeed runs on the CPU
-by itself (its CPU accelerator, gloo), nothing is lifted.
+by itself (its CPU accelerator, gloo), nothing is lifted (`use_deepspeed` leaves out one inference-only kernel).
 In these modes, before training, the trainer's own engine samples from the sharded model; then the trainer saves
 its model."""
 
@@ -38,9 +38,12 @@ from support import cfg, chat_dataset
 from test_accumulation import length_reward
 
 
-def allow_fsdp_on_cpu() -> None:
-    """accelerate's AcceleratorState takes an FSDP plugin on accelerators only; on CPU, take it as well."""
+def use_fsdp() -> None:
+    """What `accelerate launch` with an FSDP2 config sets (ACCELERATE_USE_FSDP, FSDP_VERSION=2), and one gate lifted:
+    accelerate's AcceleratorState takes an FSDP plugin on accelerators only; on CPU, take it as well."""
     import accelerate.state as state
+
+    os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
 
     original = state.AcceleratorState.__init__
 
@@ -91,8 +94,7 @@ def run(out: str, model_dir: str, loss_type: str, mode_spec: str) -> None:
     os.makedirs(out, exist_ok=True)
     mode, *options = mode_spec.split("+")
     if mode == "fsdp":
-        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
-        allow_fsdp_on_cpu()
+        use_fsdp()
     if mode.startswith("zero"):
         use_deepspeed(mode[-1])
     torch.set_num_threads(1)

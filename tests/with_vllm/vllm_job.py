@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from transformers import TrainerCallback  # noqa: E402
 
-from distributed_job import allow_fsdp_on_cpu, use_deepspeed  # noqa: E402
+from distributed_job import use_deepspeed, use_fsdp  # noqa: E402
 from field_effects import BASE, chat_dataset, length_reward  # noqa: E402
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.rollout import Request  # noqa: E402
@@ -50,8 +50,7 @@ def main() -> None:
     if mode.startswith("server:"):  # both processes against one `grpo vllm-serve` on that port
         server = {"vllm_mode": "server", "vllm_server_port": int(mode.split(":")[1])}
     if mode == "fsdp":
-        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
-        allow_fsdp_on_cpu()
+        use_fsdp()
     if mode == "zero3":
         use_deepspeed(3)
     world = int(os.environ.get("WORLD_SIZE", "1"))
