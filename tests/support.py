@@ -1,5 +1,6 @@
-"""What many tests share: the small run's config, datasets, a reward with spread, a parameter snapshot, the torchrun
-launcher for tests of several processes, and `ahead`, which runs the processes of several tests two at a time."""
+"""What many tests share: the small run's config, datasets, a reward with spread, a parameter snapshot, the launcher
+for tests of several processes (torchrun's workers, forked from the session's zygote), and `ahead`, which runs the
+processes of several tests two at a time."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +20,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+import zygote
 from field_effects import BASE
 from grpo import GRPOConfig
 
@@ -73,26 +76,103 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc, script, *args, timeout=240):
-    """`script args` in nproc processes with torchrun (gloo on CPU, one thread each); asserts it succeeded."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={free_port()}",
-        script,
-        *map(str, args),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-4000:]
+class Workers:
+    """`script args` in nproc processes forked from the session's zygote (`zygote.fork`: the imports done once),
+    each with the environment torchrun gives its workers (gloo on CPU, one thread each), its output in a log of its
+    own. Whatever still runs when the `with` block ends is killed."""
+
+    def __init__(self, nproc, script, *args, **env):
+        self._logs = tempfile.TemporaryDirectory(prefix="workers-")
+        self.files, self.jobs = [], []
+        port = free_port()
+        for rank in range(nproc):
+            self.files.append(open(os.path.join(self._logs.name, f"rank{rank}.log"), "w+"))
+            worker = dict(
+                os.environ,
+                PYTHONPATH=os.pathsep.join(sys.path),
+                OMP_NUM_THREADS="1",
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                ROLE_RANK=str(rank),
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc),
+                ROLE_WORLD_SIZE=str(nproc),
+                GROUP_RANK="0",
+                GROUP_WORLD_SIZE="1",
+                ROLE_NAME="default",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                TORCHELASTIC_RESTART_COUNT="0",
+                TORCHELASTIC_MAX_RESTARTS="0",
+                TORCHELASTIC_RUN_ID="none",
+                **env,
+            )
+            argv = [script, *map(str, args)]
+            self.jobs.append(zygote.fork(argv, env=worker, stdout=self.files[-1], stderr=self.files[-1]))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for job in self.jobs:
+            job.kill()
+            job.wait(60)
+        for f in self.files:
+            f.close()
+        self._logs.cleanup()
+
+    def wait(self, timeout, first_failure_ends_all=True) -> list[int | None]:
+        """The exit statuses once all have ended, or at `timeout` s (None for those still running); as torchrun,
+        the first to fail ends the wait."""
+        deadline = time.monotonic() + timeout
+        codes = [job.poll() for job in self.jobs]
+        while None in codes and (set(codes) <= {None, 0} or not first_failure_ends_all):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+            codes = [job.poll() for job in self.jobs]
+        return codes
+
+    def log(self, rank) -> str:
+        self.files[rank].seek(0)
+        return self.files[rank].read()
+
+    def logs(self, codes) -> str:
+        return "\n".join(f"---- rank {r} exited with {c}:\n{self.log(r)[-3000:]}" for r, c in enumerate(codes))
 
 
-def terminated(script, out, *args, ready, delay, **env):
-    """`script out args` in 2 processes under torchrun, sent SIGTERM `delay` s after file `ready` appears in `out`:
-    both processes exit 143 within seconds, none killed by the launcher (30 s after SIGTERM). `env`: more
-    environment variables for the job."""
+def torchrun(nproc, script, *args, timeout=240, fresh=False):
+    """`script args` in nproc processes under torch.distributed (gloo on CPU, one thread each); asserts they all
+    succeeded. The processes are torchrun's workers as `Workers` forks them; with `fresh`, torchrun itself starts
+    them (`python -m torch.distributed.run`), for tests of a launch as users run it (`script` may then be `-m`)."""
+    if fresh:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+        cmd.append(f"--master_port={free_port()}")
+        done = subprocess.run([*cmd, script, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return
+    with Workers(nproc, script, *args) as workers:
+        codes = workers.wait(timeout)
+        assert codes == [0] * nproc, workers.logs(codes)
+
+
+def terminated(script, out, *args, ready, delay, fresh=False, **env):
+    """`script out args` in 2 processes, sent SIGTERM `delay` s after file `ready` appears in `out`: both processes
+    exit 143 within seconds, none killed (30 s after SIGTERM). The processes are forked (`Workers`), and the test
+    sends SIGTERM to both, as torchrun passes it on; with `fresh`, torchrun starts them and gets the SIGTERM (it kills
+    a process still running 30 s later). `env`: more environment variables for the job."""
+    if not fresh:
+        with Workers(2, script, out, *args, **env) as workers:
+            while not (out / ready).exists() and None in [job.poll() for job in workers.jobs]:
+                time.sleep(0.01)
+            time.sleep(delay)
+            for job in workers.jobs:
+                job.send_signal(signal.SIGTERM)
+            codes = workers.wait(30, first_failure_ends_all=False)
+            assert codes == [143, 143], workers.logs(codes)
+            assert all("exiting with status 143" in workers.log(rank) for rank in (0, 1)), workers.logs(codes)
+        return
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     proc = subprocess.Popen([*cmd, script, str(out), *args], env=env, stderr=subprocess.PIPE, text=True)

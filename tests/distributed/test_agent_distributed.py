@@ -52,5 +52,7 @@ def test_processes_whose_rows_finish_at_different_rounds(tmp_path, mode):
 def test_sigterm_while_a_tool_hangs_on_one_process_stops_both_at_the_loops_check(tmp_path):
     """Process 1's tool call hangs while process 0 goes on to the turn's generation (a collective) and the loop's
     next check: on SIGTERM process 1 ends its wait, still joins the turn's generation with no rows, and both raise
-    the preemption together at the check; both exit 143 promptly, none killed by the launcher."""
-    terminated(JOB, tmp_path, "hang", ready="hung", delay=0.5)  # process 0 reaches the loop's check meanwhile
+    the preemption together at the check; both exit 143 promptly, none killed by the launcher. Under torchrun
+    itself, which passes the SIGTERM on (the other SIGTERM tests fork their processes)."""
+    # process 0 reaches the loop's check meanwhile
+    terminated(JOB, tmp_path, "hang", ready="hung", delay=0.5, fresh=True)

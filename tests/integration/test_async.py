@@ -12,12 +12,14 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import pytest
 import torch
 
+import zygote
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError
 from grpo.config.grpo_fields import LOSS_TYPES
@@ -277,20 +279,22 @@ def test_a_stateful_reward_with_evaluations_gives_the_same_run_whatever_the_timi
 
 
 def job(out, resume, kill=None, delay=0.0):
-    """async_job.py; with `kill`, that signal once checkpoint-1 exists and `delay` more seconds have passed.
-    Returns (status, stderr, seconds from checkpoint-1 to the end)."""
-    cmd = [sys.executable, JOB, str(out), MODEL[0], str(int(resume))]
+    """async_job.py (a process forked from the session's zygote); with `kill`, that signal once checkpoint-1 exists
+    and `delay` more seconds have passed. Returns (status, stderr, seconds from checkpoint-1 to the end)."""
+    argv = [JOB, str(out), MODEL[0], str(int(resume))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    first = os.path.join(out, "checkpoint-1")
-    while not os.path.exists(first) and proc.poll() is None:
-        time.sleep(0.005)
-    saved = time.monotonic()
-    if kill is not None:
-        time.sleep(delay)
-        proc.send_signal(kill)
-    _, stderr = proc.communicate(timeout=600)
-    return proc.returncode, stderr, time.monotonic() - saved
+    with tempfile.TemporaryFile("w+") as stderr:
+        proc = zygote.fork(argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        first = os.path.join(out, "checkpoint-1")
+        while not os.path.exists(first) and proc.poll() is None:
+            time.sleep(0.005)
+        saved = time.monotonic()
+        if kill is not None:
+            time.sleep(delay)
+            proc.send_signal(kill)
+        proc.wait(timeout=600)
+        stderr.seek(0)
+        return proc.returncode, stderr.read(), time.monotonic() - saved
 
 
 def outcome(out):

@@ -9,12 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import zygote
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointMismatchError
 from support import ahead, cfg, chat_dataset, length_reward, needs_deepspeed, torchrun
@@ -24,24 +26,33 @@ JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "resume_job.py")
 
 
 def job(out, model, spg, resume, *extra, wait_for=None, send=signal.SIGKILL, status=0):
-    """Run resume_job.py; with `wait_for`, send `send` once it prints that line. Returns (stderr, seconds from the
-    signal to the exit); the exit status must be `status` (-SIGKILL when killed)."""
-    cmd = [sys.executable, JOB, str(out), model, str(spg), str(int(resume)), *extra]
+    """Run resume_job.py (a process forked from the session's zygote); with `wait_for`, send `send` once it prints
+    that line. Returns (stderr, seconds from the signal to the exit); the exit status must be `status` (-SIGKILL
+    when killed)."""
+    argv = [JOB, str(out), model, str(spg), str(int(resume)), *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    if wait_for is None:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-        assert done.returncode == status, done.stderr[-3000:]
-        return done.stderr, 0.0
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    for line in proc.stdout:
-        if line.strip() == wait_for:
-            proc.send_signal(send)
+    with tempfile.TemporaryFile("w+") as stderr:
+        if wait_for is None:
+            proc = zygote.fork(argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
             sent = time.monotonic()
-            break
-    proc.wait(timeout=600)
-    stderr = proc.stderr.read()
-    assert proc.returncode == (-signal.SIGKILL if send == signal.SIGKILL else status), stderr[-3000:]
-    return stderr, time.monotonic() - sent
+        else:
+            r, w = os.pipe()
+            proc = zygote.fork(argv, env=env, stdout=w, stderr=stderr)
+            os.close(w)
+            with os.fdopen(r) as stdout:
+                for line in stdout:
+                    if line.strip() == wait_for:
+                        proc.send_signal(send)
+                        sent = time.monotonic()
+                        break
+                else:
+                    sent = time.monotonic()  # it ended without printing the line: the status check below says so
+        proc.wait(timeout=600)
+        stderr.seek(0)
+        text = stderr.read()
+    expected = status if wait_for is None or send != signal.SIGKILL else -signal.SIGKILL
+    assert proc.returncode == expected, text[-3000:]
+    return text, (time.monotonic() - sent if wait_for is not None else 0.0)
 
 
 def two_processes(out, model, spg, resume, *extra):

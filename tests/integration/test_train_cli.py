@@ -84,6 +84,7 @@ def test_grpo_train_under_torchrun(tiny_model_dir, tmp_path):
             recipe(tmp_path, tiny_model_dir, per_device_train_batch_size=4),
             "--max_steps",
             "1",
+            fresh=True,
         )
     finally:
         os.chdir(cwd)
