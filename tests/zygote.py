@@ -24,6 +24,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -172,12 +173,14 @@ def _address() -> str:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
             log = open(os.path.join(folder, "log"), "w")
             proc = subprocess.Popen([sys.executable, __file__, path], env=env, stdout=log, stderr=log)
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            atexit.register(proc.wait)
             atexit.register(proc.kill)
             while not os.path.exists(path):
                 if proc.poll() is not None:
                     raise RuntimeError(f"the zygote exited with {proc.returncode}:\n{open(log.name).read()[-3000:]}")
                 time.sleep(0.01)
-            _zygote.update(path=path, proc=proc, env=env)
+            _zygote.update(path=path, proc=proc, env=env, log=log.name)
         return str(_zygote["path"])
 
 
@@ -221,7 +224,7 @@ def _line(conn: socket.socket) -> str:
     while not data.endswith(b"\n"):
         chunk = conn.recv(64)
         if not chunk:
-            raise RuntimeError("the zygote ended while a job ran (its log: see `tests/zygote.py`)")
+            raise RuntimeError(f"the zygote ended while a job ran; its log: {_zygote.get('log')}")
         data += chunk
     return data.decode().strip()
 
