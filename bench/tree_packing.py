@@ -7,13 +7,16 @@ is as long as it gets.)
 
 A short grpo run of the workload (bench/workload.py) keeps the micro-batches its training pass got; then each is
 trained again in both layouts, alternately, `repeats` times (3; forward, the loss's sum, backward: the pass the trainer
-times), on the run's final weights. Prints the positions each layout computes and the training tokens/s of each:
+times), on the run's final weights. Prints the positions and the attention's (query, key) pairs each layout
+computes, and the training tokens/s of each:
 
-    tree_positions_ratio=<tree / padded positions> tree_train_speedup=<tree / padded training tokens/s>
+    tree_positions_ratio=<tree / padded positions> tree_pairs_ratio=<tree / padded pairs>
+    tree_train_speedup=<tree / padded training tokens/s>
     tree_train_speedup_checkpointing=<the same with gradient checkpointing, GRPOConfig's default>
 
 The padded layout is today's default (each prompt once through the shared KV cache, completions padded to the
-micro-batch's longest); the tree lays out one token tree per prompt group (`grpo.learner.tree`).
+micro-batch's longest); the tree lays out token trees of each prompt group, cut and packed into rows as its cost
+model says (`grpo.learner.tree.layout`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ def padded_positions(batch) -> int:
     return groups * batch.prompt_ids.shape[1] + len(batch) * width
 
 
+def padded_pairs(batch) -> int:
+    """The (query, key) pairs the padded pass's attention computes: each group's prompt over itself, each padded
+    completion over its prompt and itself."""
+    groups = len(batch.group.unique())
+    prompt, width = batch.prompt_ids.shape[1], int(batch.completion_attention.sum(-1).max())
+    return groups * prompt * prompt + len(batch) * width * (prompt + width)
+
+
 def main() -> None:
     precision = sys.argv[1] if len(sys.argv) > 1 else "fp32"
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -65,7 +76,8 @@ def main() -> None:
     model = trainer.model
     tokens = sum(int(b.completion_attention.sum()) for b in kept)
     padded = sum(padded_positions(b) for b in kept)
-    trees = sum(tree.layout(b).positions_computed for b in kept)
+    layouts = [tree.layout(b, pair_cost=tree.pair_cost(model)) for b in kept]  # as the training pass lays them out
+    trees = sum(t.positions_computed for t in layouts)
     result = {
         "precision": precision,
         "task": task,
@@ -75,6 +87,8 @@ def main() -> None:
         "completion_padding_share": 1 - tokens / sum(len(b) * int(b.completion_attention.sum(-1).max()) for b in kept),
         "padded_positions": padded,
         "tree_positions": trees,
+        "padded_pairs": sum(padded_pairs(b) for b in kept),
+        "tree_pairs": sum(t.pairs_computed for t in layouts),
     }
     speedups = {}
     # as the workload runs (no gradient checkpointing: prompts shared through the KV cache, padding skipped by the
@@ -90,7 +104,9 @@ def main() -> None:
         speedups[setting] = seconds[False] / seconds[True]
     print("TREE_RESULT " + json.dumps(result))
     print(
-        f"tree_positions_ratio={trees / padded:.2f} tree_train_speedup={speedups['workload']:.2f} "
+        f"tree_positions_ratio={trees / padded:.2f} "
+        f"tree_pairs_ratio={result['tree_pairs'] / result['padded_pairs']:.2f} "
+        f"tree_train_speedup={speedups['workload']:.2f} "
         f"tree_train_speedup_checkpointing={speedups['checkpointing']:.2f} "
         f"({precision}, {task} to {length} tokens, {len(kept)} micro-batches, {tokens} completion tokens, "
         f"{result['completion_padding_share']:.0%} of padded completion positions are padding)"

@@ -5,14 +5,20 @@ it computes fewer positions."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from grpo import GRPOConfig
 from grpo.algo.losses import policy_loss
 from grpo.config.grpo_fields import LOSS_TYPES
+from grpo.data.prompts import tokenize_prompts
 from grpo.learner import tree
+from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
+from grpo.rollout import Rollout
 from test_shared_prefix_training import assert_same_pass, batch_and_model, logps_and_grads
 from tiny import make_model, make_tokenizer
 
@@ -43,7 +49,7 @@ def test_tree_pass_in_pieces_and_with_an_empty_completion():
 
 def test_the_layout_holds_each_prompt_once_and_no_padding_inside_a_group():
     batch, _ = batch_and_model()
-    trees = tree.layout(batch)
+    trees = tree.layout(batch)  # no cost on pairs: one tree per group, the fewest tokens
     prompts = {g: int(batch.prompt_mask[batch.group == g][0].sum()) for g in batch.group.unique().tolist()}
     # a group's tree holds each distinct prefix of its rows' sequences once: the prompt, then each completion's
     # tokens (completions that begin alike share those tokens too)
@@ -54,8 +60,8 @@ def test_the_layout_holds_each_prompt_once_and_no_padding_inside_a_group():
         per_group.setdefault(int(batch.group[i]), set()).update(tuple(sequence[: k + 1]) for k in range(len(sequence)))
     sizes = {g: len(prefixes) for g, prefixes in per_group.items()}
     assert all(sizes[g] <= prompts[g] + int(batch.completion_attention[batch.group == g].sum()) for g in sizes)
-    assert sorted(trees.real.sum(-1).tolist()) == sorted(sizes.values())
-    assert trees.positions_computed == len(sizes) * max(sizes.values())
+    assert int(trees.real.sum()) == sum(sizes.values())
+    assert trees.input_ids.shape[1] == max(sizes.values()) and len(trees.input_ids) <= len(sizes)
     assert trees.positions_computed < batch.prompt_ids.numel() + batch.completion_ids.numel()
     # a completion's first token sits at its prompt's length, as in the padded pass (the output at column[i, 1]
     # predicts token 1, so it is token 0's)
@@ -80,6 +86,78 @@ def test_a_group_longer_than_the_widest_tree_is_cut_into_trees():
             tree.MAX_WIDTH = kept
     m = batch.mask.bool()
     torch.testing.assert_close(trees_lp[m], padded[m], rtol=1e-5, atol=1e-6)
+
+
+def test_small_trees_share_a_row(monkeypatch):
+    """Trees narrower than the widest sit side by side in one row, each attending only within itself: the pass
+    is the padded one's."""
+    batch, model = batch_and_model()
+    group = batch.group.tolist()
+    keep = [i for i, g in enumerate(group) if g == 1] + [group.index(0), group.index(2)]  # 4 rows, then 1 and 1
+    batch = batch.select(torch.tensor(keep))
+    trees = tree.layout(batch)
+    assert len(trees.input_ids) == 2 and sorted(trees.real.sum(-1).tolist())[0] < trees.input_ids.shape[1]
+    two = int(trees.real[trees.row[-1, 0]].sum())  # the two one-row groups' trees, side by side
+    assert trees.row[-1, 0] == trees.row[-2, 0] and two == sum(
+        int(batch.prompt_mask[i].sum() + batch.completion_attention[i].sum()) for i in (-1, -2)
+    )
+    monkeypatch.setattr(tree, "pair_cost", lambda model: 0.0)  # the training pass lays out these rows
+    padded = logps_and_grads(model, batch)
+    packed = logps_and_grads(model, batch, as_trees=True)
+    assert_same_pass(packed, padded, batch, GRAD_ATOL)
+
+
+def long_completions_batch():
+    """Groups of 4 completions of 30-40 tokens after a short prompt: a group's tree is wide, its prompt short."""
+    tok = make_tokenizer()
+    prompts = tokenize_prompts([[{"role": "user", "content": t}] for t in ("hi", "ok", "go")], tok)
+    g = torch.Generator().manual_seed(1)
+    rows, completions, group = [], [], []
+    for k, p in enumerate(prompts):
+        for _ in range(4):
+            rows.append(p)
+            group.append(k)
+            n = int(torch.randint(30, 41, (1,), generator=g))
+            completions.append(torch.randint(10, len(tok), (n,), generator=g).tolist())
+    rollout = Rollout(
+        prompt_ids=rows,
+        completion_ids=completions,
+        sampling_logps=[[0.0] * len(c) for c in completions],
+        truncated=[False] * len(rows),
+    )
+    batch = collate(rollout, torch.zeros(len(rows)), tok.pad_token_id, mask_truncated=False, group=torch.tensor(group))
+    return batch, make_model(tok, hidden=64)
+
+
+def test_the_cost_model_cuts_groups_where_width_costs_more_than_repeated_prompts(monkeypatch):
+    """Each layout is the cheaper of the two for its cost on pairs: with none, one tree per group (each prompt
+    once); with pairs as dear as tokens, narrower trees (each prompt more than once, fewer pairs). The pass over
+    the narrow layout is the padded one's."""
+    batch, model = long_completions_batch()
+    wide, narrow = tree.layout(batch), tree.layout(batch, pair_cost=1.0)
+
+    def cost(trees, pair_cost):
+        return int(trees.real.sum()) + pair_cost * trees.pairs_computed
+
+    assert len(wide.input_ids) == 3 and len(narrow.input_ids) > 3
+    assert int(narrow.real.sum()) > int(wide.real.sum()) and narrow.pairs_computed < wide.pairs_computed
+    assert cost(wide, 0.0) < cost(narrow, 0.0) and cost(narrow, 1.0) < cost(wide, 1.0)
+    monkeypatch.setattr(tree, "pair_cost", lambda model: 1.0)
+    padded = logps_and_grads(model, batch)
+    trees = logps_and_grads(model, batch, as_trees=True)
+    assert_same_pass(trees, padded, batch, GRAD_ATOL)
+
+
+def test_pair_cost_reads_the_models_shape():
+    """SmolLM2-135M's shape (grouped-query attention, a gated MLP): 2 x 576 multiply-adds per pair against
+    2 x 576 x 576 (q, o) + 2 x 576 x 192 (k, v) + 3 x 576 x 1536 (the MLP) per token."""
+    config = LlamaConfig(
+        hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536
+    )
+    expected = 2 * 576 / (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
+    assert tree.pair_cost(SimpleNamespace(config=config)) == pytest.approx(expected)
+    assert tree.PAIR_COST == pytest.approx(expected, rel=0.05)  # the default where a config does not say
+    assert tree.pair_cost(SimpleNamespace(config=SimpleNamespace())) == tree.PAIR_COST
 
 
 def test_a_row_past_the_sliding_window_keeps_the_padded_layout():

@@ -403,7 +403,7 @@ def _forward_tree(
     """The same outputs as `_forward`, from the rows laid out as token trees (`grpo.learner.tree.layout`): each
     prompt once and no padding inside a group (`aux_losses` and `extra` are always None: router losses and image
     prompts keep the padded layout)."""
-    trees = tree.layout(batch)
+    trees = tree.layout(batch, pair_cost=tree.pair_cost(model))
     with blocks.real_tokens(trees.real):
         out = _outputs(
             model,

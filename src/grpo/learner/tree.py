@@ -6,9 +6,12 @@ merged on their common prefixes (a trie): the prompt once, each rendered history
 a branch no later turn attends to, and no padding. Attention follows an ancestor mask: a token sees the tokens of
 its own context and itself, never a sibling branch's; positions follow each token's own context (a completion's
 first token is at its context's length, as in the padded pass). So every trained token gets the outputs it gets
-scored alone after its own context, while the pass computes each distinct prefix once. Only the rows of different
-groups are padded to the longest tree (those positions attend to themselves alone and no real token attends to
-them).
+scored alone after its own context, while the pass computes each distinct prefix once.
+
+The attention's mask is dense, so a row costs the square of its width: a group may be cut into trees of consecutive
+rows (each with the prompt once more) where a cost model of tokens against (query, key) pairs says that is cheaper
+(`layout`, `pair_cost`), and trees are packed side by side into rows of the widest tree's width. Only a row's end
+is padding (those positions attend to themselves alone and no real token attends to them).
 
 The padded layout's counterpart for rows with turns is `forked`: one row per turn, its context as the prompt (what
 other trainers do to train such histories exactly).
@@ -38,9 +41,9 @@ _MASKED = ("sdpa", "eager")
 
 @dataclass(frozen=True)
 class Tree:
-    """A micro-batch as trees: `input_ids`, `positions` and `real` (R, T) for R trees, `mask` (R, 1, T, T) True where
-    a query may attend a key, and for each completion position of the batch (B, C) the tree row and column whose
-    output predicts it (`row`, `column`)."""
+    """A micro-batch as trees: `input_ids`, `positions` and `real` (R, T) for R rows of one or more trees side by
+    side, `mask` (R, 1, T, T) True where a query may attend a key, and for each completion position of the batch
+    (B, C) the row and column whose output predicts it (`row`, `column`)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -54,11 +57,20 @@ class Tree:
         """Positions the pass computes (rows times their padded width)."""
         return self.input_ids.numel()
 
+    @property
+    def pairs_computed(self) -> int:
+        """(query, key) pairs the attention computes under the dense mask (rows times their width squared)."""
+        return self.input_ids.shape[0] * self.input_ids.shape[1] ** 2
+
 
 # A tree's most tokens: the mask and the attention grow with the square of a row's length, so a group whose prompt
 # and completions add up to more is cut into several trees, each with the prompt once (the same numbers; a tree of
-# one completion may be longer).
+# one completion may be longer). `layout` cuts narrower where its cost model says so.
 MAX_WIDTH = 2048
+
+# `pair_cost` where a model's config does not say (SmolLM2-135M's): attention's work per (query, key) pair over a
+# token's work in the layers' projections
+PAIR_COST = 3.3e-4
 
 
 class _Trie:
@@ -136,47 +148,114 @@ def _host_turns(batch: TrainBatch) -> list[list[tuple[list[int], int, int, list[
     return rows
 
 
-def layout(batch: TrainBatch, max_width: int | None = None) -> Tree:
-    """`batch`'s rows as one tree per group (`batch.group`), or several where a group's tokens pass `max_width`;
-    completions are their attended tokens (`completion_attention`, a prefix of each row). Each row's sequences
-    (the prompt and its completion, or with turns each turn's context and tokens, `contexts`) are merged on their
-    common prefixes: every distinct prefix is computed once."""
+def pair_cost(model: Any) -> float:
+    """The attention's multiply-adds per (query, key) pair over a token's multiply-adds in a layer's projections
+    and MLP, from the model's config: what a row's width costs (a dense mask attends every pair of a row) against
+    what its tokens cost. Counted on the CPU, the training pass's time follows it (bench/tree_packing.py)."""
+    config = unwrap(model).config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    d = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(d, int) or not isinstance(heads, int):
+        return PAIR_COST
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head = getattr(config, "head_dim", None) or d // heads
+    inner = getattr(config, "intermediate_size", None) or 4 * d
+    per_token = 2 * d * heads * head + 2 * d * kv * head + 3 * d * inner  # q and o, k and v, a gated MLP
+    return 2 * heads * head / per_token  # q.k and the weighted sum of v
+
+
+def _cut(groups: dict[int, list[int]], sequences: list[list[list[int]]], cap: int) -> list[tuple[_Trie, dict]]:
+    """Each group's rows, in order, cut into tries of at most `cap` nodes (a row alone may pass it): for each trie,
+    its rows' nodes ({row: the nodes of each of its sequences})."""
+    trees = []
+    for rows in groups.values():
+        trie, placed = _Trie(), {}
+        for i in rows:
+            if len(trie) and len(trie) + trie.added(sequences[i]) > cap:
+                trees.append((trie, placed))
+                trie, placed = _Trie(), {}
+            placed[i] = [trie.insert(sequence) for sequence in sequences[i]]
+        trees.append((trie, placed))
+    return trees
+
+
+def _pack(sizes: list[int], width: int) -> list[list[int]]:
+    """Trees of `sizes` into as few rows of `width` as first fit finds, the largest first: each row's trees."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for t in sorted(range(len(sizes)), key=lambda t: -sizes[t]):
+        fits = next((r for r, free in enumerate(room) if sizes[t] <= free), None)
+        if fits is None:
+            rows.append([t])
+            room.append(width - sizes[t])
+        else:
+            rows[fits].append(t)
+            room[fits] -= sizes[t]
+    return rows
+
+
+def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0.0) -> Tree:
+    """`batch`'s rows as token trees: each group's (`batch.group`) rows merged on their common prefixes (each row's
+    sequences, `contexts`: the prompt and its completion, or with turns each turn's context and tokens; completions
+    are their attended tokens, `completion_attention`, a prefix of each row), so every distinct prefix is computed
+    once. A group may be cut into several trees of consecutive rows, none past `max_width` tokens unless a row alone
+    is; the trees are packed side by side into rows of the widest tree's width (a row holds several small trees,
+    each attending only within itself).
+
+    Where to cut is a cost: each computed token costs 1, each (query, key) pair of a row `pair_cost` (`pair_cost`:
+    the dense mask attends every pair). Of the cuts at the widest row alone, its doubles, each group whole and
+    `max_width`, the cheapest is taken; with `pair_cost` 0, the widest (the fewest tokens)."""
     device = batch.prompt_ids.device
     max_width = max_width or MAX_WIDTH
     # laid out on the host (a few small tensors), moved to the batch's device at the end
+    host = _host_turns(batch)
+    sequences = [[context + tokens for context, _, _, tokens in turns] for turns in host]
+    groups: dict[int, list[int]] = {}
+    for i, group in enumerate(batch.group.tolist()):
+        groups.setdefault(group, []).append(i)
+    alone = max(_Trie().added(rows) for rows in sequences)  # the widest row alone
+    whole = [_Trie().added([s for i in rows for s in sequences[i]]) for rows in groups.values()]
+    caps = {alone * 2**k for k in range(12) if alone * 2**k < max_width} | {max(alone, max_width)}
+    caps |= {w for w in whole if alone <= w <= max_width}
+    best: tuple[float, list[tuple[_Trie, dict]], list[list[int]]] | None = None
+    for cap in sorted(caps):
+        trees = _cut(groups, sequences, cap)
+        sizes = [len(trie) for trie, _ in trees]
+        width = max(sizes)
+        rows = _pack(sizes, width)
+        cost = sum(sizes) + pair_cost * len(rows) * width * width
+        if best is None or cost < best[0]:
+            best = (cost, trees, rows)
+    assert best is not None
+    _, trees, rows = best
+    width = max(len(trie) for trie, _ in trees)
     c = batch.completion_ids.shape[1]
     row = torch.zeros(len(batch), c, dtype=torch.long)
     column = torch.zeros(len(batch), c, dtype=torch.long)
-    groups: dict[int, list[_Trie]] = {}
-    owner = []  # each row's (group, trie of the group)
-    for i, (turns, group) in enumerate(zip(_host_turns(batch), batch.group.tolist())):
-        sequences = [context + tokens for context, _, _, tokens in turns]
-        tries = groups.setdefault(group, [_Trie()])
-        if len(tries[-1]) and len(tries[-1]) + tries[-1].added(sequences) > max_width:
-            tries.append(_Trie())
-        for (context, start, end, _), sequence in zip(turns, sequences):
-            nodes = tries[-1].insert(sequence)
-            # token t of the turn is predicted by the node before it: the context's last token for the first
-            column[i, start:end] = torch.tensor(nodes[len(context) - 1 : len(sequence) - 1], dtype=torch.long)
-        owner.append((group, len(tries) - 1))
-    first, count = {}, 0  # each group's first tree's index
-    for group, tries in groups.items():
-        first[group], count = count, count + len(tries)
-    trees = [trie for tries in groups.values() for trie in tries]
-    for i, (group, k) in enumerate(owner):
-        row[i] = first[group] + k
-    width = max(len(t) for t in trees)
-    # any id will do at the padding between trees: no real token attends to it and its outputs are never read
-    input_ids = torch.full((len(trees), width), int(batch.prompt_ids[0, 0]), dtype=batch.prompt_ids.dtype)
-    positions = torch.zeros(len(trees), width, dtype=torch.long)
-    real = torch.zeros(len(trees), width, dtype=torch.long)
-    mask = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)  # padding sees itself: no empty softmax
-    for r, trie in enumerate(trees):
-        n = len(trie)
-        input_ids[r, :n] = torch.tensor(trie.tokens, dtype=batch.prompt_ids.dtype)
-        positions[r, :n] = torch.tensor(trie.depth, dtype=torch.long)
-        real[r, :n] = 1
-        mask[r, :n, :n] = torch.from_numpy(trie.ancestors())
+    # any id will do at the padding: no real token attends to it and its outputs are never read
+    input_ids = torch.full((len(rows), width), int(batch.prompt_ids[0, 0]), dtype=batch.prompt_ids.dtype)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    real = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself: no empty softmax
+    for r, placed_trees in enumerate(rows):
+        offset = 0
+        for t in placed_trees:
+            trie, placed = trees[t]
+            n = len(trie)
+            span = slice(offset, offset + n)
+            input_ids[r, span] = torch.tensor(trie.tokens, dtype=batch.prompt_ids.dtype)
+            positions[r, span] = torch.tensor(trie.depth, dtype=torch.long)
+            real[r, span] = 1
+            mask[r, span, span] = torch.from_numpy(trie.ancestors())
+            for i, nodes in placed.items():
+                row[i] = r
+                for (context, start, end, _), sequence, seen in zip(host[i], sequences[i], nodes):
+                    # token t of a turn is predicted by the node before it: the context's last token for the first
+                    column[i, start:end] = offset + torch.tensor(
+                        seen[len(context) - 1 : len(sequence) - 1], dtype=torch.long
+                    )
+            offset += n
     return Tree(
         input_ids=input_ids.to(device),
         positions=positions.to(device),
