@@ -16,10 +16,12 @@ mode is not run: on vLLM's CPU build it crashes at its first weight sync (docs/v
 sequential and `async_generation` (max_staleness 1), give `async_speedup=<tokens/s ratio>` and the share of the
 async run's time that the learner and the producer each spent waiting for the other, then `async_overlap_bound`:
 the most overlap could give here, from each phase's time on its share of the cores against all of them. Then
-`tree_positions_ratio`, `tree_train_speedup` and `tree_train_speedup_checkpointing`: packing="tree" against the
-padded layout on the micro-batches of a short run (tree_packing.py). `multi_turn_tree_vs_forked_tokens`,
-`multi_turn_tree_vs_appended_tokens` and `multi_turn_tree_speedup`: multi-turn tool rollouts under a
-reasoning-stripping template, the tree against forked rows and append-only rows (multi_turn_tree.py).
+`tree_positions_ratio`, `tree_pairs_ratio`, `tree_train_speedup` and `tree_train_speedup_checkpointing`:
+packing="tree" against the padded layout on the micro-batches of a short run (tree_packing.py), and
+`auto_train_speedup(_checkpointing)`: packing="auto" (each piece the cheaper layout) against the padded one.
+`multi_turn_tree_vs_forked_tokens`, `multi_turn_tree_vs_appended_tokens` and `multi_turn_tree_speedup`: multi-turn
+tool rollouts under a reasoning-stripping template, the tree against forked rows and append-only rows
+(multi_turn_tree.py).
 """
 
 from __future__ import annotations

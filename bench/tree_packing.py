@@ -13,6 +13,7 @@ computes, and the training tokens/s of each:
     tree_positions_ratio=<tree / padded positions> tree_pairs_ratio=<tree / padded pairs>
     tree_train_speedup=<tree / padded training tokens/s>
     tree_train_speedup_checkpointing=<the same with gradient checkpointing, GRPOConfig's default>
+    auto_train_speedup=<packing="auto" / padded> auto_train_speedup_checkpointing=<the same, checkpointing>
 
 The padded layout is today's default (each prompt once through the shared KV cache, completions padded to the
 micro-batch's longest); the tree lays out token trees of each prompt group, cut and packed into rows as its cost
@@ -99,31 +100,40 @@ def main() -> None:
             a = trainer.accelerator
             passes = TrainingPass(model, args, a.autocast, a.mixed_precision)
         seconds = timed_passes(model, passes, kept, repeats)
-        result[f"{setting}_padded_tokens_per_s"] = tokens / seconds[False]
-        result[f"{setting}_tree_tokens_per_s"] = tokens / seconds[True]
-        speedups[setting] = seconds[False] / seconds[True]
+        for layout in LAYOUTS:
+            result[f"{setting}_{layout}_tokens_per_s"] = tokens / seconds[layout]
+        result[f"{setting}_auto_pieces_as_trees"] = f"{passes.laid_out['trees']}/{sum(passes.laid_out.values())}"
+        speedups[setting] = {layout: seconds["padded"] / seconds[layout] for layout in ("tree", "auto")}
     print("TREE_RESULT " + json.dumps(result))
     print(
         f"tree_positions_ratio={trees / padded:.2f} "
         f"tree_pairs_ratio={result['tree_pairs'] / result['padded_pairs']:.2f} "
-        f"tree_train_speedup={speedups['workload']:.2f} "
-        f"tree_train_speedup_checkpointing={speedups['checkpointing']:.2f} "
+        f"tree_train_speedup={speedups['workload']['tree']:.2f} "
+        f"tree_train_speedup_checkpointing={speedups['checkpointing']['tree']:.2f} "
+        f"auto_train_speedup={speedups['workload']['auto']:.2f} "
+        f"auto_train_speedup_checkpointing={speedups['checkpointing']['auto']:.2f} "
         f"({precision}, {task} to {length} tokens, {len(kept)} micro-batches, {tokens} completion tokens, "
         f"{result['completion_padding_share']:.0%} of padded completion positions are padding)"
     )
 
 
-def timed_passes(model, passes, kept, repeats: int) -> dict[bool, float]:
-    """Median seconds of the training pass over the kept micro-batches, per layout (tree or not), alternating."""
-    seconds: dict[bool, list[float]] = {False: [], True: []}
+# each layout as TrainingPass's (tree, where_cheaper)
+LAYOUTS = {"padded": (False, False), "tree": (True, False), "auto": (True, True)}
+
+
+def timed_passes(model, passes, kept, repeats: int) -> dict[str, float]:
+    """Median seconds of the training pass over the kept micro-batches, per layout (`LAYOUTS`), alternating; the
+    auto layout's pieces are counted in `passes.laid_out` (its last repeat's)."""
+    seconds: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
     for _ in range(repeats):
-        for as_trees in (False, True):
-            passes.tree = as_trees
+        for layout, (as_trees, where_cheaper) in LAYOUTS.items():
+            passes.tree, passes.where_cheaper = as_trees, where_cheaper
+            passes.laid_out.clear()
             start = time.perf_counter()
             for batch in kept:
                 logps, _ = passes.train(model, batch, entropy_grad=False)
                 (logps * batch.mask).sum().backward()
-            seconds[as_trees].append(time.perf_counter() - start)
+            seconds[layout].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
     return {k: statistics.median(v) for k, v in seconds.items()}
 

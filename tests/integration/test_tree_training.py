@@ -31,6 +31,7 @@ def test_a_tree_run_trains_like_a_padded_one(tiny_model_dir, tmp_path, checkpoin
     padded = trained(tiny_model_dir, tmp_path / "padded", gradient_checkpointing=checkpointing)
     trees = trained(tiny_model_dir, tmp_path / "tree", gradient_checkpointing=checkpointing, packing="tree")
     assert trees.training_pass.tree and not padded.training_pass.tree
+    assert trees.training_pass.laid_out["trees"] > 0 and not padded.training_pass.laid_out
     assert padded.training_pass.share_prefix is not checkpointing  # the cache sharing gradient checkpointing stops
     tree_params = params(trees.model)
     for name, value in params(padded.model).items():
@@ -41,17 +42,34 @@ def test_a_tree_run_trains_like_a_padded_one(tiny_model_dir, tmp_path, checkpoin
             assert tree_row["entropy"] == pytest.approx(row["entropy"], rel=1e-4)
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_auto_lays_out_each_piece_as_the_cheaper_and_trains_like_padded(tiny_model_dir, tmp_path, checkpointing):
+    """packing="auto": each piece of the training pass as trees or padded rows, whichever the cost model puts
+    lower; the run trains as the padded one does. On this workload (short completions after long chat prompts)
+    the trees win where gradient checkpointing runs each row's prompt itself, and the padded rows where the prompt
+    is shared through the KV cache."""
+    padded = trained(tiny_model_dir, tmp_path / "padded", gradient_checkpointing=checkpointing)
+    auto = trained(tiny_model_dir, tmp_path / "auto", gradient_checkpointing=checkpointing, packing="auto")
+    laid_out = auto.training_pass.laid_out
+    assert auto.training_pass.tree and auto.training_pass.where_cheaper
+    assert set(laid_out) == ({"trees"} if checkpointing else {"padded"}), laid_out
+    auto_params = params(auto.model)
+    for name, value in params(padded.model).items():
+        torch.testing.assert_close(auto_params[name], value, rtol=1e-4, atol=1e-6)
+
+
 def test_async_trains_as_trees(tiny_model_dir, tmp_path):
     args = AsyncGRPOConfig(**{**BASE, "output_dir": str(tmp_path / "out"), "max_steps": 2, "packing": "tree"})
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
     before = params(trainer.model)
     trainer.train()
     assert trainer.training_pass.tree and trainer.state.global_step == 2
+    assert trainer.training_pass.laid_out["trees"] > 0
     assert any(not torch.equal(before[n], v) for n, v in params(trainer.model).items())
 
 
 def test_an_unknown_packing_is_named(tmp_path):
-    with pytest.raises(ValueError, match=r"packing.*'trees'.*'padded' or 'tree'"):
+    with pytest.raises(ValueError, match=r"packing.*'trees'.*'padded', 'tree' or 'auto'"):
         cfg(tmp_path, packing="trees")
 
 

@@ -5,6 +5,7 @@ it computes fewer positions."""
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -146,6 +147,25 @@ def test_the_cost_model_cuts_groups_where_width_costs_more_than_repeated_prompts
     padded = logps_and_grads(model, batch)
     trees = logps_and_grads(model, batch, as_trees=True)
     assert_same_pass(trees, padded, batch, GRAD_ATOL)
+
+
+def test_where_cheaper_takes_trees_only_where_they_cost_less_than_padded_rows():
+    """`packing="auto"`'s choice per piece (`where_cheaper`): ragged completions after long prompts run as trees;
+    four completions of 30-40 tokens after a short prompt cost less as padded rows sharing the prompt (each padded
+    row attends over its own ~60 positions, a tree over ~200), and as trees where the prompt is not shared (rows of
+    prompt and completion each). Either way the padded pass's numbers."""
+    ragged, model = batch_and_model()
+    long, _ = long_completions_batch()
+    cost = tree.pair_cost(model)
+    assert tree.cheaper(tree.layout(ragged, pair_cost=cost), ragged, True, cost)
+    assert not tree.cheaper(tree.layout(long, pair_cost=cost), long, True, cost)
+    assert tree.cheaper(tree.layout(long, pair_cost=cost), long, False, cost)
+    for batch, shared, laid in ((ragged, True, "trees"), (long, True, "padded"), (long, False, "trees")):
+        counts: Counter[str] = Counter()
+        padded = logps_and_grads(model, batch, share_prefix=shared)
+        chosen = logps_and_grads(model, batch, share_prefix=shared, as_trees=True, where_cheaper=True, laid_out=counts)
+        assert counts == Counter({laid: 1}), (shared, counts)
+        assert_same_pass(chosen, padded, batch, GRAD_ATOL)
 
 
 def test_pair_cost_reads_the_models_shape():

@@ -212,7 +212,9 @@ class GrpoOnlyFields:
         "How the training pass lays out a micro-batch. 'padded': each completion a row, padded to the longest, "
         "each prompt once when the model allows (its KV cache shared). 'tree': one token tree per prompt group: "
         "the prompt once and each completion's tokens unpadded, attending through an ancestor mask "
-        "(`grpo.learner.tree`); the same numbers, fewer positions computed.",
+        "(`grpo.learner.tree`); the same numbers, fewer positions computed. 'auto': each micro-batch piece as "
+        "trees where a cost model of tokens and attention pairs puts them below the padded rows, else padded "
+        "(rows with rendered turns always as trees).",
         "padded",
     )
     turn_context: str = _help(

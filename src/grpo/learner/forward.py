@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,10 +67,15 @@ class TrainingPass:
         if reason is not None:
             logger.info("Training pass runs each row's prompt itself: %s.", reason)
         self.share_prefix = reason is None
-        reason = (tree.unsupported_reason(model) or whole_rows) if args.packing == "tree" else None
-        if reason is not None:
+        reason = (tree.unsupported_reason(model) or whole_rows) if args.packing != "padded" else None
+        if reason is not None and args.packing == "tree":
             warnings.warn(f"packing='tree' is not used: {reason}. The padded layout trains instead.", stacklevel=3)
-        self.tree = args.packing == "tree" and reason is None
+        elif reason is not None:
+            logger.info("packing='auto' lays out padded rows: %s.", reason)
+        self.tree = args.packing != "padded" and reason is None
+        self.where_cheaper = args.packing == "auto"  # each piece as trees only where they cost less than padded rows
+        # with trees: how many pieces ran as "trees" and as "padded" rows
+        self.laid_out: Counter[str] = Counter()
         reason = tiled_head_unsupported_reason(model)
         if reason is not None:
             logger.info("Training pass computes the full logits: %s.", reason)
@@ -111,6 +118,8 @@ class TrainingPass:
                 chunked_head=self.chunked_head,
                 images=self._images(),
                 as_trees=self.tree,
+                where_cheaper=self.where_cheaper,
+                laid_out=self.laid_out,
             )
         return logps
 
@@ -132,6 +141,8 @@ class TrainingPass:
                 aux_losses=aux_losses,
                 images=self._images(),
                 as_trees=self.tree,
+                where_cheaper=self.where_cheaper,
+                laid_out=self.laid_out,
             )
         self.aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
         assert entropies is not None  # with_entropy
@@ -183,6 +194,8 @@ def token_logps(
     aux_losses: list[torch.Tensor] | None = None,
     images: ImageInputs | None = None,
     as_trees: bool = False,
+    where_cheaper: bool = False,
+    laid_out: Counter[str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens under `model` (logits divided by temperature), and their entropies,
     as (B, C) tensors (values on padding positions are meaningless: the mask removes them).
@@ -198,19 +211,27 @@ def token_logps(
     the batch's `pad_to_multiple_of` (its width is rounded up to it). With `aux_losses` (a list), the model is
     asked for its router logits and each piece's load-balancing loss is appended (whole sequences: the prompt is
     then not shared). With `images` (a vision-language model), each piece gets its rows' pixel inputs and the
-    suppressed tokens' logits are SUPPRESSED. With `as_trees` (`packing="tree"`), each piece runs as one token tree per
-    prompt group (`grpo.learner.tree`: no padding inside a group, each prompt once), unless a row is longer than the
-    model's sliding window."""
+    suppressed tokens' logits are SUPPRESSED. With `as_trees` (`packing="tree"`), each piece runs as token trees of
+    its prompt groups (`grpo.learner.tree`: no padding inside a tree, each prompt once per tree), unless a row is
+    longer than the model's sliding window; with `where_cheaper` too, a piece without turns runs as trees only where
+    the layout's cost model puts them below the padded rows (`tree.cheaper`). `laid_out` counts the pieces that ran
+    as "trees" and as "padded" rows."""
     plain: Callable[..., torch.Tensor] = _forward_shared if share_prefix and aux_losses is None else _forward
+    cost = tree.pair_cost(model) if as_trees else 0.0
     lengths = batch.completion_attention.sum(-1)
     logps: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
     for rows in _pieces(lengths, chunk_size):
         part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
         extra = images.inputs(part) if images is not None else None
-        forward: Callable[..., torch.Tensor] = _forward_tree if as_trees and tree.fits_window(model, part) else plain
-        if forward is not _forward_tree and part.turns is not None:
+        trees = tree.layout(part, pair_cost=cost) if as_trees and tree.fits_window(model, part) else None
+        if trees is not None and where_cheaper and part.turns is None:
+            trees = trees if tree.cheaper(trees, part, plain is _forward_shared, cost) else None
+        forward: Callable[..., torch.Tensor] = plain if trees is None else functools.partial(_forward_tree, trees=trees)
+        if trees is None and part.turns is not None:
             forward = _forked(plain)
+        if laid_out is not None and as_trees:
+            laid_out["trees" if trees is not None else "padded"] += 1
         outputs = forward(model, part, chunked_head, aux_losses, extra)
         suppressed = images.suppressed if images is not None else ()
         lp, ent = _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head, suppressed)
@@ -398,12 +419,18 @@ def _forked(plain: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 def _forward_tree(
-    model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: None = None, extra: None = None
+    model: Any,
+    batch: TrainBatch,
+    chunked_head: bool = False,
+    aux_losses: None = None,
+    extra: None = None,
+    trees: tree.Tree | None = None,
 ) -> torch.Tensor:
-    """The same outputs as `_forward`, from the rows laid out as token trees (`grpo.learner.tree.layout`): each
-    prompt once and no padding inside a group (`aux_losses` and `extra` are always None: router losses and image
-    prompts keep the padded layout)."""
-    trees = tree.layout(batch, pair_cost=tree.pair_cost(model))
+    """The same outputs as `_forward`, from the rows laid out as token trees (`trees`, `grpo.learner.tree.layout`
+    by default): each prompt once and no padding inside a group (`aux_losses` and `extra` are always None: router
+    losses and image prompts keep the padded layout)."""
+    if trees is None:
+        trees = tree.layout(batch, pair_cost=tree.pair_cost(model))
     with blocks.real_tokens(trees.real):
         out = _outputs(
             model,

@@ -266,6 +266,24 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
     )
 
 
+def padded_cost(batch: TrainBatch, shared: bool, pair_cost: float) -> float:
+    """`layout`'s cost (tokens, and (query, key) pairs at `pair_cost`) of the padded pass over `batch`: each row's
+    prompt (each group's once where the prompt is `shared` through a KV cache) and its completion, padded to the
+    widest."""
+    rows, prompt = batch.prompt_ids.shape
+    width = int(batch.completion_attention.sum(-1).max())
+    if not shared:
+        return rows * (prompt + width) + pair_cost * rows * (prompt + width) ** 2
+    groups = len(torch.unique(batch.group))
+    tokens = groups * prompt + rows * width
+    return tokens + pair_cost * (groups * prompt * prompt + rows * width * (prompt + width))
+
+
+def cheaper(trees: Tree, batch: TrainBatch, shared: bool, pair_cost: float) -> bool:
+    """Whether the trees cost less than the padded pass over `batch` (`padded_cost`) by `layout`'s measure."""
+    return trees.positions_computed + pair_cost * trees.pairs_computed < padded_cost(batch, shared, pair_cost)
+
+
 def attention_mask(model: Any, tree: Tree) -> torch.Tensor:
     """The tree's mask as the model's attention takes a prepared one: boolean for SDPA, additive for eager."""
     if unwrap(model).config._attn_implementation == "sdpa":
