@@ -17,19 +17,21 @@ from grpo.rollout import Rollout
 from tiny import make_model, make_tokenizer
 
 
-def batch_and_model():
+def batch_and_model(texts=("hi", "what is two plus two?", "ok"), lengths=(1, 9), seed=0):
+    """Groups of 4 random completions (`lengths`: their lengths' range) of the chat prompts `texts`, the rows
+    shuffled, and a tiny model."""
     tok = make_tokenizer()
     model = make_model(tok, hidden=64)
-    chats = [[{"role": "user", "content": t}] for t in ("hi", "what is two plus two?", "ok")]
+    chats = [[{"role": "user", "content": t}] for t in texts]
     prompts = tokenize_prompts(chats, tok)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     rows, completions, group = [], [], []
     for k, p in enumerate(prompts):
         for _ in range(4):
             rows.append(p)
             group.append(k)
             completions.append(
-                torch.randint(10, len(tok), (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+                torch.randint(10, len(tok), (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist()
             )
     rollout = Rollout(
         prompt_ids=rows,

@@ -15,11 +15,8 @@ from transformers import LlamaConfig
 from grpo import GRPOConfig
 from grpo.algo.losses import policy_loss
 from grpo.config.grpo_fields import LOSS_TYPES
-from grpo.data.prompts import tokenize_prompts
 from grpo.learner import tree
-from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Rollout
 from test_shared_prefix_training import assert_same_pass, batch_and_model, logps_and_grads
 from tiny import make_model, make_tokenizer
 
@@ -110,24 +107,7 @@ def test_small_trees_share_a_row(monkeypatch):
 
 def long_completions_batch():
     """Groups of 4 completions of 30-40 tokens after a short prompt: a group's tree is wide, its prompt short."""
-    tok = make_tokenizer()
-    prompts = tokenize_prompts([[{"role": "user", "content": t}] for t in ("hi", "ok", "go")], tok)
-    g = torch.Generator().manual_seed(1)
-    rows, completions, group = [], [], []
-    for k, p in enumerate(prompts):
-        for _ in range(4):
-            rows.append(p)
-            group.append(k)
-            n = int(torch.randint(30, 41, (1,), generator=g))
-            completions.append(torch.randint(10, len(tok), (n,), generator=g).tolist())
-    rollout = Rollout(
-        prompt_ids=rows,
-        completion_ids=completions,
-        sampling_logps=[[0.0] * len(c) for c in completions],
-        truncated=[False] * len(rows),
-    )
-    batch = collate(rollout, torch.zeros(len(rows)), tok.pad_token_id, mask_truncated=False, group=torch.tensor(group))
-    return batch, make_model(tok, hidden=64)
+    return batch_and_model(texts=("hi", "ok", "go"), lengths=(30, 41), seed=1)
 
 
 def test_the_cost_model_cuts_groups_where_width_costs_more_than_repeated_prompts(monkeypatch):
