@@ -39,14 +39,14 @@ def job(out, model, spg, resume, *extra, wait_for=None, send=signal.SIGKILL, sta
             r, w = os.pipe()
             proc = zygote.fork(argv, env=env, stdout=w, stderr=stderr)
             os.close(w)
+            sent = None
             with os.fdopen(r) as stdout:
-                for line in stdout:
-                    if line.strip() == wait_for:
+                for line in stdout:  # to the end: what the job prints after the signal still has a reader
+                    if sent is None and line.strip() == wait_for:
                         proc.send_signal(send)
                         sent = time.monotonic()
-                        break
-                else:
-                    sent = time.monotonic()  # it ended without printing the line: the status check below says so
+            if sent is None:  # it ended without printing the line: the status check below says so
+                sent = time.monotonic()
         proc.wait(timeout=600)
         stderr.seek(0)
         text = stderr.read()
