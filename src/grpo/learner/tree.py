@@ -165,12 +165,17 @@ def pair_cost(model: Any) -> float:
     return 2 * heads * head / per_token  # q.k and the weighted sum of v
 
 
-def _cut(groups: dict[int, list[int]], sequences: list[list[list[int]]], cap: int) -> list[tuple[_Trie, dict]]:
+# a trie and its rows' nodes ({row: the nodes of each of its sequences})
+_Placed = tuple[_Trie, dict[int, list[list[int]]]]
+
+
+def _cut(groups: dict[int, list[int]], sequences: list[list[list[int]]], cap: int) -> list[_Placed]:
     """Each group's rows, in order, cut into tries of at most `cap` nodes (a row alone may pass it): for each trie,
-    its rows' nodes ({row: the nodes of each of its sequences})."""
-    trees = []
+    its rows' nodes."""
+    trees: list[_Placed] = []
     for rows in groups.values():
-        trie, placed = _Trie(), {}
+        trie = _Trie()
+        placed: dict[int, list[list[int]]] = {}
         for i in rows:
             if len(trie) and len(trie) + trie.added(sequences[i]) > cap:
                 trees.append((trie, placed))
@@ -218,7 +223,7 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
     whole = [_Trie().added([s for i in rows for s in sequences[i]]) for rows in groups.values()]
     caps = {alone * 2**k for k in range(12) if alone * 2**k < max_width} | {max(alone, max_width)}
     caps |= {w for w in whole if alone <= w <= max_width}
-    best: tuple[float, list[tuple[_Trie, dict]], list[list[int]]] | None = None
+    best: tuple[float, list[_Placed], list[list[int]]] | None = None
     for cap in sorted(caps):
         trees = _cut(groups, sequences, cap)
         sizes = [len(trie) for trie, _ in trees]
