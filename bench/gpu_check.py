@@ -59,6 +59,7 @@ SIZES = {
             "tests/unit/test_fast_generation.py",
             "tests/unit/test_shared_prefix_training.py",
             "tests/unit/test_static_decode.py",
+            "tests/unit/test_tree_packing.py",
         ],
     ),
     "dry": dict(

@@ -325,6 +325,72 @@ def train(sizes: dict) -> None:
         tokens_per_s=tokens / seconds,
         **counted(run),
     )
+    layouts(model, sizes, prompts, g)
+
+
+def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) -> None:
+    """The training pass over completions of a quarter to all of the cap (ragged, as a run's are) as padded rows,
+    as token trees (packing="tree") and as packing="auto" chooses per piece: what decides whether "auto" becomes
+    the default (bench/tree_packing.py measures the same on the CPU)."""
+    from collections import Counter
+
+    from grpo.learner import tree
+    from grpo.learner.batch import collate
+    from grpo.learner.forward import token_logps
+    from grpo.rollout.base import Rollout
+
+    reason = tree.unsupported_reason(model)
+    if reason is not None:
+        emit("train_layouts", skipped=reason)
+        return
+    rows, group, completion = sizes["rows"], sizes["group"], sizes["completion"]
+    vocab = random_model.sizes_of(model)["vocab"]
+    lengths = torch.randint(max(completion // 4, 1), completion + 1, (rows,), generator=g).tolist()
+    rollout = Rollout(
+        prompt_ids=[p for p in prompts for _ in range(group)],
+        completion_ids=[torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths],
+        sampling_logps=[[0.0] * n for n in lengths],
+        truncated=[False] * rows,
+    )
+    batch = collate(rollout, torch.randn(rows), 0, mask_truncated=False).to(DEVICE)
+    counts: Counter[str] = Counter()
+    seconds = {}
+    for name, kwargs in (
+        ("padded", {}),
+        ("tree", dict(as_trees=True)),
+        ("auto", dict(as_trees=True, where_cheaper=True)),
+    ):
+
+        def run(kwargs=kwargs):
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+                lp, _ = token_logps(
+                    model,
+                    batch,
+                    1.0,
+                    with_entropy=True,
+                    share_prefix=True,
+                    chunked_head=True,
+                    laid_out=counts,
+                    **kwargs,
+                )
+            (lp * batch.mask).sum().backward()
+
+        counts.clear()
+        seconds[name] = median_s(run, repeats=3, warmup=1)
+    trees = tree.layout(batch, pair_cost=tree.pair_cost(model))
+    emit(
+        "train_layouts",
+        rows=rows,
+        completion_tokens=sum(lengths),
+        padded_ms=1e3 * seconds["padded"],
+        tree_ms=1e3 * seconds["tree"],
+        auto_ms=1e3 * seconds["auto"],
+        tree_speedup=seconds["padded"] / seconds["tree"],
+        auto_speedup=seconds["padded"] / seconds["auto"],
+        auto_runs_trees=counts["trees"] > 0,
+        tree_positions=trees.positions_computed,
+        tree_pairs=trees.pairs_computed,
+    )
 
 
 def model(sizes: dict) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+import on_device
 from grpo import GRPOConfig
 from grpo.algo.losses import policy_loss
 from grpo.config.grpo_fields import LOSS_TYPES
@@ -146,6 +147,36 @@ def test_where_cheaper_takes_trees_only_where_they_cost_less_than_padded_rows():
         chosen = logps_and_grads(model, batch, share_prefix=shared, as_trees=True, where_cheaper=True, laid_out=counts)
         assert counts == Counter({laid: 1}), (shared, counts)
         assert_same_pass(chosen, padded, batch, GRAD_ATOL)
+
+
+@on_device.mark
+@pytest.mark.parametrize("make", [batch_and_model, long_completions_batch], ids=["ragged", "long"])
+def test_tree_and_auto_passes_are_the_padded_pass_on_the_tests_device(make, monkeypatch):
+    """On the tests' device (on CUDA: SDPA with the tree's dense boolean mask), the tree pass as the cost model
+    cuts and packs it, a narrower cut (pairs as dear as tokens) and packing="auto"'s choice each give the padded
+    pass's log-probs, entropies and gradients, at that device's float32 tolerance."""
+    batch, model = make()
+    device = on_device.device()
+    batch, model = batch.to(device), model.to(device)
+    tolerance = on_device.float32_tolerance()
+    grad_tolerance = dict(rtol=tolerance["rtol"], atol=max(GRAD_ATOL, tolerance["atol"]))
+
+    def run(**kwargs):
+        model.zero_grad()
+        logps, entropies = token_logps(model, batch, 0.9, **kwargs)
+        (logps * batch.mask).sum().backward()
+        return logps.detach(), entropies.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    padded = run(share_prefix=True)
+    runs = {"tree": run(as_trees=True), "auto": run(as_trees=True, where_cheaper=True, share_prefix=True)}
+    monkeypatch.setattr(tree, "pair_cost", lambda model: 1.0)
+    runs["narrow"] = run(as_trees=True)
+    m = batch.mask.bool()
+    for name, (logps, entropies, grads) in runs.items():
+        torch.testing.assert_close(logps[m], padded[0][m], **tolerance, msg=name)
+        torch.testing.assert_close(entropies[m], padded[1][m], **tolerance, msg=name)
+        for parameter, grad in padded[2].items():
+            torch.testing.assert_close(grads[parameter], grad, **grad_tolerance, msg=f"{name}: {parameter}")
 
 
 def test_pair_cost_reads_the_models_shape():
