@@ -37,22 +37,6 @@ from grpo.models.bundled import bundled_model_path
 REPEATS = 3
 
 
-def padded_positions(batch) -> int:
-    """What the padded pass computes: each group's prompt once (left-padded to the batch's prompt width), each
-    completion padded to the longest."""
-    groups = len(batch.group.unique())
-    width = int(batch.completion_attention.sum(-1).max())
-    return groups * batch.prompt_ids.shape[1] + len(batch) * width
-
-
-def padded_pairs(batch) -> int:
-    """The (query, key) pairs the padded pass's attention computes: each group's prompt over itself, each padded
-    completion over its prompt and itself."""
-    groups = len(batch.group.unique())
-    prompt, width = batch.prompt_ids.shape[1], int(batch.completion_attention.sum(-1).max())
-    return groups * prompt * prompt + len(batch) * width * (prompt + width)
-
-
 def main() -> None:
     precision = sys.argv[1] if len(sys.argv) > 1 else "fp32"
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -76,7 +60,9 @@ def main() -> None:
     passes.train = train
     model = trainer.model
     tokens = sum(int(b.completion_attention.sum()) for b in kept)
-    padded = sum(padded_positions(b) for b in kept)
+    # the padded pass as the workload runs it: each group's prompt once through the shared KV cache
+    padded_shapes = [tree.padded_shape(b, shared=True) for b in kept]
+    padded = sum(positions for positions, _ in padded_shapes)
     layouts = [tree.layout(b, pair_cost=tree.pair_cost(model)) for b in kept]  # as the training pass lays them out
     trees = sum(t.positions_computed for t in layouts)
     result = {
@@ -88,7 +74,7 @@ def main() -> None:
         "completion_padding_share": 1 - tokens / sum(len(b) * int(b.completion_attention.sum(-1).max()) for b in kept),
         "padded_positions": padded,
         "tree_positions": trees,
-        "padded_pairs": sum(padded_pairs(b) for b in kept),
+        "padded_pairs": sum(pairs for _, pairs in padded_shapes),
         "tree_pairs": sum(t.pairs_computed for t in layouts),
     }
     speedups = {}

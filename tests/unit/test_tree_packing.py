@@ -161,16 +161,13 @@ def test_tree_and_auto_passes_are_the_padded_pass_on_the_tests_device(make, monk
     tolerance = on_device.float32_tolerance()
     grad_tolerance = dict(rtol=tolerance["rtol"], atol=max(GRAD_ATOL, tolerance["atol"]))
 
-    def run(**kwargs):
-        model.zero_grad()
-        logps, entropies = token_logps(model, batch, 0.9, **kwargs)
-        (logps * batch.mask).sum().backward()
-        return logps.detach(), entropies.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    padded = run(share_prefix=True)
-    runs = {"tree": run(as_trees=True), "auto": run(as_trees=True, where_cheaper=True, share_prefix=True)}
+    padded = logps_and_grads(model, batch, share_prefix=True)
+    runs = {
+        "tree": logps_and_grads(model, batch, as_trees=True),
+        "auto": logps_and_grads(model, batch, as_trees=True, where_cheaper=True, share_prefix=True),
+    }
     monkeypatch.setattr(tree, "pair_cost", lambda model: 1.0)
-    runs["narrow"] = run(as_trees=True)
+    runs["narrow"] = logps_and_grads(model, batch, as_trees=True)
     m = batch.mask.bool()
     for name, (logps, entropies, grads) in runs.items():
         torch.testing.assert_close(logps[m], padded[0][m], **tolerance, msg=name)

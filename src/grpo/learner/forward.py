@@ -424,13 +424,12 @@ def _forward_tree(
     chunked_head: bool = False,
     aux_losses: None = None,
     extra: None = None,
-    trees: tree.Tree | None = None,
+    *,
+    trees: tree.Tree,
 ) -> torch.Tensor:
     """The same outputs as `_forward`, from the rows laid out as token trees (`trees`, `grpo.learner.tree.layout`
-    by default): each prompt once and no padding inside a group (`aux_losses` and `extra` are always None: router
+    of `batch`): each prompt once and no padding inside a tree (`aux_losses` and `extra` are always None: router
     losses and image prompts keep the padded layout)."""
-    if trees is None:
-        trees = tree.layout(batch, pair_cost=tree.pair_cost(model))
     with blocks.real_tokens(trees.real):
         out = _outputs(
             model,

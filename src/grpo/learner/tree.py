@@ -223,7 +223,7 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
     whole = [_Trie().added([s for i in rows for s in sequences[i]]) for rows in groups.values()]
     caps = {alone * 2**k for k in range(12) if alone * 2**k < max_width} | {max(alone, max_width)}
     caps |= {w for w in whole if alone <= w <= max_width}
-    best: tuple[float, list[_Placed], list[list[int]]] | None = None
+    best: tuple[float, list[_Placed], list[list[int]], int] | None = None
     for cap in sorted(caps):
         trees = _cut(groups, sequences, cap)
         sizes = [len(trie) for trie, _ in trees]
@@ -231,10 +231,9 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
         rows = _pack(sizes, width)
         cost = sum(sizes) + pair_cost * len(rows) * width * width
         if best is None or cost < best[0]:
-            best = (cost, trees, rows)
+            best = (cost, trees, rows, width)
     assert best is not None
-    _, trees, rows = best
-    width = max(len(trie) for trie, _ in trees)
+    _, trees, rows, width = best
     c = batch.completion_ids.shape[1]
     row = torch.zeros(len(batch), c, dtype=torch.long)
     column = torch.zeros(len(batch), c, dtype=torch.long)
@@ -271,17 +270,22 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
     )
 
 
-def padded_cost(batch: TrainBatch, shared: bool, pair_cost: float) -> float:
-    """`layout`'s cost (tokens, and (query, key) pairs at `pair_cost`) of the padded pass over `batch`: each row's
-    prompt (each group's once where the prompt is `shared` through a KV cache) and its completion, padded to the
-    widest."""
+def padded_shape(batch: TrainBatch, shared: bool) -> tuple[int, int]:
+    """The positions and the (query, key) pairs the padded pass over `batch` computes: each row's prompt (each
+    group's once where the prompt is `shared` through a KV cache) and its completion, padded to the widest."""
     rows, prompt = batch.prompt_ids.shape
     width = int(batch.completion_attention.sum(-1).max())
     if not shared:
-        return rows * (prompt + width) + pair_cost * rows * (prompt + width) ** 2
+        return rows * (prompt + width), rows * (prompt + width) ** 2
     groups = len(torch.unique(batch.group))
-    tokens = groups * prompt + rows * width
-    return tokens + pair_cost * (groups * prompt * prompt + rows * width * (prompt + width))
+    return groups * prompt + rows * width, groups * prompt * prompt + rows * width * (prompt + width)
+
+
+def padded_cost(batch: TrainBatch, shared: bool, pair_cost: float) -> float:
+    """`layout`'s cost of the padded pass over `batch` (`padded_shape`): its positions, and its pairs at
+    `pair_cost`."""
+    positions, pairs = padded_shape(batch, shared)
+    return positions + pair_cost * pairs
 
 
 def cheaper(trees: Tree, batch: TrainBatch, shared: bool, pair_cost: float) -> bool:
