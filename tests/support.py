@@ -76,6 +76,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def job_env(**extra) -> dict[str, str]:
+    """The environment of a job process the tests start: this one's, its import path, one thread, and `extra`."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **extra)
+
+
+def torchrun_command(nproc) -> list[str]:
+    """torchrun itself (`python -m torch.distributed.run`) for nproc processes on a free port."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+    ]
+
+
 class Workers:
     """`script args` in nproc processes forked from the session's zygote (`zygote.fork`: the imports done once),
     each with the environment torchrun gives its workers (gloo on CPU, one thread each), its output in a log of its
@@ -87,10 +103,7 @@ class Workers:
         port = free_port()
         for rank in range(nproc):
             self.files.append(open(os.path.join(self._logs.name, f"rank{rank}.log"), "w+"))
-            worker = dict(
-                os.environ,
-                PYTHONPATH=os.pathsep.join(sys.path),
-                OMP_NUM_THREADS="1",
+            worker = job_env(
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
                 ROLE_RANK=str(rank),
@@ -146,10 +159,8 @@ def torchrun(nproc, script, *args, timeout=240, fresh=False):
     succeeded. The processes are torchrun's workers as `Workers` forks them; with `fresh`, torchrun itself starts
     them (`python -m torch.distributed.run`), for tests of a launch as users run it (`script` may then be `-m`)."""
     if fresh:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-        cmd.append(f"--master_port={free_port()}")
-        done = subprocess.run([*cmd, script, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
+        cmd = [*torchrun_command(nproc), script, *map(str, args)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), timeout=timeout)
         assert done.returncode == 0, done.stderr[-4000:]
         return
     with Workers(nproc, script, *args) as workers:
@@ -173,9 +184,8 @@ def terminated(script, out, *args, ready, delay, fresh=False, **env):
             assert codes == [143, 143], workers.logs(codes)
             assert all("exiting with status 143" in workers.log(rank) for rank in (0, 1)), workers.logs(codes)
         return
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", **env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    proc = subprocess.Popen([*cmd, script, str(out), *args], env=env, stderr=subprocess.PIPE, text=True)
+    cmd = [*torchrun_command(2), script, str(out), *args]
+    proc = subprocess.Popen(cmd, env=job_env(**env), stderr=subprocess.PIPE, text=True)
     while not (out / ready).exists() and proc.poll() is None:
         time.sleep(0.01)
     time.sleep(delay)
