@@ -289,23 +289,29 @@ def head(sizes: dict) -> None:
         )
 
 
-def train(sizes: dict) -> None:
+def _batch(prompts: list[list[int]], group: int, lengths: list[int], vocab: int, g: torch.Generator, truncated: bool):
+    """A training batch on the device: `group` rows per prompt, random completions of `lengths`."""
     from grpo.learner.batch import collate
-    from grpo.learner.forward import token_logps
     from grpo.rollout.base import Rollout
+
+    rollout = Rollout(
+        prompt_ids=[p for p in prompts for _ in range(group)],
+        completion_ids=[torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths],
+        sampling_logps=[[0.0] * n for n in lengths],
+        truncated=[truncated] * len(lengths),
+    )
+    return collate(rollout, torch.randn(len(lengths)), 0, mask_truncated=False).to(DEVICE)
+
+
+def train(sizes: dict) -> None:
+    from grpo.learner.forward import token_logps
 
     model = random_model.make_model(sizes["shape"], str(DEVICE)).train()
     measures = random_model.sizes_of(model)
     rows, group, prompt, completion = sizes["rows"], sizes["group"], sizes["prompt"], sizes["completion"]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, measures["vocab"], (prompt,), generator=g).tolist() for _ in range(rows // group)]
-    rollout = Rollout(
-        prompt_ids=[p for p in prompts for _ in range(group)],
-        completion_ids=[torch.randint(10, measures["vocab"], (completion,), generator=g).tolist() for _ in range(rows)],
-        sampling_logps=[[0.0] * completion for _ in range(rows)],
-        truncated=[True] * rows,
-    )
-    batch = collate(rollout, torch.randn(rows), 0, mask_truncated=False).to(DEVICE)
+    batch = _batch(prompts, group, [completion] * rows, measures["vocab"], g, truncated=True)
 
     def run():
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
@@ -335,9 +341,7 @@ def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) ->
     from collections import Counter
 
     from grpo.learner import tree
-    from grpo.learner.batch import collate
     from grpo.learner.forward import token_logps
-    from grpo.rollout.base import Rollout
 
     reason = tree.unsupported_reason(model)
     if reason is not None:
@@ -346,13 +350,7 @@ def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) ->
     rows, group, completion = sizes["rows"], sizes["group"], sizes["completion"]
     vocab = random_model.sizes_of(model)["vocab"]
     lengths = torch.randint(max(completion // 4, 1), completion + 1, (rows,), generator=g).tolist()
-    rollout = Rollout(
-        prompt_ids=[p for p in prompts for _ in range(group)],
-        completion_ids=[torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths],
-        sampling_logps=[[0.0] * n for n in lengths],
-        truncated=[False] * rows,
-    )
-    batch = collate(rollout, torch.randn(rows), 0, mask_truncated=False).to(DEVICE)
+    batch = _batch(prompts, group, lengths, vocab, g, truncated=False)
     counts: Counter[str] = Counter()
     seconds = {}
     for name, kwargs in (
