@@ -336,8 +336,9 @@ def train(sizes: dict) -> None:
 
 def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) -> None:
     """The training pass over completions of a quarter to all of the cap (ragged, as a run's are) as padded rows,
-    as token trees (packing="tree") and as packing="auto" chooses per piece: what decides whether "auto" becomes
-    the default (bench/tree_packing.py measures the same on the CPU)."""
+    as token trees (packing="tree", with the kernel `tree.attention_kernel` picks: FlexAttention where it
+    compiles), as packing="auto" chooses per piece, and as the same trees under the dense mask: what decides
+    whether "auto" becomes the default (bench/tree_packing.py measures the same on the CPU)."""
     from collections import Counter
 
     from grpo.learner import tree
@@ -353,11 +354,15 @@ def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) ->
     batch = _batch(prompts, group, lengths, vocab, g, truncated=False)
     counts: Counter[str] = Counter()
     seconds = {}
-    for name, kwargs in (
-        ("padded", {}),
-        ("tree", dict(as_trees=True)),
-        ("auto", dict(as_trees=True, where_cheaper=True)),
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        kernel = tree.attention_kernel(model, DEVICE)  # "flex" where FlexAttention compiles here
+    for name, kwargs, force in (
+        ("padded", {}, None),
+        ("tree", dict(as_trees=True), None),
+        ("auto", dict(as_trees=True, where_cheaper=True), None),
+        ("tree_dense", dict(as_trees=True), "dense"),  # the same trees under the dense mask, to SDPA
     ):
+        tree.FORCE_KERNEL = force
 
         def run(kwargs=kwargs):
             with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
@@ -374,18 +379,26 @@ def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) ->
             (lp * batch.mask).sum().backward()
 
         counts.clear()
-        seconds[name] = median_s(run, repeats=3, warmup=1)
-    trees = tree.layout(batch, pair_cost=tree.pair_cost(model))
+        try:
+            seconds[name] = median_s(run, repeats=3, warmup=1)
+        finally:
+            tree.FORCE_KERNEL = None
+        if name == "auto":
+            auto_runs_trees = counts["trees"] > 0
+    trees = tree.layout(batch, pair_cost=tree.pair_cost(model), kernel=kernel)
     emit(
         "train_layouts",
         rows=rows,
         completion_tokens=sum(lengths),
+        kernel=kernel,
         padded_ms=1e3 * seconds["padded"],
         tree_ms=1e3 * seconds["tree"],
         auto_ms=1e3 * seconds["auto"],
+        tree_dense_ms=1e3 * seconds["tree_dense"],
         tree_speedup=seconds["padded"] / seconds["tree"],
         auto_speedup=seconds["padded"] / seconds["auto"],
-        auto_runs_trees=counts["trees"] > 0,
+        tree_dense_speedup=seconds["padded"] / seconds["tree_dense"],
+        auto_runs_trees=auto_runs_trees,
         tree_positions=trees.positions_computed,
         tree_pairs=trees.pairs_computed,
     )

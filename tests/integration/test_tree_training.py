@@ -4,14 +4,22 @@ keeps the padded layout with one warning."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import transformers
 
 from field_effects import BASE
 from grpo import AsyncGRPOConfig, GRPOTrainer
+from grpo.learner import tree
+from grpo.learner.forward import token_logps
 from support import cfg, chat_dataset, length_reward, params
+from test_shared_prefix_training import batch_and_model
+from test_turn_layouts import turns_batch
 from tiny import NEMOTRON_H, make_tokenizer
+
+MAX_WIDTH = tree.MAX_WIDTH
 
 
 def trained(model_dir, tmp_path, **kw):
@@ -92,3 +100,23 @@ def test_a_recurrent_model_keeps_the_padded_layout_with_a_warning(tmp_path):
             processing_class=tokenizer,
         )
     assert not trainer.training_pass.tree
+
+
+def test_flex_attention_scores_the_trees_as_the_padded_pass(monkeypatch):
+    """The "flex" kernel (FlexAttention, compiled here for the CPU, where it runs forward only; the GPU check runs
+    it forward and backward on CUDA) gives the padded pass's log-probs and entropies, for groups whole and cut
+    into trees packed side by side, and for rendered turns against their forked rows."""
+    monkeypatch.setattr(tree, "FORCE_KERNEL", "flex")
+    groups, model = batch_and_model()
+    turns, _, _, _, turns_model = turns_batch()
+    widest = int((groups.prompt_mask.sum(-1) + groups.completion_attention.sum(-1)).max())
+    with torch.no_grad():
+        for batch, scorer, width in ((groups, model, None), (groups, model, widest), (turns, turns_model, None)):
+            monkeypatch.setattr(tree, "MAX_WIDTH", width or MAX_WIDTH)
+            counts: Counter[str] = Counter()
+            padded = token_logps(scorer, batch, 0.9, share_prefix=True)
+            flex = token_logps(scorer, batch, 0.9, as_trees=True, laid_out=counts)
+            assert counts == Counter({"trees": 1})
+            m = batch.mask.bool()
+            for got, expected in zip(flex, padded):
+                torch.testing.assert_close(got[m], expected[m], rtol=1e-5, atol=1e-6)

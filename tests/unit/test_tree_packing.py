@@ -152,9 +152,10 @@ def test_where_cheaper_takes_trees_only_where_they_cost_less_than_padded_rows():
 @on_device.mark
 @pytest.mark.parametrize("make", [batch_and_model, long_completions_batch], ids=["ragged", "long"])
 def test_tree_and_auto_passes_are_the_padded_pass_on_the_tests_device(make, monkeypatch):
-    """On the tests' device (on CUDA: SDPA with the tree's dense boolean mask), the tree pass as the cost model
-    cuts and packs it, a narrower cut (pairs as dear as tokens) and packing="auto"'s choice each give the padded
-    pass's log-probs, entropies and gradients, at that device's float32 tolerance."""
+    """On the tests' device (on CUDA: FlexAttention's block-sparse kernel, which must run there, and SDPA with the
+    tree's dense boolean mask), the tree pass as the cost model cuts and packs it, a narrower cut (pairs as dear as
+    tokens) and packing="auto"'s choice each give the padded pass's log-probs, entropies and gradients, at that
+    device's float32 tolerance."""
     batch, model = make()
     device = on_device.device()
     batch, model = batch.to(device), model.to(device)
@@ -162,12 +163,17 @@ def test_tree_and_auto_passes_are_the_padded_pass_on_the_tests_device(make, monk
     grad_tolerance = dict(rtol=tolerance["rtol"], atol=max(GRAD_ATOL, tolerance["atol"]))
 
     padded = logps_and_grads(model, batch, share_prefix=True)
+    kernel = tree.attention_kernel(model, device)
+    assert kernel == ("flex" if device.type == "cuda" else "dense")
     runs = {
         "tree": logps_and_grads(model, batch, as_trees=True),
         "auto": logps_and_grads(model, batch, as_trees=True, where_cheaper=True, share_prefix=True),
     }
+    if kernel == "flex":
+        monkeypatch.setattr(tree, "FORCE_KERNEL", "dense")
+        runs["tree, dense mask"] = logps_and_grads(model, batch, as_trees=True)
     monkeypatch.setattr(tree, "pair_cost", lambda model: 1.0)
-    runs["narrow"] = logps_and_grads(model, batch, as_trees=True)
+    runs["narrow"] = logps_and_grads(model, batch, as_trees=True)  # the dense mask's cut: the narrowest trees
     m = batch.mask.bool()
     for name, (logps, entropies, grads) in runs.items():
         torch.testing.assert_close(logps[m], padded[0][m], **tolerance, msg=name)
@@ -246,3 +252,81 @@ def test_every_loss_types_gradient_is_the_padded_one(loss_type):
     away), a KL term against a reference, the entropies the losses read."""
     batch, model = batch_and_model()
     assert_loss_types_gradients_agree(model, batch, loss_type, group=4)
+
+
+def block_mask_pairs(trees):
+    """Where FlexAttention's block mask of `trees` lets each query attend each key: (R, T, T)."""
+    rows, width = trees.last.shape
+    allowed = tree.block_mask(trees.last).mask_mod
+    b, q, k = torch.arange(rows).view(-1, 1, 1), torch.arange(width).view(1, -1, 1), torch.arange(width).view(1, 1, -1)
+    return allowed(b, 0, q, k)
+
+
+def test_the_flex_block_mask_attends_as_the_dense_mask_and_its_blocks_are_counted(monkeypatch):
+    """FlexAttention's block mask (the "flex" kernel) allows exactly the dense mask's (query, key) pairs, for one
+    tree per group, groups cut into trees side by side, and rendered turns (hidden branches); and `flex_blocks`
+    counts the blocks it computes (blocks of 16 here, so these rows have several)."""
+    from test_turn_layouts import turns_batch  # it imports this module
+
+    monkeypatch.setattr(tree, "FLEX_BLOCK", 16)
+    batch, _ = batch_and_model()
+    turns, *_ = turns_batch()
+    widest = int((batch.prompt_mask.sum(-1) + batch.completion_attention.sum(-1)).max())
+    for trees in (tree.layout(batch), tree.layout(batch, max_width=widest), tree.layout(turns)):
+        dense = trees.mask[:, 0]
+        assert torch.equal(block_mask_pairs(trees), dense)
+        assert tree.flex_blocks(trees.last) == int(tree.block_mask(trees.last).to_dense().sum())
+        # every key a query attends is itself or an ancestor: at a smaller position, and never padding
+        rows, queries, keys = dense.nonzero(as_tuple=True)
+        assert bool((trees.positions[rows, keys] <= trees.positions[rows, queries]).all())
+        assert bool((trees.real[rows, keys].bool() | (keys == queries)).all())
+    # pairs cost FlexAttention no cut: one tree per group, whatever the cost of pairs
+    flex = tree.layout(batch, pair_cost=1.0, kernel="flex")
+    assert torch.equal(flex.input_ids, tree.layout(batch).input_ids) and flex.kernel == "flex"
+    assert flex.pairs_computed == tree.flex_blocks(flex.last) * 16**2
+
+
+def test_the_tree_attends_with_flex_attention_on_cuda_where_it_runs(monkeypatch):
+    """The "flex" kernel is taken for an SDPA model on CUDA, where the probe runs the model's attention shape;
+    the dense mask on the CPU (FlexAttention has no backward there), for eager attention, under attention
+    dropout while training, and where the probe fails. No GPU is needed: the probe is replaced."""
+    _, model = batch_and_model()
+    probed = []
+    runs = {"ok": True}
+    monkeypatch.setattr(tree, "_flex_runs", lambda device, dtype, shape: probed.append((dtype, shape)) or runs["ok"])
+    cuda = torch.device("cuda")
+    assert tree.attention_kernel(model, torch.device("cpu")) == "dense" and not probed
+    assert tree.attention_kernel(model, cuda) == "flex"
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert probed == [(torch.float32, (config.num_attention_heads, config.num_key_value_heads, head_dim))]
+    config._attn_implementation = "eager"
+    assert tree.attention_kernel(model, cuda) == "dense"
+    config._attn_implementation, config.attention_dropout = "sdpa", 0.1
+    assert tree.attention_kernel(model.train(), cuda) == "dense"
+    assert tree.attention_kernel(model.eval(), cuda) == "flex"  # dropout is off out of training
+    runs["ok"] = False
+    assert tree.attention_kernel(model, cuda) == "dense"
+
+
+def test_a_flex_attention_that_does_not_run_is_named_once_and_the_dense_mask_used(monkeypatch):
+    """The probe on the CPU (no FlexAttention backward there) fails: one warning names why, and the answer is kept."""
+    monkeypatch.setattr(tree, "_FLEX_RUNS", {})
+    with pytest.warns(UserWarning, match="FlexAttention does not run here.*backward"):
+        assert not tree._flex_runs(torch.device("cpu"), torch.float32, (2, 1, 16))
+    assert not tree._flex_runs(torch.device("cpu"), torch.float32, (2, 1, 16))  # asked again: no second probe
+
+
+def test_routing_block_masks_leaves_sdpa_as_it_was():
+    """With block masks routed to FlexAttention, every other SDPA call is the same: the padded pass's numbers
+    are unchanged, bit for bit."""
+    batch, model = batch_and_model()
+    before = logps_and_grads(model, batch, share_prefix=True)
+    tree._route_block_masks()
+    tree._route_block_masks()  # once per process: a second call changes nothing
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"].routes_block_masks
+    after = logps_and_grads(model, batch, share_prefix=True)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert all(torch.equal(after[2][name], grad) for name, grad in before[2].items())

@@ -218,13 +218,14 @@ def token_logps(
     as "trees" and as "padded" rows."""
     plain: Callable[..., torch.Tensor] = _forward_shared if share_prefix and aux_losses is None else _forward
     cost = tree.pair_cost(model) if as_trees else 0.0
+    kernel = tree.attention_kernel(model, batch.prompt_ids.device) if as_trees else "dense"
     lengths = batch.completion_attention.sum(-1)
     logps: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
     for rows in _pieces(lengths, chunk_size):
         part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
         extra = images.inputs(part) if images is not None else None
-        trees = tree.layout(part, pair_cost=cost) if as_trees and tree.fits_window(model, part) else None
+        trees = tree.layout(part, pair_cost=cost, kernel=kernel) if as_trees and tree.fits_window(model, part) else None
         if trees is not None and where_cheaper and part.turns is None:
             trees = trees if tree.cheaper(trees, part, plain is _forward_shared, cost) else None
         forward: Callable[..., torch.Tensor] = plain if trees is None else functools.partial(_forward_tree, trees=trees)

@@ -8,21 +8,32 @@ its own context and itself, never a sibling branch's; positions follow each toke
 first token is at its context's length, as in the padded pass). So every trained token gets the outputs it gets
 scored alone after its own context, while the pass computes each distinct prefix once.
 
-The attention's mask is dense, so a row costs the square of its width: a group may be cut into trees of consecutive
-rows (each with the prompt once more) where a cost model of tokens against (query, key) pairs says that is cheaper
-(`layout`, `pair_cost`), and trees are packed side by side into rows of the widest tree's width. Only a row's end
-is padding (those positions attend to themselves alone and no real token attends to them).
+Each tree is laid out in depth-first order, so a token's descendants are the tokens right after it, up to the last
+of its subtree (`Tree.last`): a query attends a key where the key is at or before it and the query at or before the
+key's subtree's end. That one (R, T) tensor gives both masks the pass uses (`attention_kernel`):
+- "dense": the (R, 1, T, T) mask, handed to the model as a prepared 4D mask (transformers uses one as it is, for
+  its eager and SDPA attention). It attends every pair of a row, so a row costs the square of its width: a group may
+  be cut into trees of consecutive rows (each with the prompt once more) where a cost model of tokens against
+  (query, key) pairs says that is cheaper (`layout`, `pair_cost`).
+- "flex" (an SDPA model on CUDA, where FlexAttention compiles): a block mask from the same rule, so only the blocks
+  of queries and keys where one query attends one key are computed; a group stays one tree (a cut would add a
+  prompt and save nothing). transformers' SDPA attention function is extended once to hand a block mask to its
+  FlexAttention function (`_route_block_masks`: every other call is unchanged), which also covers the forward that
+  gradient checkpointing re-runs in backward.
+Trees are packed side by side into rows of the widest tree's width. Only a row's end is padding (those positions
+attend to themselves alone and no real token attends to them).
 
 The padded layout's counterpart for rows with turns is `forked`: one row per turn, its context as the prompt (what
 other trainers do to train such histories exactly).
 
-The mask is handed to the model as a prepared 4D mask (transformers uses one as it is, for its eager and SDPA
-attention); `unsupported_reason` names the models and settings where that would not give the padded pass's numbers,
+`unsupported_reason` names the models and settings where a prepared mask would not give the padded pass's numbers,
 which keep the padded layout.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +45,8 @@ from grpo.models.modeling import unwrap
 from grpo.rollout.base import left_pad, right_pad
 from grpo.rollout.fast import keeps_recurrent_state
 
+logger = logging.getLogger("grpo")
+
 # the attention implementations that read a prepared 4D mask as it is given (a boolean one for SDPA, an additive one
 # for eager attention)
 _MASKED = ("sdpa", "eager")
@@ -42,15 +55,26 @@ _MASKED = ("sdpa", "eager")
 @dataclass(frozen=True)
 class Tree:
     """A micro-batch as trees: `input_ids`, `positions` and `real` (R, T) for R rows of one or more trees side by
-    side, `mask` (R, 1, T, T) True where a query may attend a key, and for each completion position of the batch
-    (B, C) the row and column whose output predicts it (`row`, `column`)."""
+    side, each tree in depth-first preorder; `last` (R, T) the column of the last token of each token's subtree
+    (its own column at padding), so a query at column q may attend the key at column k where k <= q <= last[k]
+    (`mask`); for each completion position of the batch (B, C) the row and column whose output predicts it (`row`,
+    `column`); and the attention `kernel` it is laid out for (`attention_kernel`: "dense" or "flex")."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     real: torch.Tensor
-    mask: torch.Tensor
+    last: torch.Tensor
     row: torch.Tensor
     column: torch.Tensor
+    kernel: str = "dense"
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(R, 1, T, T) True where a query may attend a key: the key is the query's token or one of its ancestors
+        (padding sees itself alone: no softmax over nothing)."""
+        columns = torch.arange(self.last.shape[1], device=self.last.device)
+        query, key = columns.view(1, -1, 1), columns.view(1, 1, -1)
+        return ((key <= query) & (query <= self.last.unsqueeze(1))).unsqueeze(1)
 
     @property
     def positions_computed(self) -> int:
@@ -59,7 +83,11 @@ class Tree:
 
     @property
     def pairs_computed(self) -> int:
-        """(query, key) pairs the attention computes under the dense mask (rows times their width squared)."""
+        """(query, key) pairs the attention computes: under the dense mask rows times their width squared; with
+        FlexAttention each block of FLEX_BLOCK queries by FLEX_BLOCK keys where one query attends one key
+        (`flex_blocks`)."""
+        if self.kernel == "flex":
+            return flex_blocks(self.last) * FLEX_BLOCK**2
         return self.input_ids.shape[0] * self.input_ids.shape[1] ** 2
 
 
@@ -67,6 +95,9 @@ class Tree:
 # and completions add up to more is cut into several trees, each with the prompt once (the same numbers; a tree of
 # one completion may be longer). `layout` cuts narrower where its cost model says so.
 MAX_WIDTH = 2048
+
+# FlexAttention's block: queries and keys are attended in blocks of this many (where any pair of a block is)
+FLEX_BLOCK = 128
 
 # `pair_cost` where a model's config does not say (SmolLM2-135M's): attention's work per (query, key) pair over a
 # token's work in the layers' projections
@@ -115,14 +146,26 @@ class _Trie:
                 node = found
         return len(extra)
 
-    def ancestors(self) -> np.ndarray:
-        """(T, T) True where node j is node i or one of its ancestors (what node i attends to)."""
-        seen = np.zeros((len(self), len(self)), dtype=bool)
-        for i, parent in enumerate(self.parent):
-            if parent >= 0:
-                seen[i] = seen[parent]
-            seen[i, i] = True
-        return seen
+    def preorder(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each node's place in depth-first preorder (children in insertion order), and the place of the last node
+        of its subtree there: in that order a node's descendants are the places right after it, up to that one,
+        so node j is node i or one of its ancestors exactly where place[j] <= place[i] <= last[j]."""
+        n = len(self)
+        children: list[list[int]] = [[] for _ in range(n)]
+        roots = []
+        for k, parent in enumerate(self.parent):
+            (children[parent] if parent >= 0 else roots).append(k)
+        size = [1] * n
+        for k in range(n - 1, -1, -1):  # a node is numbered after its parent: its subtree is counted first
+            if self.parent[k] >= 0:
+                size[self.parent[k]] += size[k]
+        place = np.zeros(n, dtype=np.int64)
+        stack, at = roots[::-1], 0
+        while stack:
+            k = stack.pop()
+            place[k], at = at, at + 1
+            stack.extend(children[k][::-1])
+        return place, place + np.asarray(size, dtype=np.int64) - 1
 
 
 def contexts(batch: TrainBatch, i: int, prompt: list[int], length: int) -> list[tuple[list[int], int, int]]:
@@ -200,7 +243,7 @@ def _pack(sizes: list[int], width: int) -> list[list[int]]:
     return rows
 
 
-def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0.0) -> Tree:
+def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0.0, kernel: str = "dense") -> Tree:
     """`batch`'s rows as token trees: each group's (`batch.group`) rows merged on their common prefixes (each row's
     sequences, `contexts`: the prompt and its completion, or with turns each turn's context and tokens; completions
     are their attended tokens, `completion_attention`, a prefix of each row), so every distinct prefix is computed
@@ -210,8 +253,11 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
 
     Where to cut is a cost: each computed token costs 1, each (query, key) pair of a row `pair_cost` (`pair_cost`:
     the dense mask attends every pair). Of the cuts at the widest row alone, its doubles, each group whole and
-    `max_width`, the cheapest is taken; with `pair_cost` 0, the widest (the fewest tokens)."""
+    `max_width`, the cheapest is taken; with `pair_cost` 0, the widest (the fewest tokens). For the "flex" `kernel`
+    (`attention_kernel`), pairs cost nothing here: FlexAttention attends each tree's own blocks only, so a cut adds
+    a prompt's tokens and pairs and saves none (and trees side by side cost no pairs between them)."""
     device = batch.prompt_ids.device
+    pair_cost = 0.0 if kernel == "flex" else pair_cost
     max_width = max_width or MAX_WIDTH
     # laid out on the host (a few small tensors), moved to the batch's device at the end
     host = _host_turns(batch)
@@ -235,38 +281,37 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
     assert best is not None
     _, trees, rows, width = best
     c = batch.completion_ids.shape[1]
-    row = torch.zeros(len(batch), c, dtype=torch.long)
-    column = torch.zeros(len(batch), c, dtype=torch.long)
+    row = np.zeros((len(batch), c), dtype=np.int64)
+    column = np.zeros((len(batch), c), dtype=np.int64)
     # any id will do at the padding: no real token attends to it and its outputs are never read
-    input_ids = torch.full((len(rows), width), int(batch.prompt_ids[0, 0]), dtype=batch.prompt_ids.dtype)
-    positions = torch.zeros(len(rows), width, dtype=torch.long)
-    real = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself: no empty softmax
+    input_ids = np.full((len(rows), width), int(batch.prompt_ids[0, 0]), dtype=np.int64)
+    positions = np.zeros((len(rows), width), dtype=np.int64)
+    real = np.zeros((len(rows), width), dtype=np.int64)
+    last = np.tile(np.arange(width, dtype=np.int64), (len(rows), 1))  # padding sees itself: no empty softmax
     for r, placed_trees in enumerate(rows):
         offset = 0
         for t in placed_trees:
             trie, placed = trees[t]
-            n = len(trie)
-            span = slice(offset, offset + n)
-            input_ids[r, span] = torch.tensor(trie.tokens, dtype=batch.prompt_ids.dtype)
-            positions[r, span] = torch.tensor(trie.depth, dtype=torch.long)
-            real[r, span] = 1
-            mask[r, span, span] = torch.from_numpy(trie.ancestors())
+            place, subtree_last = trie.preorder()
+            columns = offset + place  # each node's column
+            input_ids[r, columns] = trie.tokens
+            positions[r, columns] = trie.depth
+            real[r, columns] = 1
+            last[r, columns] = offset + subtree_last
             for i, nodes in placed.items():
                 row[i] = r
                 for (context, start, end, _), sequence, seen in zip(host[i], sequences[i], nodes):
                     # token t of a turn is predicted by the node before it: the context's last token for the first
-                    column[i, start:end] = offset + torch.tensor(
-                        seen[len(context) - 1 : len(sequence) - 1], dtype=torch.long
-                    )
-            offset += n
+                    column[i, start:end] = columns[seen[len(context) - 1 : len(sequence) - 1]]
+            offset += len(trie)
     return Tree(
-        input_ids=input_ids.to(device),
-        positions=positions.to(device),
-        real=real.to(device),
-        mask=mask.unsqueeze(1).to(device),
-        row=row.to(device),
-        column=column.to(device),
+        input_ids=torch.from_numpy(input_ids).to(device=device, dtype=batch.prompt_ids.dtype),
+        positions=torch.from_numpy(positions).to(device),
+        real=torch.from_numpy(real).to(device),
+        last=torch.from_numpy(last).to(device),
+        row=torch.from_numpy(row).to(device),
+        column=torch.from_numpy(column).to(device),
+        kernel=kernel,
     )
 
 
@@ -293,8 +338,124 @@ def cheaper(trees: Tree, batch: TrainBatch, shared: bool, pair_cost: float) -> b
     return trees.positions_computed + pair_cost * trees.pairs_computed < padded_cost(batch, shared, pair_cost)
 
 
-def attention_mask(model: Any, tree: Tree) -> torch.Tensor:
-    """The tree's mask as the model's attention takes a prepared one: boolean for SDPA, additive for eager."""
+def flex_blocks(last: torch.Tensor) -> int:
+    """The (FLEX_BLOCK queries, FLEX_BLOCK keys) blocks where a query attends a key, for rows of subtree ends `last`
+    (`Tree.last`): a key at column k is attended by the queries k..last[k], so a block of keys by the query blocks
+    from its own to the one holding its keys' furthest end."""
+    width = last.shape[1]
+    blocks = -(-width // FLEX_BLOCK)
+    ends = torch.nn.functional.pad(last, (0, blocks * FLEX_BLOCK - width), value=-1)
+    furthest = ends.view(last.shape[0], blocks, FLEX_BLOCK).amax(-1) // FLEX_BLOCK
+    return int((furthest - torch.arange(blocks, device=last.device) + 1).sum())
+
+
+def attention_kernel(model: Any, device: torch.device) -> str:
+    """The attention kernel the tree pass uses on `device`: "flex" (FlexAttention, block-sparse: only the blocks
+    where a query attends a key are computed) for an SDPA model on CUDA without attention dropout, where a small
+    forward and backward of the model's attention shape compiles there (`_flex_runs`); else "dense" (the dense
+    mask, to SDPA or eager attention). FlexAttention has no backward on the CPU. FORCE_KERNEL, when set, is taken
+    as it is (benchmarks and tests)."""
+    if FORCE_KERNEL is not None:
+        return FORCE_KERNEL
+    config = unwrap(model).config
+    if device.type != "cuda" or config._attn_implementation != "sdpa":
+        return "dense"
+    if getattr(config, "attention_dropout", 0.0) and unwrap(model).training:
+        return "dense"  # FlexAttention has no dropout
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    shape = (
+        heads,
+        getattr(text, "num_key_value_heads", None) or heads,
+        getattr(text, "head_dim", None) or text.hidden_size // heads,
+    )
+    dtype = (
+        torch.get_autocast_dtype("cuda")
+        if torch.is_autocast_enabled("cuda")
+        else next(unwrap(model).parameters()).dtype
+    )
+    return "flex" if _flex_runs(device, dtype, shape) else "dense"
+
+
+# set to "flex" or "dense" to lay out every tree for that kernel (None: `kernel` chooses)
+FORCE_KERNEL: str | None = None
+
+_FLEX_RUNS: dict[tuple, bool] = {}
+
+
+def _flex_runs(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> bool:
+    """Whether FlexAttention's compiled forward and backward run on `device` for `dtype` and (query heads, key
+    heads, head dim) `shape` (once per such triple: the kernels can lack resources on some GPUs, e.g. shared
+    memory for large heads); where not, one warning names why and the dense mask is used."""
+    key = (str(device), dtype, shape)
+    if key not in _FLEX_RUNS:
+        heads, kv_heads, dim = shape
+        try:
+            from transformers.integrations.flex_attention import flex_attention_forward
+
+            _route_block_masks()
+            probe = torch.nn.Module()
+            probe.train()
+            with torch.inference_mode(False), torch.enable_grad():  # asked first from a pass without gradients too
+                # ones, not random draws: the run's random streams stay as they are
+                query = torch.ones(1, heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
+                key_value = torch.ones(1, kv_heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
+                last = torch.full((1, 2 * FLEX_BLOCK), 2 * FLEX_BLOCK - 1, device=device)
+                out, _ = flex_attention_forward(probe, query, key_value, key_value, block_mask(last), scaling=dim**-0.5)
+                out.float().sum().backward()
+            _FLEX_RUNS[key] = True
+            logger.info("The tree pass attends with FlexAttention on %s (%s).", device, dtype)
+        except Exception as error:  # noqa: BLE001 - any failure to compile or run means: use the dense mask
+            warnings.warn(
+                f"FlexAttention does not run here ({type(error).__name__}: {error}); the tree pass attends with "
+                "a dense mask instead (the same numbers, more work per row).",
+                stacklevel=2,
+            )
+            _FLEX_RUNS[key] = False
+    return _FLEX_RUNS[key]
+
+
+def block_mask(last: torch.Tensor) -> Any:
+    """FlexAttention's block mask of rows of subtree ends `last` (`Tree.last`): a query at column q attends the key
+    at column k where k <= q <= last[k]."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def ancestor(b, h, q, k):  # noqa: ANN001 - FlexAttention's mask_mod signature
+        return (k <= q) & (q <= last[b, k])
+
+    rows, width = last.shape
+    return create_block_mask(ancestor, rows, None, width, width, device=last.device, BLOCK_SIZE=FLEX_BLOCK)
+
+
+def _route_block_masks() -> None:
+    """Routes a block mask given to transformers' SDPA attention to its FlexAttention function instead (once per
+    process): models attend through the attention function their config names at each call, "sdpa" here, also in
+    the forward that gradient checkpointing re-runs during backward; SDPA cannot take a block mask, so every other
+    call runs as before."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers import AttentionInterface
+    from transformers.integrations.flex_attention import flex_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(sdpa, "routes_block_masks", False):
+        return
+
+    def sdpa_or_flex(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202
+        if isinstance(attention_mask, BlockMask):
+            return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+    sdpa_or_flex.routes_block_masks = True  # type: ignore[attr-defined]
+    AttentionInterface.register("sdpa", sdpa_or_flex)
+
+
+def attention_mask(model: Any, tree: Tree) -> Any:
+    """The tree's mask as the model's attention takes a prepared one: a FlexAttention block mask for the "flex"
+    kernel, boolean for SDPA, additive for eager."""
+    if tree.kernel == "flex":
+        _route_block_masks()
+        return block_mask(tree.last)
     if unwrap(model).config._attn_implementation == "sdpa":
         return tree.mask
     dtype = next(unwrap(model).parameters()).dtype
