@@ -152,7 +152,7 @@ class _Trie:
         so node j is node i or one of its ancestors exactly where place[j] <= place[i] <= last[j]."""
         n = len(self)
         children: list[list[int]] = [[] for _ in range(n)]
-        roots = []
+        roots: list[int] = []
         for k, parent in enumerate(self.parent):
             (children[parent] if parent >= 0 else roots).append(k)
         size = [1] * n
