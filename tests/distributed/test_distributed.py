@@ -6,13 +6,14 @@ compared."""
 
 from __future__ import annotations
 
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from support import launch, launch_runs, needs_deepspeed
+from support import launch, launch_runs, needs_deepspeed, torchrun
 
 # the one-process runs that two-process runs are compared with (the sharded modes with gradient accumulation, or
 # with LoRA, share theirs)
@@ -119,3 +120,17 @@ def test_sharded_training_through_accelerate_updates_like_one_process(tiny_model
     saved = load_file(os.path.join(tmp_path / "two", "saved", "model.safetensors"))
     for name, update in two.items():
         torch.testing.assert_close(saved[name], initial[name].detach() + update, rtol=0, atol=1e-6)
+
+
+def test_auto_takes_one_layout_in_every_process_where_forwards_are_collectives(tmp_path):
+    """Under DDP every forward broadcasts buffers, so each process must run as many forwards as the others: where
+    packing="auto" alone would lay out trees in one process (one forward) and padded rows sharing the prompt in the
+    other (two), both take one layout (the padded rows here: together they cost less) instead of hanging, and
+    score as the padded pass does."""
+    torchrun(2, os.path.join(os.path.dirname(__file__), "..", "layouts_job.py"), tmp_path, timeout=120)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["alone_trees"] for r in ranks] == [True, False]  # alone, the processes would disagree
+    assert ranks[0]["laid_out"] == ranks[1]["laid_out"] and len(ranks[0]["laid_out"]) == 1
+    for r in ranks:
+        for got, expected in zip(r["auto"], r["padded"]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)

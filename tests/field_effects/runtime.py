@@ -210,12 +210,12 @@ def _use_cache(s: Setting):
         hook.remove()
         return kept
 
-    # as in the HF Trainer it sets the models' config.use_cache, which training forwards read (under gradient
-    # checkpointing transformers turns it off again in training mode)
-    trainer = s.trainer(gradient_checkpointing=False, beta=0.1)
+    # as in the HF Trainer it sets the models' config.use_cache, which training forwards of padded rows read (under
+    # gradient checkpointing transformers turns it off again in training mode; token trees never keep a cache)
+    trainer = s.trainer(gradient_checkpointing=False, beta=0.1, packing="padded")
     assert trainer.unwrapped_model.config.use_cache is True and trainer.ref_model.config.use_cache is True
     assert set(caches_kept(trainer)) == {True}
-    assert set(caches_kept(s.default_trainer(gradient_checkpointing=False))) == {False}
+    assert set(caches_kept(s.default_trainer(gradient_checkpointing=False, packing="padded"))) == {False}
 
 
 # ---- DDP, the process group, devices, seeds --------------------------------------------------------------------

@@ -36,7 +36,7 @@ def trained(model_dir, tmp_path, **kw):
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_a_tree_run_trains_like_a_padded_one(tiny_model_dir, tmp_path, checkpointing):
-    padded = trained(tiny_model_dir, tmp_path / "padded", gradient_checkpointing=checkpointing)
+    padded = trained(tiny_model_dir, tmp_path / "padded", gradient_checkpointing=checkpointing, packing="padded")
     trees = trained(tiny_model_dir, tmp_path / "tree", gradient_checkpointing=checkpointing, packing="tree")
     assert trees.training_pass.tree and not padded.training_pass.tree
     assert trees.training_pass.laid_out["trees"] > 0 and not padded.training_pass.laid_out
@@ -76,8 +76,15 @@ def test_async_trains_as_trees(tiny_model_dir, tmp_path):
     assert any(not torch.equal(before[n], v) for n, v in params(trainer.model).items())
 
 
+def test_the_default_packing_on_the_cpu_is_auto(tiny_model_dir, tmp_path):
+    trainer = trained(tiny_model_dir, tmp_path)
+    assert trainer.args.packing is None  # the field keeps what the user gave; the pass resolves it
+    assert trainer.training_pass.packing == "auto" and trainer.training_pass.where_cheaper
+    assert trainer.training_pass.laid_out["trees"] > 0
+
+
 def test_an_unknown_packing_is_named(tmp_path):
-    with pytest.raises(ValueError, match=r"packing.*'trees'.*'padded', 'tree' or 'auto'"):
+    with pytest.raises(ValueError, match=r"packing.*'trees'.*'padded', 'tree', 'auto' or None"):
         cfg(tmp_path, packing="trees")
 
 

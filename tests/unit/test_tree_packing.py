@@ -330,3 +330,11 @@ def test_routing_block_masks_leaves_sdpa_as_it_was():
     after = logps_and_grads(model, batch, share_prefix=True)
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
     assert all(torch.equal(after[2][name], grad) for name, grad in before[2].items())
+
+
+def test_packing_none_is_auto_on_the_cpu_and_padded_elsewhere():
+    """packing=None (the default): "auto" for a model on the CPU, where it was measured at least as fast as padded
+    rows everywhere; "padded" on any other device until measured there."""
+    _, model = batch_and_model()
+    assert tree.default_packing(model) == "auto"
+    assert tree.default_packing(model.to("meta")) == "padded"

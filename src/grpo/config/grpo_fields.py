@@ -208,14 +208,16 @@ class GrpoOnlyFields:
         "reward or tool call finished) before stopping the run with an error naming what it was doing.",
         300.0,
     )
-    packing: str = _help(
+    packing: str | None = _help(
         "How the training pass lays out a micro-batch. 'padded': each completion a row, padded to the longest, "
         "each prompt once when the model allows (its KV cache shared). 'tree': one token tree per prompt group: "
         "the prompt once and each completion's tokens unpadded, attending through an ancestor mask "
-        "(`grpo.learner.tree`); the same numbers, fewer positions computed. 'auto': each micro-batch piece as "
-        "trees where a cost model of tokens and attention pairs puts them below the padded rows, else padded "
-        "(rows with rendered turns always as trees).",
-        "padded",
+        "(`grpo.learner.tree`; FlexAttention on CUDA); the same numbers, fewer positions computed. 'auto': each "
+        "micro-batch piece as trees where a cost model of tokens and attention pairs puts them below the padded "
+        "rows, else padded (rows with rendered turns always as trees). None (the default): 'auto' where the model "
+        "trains on the CPU (at least as fast as 'padded' on every workload measured there), 'padded' elsewhere "
+        "until measured on a GPU.",
+        None,
     )
     turn_context: str = _help(
         "Multi-turn rollouts (tools, environments): what each turn after the first is sampled after. 'appended': "

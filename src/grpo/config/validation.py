@@ -138,7 +138,11 @@ def validate(c: GRPOConfig) -> None:
         "async_behaviour_logps",
         f"is {c.async_behaviour_logps!r}; use 'training' or 'sampler'",
     )
-    require(c.packing in ("padded", "tree", "auto"), "packing", f"is {c.packing!r}; use 'padded', 'tree' or 'auto'")
+    require(
+        c.packing in (None, "padded", "tree", "auto"),
+        "packing",
+        f"is {c.packing!r}; use 'padded', 'tree', 'auto' or None (the default)",
+    )
     require(
         c.turn_context in ("auto", "appended", "rendered"),
         "turn_context",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from transformers import DynamicCache
 
 from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
@@ -67,13 +67,14 @@ class TrainingPass:
         if reason is not None:
             logger.info("Training pass runs each row's prompt itself: %s.", reason)
         self.share_prefix = reason is None
-        reason = (tree.unsupported_reason(model) or whole_rows) if args.packing != "padded" else None
-        if reason is not None and args.packing == "tree":
+        self.packing = args.packing or tree.default_packing(model)  # packing=None: by where the model trains
+        reason = (tree.unsupported_reason(model) or whole_rows) if self.packing != "padded" else None
+        if reason is not None and self.packing == "tree":
             warnings.warn(f"packing='tree' is not used: {reason}. The padded layout trains instead.", stacklevel=3)
         elif reason is not None:
             logger.info("packing='auto' lays out padded rows: %s.", reason)
-        self.tree = args.packing != "padded" and reason is None
-        self.where_cheaper = args.packing == "auto"  # each piece as trees only where they cost less than padded rows
+        self.tree = self.packing != "padded" and reason is None
+        self.where_cheaper = self.packing == "auto"  # each piece as trees only where they cost less than padded rows
         # with trees: how many pieces ran as "trees" and as "padded" rows
         self.laid_out: Counter[str] = Counter()
         reason = tiled_head_unsupported_reason(model)
@@ -219,15 +220,16 @@ def token_logps(
     plain: Callable[..., torch.Tensor] = _forward_shared if share_prefix and aux_losses is None else _forward
     cost = tree.pair_cost(model) if as_trees else 0.0
     kernel = tree.attention_kernel(model, batch.prompt_ids.device) if as_trees else "dense"
+    collective = as_trees and forward_is_collective(model)
     lengths = batch.completion_attention.sum(-1)
     logps: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
     for rows in _pieces(lengths, chunk_size):
         part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
         extra = images.inputs(part) if images is not None else None
-        trees = tree.layout(part, pair_cost=cost, kernel=kernel) if as_trees and tree.fits_window(model, part) else None
-        if trees is not None and where_cheaper and part.turns is None:
-            trees = trees if tree.cheaper(trees, part, plain is _forward_shared, cost) else None
+        trees = None
+        if as_trees:
+            trees = _as_trees(model, part, cost, kernel, where_cheaper, plain is _forward_shared, collective)
         forward: Callable[..., torch.Tensor] = plain if trees is None else functools.partial(_forward_tree, trees=trees)
         if trees is None and part.turns is not None:
             forward = _forked(plain)
@@ -243,6 +245,46 @@ def token_logps(
             entropies = entropies.index_put(where, ent)
     assert logps is not None  # one piece at least
     return logps, entropies
+
+
+def _as_trees(
+    model: Any, part: TrainBatch, cost: float, kernel: str, where_cheaper: bool, shared: bool, collective: bool
+) -> tree.Tree | None:
+    """The piece as token trees (`tree.layout` at pair cost `cost`, for `kernel`), or None for padded rows: trees
+    where every row fits the model's sliding window, and with `where_cheaper` (a piece without turns) where they
+    cost less than the padded rows (`shared`: the padded pass shares each prompt). Where each forward of the model
+    is a collective (`collective`, `forward_is_collective`), every process takes the same layout, as the padded pass
+    runs two forwards where it shares the prompt and a tree one: trees where every process's piece fits, and where
+    the processes' trees cost less than their padded rows together."""
+    trees = tree.layout(part, pair_cost=cost, kernel=kernel) if tree.fits_window(model, part) else None
+    judged = trees is not None and where_cheaper and part.turns is None
+    votes = [
+        float(trees is None),
+        float(judged),
+        tree.cost(trees, cost) if judged and trees is not None else 0.0,
+        tree.padded_cost(part, shared, cost) if judged else 0.0,
+    ]
+    if collective:
+        summed = torch.tensor(votes, dtype=torch.float64, device=part.prompt_ids.device)
+        torch.distributed.all_reduce(summed)
+        votes = summed.tolist()
+    cannot, judges, tree_cost, padded_cost = votes
+    if cannot or (judges and tree_cost >= padded_cost):
+        return None
+    return trees
+
+
+def forward_is_collective(model: Any) -> bool:
+    """Whether each forward of `model` is a collective across the run's processes (DDP's broadcast of buffers, the
+    parameter gathers of FSDP and ZeRO-3), so that every process must run as many forwards as the others. A model
+    that is none of these (an async producer's snapshot) runs on its own."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return False
+    if torch.distributed.get_world_size() < 2:
+        return False
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or is_partitioned(model):
+        return True
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
 def _piece_logps(model, part, outputs, temperature, with_entropy, entropy_grad, chunked_head, suppressed=()):

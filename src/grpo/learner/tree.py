@@ -333,9 +333,14 @@ def padded_cost(batch: TrainBatch, shared: bool, pair_cost: float) -> float:
     return positions + pair_cost * pairs
 
 
+def cost(trees: Tree, pair_cost: float) -> float:
+    """`layout`'s cost of the trees: their positions, and their (query, key) pairs at `pair_cost`."""
+    return trees.positions_computed + pair_cost * trees.pairs_computed
+
+
 def cheaper(trees: Tree, batch: TrainBatch, shared: bool, pair_cost: float) -> bool:
     """Whether the trees cost less than the padded pass over `batch` (`padded_cost`) by `layout`'s measure."""
-    return trees.positions_computed + pair_cost * trees.pairs_computed < padded_cost(batch, shared, pair_cost)
+    return cost(trees, pair_cost) < padded_cost(batch, shared, pair_cost)
 
 
 def flex_blocks(last: torch.Tensor) -> int:
@@ -363,11 +368,13 @@ def attention_kernel(model: Any, device: torch.device) -> str:
     if getattr(config, "attention_dropout", 0.0) and unwrap(model).training:
         return "dense"  # FlexAttention has no dropout
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
+    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
+    if not isinstance(heads, int) or not isinstance(hidden, int):
+        return "dense"  # no attention shape to probe
     shape = (
         heads,
         getattr(text, "num_key_value_heads", None) or heads,
-        getattr(text, "head_dim", None) or text.hidden_size // heads,
+        getattr(text, "head_dim", None) or hidden // heads,
     )
     dtype = (
         torch.get_autocast_dtype("cuda")
@@ -377,7 +384,7 @@ def attention_kernel(model: Any, device: torch.device) -> str:
     return "flex" if _flex_runs(device, dtype, shape) else "dense"
 
 
-# set to "flex" or "dense" to lay out every tree for that kernel (None: `kernel` chooses)
+# set to "flex" or "dense" to lay out every tree for that kernel (None: `attention_kernel` chooses)
 FORCE_KERNEL: str | None = None
 
 _FLEX_RUNS: dict[tuple, bool] = {}
@@ -518,6 +525,15 @@ def forked(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
         group=torch.tensor(group, device=device),
     )
     return part, where_row.to(device), where_column.to(device)
+
+
+def default_packing(model: Any) -> str:
+    """`packing=None`'s layout for `model`: "auto" where it trains on the CPU, where "auto" was at least as fast as
+    the padded rows on every workload measured (bench/RESULTS.md: the demo 1.33x in bfloat16 and 2.47x with gradient
+    checkpointing; long even completions the padded rows' own speed); "padded" on other devices, until the GPU
+    check's `train_layouts` measures "auto" there."""
+    parameter = next(unwrap(model).parameters(), None)
+    return "auto" if parameter is None or parameter.device.type == "cpu" else "padded"
 
 
 def unsupported_reason(model: Any) -> str | None:
