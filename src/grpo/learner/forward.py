@@ -68,6 +68,8 @@ class TrainingPass:
             logger.info("Training pass runs each row's prompt itself: %s.", reason)
         self.share_prefix = reason is None
         self.packing = args.packing or tree.default_packing(model)  # packing=None: by where the model trains
+        if args.packing is None:
+            logger.info("packing=None: the training pass lays out as packing=%r here.", self.packing)
         reason = (tree.unsupported_reason(model) or whole_rows) if self.packing != "padded" else None
         if reason is not None and self.packing == "tree":
             warnings.warn(f"packing='tree' is not used: {reason}. The padded layout trains instead.", stacklevel=3)
