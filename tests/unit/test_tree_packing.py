@@ -322,11 +322,12 @@ def test_routing_block_masks_leaves_sdpa_as_it_was():
     are unchanged, bit for bit."""
     batch, model = batch_and_model()
     before = logps_and_grads(model, batch, share_prefix=True)
-    tree._route_block_masks()
-    tree._route_block_masks()  # once per process: a second call changes nothing
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"].routes_block_masks
+    tree._route_block_masks()
+    routed = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    tree._route_block_masks()  # once per process: a second call changes nothing
+    assert routed.routes_block_masks and ALL_ATTENTION_FUNCTIONS["sdpa"] is routed
     after = logps_and_grads(model, batch, share_prefix=True)
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
     assert all(torch.equal(after[2][name], grad) for name, grad in before[2].items())
