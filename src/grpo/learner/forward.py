@@ -8,7 +8,10 @@
 - a mixture-of-experts model's router loss (`router_aux_loss_coef`): the gradient pass asks the model for router
   logits and keeps the load-balancing loss it returns (`aux_loss`), computed over whole sequences (so the prompt
   is not shared then);
-- `torch_compile`: the policy's decoder stack compiled (`grpo.perf.compilation`), in both kinds of pass.
+- `torch_compile`: the policy's decoder stack compiled (`grpo.perf.compilation`), in both kinds of pass;
+- the layout (`packing`; None: "auto" on the CPU, "padded" elsewhere, `grpo.learner.tree.default_packing`): padded
+  rows, or token trees (`grpo.learner.tree`) for every piece or where a cost model puts them below the padded rows;
+  where each forward is a collective across processes, every process takes the same layout for each piece.
 Position ids follow the attention mask, as in generation, so left padding never shifts a token's position.
 """
 
@@ -217,8 +220,9 @@ def token_logps(
     suppressed tokens' logits are SUPPRESSED. With `as_trees` (`packing="tree"`), each piece runs as token trees of
     its prompt groups (`grpo.learner.tree`: no padding inside a tree, each prompt once per tree), unless a row is
     longer than the model's sliding window; with `where_cheaper` too, a piece without turns runs as trees only where
-    the layout's cost model puts them below the padded rows (`tree.cheaper`). `laid_out` counts the pieces that ran
-    as "trees" and as "padded" rows."""
+    the layout's cost model puts them below the padded rows (`tree.cheaper`); where each forward of the model is a
+    collective across processes, all of them decide each piece's layout together (`_as_trees`). `laid_out` counts
+    the pieces that ran as "trees" and as "padded" rows."""
     plain: Callable[..., torch.Tensor] = _forward_shared if share_prefix and aux_losses is None else _forward
     cost = tree.pair_cost(model) if as_trees else 0.0
     kernel = tree.attention_kernel(model, batch.prompt_ids.device) if as_trees else "dense"
