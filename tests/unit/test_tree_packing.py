@@ -339,3 +339,37 @@ def test_packing_none_is_auto_on_the_cpu_and_padded_elsewhere():
     _, model = batch_and_model()
     assert tree.default_packing(model) == "auto"
     assert tree.default_packing(model.to("meta")) == "padded"
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_block_masks_reach_the_attention_in_forward_and_in_recomputation(monkeypatch, checkpointing):
+    """The "flex" kernel's plumbing, forward and backward, on the CPU: each layer's SDPA attention gets the tree's
+    block mask through transformers' mask handling and hands it to the FlexAttention function, also in the forward
+    that gradient checkpointing re-runs during backward; log-probs, entropies and gradients are the padded pass's.
+    FlexAttention itself has no backward on the CPU, so a dense twin stands in for it here (the block mask's own
+    rule, attended by SDPA); the GPU check runs the real kernel on CUDA."""
+    import torch.nn.functional as F
+
+    calls = []
+
+    def dense_twin(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        rows, _, width, _ = query.shape
+        b = torch.arange(rows).view(-1, 1, 1)
+        q, k = torch.arange(width).view(1, -1, 1), torch.arange(width).view(1, 1, -1)
+        allowed = attention_mask.mask_mod(b, 0, q, k).unsqueeze(1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True)
+        calls.append(torch.is_grad_enabled())
+        return out.transpose(1, 2).contiguous(), None
+
+    monkeypatch.setattr(tree, "_flex_attention", dense_twin)
+    monkeypatch.setattr(tree, "FORCE_KERNEL", "flex")
+    batch, model = batch_and_model()
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    padded = logps_and_grads(model, batch)
+    flex = logps_and_grads(model, batch, as_trees=True)
+    assert_same_pass(flex, padded, batch, GRAD_ATOL)
+    layers = model.config.num_hidden_layers
+    # each layer attends once in the forward, and once more in backward where checkpointing re-runs it
+    assert len(calls) == layers * (2 if checkpointing else 1)

@@ -441,7 +441,6 @@ def _route_block_masks() -> None:
     call runs as before."""
     from torch.nn.attention.flex_attention import BlockMask
     from transformers import AttentionInterface
-    from transformers.integrations.flex_attention import flex_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -450,11 +449,19 @@ def _route_block_masks() -> None:
 
     def sdpa_or_flex(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202
         if isinstance(attention_mask, BlockMask):
-            return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            return _flex_attention(module, query, key, value, attention_mask, **kwargs)
         return sdpa(module, query, key, value, attention_mask, **kwargs)
 
     sdpa_or_flex.routes_block_masks = True  # type: ignore[attr-defined]
     AttentionInterface.register("sdpa", sdpa_or_flex)
+
+
+def _flex_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+    """transformers' FlexAttention function, which block masks are routed to (`_route_block_masks`; looked up at
+    each call, so the tests can stand a dense twin in for it on the CPU, where FlexAttention has no backward)."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def attention_mask(model: Any, tree: Tree) -> Any:
