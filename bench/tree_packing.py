@@ -44,7 +44,8 @@ def main() -> None:
     length = int(sys.argv[4]) if len(sys.argv) > 4 else WORKLOAD["max_completion_length"]
     repeats = int(sys.argv[5]) if len(sys.argv) > 5 else REPEATS
     prompts, reward = dataset(task)
-    overrides = dict(WORKLOAD, max_steps=steps, max_completion_length=length)
+    # the run that yields the micro-batches trains padded rows, so they are the same whatever packing's default
+    overrides = dict(WORKLOAD, max_steps=steps, max_completion_length=length, packing="padded")
     args = GRPOConfig(output_dir="/tmp/grpo-bench-tree", bf16=precision == "bf16", disable_tqdm=True, **overrides)
     trainer = GRPOTrainer(model=bundled_model_path(), reward_funcs=reward, train_dataset=prompts, args=args)
     passes = trainer.training_pass
