@@ -28,7 +28,7 @@ def main(out: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     batch, model = (batch_and_model if rank == 0 else long_completions_batch)()
-    _, model = batch_and_model()  # the same weights in both processes
+    _, model = batch_and_model()  # one model (DDP starts every process from process 0's weights)
     cost = tree.pair_cost(model)
     alone = tree.cheaper(tree.layout(batch, pair_cost=cost), batch, True, cost)
     wrapped = DistributedDataParallel(model)
