@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -83,7 +84,8 @@ class Server:
     """A server started and answering; `kill()` ends it at once (SIGKILL, as a crash would)."""
 
     def __init__(self, model_dir: str, port: int | None = None, *extra: str) -> None:
-        self.proc = start(model_dir, tempfile.mkdtemp(prefix="grpo-server-"), *extra, port=port)
+        self.log_dir = tempfile.mkdtemp(prefix="grpo-server-")  # its log (in `wait`'s errors); removed by `kill`
+        self.proc = start(model_dir, self.log_dir, *extra, port=port)
         self.port = self.proc.port
         self.url = f"http://127.0.0.1:{self.port}"
         try:
@@ -95,3 +97,4 @@ class Server:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
