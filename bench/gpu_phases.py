@@ -336,12 +336,12 @@ def train(sizes: dict) -> None:
 
 def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) -> None:
     """The training pass over completions of a quarter to all of the cap (ragged, as a run's are) as padded rows,
-    as token trees (packing="tree", with the kernel `tree.attention_kernel` picks: FlexAttention where it
+    as token trees (packing="tree", with the kernel `tree_attention.attention_kernel` picks: FlexAttention where it
     compiles), as packing="auto" chooses per piece, and as the same trees under the dense mask: what decides
     whether "auto" becomes the default (bench/tree_packing.py measures the same on the CPU)."""
     from collections import Counter
 
-    from grpo.learner import tree
+    from grpo.learner import tree, tree_attention
     from grpo.learner.forward import token_logps
 
     reason = tree.unsupported_reason(model)
@@ -355,14 +355,14 @@ def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) ->
     counts: Counter[str] = Counter()
     seconds, first = {}, {}
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-        kernel = tree.attention_kernel(model, DEVICE)  # "flex" where FlexAttention compiles here
+        kernel = tree_attention.attention_kernel(model, DEVICE)  # "flex" where FlexAttention compiles here
     for name, kwargs, force in (
         ("padded", {}, None),
         ("tree", dict(as_trees=True), None),
         ("auto", dict(as_trees=True, where_cheaper=True), None),
         ("tree_dense", dict(as_trees=True), "dense"),  # the same trees under the dense mask, to SDPA
     ):
-        tree.FORCE_KERNEL = force
+        tree_attention.FORCE_KERNEL = force
 
         def run(kwargs=kwargs):
             with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
@@ -387,7 +387,7 @@ def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) ->
             first[name] = time.perf_counter() - start
             seconds[name] = median_s(run, repeats=3, warmup=0)
         finally:
-            tree.FORCE_KERNEL = None
+            tree_attention.FORCE_KERNEL = None
         if name == "auto":
             auto_runs_trees = counts["trees"] > 0
     trees = tree.layout(batch, pair_cost=tree.pair_cost(model), kernel=kernel)

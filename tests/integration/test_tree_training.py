@@ -12,7 +12,7 @@ import transformers
 
 from field_effects import BASE
 from grpo import AsyncGRPOConfig, GRPOTrainer
-from grpo.learner import tree
+from grpo.learner import tree, tree_attention
 from grpo.learner.forward import token_logps
 from support import cfg, chat_dataset, length_reward, params
 from test_shared_prefix_training import batch_and_model
@@ -113,7 +113,7 @@ def test_flex_attention_scores_the_trees_as_the_padded_pass(monkeypatch):
     """The "flex" kernel (FlexAttention, compiled here for the CPU, where it runs forward only; the GPU check runs
     it forward and backward on CUDA) gives the padded pass's log-probs and entropies, for groups whole and cut
     into trees packed side by side, and for rendered turns against their forked rows."""
-    monkeypatch.setattr(tree, "FORCE_KERNEL", "flex")
+    monkeypatch.setattr(tree_attention, "FORCE_KERNEL", "flex")
     groups, model = batch_and_model()
     turns, _, _, _, turns_model = turns_batch()
     widest = int((groups.prompt_mask.sum(-1) + groups.completion_attention.sum(-1)).max())

@@ -16,7 +16,7 @@ import on_device
 from grpo import GRPOConfig
 from grpo.algo.losses import policy_loss
 from grpo.config.grpo_fields import LOSS_TYPES
-from grpo.learner import tree
+from grpo.learner import tree, tree_attention
 from grpo.learner.forward import token_logps
 from test_shared_prefix_training import assert_same_pass, batch_and_model, logps_and_grads
 from tiny import make_model, make_tokenizer
@@ -163,14 +163,14 @@ def test_tree_and_auto_passes_are_the_padded_pass_on_the_tests_device(make, monk
     grad_tolerance = dict(rtol=tolerance["rtol"], atol=max(GRAD_ATOL, tolerance["atol"]))
 
     padded = logps_and_grads(model, batch, share_prefix=True)
-    kernel = tree.attention_kernel(model, device)
+    kernel = tree_attention.attention_kernel(model, device)
     assert kernel == ("flex" if device.type == "cuda" else "dense")
     runs = {
         "tree": logps_and_grads(model, batch, as_trees=True),
         "auto": logps_and_grads(model, batch, as_trees=True, where_cheaper=True, share_prefix=True),
     }
     if kernel == "flex":
-        monkeypatch.setattr(tree, "FORCE_KERNEL", "dense")
+        monkeypatch.setattr(tree_attention, "FORCE_KERNEL", "dense")
         runs["tree, dense mask"] = logps_and_grads(model, batch, as_trees=True)
     monkeypatch.setattr(tree, "pair_cost", lambda model: 1.0)
     runs["narrow"] = logps_and_grads(model, batch, as_trees=True)  # the dense mask's cut: the narrowest trees
@@ -257,7 +257,7 @@ def test_every_loss_types_gradient_is_the_padded_one(loss_type):
 def block_mask_pairs(trees):
     """Where FlexAttention's block mask of `trees` lets each query attend each key: (R, T, T)."""
     rows, width = trees.last.shape
-    allowed = tree.block_mask(trees.last).mask_mod
+    allowed = tree_attention.block_mask(trees.last).mask_mod
     b, q, k = torch.arange(rows).view(-1, 1, 1), torch.arange(width).view(1, -1, 1), torch.arange(width).view(1, 1, -1)
     return allowed(b, 0, q, k)
 
@@ -268,14 +268,14 @@ def test_the_flex_block_mask_attends_as_the_dense_mask_and_its_blocks_are_counte
     counts the blocks it computes (blocks of 16 here, so these rows have several)."""
     from test_turn_layouts import turns_batch  # it imports this module
 
-    monkeypatch.setattr(tree, "FLEX_BLOCK", 16)
+    monkeypatch.setattr(tree_attention, "FLEX_BLOCK", 16)
     batch, _ = batch_and_model()
     turns, *_ = turns_batch()
     widest = int((batch.prompt_mask.sum(-1) + batch.completion_attention.sum(-1)).max())
     for trees in (tree.layout(batch), tree.layout(batch, max_width=widest), tree.layout(turns)):
         dense = trees.mask[:, 0]
         assert torch.equal(block_mask_pairs(trees), dense)
-        assert tree.flex_blocks(trees.last) == int(tree.block_mask(trees.last).to_dense().sum())
+        assert tree_attention.flex_blocks(trees.last) == int(tree_attention.block_mask(trees.last).to_dense().sum())
         # every key a query attends is itself or an ancestor: at a smaller position, and never padding
         rows, queries, keys = dense.nonzero(as_tuple=True)
         assert bool((trees.positions[rows, keys] <= trees.positions[rows, queries]).all())
@@ -283,7 +283,7 @@ def test_the_flex_block_mask_attends_as_the_dense_mask_and_its_blocks_are_counte
     # pairs cost FlexAttention no cut: one tree per group, whatever the cost of pairs
     flex = tree.layout(batch, pair_cost=1.0, kernel="flex")
     assert torch.equal(flex.input_ids, tree.layout(batch).input_ids) and flex.kernel == "flex"
-    assert flex.pairs_computed == tree.flex_blocks(flex.last) * 16**2
+    assert flex.pairs_computed == tree_attention.flex_blocks(flex.last) * 16**2
 
 
 def test_the_tree_attends_with_flex_attention_on_cuda_where_it_runs(monkeypatch):
@@ -293,28 +293,30 @@ def test_the_tree_attends_with_flex_attention_on_cuda_where_it_runs(monkeypatch)
     _, model = batch_and_model()
     probed = []
     runs = {"ok": True}
-    monkeypatch.setattr(tree, "_flex_runs", lambda device, dtype, shape: probed.append((dtype, shape)) or runs["ok"])
+    monkeypatch.setattr(
+        tree_attention, "_flex_runs", lambda device, dtype, shape: probed.append((dtype, shape)) or runs["ok"]
+    )
     cuda = torch.device("cuda")
-    assert tree.attention_kernel(model, torch.device("cpu")) == "dense" and not probed
-    assert tree.attention_kernel(model, cuda) == "flex"
+    assert tree_attention.attention_kernel(model, torch.device("cpu")) == "dense" and not probed
+    assert tree_attention.attention_kernel(model, cuda) == "flex"
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert probed == [(torch.float32, (config.num_attention_heads, config.num_key_value_heads, head_dim))]
     config._attn_implementation = "eager"
-    assert tree.attention_kernel(model, cuda) == "dense"
+    assert tree_attention.attention_kernel(model, cuda) == "dense"
     config._attn_implementation, config.attention_dropout = "sdpa", 0.1
-    assert tree.attention_kernel(model.train(), cuda) == "dense"
-    assert tree.attention_kernel(model.eval(), cuda) == "flex"  # dropout is off out of training
+    assert tree_attention.attention_kernel(model.train(), cuda) == "dense"
+    assert tree_attention.attention_kernel(model.eval(), cuda) == "flex"  # dropout is off out of training
     runs["ok"] = False
-    assert tree.attention_kernel(model, cuda) == "dense"
+    assert tree_attention.attention_kernel(model, cuda) == "dense"
 
 
 def test_a_flex_attention_that_does_not_run_is_named_once_and_the_dense_mask_used(monkeypatch):
     """The probe on the CPU (no FlexAttention backward there) fails: one warning names why, and the answer is kept."""
-    monkeypatch.setattr(tree, "_FLEX_RUNS", {})
+    monkeypatch.setattr(tree_attention, "_FLEX_RUNS", {})
     with pytest.warns(UserWarning, match="FlexAttention does not run here.*backward"):
-        assert not tree._flex_runs(torch.device("cpu"), torch.float32, (2, 1, 16))
-    assert not tree._flex_runs(torch.device("cpu"), torch.float32, (2, 1, 16))  # asked again: no second probe
+        assert not tree_attention._flex_runs(torch.device("cpu"), torch.float32, (2, 1, 16))
+    assert not tree_attention._flex_runs(torch.device("cpu"), torch.float32, (2, 1, 16))  # asked again: no second probe
 
 
 def test_routing_block_masks_leaves_sdpa_as_it_was():
@@ -324,9 +326,9 @@ def test_routing_block_masks_leaves_sdpa_as_it_was():
     before = logps_and_grads(model, batch, share_prefix=True)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    tree._route_block_masks()
+    tree_attention._route_block_masks()
     routed = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    tree._route_block_masks()  # once per process: a second call changes nothing
+    tree_attention._route_block_masks()  # once per process: a second call changes nothing
     assert routed.routes_block_masks and ALL_ATTENTION_FUNCTIONS["sdpa"] is routed
     after = logps_and_grads(model, batch, share_prefix=True)
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
@@ -361,8 +363,8 @@ def test_block_masks_reach_the_attention_in_forward_and_in_recomputation(monkeyp
         calls.append(torch.is_grad_enabled())
         return out.transpose(1, 2).contiguous(), None
 
-    monkeypatch.setattr(tree, "_flex_attention", dense_twin)
-    monkeypatch.setattr(tree, "FORCE_KERNEL", "flex")
+    monkeypatch.setattr(tree_attention, "_flex_attention", dense_twin)
+    monkeypatch.setattr(tree_attention, "FORCE_KERNEL", "flex")
     batch, model = batch_and_model()
     model.train()
     if checkpointing:

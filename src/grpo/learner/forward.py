@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 from grpo.algo.loss_terms import router_aux_coef
 from grpo.distributed.zero import is_partitioned
-from grpo.learner import tree
+from grpo.learner import tree, tree_attention
 from grpo.learner.batch import TrainBatch
 from grpo.models.fp32_head import is_fp32_head
 from grpo.models.modeling import accepts_logits_to_keep, cache_argument, recomputes_activations, unwrap
@@ -225,7 +225,7 @@ def token_logps(
     the pieces that ran as "trees" and as "padded" rows."""
     plain: Callable[..., torch.Tensor] = _forward_shared if share_prefix and aux_losses is None else _forward
     cost = tree.pair_cost(model) if as_trees else 0.0
-    kernel = tree.attention_kernel(model, batch.prompt_ids.device) if as_trees else "dense"
+    kernel = tree_attention.attention_kernel(model, batch.prompt_ids.device) if as_trees else "dense"
     collective = as_trees and forward_is_collective(model)
     lengths = batch.completion_attention.sum(-1)
     logps: torch.Tensor | None = None
@@ -484,7 +484,7 @@ def _forward_tree(
             model,
             chunked_head,
             input_ids=trees.input_ids,
-            attention_mask=tree.attention_mask(model, trees),
+            attention_mask=tree_attention.attention_mask(model, trees),
             position_ids=trees.positions,
             use_cache=False,
         )

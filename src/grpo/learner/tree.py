@@ -10,16 +10,12 @@ scored alone after its own context, while the pass computes each distinct prefix
 
 Each tree is laid out in depth-first order, so a token's descendants are the tokens right after it, up to the last
 of its subtree (`Tree.last`): a query attends a key where the key is at or before it and the query at or before the
-key's subtree's end. That one (R, T) tensor gives both masks the pass uses (`attention_kernel`):
-- "dense": the (R, 1, T, T) mask, handed to the model as a prepared 4D mask (transformers uses one as it is, for
-  its eager and SDPA attention). It attends every pair of a row, so a row costs the square of its width: a group may
-  be cut into trees of consecutive rows (each with the prompt once more) where a cost model of tokens against
-  (query, key) pairs says that is cheaper (`layout`, `pair_cost`).
-- "flex" (an SDPA model on CUDA, where FlexAttention compiles): a block mask from the same rule, so only the blocks
-  of queries and keys where one query attends one key are computed; a group stays one tree (a cut would add a
-  prompt and save nothing). transformers' SDPA attention function is extended once to hand a block mask to its
-  FlexAttention function (`_route_block_masks`: every other call is unchanged), which also covers the forward that
-  gradient checkpointing re-runs in backward.
+key's subtree's end. That one (R, T) tensor gives both masks the pass uses (`grpo.learner.tree_attention`): the
+dense (R, 1, T, T) mask, which attends every pair of a row, so that a row costs the square of its width and a group
+may be cut into trees of consecutive rows (each with the prompt once more) where a cost model of tokens against
+(query, key) pairs says that is cheaper (`layout`, `pair_cost`); and on CUDA FlexAttention's block mask, which
+computes only the blocks where a query attends a key, so that a group stays one tree.
+
 Trees are packed side by side into rows of the widest tree's width. Only a row's end is padding (those positions
 attend to themselves alone and no real token attends to them).
 
@@ -32,20 +28,17 @@ which keep the padded layout.
 
 from __future__ import annotations
 
-import logging
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from grpo.learner import tree_attention
 from grpo.learner.batch import TrainBatch
 from grpo.models.modeling import unwrap
 from grpo.rollout.base import left_pad, right_pad
 from grpo.rollout.fast import keeps_recurrent_state
-
-logger = logging.getLogger("grpo")
 
 # the attention implementations that read a prepared 4D mask as it is given (a boolean one for SDPA, an additive one
 # for eager attention)
@@ -58,7 +51,8 @@ class Tree:
     side, each tree in depth-first preorder; `last` (R, T) the column of the last token of each token's subtree
     (its own column at padding), so a query at column q may attend the key at column k where k <= q <= last[k]
     (`mask`); for each completion position of the batch (B, C) the row and column whose output predicts it (`row`,
-    `column`); and the attention `kernel` it is laid out for (`attention_kernel`: "dense" or "flex")."""
+    `column`); and the attention `kernel` it is laid out for (`tree_attention.attention_kernel`: "dense" or
+    "flex")."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -85,9 +79,9 @@ class Tree:
     def pairs_computed(self) -> int:
         """(query, key) pairs the attention computes: under the dense mask rows times their width squared; with
         FlexAttention each block of FLEX_BLOCK queries by FLEX_BLOCK keys where one query attends one key
-        (`flex_blocks`)."""
+        (`tree_attention.flex_blocks`)."""
         if self.kernel == "flex":
-            return flex_blocks(self.last) * FLEX_BLOCK**2
+            return tree_attention.flex_blocks(self.last) * tree_attention.FLEX_BLOCK**2
         return self.input_ids.shape[0] * self.input_ids.shape[1] ** 2
 
 
@@ -95,9 +89,6 @@ class Tree:
 # and completions add up to more is cut into several trees, each with the prompt once (the same numbers; a tree of
 # one completion may be longer). `layout` cuts narrower where its cost model says so.
 MAX_WIDTH = 2048
-
-# FlexAttention's block: queries and keys are attended in blocks of this many (where any pair of a block is)
-FLEX_BLOCK = 128
 
 # `pair_cost` where a model's config does not say (SmolLM2-135M's): attention's work per (query, key) pair over a
 # token's work in the layers' projections
@@ -254,8 +245,9 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
     Where to cut is a cost: each computed token costs 1, each (query, key) pair of a row `pair_cost` (`pair_cost`:
     the dense mask attends every pair). Of the cuts at the widest row alone, its doubles, each group whole and
     `max_width`, the cheapest is taken; with `pair_cost` 0, the widest (the fewest tokens). For the "flex" `kernel`
-    (`attention_kernel`), pairs cost nothing here: FlexAttention attends each tree's own blocks only, so a cut adds
-    a prompt's tokens and pairs and saves none (and trees side by side cost no pairs between them)."""
+    (`tree_attention.attention_kernel`), pairs cost nothing here: FlexAttention attends each tree's own blocks
+    only, so a cut adds a prompt's tokens and pairs and saves none (and trees side by side cost no pairs between
+    them)."""
     device = batch.prompt_ids.device
     pair_cost = 0.0 if kernel == "flex" else pair_cost
     max_width = max_width or MAX_WIDTH
@@ -341,141 +333,6 @@ def cost(trees: Tree, pair_cost: float) -> float:
 def cheaper(trees: Tree, batch: TrainBatch, shared: bool, pair_cost: float) -> bool:
     """Whether the trees cost less than the padded pass over `batch` (`padded_cost`) by `layout`'s measure."""
     return cost(trees, pair_cost) < padded_cost(batch, shared, pair_cost)
-
-
-def flex_blocks(last: torch.Tensor) -> int:
-    """The (FLEX_BLOCK queries, FLEX_BLOCK keys) blocks where a query attends a key, for rows of subtree ends `last`
-    (`Tree.last`): a key at column k is attended by the queries k..last[k], so a block of keys by the query blocks
-    from its own to the one holding its keys' furthest end."""
-    width = last.shape[1]
-    blocks = -(-width // FLEX_BLOCK)
-    ends = torch.nn.functional.pad(last, (0, blocks * FLEX_BLOCK - width), value=-1)
-    furthest = ends.view(last.shape[0], blocks, FLEX_BLOCK).amax(-1) // FLEX_BLOCK
-    return int((furthest - torch.arange(blocks, device=last.device) + 1).sum())
-
-
-def attention_kernel(model: Any, device: torch.device) -> str:
-    """The attention kernel the tree pass uses on `device`: "flex" (FlexAttention, block-sparse: only the blocks
-    where a query attends a key are computed) for an SDPA model on CUDA without attention dropout, where a small
-    forward and backward of the model's attention shape compiles there (`_flex_runs`); else "dense" (the dense
-    mask, to SDPA or eager attention). FlexAttention has no backward on the CPU. FORCE_KERNEL, when set, is taken
-    as it is (benchmarks and tests)."""
-    if FORCE_KERNEL is not None:
-        return FORCE_KERNEL
-    config = unwrap(model).config
-    if device.type != "cuda" or config._attn_implementation != "sdpa":
-        return "dense"
-    if getattr(config, "attention_dropout", 0.0) and unwrap(model).training:
-        return "dense"  # FlexAttention has no dropout
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
-    if not isinstance(heads, int) or not isinstance(hidden, int):
-        return "dense"  # no attention shape to probe
-    shape = (
-        heads,
-        getattr(text, "num_key_value_heads", None) or heads,
-        getattr(text, "head_dim", None) or hidden // heads,
-    )
-    dtype = (
-        torch.get_autocast_dtype("cuda")
-        if torch.is_autocast_enabled("cuda")
-        else next(unwrap(model).parameters()).dtype
-    )
-    return "flex" if _flex_runs(device, dtype, shape) else "dense"
-
-
-# set to "flex" or "dense" to lay out every tree for that kernel (None: `attention_kernel` chooses)
-FORCE_KERNEL: str | None = None
-
-_FLEX_RUNS: dict[tuple, bool] = {}
-
-
-def _flex_runs(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> bool:
-    """Whether FlexAttention's compiled forward and backward run on `device` for `dtype` and (query heads, key
-    heads, head dim) `shape` (once per such triple: the kernels can lack resources on some GPUs, e.g. shared
-    memory for large heads); where not, one warning names why and the dense mask is used."""
-    key = (str(device), dtype, shape)
-    if key not in _FLEX_RUNS:
-        heads, kv_heads, dim = shape
-        try:
-            from transformers.integrations.flex_attention import flex_attention_forward
-
-            _route_block_masks()
-            probe = torch.nn.Module()
-            probe.train()
-            with torch.inference_mode(False), torch.enable_grad():  # asked first from a pass without gradients too
-                # ones, not random draws: the run's random streams stay as they are
-                query = torch.ones(1, heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
-                key_value = torch.ones(1, kv_heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
-                last = torch.full((1, 2 * FLEX_BLOCK), 2 * FLEX_BLOCK - 1, device=device)
-                out, _ = flex_attention_forward(probe, query, key_value, key_value, block_mask(last), scaling=dim**-0.5)
-                out.float().sum().backward()
-            _FLEX_RUNS[key] = True
-            logger.info("The tree pass attends with FlexAttention on %s (%s).", device, dtype)
-        except Exception as error:  # noqa: BLE001 - any failure to compile or run means: use the dense mask
-            warnings.warn(
-                f"FlexAttention does not run here ({type(error).__name__}: {error}); the tree pass attends with "
-                "a dense mask instead (the same numbers, more work per row).",
-                stacklevel=2,
-            )
-            _FLEX_RUNS[key] = False
-    return _FLEX_RUNS[key]
-
-
-def block_mask(last: torch.Tensor) -> Any:
-    """FlexAttention's block mask of rows of subtree ends `last` (`Tree.last`): a query at column q attends the key
-    at column k where k <= q <= last[k]."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def ancestor(b, h, q, k):  # noqa: ANN001 - FlexAttention's mask_mod signature
-        return (k <= q) & (q <= last[b, k])
-
-    rows, width = last.shape
-    return create_block_mask(ancestor, rows, None, width, width, device=last.device, BLOCK_SIZE=FLEX_BLOCK)
-
-
-def _route_block_masks() -> None:
-    """Routes a block mask given to transformers' SDPA attention to its FlexAttention function instead (once per
-    process): models attend through the attention function their config names at each call, "sdpa" here, also in
-    the forward that gradient checkpointing re-runs during backward; SDPA cannot take a block mask, so every other
-    call runs as before."""
-    from torch.nn.attention.flex_attention import BlockMask
-    from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if getattr(sdpa, "routes_block_masks", False):
-        return
-
-    def sdpa_or_flex(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202
-        if isinstance(attention_mask, BlockMask):
-            return _flex_attention(module, query, key, value, attention_mask, **kwargs)
-        return sdpa(module, query, key, value, attention_mask, **kwargs)
-
-    sdpa_or_flex.routes_block_masks = True  # type: ignore[attr-defined]
-    AttentionInterface.register("sdpa", sdpa_or_flex)
-
-
-def _flex_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
-    """transformers' FlexAttention function, which block masks are routed to (`_route_block_masks`; looked up at
-    each call, so the tests can stand a dense twin in for it on the CPU, where FlexAttention has no backward)."""
-    from transformers.integrations.flex_attention import flex_attention_forward
-
-    return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def attention_mask(model: Any, tree: Tree) -> Any:
-    """The tree's mask as the model's attention takes a prepared one: a FlexAttention block mask for the "flex"
-    kernel, boolean for SDPA, additive for eager."""
-    if tree.kernel == "flex":
-        _route_block_masks()
-        return block_mask(tree.last)
-    if unwrap(model).config._attn_implementation == "sdpa":
-        return tree.mask
-    dtype = next(unwrap(model).parameters()).dtype
-    return torch.zeros(tree.mask.shape, dtype=dtype, device=tree.mask.device).masked_fill(
-        ~tree.mask, torch.finfo(dtype).min
-    )
 
 
 def longest(batch: TrainBatch) -> int:

@@ -1,0 +1,166 @@
+"""The attention of the tree pass (`grpo.learner.tree`): which kernel attends a tree, and the mask each one takes.
+
+A tree's rows say what attends what in one (R, T) tensor, `Tree.last`: the query at column q attends the key at
+column k where k <= q <= last[k] (each tree is laid out depth first, so a token's descendants follow it up to the
+last of its subtree). `attention_kernel` picks how that is attended:
+- "dense": the (R, 1, T, T) mask (`Tree.mask`), handed to the model as a prepared 4D mask, which transformers uses
+  as it is for its eager and SDPA attention; every pair of a row is computed.
+- "flex" (an SDPA model on CUDA, where FlexAttention compiles): a block mask from the same rule (`block_mask`), so
+  only the blocks of FLEX_BLOCK queries by FLEX_BLOCK keys where one query attends one key are computed
+  (`flex_blocks`). transformers' SDPA attention function is extended once to hand a block mask to its FlexAttention
+  function (`_route_block_masks`: every other call is unchanged), which also covers the forward that gradient
+  checkpointing re-runs in backward.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from grpo.models.modeling import unwrap
+
+if TYPE_CHECKING:
+    from grpo.learner.tree import Tree
+
+logger = logging.getLogger("grpo")
+
+# FlexAttention's block: queries and keys are attended in blocks of this many (where any pair of a block is)
+FLEX_BLOCK = 128
+
+
+def flex_blocks(last: torch.Tensor) -> int:
+    """The (FLEX_BLOCK queries, FLEX_BLOCK keys) blocks where a query attends a key, for rows of subtree ends `last`
+    (`Tree.last`): a key at column k is attended by the queries k..last[k], so a block of keys by the query blocks
+    from its own to the one holding its keys' furthest end."""
+    width = last.shape[1]
+    blocks = -(-width // FLEX_BLOCK)
+    ends = torch.nn.functional.pad(last, (0, blocks * FLEX_BLOCK - width), value=-1)
+    furthest = ends.view(last.shape[0], blocks, FLEX_BLOCK).amax(-1) // FLEX_BLOCK
+    return int((furthest - torch.arange(blocks, device=last.device) + 1).sum())
+
+
+def attention_kernel(model: Any, device: torch.device) -> str:
+    """The attention kernel the tree pass uses on `device`: "flex" (FlexAttention, block-sparse: only the blocks
+    where a query attends a key are computed) for an SDPA model on CUDA without attention dropout, where a small
+    forward and backward of the model's attention shape compiles there (`_flex_runs`); else "dense" (the dense
+    mask, to SDPA or eager attention). FlexAttention has no backward on the CPU. FORCE_KERNEL, when set, is taken
+    as it is (benchmarks and tests)."""
+    if FORCE_KERNEL is not None:
+        return FORCE_KERNEL
+    config = unwrap(model).config
+    if device.type != "cuda" or config._attn_implementation != "sdpa":
+        return "dense"
+    if getattr(config, "attention_dropout", 0.0) and unwrap(model).training:
+        return "dense"  # FlexAttention has no dropout
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
+    if not isinstance(heads, int) or not isinstance(hidden, int):
+        return "dense"  # no attention shape to probe
+    shape = (
+        heads,
+        getattr(text, "num_key_value_heads", None) or heads,
+        getattr(text, "head_dim", None) or hidden // heads,
+    )
+    dtype = (
+        torch.get_autocast_dtype("cuda")
+        if torch.is_autocast_enabled("cuda")
+        else next(unwrap(model).parameters()).dtype
+    )
+    return "flex" if _flex_runs(device, dtype, shape) else "dense"
+
+
+# set to "flex" or "dense" to lay out every tree for that kernel (None: `attention_kernel` chooses)
+FORCE_KERNEL: str | None = None
+
+_FLEX_RUNS: dict[tuple, bool] = {}
+
+
+def _flex_runs(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> bool:
+    """Whether FlexAttention's compiled forward and backward run on `device` for `dtype` and (query heads, key
+    heads, head dim) `shape` (once per such triple: the kernels can lack resources on some GPUs, e.g. shared
+    memory for large heads); where not, one warning names why and the dense mask is used."""
+    key = (str(device), dtype, shape)
+    if key not in _FLEX_RUNS:
+        heads, kv_heads, dim = shape
+        try:
+            from transformers.integrations.flex_attention import flex_attention_forward
+
+            _route_block_masks()
+            probe = torch.nn.Module()
+            probe.train()
+            with torch.inference_mode(False), torch.enable_grad():  # asked first from a pass without gradients too
+                # ones, not random draws: the run's random streams stay as they are
+                query = torch.ones(1, heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
+                key_value = torch.ones(1, kv_heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
+                last = torch.full((1, 2 * FLEX_BLOCK), 2 * FLEX_BLOCK - 1, device=device)
+                out, _ = flex_attention_forward(probe, query, key_value, key_value, block_mask(last), scaling=dim**-0.5)
+                out.float().sum().backward()
+            _FLEX_RUNS[key] = True
+            logger.info("The tree pass attends with FlexAttention on %s (%s).", device, dtype)
+        except Exception as error:  # noqa: BLE001 - any failure to compile or run means: use the dense mask
+            warnings.warn(
+                f"FlexAttention does not run here ({type(error).__name__}: {error}); the tree pass attends with "
+                "a dense mask instead (the same numbers, more work per row).",
+                stacklevel=2,
+            )
+            _FLEX_RUNS[key] = False
+    return _FLEX_RUNS[key]
+
+
+def block_mask(last: torch.Tensor) -> Any:
+    """FlexAttention's block mask of rows of subtree ends `last` (`Tree.last`): a query at column q attends the key
+    at column k where k <= q <= last[k]."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def ancestor(b, h, q, k):  # noqa: ANN001 - FlexAttention's mask_mod signature
+        return (k <= q) & (q <= last[b, k])
+
+    rows, width = last.shape
+    return create_block_mask(ancestor, rows, None, width, width, device=last.device, BLOCK_SIZE=FLEX_BLOCK)
+
+
+def _route_block_masks() -> None:
+    """Routes a block mask given to transformers' SDPA attention to its FlexAttention function instead (once per
+    process): models attend through the attention function their config names at each call, "sdpa" here, also in
+    the forward that gradient checkpointing re-runs during backward; SDPA cannot take a block mask, so every other
+    call runs as before."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(sdpa, "routes_block_masks", False):
+        return
+
+    def sdpa_or_flex(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202
+        if isinstance(attention_mask, BlockMask):
+            return _flex_attention(module, query, key, value, attention_mask, **kwargs)
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+    sdpa_or_flex.routes_block_masks = True  # type: ignore[attr-defined]
+    AttentionInterface.register("sdpa", sdpa_or_flex)
+
+
+def _flex_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+    """transformers' FlexAttention function, which block masks are routed to (`_route_block_masks`; looked up at
+    each call, so the tests can stand a dense twin in for it on the CPU, where FlexAttention has no backward)."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def attention_mask(model: Any, tree: Tree) -> Any:
+    """The tree's mask as the model's attention takes a prepared one: a FlexAttention block mask for the "flex"
+    kernel, boolean for SDPA, additive for eager."""
+    if tree.kernel == "flex":
+        _route_block_masks()
+        return block_mask(tree.last)
+    if unwrap(model).config._attn_implementation == "sdpa":
+        return tree.mask
+    dtype = next(unwrap(model).parameters()).dtype
+    return torch.zeros(tree.mask.shape, dtype=dtype, device=tree.mask.device).masked_fill(
+        ~tree.mask, torch.finfo(dtype).min
+    )
