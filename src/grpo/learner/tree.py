@@ -186,14 +186,12 @@ def pair_cost(model: Any) -> float:
     """The attention's multiply-adds per (query, key) pair over a token's multiply-adds in a layer's projections
     and MLP, from the model's config: what a row's width costs (a dense mask attends every pair of a row) against
     what its tokens cost. Counted on the CPU, the training pass's time follows it (bench/tree_packing.py)."""
-    config = unwrap(model).config
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    d = getattr(config, "hidden_size", None)
-    heads = getattr(config, "num_attention_heads", None)
-    if not isinstance(d, int) or not isinstance(heads, int):
+    config = tree_attention.text_config(model)
+    shape = tree_attention.attention_shape(config)
+    if shape is None:
         return PAIR_COST
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head = getattr(config, "head_dim", None) or d // heads
+    heads, kv, head = shape
+    d = config.hidden_size
     inner = getattr(config, "intermediate_size", None) or 4 * d
     per_token = 2 * d * heads * head + 2 * d * kv * head + 3 * d * inner  # q and o, k and v, a gated MLP
     return 2 * heads * head / per_token  # q.k and the weighted sum of v

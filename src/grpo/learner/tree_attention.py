@@ -55,21 +55,34 @@ def attention_kernel(model: Any, device: torch.device) -> str:
         return "dense"
     if getattr(config, "attention_dropout", 0.0) and unwrap(model).training:
         return "dense"  # FlexAttention has no dropout
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
-    if not isinstance(heads, int) or not isinstance(hidden, int):
+    shape = attention_shape(text_config(model))
+    if shape is None:
         return "dense"  # no attention shape to probe
-    shape = (
-        heads,
-        getattr(text, "num_key_value_heads", None) or heads,
-        getattr(text, "head_dim", None) or hidden // heads,
-    )
     dtype = (
         torch.get_autocast_dtype("cuda")
         if torch.is_autocast_enabled("cuda")
         else next(unwrap(model).parameters()).dtype
     )
     return "flex" if _flex_runs(device, dtype, shape) else "dense"
+
+
+def text_config(model: Any) -> Any:
+    """The model's config, its language model's for a vision-language model."""
+    config = unwrap(model).config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_shape(config: Any) -> tuple[int, int, int] | None:
+    """(query heads, key-value heads, head dim) of a (text) `config`; None where it does not give its heads and
+    hidden size."""
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    if not isinstance(heads, int) or not isinstance(hidden, int):
+        return None
+    return (
+        heads,
+        getattr(config, "num_key_value_heads", None) or heads,
+        getattr(config, "head_dim", None) or hidden // heads,
+    )
 
 
 # set to "flex" or "dense" to lay out every tree for that kernel (None: `attention_kernel` chooses)
