@@ -99,8 +99,6 @@ def _flex_runs(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, 
     if key not in _FLEX_RUNS:
         heads, kv_heads, dim = shape
         try:
-            from transformers.integrations.flex_attention import flex_attention_forward
-
             _route_block_masks()
             probe = torch.nn.Module()
             probe.train()
@@ -109,7 +107,7 @@ def _flex_runs(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, 
                 query = torch.ones(1, heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
                 key_value = torch.ones(1, kv_heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
                 last = torch.full((1, 2 * FLEX_BLOCK), 2 * FLEX_BLOCK - 1, device=device)
-                out, _ = flex_attention_forward(probe, query, key_value, key_value, block_mask(last), scaling=dim**-0.5)
+                out, _ = _flex_attention(probe, query, key_value, key_value, block_mask(last), scaling=dim**-0.5)
                 out.float().sum().backward()
             _FLEX_RUNS[key] = True
             logger.info("The tree pass attends with FlexAttention on %s (%s).", device, dtype)
@@ -171,9 +169,8 @@ def attention_mask(model: Any, tree: Tree) -> Any:
     if tree.kernel == "flex":
         _route_block_masks()
         return block_mask(tree.last)
+    mask = tree.mask  # built from `Tree.last` at each read: once here
     if unwrap(model).config._attn_implementation == "sdpa":
-        return tree.mask
+        return mask
     dtype = next(unwrap(model).parameters()).dtype
-    return torch.zeros(tree.mask.shape, dtype=dtype, device=tree.mask.device).masked_fill(
-        ~tree.mask, torch.finfo(dtype).min
-    )
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
