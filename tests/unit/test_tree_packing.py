@@ -254,12 +254,16 @@ def test_every_loss_types_gradient_is_the_padded_one(loss_type):
     assert_loss_types_gradients_agree(model, batch, loss_type, group=4)
 
 
+def allowed_pairs(block_mask, rows, width):
+    """Where a FlexAttention block mask's rule lets each query attend each key, over `rows` rows of `width`: (R, T,
+    T)."""
+    b, q, k = torch.arange(rows).view(-1, 1, 1), torch.arange(width).view(1, -1, 1), torch.arange(width).view(1, 1, -1)
+    return block_mask.mask_mod(b, 0, q, k)
+
+
 def block_mask_pairs(trees):
     """Where FlexAttention's block mask of `trees` lets each query attend each key: (R, T, T)."""
-    rows, width = trees.last.shape
-    allowed = tree_attention.block_mask(trees.last).mask_mod
-    b, q, k = torch.arange(rows).view(-1, 1, 1), torch.arange(width).view(1, -1, 1), torch.arange(width).view(1, 1, -1)
-    return allowed(b, 0, q, k)
+    return allowed_pairs(tree_attention.block_mask(trees.last), *trees.last.shape)
 
 
 def test_the_flex_block_mask_attends_as_the_dense_mask_and_its_blocks_are_counted(monkeypatch):
@@ -356,9 +360,7 @@ def test_block_masks_reach_the_attention_in_forward_and_in_recomputation(monkeyp
 
     def dense_twin(module, query, key, value, attention_mask, scaling=None, **kwargs):
         rows, _, width, _ = query.shape
-        b = torch.arange(rows).view(-1, 1, 1)
-        q, k = torch.arange(width).view(1, -1, 1), torch.arange(width).view(1, 1, -1)
-        allowed = attention_mask.mask_mod(b, 0, q, k).unsqueeze(1)
+        allowed = allowed_pairs(attention_mask, rows, width).unsqueeze(1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True)
         calls.append(torch.is_grad_enabled())
         return out.transpose(1, 2).contiguous(), None
