@@ -24,7 +24,6 @@ import logging
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,8 +33,9 @@ from transformers import DynamicCache
 from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 from grpo.algo.loss_terms import router_aux_coef
 from grpo.distributed.zero import is_partitioned
-from grpo.learner import tree, tree_attention
+from grpo.learner import tree, tree_attention, tree_images
 from grpo.learner.batch import TrainBatch
+from grpo.learner.tree_images import ImageInputs
 from grpo.models.fp32_head import is_fp32_head
 from grpo.models.modeling import accepts_logits_to_keep, cache_argument, recomputes_activations, unwrap
 from grpo.models.vision import computes_own_positions
@@ -57,23 +57,20 @@ class TrainingPass:
         self.autocast = autocast
         self.router_aux = router_aux_coef(unwrap(model), args) != 0.0
         self.aux_loss: torch.Tensor | None = None  # the last gradient pass's router loss (router_aux)
-        # what keeps every row whole, in either layout: pixel inputs go with each row's prompt, and the router loss
-        # is computed over whole padded sequences
-        whole_rows = (
-            "image prompts run whole (their pixel inputs go with each row)"
-            if pixels is not None
-            else "the router's load-balancing loss is computed over whole sequences"
-            if self.router_aux
-            else None
-        )
+        # the router loss is computed over whole padded sequences; an image prompt runs whole in padded rows (its
+        # pixel inputs go with each row), once per tree in a tree
+        whole_rows = "the router's load-balancing loss is computed over whole sequences" if self.router_aux else None
+        images = tree_images.unsupported_reason(model, pixels) if pixels is not None else None
         reason = prefix_sharing_unsupported_reason(model) or whole_rows
+        if pixels is not None:
+            reason = reason or "image prompts run whole (their pixel inputs go with each row)"
         if reason is not None:
             logger.info("Training pass runs each row's prompt itself: %s.", reason)
         self.share_prefix = reason is None
         self.packing = args.packing or tree.default_packing(model)  # packing=None: by where the model trains
         if args.packing is None:
             logger.info("packing=None: the training pass lays out as packing=%r here.", self.packing)
-        reason = (tree.unsupported_reason(model) or whole_rows) if self.packing != "padded" else None
+        reason = (tree.unsupported_reason(model) or whole_rows or images) if self.packing != "padded" else None
         if reason is not None and self.packing == "tree":
             warnings.warn(f"packing='tree' is not used: {reason}. The padded layout trains instead.", stacklevel=3)
         elif reason is not None:
@@ -162,22 +159,6 @@ class TrainingPass:
         return self.compiled() if self.compiled is not None else contextlib.nullcontext()
 
 
-@dataclass(frozen=True)
-class ImageInputs:
-    """What a vision-language model's pass adds: each row's pixel inputs, and the tokens it never samples (their
-    logits are pushed to SUPPRESSED, where their probability is exactly 0 in float32 and entropies stay finite)."""
-
-    pixels: Any
-    suppressed: tuple[int, ...]
-
-    def inputs(self, part: TrainBatch) -> dict[str, Any]:
-        """The pixel inputs of the piece's rows (none when no row of it has images)."""
-        if part.vision is None:
-            return {}
-        ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)
-        return self.pixels.inputs(part.vision, ids, ids.device)
-
-
 def prefix_sharing_unsupported_reason(model: Any) -> str | None:
     """Why the rows of one prompt cannot share the prompt's pass (None when they can)."""
     inner = unwrap(model)
@@ -232,13 +213,17 @@ def token_logps(
     entropies: torch.Tensor | None = None
     for rows in _pieces(lengths, chunk_size):
         part = batch.select(rows).trim(batch.padded_width(max(int(lengths[rows].max()), 1)))
-        extra = images.inputs(part) if images is not None else None
-        trees = None
+        trees = marked = None
         if as_trees:
-            trees = _as_trees(model, part, cost, kernel, where_cheaper, plain is _forward_shared, collective)
+            marked = images.marks(part) if images is not None else None
+            shared = plain is _forward_shared
+            trees = _as_trees(model, part, cost, kernel, where_cheaper, shared, collective, images, marked)
         forward: Callable[..., torch.Tensor] = plain if trees is None else functools.partial(_forward_tree, trees=trees)
         if trees is None and part.turns is not None:
             forward = _forked(plain)
+        extra = None
+        if images is not None:
+            extra = images.inputs(part) if trees is None else images.tree_inputs(model, part, trees, marked)
         if laid_out is not None and as_trees:
             laid_out["trees" if trees is not None else "padded"] += 1
         outputs = forward(model, part, chunked_head, aux_losses, extra)
@@ -254,15 +239,26 @@ def token_logps(
 
 
 def _as_trees(
-    model: Any, part: TrainBatch, cost: float, kernel: str, where_cheaper: bool, shared: bool, collective: bool
+    model: Any,
+    part: TrainBatch,
+    cost: float,
+    kernel: str,
+    where_cheaper: bool,
+    shared: bool,
+    collective: bool,
+    images: ImageInputs | None = None,
+    marked: tree_images.Marked | None = None,
 ) -> tree.Tree | None:
     """The piece as token trees (`tree.layout` at pair cost `cost`, for `kernel`), or None for padded rows: trees
-    where every row fits the model's sliding window, and with `where_cheaper` (a piece without turns) where they
-    cost less than the padded rows (`shared`: the padded pass shares each prompt). Where each forward of the model
+    where every row fits the model's sliding window and, with `images`, where its image tokens are `marked`
+    (`ImageInputs.marks`); with `where_cheaper` (a piece without turns) where they cost less than the padded rows
+    (`shared`: the padded pass shares each prompt). Where each forward of the model
     is a collective (`collective`, `forward_is_collective`), every process takes the same layout, as the padded pass
     runs two forwards where it shares the prompt and a tree one: trees where every process's piece fits, and where
     the processes' trees cost less than their padded rows together."""
-    trees = tree.layout(part, pair_cost=cost, kernel=kernel) if tree.fits_window(model, part) else None
+    fits = tree.fits_window(model, part) and (images is None or marked is not None)
+    marks = marked.marks if marked is not None else None
+    trees = tree.layout(part, pair_cost=cost, kernel=kernel, marks=marks) if fits else None
     judged = trees is not None and where_cheaper and part.turns is None
     votes = [
         float(trees is None),
@@ -472,20 +468,22 @@ def _forward_tree(
     batch: TrainBatch,
     chunked_head: bool = False,
     aux_losses: None = None,
-    extra: None = None,
+    extra: dict | None = None,
     *,
     trees: tree.Tree,
 ) -> torch.Tensor:
     """The same outputs as `_forward`, from the rows laid out as token trees (`trees`, `grpo.learner.tree.layout`
-    of `batch`): each prompt once and no padding inside a tree (`aux_losses` and `extra` are always None: router
-    losses and image prompts keep the padded layout)."""
+    of `batch`): each prompt once and no padding inside a tree (`aux_losses` is always None: router losses keep
+    the padded layout). `extra`: the trees' image inputs (`ImageInputs.tree_inputs`), with their own
+    `position_ids` where the model derives positions from the images."""
+    extra = {"position_ids": trees.positions, **(extra or {})}
     with blocks.real_tokens(trees.real):
         out = _outputs(
             model,
             chunked_head,
             input_ids=trees.input_ids,
             attention_mask=tree_attention.attention_mask(model, trees),
-            position_ids=trees.positions,
             use_cache=False,
+            **extra,
         )
     return out[trees.row, trees.column]

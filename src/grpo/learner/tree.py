@@ -48,7 +48,9 @@ _MASKED = ("sdpa", "eager")
 @dataclass(frozen=True)
 class Tree:
     """A micro-batch as trees: `input_ids`, `positions` and `real` (R, T) for R rows of one or more trees side by
-    side, each tree in depth-first preorder; `last` (R, T) the column of the last token of each token's subtree
+    side, each tree in depth-first preorder; `origin` (R, T) the row whose sequence added each token (0 at
+    padding; for a row without turns, the token's place in the row's prompt and completion is its position);
+    `last` (R, T) the column of the last token of each token's subtree
     (its own column at padding), so a query at column q may attend the key at column k where k <= q <= last[k]
     (`mask`); for each completion position of the batch (B, C) the row and column whose output predicts it (`row`,
     `column`); and the attention `kernel` it is laid out for (`tree_attention.attention_kernel`: "dense" or
@@ -57,6 +59,7 @@ class Tree:
     input_ids: torch.Tensor
     positions: torch.Tensor
     real: torch.Tensor
+    origin: torch.Tensor
     last: torch.Tensor
     row: torch.Tensor
     column: torch.Tensor
@@ -97,40 +100,44 @@ PAIR_COST = 3.3e-4
 
 class _Trie:
     """Token sequences merged on their common prefixes: node k holds `tokens[k]` after its ancestors, `parent[k]`
-    (-1 at a root) and `depth[k]` (its position). Nodes are numbered in insertion order, so every node comes after
-    its ancestors (the causal order the model's mask needs)."""
+    (-1 at a root), `depth[k]` (its position) and `origin[k]` (the sequence that added it: its tag, `insert`).
+    Nodes are numbered in insertion order, so every node comes after its ancestors (the causal order the model's
+    mask needs). A sequence's item is a token id, or (token id, mark) for a token that equal ids do not make the
+    same (an image's token, marked with which image and where in it: `layout`'s `marks`)."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.parent: list[int] = []
         self.depth: list[int] = []
-        self.children: dict[tuple[int, int], int] = {}
+        self.origin: list[int] = []
+        self.children: dict[tuple[int, Any], int] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def insert(self, sequence: list[int]) -> list[int]:
-        """The node of each token of `sequence`, adding those its prefixes lack."""
+    def insert(self, sequence: list, tag: int = 0) -> list[int]:
+        """The node of each item of `sequence`, adding those its prefixes lack (with `tag` as their origin)."""
         nodes, node = [], -1
-        for depth, token in enumerate(sequence):
-            key = (node, token)
+        for depth, item in enumerate(sequence):
+            key = (node, item)
             found = self.children.get(key)
             if found is None:
                 found = self.children[key] = len(self.tokens)
-                self.tokens.append(token)
+                self.tokens.append(item if isinstance(item, int) else item[0])
                 self.parent.append(node)
                 self.depth.append(depth)
+                self.origin.append(tag)
             node = found
             nodes.append(node)
         return nodes
 
-    def added(self, sequences: list[list[int]]) -> int:
+    def added(self, sequences: list[list]) -> int:
         """How many nodes inserting `sequences` would add (the trie unchanged)."""
-        extra: dict[tuple[int, int], int] = {}  # the would-be nodes, numbered after the trie's own
+        extra: dict[tuple[int, Any], int] = {}  # the would-be nodes, numbered after the trie's own
         for sequence in sequences:
             node = -1
-            for token in sequence:
-                key = (node, token)
+            for item in sequence:
+                key = (node, item)
                 found = self.children.get(key)
                 if found is None:
                     found = extra.setdefault(key, len(self.tokens) + len(extra))
@@ -201,7 +208,7 @@ def pair_cost(model: Any) -> float:
 _Placed = tuple[_Trie, dict[int, list[list[int]]]]
 
 
-def _cut(groups: dict[int, list[int]], sequences: list[list[list[int]]], cap: int) -> list[_Placed]:
+def _cut(groups: dict[int, list[int]], sequences: list[list[list]], cap: int) -> list[_Placed]:
     """Each group's rows, in order, cut into tries of at most `cap` nodes (a row alone may pass it): for each trie,
     its rows' nodes."""
     trees: list[_Placed] = []
@@ -212,7 +219,7 @@ def _cut(groups: dict[int, list[int]], sequences: list[list[list[int]]], cap: in
             if len(trie) and len(trie) + trie.added(sequences[i]) > cap:
                 trees.append((trie, placed))
                 trie, placed = _Trie(), {}
-            placed[i] = [trie.insert(sequence) for sequence in sequences[i]]
+            placed[i] = [trie.insert(sequence, i) for sequence in sequences[i]]
         trees.append((trie, placed))
     return trees
 
@@ -232,7 +239,13 @@ def _pack(sizes: list[int], width: int) -> list[list[int]]:
     return rows
 
 
-def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0.0, kernel: str = "dense") -> Tree:
+def layout(
+    batch: TrainBatch,
+    max_width: int | None = None,
+    pair_cost: float = 0.0,
+    kernel: str = "dense",
+    marks: list[list[Any]] | None = None,
+) -> Tree:
     """`batch`'s rows as token trees: each group's (`batch.group`) rows merged on their common prefixes (each row's
     sequences, `contexts`: the prompt and its completion, or with turns each turn's context and tokens; completions
     are their attended tokens, `completion_attention`, a prefix of each row), so every distinct prefix is computed
@@ -245,13 +258,20 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
     `max_width`, the cheapest is taken; with `pair_cost` 0, the widest (the fewest tokens). For the "flex" `kernel`
     (`tree_attention.attention_kernel`), pairs cost nothing here: FlexAttention attends each tree's own blocks
     only, so a cut adds a prompt's tokens and pairs and saves none (and trees side by side cost no pairs between
-    them)."""
+    them).
+
+    `marks` (rows without turns): for each row, a mark for each token of its prompt and completion, or None; two
+    tokens merge only where their marks are equal too (an image's tokens, all one id, marked with which image and
+    where in it: `grpo.learner.tree_images`)."""
     device = batch.prompt_ids.device
     pair_cost = 0.0 if kernel == "flex" else pair_cost
     max_width = max_width or MAX_WIDTH
     # laid out on the host (a few small tensors), moved to the batch's device at the end
     host = _host_turns(batch)
-    sequences = [[context + tokens for context, _, _, tokens in turns] for turns in host]
+    sequences: list[list[list]] = [[context + tokens for context, _, _, tokens in turns] for turns in host]
+    if marks is not None:
+        assert batch.turns is None, "marks are for rows without turns"
+        sequences = [[[t if m is None else (t, m) for t, m in zip(s, marked)]] for (s,), marked in zip(sequences, marks)]
     groups: dict[int, list[int]] = {}
     for i, group in enumerate(batch.group.tolist()):
         groups.setdefault(group, []).append(i)
@@ -277,6 +297,7 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
     input_ids = np.full((len(rows), width), int(batch.prompt_ids[0, 0]), dtype=np.int64)
     positions = np.zeros((len(rows), width), dtype=np.int64)
     real = np.zeros((len(rows), width), dtype=np.int64)
+    origin = np.zeros((len(rows), width), dtype=np.int64)
     last = np.tile(np.arange(width, dtype=np.int64), (len(rows), 1))  # padding sees itself: no empty softmax
     for r, placed_trees in enumerate(rows):
         offset = 0
@@ -287,6 +308,7 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
             input_ids[r, columns] = trie.tokens
             positions[r, columns] = trie.depth
             real[r, columns] = 1
+            origin[r, columns] = trie.origin
             last[r, columns] = offset + subtree_last
             for i, nodes in placed.items():
                 row[i] = r
@@ -298,6 +320,7 @@ def layout(batch: TrainBatch, max_width: int | None = None, pair_cost: float = 0
         input_ids=torch.from_numpy(input_ids).to(device=device, dtype=batch.prompt_ids.dtype),
         positions=torch.from_numpy(positions).to(device),
         real=torch.from_numpy(real).to(device),
+        origin=torch.from_numpy(origin).to(device),
         last=torch.from_numpy(last).to(device),
         row=torch.from_numpy(row).to(device),
         column=torch.from_numpy(column).to(device),

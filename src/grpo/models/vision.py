@@ -19,11 +19,13 @@ row and path before training.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -221,9 +223,22 @@ def multimodal_messages(
     return out
 
 
+@dataclass(frozen=True)
+class ImageLayout:
+    """What one image becomes in the model's tokens: a `digest` of its pixels (equal images, equal digests), how
+    many image tokens the processor expands it into (`tokens`), and its grid (`image_grid_thw`'s row, None where
+    the processor gives none)."""
+
+    digest: bytes
+    tokens: int
+    grid: torch.Tensor | None
+
+
 class Pixels:
     """The processor's non-text inputs for a batch of rows (see the module docstring); the last few batches' are
-    kept, since the old/reference passes and the training pass of a micro-batch ask for the same rows.
+    kept, since the old/reference passes and the training pass of a micro-batch ask for the same rows. `layout`
+    tells what one image becomes in the tokens, and `images_inputs` gives the inputs for rows of images in any
+    order (a tree's: `grpo.learner.tree_images`).
 
     The per-token fields (`mm_token_type_ids`, `token_type_ids`) are marked on the tokens the model gets: 1 at the
     image token, 2 at the video token (`token_types`), as the processor marks them, wherever they are (a tool's
@@ -234,7 +249,8 @@ class Pixels:
         self.token_types = tuple(token_types)  # (image token id, video token id)
         self.placeholder: str | None = getattr(processor, "image_token", None)  # one per image in a rendered prompt
         self.keep = keep
-        self._cache: OrderedDict[tuple[int, ...], tuple[list, dict]] = OrderedDict()
+        self._cache: OrderedDict[Any, tuple[Any, dict]] = OrderedDict()
+        self._layouts: OrderedDict[int, tuple[Any, ImageLayout]] = OrderedDict()
 
     @classmethod
     def of(cls, processor: Any, model: Any) -> Pixels | None:
@@ -250,21 +266,61 @@ class Pixels:
         if not any(p is not None and p.images for p in prompts):
             return {}
         key = tuple(id(p) for p in prompts)
+        return self._given(self._kept(key, list(prompts), lambda: self._features(prompts)), input_ids, device)
+
+    def images_inputs(self, images: Sequence[Sequence[Any]], input_ids: torch.Tensor, device: Any = None) -> dict:
+        """Keyword inputs for rows holding `images` (each row's, in the order their tokens come), whose tokens, as
+        the model gets them, are `input_ids` (R, W): each row must hold as many image tokens as the processor
+        expands its images into."""
+        if not any(images):
+            return {}
+        key = ("images", tuple(tuple(id(image) for image in row) for row in images))
+        features = self._kept(key, [list(row) for row in images], lambda: self._image_features(images, input_ids))
+        return self._given(features, input_ids, device)
+
+    def layout(self, image: Any) -> ImageLayout | None:
+        """What `image` becomes in the tokens (`ImageLayout`; None where the processor has no image token to count):
+        the processor run on it alone, kept for the last few hundred images."""
+        if self.placeholder is None or not self.token_types or self.token_types[0] is None:
+            return None
+        kept = self._layouts.get(id(image))
+        if kept is not None and kept[0] is image:
+            self._layouts.move_to_end(id(image))
+            return kept[1]
+        out = self.processor(
+            text=[self.placeholder], images=[[image]], add_special_tokens=False, return_tensors="pt"
+        )
+        grid = out.get("image_grid_thw")
+        digest = hashlib.blake2b(f"{image.mode} {image.size}".encode(), digest_size=16)
+        digest.update(image.tobytes())
+        layout = ImageLayout(
+            digest.digest(), int((out["input_ids"] == self.token_types[0]).sum()), None if grid is None else grid[0]
+        )
+        self._layouts[id(image)] = (image, layout)  # holding the image keeps its id unique
+        while len(self._layouts) > 64 * self.keep:
+            self._layouts.popitem(last=False)
+        return layout
+
+    def _kept(self, key: Any, held: Any, make: Any) -> dict:
+        """The features cached under `key` (`held` keeps the ids in it unique), made by `make()` when missing."""
         if key in self._cache:
             self._cache.move_to_end(key)
-            features = self._cache[key][1]
-        else:
-            features = self._features(prompts)
-            self._cache[key] = (list(prompts), features)  # holding the prompts keeps their ids unique
-            while len(self._cache) > self.keep:
-                self._cache.popitem(last=False)
+            return self._cache[key][1]
+        features = make()
+        self._cache[key] = (held, features)
+        while len(self._cache) > self.keep:
+            self._cache.popitem(last=False)
+        return features
+
+    def _given(self, features: dict, input_ids: torch.Tensor, device: Any) -> dict[str, Any]:
         out = {k: v.to(device) if device is not None else v for k, v in features.items() if k not in TOKEN_FIELDS}
         for name in TOKEN_FIELDS:
             if name in features:
-                out[name] = self._types(input_ids)
+                out[name] = self.type_ids(input_ids)
         return out
 
-    def _types(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def type_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The per-token field of `input_ids` (`mm_token_type_ids`): 1 at the image token, 2 at the video token."""
         types = torch.zeros_like(input_ids)
         for value, token in enumerate(self.token_types, start=1):
             if token is not None:
@@ -284,6 +340,23 @@ class Pixels:
                     "The processor tokenized an image prompt differently in a batch than alone (its image tokens "
                     "depend on the other rows); grpo cannot line its pixel inputs up with the prompt's tokens."
                 )
+        return {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+
+    def _image_features(self, images: Sequence[Sequence[Any]], input_ids: torch.Tensor) -> dict[str, Any]:
+        assert self.placeholder is not None  # `layout` gave the rows' marks
+        texts = [self.placeholder * len(row) for row in images]
+        out = self.processor(
+            text=texts, images=[list(row) for row in images], padding=True, add_special_tokens=False, return_tensors="pt"
+        )
+        token = self.token_types[0]
+        given = (out["input_ids"] == token).sum(-1).tolist()
+        held = (input_ids == token).sum(-1).tolist()
+        if given != held:
+            raise ValueError(
+                f"The processor expanded rows of images into {given} image tokens where the rows hold {held}: its "
+                "image tokens depend on the other images of a batch, so grpo cannot line its pixel inputs up with "
+                "a tree's tokens; train with packing='padded'."
+            )
         return {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
 
     def _text(self, prompt: Any) -> str:

@@ -1,0 +1,170 @@
+"""Image rows in token trees (`packing="tree"` with a vision-language model).
+
+A vision-language model's rows hold image tokens: one token id repeated, which the model replaces with the features
+of the row's images, in the order the tokens come. So in a tree:
+- Equal ids are not equal tokens. Each image token is marked with its image (a digest of the pixels) and its place
+  in that image (`marks`, `tree.layout`'s marks): two rows' tokens merge only where the same image sits after the
+  same tokens. A group's prompt image is then computed once per tree, not once per row, by the vision tower too.
+- The pixel inputs follow the tree: each tree row's images in the order of its columns (`inputs`, through
+  `grpo.models.vision.Pixels.images_inputs`).
+- Positions: a model that derives them from the image layout (Qwen-VL's multimodal RoPE, `get_rope_index`) gets
+  them computed over the padded rows, as its padded pass computes them, then carried to each token's column
+  (`tree.Tree.origin`); the others get each token's place in its context, as text.
+
+`unsupported_reason` names what keeps the padded layout: a processor without an image token, a model whose image
+tokens attend each other both ways (Gemma 3, PaliGemma: a tree's mask is causal), a model that derives positions
+some other way. Rows whose image tokens do not add up to their images' keep the padded layout too (`marks`: None).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo.learner import tree
+from grpo.learner.batch import TrainBatch
+from grpo.models.modeling import unwrap
+from grpo.models.vision import computes_own_positions
+
+# what a model's module builds its masks with where it opens attention among an image's tokens (transformers'
+# masking_utils: Gemma 3's and PaliGemma's blocks, an extra mask function OR-ed with the causal one)
+_OPEN_MASKS = ("block_sequence_ids", "or_mask_function")
+
+
+@dataclass(frozen=True)
+class Marked:
+    """A piece's rows with their image tokens marked: `marks` for `tree.layout`, each row's `images`, and the image
+    of each digest (`by_digest`)."""
+
+    marks: list[list[Any]]
+    images: list[tuple[Any, ...]]
+    by_digest: dict[bytes, Any]
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """What a vision-language model's pass adds: each row's pixel inputs, and the tokens it never samples (their
+    logits are pushed to SUPPRESSED, where their probability is exactly 0 in float32 and entropies stay finite).
+    In padded rows each row's pixel inputs (`inputs`); in trees each tree row's (`marks`, then `tree_inputs`)."""
+
+    pixels: Any
+    suppressed: tuple[int, ...]
+
+    def inputs(self, part: TrainBatch) -> dict[str, Any]:
+        """The pixel inputs of the piece's rows (none when no row of it has images)."""
+        if part.vision is None:
+            return {}
+        ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)
+        return self.pixels.inputs(part.vision, ids, ids.device)
+
+    def marks(self, part: TrainBatch) -> Marked | None:
+        """The piece's rows with their image tokens marked, for `tree.layout` (`marks`); None where a tree cannot
+        take them."""
+        return marks(self.pixels, part) if part.turns is None else None
+
+    def tree_inputs(self, model: Any, part: TrainBatch, trees: tree.Tree, marked: Marked | None) -> dict[str, Any]:
+        """The trees' image inputs (`inputs` below)."""
+        assert marked is not None  # trees of image rows are laid out from their marks
+        return inputs(self.pixels, model, part, trees, marked)
+
+
+def unsupported_reason(model: Any, pixels: Any) -> str | None:
+    """Why image rows cannot take a tree with this model and processor (None when they can)."""
+    inner = unwrap(model)
+    if pixels.placeholder is None or not pixels.token_types or pixels.token_types[0] is None:
+        return "the processor or the model names no image token"
+    if opens_image_attention(type(inner)):
+        return "the model's image tokens attend each other both ways, which a tree's causal mask does not"
+    if computes_own_positions(inner) and _rope_index(inner) is None:
+        return "the model derives its positions from the images without a get_rope_index grpo can call"
+    return None
+
+
+@functools.cache
+def opens_image_attention(cls: type) -> bool:
+    """Whether the model class's module builds masks that open attention among tokens (`_OPEN_MASKS`)."""
+    module = sys.modules.get(cls.__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return True  # unknown: not taken for causal
+    return any(name in source for name in _OPEN_MASKS)
+
+
+def marks(pixels: Any, part: TrainBatch) -> Marked | None:
+    """The piece's rows (`part`, without turns) with their image tokens marked (digest, place in the image); None
+    where a row's image tokens are not as many as its images expand into."""
+    token = pixels.token_types[0]
+    prompt_ids, prompt_mask = part.prompt_ids.cpu(), part.prompt_mask.cpu().bool()
+    completions = part.completion_ids.cpu().tolist()
+    lengths = part.completion_attention.sum(-1).tolist()
+    out, images, by_digest = [], [], {}
+    for i in range(len(part)):
+        ids = prompt_ids[i][prompt_mask[i]].tolist() + completions[i][: int(lengths[i])]
+        prompt = part.vision[i] if part.vision is not None else None
+        row = tuple(prompt.images or ()) if prompt is not None else ()
+        layouts = [pixels.layout(image) for image in row]
+        if any(layout is None for layout in layouts):
+            return None
+        places = [(layout.digest, k) for layout in layouts for k in range(layout.tokens)]
+        if sum(t == token for t in ids) != len(places):
+            return None
+        at = iter(places)
+        out.append([next(at) if t == token else None for t in ids])
+        images.append(row)
+        by_digest.update((layout.digest, image) for layout, image in zip(layouts, row))
+    return Marked(out, images, by_digest)
+
+
+def inputs(pixels: Any, model: Any, part: TrainBatch, trees: tree.Tree, marked: Marked) -> dict[str, Any]:
+    """The model's image inputs for `trees` (laid out from `part` with `marked.marks`): the pixel inputs of each
+    tree row's images in column order, and for a model that derives positions from the images, `position_ids`."""
+    token = pixels.token_types[0]
+    ids, origin, place = trees.input_ids.cpu(), trees.origin.cpu().tolist(), trees.positions.cpu().tolist()
+    rows = []
+    for r in range(ids.shape[0]):
+        columns = (ids[r] == token) & trees.real[r].cpu().bool()
+        firsts = [marked.marks[origin[r][c]][place[r][c]] for c in columns.nonzero().flatten().tolist()]
+        rows.append([marked.by_digest[digest] for digest, k in firsts if k == 0])
+    out = pixels.images_inputs(rows, trees.input_ids, trees.input_ids.device)
+    inner = unwrap(model)
+    if computes_own_positions(inner) and any(marked.images):
+        out["position_ids"] = _positions(pixels, inner, part, trees, marked)
+    return out
+
+
+def _rope_index(inner: Any) -> Any:
+    """The model's `get_rope_index` where it takes the token ids and images' grids (None otherwise)."""
+    for owner in (getattr(inner, "model", None), inner):
+        function = getattr(owner, "get_rope_index", None)
+        if function is not None:
+            names = inspect.signature(function).parameters
+            if "input_ids" in names and "image_grid_thw" in names and "attention_mask" in names:
+                return function
+    return None
+
+
+def _positions(pixels: Any, inner: Any, part: TrainBatch, trees: tree.Tree, marked: Marked) -> torch.Tensor:
+    """(3, R, T) positions of the trees' tokens: the model's own (`get_rope_index`) over the padded rows, each
+    token's taken from the row and place it came from."""
+    ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)
+    attention = torch.cat([part.prompt_mask, part.completion_attention], dim=1)
+    grids = [pixels.layout(image).grid for row in marked.images for image in row]
+    if any(grid is None for grid in grids):
+        raise ValueError("The processor gives no image_grid_thw, which the model's positions are derived from.")
+    function = _rope_index(inner)
+    names = inspect.signature(function).parameters
+    given = {
+        "image_grid_thw": torch.stack(grids).to(ids.device),
+        "attention_mask": attention,
+        "mm_token_type_ids": pixels.type_ids(ids),
+    }
+    rope = function(ids, **{k: v for k, v in given.items() if k in names})[0]
+    start = part.prompt_ids.shape[1] - part.prompt_mask.sum(-1)  # where each padded row's prompt starts
+    column = start[trees.origin] + trees.positions
+    return rope[:, trees.origin, column]

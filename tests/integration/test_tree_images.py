@@ -1,0 +1,159 @@
+"""Image rows as token trees (issue 47, `grpo.learner.tree_images`) on the two tiny vision-language architectures:
+Qwen2.5-VL (multimodal RoPE: positions derived from the images) and Idefics3 (tiled images, positions as text).
+
+The tree pass gives the padded pass's log-probs, entropies and gradients (the vision tower's included), with a
+text-only row among image rows, in pieces, and with a tool's image in the completions; each group's prompt image
+is computed once per tree, and equal ids of different images never merge. A run trains like a padded one.
+What cannot take a tree keeps the padded layout: rows whose image tokens do not add up to their images, and models
+whose image tokens attend each other both ways."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Gemma3ForConditionalGeneration, Idefics3ForConditionalGeneration
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from grpo import GRPOTrainer
+from grpo.learner import tree, tree_images
+from grpo.learner.batch import collate
+from grpo.learner.forward import token_logps
+from support import cfg, generate, length_reward, params
+from test_shared_prefix_training import assert_same_pass
+from test_vision import image_rows, picture, picture_trainer, trainer_for
+from tiny_vlm import BUILDERS, image
+
+ARCHITECTURES = sorted(BUILDERS)
+GRAD_ATOL = 5e-6  # as test_tree_packing: the attention sums over other widths than the padded pass's
+
+
+def run(trainer, batch, as_trees, chunk_size=None):
+    """The pass's log-probs, entropies and every parameter's gradient of their sum; and how pieces were laid out."""
+    model, laid_out = trainer.model, Counter()
+    model.zero_grad()
+    images = trainer.training_pass._images()
+    logps, ent = token_logps(
+        model, batch, 0.9, chunk_size=chunk_size, images=images, as_trees=as_trees, laid_out=laid_out
+    )
+    (logps * batch.mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (logps.detach(), ent.detach(), grads), laid_out
+
+
+def sampled_batch(trainer, rows):
+    """Completions of dataset rows `rows` as a training batch, the rows of one dataset row a group."""
+    rollout = generate(trainer, rows).rollout
+    pad = trainer.tokenizer.pad_token_id
+    return collate(rollout, torch.zeros(len(rows)), pad, False, group=torch.tensor(rows))
+
+
+def image_tokens(trainer, ids):
+    return int((ids == trainer.unwrapped_model.config.image_token_id).sum())
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_image_trees_score_and_backpropagate_as_padded_rows(arch, tmp_path):
+    trainer = trainer_for(arch, tmp_path, image_rows(4, with_images={0, 1, 3}), max_completion_length=12)
+    batch = sampled_batch(trainer, [0, 0, 1, 1, 2, 2, 3, 3])
+    padded, _ = run(trainer, batch, as_trees=False)
+    trees, laid_out = run(trainer, batch, as_trees=True)
+    assert laid_out == {"trees": 1}
+    assert_same_pass(trees, padded, batch, GRAD_ATOL)
+    tower = [n for n in padded[2] if "vision" in n or "visual" in n]
+    assert tower and any(padded[2][n].abs().sum() > 0 for n in tower)  # the vision tower's gradients compared too
+    pieces, laid_out = run(trainer, batch, as_trees=True, chunk_size=3)  # pieces that split groups
+    assert laid_out == {"trees": 3}
+    assert_same_pass(pieces, padded, batch, GRAD_ATOL)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_groups_prompt_image_is_computed_once_per_tree(arch, tmp_path):
+    trainer = trainer_for(arch, tmp_path, image_rows(4, with_images={0, 1, 3}), max_completion_length=12)
+    batch = sampled_batch(trainer, [0, 0, 1, 1, 2, 2, 3, 3])
+    images = trainer.training_pass._images()
+    marked = images.marks(batch)
+    trees = tree.layout(batch, marks=marked.marks)
+    padded_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    assert image_tokens(trainer, trees.input_ids) * 2 == image_tokens(trainer, padded_ids)  # 2 rows per group
+    inputs = images.tree_inputs(trainer.model, batch, trees, marked)
+    if arch == "qwen2.5-vl":  # one grid per image the vision tower computes: 3 prompts' images, not 6 rows'
+        assert len(inputs["image_grid_thw"]) == 3 and len(images.inputs(batch)["image_grid_thw"]) == 6
+        assert inputs["position_ids"].shape == (3, *trees.input_ids.shape)
+    else:  # the tiles of 3 images (the padding images of a row are all zeros)
+        real = inputs["pixel_values"].flatten(2).abs().sum(-1) > 0
+        per_row = images.inputs(batch)["pixel_values"].flatten(2).abs().sum(-1) > 0
+        assert int(real.sum()) * 2 == int(per_row.sum())
+
+
+def test_a_tools_image_in_the_completions(tmp_path):
+    """A tool returns a picture inside the completions: the two rows of a group make the same call and get the same
+    picture, which the tree holds once; with another picture of the same size (the same token ids) in one row,
+    the rows' image tokens stay apart. Both score and backpropagate as the padded rows."""
+    trainer = picture_trainer(tmp_path, image_rows(2, with_images={0}))
+    batch = sampled_batch(trainer, [0, 0, 1, 1])
+    assert [len(p.images) for p in batch.vision] == [2, 2, 1, 1]
+    padded, _ = run(trainer, batch, as_trees=False)
+    trees, laid_out = run(trainer, batch, as_trees=True)
+    assert laid_out == {"trees": 1}
+    assert_same_pass(trees, padded, batch, GRAD_ATOL)
+    images = trainer.training_pass._images()
+    shared = tree.layout(batch, marks=images.marks(batch).marks)
+    shown = picture("x")[0]["image"]
+    other = dataclasses.replace(batch.vision[1], images=(*batch.vision[1].images[:-1], image(50, *shown.size)))
+    apart_batch = dataclasses.replace(batch, vision=[batch.vision[0], other, *batch.vision[2:]])
+    apart = tree.layout(apart_batch, marks=images.marks(apart_batch).marks)
+    assert torch.equal(  # the same token ids in both batches, the second picture's tokens laid out apart
+        torch.cat([batch.prompt_ids, batch.completion_ids], 1),
+        torch.cat([apart_batch.prompt_ids, apart_batch.completion_ids], 1),
+    )
+    picture_tokens = image_tokens(trainer, batch.completion_ids[1])
+    assert image_tokens(trainer, apart.input_ids) == image_tokens(trainer, shared.input_ids) + picture_tokens
+    padded, _ = run(trainer, apart_batch, as_trees=False)
+    trees, _ = run(trainer, apart_batch, as_trees=True)
+    assert_same_pass(trees, padded, apart_batch, GRAD_ATOL)
+
+
+def test_rows_whose_image_tokens_do_not_add_up_keep_the_padded_layout(tmp_path):
+    trainer = trainer_for("qwen2.5-vl", tmp_path, image_rows(2), max_completion_length=8)
+    batch = sampled_batch(trainer, [0, 0, 1, 1])
+    images = trainer.training_pass._images()
+    assert images.marks(batch) is not None
+    extra = dataclasses.replace(batch.vision[0], images=(*batch.vision[0].images, image(7)))  # no tokens for it
+    assert images.marks(dataclasses.replace(batch, vision=[extra, *batch.vision[1:]])) is None
+
+
+def test_models_whose_image_tokens_attend_both_ways_keep_the_padded_layout():
+    assert tree_images.opens_image_attention(Gemma3ForConditionalGeneration)  # a tree's mask is causal
+    assert not tree_images.opens_image_attention(Qwen2_5_VLForConditionalGeneration)
+    assert not tree_images.opens_image_attention(Idefics3ForConditionalGeneration)
+    model, _ = BUILDERS["qwen2.5-vl"](0)
+    no_token = SimpleNamespace(placeholder=None, token_types=(None, None))
+    assert "image token" in tree_images.unsupported_reason(model, no_token)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_an_image_run_as_trees_trains_like_a_padded_one(arch, tmp_path):
+    def trained(packing):
+        model, processor = BUILDERS[arch](0)
+        args = cfg(tmp_path / packing, per_device_train_batch_size=4, num_generations=4, max_steps=2, packing=packing)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+        trainer = GRPOTrainer(
+            model=model,
+            processing_class=processor,
+            reward_funcs=length_reward,
+            train_dataset=image_rows(),
+            args=args,
+            optimizers=(sgd, None),
+        )
+        trainer.train()
+        return trainer
+
+    padded, trees = trained("padded"), trained("tree")
+    assert trees.training_pass.laid_out["trees"] > 0 and not padded.training_pass.laid_out
+    tree_params = params(trees.model)
+    for name, value in params(padded.model).items():
+        torch.testing.assert_close(tree_params[name], value, rtol=1e-4, atol=1e-6)
