@@ -15,8 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Gemma3ForConditionalGeneration, Idefics3ForConditionalGeneration
-from transformers import Qwen2_5_VLForConditionalGeneration
+from transformers import (
+    Gemma3ForConditionalGeneration,
+    Idefics3ForConditionalGeneration,
+    Qwen2_5_VLForConditionalGeneration,
+)
 
 from grpo import GRPOTrainer
 from grpo.learner import tree, tree_images
@@ -127,9 +130,9 @@ def test_rows_whose_image_tokens_do_not_add_up_keep_the_padded_layout(tmp_path):
 
 
 def test_models_whose_image_tokens_attend_both_ways_keep_the_padded_layout():
-    assert tree_images.opens_image_attention(Gemma3ForConditionalGeneration)  # a tree's mask is causal
-    assert not tree_images.opens_image_attention(Qwen2_5_VLForConditionalGeneration)
-    assert not tree_images.opens_image_attention(Idefics3ForConditionalGeneration)
+    assert tree_images.opens_image_attention(Gemma3ForConditionalGeneration.__module__)  # a tree's mask is causal
+    assert not tree_images.opens_image_attention(Qwen2_5_VLForConditionalGeneration.__module__)
+    assert not tree_images.opens_image_attention(Idefics3ForConditionalGeneration.__module__)
     model, _ = BUILDERS["qwen2.5-vl"](0)
     no_token = SimpleNamespace(placeholder=None, token_types=(None, None))
     assert "image token" in tree_images.unsupported_reason(model, no_token)

@@ -271,7 +271,8 @@ def layout(
     sequences: list[list[list]] = [[context + tokens for context, _, _, tokens in turns] for turns in host]
     if marks is not None:
         assert batch.turns is None, "marks are for rows without turns"
-        sequences = [[[t if m is None else (t, m) for t, m in zip(s, marked)]] for (s,), marked in zip(sequences, marks)]
+        keyed = zip(sequences, marks)
+        sequences = [[[t if m is None else (t, m) for t, m in zip(s, marked)]] for (s,), marked in keyed]
     groups: dict[int, list[int]] = {}
     for i, group in enumerate(batch.group.tolist()):
         groups.setdefault(group, []).append(i)

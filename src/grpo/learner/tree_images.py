@@ -78,7 +78,7 @@ def unsupported_reason(model: Any, pixels: Any) -> str | None:
     inner = unwrap(model)
     if pixels.placeholder is None or not pixels.token_types or pixels.token_types[0] is None:
         return "the processor or the model names no image token"
-    if opens_image_attention(type(inner)):
+    if opens_image_attention(type(inner).__module__):
         return "the model's image tokens attend each other both ways, which a tree's causal mask does not"
     if computes_own_positions(inner) and _rope_index(inner) is None:
         return "the model derives its positions from the images without a get_rope_index grpo can call"
@@ -86,9 +86,9 @@ def unsupported_reason(model: Any, pixels: Any) -> str | None:
 
 
 @functools.cache
-def opens_image_attention(cls: type) -> bool:
-    """Whether the model class's module builds masks that open attention among tokens (`_OPEN_MASKS`)."""
-    module = sys.modules.get(cls.__module__)
+def opens_image_attention(module_name: str) -> bool:
+    """Whether a model's module (its name) builds masks that open attention among tokens (`_OPEN_MASKS`)."""
+    module = sys.modules.get(module_name)
     try:
         source = inspect.getsource(module) if module is not None else ""
     except (OSError, TypeError):
@@ -103,7 +103,9 @@ def marks(pixels: Any, part: TrainBatch) -> Marked | None:
     prompt_ids, prompt_mask = part.prompt_ids.cpu(), part.prompt_mask.cpu().bool()
     completions = part.completion_ids.cpu().tolist()
     lengths = part.completion_attention.sum(-1).tolist()
-    out, images, by_digest = [], [], {}
+    out: list[list[Any]] = []
+    images: list[tuple[Any, ...]] = []
+    by_digest: dict[bytes, Any] = {}
     for i in range(len(part)):
         ids = prompt_ids[i][prompt_mask[i]].tolist() + completions[i][: int(lengths[i])]
         prompt = part.vision[i] if part.vision is not None else None

@@ -287,9 +287,7 @@ class Pixels:
         if kept is not None and kept[0] is image:
             self._layouts.move_to_end(id(image))
             return kept[1]
-        out = self.processor(
-            text=[self.placeholder], images=[[image]], add_special_tokens=False, return_tensors="pt"
-        )
+        out = self.processor(text=[self.placeholder], images=[[image]], add_special_tokens=False, return_tensors="pt")
         grid = out.get("image_grid_thw")
         digest = hashlib.blake2b(f"{image.mode} {image.size}".encode(), digest_size=16)
         digest.update(image.tobytes())
@@ -345,12 +343,12 @@ class Pixels:
     def _image_features(self, images: Sequence[Sequence[Any]], input_ids: torch.Tensor) -> dict[str, Any]:
         assert self.placeholder is not None  # `layout` gave the rows' marks
         texts = [self.placeholder * len(row) for row in images]
-        out = self.processor(
-            text=texts, images=[list(row) for row in images], padding=True, add_special_tokens=False, return_tensors="pt"
-        )
+        rows = [list(row) for row in images]
+        out = self.processor(text=texts, images=rows, padding=True, add_special_tokens=False, return_tensors="pt")
         token = self.token_types[0]
-        given = (out["input_ids"] == token).sum(-1).tolist()
-        held = (input_ids == token).sum(-1).tolist()
+        assert token is not None  # `layout` counted it
+        given = torch.eq(out["input_ids"], token).sum(-1).tolist()
+        held = torch.eq(input_ids, token).sum(-1).tolist()
         if given != held:
             raise ValueError(
                 f"The processor expanded rows of images into {given} image tokens where the rows hold {held}: its "
