@@ -57,29 +57,32 @@ def _tokenizer(extra: list[str]):
     return tok
 
 
-def qwen_vl(seed: int = 0):
-    """(model, processor) of a 2-layer Qwen2.5-VL with a 2-block vision tower: images of up to 56x56 pixels."""
+def qwen_vl(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 56):
+    """(model, processor) of a 2-layer Qwen2.5-VL with a 2-block vision tower: images of up to 56x56 pixels.
+    `hidden`, `layers` and `side`: the widths of both towers, their depths and the images' largest side (a bench's
+    larger model: bench/tree_images.py)."""
     tok = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
-    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2)
+    images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=side * side, patch_size=14, merge_size=2)
     processor = QwenImageProcessor(image_processor=images, tokenizer=tok, chat_template=QWEN_TEMPLATE)
     ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    k = hidden // 32  # the rotary sections (time, height, width) fill half of a head (hidden / 4 heads)
     text = dict(
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,
-        rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
+        rope_parameters={"rope_type": "default", "mrope_section": [k, k, 2 * k], "rope_theta": 10000.0},
         **ids,
     )
     vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
+        depth=layers,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_heads=4,
-        out_hidden_size=32,
+        out_hidden_size=hidden,
         patch_size=14,
         spatial_merge_size=2,
         temporal_patch_size=2,

@@ -1,0 +1,129 @@
+"""Image rows as token trees against padded rows: python bench/tree_images.py [repeats] [side]
+
+A random-weight Qwen2.5-VL (tests/tiny_vlm.py's, at hidden 256 and 4 layers in both the language model and the vision
+tower), 2 prompts each with one image of `side` x `side` pixels (224: 64 image tokens), 8 completions per prompt of
+16-96 random tokens. The training pass (forward, the loss's sum, backward; float32) over that micro-batch in each
+layout, alternately, median of `repeats` (3). Padded rows run each row's prompt and image (the pixel inputs go
+with each row); a tree holds a group's prompt and image once, so the vision tower computes each prompt image once
+instead of once per completion. Prints:
+
+    tree_images_positions_ratio=<tree / padded positions> tree_images_vision_ratio=<images the vision tower
+    computes, tree / padded> tree_images_speedup=<padded pass seconds / tree pass seconds>
+
+(and before them, the largest difference of a token's log-prob between the layouts, `max_logp_difference`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from grpo import GRPOConfig  # noqa: E402
+from grpo.learner import tree  # noqa: E402
+from grpo.learner.batch import collate  # noqa: E402
+from grpo.learner.forward import TrainingPass  # noqa: E402
+from grpo.models.vision import Pixels  # noqa: E402
+from grpo.rollout.base import Prompt, Rollout  # noqa: E402
+from tiny_vlm import image, qwen_vl  # noqa: E402  (the tests' tiny models, built locally)
+
+PROMPTS, G = 2, 8
+
+
+def main() -> None:
+    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    side = int(sys.argv[2]) if len(sys.argv) > 2 else 224
+    torch.manual_seed(0)
+    model, processor = qwen_vl(0, hidden=256, layers=4, side=side)
+    tok = processor.tokenizer
+    rng = random.Random(0)
+    letters = tok("abcdefghijklmnopqrstuvwxyz ")["input_ids"]
+    prompt_ids, completions, vision, group = [], [], [], []
+    for p in range(PROMPTS):
+        text = (
+            "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+            f"What is in picture {p}? Describe it.<|im_end|>\n<|im_start|>assistant\n"
+        )
+        picture = image(p, side, side)
+        ids = processor(text=[text], images=[[picture]], add_special_tokens=False)["input_ids"][0]
+        prompt = Prompt(ids=tuple(ids), images=(picture,), text=text)
+        for _ in range(G):
+            prompt_ids.append(list(ids))
+            completions.append([rng.choice(letters) for _ in range(rng.randint(16, 96))])
+            vision.append(prompt)
+            group.append(p)
+    rollout = Rollout(
+        prompt_ids=prompt_ids,
+        completion_ids=completions,
+        sampling_logps=[[0.0] * len(c) for c in completions],
+        truncated=[False] * len(completions),
+        vision=vision,
+    )
+    batch = collate(rollout, torch.randn(len(completions)), tok.pad_token_id, False, group=torch.tensor(group))
+    args = GRPOConfig(output_dir="/tmp/grpo-bench-tree-images", packing="tree", report_to="none")
+    passes = TrainingPass(model, args, contextlib.nullcontext, "no", pixels=Pixels.of(processor, model))
+    assert passes.tree, "image rows should take trees here"
+    images = passes._images()
+    assert images is not None
+    marked = images.marks(batch)
+    assert marked is not None
+    trees = tree.layout(batch, pair_cost=tree.pair_cost(model), marks=marked.marks)
+    tree_images = sum(len(row) for row in _tree_rows(images, model, batch, trees, marked))
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for as_trees in (False, True):
+            passes.tree = as_trees
+            start = time.perf_counter()
+            logps, _ = passes.train(model, batch, entropy_grad=False)
+            (logps * batch.mask).sum().backward()
+            seconds[as_trees].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    padded_s, tree_s = statistics.median(seconds[False]), statistics.median(seconds[True])
+    scored = {}
+    for as_trees in (False, True):  # the same numbers in both layouts (the tests' check, at this size)
+        passes.tree = as_trees
+        scored[as_trees] = passes.logps(model, batch)
+    real = batch.completion_attention.bool()
+    differ = float((scored[True] - scored[False])[real].abs().max())
+    padded_positions = batch.prompt_ids.numel() + len(batch) * int(batch.completion_attention.sum(-1).max())
+    result = {
+        "side": side,
+        "rows": len(batch),
+        "completion_tokens": int(batch.completion_attention.sum()),
+        "padded_positions": padded_positions,
+        "tree_positions": trees.positions_computed,
+        "padded_images": len(batch),
+        "tree_images": tree_images,
+        "padded_s": padded_s,
+        "tree_s": tree_s,
+        "max_logp_difference": differ,
+    }
+    print("TREE_IMAGES_RESULT " + json.dumps(result))
+    print(
+        f"tree_images_positions_ratio={trees.positions_computed / padded_positions:.2f} "
+        f"tree_images_vision_ratio={tree_images / len(batch):.2f} tree_images_speedup={padded_s / tree_s:.2f} "
+        f"({PROMPTS} prompts with a {side}x{side} image, {G} completions each, float32)"
+    )
+
+
+def _tree_rows(images, model, batch, trees, marked) -> list[list]:
+    """Each tree row's images, as the pass hands them to the processor (`tree_images.inputs`)."""
+    token = images.pixels.token_types[0]
+    origin, place = trees.origin.tolist(), trees.positions.tolist()
+    rows = []
+    for r in range(trees.input_ids.shape[0]):
+        columns = ((trees.input_ids[r] == token) & trees.real[r].bool()).nonzero().flatten().tolist()
+        rows.append([c for c in columns if marked.marks[origin[r][c]][place[r][c]][1] == 0])
+    return rows
+
+
+if __name__ == "__main__":
+    main()
