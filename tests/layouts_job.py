@@ -27,8 +27,8 @@ def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
+    # each process's own micro-batch and tiny model: DDP starts every process from process 0's weights
     batch, model = (batch_and_model if rank == 0 else long_completions_batch)()
-    _, model = batch_and_model()  # one model (DDP starts every process from process 0's weights)
     cost = tree.pair_cost(model)
     alone = tree.cheaper(tree.layout(batch, pair_cost=cost), batch, True, cost)
     wrapped = DistributedDataParallel(model)

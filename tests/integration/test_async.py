@@ -11,7 +11,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,7 +23,7 @@ from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError
 from grpo.config.grpo_fields import LOSS_TYPES
 from grpo.learner.optimization import TrainingError
-from support import ahead, cfg, chat_dataset, length_reward, params, text_of
+from support import ahead, cfg, chat_dataset, job_env, length_reward, params, text_of
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "async_job.py")
 SESSION = ("train_loss",)  # the summary row's loss averages the steps this process trained (the HF Trainer's)
@@ -282,7 +281,7 @@ def job(out, resume, kill=None, delay=0.0):
     """async_job.py (a process forked from the session's zygote); with `kill`, that signal once checkpoint-1 exists
     and `delay` more seconds have passed. Returns (status, stderr, seconds from checkpoint-1 to the end)."""
     argv = [JOB, str(out), MODEL[0], str(int(resume))]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = job_env()
     with tempfile.TemporaryFile("w+") as stderr:
         proc = zygote.fork(argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
         first = os.path.join(out, "checkpoint-1")

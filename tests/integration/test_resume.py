@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -19,7 +18,7 @@ from safetensors.torch import load_file
 import zygote
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointMismatchError
-from support import ahead, cfg, chat_dataset, length_reward, needs_deepspeed, torchrun
+from support import ahead, cfg, chat_dataset, job_env, length_reward, needs_deepspeed, torchrun
 from tiny import make_model, make_tokenizer
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "resume_job.py")
@@ -30,7 +29,7 @@ def job(out, model, spg, resume, *extra, wait_for=None, send=signal.SIGKILL, sta
     that line. Returns (stderr, seconds from the signal to the exit); the exit status must be `status` (-SIGKILL
     when killed)."""
     argv = [JOB, str(out), model, str(spg), str(int(resume)), *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = job_env()
     with tempfile.TemporaryFile("w+") as stderr:
         if wait_for is None:
             proc = zygote.fork(argv, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
