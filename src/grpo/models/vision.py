@@ -23,6 +23,7 @@ import hashlib
 import io
 import os
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -250,7 +251,7 @@ class Pixels:
         self.placeholder: str | None = getattr(processor, "image_token", None)  # one per image in a rendered prompt
         self.keep = keep
         self._cache: OrderedDict[Any, tuple[Any, dict]] = OrderedDict()
-        self._layouts: OrderedDict[int, tuple[Any, ImageLayout]] = OrderedDict()
+        self._layouts: OrderedDict[int, tuple[weakref.ref, ImageLayout]] = OrderedDict()
 
     @classmethod
     def of(cls, processor: Any, model: Any) -> Pixels | None:
@@ -280,11 +281,12 @@ class Pixels:
 
     def layout(self, image: Any) -> ImageLayout | None:
         """What `image` becomes in the tokens (`ImageLayout`; None where the processor has no image token to count):
-        the processor run on it alone, kept for the last few hundred images."""
+        the processor run on it alone, kept for the last few hundred images while they live (a weak reference:
+        this keeps no image in memory)."""
         if self.placeholder is None or not self.token_types or self.token_types[0] is None:
             return None
         kept = self._layouts.get(id(image))
-        if kept is not None and kept[0] is image:
+        if kept is not None and kept[0]() is image:
             self._layouts.move_to_end(id(image))
             return kept[1]
         out = self.processor(text=[self.placeholder], images=[[image]], add_special_tokens=False, return_tensors="pt")
@@ -294,7 +296,7 @@ class Pixels:
         layout = ImageLayout(
             digest.digest(), int((out["input_ids"] == self.token_types[0]).sum()), None if grid is None else grid[0]
         )
-        self._layouts[id(image)] = (image, layout)  # holding the image keeps its id unique
+        self._layouts[id(image)] = (weakref.ref(image), layout)  # the image itself, not another at its id
         while len(self._layouts) > 64 * self.keep:
             self._layouts.popitem(last=False)
         return layout
