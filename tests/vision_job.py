@@ -2,7 +2,11 @@
 tiny VLM trains two steps on rows of which the second process gets only text (its vision tower has no gradient: DDP's
 default for a vision-language model, find_unused_parameters, lets it be); each process saves its parameters.
 
-    python -m torch.distributed.run --nproc_per_node=2 tests/vision_job.py OUT ARCH
+    python -m torch.distributed.run --nproc_per_node=2 tests/vision_job.py OUT ARCH [PACKING]
+
+(PACKING: GRPOConfig's `packing`, default None; with it, plain SGD, whose update is the gradient itself, so that
+two layouts' runs compare to float32 rounding (Adam's first steps normalize a near-zero gradient element into a
+full step); the pieces each layout took are saved too.)
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ def length_reward(completions, **kwargs):
 
 def main() -> None:
     out, arch = sys.argv[1:3]
+    packing = sys.argv[3] if len(sys.argv) > 3 else None
     rows = [
         {"prompt": [{"role": "user", "content": f"Picture {i}?"}], "image": image(i, 30 + 6 * i, 30) if i < 2 else None}
         for i in range(4)
@@ -42,6 +47,8 @@ def main() -> None:
         save_strategy="no",
         report_to="none",
         beta=0.04,
+        packing=packing,
+        **({} if packing is None else {"optim": "sgd", "learning_rate": 0.5}),
     )
     model, processor = BUILDERS[arch](0)
     trainer = GRPOTrainer(
@@ -52,7 +59,8 @@ def main() -> None:
     trainer.train()
     rank = dist.get_rank()
     state = {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
-    torch.save({"params": state, "rows": local}, os.path.join(out, f"params_{rank}.pt"))
+    laid_out = dict(trainer.training_pass.laid_out)
+    torch.save({"params": state, "rows": local, "laid_out": laid_out}, os.path.join(out, f"params_{rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ whose image tokens attend each other both ways."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from types import SimpleNamespace
 
@@ -25,7 +26,7 @@ from grpo import GRPOTrainer
 from grpo.learner import tree, tree_images
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from support import cfg, generate, length_reward, params
+from support import cfg, generate, length_reward, params, torchrun
 from test_shared_prefix_training import assert_same_pass
 from test_vision import image_rows, picture, picture_trainer, trainer_for
 from tiny_vlm import BUILDERS, image
@@ -138,19 +139,31 @@ def test_models_whose_image_tokens_attend_both_ways_keep_the_padded_layout():
     assert "image token" in tree_images.unsupported_reason(model, no_token)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_an_image_run_as_trees_trains_like_a_padded_one(arch, tmp_path):
+@pytest.mark.parametrize("arch,lora", [("idefics3", False), ("qwen2.5-vl", False), ("qwen2.5-vl", True)])
+def test_an_image_run_as_trees_trains_like_a_padded_one(arch, lora, tmp_path):
+    """Two SGD steps with a KL term (the reference pass as trees too), and with LoRA adapters on the language model:
+    the tree run's parameters are the padded run's."""
+    from peft import LoraConfig
+
     def trained(packing):
         model, processor = BUILDERS[arch](0)
-        args = cfg(tmp_path / packing, per_device_train_batch_size=4, num_generations=4, max_steps=2, packing=packing)
-        sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+        args = cfg(
+            tmp_path / packing,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_steps=2,
+            packing=packing,
+            beta=0.04,
+            learning_rate=0.5,
+            optim="sgd",
+        )
         trainer = GRPOTrainer(
             model=model,
             processing_class=processor,
             reward_funcs=length_reward,
             train_dataset=image_rows(),
             args=args,
-            optimizers=(sgd, None),
+            peft_config=LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM") if lora else None,
         )
         trainer.train()
         return trainer
@@ -158,5 +171,23 @@ def test_an_image_run_as_trees_trains_like_a_padded_one(arch, tmp_path):
     padded, trees = trained("padded"), trained("tree")
     assert trees.training_pass.laid_out["trees"] > 0 and not padded.training_pass.laid_out
     tree_params = params(trees.model)
+    moved = 0
     for name, value in params(padded.model).items():
         torch.testing.assert_close(tree_params[name], value, rtol=1e-4, atol=1e-6)
+        moved += int("lora_B" in name and bool(value.abs().sum() > 0))
+    assert moved > 0 if lora else True
+
+
+def test_two_processes_as_trees_train_like_padded_rows(tmp_path):
+    """DDP, images on one process only (the other's vision tower unused), a KL term: the tree run ends with the
+    padded run's parameters on both processes, both of which laid their pieces out as trees."""
+    job = os.path.join(os.path.dirname(os.path.dirname(__file__)), "vision_job.py")
+    ends = {}
+    for packing in ("padded", "tree"):
+        torchrun(2, job, tmp_path / packing, "qwen2.5-vl", packing, timeout=600)
+        ends[packing] = [torch.load(tmp_path / packing / f"params_{rank}.pt") for rank in (0, 1)]
+    assert all(end["laid_out"].get("trees", 0) > 0 for end in ends["tree"])
+    assert all(not end["laid_out"] for end in ends["padded"])
+    for rank in (0, 1):
+        for name, value in ends["padded"][rank]["params"].items():
+            torch.testing.assert_close(ends["tree"][rank]["params"][name], value, rtol=1e-4, atol=1e-6)
