@@ -40,7 +40,6 @@ def main() -> None:
         num_generations=2,
         max_completion_length=6,
         max_steps=2,
-        learning_rate=1e-2,
         shuffle_dataset=False,  # prompts 0, 1 (images) on the first process, 2, 3 (text) on the second
         bf16=False,
         disable_tqdm=True,
@@ -48,7 +47,7 @@ def main() -> None:
         report_to="none",
         beta=0.04,
         packing=packing,
-        **({} if packing is None else {"optim": "sgd", "learning_rate": 0.5}),
+        **({"learning_rate": 1e-2} if packing is None else {"optim": "sgd", "learning_rate": 0.5}),
     )
     model, processor = BUILDERS[arch](0)
     trainer = GRPOTrainer(
