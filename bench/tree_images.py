@@ -31,6 +31,7 @@ from grpo import GRPOConfig  # noqa: E402
 from grpo.learner import tree  # noqa: E402
 from grpo.learner.batch import collate  # noqa: E402
 from grpo.learner.forward import TrainingPass  # noqa: E402
+from grpo.learner.tree_images import row_images  # noqa: E402
 from grpo.models.vision import Pixels  # noqa: E402
 from grpo.rollout.base import Prompt, Rollout  # noqa: E402
 from tiny_vlm import image, qwen_vl  # noqa: E402  (the tests' tiny models, built locally)
@@ -76,7 +77,7 @@ def main() -> None:
     marked = images.marks(batch)
     assert marked is not None
     trees = tree.layout(batch, pair_cost=tree.pair_cost(model), marks=marked.marks)
-    tree_images = sum(len(row) for row in _tree_rows(images, model, batch, trees, marked))
+    tree_images = sum(len(row) for row in row_images(images.pixels.token_types[0], trees, marked))
     seconds: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(repeats):
         for as_trees in (False, True):
@@ -112,17 +113,6 @@ def main() -> None:
         f"tree_images_vision_ratio={tree_images / len(batch):.2f} tree_images_speedup={padded_s / tree_s:.2f} "
         f"({PROMPTS} prompts with a {side}x{side} image, {G} completions each, float32)"
     )
-
-
-def _tree_rows(images, model, batch, trees, marked) -> list[list]:
-    """Each tree row's images, as the pass hands them to the processor (`tree_images.inputs`)."""
-    token = images.pixels.token_types[0]
-    origin, place = trees.origin.tolist(), trees.positions.tolist()
-    rows = []
-    for r in range(trees.input_ids.shape[0]):
-        columns = ((trees.input_ids[r] == token) & trees.real[r].bool()).nonzero().flatten().tolist()
-        rows.append([c for c in columns if marked.marks[origin[r][c]][place[r][c]][1] == 0])
-    return rows
 
 
 if __name__ == "__main__":

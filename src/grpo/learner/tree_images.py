@@ -126,18 +126,23 @@ def marks(pixels: Any, part: TrainBatch) -> Marked | None:
 def inputs(pixels: Any, model: Any, part: TrainBatch, trees: tree.Tree, marked: Marked) -> dict[str, Any]:
     """The model's image inputs for `trees` (laid out from `part` with `marked.marks`): the pixel inputs of each
     tree row's images in column order, and for a model that derives positions from the images, `position_ids`."""
-    token = pixels.token_types[0]
-    ids, origin, place = trees.input_ids.cpu(), trees.origin.cpu().tolist(), trees.positions.cpu().tolist()
-    rows = []
-    for r in range(ids.shape[0]):
-        columns = (ids[r] == token) & trees.real[r].cpu().bool()
-        firsts = [marked.marks[origin[r][c]][place[r][c]] for c in columns.nonzero().flatten().tolist()]
-        rows.append([marked.by_digest[digest] for digest, k in firsts if k == 0])
+    rows = row_images(pixels.token_types[0], trees, marked)
     out = pixels.images_inputs(rows, trees.input_ids, trees.input_ids.device)
     inner = unwrap(model)
     if computes_own_positions(inner) and any(marked.images):
         out["position_ids"] = _positions(pixels, inner, part, trees, marked)
     return out
+
+
+def row_images(token: int, trees: tree.Tree, marked: Marked) -> list[list[Any]]:
+    """Each tree row's images in the order of its columns (an image's first token, `token`, places it)."""
+    origin, place = trees.origin.cpu().tolist(), trees.positions.cpu().tolist()
+    images = (trees.input_ids.cpu() == token) & trees.real.cpu().bool()
+    rows = []
+    for r, columns in enumerate(images):
+        firsts = [marked.marks[origin[r][c]][place[r][c]] for c in columns.nonzero().flatten().tolist()]
+        rows.append([marked.by_digest[digest] for digest, k in firsts if k == 0])
+    return rows
 
 
 def _rope_index(inner: Any) -> Any:
