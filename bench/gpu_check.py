@@ -60,6 +60,7 @@ SIZES = {
             "tests/unit/test_shared_prefix_training.py",
             "tests/unit/test_static_decode.py",
             "tests/unit/test_tree_packing.py",
+            "tests/unit/test_image_trees_on_device.py",
         ],
     ),
     "dry": dict(

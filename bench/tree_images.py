@@ -18,23 +18,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import statistics
 import sys
 import time
-
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from grpo import GRPOConfig  # noqa: E402
 from grpo.learner import tree  # noqa: E402
-from grpo.learner.batch import collate  # noqa: E402
 from grpo.learner.forward import TrainingPass  # noqa: E402
 from grpo.learner.tree_images import row_images  # noqa: E402
 from grpo.models.vision import Pixels  # noqa: E402
-from grpo.rollout.base import Prompt, Rollout  # noqa: E402
-from tiny_vlm import image, qwen_vl  # noqa: E402  (the tests' tiny models, built locally)
+from tiny_vlm import image_batch, qwen_vl  # noqa: E402  (the tests' tiny models, built locally)
 
 PROMPTS, G = 2, 8
 
@@ -42,33 +37,8 @@ PROMPTS, G = 2, 8
 def main() -> None:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     side = int(sys.argv[2]) if len(sys.argv) > 2 else 224
-    torch.manual_seed(0)
     model, processor = qwen_vl(0, hidden=256, layers=4, side=side)
-    tok = processor.tokenizer
-    rng = random.Random(0)
-    letters = tok("abcdefghijklmnopqrstuvwxyz ")["input_ids"]
-    prompt_ids, completions, vision, group = [], [], [], []
-    for p in range(PROMPTS):
-        text = (
-            "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
-            f"What is in picture {p}? Describe it.<|im_end|>\n<|im_start|>assistant\n"
-        )
-        picture = image(p, side, side)
-        ids = processor(text=[text], images=[[picture]], add_special_tokens=False)["input_ids"][0]
-        prompt = Prompt(ids=tuple(ids), images=(picture,), text=text)
-        for _ in range(G):
-            prompt_ids.append(list(ids))
-            completions.append([rng.choice(letters) for _ in range(rng.randint(16, 96))])
-            vision.append(prompt)
-            group.append(p)
-    rollout = Rollout(
-        prompt_ids=prompt_ids,
-        completion_ids=completions,
-        sampling_logps=[[0.0] * len(c) for c in completions],
-        truncated=[False] * len(completions),
-        vision=vision,
-    )
-    batch = collate(rollout, torch.randn(len(completions)), tok.pad_token_id, False, group=torch.tensor(group))
+    batch = image_batch(processor, PROMPTS, G, side=side, lengths=(16, 97), text_only=0)
     args = GRPOConfig(output_dir="/tmp/grpo-bench-tree-images", packing="tree", report_to="none")
     passes = TrainingPass(model, args, contextlib.nullcontext, "no", pixels=Pixels.of(processor, model))
     assert passes.tree, "image rows should take trees here"

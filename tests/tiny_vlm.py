@@ -22,6 +22,8 @@ from transformers import (
     Qwen2VLImageProcessorPil,
 )
 
+from grpo.learner.batch import collate
+from grpo.rollout.base import Prompt, Rollout
 from tiny import make_tokenizer
 
 _BLOCKS = (
@@ -146,3 +148,35 @@ def image(seed: int, width: int = 40, height: int = 32) -> Image.Image:
     """A random RGB image."""
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def image_batch(processor, prompts=2, group=4, side=56, lengths=(4, 24), text_only=1, seed=0):
+    """A training batch without sampling: `prompts` chat prompts, each with a `side` x `side` image but the last
+    `text_only` (text-only rows among image rows), each followed by `group` completions of random letters
+    (`lengths`: their range); the rows of a prompt are a group. For the equivalence tests on any device and
+    bench/tree_images.py."""
+    tok = processor.tokenizer
+    rng = np.random.default_rng(seed)
+    letters = tok("abcdefghijklmnopqrstuvwxyz ")["input_ids"]
+    prompt_ids, completions, vision, groups = [], [], [], []
+    for p in range(prompts):
+        pictures = [image(seed + p, side, side)] if p < prompts - text_only else []
+        content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": f"What is in picture {p}?"}]
+        messages = [{"role": "user", "content": content}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = processor(text=[text], images=[pictures] if pictures else None, add_special_tokens=False)["input_ids"][0]
+        prompt = Prompt(ids=tuple(ids), images=tuple(pictures) or None, text=text)
+        for _ in range(group):
+            prompt_ids.append(list(ids))
+            completions.append([int(rng.choice(letters)) for _ in range(int(rng.integers(*lengths)))])
+            vision.append(prompt)
+            groups.append(p)
+    rollout = Rollout(
+        prompt_ids=prompt_ids,
+        completion_ids=completions,
+        sampling_logps=[[0.0] * len(c) for c in completions],
+        truncated=[False] * len(completions),
+        vision=vision,
+    )
+    advantages = torch.from_numpy(rng.standard_normal(len(completions))).float()
+    return collate(rollout, advantages, tok.pad_token_id, False, group=torch.tensor(groups))

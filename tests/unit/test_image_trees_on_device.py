@@ -1,0 +1,52 @@
+"""Image rows as token trees on the tests' device (`pytest -m device --device cuda`, as the GPU check runs it): the
+tree pass gives the padded pass's numbers there. Kept apart from tests/integration/test_tree_images.py, whose
+imports (datasets, the trainer's tests) the GPU machine's image may lack."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import on_device
+from grpo.learner import tree_attention
+from grpo.learner.forward import token_logps
+from grpo.learner.tree_images import ImageInputs
+from grpo.models.vision import Pixels
+from tiny_vlm import BUILDERS, image_batch
+
+GRAD_ATOL = 5e-6  # as test_tree_packing: the attention sums over other widths than the padded pass's
+
+
+@on_device.mark
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_image_trees_are_the_padded_pass_on_the_tests_device(arch):
+    """On the tests' device (on CUDA: FlexAttention's block-sparse kernel, which must run there), the image rows as
+    trees give the padded pass's log-probs, entropies and gradients at that device's float32
+    tolerance: two prompts with images and one without, four completions each (heads of 16 wide)."""
+    model, processor = BUILDERS[arch](0, hidden=64)
+    device = on_device.device()
+    model = model.to(device)
+    batch = image_batch(processor, prompts=3).to(device)
+    images = ImageInputs(Pixels.of(processor, model), ())
+    tolerance = on_device.float32_tolerance()
+    grad_tolerance = dict(rtol=tolerance["rtol"], atol=max(GRAD_ATOL, tolerance["atol"]))
+
+    def scored(as_trees):
+        model.zero_grad()
+        laid_out = Counter()
+        logps, ent = token_logps(model, batch, 0.9, images=images, as_trees=as_trees, laid_out=laid_out)
+        (logps * batch.mask).sum().backward()
+        assert laid_out == ({"trees": 1} if as_trees else {})
+        return logps.detach(), ent.detach(), {n: q.grad.clone() for n, q in model.named_parameters()}
+
+    padded, trees = scored(False), scored(True)
+    assert tree_attention.attention_kernel(model, device) in (
+        ("flex", "dense") if device.type == "cuda" else ("dense",)
+    )
+    m = batch.mask.bool()
+    torch.testing.assert_close(trees[0][m], padded[0][m], **tolerance)
+    torch.testing.assert_close(trees[1][m], padded[1][m], **tolerance)
+    for name, grad in padded[2].items():
+        torch.testing.assert_close(trees[2][name], grad, **grad_tolerance, msg=name)
