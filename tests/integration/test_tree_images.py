@@ -26,6 +26,7 @@ from grpo import GRPOTrainer
 from grpo.learner import tree, tree_images
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
+from grpo.models.vision import Pixels
 from support import cfg, generate, length_reward, params, torchrun
 from test_shared_prefix_training import assert_same_pass
 from test_vision import image_rows, picture, picture_trainer, trainer_for
@@ -134,9 +135,13 @@ def test_models_whose_image_tokens_attend_both_ways_keep_the_padded_layout():
     assert tree_images.opens_image_attention(Gemma3ForConditionalGeneration.__module__)  # a tree's mask is causal
     assert not tree_images.opens_image_attention(Qwen2_5_VLForConditionalGeneration.__module__)
     assert not tree_images.opens_image_attention(Idefics3ForConditionalGeneration.__module__)
-    model, _ = BUILDERS["qwen2.5-vl"](0)
+    model, processor = BUILDERS["qwen2.5-vl"](0)
     no_token = SimpleNamespace(placeholder=None, token_types=(None, None))
     assert "image token" in tree_images.unsupported_reason(model, no_token)
+    pixels = Pixels.of(processor, model)
+    assert tree_images.unsupported_reason(model, pixels) is None
+    wrapped = type("FSDPGemma3", (Gemma3ForConditionalGeneration,), {"__module__": "torch.distributed.fsdp"})
+    assert "both ways" in tree_images.unsupported_reason(object.__new__(wrapped), pixels)  # a class, not built
 
 
 @pytest.mark.parametrize("arch,lora", [("idefics3", False), ("qwen2.5-vl", False), ("qwen2.5-vl", True)])

@@ -78,11 +78,29 @@ def unsupported_reason(model: Any, pixels: Any) -> str | None:
     inner = unwrap(model)
     if pixels.placeholder is None or not pixels.token_types or pixels.token_types[0] is None:
         return "the processor or the model names no image token"
-    if opens_image_attention(type(inner).__module__):
+    if any(opens_image_attention(name) for name in _model_modules(type(inner))):
         return "the model's image tokens attend each other both ways, which a tree's causal mask does not"
     if computes_own_positions(inner) and _rope_index(inner) is None:
         return "the model derives its positions from the images without a get_rope_index grpo can call"
     return None
+
+
+# the modules of classes a model's class is built on that are not its architecture's: transformers' modeling and
+# generation utilities (they name every mask option), torch's (FSDP2 subclasses the model in a module of its own),
+# the wrappers', the standard library's
+_SHARED = ("builtins", "typing", "abc", "torch", "peft", "accelerate", "deepspeed", "grpo")
+
+
+def _model_modules(cls: type) -> set[str]:
+    """The modules of the classes `cls` is built on that hold an architecture: transformers' model modules, or a
+    remote model's own."""
+    names = {c.__module__ for c in cls.__mro__}
+    return {
+        name
+        for name in names
+        if name.split(".")[0] not in _SHARED
+        and (not name.startswith("transformers.") or name.startswith("transformers.models."))
+    }
 
 
 @functools.cache
@@ -163,7 +181,10 @@ def _positions(pixels: Any, inner: Any, part: TrainBatch, trees: tree.Tree, mark
     attention = torch.cat([part.prompt_mask, part.completion_attention], dim=1)
     grids = [pixels.layout(image).grid for row in marked.images for image in row]
     if any(grid is None for grid in grids):
-        raise ValueError("The processor gives no image_grid_thw, which the model's positions are derived from.")
+        raise ValueError(
+            "The processor gives no image_grid_thw, which the model derives its positions from; train with "
+            "packing='padded'."
+        )
     function = _rope_index(inner)
     names = inspect.signature(function).parameters
     given = {
