@@ -23,8 +23,8 @@ GRAD_ATOL = 5e-6  # as test_tree_packing: the attention sums over other widths t
 @pytest.mark.parametrize("arch", sorted(BUILDERS))
 def test_image_trees_are_the_padded_pass_on_the_tests_device(arch):
     """On the tests' device (on CUDA: FlexAttention's block-sparse kernel, which must run there), the image rows as
-    trees give the padded pass's log-probs, entropies and gradients at that device's float32
-    tolerance: two prompts with images and one without, four completions each (heads of 16 wide)."""
+    trees give the padded pass's log-probs, entropies and gradients at that device's float32 tolerance: two
+    prompts with images and one without, four completions each (heads of 16 wide)."""
     model, processor = BUILDERS[arch](0, hidden=64)
     device = on_device.device()
     model = model.to(device)
@@ -42,9 +42,7 @@ def test_image_trees_are_the_padded_pass_on_the_tests_device(arch):
         return logps.detach(), ent.detach(), {n: q.grad.clone() for n, q in model.named_parameters()}
 
     padded, trees = scored(False), scored(True)
-    assert tree_attention.attention_kernel(model, device) in (
-        ("flex", "dense") if device.type == "cuda" else ("dense",)
-    )
+    assert tree_attention.attention_kernel(model, device) == ("flex" if device.type == "cuda" else "dense")
     m = batch.mask.bool()
     torch.testing.assert_close(trees[0][m], padded[0][m], **tolerance)
     torch.testing.assert_close(trees[1][m], padded[1][m], **tolerance)
