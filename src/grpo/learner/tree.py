@@ -176,7 +176,7 @@ def contexts(batch: TrainBatch, i: int, prompt: list[int], length: int) -> list[
     return [(list(context), start, min(end, length)) for start, end, context in turns if start < length]
 
 
-def _host_turns(batch: TrainBatch) -> list[list[tuple[list[int], int, int, list[int]]]]:
+def host_turns(batch: TrainBatch) -> list[list[tuple[list[int], int, int, list[int]]]]:
     """Each row's turns on the host, as lists: (context, start, end, the completion's tokens start..end-1)."""
     prompt_ids, prompt_mask = batch.prompt_ids.cpu(), batch.prompt_mask.cpu()
     completion_ids = batch.completion_ids.cpu().tolist()
@@ -267,7 +267,7 @@ def layout(
     pair_cost = 0.0 if kernel == "flex" else pair_cost
     max_width = max_width or MAX_WIDTH
     # laid out on the host (a few small tensors), moved to the batch's device at the end
-    host = _host_turns(batch)
+    host = host_turns(batch)
     sequences: list[list[list]] = [[context + tokens for context, _, _, tokens in turns] for turns in host]
     if marks is not None:
         assert batch.turns is None, "marks are for rows without turns"
@@ -389,7 +389,7 @@ def forked(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
     completions: list[list[int]] = []
     groups: dict[tuple[int, ...], int] = {}
     group: list[int] = []  # each forked row's group: the index of its context
-    for i, turns in enumerate(_host_turns(batch)):
+    for i, turns in enumerate(host_turns(batch)):
         for context, start, end, tokens in turns:
             where_row[i, start:end] = len(prompts)
             where_column[i, start:end] = torch.arange(end - start)

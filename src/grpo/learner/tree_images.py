@@ -118,14 +118,12 @@ def marks(pixels: Any, part: TrainBatch) -> Marked | None:
     """The piece's rows (`part`, without turns) with their image tokens marked (digest, place in the image); None
     where a row's image tokens are not as many as its images expand into."""
     token = pixels.token_types[0]
-    prompt_ids, prompt_mask = part.prompt_ids.cpu(), part.prompt_mask.cpu().bool()
-    completions = part.completion_ids.cpu().tolist()
-    lengths = part.completion_attention.sum(-1).tolist()
     out: list[list[Any]] = []
     images: list[tuple[Any, ...]] = []
     by_digest: dict[bytes, Any] = {}
-    for i in range(len(part)):
-        ids = prompt_ids[i][prompt_mask[i]].tolist() + completions[i][: int(lengths[i])]
+    for i, turns in enumerate(tree.host_turns(part)):
+        ((context, _, _, tokens),) = turns  # a row without turns: its prompt, then its completion
+        ids = context + tokens
         prompt = part.vision[i] if part.vision is not None else None
         row = tuple(prompt.images or ()) if prompt is not None else ()
         layouts = [pixels.layout(image) for image in row]
