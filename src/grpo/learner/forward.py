@@ -60,7 +60,6 @@ class TrainingPass:
         # the router loss is computed over whole padded sequences; an image prompt runs whole in padded rows (its
         # pixel inputs go with each row), once per tree in a tree
         whole_rows = "the router's load-balancing loss is computed over whole sequences" if self.router_aux else None
-        images = tree_images.unsupported_reason(model, pixels) if pixels is not None else None
         reason = prefix_sharing_unsupported_reason(model) or whole_rows
         if pixels is not None:
             reason = reason or "image prompts run whole (their pixel inputs go with each row)"
@@ -70,7 +69,10 @@ class TrainingPass:
         self.packing = args.packing or tree.default_packing(model)  # packing=None: by where the model trains
         if args.packing is None:
             logger.info("packing=None: the training pass lays out as packing=%r here.", self.packing)
-        reason = (tree.unsupported_reason(model) or whole_rows or images) if self.packing != "padded" else None
+        reason = None
+        if self.packing != "padded":  # image rows' own reasons (a model module's source read) only where trees may run
+            images = tree_images.unsupported_reason(model, pixels) if pixels is not None else None
+            reason = tree.unsupported_reason(model) or whole_rows or images
         if reason is not None and self.packing == "tree":
             warnings.warn(f"packing='tree' is not used: {reason}. The padded layout trains instead.", stacklevel=3)
         elif reason is not None:
