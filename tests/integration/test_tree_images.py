@@ -22,12 +22,11 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
 )
 
-from grpo import GRPOTrainer
 from grpo.learner import tree, tree_images
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.models.vision import Pixels
-from support import cfg, generate, length_reward, params, torchrun
+from support import generate, params, torchrun
 from test_shared_prefix_training import assert_same_pass
 from test_vision import image_rows, picture, picture_trainer, trainer_for
 from tiny_vlm import BUILDERS, image
@@ -151,24 +150,16 @@ def test_an_image_run_as_trees_trains_like_a_padded_one(arch, lora, tmp_path):
     from peft import LoraConfig
 
     def trained(packing):
-        model, processor = BUILDERS[arch](0)
-        args = cfg(
+        lora_config = LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM") if lora else None
+        trainer = trainer_for(
+            arch,
             tmp_path / packing,
-            per_device_train_batch_size=4,
-            num_generations=4,
             max_steps=2,
             packing=packing,
             beta=0.04,
             learning_rate=0.5,
             optim="sgd",
-        )
-        trainer = GRPOTrainer(
-            model=model,
-            processing_class=processor,
-            reward_funcs=length_reward,
-            train_dataset=image_rows(),
-            args=args,
-            peft_config=LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM") if lora else None,
+            peft_config=lora_config,
         )
         trainer.train()
         return trainer

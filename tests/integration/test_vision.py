@@ -55,7 +55,7 @@ def image_rows(n=4, with_images=None, sizes=True):
     return rows
 
 
-def trainer_for(arch, tmp_path, rows=None, seed=0, **kw):
+def trainer_for(arch, tmp_path, rows=None, seed=0, peft_config=None, **kw):
     model, processor = BUILDERS[arch](seed)
     args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=4, **kw)
     return GRPOTrainer(
@@ -64,6 +64,7 @@ def trainer_for(arch, tmp_path, rows=None, seed=0, **kw):
         reward_funcs=length_reward,
         train_dataset=rows or image_rows(),
         args=args,
+        peft_config=peft_config,
     )
 
 
