@@ -1,6 +1,7 @@
-"""Tiny vision-language models built locally (no hub), random weights: a Qwen2.5-VL and an Idefics3 (SmolVLM's
-architecture), each with a processor made from the tiny character tokenizer plus the model's image tokens, a chat
-template that writes image blocks, and the model's PIL image processor (torchvision is not installed here).
+"""Tiny vision-language models built locally (no hub), random weights: a Qwen2.5-VL, an Idefics3 (SmolVLM's
+architecture) and a Gemma 3 (its image tokens attend each other both ways), each with a processor made from the
+tiny character tokenizer plus the model's image tokens, a chat template that writes image blocks, and the model's
+PIL image processor (torchvision is not installed here).
 
 The Qwen2.5-VL processor is transformers' own with its video half left out: transformers 5.19 cannot build a
 Qwen2-VL processor without torchvision (its video processor needs it), and grpo trains on images only."""
@@ -11,6 +12,10 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3ImageProcessorPil,
+    Gemma3Processor,
     Idefics3Config,
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessorPil,
@@ -40,6 +45,11 @@ IDEFICS_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] | capitalize }}:"
     + _BLOCKS.replace("IMAGE", "<image>")
     + "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    + _BLOCKS.replace("IMAGE", "<start_of_image>")
+    + "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
@@ -141,7 +151,50 @@ def idefics3(seed: int = 0, hidden: int = 32):
     return Idefics3ForConditionalGeneration(config), processor
 
 
-BUILDERS = {"qwen2.5-vl": qwen_vl, "idefics3": idefics3}
+def gemma3(seed: int = 0, hidden: int = 32):
+    """(model, processor) of a 2-layer Gemma 3 (a sliding-window layer and a global one) with a 2-layer SigLIP:
+    images resized to 28x28, 4 image tokens each, which attend each other both ways (`token_type_ids`)."""
+    tok = _tokenizer(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
+    # Gemma's tokenizer names its image tokens; the processor reads them from it
+    tok.boi_token, tok.eoi_token, tok.image_token = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+    tok.boi_token_id, tok.image_token_id = tok.convert_tokens_to_ids([tok.boi_token, tok.image_token])
+    images = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    processor = Gemma3Processor(image_processor=images, tokenizer=tok, chat_template=GEMMA_TEMPLATE, image_seq_length=4)
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=1024,
+        sliding_window=512,
+        layer_types=["sliding_attention", "full_attention"],
+        **ids,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=7
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_id=tok.image_token_id,
+        boi_token_id=tok.boi_token_id,
+        eoi_token_id=tok.convert_tokens_to_ids(tok.eoi_token),
+        tie_word_embeddings=False,
+        **ids,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # transformers starts the projection from the vision tower at zero: no image would matter
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.1)
+    return model, processor
+
+
+BUILDERS = {"qwen2.5-vl": qwen_vl, "idefics3": idefics3, "gemma3": gemma3}
 
 
 def image(seed: int, width: int = 40, height: int = 32) -> Image.Image:

@@ -19,13 +19,15 @@ import torch
 from transformers import (
     Gemma3ForConditionalGeneration,
     Idefics3ForConditionalGeneration,
+    PaliGemmaForConditionalGeneration,
     Qwen2_5_VLForConditionalGeneration,
 )
 
-from grpo.learner import tree, tree_images
+from grpo.learner import tree, tree_attention, tree_images
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.models.vision import Pixels
+from grpo.rollout.base import Prompt, Rollout
 from support import generate, params, torchrun
 from test_shared_prefix_training import assert_same_pass
 from test_vision import image_rows, picture, picture_trainer, trainer_for
@@ -121,6 +123,132 @@ def test_a_tools_image_in_the_completions(tmp_path):
     assert_same_pass(trees, padded, apart_batch, GRAD_ATOL)
 
 
+def completion_pictures_batch(processor, side=28):
+    """Rows whose completions hold a picture (as a tool's image sits there: the row's images are its prompt's and
+    then the picture). Group 0 has a prompt image; its rows' completions: "ab", picture A, "cd"; "ab", A, "ef"
+    (A shared); "ab", another picture of A's size (the same token ids), "cd"; "ab", "xyz". Group 1, a text prompt:
+    "q", A, "r"; "q", "s"."""
+    tok = processor.tokenizer
+
+    def expanded(picture):  # the tokens a picture becomes
+        out = processor(text=[processor.image_token], images=[[picture]], add_special_tokens=False)
+        return list(out["input_ids"][0])
+
+    def letters(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    shown, first, other = image(1, side, side), image(2, side, side), image(3, side, side)
+    prompts = []
+    for p, pictures in enumerate([[shown], []]):
+        content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": f"Look {p}"}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        ids = processor(text=[text], images=[pictures] if pictures else None, add_special_tokens=False)["input_ids"]
+        prompts.append((list(ids[0]), pictures, text))
+    rows = [  # (group, completion pieces: text or a picture)
+        (0, ["ab", first, "cd"]),
+        (0, ["ab", first, "ef"]),
+        (0, ["ab", other, "cd"]),
+        (0, ["ab", "xyz"]),
+        (1, ["q", first, "r"]),
+        (1, ["q", "s"]),
+    ]
+    prompt_ids, completions, vision = [], [], []
+    for group, pieces in rows:
+        ids, pictures, text = prompts[group]
+        tokens = [t for piece in pieces for t in (letters(piece) if isinstance(piece, str) else expanded(piece))]
+        later = [piece for piece in pieces if not isinstance(piece, str)]
+        prompt_ids.append(ids)
+        completions.append(tokens)
+        vision.append(Prompt(ids=tuple(ids), images=tuple(pictures + later) or None, text=text))
+    rollout = Rollout(
+        prompt_ids=prompt_ids,
+        completion_ids=completions,
+        sampling_logps=[[0.0] * len(c) for c in completions],
+        truncated=[False] * len(rows),
+        vision=vision,
+    )
+    group = torch.tensor([g for g, _ in rows])
+    return collate(rollout, torch.zeros(len(rows)), tok.pad_token_id, False, group=group)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_pictures_in_the_completions_are_shared_only_where_the_same(arch):
+    """Pictures inside the completions (where a tool's go), on each architecture: a picture two rows got after the
+    same tokens is laid out once, another picture of the same size apart, and the tree pass's log-probs,
+    entropies and gradients are the padded pass's (Gemma 3: the pictures' tokens attend each other both ways in
+    the tree too; Qwen2.5-VL: positions derived from pictures in the completions)."""
+    model, processor = BUILDERS[arch](0)
+    pixels = Pixels.of(processor, model)
+    images = tree_images.ImageInputs.of(model, pixels)
+    batch = completion_pictures_batch(processor)
+    marked = images.marks(batch)
+    trees = tree.layout(batch, marks=marked.marks, both_ways=marked.both_ways)
+    token = model.config.image_token_id
+    per_picture = pixels.layout(image(2, 28, 28)).tokens
+    prompt_picture = pixels.layout(image(1, 28, 28)).tokens
+    # the prompt's picture once, A once per group, the other picture once
+    assert int((trees.input_ids == token).sum()) == prompt_picture + 3 * per_picture
+    assert marked.both_ways == (arch == "gemma3")
+
+    def scored(as_trees):
+        model.zero_grad()
+        laid_out = Counter()
+        logps, ent = token_logps(model, batch, 0.9, images=images, as_trees=as_trees, laid_out=laid_out)
+        (logps * batch.mask).sum().backward()
+        assert laid_out == ({"trees": 1} if as_trees else {})
+        return (
+            logps.detach(),
+            ent.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
+
+    assert_same_pass(scored(True), scored(False), batch, GRAD_ATOL)
+
+
+def test_flex_attention_scores_image_runs_as_the_padded_pass(monkeypatch):
+    """The "flex" kernel (compiled here for the CPU, forward only; the GPU check runs it forward and backward) gives
+    the padded pass's log-probs and entropies for Gemma 3's pictures, whose tokens attend each other both ways."""
+    monkeypatch.setattr(tree_attention, "FORCE_KERNEL", "flex")
+    model, processor = BUILDERS["gemma3"](0)
+    images = tree_images.ImageInputs.of(model, Pixels.of(processor, model))
+    batch = completion_pictures_batch(processor)
+    with torch.no_grad():
+        padded = token_logps(model, batch, 0.9, images=images)
+        laid_out = Counter()
+        flex = token_logps(model, batch, 0.9, images=images, as_trees=True, laid_out=laid_out)
+    assert laid_out == {"trees": 1}
+    m = batch.mask.bool()
+    for got, expected in zip(flex, padded):
+        torch.testing.assert_close(got[m], expected[m], rtol=1e-5, atol=1e-6)
+
+
+def test_touching_images_and_rows_past_the_window_keep_the_padded_layout():
+    """Gemma 3 (image tokens attend each other both ways within each run of them): a row whose completion holds two
+    pictures' tokens touching (one run of two pictures: it could branch in a tree) gets no marks, where a causal
+    model's rows get them; and a row longer than the language model's sliding window (its text config's) keeps
+    padded rows."""
+    model, processor = BUILDERS["gemma3"](0)
+    pixels = Pixels.of(processor, model)
+    token = model.config.image_token_id
+    pictures = (image(1, 28, 28), image(2, 28, 28), image(3, 28, 28))
+    n = pixels.layout(pictures[0]).tokens
+    ids = [5, *[token] * n, 6]
+    rollout = Rollout(
+        prompt_ids=[ids],
+        completion_ids=[[token] * (2 * n) + [7]],
+        sampling_logps=[[0.0] * (2 * n + 1)],
+        truncated=[False],
+        vision=[Prompt(ids=tuple(ids), images=pictures, text="")],
+    )
+    batch = collate(rollout, torch.zeros(1), processor.tokenizer.pad_token_id, False)
+    assert tree_images.marks(pixels, batch, both_ways=True) is None
+    assert tree_images.marks(pixels, batch) is not None
+    apart = completion_pictures_batch(processor)
+    assert tree.fits_window(model, apart)
+    model.config.text_config.sliding_window = 8
+    assert not tree.fits_window(model, apart)
+
+
 def test_rows_whose_image_tokens_do_not_add_up_keep_the_padded_layout(tmp_path):
     trainer = trainer_for("qwen2.5-vl", tmp_path, image_rows(2), max_completion_length=8)
     batch = sampled_batch(trainer, [0, 0, 1, 1])
@@ -130,20 +258,42 @@ def test_rows_whose_image_tokens_do_not_add_up_keep_the_padded_layout(tmp_path):
     assert images.marks(dataclasses.replace(batch, vision=[extra, *batch.vision[1:]])) is None
 
 
-def test_models_whose_image_tokens_attend_both_ways_keep_the_padded_layout():
-    assert tree_images.opens_image_attention(Gemma3ForConditionalGeneration.__module__)  # a tree's mask is causal
+def built_as(cls, config):
+    """An instance of model class `cls` with `config` and no weights (what the checks read)."""
+    model = object.__new__(cls)
+    object.__setattr__(model, "config", config)
+    return model
+
+
+def test_which_models_image_rows_take_trees():
+    """Qwen2.5-VL's and Idefics3's image tokens attend causally; Gemma 3's attend each other both ways within each
+    image, which a tree lays out (also through an FSDP2-style subclass); a model whose module opens attention some
+    other way (PaliGemma: its whole prompt) keeps the padded layout, and so does a processor without an image
+    token."""
     assert not tree_images.opens_image_attention(Qwen2_5_VLForConditionalGeneration.__module__)
     assert not tree_images.opens_image_attention(Idefics3ForConditionalGeneration.__module__)
+    assert tree_images.opens_image_attention(PaliGemmaForConditionalGeneration.__module__)
+    assert tree_images.opens_image_attention(Gemma3ForConditionalGeneration.__module__)
     model, processor = BUILDERS["qwen2.5-vl"](0)
     no_token = SimpleNamespace(placeholder=None, token_types=(None, None))
     assert "image token" in tree_images.unsupported_reason(model, no_token)
     pixels = Pixels.of(processor, model)
-    assert tree_images.unsupported_reason(model, pixels) is None
+    assert tree_images.unsupported_reason(model, pixels) is None and not tree_images.both_ways(model)
+    gemma, gemma_processor = BUILDERS["gemma3"](0)
+    assert tree_images.both_ways(gemma)
+    assert tree_images.unsupported_reason(gemma, Pixels.of(gemma_processor, gemma)) is None
     wrapped = type("FSDPGemma3", (Gemma3ForConditionalGeneration,), {"__module__": "torch.distributed.fsdp"})
-    assert "both ways" in tree_images.unsupported_reason(object.__new__(wrapped), pixels)  # a class, not built
+    fsdp = built_as(wrapped, gemma.config)
+    assert tree_images.both_ways(fsdp) and tree_images.unsupported_reason(fsdp, pixels) is None
+    paligemma = built_as(PaliGemmaForConditionalGeneration, SimpleNamespace(model_type="paligemma"))
+    assert "both ways" in tree_images.unsupported_reason(paligemma, pixels)
+    fsdp_paligemma = type("FSDPPali", (PaliGemmaForConditionalGeneration,), {"__module__": "torch.distributed.fsdp"})
+    assert "both ways" in tree_images.unsupported_reason(built_as(fsdp_paligemma, paligemma.config), pixels)
 
 
-@pytest.mark.parametrize("arch,lora", [("idefics3", False), ("qwen2.5-vl", False), ("qwen2.5-vl", True)])
+@pytest.mark.parametrize(
+    "arch,lora", [("gemma3", False), ("idefics3", False), ("qwen2.5-vl", False), ("qwen2.5-vl", True)]
+)
 def test_an_image_run_as_trees_trains_like_a_padded_one(arch, lora, tmp_path):
     """Two SGD steps with a KL term (the reference pass as trees too), and with LoRA adapters on the language model:
     the tree run's parameters are the padded run's."""

@@ -263,7 +263,7 @@ def allowed_pairs(block_mask, rows, width):
 
 def block_mask_pairs(trees):
     """Where FlexAttention's block mask of `trees` lets each query attend each key: (R, T, T)."""
-    return allowed_pairs(tree_attention.block_mask(trees.last), *trees.last.shape)
+    return allowed_pairs(tree_attention.block_mask(trees.first, trees.last), *trees.last.shape)
 
 
 def test_the_flex_block_mask_attends_as_the_dense_mask_and_its_blocks_are_counted(monkeypatch):
@@ -279,7 +279,8 @@ def test_the_flex_block_mask_attends_as_the_dense_mask_and_its_blocks_are_counte
     for trees in (tree.layout(batch), tree.layout(batch, max_width=widest), tree.layout(turns)):
         dense = trees.mask[:, 0]
         assert torch.equal(block_mask_pairs(trees), dense)
-        assert tree_attention.flex_blocks(trees.last) == int(tree_attention.block_mask(trees.last).to_dense().sum())
+        flex_mask = tree_attention.block_mask(trees.first, trees.last)
+        assert tree_attention.flex_blocks(trees.first, trees.last) == int(flex_mask.to_dense().sum())
         # every key a query attends is itself or an ancestor: at a smaller position, and never padding
         rows, queries, keys = dense.nonzero(as_tuple=True)
         assert bool((trees.positions[rows, keys] <= trees.positions[rows, queries]).all())
@@ -287,7 +288,49 @@ def test_the_flex_block_mask_attends_as_the_dense_mask_and_its_blocks_are_counte
     # pairs cost FlexAttention no cut: one tree per group, whatever the cost of pairs
     flex = tree.layout(batch, pair_cost=1.0, kernel="flex")
     assert torch.equal(flex.input_ids, tree.layout(batch).input_ids) and flex.kernel == "flex"
-    assert flex.pairs_computed == tree_attention.flex_blocks(flex.last) * 16**2
+    assert flex.pairs_computed == tree_attention.flex_blocks(flex.first, flex.last) * 16**2
+
+
+def run_marks(batch, length=4, short=()):
+    """For each row, prompt tokens 2..2+length-1 marked as one run (an "image" per group), the rest unmarked; rows in
+    `short` mark one token fewer."""
+    marks = []
+    for i in range(len(batch)):
+        n = int(batch.prompt_mask[i].sum() + batch.completion_attention[i].sum())
+        row = [None] * n
+        for k in range(length - (i in short)):
+            row[2 + k] = (int(batch.group[i]), k)
+        marks.append(row)
+    return marks
+
+
+def test_runs_of_marked_tokens_attend_each_other_both_ways(monkeypatch):
+    """With `both_ways` (a model whose image tokens attend each other both ways, Gemma 3), each run of marked tokens
+    also attends its later tokens, and nothing else changes: a group's run is one chain in its tree. FlexAttention's
+    block mask allows the same pairs and `flex_blocks` counts its blocks. A run that would branch in a tree (one row's
+    run ending where another's goes on) is refused."""
+    monkeypatch.setattr(tree_attention, "FLEX_BLOCK", 16)
+    batch, _ = batch_and_model()
+    marks = run_marks(batch)
+    causal = tree.layout(batch, marks=marks)
+    both = tree.layout(batch, marks=marks, both_ways=True)
+    assert torch.equal(causal.input_ids, both.input_ids) and torch.equal(causal.last, both.last)
+    extra = both.mask & ~causal.mask
+    assert bool((causal.mask <= both.mask).all())
+    groups = len(batch.group.unique())
+    assert int(extra.sum()) == groups * 6  # a run of 4 tokens per group tree: 6 (earlier, later) pairs each
+    rows, _, queries, keys = extra.nonzero(as_tuple=True)
+    assert bool((keys > queries).all())
+    assert bool((both.positions[rows, queries] >= 2).all()) and bool((both.positions[rows, keys] <= 5).all())
+    assert torch.equal(block_mask_pairs(both), both.mask[:, 0])
+    flex_mask = tree_attention.block_mask(both.first, both.last)
+    assert tree_attention.flex_blocks(both.first, both.last) == int(flex_mask.to_dense().sum())
+    first_of_group = {}
+    for i, g in enumerate(batch.group.tolist()):
+        first_of_group.setdefault(g, i)
+    with pytest.raises(ValueError, match="branches"):
+        tree.layout(batch, marks=run_marks(batch, short={first_of_group[0]}), both_ways=True)
+    tree.layout(batch, marks=run_marks(batch, short={first_of_group[0]}))  # causal: a branch as any other
 
 
 def test_the_tree_attends_with_flex_attention_on_cuda_where_it_runs(monkeypatch):

@@ -54,6 +54,7 @@ class TrainingPass:
         self.pixels = pixels  # a vision-language model's image inputs (`grpo.models.vision.Pixels`)
         # tokens generation never samples (image placeholders): the same distribution here, without them
         self.suppressed = tuple(suppressed_tokens(unwrap(model))) if pixels is not None else ()
+        self.image_runs = tree_images.both_ways(model)  # each image's tokens attend each other both ways
         self.autocast = autocast
         self.router_aux = router_aux_coef(unwrap(model), args) != 0.0
         self.aux_loss: torch.Tensor | None = None  # the last gradient pass's router loss (router_aux)
@@ -154,7 +155,7 @@ class TrainingPass:
         return logps, entropies
 
     def _images(self) -> ImageInputs | None:
-        return ImageInputs(self.pixels, self.suppressed) if self.pixels is not None else None
+        return ImageInputs(self.pixels, self.suppressed, self.image_runs) if self.pixels is not None else None
 
     def _compiled(self) -> contextlib.AbstractContextManager:
         """torch_compile: the policy's compiled decoder stack for the pass (a reference model runs as it is)."""
@@ -260,7 +261,8 @@ def _as_trees(
     the processes' trees cost less than their padded rows together."""
     fits = tree.fits_window(model, part) and (images is None or marked is not None)
     marks = marked.marks if marked is not None else None
-    trees = tree.layout(part, pair_cost=cost, kernel=kernel, marks=marks) if fits else None
+    both_ways = marked is not None and marked.both_ways
+    trees = tree.layout(part, pair_cost=cost, kernel=kernel, marks=marks, both_ways=both_ways) if fits else None
     judged = trees is not None and where_cheaper and part.turns is None
     votes = [
         float(trees is None),

@@ -10,7 +10,9 @@ scored alone after its own context, while the pass computes each distinct prefix
 
 Each tree is laid out in depth-first order, so a token's descendants are the tokens right after it, up to the last
 of its subtree (`Tree.last`): a query attends a key where the key is at or before it and the query at or before the
-key's subtree's end. That one (R, T) tensor gives both masks the pass uses (`grpo.learner.tree_attention`): the
+key's subtree's end. (A model whose image tokens attend each other both ways, Gemma 3, has each run of image tokens
+attended from its first token on: `Tree.first`.) Those (R, T) tensors give both masks the pass uses
+(`grpo.learner.tree_attention`): the
 dense (R, 1, T, T) mask, which attends every pair of a row, so that a row costs the square of its width and a group
 may be cut into trees of consecutive rows (each with the prompt once more) where a cost model of tokens against
 (query, key) pairs says that is cheaper (`layout`, `pair_cost`); and on CUDA FlexAttention's block mask, which
@@ -50,16 +52,18 @@ class Tree:
     """A micro-batch as trees: `input_ids`, `positions` and `real` (R, T) for R rows of one or more trees side by
     side, each tree in depth-first preorder; `origin` (R, T) the row whose sequence added each token (0 at
     padding; for a row without turns, the token's place in the row's prompt and completion is its position);
-    `last` (R, T) the column of the last token of each token's subtree
-    (its own column at padding), so a query at column q may attend the key at column k where k <= q <= last[k]
-    (`mask`); for each completion position of the batch (B, C) the row and column whose output predicts it (`row`,
-    `column`); and the attention `kernel` it is laid out for (`tree_attention.attention_kernel`: "dense" or
-    "flex")."""
+    `first` and `last` (R, T) the columns of the first and the last query that attend each key: a query at column q
+    may attend the key at column k where first[k] <= q <= last[k] (`mask`). `last` is the last token of the key's
+    subtree (its own column at padding); `first` is the key's own column, or for a key in a run of image tokens
+    that attend each other both ways (`layout`'s `both_ways`) its run's first column. For each completion position
+    of the batch (B, C) the row and column whose output predicts it (`row`, `column`); and the attention `kernel`
+    it is laid out for (`tree_attention.attention_kernel`: "dense" or "flex")."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     real: torch.Tensor
     origin: torch.Tensor
+    first: torch.Tensor
     last: torch.Tensor
     row: torch.Tensor
     column: torch.Tensor
@@ -67,11 +71,12 @@ class Tree:
 
     @property
     def mask(self) -> torch.Tensor:
-        """(R, 1, T, T) True where a query may attend a key: the key is the query's token or one of its ancestors
-        (padding sees itself alone: no softmax over nothing)."""
+        """(R, 1, T, T) True where a query may attend a key: the key is the query's token or one of its ancestors,
+        or in the query's run of image tokens that attend each other both ways (padding sees itself alone: no
+        softmax over nothing)."""
         columns = torch.arange(self.last.shape[1], device=self.last.device)
-        query, key = columns.view(1, -1, 1), columns.view(1, 1, -1)
-        return ((key <= query) & (query <= self.last.unsqueeze(1))).unsqueeze(1)
+        query = columns.view(1, -1, 1)
+        return ((self.first.unsqueeze(1) <= query) & (query <= self.last.unsqueeze(1))).unsqueeze(1)
 
     @property
     def positions_computed(self) -> int:
@@ -84,7 +89,7 @@ class Tree:
         FlexAttention each block of FLEX_BLOCK queries by FLEX_BLOCK keys where one query attends one key
         (`tree_attention.flex_blocks`)."""
         if self.kernel == "flex":
-            return tree_attention.flex_blocks(self.last) * tree_attention.FLEX_BLOCK**2
+            return tree_attention.flex_blocks(self.first, self.last) * tree_attention.FLEX_BLOCK**2
         return self.input_ids.shape[0] * self.input_ids.shape[1] ** 2
 
 
@@ -110,6 +115,7 @@ class _Trie:
         self.parent: list[int] = []
         self.depth: list[int] = []
         self.origin: list[int] = []
+        self.marked: list[bool] = []
         self.children: dict[tuple[int, Any], int] = {}
 
     def __len__(self) -> int:
@@ -127,6 +133,7 @@ class _Trie:
                 self.parent.append(node)
                 self.depth.append(depth)
                 self.origin.append(tag)
+                self.marked.append(not isinstance(item, int))
             node = found
             nodes.append(node)
         return nodes
@@ -143,6 +150,19 @@ class _Trie:
                     found = extra.setdefault(key, len(self.tokens) + len(extra))
                 node = found
         return len(extra)
+
+    def runs(self) -> np.ndarray:
+        """Each node's run: for a marked node, the first node of the chain of marked nodes it ends (its image's
+        first token, where an image's tokens run on their own); for any other, itself. A run must not branch (no
+        node of a run has a marked child and another child): its tokens then are one chain, contiguous in preorder."""
+        first = np.arange(len(self), dtype=np.int64)
+        children = np.bincount(np.asarray(self.parent, dtype=np.int64) + 1, minlength=len(self) + 1)[1:]
+        for k, parent in enumerate(self.parent):
+            if self.marked[k] and parent >= 0 and self.marked[parent]:
+                if children[parent] != 1:
+                    raise ValueError("a run of image tokens branches in the tree")
+                first[k] = first[parent]
+        return first
 
     def preorder(self) -> tuple[np.ndarray, np.ndarray]:
         """Each node's place in depth-first preorder (children in insertion order), and the place of the last node
@@ -245,6 +265,7 @@ def layout(
     pair_cost: float = 0.0,
     kernel: str = "dense",
     marks: list[list[Any]] | None = None,
+    both_ways: bool = False,
 ) -> Tree:
     """`batch`'s rows as token trees: each group's (`batch.group`) rows merged on their common prefixes (each row's
     sequences, `contexts`: the prompt and its completion, or with turns each turn's context and tokens; completions
@@ -262,7 +283,9 @@ def layout(
 
     `marks` (rows without turns): for each row, a mark for each token of its prompt and completion, or None; two
     tokens merge only where their marks are equal too (an image's tokens, all one id, marked with which image and
-    where in it: `grpo.learner.tree_images`)."""
+    where in it: `grpo.learner.tree_images`). With `both_ways`, each run of marked tokens (an image's, where
+    images never touch: `tree_images.marks`) attends itself both ways, as a model whose image tokens do (Gemma 3):
+    each of its keys is attended from the run's first token on (`Tree.first`)."""
     device = batch.prompt_ids.device
     pair_cost = 0.0 if kernel == "flex" else pair_cost
     max_width = max_width or MAX_WIDTH
@@ -300,6 +323,7 @@ def layout(
     real = np.zeros((len(rows), width), dtype=np.int64)
     origin = np.zeros((len(rows), width), dtype=np.int64)
     last = np.tile(np.arange(width, dtype=np.int64), (len(rows), 1))  # padding sees itself: no empty softmax
+    first = last.copy()
     for r, placed_trees in enumerate(rows):
         offset = 0
         for t in placed_trees:
@@ -311,6 +335,8 @@ def layout(
             real[r, columns] = 1
             origin[r, columns] = trie.origin
             last[r, columns] = offset + subtree_last
+            if both_ways:
+                first[r, columns] = columns[trie.runs()]
             for i, nodes in placed.items():
                 row[i] = r
                 for (context, start, end, _), sequence, seen in zip(host[i], sequences[i], nodes):
@@ -322,6 +348,7 @@ def layout(
         positions=torch.from_numpy(positions).to(device),
         real=torch.from_numpy(real).to(device),
         origin=torch.from_numpy(origin).to(device),
+        first=torch.from_numpy(first).to(device),
         last=torch.from_numpy(last).to(device),
         row=torch.from_numpy(row).to(device),
         column=torch.from_numpy(column).to(device),
@@ -374,7 +401,7 @@ def longest(batch: TrainBatch) -> int:
 def fits_window(model: Any, batch: TrainBatch) -> bool:
     """Whether every row's whole sequence fits the model's sliding attention window (always, without one): a
     prepared mask replaces the window's own, which only matters past the window."""
-    window = getattr(unwrap(model).config, "sliding_window", None)
+    window = getattr(tree_attention.text_config(model), "sliding_window", None)  # a VLM's: its language model's
     return not window or longest(batch) <= window
 
 

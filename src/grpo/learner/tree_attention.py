@@ -1,8 +1,9 @@
 """The attention of the tree pass (`grpo.learner.tree`): which kernel attends a tree, and the mask each one takes.
 
-A tree's rows say what attends what in one (R, T) tensor, `Tree.last`: the query at column q attends the key at
-column k where k <= q <= last[k] (each tree is laid out depth first, so a token's descendants follow it up to the
-last of its subtree). `attention_kernel` picks how that is attended:
+A tree's rows say what attends what in two (R, T) tensors, `Tree.first` and `Tree.last`: the query at column q
+attends the key at column k where first[k] <= q <= last[k] (each tree is laid out depth first, so a token's
+descendants follow it up to the last of its subtree; `first` is the key's own column, or its run's first where image
+tokens attend each other both ways). `attention_kernel` picks how that is attended:
 - "dense": the (R, 1, T, T) mask (`Tree.mask`), handed to the model as a prepared 4D mask, which transformers uses
   as it is for its eager and SDPA attention; every pair of a row is computed.
 - "flex" (an SDPA model on CUDA, where FlexAttention compiles): a block mask from the same rule (`block_mask`), so
@@ -31,15 +32,19 @@ logger = logging.getLogger("grpo")
 FLEX_BLOCK = 128
 
 
-def flex_blocks(last: torch.Tensor) -> int:
-    """The (FLEX_BLOCK queries, FLEX_BLOCK keys) blocks where a query attends a key, for rows of subtree ends `last`
-    (`Tree.last`): a key at column k is attended by the queries k..last[k], so a block of keys by the query blocks
-    from its own to the one holding its keys' furthest end."""
+def flex_blocks(first: torch.Tensor, last: torch.Tensor) -> int:
+    """The (FLEX_BLOCK queries, FLEX_BLOCK keys) blocks where a query attends a key, for rows of first and last
+    attending queries `first`, `last` (`Tree.first`, `Tree.last`): a key at column k is attended by the queries
+    first[k]..last[k], a span that holds k, so a block of keys by the query blocks from the one holding its keys'
+    earliest start to the one holding their furthest end."""
     width = last.shape[1]
     blocks = -(-width // FLEX_BLOCK)
-    ends = torch.nn.functional.pad(last, (0, blocks * FLEX_BLOCK - width), value=-1)
+    spare = blocks * FLEX_BLOCK - width
+    ends = torch.nn.functional.pad(last, (0, spare), value=-1)
+    starts = torch.nn.functional.pad(first, (0, spare), value=blocks * FLEX_BLOCK)
     furthest = ends.view(last.shape[0], blocks, FLEX_BLOCK).amax(-1) // FLEX_BLOCK
-    return int((furthest - torch.arange(blocks, device=last.device) + 1).sum())
+    earliest = starts.view(first.shape[0], blocks, FLEX_BLOCK).amin(-1) // FLEX_BLOCK
+    return int((furthest - earliest + 1).sum())
 
 
 def attention_kernel(model: Any, device: torch.device) -> str:
@@ -107,7 +112,9 @@ def _flex_runs(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, 
                 query = torch.ones(1, heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
                 key_value = torch.ones(1, kv_heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
                 last = torch.full((1, 2 * FLEX_BLOCK), 2 * FLEX_BLOCK - 1, device=device)
-                out, _ = _flex_attention(probe, query, key_value, key_value, block_mask(last), scaling=dim**-0.5)
+                first = torch.arange(2 * FLEX_BLOCK, device=device).unsqueeze(0)
+                mask = block_mask(first, last)
+                out, _ = _flex_attention(probe, query, key_value, key_value, mask, scaling=dim**-0.5)
                 out.float().sum().backward()
             _FLEX_RUNS[key] = True
             logger.info("The tree pass attends with FlexAttention on %s (%s).", device, dtype)
@@ -121,13 +128,19 @@ def _flex_runs(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, 
     return _FLEX_RUNS[key]
 
 
-def block_mask(last: torch.Tensor) -> Any:
-    """FlexAttention's block mask of rows of subtree ends `last` (`Tree.last`): a query at column q attends the key
-    at column k where k <= q <= last[k]."""
+def block_mask(first: torch.Tensor, last: torch.Tensor) -> Any:
+    """FlexAttention's block mask of rows of first and last attending queries `first`, `last` (`Tree.first`,
+    `Tree.last`): a query at column q attends the key at column k where first[k] <= q <= last[k]."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    width = last.shape[1]
+    # both ends in one tensor, read once per key: Inductor's CPU template (torch 2.13) fails to compile a mask that
+    # reads two tensors at the key's column ("cur_kvSplitSize8 was not declared")
+    span = first * width + last
+
     def ancestor(b, h, q, k):  # noqa: ANN001 - FlexAttention's mask_mod signature
-        return (k <= q) & (q <= last[b, k])
+        ends = span[b, k]
+        return (ends // width <= q) & (q <= ends % width)
 
     rows, width = last.shape
     return create_block_mask(ancestor, rows, None, width, width, device=last.device, BLOCK_SIZE=FLEX_BLOCK)
@@ -168,8 +181,8 @@ def attention_mask(model: Any, tree: Tree) -> Any:
     kernel, boolean for SDPA, additive for eager."""
     if tree.kernel == "flex":
         _route_block_masks()
-        return block_mask(tree.last)
-    mask = tree.mask  # built from `Tree.last` at each read: once here
+        return block_mask(tree.first, tree.last)
+    mask = tree.mask  # built from `Tree.first` and `Tree.last` at each read: once here
     if unwrap(model).config._attn_implementation == "sdpa":
         return mask
     dtype = next(unwrap(model).parameters()).dtype

@@ -11,9 +11,15 @@ of the row's images, in the order the tokens come. So in a tree:
   them computed over the padded rows, as its padded pass computes them, then carried to each token's column
   (`tree.Tree.origin`); the others get each token's place in its context, as text.
 
-`unsupported_reason` names what keeps the padded layout: a processor without an image token, a model whose image
-tokens attend each other both ways (Gemma 3, PaliGemma: a tree's mask is causal), a model that derives positions
-some other way. Rows whose image tokens do not add up to their images' keep the padded layout too (`marks`: None).
+- Attention: a model whose image tokens attend each other both ways within each run of them (Gemma 3: transformers'
+  blockwise mask over `token_type_ids`) gets the same in the tree (`tree.layout`'s `both_ways`): a run's tokens are
+  one chain of the tree, each of its keys attended from the run's first token on, as each padded row attends it.
+
+`unsupported_reason` names what keeps the padded layout: a processor without an image token, another model whose
+image tokens attend other tokens both ways (Gemma 4 and PaliGemma, untested here, and any model whose module builds
+such masks: the tree's mask would not be theirs), a model that derives positions some other way. Rows whose image
+tokens do not add up to their images' keep the padded layout too (`marks`: None), and so, where runs attend both
+ways, do rows where two images' tokens touch (their runs could branch in a tree).
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ from grpo.models.vision import computes_own_positions
 # masking_utils: Gemma 3's and PaliGemma's blocks, an extra mask function OR-ed with the causal one)
 _OPEN_MASKS = ("block_sequence_ids", "or_mask_function")
 
+# the architectures (config model_type) whose image tokens attend each other both ways within each run of them and
+# causally otherwise, which a tree lays out so (`both_ways`); each compared with its padded pass in
+# tests/integration/test_tree_images.py
+_IMAGE_RUNS = ("gemma3",)
+
 
 @dataclass(frozen=True)
 class Marked:
@@ -44,16 +55,24 @@ class Marked:
     marks: list[list[Any]]
     images: list[tuple[Any, ...]]
     by_digest: dict[bytes, Any]
+    both_ways: bool = False  # each image's tokens attend each other both ways (`tree.layout`'s `both_ways`)
 
 
 @dataclass(frozen=True)
 class ImageInputs:
     """What a vision-language model's pass adds: each row's pixel inputs, and the tokens it never samples (their
     logits are pushed to SUPPRESSED, where their probability is exactly 0 in float32 and entropies stay finite).
-    In padded rows each row's pixel inputs (`inputs`); in trees each tree row's (`marks`, then `tree_inputs`)."""
+    In padded rows each row's pixel inputs (`inputs`); in trees each tree row's (`marks`, then `tree_inputs`);
+    `both_ways`: the model's image tokens attend each other both ways within each run (`both_ways`)."""
 
     pixels: Any
     suppressed: tuple[int, ...]
+    both_ways: bool = False
+
+    @classmethod
+    def of(cls, model: Any, pixels: Any, suppressed: tuple[int, ...] = ()) -> ImageInputs:
+        """For `model`'s passes, with its processor's `pixels`."""
+        return cls(pixels, suppressed, both_ways(model))
 
     def inputs(self, part: TrainBatch) -> dict[str, Any]:
         """The pixel inputs of the piece's rows (none when no row of it has images)."""
@@ -65,7 +84,7 @@ class ImageInputs:
     def marks(self, part: TrainBatch) -> Marked | None:
         """The piece's rows with their image tokens marked, for `tree.layout` (`marks`); None where a tree cannot
         take them."""
-        return marks(self.pixels, part) if part.turns is None else None
+        return marks(self.pixels, part, self.both_ways) if part.turns is None else None
 
     def tree_inputs(self, model: Any, part: TrainBatch, trees: tree.Tree, marked: Marked | None) -> dict[str, Any]:
         """The trees' image inputs (`inputs` below)."""
@@ -78,8 +97,8 @@ def unsupported_reason(model: Any, pixels: Any) -> str | None:
     inner = unwrap(model)
     if pixels.placeholder is None or not pixels.token_types or pixels.token_types[0] is None:
         return "the processor or the model names no image token"
-    if any(opens_image_attention(name) for name in _model_modules(type(inner))):
-        return "the model's image tokens attend each other both ways, which a tree's causal mask does not"
+    if not both_ways(inner) and any(opens_image_attention(name) for name in _model_modules(type(inner))):
+        return "the model's image tokens attend other tokens both ways in a way grpo does not lay out in a tree"
     if computes_own_positions(inner) and _rope_index(inner) is None:
         return "the model derives its positions from the images without a get_rope_index grpo can call"
     return None
@@ -103,6 +122,11 @@ def _model_modules(cls: type) -> set[str]:
     }
 
 
+def both_ways(model: Any) -> bool:
+    """Whether the model's image tokens attend each other both ways within each run of them (`_IMAGE_RUNS`)."""
+    return getattr(getattr(unwrap(model), "config", None), "model_type", None) in _IMAGE_RUNS
+
+
 @functools.cache
 def opens_image_attention(module_name: str) -> bool:
     """Whether a model's module (its name) builds masks that open attention among tokens (`_OPEN_MASKS`)."""
@@ -114,9 +138,11 @@ def opens_image_attention(module_name: str) -> bool:
     return any(name in source for name in _OPEN_MASKS)
 
 
-def marks(pixels: Any, part: TrainBatch) -> Marked | None:
+def marks(pixels: Any, part: TrainBatch, both_ways: bool = False) -> Marked | None:
     """The piece's rows (`part`, without turns) with their image tokens marked (digest, place in the image); None
-    where a row's image tokens are not as many as its images expand into."""
+    where a row's image tokens are not as many as its images expand into, or, for a model whose image tokens attend
+    each other both ways (`both_ways`), where two images' tokens touch: a run of image tokens is then one image,
+    which a tree holds as one chain (`tree.layout`)."""
     token = pixels.token_types[0]
     out: list[list[Any]] = []
     images: list[tuple[Any, ...]] = []
@@ -133,10 +159,13 @@ def marks(pixels: Any, part: TrainBatch) -> Marked | None:
         if sum(t == token for t in ids) != len(places):
             return None
         at = iter(places)
-        out.append([next(at) if t == token else None for t in ids])
+        marked = [next(at) if t == token else None for t in ids]
+        if both_ways and any(a and b and b[1] == 0 for a, b in zip(marked, marked[1:])):
+            return None  # an image's first token right after another image token: one run, two images
+        out.append(marked)
         images.append(row)
         by_digest.update((layout.digest, image) for layout, image in zip(layouts, row))
-    return Marked(out, images, by_digest)
+    return Marked(out, images, by_digest, both_ways)
 
 
 def inputs(pixels: Any, model: Any, part: TrainBatch, trees: tree.Tree, marked: Marked) -> dict[str, Any]:
