@@ -1,7 +1,8 @@
-"""Image rows as token trees against padded rows: python bench/tree_images.py [repeats] [side]
+"""Image rows as token trees against padded rows: python bench/tree_images.py [repeats] [side] [architecture]
 
 A random-weight Qwen2.5-VL (tests/tiny_vlm.py's, at hidden 256 and 4 layers in both the language model and the vision
-tower), 2 prompts each with one image of `side` x `side` pixels (224: 64 image tokens), 8 completions per prompt of
+tower; `architecture` "gemma3": a Gemma 3 of that size, its images pooled into 64 tokens that attend each other both
+ways), 2 prompts each with one image of `side` x `side` pixels (224: 64 image tokens), 8 completions per prompt of
 16-96 random tokens. The training pass (forward, the loss's sum, backward; float32) over that micro-batch in each
 layout, alternately, median of `repeats` (3). Padded rows run each row's prompt and image (the pixel inputs go
 with each row); a tree holds a group's prompt and image once, so the vision tower computes each prompt image once
@@ -29,7 +30,7 @@ from grpo.learner import tree  # noqa: E402
 from grpo.learner.forward import TrainingPass  # noqa: E402
 from grpo.learner.tree_images import row_images  # noqa: E402
 from grpo.models.vision import Pixels  # noqa: E402
-from tiny_vlm import image_batch, qwen_vl  # noqa: E402  (the tests' tiny models, built locally)
+from tiny_vlm import gemma3, image_batch, qwen_vl  # noqa: E402  (the tests' tiny models, built locally)
 
 PROMPTS, G = 2, 8
 
@@ -37,7 +38,11 @@ PROMPTS, G = 2, 8
 def main() -> None:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     side = int(sys.argv[2]) if len(sys.argv) > 2 else 224
-    model, processor = qwen_vl(0, hidden=256, layers=4, side=side)
+    architecture = sys.argv[3] if len(sys.argv) > 3 else "qwen2.5-vl"
+    if architecture == "gemma3":
+        model, processor = gemma3(0, hidden=256, layers=4, side=side, tokens=64)
+    else:
+        model, processor = qwen_vl(0, hidden=256, layers=4, side=side)
     batch = image_batch(processor, PROMPTS, G, side=side, lengths=(16, 97), text_only=0)
     args = GRPOConfig(output_dir="/tmp/grpo-bench-tree-images", packing="tree", report_to="none")
     passes = TrainingPass(model, args, contextlib.nullcontext, "no", pixels=Pixels.of(processor, model))
@@ -46,7 +51,7 @@ def main() -> None:
     assert images is not None
     marked = images.marks(batch)
     assert marked is not None
-    trees = tree.layout(batch, pair_cost=tree.pair_cost(model), marks=marked.marks)
+    trees = tree.layout(batch, pair_cost=tree.pair_cost(model), marks=marked.marks, both_ways=marked.both_ways)
     tree_images = sum(len(row) for row in row_images(images.pixels.token_types[0], trees, marked))
     seconds: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(repeats):
@@ -66,6 +71,7 @@ def main() -> None:
     differ = float((scored[True] - scored[False])[real].abs().max())
     padded_positions = batch.prompt_ids.numel() + len(batch) * int(batch.completion_attention.sum(-1).max())
     result = {
+        "architecture": architecture,
         "side": side,
         "rows": len(batch),
         "completion_tokens": int(batch.completion_attention.sum()),
@@ -81,7 +87,7 @@ def main() -> None:
     print(
         f"tree_images_positions_ratio={trees.positions_computed / padded_positions:.2f} "
         f"tree_images_vision_ratio={tree_images / len(batch):.2f} tree_images_speedup={padded_s / tree_s:.2f} "
-        f"({PROMPTS} prompts with a {side}x{side} image, {G} completions each, float32)"
+        f"({architecture}, {PROMPTS} prompts with a {side}x{side} image, {G} completions each, float32)"
     )
 
 

@@ -151,36 +151,47 @@ def idefics3(seed: int = 0, hidden: int = 32):
     return Idefics3ForConditionalGeneration(config), processor
 
 
-def gemma3(seed: int = 0, hidden: int = 32):
+def gemma3(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 28, tokens: int = 4):
     """(model, processor) of a 2-layer Gemma 3 (a sliding-window layer and a global one) with a 2-layer SigLIP:
-    images resized to 28x28, 4 image tokens each, which attend each other both ways (`token_type_ids`)."""
+    images resized to 28x28, 4 image tokens each, which attend each other both ways (`token_type_ids`). `hidden`,
+    `layers`, `side` and `tokens`: the widths of both towers, their depths (sliding and global layers alternate),
+    the side images are resized to (in patches of 7 pixels, 14 from 56 on) and the image tokens each image is
+    pooled into (a square number: bench/tree_images.py's larger model)."""
     tok = _tokenizer(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
     # Gemma's tokenizer names its image tokens; the processor reads them from it
     tok.boi_token, tok.eoi_token, tok.image_token = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
     tok.boi_token_id, tok.image_token_id = tok.convert_tokens_to_ids([tok.boi_token, tok.image_token])
-    images = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
-    processor = Gemma3Processor(image_processor=images, tokenizer=tok, chat_template=GEMMA_TEMPLATE, image_seq_length=4)
+    images = Gemma3ImageProcessorPil(size={"height": side, "width": side})
+    processor = Gemma3Processor(
+        image_processor=images, tokenizer=tok, chat_template=GEMMA_TEMPLATE, image_seq_length=tokens
+    )
     ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     text = dict(
         vocab_size=len(tok),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden // 4,
         max_position_embeddings=1024,
         sliding_window=512,
-        layer_types=["sliding_attention", "full_attention"],
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
         **ids,
     )
+    patch = 7 if side < 56 else 14
     vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=7
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        image_size=side,
+        patch_size=patch,
     )
     config = Gemma3Config(
         text_config=text,
         vision_config=vision,
-        mm_tokens_per_image=4,
+        mm_tokens_per_image=tokens,
         image_token_id=tok.image_token_id,
         boi_token_id=tok.boi_token_id,
         eoi_token_id=tok.convert_tokens_to_ids(tok.eoi_token),
