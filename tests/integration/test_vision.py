@@ -322,6 +322,17 @@ def picture_trainer(tmp_path, rows, name="x"):
     return trainer
 
 
+def test_rendered_turns_asked_of_a_vision_language_model_are_appended_with_a_warning(tmp_path):
+    """grpo does not render conversations with images: turn_context='rendered' with a vision-language model says so
+    once when the trainer is built, and its turns are appended."""
+    model, processor = BUILDERS["qwen2.5-vl"](0)
+    processor.chat_template = processor.tokenizer.chat_template = QWEN_TOOLS
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, turn_context="rendered")
+    with pytest.warns(UserWarning, match="turn_context='rendered' is not used: a vision-language model's turns"):
+        trainer = GRPOTrainer(model, length_reward, args, image_rows(2), processing_class=processor, tools=[picture])
+    assert not trainer.rollouts.loop.rendered
+
+
 def test_a_tools_image_reaches_the_next_turn_and_the_training_pass(tmp_path):
     """A tool returns an image: the next turn is sampled seeing it (after the prompt's, or alone on a text-only
     row), and the training pass scores that turn alike, with the image; another image changes its log-probs."""

@@ -227,7 +227,8 @@ class GrpoOnlyFields:
         "template re-renders earlier turns (one that strips earlier reasoning); each turn's tokens are trained "
         "after exactly the context they were sampled under (with packing='tree' in one pass, each rendered history "
         "once). 'auto': 'rendered' when the chat template re-renders an earlier assistant turn once a tool result "
-        "follows it (checked once on a sentinel conversation), else 'appended'.",
+        "follows it (checked once on a sentinel conversation), else 'appended'. A vision-language model's turns are "
+        "appended (grpo does not render conversations with images; 'rendered' warns).",
         "auto",
     )
     lean_linears: bool = _help(
