@@ -30,6 +30,7 @@ from grpo.models.vision import Pixels
 from grpo.rollout.base import Prompt, Rollout
 from support import generate, params, torchrun
 from test_shared_prefix_training import assert_same_pass
+from test_turn_layouts import gathered
 from test_vision import image_rows, picture, picture_trainer, trainer_for
 from tiny_vlm import BUILDERS, image
 
@@ -123,27 +124,38 @@ def test_a_tools_image_in_the_completions(tmp_path):
     assert_same_pass(trees, padded, apart_batch, GRAD_ATOL)
 
 
-def completion_pictures_batch(processor, side=28):
-    """Rows whose completions hold a picture (as a tool's image sits there: the row's images are its prompt's and
-    then the picture). Group 0 has a prompt image; its rows' completions: "ab", picture A, "cd"; "ab", A, "ef"
-    (A shared); "ab", another picture of A's size (the same token ids), "cd"; "ab", "xyz". Group 1, a text prompt:
-    "q", A, "r"; "q", "s"."""
-    tok = processor.tokenizer
+def tokens_of(processor, pieces):
+    """The tokens of `pieces`: text as the tokenizer reads it, a picture as the processor expands it."""
+    out = []
+    for piece in pieces:
+        if isinstance(piece, str):
+            out += processor.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        else:
+            out += list(
+                processor(text=[processor.image_token], images=[[piece]], add_special_tokens=False)["input_ids"][0]
+            )
+    return out
 
-    def expanded(picture):  # the tokens a picture becomes
-        out = processor(text=[processor.image_token], images=[[picture]], add_special_tokens=False)
-        return list(out["input_ids"][0])
 
-    def letters(text):
-        return tok(text, add_special_tokens=False)["input_ids"]
-
-    shown, first, other = image(1, side, side), image(2, side, side), image(3, side, side)
+def look_prompts(processor, shown):
+    """Two chat prompts: one with picture `shown`, one text-only: (ids, pictures, rendered text) each."""
     prompts = []
     for p, pictures in enumerate([[shown], []]):
         content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": f"Look {p}"}]
         text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
         ids = processor(text=[text], images=[pictures] if pictures else None, add_special_tokens=False)["input_ids"]
         prompts.append((list(ids[0]), pictures, text))
+    return prompts
+
+
+def completion_pictures_batch(processor, side=28):
+    """Rows whose completions hold a picture (as a tool's image sits there: the row's images are its prompt's and
+    then the picture). Group 0 has a prompt image; its rows' completions: "ab", picture A, "cd"; "ab", A, "ef"
+    (A shared); "ab", another picture of A's size (the same token ids), "cd"; "ab", "xyz". Group 1, a text prompt:
+    "q", A, "r"; "q", "s"."""
+    tok = processor.tokenizer
+    shown, first, other = image(1, side, side), image(2, side, side), image(3, side, side)
+    prompts = look_prompts(processor, shown)
     rows = [  # (group, completion pieces: text or a picture)
         (0, ["ab", first, "cd"]),
         (0, ["ab", first, "ef"]),
@@ -155,7 +167,7 @@ def completion_pictures_batch(processor, side=28):
     prompt_ids, completions, vision = [], [], []
     for group, pieces in rows:
         ids, pictures, text = prompts[group]
-        tokens = [t for piece in pieces for t in (letters(piece) if isinstance(piece, str) else expanded(piece))]
+        tokens = tokens_of(processor, pieces)
         later = [piece for piece in pieces if not isinstance(piece, str)]
         prompt_ids.append(ids)
         completions.append(tokens)
@@ -220,6 +232,100 @@ def test_flex_attention_scores_image_runs_as_the_padded_pass(monkeypatch):
     m = batch.mask.bool()
     for got, expected in zip(flex, padded):
         torch.testing.assert_close(got[m], expected[m], rtol=1e-5, atol=1e-6)
+
+
+def turn_pictures_batch(processor, side=28):
+    """Multi-turn rows with pictures, as rendered turns make them: a tool's picture ends a turn, and the next turn
+    continues the conversation as rendered, its first sampled letter dropped (a stripped reasoning block), the
+    prompt's and the tool's pictures kept. Group 0 has a prompt picture: "ab" + picture A then "cd" after it;
+    "ab" + A then "ef" (the same history); "ab" + picture B (A's size) then "cd"; and a row of one turn. Group 1,
+    a text prompt: "q" + A then "r"; and one turn. Also each turn as a row of its own, with the pictures its tokens
+    hold, and where each of the batch's positions sits among them (`test_turn_layouts.turns_batch`'s reference)."""
+    tok = processor.tokenizer
+    shown, first, other = image(1, side, side), image(2, side, side), image(3, side, side)
+    prompts = look_prompts(processor, shown)
+    rows = [  # (group, [(dropped, kept, picture) of each turn ending in a tool's picture], the last turn's text)
+        (0, [("a", "b", first)], "cd"),
+        (0, [("a", "b", first)], "ef"),
+        (0, [("a", "b", other)], "cd"),
+        (0, [], "ab xyz"),
+        (1, [("q", "", first)], "r"),
+        (1, [], "q s"),
+    ]
+    prompt_ids, completions, vision, turns, forks, where = [], [], [], [], [], []
+    for i, (group, tool_turns, last) in enumerate(rows):
+        ids, pictures, text = prompts[group]
+        context, tokens, done, seen = list(ids), [], [], list(pictures)
+        for dropped, kept, shown in tool_turns:
+            span = tokens_of(processor, [dropped + kept, shown])
+            done.append((len(tokens), len(tokens) + len(span), tuple(context)))
+            forks.append((list(context), span, tuple(seen + [shown])))
+            tokens += span
+            seen.append(shown)
+            context = context + tokens_of(processor, [kept, shown, "\n"] if kept else [shown, "\n"])
+        span = tokens_of(processor, [last])
+        done.append((len(tokens), len(tokens) + len(span), tuple(context)))
+        forks.append((list(context), span, tuple(seen)))
+        tokens += span
+        for start, end, _ in done:
+            where.append((i, start, end, len(where)))
+        prompt_ids.append(ids)
+        completions.append(tokens)
+        vision.append(Prompt(ids=tuple(ids), images=tuple(seen) or None, text=text))
+        turns.append(tuple(done) if len(done) > 1 else None)
+    group = torch.tensor([g for g, _, _ in rows])
+    rollout = Rollout(
+        prompt_ids=prompt_ids,
+        completion_ids=completions,
+        sampling_logps=[[0.0] * len(c) for c in completions],
+        truncated=[False] * len(rows),
+        vision=vision,
+        turns=turns,
+    )
+    batch = collate(rollout, torch.zeros(len(rows)), tok.pad_token_id, False, group=group)
+    single = Rollout(
+        prompt_ids=[c for c, _, _ in forks],
+        completion_ids=[t for _, t, _ in forks],
+        sampling_logps=[[0.0] * len(t) for _, t, _ in forks],
+        truncated=[False] * len(forks),
+        vision=[Prompt(ids=tuple(c), images=p or None, text=processor.image_token * len(p)) for c, _, p in forks],
+    )
+    singles = collate(single, torch.zeros(len(forks)), tok.pad_token_id, False)
+    return batch, singles, where
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_rendered_turns_with_pictures_score_as_their_turns_alone(arch):
+    """Rows whose turns were sampled after rendered histories holding pictures (the prompt's and a tool's): as
+    trees and as forked rows, each token's log-prob, entropy and the gradients are those of its turn scored as a
+    row of its own with the pictures its context and tokens hold. The tree holds a history two rows share once."""
+    model, processor = BUILDERS[arch](0)
+    pixels = Pixels.of(processor, model)
+    images = tree_images.ImageInputs.of(model, pixels)
+    batch, singles, where = turn_pictures_batch(processor)
+
+    def scored(rows, as_trees):
+        model.zero_grad()
+        laid_out = Counter()
+        logps, ent = token_logps(model, rows, 0.9, images=images, as_trees=as_trees, laid_out=laid_out)
+        (logps * rows.mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return (logps.detach(), ent.detach(), grads), laid_out
+
+    alone, _ = scored(singles, False)
+    expected = (gathered(alone[0], where, batch.mask.shape), gathered(alone[1], where, batch.mask.shape), alone[2])
+    trees, laid_out = scored(batch, True)
+    assert laid_out == {"trees": 1}
+    assert_same_pass(trees, expected, batch, GRAD_ATOL)
+    forked, laid_out = scored(batch, False)
+    assert_same_pass(forked, expected, batch, GRAD_ATOL)
+    marked = images.marks(batch)
+    layout = tree.layout(batch, marks=marked.marks, both_ways=marked.both_ways)
+    token = model.config.image_token_id
+    per_picture = pixels.layout(image(2, 28, 28)).tokens
+    # group 0: the prompt's picture, A (in the shared first turn and the shared history), B twice (its turn and its
+    # history); group 1: A twice
+    assert int((layout.input_ids == token).sum()) == 7 * per_picture
 
 
 def test_touching_images_and_rows_past_the_window_keep_the_padded_layout():

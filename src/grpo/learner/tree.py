@@ -50,8 +50,9 @@ _MASKED = ("sdpa", "eager")
 @dataclass(frozen=True)
 class Tree:
     """A micro-batch as trees: `input_ids`, `positions` and `real` (R, T) for R rows of one or more trees side by
-    side, each tree in depth-first preorder; `origin` (R, T) the row whose sequence added each token (0 at
-    padding; for a row without turns, the token's place in the row's prompt and completion is its position);
+    side, each tree in depth-first preorder; `origin` (R, T) the sequence that added each token (0 at padding),
+    numbered over the rows' sequences in order (`sequence_ids`: a row without turns is one, so its number is the
+    row's; with turns, the forked row's of `forked`), so a token's place in that sequence is its position;
     `first` and `last` (R, T) the columns of the first and the last query that attend each key: a query at column q
     may attend the key at column k where first[k] <= q <= last[k] (`mask`). `last` is the last token of the key's
     subtree (its own column at padding); `first` is the key's own column, or for a key in a run of image tokens
@@ -228,9 +229,16 @@ def pair_cost(model: Any) -> float:
 _Placed = tuple[_Trie, dict[int, list[list[int]]]]
 
 
+def sequence_ids(counts: list[int]) -> list[list[int]]:
+    """Each row's sequences numbered in order over the rows, for rows of `counts` sequences each (`Tree.origin`)."""
+    ends = np.cumsum(counts).tolist()
+    return [list(range(end - count, end)) for count, end in zip(counts, ends)]
+
+
 def _cut(groups: dict[int, list[int]], sequences: list[list[list]], cap: int) -> list[_Placed]:
     """Each group's rows, in order, cut into tries of at most `cap` nodes (a row alone may pass it): for each trie,
-    its rows' nodes."""
+    its rows' nodes (each sequence's tagged with its number, `sequence_ids`)."""
+    numbers = sequence_ids([len(row) for row in sequences])
     trees: list[_Placed] = []
     for rows in groups.values():
         trie = _Trie()
@@ -239,7 +247,7 @@ def _cut(groups: dict[int, list[int]], sequences: list[list[list]], cap: int) ->
             if len(trie) and len(trie) + trie.added(sequences[i]) > cap:
                 trees.append((trie, placed))
                 trie, placed = _Trie(), {}
-            placed[i] = [trie.insert(sequence, i) for sequence in sequences[i]]
+            placed[i] = [trie.insert(sequence, n) for sequence, n in zip(sequences[i], numbers[i])]
         trees.append((trie, placed))
     return trees
 
@@ -281,8 +289,9 @@ def layout(
     only, so a cut adds a prompt's tokens and pairs and saves none (and trees side by side cost no pairs between
     them).
 
-    `marks` (rows without turns): for each row, a mark for each token of its prompt and completion, or None; two
-    tokens merge only where their marks are equal too (an image's tokens, all one id, marked with which image and
+    `marks`: for each sequence (`sequence_ids`: a row without turns is one, its prompt and completion; a row with
+    turns one per turn, its context and tokens), a mark for each of its tokens, or None; two tokens merge only
+    where their marks are equal too (an image's tokens, all one id, marked with which image and
     where in it: `grpo.learner.tree_images`). With `both_ways`, each run of marked tokens (an image's, where
     images never touch: `tree_images.marks`) attends itself both ways, as a model whose image tokens do (Gemma 3):
     each of its keys is attended from the run's first token on (`Tree.first`)."""
@@ -293,9 +302,11 @@ def layout(
     host = host_turns(batch)
     sequences: list[list[list]] = [[context + tokens for context, _, _, tokens in turns] for turns in host]
     if marks is not None:
-        assert batch.turns is None, "marks are for rows without turns"
-        keyed = zip(sequences, marks)
-        sequences = [[[t if m is None else (t, m) for t, m in zip(s, marked)]] for (s,), marked in keyed]
+        numbers = sequence_ids([len(row) for row in sequences])
+        sequences = [
+            [[t if m is None else (t, m) for t, m in zip(sequence, marks[n])] for sequence, n in zip(row, ns)]
+            for row, ns in zip(sequences, numbers)
+        ]
     groups: dict[int, list[int]] = {}
     for i, group in enumerate(batch.group.tolist()):
         groups.setdefault(group, []).append(i)

@@ -49,8 +49,9 @@ _IMAGE_RUNS = ("gemma3",)
 
 @dataclass(frozen=True)
 class Marked:
-    """A piece's rows with their image tokens marked: `marks` for `tree.layout`, each row's `images`, and the image
-    of each digest (`by_digest`)."""
+    """A piece's sequences (`tree.sequence_ids`: a row without turns is one; a row with turns one per turn) with
+    their image tokens marked: `marks` for `tree.layout`, each sequence's `images`, and the image of each digest
+    (`by_digest`)."""
 
     marks: list[list[Any]]
     images: list[tuple[Any, ...]]
@@ -82,9 +83,23 @@ class ImageInputs:
         return self.pixels.inputs(part.vision, ids, ids.device)
 
     def marks(self, part: TrainBatch) -> Marked | None:
-        """The piece's rows with their image tokens marked, for `tree.layout` (`marks`); None where a tree cannot
-        take them."""
-        return marks(self.pixels, part, self.both_ways) if part.turns is None else None
+        """The piece's sequences with their image tokens marked, for `tree.layout` (`marks`); None where a tree
+        cannot take them."""
+        return marks(self.pixels, part, self.both_ways)
+
+    def forked_inputs(self, part: TrainBatch) -> dict[str, Any]:
+        """The pixel inputs of the forked rows of a piece with turns (`tree.forked`: one row per turn, its context
+        then its tokens), each with the images its tokens hold."""
+        marked = self.marks(part)
+        if marked is None:
+            raise ValueError(
+                "A multi-turn row's turn holds image tokens that are not those of its first images (a chat template "
+                "that drops or reorders earlier images when it renders the conversation?); grpo cannot tell which "
+                "images each turn saw. Train with turn_context='appended'."
+            )
+        rows, _, _ = tree.forked(part)
+        ids = torch.cat([rows.prompt_ids, rows.completion_ids], dim=1)
+        return self.pixels.images_inputs(marked.images, ids, ids.device)
 
     def tree_inputs(self, model: Any, part: TrainBatch, trees: tree.Tree, marked: Marked | None) -> dict[str, Any]:
         """The trees' image inputs (`inputs` below)."""
@@ -139,31 +154,39 @@ def opens_image_attention(module_name: str) -> bool:
 
 
 def marks(pixels: Any, part: TrainBatch, both_ways: bool = False) -> Marked | None:
-    """The piece's rows (`part`, without turns) with their image tokens marked (digest, place in the image); None
-    where a row's image tokens are not as many as its images expand into, or, for a model whose image tokens attend
-    each other both ways (`both_ways`), where two images' tokens touch: a run of image tokens is then one image,
-    which a tree holds as one chain (`tree.layout`)."""
+    """The piece's sequences (`part`'s rows, or their turns: `Marked`) with their image tokens marked (digest, place
+    in the image). A sequence holds its row's first images: as many as its image tokens expand them into (a turn's
+    context renders the conversation so far, its images included). None where a row without turns does not hold
+    exactly its images' tokens, where a turn's image tokens are not its row's first images', or, for a model whose
+    image tokens attend each other both ways (`both_ways`), where two images' tokens touch: a run of image tokens is
+    then one image, which a tree holds as one chain (`tree.layout`)."""
     token = pixels.token_types[0]
     out: list[list[Any]] = []
     images: list[tuple[Any, ...]] = []
     by_digest: dict[bytes, Any] = {}
     for i, turns in enumerate(tree.host_turns(part)):
-        ((context, _, _, tokens),) = turns  # a row without turns: its prompt, then its completion
-        ids = context + tokens
         prompt = part.vision[i] if part.vision is not None else None
         row = tuple(prompt.images or ()) if prompt is not None else ()
         layouts = [pixels.layout(image) for image in row]
         if any(layout is None for layout in layouts):
             return None
-        places = [(layout.digest, k) for layout in layouts for k in range(layout.tokens)]
-        if sum(t == token for t in ids) != len(places):
-            return None
-        at = iter(places)
-        marked = [next(at) if t == token else None for t in ids]
-        if both_ways and any(a and b and b[1] == 0 for a, b in zip(marked, marked[1:])):
-            return None  # an image's first token right after another image token: one run, two images
-        out.append(marked)
-        images.append(row)
+        ends = [0]  # the image tokens of the row's first k images
+        for layout in layouts:
+            ends.append(ends[-1] + layout.tokens)
+        whole = part.turns is None or part.turns[i] is None  # one sequence: it holds all the row's images
+        for context, _, _, tokens in turns:
+            ids = context + tokens
+            held = sum(t == token for t in ids)
+            if held != ends[-1] if whole else held not in ends:
+                return None
+            first = len(row) if whole else ends.index(held)
+            places = [(layout.digest, k) for layout in layouts[:first] for k in range(layout.tokens)]
+            at = iter(places)
+            marked = [next(at) if t == token else None for t in ids]
+            if both_ways and any(a and b and b[1] == 0 for a, b in zip(marked, marked[1:])):
+                return None  # an image's first token right after another image token: one run, two images
+            out.append(marked)
+            images.append(row[:first])
         by_digest.update((layout.digest, image) for layout, image in zip(layouts, row))
     return Marked(out, images, by_digest, both_ways)
 
@@ -204,6 +227,8 @@ def _rope_index(inner: Any) -> Any:
 def _positions(pixels: Any, inner: Any, part: TrainBatch, trees: tree.Tree, marked: Marked) -> torch.Tensor:
     """(3, R, T) positions of the trees' tokens: the model's own (`get_rope_index`) over the padded rows, each
     token's taken from the row and place it came from."""
+    if part.turns is not None:  # the padded rows of turns: one per turn (`Tree.origin` numbers them so)
+        part, _, _ = tree.forked(part)
     ids = torch.cat([part.prompt_ids, part.completion_ids], dim=1)
     attention = torch.cat([part.prompt_mask, part.completion_attention], dim=1)
     grids = [pixels.layout(image).grid for row in marked.images for image in row]

@@ -355,7 +355,8 @@ class Pixels:
             raise ValueError(
                 f"The processor expanded rows of images into {given} image tokens where the rows hold {held}: its "
                 "image tokens depend on the other images of a batch, so grpo cannot line its pixel inputs up with "
-                "a tree's tokens; train with packing='padded'."
+                "the tokens of a tree or of a multi-turn row's turns; train with packing='padded' and "
+                "turn_context='appended'."
             )
         return {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
 
