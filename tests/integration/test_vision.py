@@ -23,7 +23,7 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.data import prompts as data
 from grpo.learner.batch import collate
-from grpo.models.vision import language_model
+from grpo.models.vision import Pixels, language_model
 from grpo.rollout.base import Rollout, assemble
 from support import cfg, generate, length_reward, params, torchrun
 from tiny import make_model, make_tokenizer
@@ -322,15 +322,51 @@ def picture_trainer(tmp_path, rows, name="x"):
     return trainer
 
 
-def test_rendered_turns_asked_of_a_vision_language_model_are_appended_with_a_warning(tmp_path):
-    """grpo does not render conversations with images: turn_context='rendered' with a vision-language model says so
-    once when the trainer is built, and its turns are appended."""
+# QWEN_TOOLS with every assistant turn rendered without its reasoning block (test_rendered_turns.STRIPPING)
+QWEN_STRIPPING = QWEN_TOOLS.replace(
+    "<|im_start|>assistant\n{{ message['content'] or '' }}",
+    "<|im_start|>assistant\n{{ (message['content'] or '').split('</think>')[-1] | trim }}",
+)
+
+
+def test_rendered_turns_hold_the_pictures_and_score_as_sampled(tmp_path):
+    """With a template that strips earlier reasoning, a vision-language model's next turn is sampled after the
+    conversation as its processor renders it: without the first turn's reasoning, with the prompt's picture and the
+    tool's. The rows carry their turns, and the training pass, as trees and as forked rows, scores each sampled token
+    as the sampler did."""
     model, processor = BUILDERS["qwen2.5-vl"](0)
-    processor.chat_template = processor.tokenizer.chat_template = QWEN_TOOLS
-    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, turn_context="rendered")
-    with pytest.warns(UserWarning, match="turn_context='rendered' is not used: a vision-language model's turns"):
-        trainer = GRPOTrainer(model, length_reward, args, image_rows(2), processing_class=processor, tools=[picture])
-    assert not trainer.rollouts.loop.rendered
+    processor.chat_template = processor.tokenizer.chat_template = QWEN_STRIPPING
+    tok = processor.tokenizer
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=200)
+    rows = image_rows(2, with_images={0})
+    trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[picture])
+    assert trainer.rollouts.loop.rendered  # turn_context="auto": the template strips earlier reasoning
+    trainer.engine = CallFirst(trainer.engine, tok)
+    call = '<think>first I look</think><tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>'
+    trainer.engine.call = tok(call)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    rollout = generate(trainer, [0, 0, 1, 1]).rollout
+    follow_ups = trainer.engine.follow_ups[0]
+    assert "first I look" not in tok.decode(list(follow_ups[0].prompt.ids))
+    assert [len(r.prompt.images) for r in follow_ups] == [2, 2, 1, 1]
+    image_token = trainer.unwrapped_model.config.image_token_id
+    shown = Pixels.of(processor, model).layout(picture("x")[0]["image"]).tokens
+    for i, turns in enumerate(rollout.turns):
+        assert turns is not None and len(turns) == 2  # the reasoning is not in the second turn's context
+        (_, end, first_context), (start, _, second_context) = turns
+        assert end == start == len(trainer.engine.call)  # the tool's turn is in the rendered history, not appended
+        assert list(second_context) == list(follow_ups[i].prompt.ids)
+        held = second_context.count(image_token) - first_context.count(image_token)
+        assert held == shown  # the tool's picture, expanded in the history
+    assert [len(p.images) for p in rollout.vision] == [2, 2, 1, 1]
+    batch = collate(rollout, torch.zeros(4), tok.pad_token_id, False)
+    sampled = batch.mask.bool() & (batch.sampling_logps != 0)  # the second turns (the first is scripted)
+    assert sampled.sum(-1).min() > 0
+    for packing in ("tree", "padded"):
+        trainer.training_pass.tree = packing == "tree"
+        trainer.training_pass.laid_out.clear()
+        logps = trainer.training_pass.logps(trainer.model, batch, 2)
+        assert trainer.training_pass.laid_out == ({"trees": 2} if packing == "tree" else {})
+        torch.testing.assert_close(logps[sampled], batch.sampling_logps[sampled], rtol=1e-5, atol=1e-6)
 
 
 def test_a_tools_image_reaches_the_next_turn_and_the_training_pass(tmp_path):

@@ -107,11 +107,22 @@ IDEFICS_TOOLS = CHATML_TOOLS.replace(
 )
 
 
-def test_a_tools_image_reaches_vllms_next_turn(tmp_path):
+# IDEFICS_TOOLS with every assistant turn rendered without its reasoning block (test_rendered_turns.STRIPPING)
+IDEFICS_STRIPPING = IDEFICS_TOOLS.replace(
+    "<|im_start|>assistant\n{{ message['content'] or '' }}",
+    "<|im_start|>assistant\n{{ (message['content'] or '').split('</think>')[-1] | trim }}",
+)
+
+
+@pytest.mark.parametrize("turn_context", ["appended", "rendered"])
+def test_a_tools_image_reaches_vllms_next_turn(tmp_path, turn_context):
     """A tool returns an image: vLLM samples the next turn with it (given the turn's tokens with one placeholder per
-    image), and the training pass, which sees the same images, agrees on that turn's log-probs."""
+    image), and the training pass, which sees the same images, agrees on that turn's log-probs. With rendered turns
+    (a template that strips the first turn's reasoning) the next turn follows the rendered history, pictures
+    included, and the training pass scores it there."""
     model, processor = idefics3(0, hidden=128)
-    processor.chat_template = processor.tokenizer.chat_template = IDEFICS_TOOLS
+    rendered = turn_context == "rendered"
+    processor.chat_template = processor.tokenizer.chat_template = IDEFICS_STRIPPING if rendered else IDEFICS_TOOLS
     args = GRPOConfig(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=4,
@@ -119,17 +130,22 @@ def test_a_tools_image_reaches_vllms_next_turn(tmp_path):
         max_completion_length=200,
         bf16=False,
         use_vllm=True,
+        turn_context=turn_context,
     )
     rows = image_rows(2, with_images={0})
     trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[picture])
     trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
-    call = '<tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>'
+    think = "<think>first I look</think>" if rendered else ""  # appended, it would leave no room for the picture
+    call = think + '<tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>'
     trainer.engine.call = trainer.tokenizer(call)["input_ids"] + [trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     trainer.engine.sync_weights(trainer.unwrapped_model)
     rollout = generate(trainer, [0, 0, 1, 1]).rollout
     assert [len(p.images) for p in rollout.vision] == [2, 2, 1, 1]
+    assert all((turns is not None) == rendered for turns in rollout.turns)
     batch = collate(rollout, torch.zeros(4), trainer.tokenizer.pad_token_id, False)
     sampled = batch.mask.bool() & (batch.sampling_logps != 0)  # vLLM's turn (the script's log-probs are 0)
     assert sampled.sum(-1).min() > 0
-    logps = trainer.training_pass.logps(trainer.model, batch, 2)
-    assert (logps[sampled] - batch.sampling_logps[sampled]).abs().max() < 1e-4
+    for packing in ("tree", "padded"):
+        trainer.training_pass.tree = packing == "tree"
+        logps = trainer.training_pass.logps(trainer.model, batch, 2)
+        assert (logps[sampled] - batch.sampling_logps[sampled]).abs().max() < 1e-4

@@ -16,8 +16,9 @@ What each turn after the first continues (`turn_context`):
   reasoning). Where that rendering continues the tokens so far, the tool turn's tokens are appended as above;
   where it does not, the turn starts a new span of the row's completion after its own context (`Rollout.turns`),
   and the training pass scores each span after exactly that context (`grpo.learner.tree`). The completion then
-  holds the sampled tokens (and the appended tool turns) only. A vision-language model's rows, and rows without
-  messages (a rollout_func's), are appended.
+  holds the sampled tokens (and the appended tool turns) only. A vision-language model's conversation is rendered
+  by its processor with the row's images so far (the prompt's and the tools'), which every rendered history holds.
+  Rows without messages (a rollout_func's) are appended.
 Tool tokens have loss mask 0 and sampling log-prob 0.0 (a placeholder the mask hides): the model attends to them,
 they are not trained. A row's token budget (`max_completion_length`) counts what its next turn continues, past the
 prompt. Every process joins every round, with or without rows left, so the collectives a sharded model's generation
@@ -48,7 +49,7 @@ class _Row:
     tools: ToolSet
     image_prompt: Prompt | None = None  # the row's image prompt (a vision-language model's): every turn sees it
     ids: list[int] = field(default_factory=list)  # the completion so far: sampled and tool tokens
-    # with images: the prompt and completion so far with one placeholder per image (`Prompt.placeholder_ids`)
+    # with images: what the next turn continues (`chain`) with one placeholder per image (`Prompt.placeholder_ids`)
     unexpanded: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1 on sampled tokens, 0 on tool tokens
     logps: list[float] = field(default_factory=list)
@@ -75,10 +76,12 @@ class _Row:
         """The budget spent: the tokens the next turn continues, past the prompt."""
         return len(self.context) - len(self.prompt_ids) + len(self.ids) - self.start
 
-    def fork(self, context: list[int]) -> None:
-        """The next turn continues `context` (a rendered history that does not continue the tokens so far)."""
+    def fork(self, context: list[int], unexpanded: list[int]) -> None:
+        """The next turn continues `context` (a rendered history that does not continue the tokens so far), whose
+        tokens with one placeholder per image are `unexpanded`."""
         self.done.append((self.start, len(self.ids), tuple(self.context)))
         self.context, self.start = context, len(self.ids)
+        self.unexpanded = list(unexpanded)
 
     @property
     def turns(self) -> tuple[tuple[int, int, tuple[int, ...]], ...] | None:
@@ -153,8 +156,7 @@ class ToolLoop:
             image_prompt = first.vision[i]
             row = _Row(list(first.prompt_ids[i]), tools, image_prompt)
             record = prompts[i] if prompts is not None else None  # None: a rollout_func's rows
-            text_only = self.processor is None and image_prompt is None  # a processor's images are expanded
-            if self.rendered and text_only and record is not None and record.messages is not None:
+            if self.rendered and record is not None and record.messages is not None:
                 row.prompt_messages = [dict(m) for m in record.messages]
             prompt = image_prompt or Prompt(tuple(first.prompt_ids[i]))
             row.unexpanded = prompt.unexpanded_ids(self.tokenizer)  # an image prompt's: its text's tokens
@@ -222,8 +224,10 @@ class ToolLoop:
             if cannot_fit(self.tokenizer, tool_messages, self.stop_ids, sure, self.span, self.chat_template_kwargs):
                 continue
             if row.prompt_messages is not None:  # rendered: the conversation with the results, as the template has it
-                after = self._render(row, row.messages + tool_messages)
-                unexpanded = suffix = after[len(chain) :] if after[: len(chain)] == chain else None
+                after, plain = self._render(row, row.messages + tool_messages, images)
+                held = len(row.unexpanded)
+                continues = after[: len(chain)] == chain and plain[:held] == row.unexpanded
+                suffix, unexpanded = (after[len(chain) :], plain[held:]) if continues else (None, None)
             else:
                 unexpanded = tool_suffix_ids(self.tokenizer, tool_messages, self.stop_ids, self.chat_template_kwargs)
                 suffix = unexpanded
@@ -235,7 +239,7 @@ class ToolLoop:
                 continue  # no room for the model's answer: the results are not added, the row ends here
             row.messages += tool_messages
             if suffix is None:  # the rendered history does not continue the tokens so far: a turn of its own
-                row.fork(after)
+                row.fork(after, plain)
             else:
                 row.add(suffix, [], sampled=False, unexpanded=unexpanded)
             if images:
@@ -243,13 +247,24 @@ class ToolLoop:
             going.append(row)
         return going
 
-    def _render(self, row: _Row, messages: list[dict]) -> list[int]:
+    def _render(self, row: _Row, messages: list[dict], images: list) -> tuple[list[int], list[int]]:
         """The row's prompt and `messages` as the chat template renders them, with the next assistant header: the
-        tokens a deployed model's next turn continues."""
+        tokens a deployed model's next turn continues; and those tokens with one placeholder per image. A
+        vision-language model's processor renders them and expands the row's images so far and the new `images`
+        (the tool results'), in order."""
         assert row.prompt_messages is not None  # rendered rows only
-        return tokenize_prompts(
-            [row.prompt_messages + messages], self.tokenizer, self.chat_template_kwargs, row.tools.schemas or None
-        )[0]
+        conversation = row.prompt_messages + messages
+        schemas = row.tools.schemas or None
+        if self.processor is None:
+            ids = tokenize_prompts([conversation], self.tokenizer, self.chat_template_kwargs, schemas)[0]
+            return ids, ids
+        text = self.processor.apply_chat_template(
+            conversation, tools=schemas, tokenize=False, add_generation_prompt=True, **(self.chat_template_kwargs or {})
+        )
+        earlier = row.image_prompt.images or () if row.image_prompt is not None else ()
+        shown = [*earlier, *images]
+        out = self.processor(text=[text], images=[shown] if shown else None, add_special_tokens=False)
+        return list(out["input_ids"][0]), self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _tool_images(self, tool_messages: Sequence[dict]) -> list:
         """The images of the tool results' image blocks (a vision-language model sees them in its next turn)."""

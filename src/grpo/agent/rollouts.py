@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,13 +77,6 @@ class Rollouts:
                     if rendered
                     else "the chat template keeps earlier assistant turns as they were, so turns are appended",
                 )
-            if rendered and source.processor is not None:
-                why = "a vision-language model's turns are appended: grpo does not render conversations with images"
-                if args.turn_context == "rendered":
-                    warnings.warn(f"turn_context='rendered' is not used: {why}.", stacklevel=3)
-                else:
-                    logger.info("turn_context='auto': %s.", why)
-                rendered = False
             self.loop = ToolLoop(
                 self.tokenizer,
                 stop_ids,

@@ -227,8 +227,8 @@ class GrpoOnlyFields:
         "template re-renders earlier turns (one that strips earlier reasoning); each turn's tokens are trained "
         "after exactly the context they were sampled under (with packing='tree' in one pass, each rendered history "
         "once). 'auto': 'rendered' when the chat template re-renders an earlier assistant turn once a tool result "
-        "follows it (checked once on a sentinel conversation), else 'appended'. A vision-language model's turns are "
-        "appended (grpo does not render conversations with images; 'rendered' warns).",
+        "follows it (checked once on a sentinel conversation), else 'appended'. A vision-language model's "
+        "conversation is rendered by its processor, with the prompt's and the tools' images.",
         "auto",
     )
     lean_linears: bool = _help(
