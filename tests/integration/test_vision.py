@@ -369,6 +369,27 @@ def test_rendered_turns_hold_the_pictures_and_score_as_sampled(tmp_path):
         torch.testing.assert_close(logps[sampled], batch.sampling_logps[sampled], rtol=1e-5, atol=1e-6)
 
 
+def test_a_rendered_history_that_drops_an_image_is_refused(tmp_path):
+    """A template that does not render a tool's image: the rendered history would not hold what the turn saw, so
+    the tool loop stops with the cause and the fix."""
+    model, processor = BUILDERS["qwen2.5-vl"](0)
+    blind = QWEN_STRIPPING.replace(
+        "{% if c['type'] == 'image' %}", "{% if c['type'] == 'image' and message['role'] != 'tool' %}"
+    )
+    assert blind != QWEN_STRIPPING
+    processor.chat_template = processor.tokenizer.chat_template = blind
+    tok = processor.tokenizer
+    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=200)
+    trainer = GRPOTrainer(model, length_reward, args, image_rows(2), processing_class=processor, tools=[picture])
+    trainer.engine = CallFirst(trainer.engine, tok)
+    call = '<think>first I look</think><tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>'
+    trainer.engine.call = tok(call)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    with pytest.raises(
+        ValueError, match=r"rendered 1 image\(s\) of a conversation holding 2 .* turn_context='appended'"
+    ):
+        generate(trainer, [0, 0, 1, 1])
+
+
 def test_a_tools_image_reaches_the_next_turn_and_the_training_pass(tmp_path):
     """A tool returns an image: the next turn is sampled seeing it (after the prompt's, or alone on a text-only
     row), and the training pass scores that turn alike, with the image; another image changes its log-probs."""

@@ -263,6 +263,14 @@ class ToolLoop:
         )
         earlier = row.image_prompt.images or () if row.image_prompt is not None else ()
         shown = [*earlier, *images]
+        placeholder = getattr(self.processor, "image_token", None)
+        if shown and placeholder is not None and text.count(placeholder) != len(shown):
+            raise ValueError(
+                f"The chat template rendered {text.count(placeholder)} image(s) of a conversation holding "
+                f"{len(shown)} (the prompt's and the tools'): a rendered history must hold every earlier image, in "
+                "order, for its turns to be trained after what they saw. Use turn_context='appended', or a template "
+                "that renders each message's images."
+            )
         out = self.processor(text=[text], images=[shown] if shown else None, add_special_tokens=False)
         return list(out["input_ids"][0]), self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
