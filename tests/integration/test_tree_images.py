@@ -23,15 +23,16 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
 )
 
+from grpo import GRPOTrainer
 from grpo.learner import tree, tree_attention, tree_images
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.models.vision import Pixels
 from grpo.rollout.base import Prompt, Rollout
-from support import generate, params, torchrun
+from support import generate, length_reward, params, torchrun
 from test_shared_prefix_training import assert_same_pass
 from test_turn_layouts import gathered
-from test_vision import image_rows, picture, picture_trainer, trainer_for
+from test_vision import QWEN_STRIPPING, CallFirst, cfg, image_rows, picture, picture_trainer, trainer_for
 from tiny_vlm import BUILDERS, image
 
 ARCHITECTURES = sorted(BUILDERS)
@@ -428,6 +429,43 @@ def test_an_image_run_as_trees_trains_like_a_padded_one(arch, lora, tmp_path):
         torch.testing.assert_close(tree_params[name], value, rtol=1e-4, atol=1e-6)
         moved += int("lora_B" in name and bool(value.abs().sum() > 0))
     assert moved > 0 if lora else True
+
+
+def test_a_run_over_rendered_turns_with_pictures_trains_like_forked_rows(tmp_path):
+    """Two SGD steps with a KL term (the reference pass scores the turns too) over rendered turns whose histories
+    hold the prompt's and a tool's pictures (Qwen2.5-VL): the tree run ends with the forked rows' parameters."""
+
+    def trained(packing):
+        model, processor = BUILDERS["qwen2.5-vl"](0)
+        processor.chat_template = processor.tokenizer.chat_template = QWEN_STRIPPING
+        tok = processor.tokenizer
+        args = cfg(
+            tmp_path / packing,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=200,
+            max_steps=2,
+            packing=packing,
+            beta=0.04,
+            learning_rate=0.5,
+            optim="sgd",
+        )
+        rows = image_rows(2, with_images={0})
+        trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[picture])
+        trainer.engine = CallFirst(trainer.engine, tok)
+        call = '<think>first I look</think><tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>'
+        trainer.engine.call = tok(call)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+        initial = params(trainer.model)
+        trainer.train()
+        return trainer, initial
+
+    (padded, initial), (trees, _) = trained("padded"), trained("tree")
+    assert trees.training_pass.laid_out["trees"] > 0 and not padded.training_pass.laid_out
+    assert trees.rollouts.loop.rendered and padded.engine.follow_ups  # turns were sampled after rendered histories
+    tree_params = params(trees.model)
+    assert any(not torch.equal(initial[n], v) for n, v in tree_params.items())
+    for name, value in params(padded.model).items():
+        torch.testing.assert_close(tree_params[name], value, rtol=1e-4, atol=1e-6)
 
 
 def test_two_processes_as_trees_train_like_padded_rows(tmp_path):
