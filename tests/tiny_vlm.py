@@ -69,6 +69,19 @@ def _tokenizer(extra: list[str]):
     return tok
 
 
+def _language(tok, hidden: int, layers: int, **extra) -> dict:
+    """A language model's config fields: `layers` layers of width `hidden`, 4 query heads over 2 key-value heads."""
+    return dict(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **extra,
+    )
+
+
 def qwen_vl(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 56):
     """(model, processor) of a 2-layer Qwen2.5-VL with a 2-block vision tower: images of up to 56x56 pixels.
     `hidden`, `layers` and `side`: the widths of both towers, their depths and the images' largest side (a bench's
@@ -78,13 +91,10 @@ def qwen_vl(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 56):
     processor = QwenImageProcessor(image_processor=images, tokenizer=tok, chat_template=QWEN_TEMPLATE)
     ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     k = hidden // 32  # the rotary sections (time, height, width) fill half of a head (hidden / 4 heads)
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    text = _language(
+        tok,
+        hidden,
+        layers,
         max_position_embeddings=2048,
         rope_parameters={"rope_type": "default", "mrope_section": [k, k, 2 * k], "rope_theta": 10000.0},
         **ids,
@@ -123,18 +133,7 @@ def idefics3(seed: int = 0, hidden: int = 32):
         image_processor=images, tokenizer=tok, chat_template=IDEFICS_TEMPLATE, image_seq_len=4
     )
     ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    text = dict(
-        model_type="llama",
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        **ids,
-    )
+    text = _language(tok, hidden, 2, model_type="llama", max_position_embeddings=1024, tie_word_embeddings=False, **ids)
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
     )
@@ -166,13 +165,10 @@ def gemma3(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 28, tok
         image_processor=images, tokenizer=tok, chat_template=GEMMA_TEMPLATE, image_seq_length=tokens
     )
     ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    text = _language(
+        tok,
+        hidden,
+        layers,
         head_dim=hidden // 4,
         max_position_embeddings=1024,
         sliding_window=512,
@@ -235,12 +231,21 @@ def image_batch(processor, prompts=2, group=4, side=56, lengths=(4, 24), text_on
             completions.append([int(rng.choice(letters)) for _ in range(int(rng.integers(*lengths)))])
             vision.append(prompt)
             groups.append(p)
+    advantages = torch.from_numpy(rng.standard_normal(len(completions))).float()
+    return collated(tok, prompt_ids, completions, vision, groups, advantages=advantages)
+
+
+def collated(tok, prompt_ids, completions, vision, group=None, turns=None, advantages=None):
+    """A training batch of these rows (sampling log-probs 0; `advantages` 0 unless given), in groups `group` (None:
+    each row its own), with `turns` (None: none)."""
     rollout = Rollout(
         prompt_ids=prompt_ids,
         completion_ids=completions,
         sampling_logps=[[0.0] * len(c) for c in completions],
         truncated=[False] * len(completions),
         vision=vision,
+        turns=turns or [],
     )
-    advantages = torch.from_numpy(rng.standard_normal(len(completions))).float()
-    return collate(rollout, advantages, tok.pad_token_id, False, group=torch.tensor(groups))
+    advantages = torch.zeros(len(completions)) if advantages is None else advantages
+    group = torch.tensor(group) if group is not None else None
+    return collate(rollout, advantages, tok.pad_token_id, False, group=group)

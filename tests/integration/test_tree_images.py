@@ -28,28 +28,22 @@ from grpo.learner import tree, tree_attention, tree_images
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.models.vision import Pixels
-from grpo.rollout.base import Prompt, Rollout
+from grpo.rollout.base import Prompt
 from support import generate, length_reward, params, torchrun
+from test_image_trees_on_device import image_pass
 from test_shared_prefix_training import assert_same_pass
 from test_turn_layouts import gathered
 from test_vision import QWEN_STRIPPING, CallFirst, cfg, image_rows, picture, picture_trainer, trainer_for
-from tiny_vlm import BUILDERS, image
+from tiny_vlm import BUILDERS, collated, image
 
 ARCHITECTURES = sorted(BUILDERS)
 GRAD_ATOL = 5e-6  # as test_tree_packing: the attention sums over other widths than the padded pass's
 
 
 def run(trainer, batch, as_trees, chunk_size=None):
-    """The pass's log-probs, entropies and every parameter's gradient of their sum; and how pieces were laid out."""
-    model, laid_out = trainer.model, Counter()
-    model.zero_grad()
-    images = trainer.training_pass._images()
-    logps, ent = token_logps(
-        model, batch, 0.9, chunk_size=chunk_size, images=images, as_trees=as_trees, laid_out=laid_out
-    )
-    (logps * batch.mask).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return (logps.detach(), ent.detach(), grads), laid_out
+    """The trainer's pass's log-probs, entropies and every parameter's gradient of their sum; and how pieces were
+    laid out."""
+    return image_pass(trainer.model, batch, trainer.training_pass._images(), as_trees, chunk_size)
 
 
 def sampled_batch(trainer, rows):
@@ -173,15 +167,7 @@ def completion_pictures_batch(processor, side=28):
         prompt_ids.append(ids)
         completions.append(tokens)
         vision.append(Prompt(ids=tuple(ids), images=tuple(pictures + later) or None, text=text))
-    rollout = Rollout(
-        prompt_ids=prompt_ids,
-        completion_ids=completions,
-        sampling_logps=[[0.0] * len(c) for c in completions],
-        truncated=[False] * len(rows),
-        vision=vision,
-    )
-    group = torch.tensor([g for g, _ in rows])
-    return collate(rollout, torch.zeros(len(rows)), tok.pad_token_id, False, group=group)
+    return collated(tok, prompt_ids, completions, vision, group=[g for g, _ in rows])
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -203,19 +189,9 @@ def test_pictures_in_the_completions_are_shared_only_where_the_same(arch):
     assert int((trees.input_ids == token).sum()) == prompt_picture + 3 * per_picture
     assert marked.both_ways == (arch == "gemma3")
 
-    def scored(as_trees):
-        model.zero_grad()
-        laid_out = Counter()
-        logps, ent = token_logps(model, batch, 0.9, images=images, as_trees=as_trees, laid_out=laid_out)
-        (logps * batch.mask).sum().backward()
-        assert laid_out == ({"trees": 1} if as_trees else {})
-        return (
-            logps.detach(),
-            ent.detach(),
-            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-        )
-
-    assert_same_pass(scored(True), scored(False), batch, GRAD_ATOL)
+    (trees, laid_out), (padded, _) = image_pass(model, batch, images, True), image_pass(model, batch, images, False)
+    assert laid_out == {"trees": 1}
+    assert_same_pass(trees, padded, batch, GRAD_ATOL)
 
 
 def test_flex_attention_scores_image_runs_as_the_padded_pass(monkeypatch):
@@ -274,24 +250,9 @@ def turn_pictures_batch(processor, side=28):
         completions.append(tokens)
         vision.append(Prompt(ids=tuple(ids), images=tuple(seen) or None, text=text))
         turns.append(tuple(done) if len(done) > 1 else None)
-    group = torch.tensor([g for g, _, _ in rows])
-    rollout = Rollout(
-        prompt_ids=prompt_ids,
-        completion_ids=completions,
-        sampling_logps=[[0.0] * len(c) for c in completions],
-        truncated=[False] * len(rows),
-        vision=vision,
-        turns=turns,
-    )
-    batch = collate(rollout, torch.zeros(len(rows)), tok.pad_token_id, False, group=group)
-    single = Rollout(
-        prompt_ids=[c for c, _, _ in forks],
-        completion_ids=[t for _, t, _ in forks],
-        sampling_logps=[[0.0] * len(t) for _, t, _ in forks],
-        truncated=[False] * len(forks),
-        vision=[Prompt(ids=tuple(c), images=p or None, text=processor.image_token * len(p)) for c, _, p in forks],
-    )
-    singles = collate(single, torch.zeros(len(forks)), tok.pad_token_id, False)
+    batch = collated(tok, prompt_ids, completions, vision, [g for g, _, _ in rows], turns)
+    alone = [Prompt(ids=tuple(c), images=p or None, text=processor.image_token * len(p)) for c, _, p in forks]
+    singles = collated(tok, [c for c, _, _ in forks], [t for _, t, _ in forks], alone)
     return batch, singles, where
 
 
@@ -305,20 +266,12 @@ def test_rendered_turns_with_pictures_score_as_their_turns_alone(arch):
     images = tree_images.ImageInputs.of(model, pixels)
     batch, singles, where = turn_pictures_batch(processor)
 
-    def scored(rows, as_trees):
-        model.zero_grad()
-        laid_out = Counter()
-        logps, ent = token_logps(model, rows, 0.9, images=images, as_trees=as_trees, laid_out=laid_out)
-        (logps * rows.mask).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return (logps.detach(), ent.detach(), grads), laid_out
-
-    alone, _ = scored(singles, False)
+    alone, _ = image_pass(model, singles, images, False)
     expected = (gathered(alone[0], where, batch.mask.shape), gathered(alone[1], where, batch.mask.shape), alone[2])
-    trees, laid_out = scored(batch, True)
+    trees, laid_out = image_pass(model, batch, images, True)
     assert laid_out == {"trees": 1}
     assert_same_pass(trees, expected, batch, GRAD_ATOL)
-    forked, laid_out = scored(batch, False)
+    forked, _ = image_pass(model, batch, images, False)
     assert_same_pass(forked, expected, batch, GRAD_ATOL)
     marked = images.marks(batch)
     layout = tree.layout(batch, marks=marked.marks, both_ways=marked.both_ways)
@@ -340,14 +293,8 @@ def test_touching_images_and_rows_past_the_window_keep_the_padded_layout():
     pictures = (image(1, 28, 28), image(2, 28, 28), image(3, 28, 28))
     n = pixels.layout(pictures[0]).tokens
     ids = [5, *[token] * n, 6]
-    rollout = Rollout(
-        prompt_ids=[ids],
-        completion_ids=[[token] * (2 * n) + [7]],
-        sampling_logps=[[0.0] * (2 * n + 1)],
-        truncated=[False],
-        vision=[Prompt(ids=tuple(ids), images=pictures, text="")],
-    )
-    batch = collate(rollout, torch.zeros(1), processor.tokenizer.pad_token_id, False)
+    vision = [Prompt(ids=tuple(ids), images=pictures, text="")]
+    batch = collated(processor.tokenizer, [ids], [[token] * (2 * n) + [7]], vision)
     assert tree_images.marks(pixels, batch, both_ways=True) is None
     assert tree_images.marks(pixels, batch) is not None
     apart = completion_pictures_batch(processor)

@@ -19,6 +19,19 @@ from tiny_vlm import BUILDERS, image_batch
 GRAD_ATOL = 5e-6  # as test_tree_packing: the attention sums over other widths than the padded pass's
 
 
+def image_pass(model, batch, images, as_trees, chunk_size=None):
+    """The training pass over image rows (`images`: their `ImageInputs`): the log-probs, entropies and every
+    parameter's gradient of the log-probs' sum; and how the pieces were laid out."""
+    model.zero_grad()
+    laid_out = Counter()
+    logps, ent = token_logps(
+        model, batch, 0.9, chunk_size=chunk_size, images=images, as_trees=as_trees, laid_out=laid_out
+    )
+    (logps * batch.mask).sum().backward()
+    grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+    return (logps.detach(), ent.detach(), grads), laid_out
+
+
 @on_device.mark
 @pytest.mark.parametrize("arch", sorted(BUILDERS))
 def test_image_trees_are_the_padded_pass_on_the_tests_device(arch):
@@ -33,19 +46,9 @@ def test_image_trees_are_the_padded_pass_on_the_tests_device(arch):
     tolerance = on_device.float32_tolerance()
     grad_tolerance = dict(rtol=tolerance["rtol"], atol=max(GRAD_ATOL, tolerance["atol"]))
 
-    def scored(as_trees):
-        model.zero_grad()
-        laid_out = Counter()
-        logps, ent = token_logps(model, batch, 0.9, images=images, as_trees=as_trees, laid_out=laid_out)
-        (logps * batch.mask).sum().backward()
-        assert laid_out == ({"trees": 1} if as_trees else {})
-        return (
-            logps.detach(),
-            ent.detach(),
-            {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None},
-        )
-
-    padded, trees = scored(False), scored(True)
+    padded, laid_out = image_pass(model, batch, images, False)
+    trees, tree_laid_out = image_pass(model, batch, images, True)
+    assert not laid_out and tree_laid_out == {"trees": 1}
     assert tree_attention.attention_kernel(model, device) == ("flex" if device.type == "cuda" else "dense")
     m = batch.mask.bool()
     torch.testing.assert_close(trees[0][m], padded[0][m], **tolerance)
