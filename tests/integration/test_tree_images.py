@@ -194,13 +194,16 @@ def test_pictures_in_the_completions_are_shared_only_where_the_same(arch):
     assert_same_pass(trees, padded, batch, GRAD_ATOL)
 
 
-def test_flex_attention_scores_image_runs_as_the_padded_pass(monkeypatch):
+@pytest.mark.parametrize("arch,rows", [("gemma3", "completion pictures"), ("qwen2.5-vl", "turns")])
+def test_flex_attention_scores_image_trees_as_the_padded_pass(monkeypatch, arch, rows):
     """The "flex" kernel (compiled here for the CPU, forward only; the GPU check runs it forward and backward) gives
-    the padded pass's log-probs and entropies for Gemma 3's pictures, whose tokens attend each other both ways."""
+    the padded pass's log-probs and entropies: for Gemma 3's pictures in the completions, whose tokens attend each
+    other both ways, and for Qwen2.5-VL's rendered turns with pictures (positions from the forked rows) against the
+    forked rows."""
     monkeypatch.setattr(tree_attention, "FORCE_KERNEL", "flex")
-    model, processor = BUILDERS["gemma3"](0)
+    model, processor = BUILDERS[arch](0)
     images = tree_images.ImageInputs.of(model, Pixels.of(processor, model))
-    batch = completion_pictures_batch(processor)
+    batch = completion_pictures_batch(processor) if rows == "completion pictures" else turn_pictures_batch(processor)[0]
     with torch.no_grad():
         padded = token_logps(model, batch, 0.9, images=images)
         laid_out = Counter()
