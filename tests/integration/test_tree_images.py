@@ -1,11 +1,13 @@
-"""Image rows as token trees (issue 47, `grpo.learner.tree_images`) on the two tiny vision-language architectures:
-Qwen2.5-VL (multimodal RoPE: positions derived from the images) and Idefics3 (tiled images, positions as text).
+"""Image rows as token trees (issue 47, `grpo.learner.tree_images`) on the three tiny vision-language architectures:
+Qwen2.5-VL (multimodal RoPE: positions derived from the images), Idefics3 (tiled images, positions as text) and
+Gemma 3 (image tokens that attend each other both ways).
 
 The tree pass gives the padded pass's log-probs, entropies and gradients (the vision tower's included), with a
-text-only row among image rows, in pieces, and with a tool's image in the completions; each group's prompt image
-is computed once per tree, and equal ids of different images never merge. A run trains like a padded one.
-What cannot take a tree keeps the padded layout: rows whose image tokens do not add up to their images, and models
-whose image tokens attend each other both ways."""
+text-only row among image rows, in pieces, with pictures in the completions, and with rendered turns whose
+histories hold pictures (against each turn alone, as trees and as forked rows); each group's prompt image is
+computed once per tree, and equal ids of different images never merge. Runs train like padded ones. What cannot
+take a tree keeps the padded layout: rows whose image tokens do not add up to their images, Gemma 3's rows where two
+images touch, and models whose masks open attention in a way grpo does not lay out (PaliGemma)."""
 
 from __future__ import annotations
 
