@@ -249,3 +249,99 @@ def collated(tok, prompt_ids, completions, vision, group=None, turns=None, advan
     advantages = torch.zeros(len(completions)) if advantages is None else advantages
     group = torch.tensor(group) if group is not None else None
     return collate(rollout, advantages, tok.pad_token_id, False, group=group)
+
+
+def tokens_of(processor, pieces):
+    """The tokens of `pieces`: text as the tokenizer reads it, a picture as the processor expands it."""
+    out = []
+    for piece in pieces:
+        if isinstance(piece, str):
+            out += processor.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        else:
+            out += list(
+                processor(text=[processor.image_token], images=[[piece]], add_special_tokens=False)["input_ids"][0]
+            )
+    return out
+
+
+def look_prompts(processor, shown):
+    """Two chat prompts: one with picture `shown`, one text-only: (ids, pictures, rendered text) each."""
+    prompts = []
+    for p, pictures in enumerate([[shown], []]):
+        content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": f"Look {p}"}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        ids = processor(text=[text], images=[pictures] if pictures else None, add_special_tokens=False)["input_ids"]
+        prompts.append((list(ids[0]), pictures, text))
+    return prompts
+
+
+def completion_pictures_batch(processor, side=28):
+    """Rows whose completions hold a picture (as a tool's image sits there: the row's images are its prompt's and
+    then the picture). Group 0 has a prompt image; its rows' completions: "ab", picture A, "cd"; "ab", A, "ef"
+    (A shared); "ab", another picture of A's size (the same token ids), "cd"; "ab", "xyz". Group 1, a text prompt:
+    "q", A, "r"; "q", "s"."""
+    tok = processor.tokenizer
+    shown, first, other = image(1, side, side), image(2, side, side), image(3, side, side)
+    prompts = look_prompts(processor, shown)
+    rows = [  # (group, completion pieces: text or a picture)
+        (0, ["ab", first, "cd"]),
+        (0, ["ab", first, "ef"]),
+        (0, ["ab", other, "cd"]),
+        (0, ["ab", "xyz"]),
+        (1, ["q", first, "r"]),
+        (1, ["q", "s"]),
+    ]
+    prompt_ids, completions, vision = [], [], []
+    for group, pieces in rows:
+        ids, pictures, text = prompts[group]
+        tokens = tokens_of(processor, pieces)
+        later = [piece for piece in pieces if not isinstance(piece, str)]
+        prompt_ids.append(ids)
+        completions.append(tokens)
+        vision.append(Prompt(ids=tuple(ids), images=tuple(pictures + later) or None, text=text))
+    return collated(tok, prompt_ids, completions, vision, group=[g for g, _ in rows])
+
+
+def turn_pictures_batch(processor, side=28):
+    """Multi-turn rows with pictures, as rendered turns make them: a tool's picture ends a turn, and the next turn
+    continues the conversation as rendered, its first sampled letter dropped (a stripped reasoning block), the
+    prompt's and the tool's pictures kept. Group 0 has a prompt picture: "ab" + picture A then "cd" after it;
+    "ab" + A then "ef" (the same history); "ab" + picture B (A's size) then "cd"; and a row of one turn. Group 1,
+    a text prompt: "q" + A then "r"; and one turn. Also each turn as a row of its own, with the pictures its tokens
+    hold, and where each of the batch's positions sits among them (`test_turn_layouts.turns_batch`'s reference)."""
+    tok = processor.tokenizer
+    shown, first, other = image(1, side, side), image(2, side, side), image(3, side, side)
+    prompts = look_prompts(processor, shown)
+    rows = [  # (group, [(dropped, kept, picture) of each turn ending in a tool's picture], the last turn's text)
+        (0, [("a", "b", first)], "cd"),
+        (0, [("a", "b", first)], "ef"),
+        (0, [("a", "b", other)], "cd"),
+        (0, [], "ab xyz"),
+        (1, [("q", "", first)], "r"),
+        (1, [], "q s"),
+    ]
+    prompt_ids, completions, vision, turns, forks, where = [], [], [], [], [], []
+    for i, (group, tool_turns, last) in enumerate(rows):
+        ids, pictures, text = prompts[group]
+        context, tokens, done, seen = list(ids), [], [], list(pictures)
+        for dropped, kept, shown in tool_turns:
+            span = tokens_of(processor, [dropped + kept, shown])
+            done.append((len(tokens), len(tokens) + len(span), tuple(context)))
+            forks.append((list(context), span, tuple(seen + [shown])))
+            tokens += span
+            seen.append(shown)
+            context = context + tokens_of(processor, [kept, shown, "\n"] if kept else [shown, "\n"])
+        span = tokens_of(processor, [last])
+        done.append((len(tokens), len(tokens) + len(span), tuple(context)))
+        forks.append((list(context), span, tuple(seen)))
+        tokens += span
+        for start, end, _ in done:
+            where.append((i, start, end, len(where)))
+        prompt_ids.append(ids)
+        completions.append(tokens)
+        vision.append(Prompt(ids=tuple(ids), images=tuple(seen) or None, text=text))
+        turns.append(tuple(done) if len(done) > 1 else None)
+    batch = collated(tok, prompt_ids, completions, vision, [g for g, _, _ in rows], turns)
+    alone = [Prompt(ids=tuple(c), images=p or None, text=processor.image_token * len(p)) for c, _, p in forks]
+    singles = collated(tok, [c for c, _, _ in forks], [t for _, t, _ in forks], alone)
+    return batch, singles, where

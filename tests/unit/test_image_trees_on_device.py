@@ -14,7 +14,8 @@ from grpo.learner import tree_attention
 from grpo.learner.forward import token_logps
 from grpo.learner.tree_images import ImageInputs
 from grpo.models.vision import Pixels
-from tiny_vlm import BUILDERS, image_batch
+from test_turn_layouts import gathered
+from tiny_vlm import BUILDERS, image_batch, turn_pictures_batch
 
 GRAD_ATOL = 5e-6  # as test_tree_packing: the attention sums over other widths than the padded pass's
 
@@ -54,4 +55,28 @@ def test_image_trees_are_the_padded_pass_on_the_tests_device(arch):
     torch.testing.assert_close(trees[0][m], padded[0][m], **tolerance)
     torch.testing.assert_close(trees[1][m], padded[1][m], **tolerance)
     for name, grad in padded[2].items():
+        torch.testing.assert_close(trees[2][name], grad, **grad_tolerance, msg=name)
+
+
+@on_device.mark
+def test_rendered_turns_with_pictures_are_their_turns_alone_on_the_tests_device():
+    """On the tests' device (on CUDA: FlexAttention), Qwen2.5-VL's rendered turns whose histories hold the prompt's
+    and a tool's pictures, as trees (positions derived over the forked rows), give each turn's log-probs, entropies
+    and gradients scored as a row of its own, at that device's float32 tolerance."""
+    model, processor = BUILDERS["qwen2.5-vl"](0, hidden=64)
+    device = on_device.device()
+    model = model.to(device)
+    batch, singles, where = turn_pictures_batch(processor)
+    batch, singles = batch.to(device), singles.to(device)
+    images = ImageInputs.of(model, Pixels.of(processor, model))
+    tolerance = on_device.float32_tolerance()
+    alone, _ = image_pass(model, singles, images, False)
+    trees, laid_out = image_pass(model, batch, images, True)
+    assert laid_out == {"trees": 1}
+    m = batch.mask.bool().cpu()
+    for got, single in zip(trees[:2], alone[:2]):
+        expected = gathered(single.cpu(), where, tuple(m.shape))
+        torch.testing.assert_close(got.cpu()[m], expected[m], **tolerance)
+    grad_tolerance = dict(rtol=tolerance["rtol"], atol=max(GRAD_ATOL, tolerance["atol"]))
+    for name, grad in alone[2].items():
         torch.testing.assert_close(trees[2][name], grad, **grad_tolerance, msg=name)
