@@ -52,9 +52,10 @@ class TrainingPass:
     def __init__(self, model: Any, args: Any, autocast: Any, mixed_precision: str, pixels: Any = None) -> None:
         self.temperature = args.temperature
         self.pixels = pixels  # a vision-language model's image inputs (`grpo.models.vision.Pixels`)
-        # tokens generation never samples (image placeholders): the same distribution here, without them
-        self.suppressed = tuple(suppressed_tokens(unwrap(model))) if pixels is not None else ()
-        self.image_runs = tree_images.both_ways(model)  # each image's tokens attend each other both ways
+        # its pixel inputs, and the tokens generation never samples (image placeholders): the same distribution
+        # here, without them
+        suppressed = tuple(suppressed_tokens(unwrap(model))) if pixels is not None else ()
+        self.images = ImageInputs.of(model, pixels, suppressed) if pixels is not None else None
         self.autocast = autocast
         self.router_aux = router_aux_coef(unwrap(model), args) != 0.0
         self.aux_loss: torch.Tensor | None = None  # the last gradient pass's router loss (router_aux)
@@ -155,7 +156,7 @@ class TrainingPass:
         return logps, entropies
 
     def _images(self) -> ImageInputs | None:
-        return ImageInputs(self.pixels, self.suppressed, self.image_runs) if self.pixels is not None else None
+        return self.images
 
     def _compiled(self) -> contextlib.AbstractContextManager:
         """torch_compile: the policy's compiled decoder stack for the pass (a reference model runs as it is)."""
