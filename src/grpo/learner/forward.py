@@ -229,7 +229,7 @@ def token_logps(
         if images is not None and trees is not None:
             extra = images.tree_inputs(model, part, trees, marked)
         elif images is not None:  # the rows' own images, or with turns each forked row's
-            extra = images.inputs(part) if part.turns is None else images.forked_inputs(part)
+            extra = images.inputs(part) if part.turns is None else images.forked_inputs(part, marked)
         if laid_out is not None and as_trees:
             laid_out["trees" if trees is not None else "padded"] += 1
         outputs = forward(model, part, chunked_head, aux_losses, extra)

@@ -235,10 +235,11 @@ def sequence_ids(counts: list[int]) -> list[list[int]]:
     return [list(range(end - count, end)) for count, end in zip(counts, ends)]
 
 
-def _cut(groups: dict[int, list[int]], sequences: list[list[list]], cap: int) -> list[_Placed]:
+def _cut(
+    groups: dict[int, list[int]], sequences: list[list[list]], numbers: list[list[int]], cap: int
+) -> list[_Placed]:
     """Each group's rows, in order, cut into tries of at most `cap` nodes (a row alone may pass it): for each trie,
-    its rows' nodes (each sequence's tagged with its number, `sequence_ids`)."""
-    numbers = sequence_ids([len(row) for row in sequences])
+    its rows' nodes (each sequence's tagged with its number, `numbers`: `sequence_ids`)."""
     trees: list[_Placed] = []
     for rows in groups.values():
         trie = _Trie()
@@ -301,8 +302,8 @@ def layout(
     # laid out on the host (a few small tensors), moved to the batch's device at the end
     host = host_turns(batch)
     sequences: list[list[list]] = [[context + tokens for context, _, _, tokens in turns] for turns in host]
+    numbers = sequence_ids([len(row) for row in sequences])
     if marks is not None:
-        numbers = sequence_ids([len(row) for row in sequences])
         sequences = [
             [[t if m is None else (t, m) for t, m in zip(sequence, marks[n])] for sequence, n in zip(row, ns)]
             for row, ns in zip(sequences, numbers)
@@ -316,7 +317,7 @@ def layout(
     caps |= {w for w in whole if alone <= w <= max_width}
     best: tuple[float, list[_Placed], list[list[int]], int] | None = None
     for cap in sorted(caps):
-        trees = _cut(groups, sequences, cap)
+        trees = _cut(groups, sequences, numbers, cap)
         sizes = [len(trie) for trie, _ in trees]
         width = max(sizes)
         rows = _pack(sizes, width)

@@ -87,10 +87,10 @@ class ImageInputs:
         cannot take them."""
         return marks(self.pixels, part, self.both_ways)
 
-    def forked_inputs(self, part: TrainBatch) -> dict[str, Any]:
+    def forked_inputs(self, part: TrainBatch, marked: Marked | None = None) -> dict[str, Any]:
         """The pixel inputs of the forked rows of a piece with turns (`tree.forked`: one row per turn, its context
-        then its tokens), each with the images its tokens hold."""
-        marked = self.marks(part)
+        then its tokens), each with the images its tokens hold (`marked`: the piece's marks, made here if None)."""
+        marked = marked if marked is not None else self.marks(part)
         if marked is None:
             raise ValueError(
                 "A multi-turn row's turn holds image tokens that are not those of its first images (a chat template "
