@@ -1,10 +1,13 @@
 """Tiny vision-language models built locally (no hub), random weights: a Qwen2.5-VL, an Idefics3 (SmolVLM's
-architecture) and a Gemma 3 (its image tokens attend each other both ways), each with a processor made from the
-tiny character tokenizer plus the model's image tokens, a chat template that writes image blocks, and the model's
-PIL image processor (torchvision is not installed here).
+architecture), a Gemma 3 (its image tokens attend each other both ways) and a Gemma 4 (both ways in its sliding
+layers only), each with a processor made from the tiny character tokenizer plus the model's image tokens, a chat
+template that writes image blocks, and the model's PIL image processor (torchvision is not installed here).
 
 The Qwen2.5-VL processor is transformers' own with its video half left out: transformers 5.19 cannot build a
-Qwen2-VL processor without torchvision (its video processor needs it), and grpo trains on images only."""
+Qwen2-VL processor without torchvision (its video processor needs it), and grpo trains on images only. Gemma 4's
+processor module cannot even be imported without torchvision, so `Gemma4Images` stands in for its image half: the
+same placeholder expansion (begin-of-image, one image token per soft token, end-of-image) and `mm_token_type_ids`,
+on transformers' `ProcessorMixin` with Gemma 4's PIL image processor."""
 
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ from transformers import (
     Gemma3ForConditionalGeneration,
     Gemma3ImageProcessorPil,
     Gemma3Processor,
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4ImageProcessorPil,
     Idefics3Config,
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessorPil,
@@ -26,6 +32,7 @@ from transformers import (
     Qwen2_5_VLProcessor,
     Qwen2VLImageProcessorPil,
 )
+from transformers.processing_utils import ProcessingKwargs
 
 from grpo.learner.batch import collate
 from grpo.rollout.base import Prompt, Rollout
@@ -61,6 +68,30 @@ class QwenImageProcessor(Qwen2_5_VLProcessor):
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+class _Gemma4Kwargs(ProcessingKwargs, total=False):
+    _defaults = {"text_kwargs": {"padding": True, "return_mm_token_type_ids": True}}  # as Gemma 4's processor
+
+
+class Gemma4Images(ProcessorMixin):
+    """Gemma 4's processor for images only (see the module docstring): each image placeholder becomes
+    begin-of-image, as many image tokens as the image processor pools the image into, end-of-image."""
+
+    valid_processor_kwargs = _Gemma4Kwargs
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.boi_token, self.image_token, self.eoi_token = "<|image>", "<|image|>", "<image|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        super().__init__(image_processor, tokenizer, chat_template=chat_template)
+
+    def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs) -> str:
+        tokens = image_inputs["num_soft_tokens_per_image"][image_idx]
+        return f"{self.boi_token}{self.image_token * tokens}{self.eoi_token}"
+
+    @property
+    def unused_input_names(self) -> list[str]:
+        return ["num_soft_tokens_per_image"]
 
 
 def _tokenizer(extra: list[str]):
@@ -201,7 +232,64 @@ def gemma3(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 28, tok
     return model, processor
 
 
-BUILDERS = {"qwen2.5-vl": qwen_vl, "idefics3": idefics3, "gemma3": gemma3}
+def gemma4(seed: int = 0, hidden: int = 32, layers: int = 3, bidirectional: str | None = "vision"):
+    """(model, processor) of a 3-layer Gemma 4 (global, sliding-window, global: a global layer that later layers read,
+    so where image tokens attend each other both ways shows; per-layer inputs) with a 3-layer vision tower of
+    2x2-pixel patches pooled 3x3: each image resized to about 70 image tokens (64 for a square), which attend each
+    other both ways in the sliding layers only (`bidirectional`: the language model's `use_bidirectional_attention`,
+    "vision" as in the larger Gemma 4 models; None as in the smaller ones: causal). `hidden` and `layers`: the
+    widths of both towers and their depths (global and sliding layers alternate; the last is global)."""
+    tok = _tokenizer(["<|image>", "<|image|>", "<image|>", "<|video|>"])
+    images = Gemma4ImageProcessorPil(patch_size=2, max_soft_tokens=70, pooling_kernel_size=3)
+    processor = Gemma4Images(
+        image_processor=images, tokenizer=tok, chat_template=GEMMA_TEMPLATE.replace("<start_of_image>", "<|image|>")
+    )
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    text = _language(
+        tok,
+        hidden,
+        layers,
+        head_dim=hidden // 4,
+        global_head_dim=hidden // 2,  # the global layers' heads are wider, as Gemma 4's
+        max_position_embeddings=1024,
+        sliding_window=512,
+        layer_types=[("full_attention", "sliding_attention")[i % 2] for i in range(layers - 1)] + ["full_attention"],
+        use_bidirectional_attention=bidirectional,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=len(tok),
+        **ids,
+    )
+    vision = dict(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=hidden // 4,
+        patch_size=2,
+        pooling_kernel_size=3,
+        position_embedding_size=64,
+    )
+    config = Gemma4Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config=None,
+        image_token_id=processor.image_token_id,
+        boi_token_id=tok.convert_tokens_to_ids(processor.boi_token),
+        eoi_token_id=tok.convert_tokens_to_ids(processor.eoi_token),
+        video_token_id=tok.convert_tokens_to_ids("<|video|>"),
+        tie_word_embeddings=False,
+        **ids,
+    )
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(config)
+    with torch.no_grad():  # at transformers' scales random images pool into nearly equal features: none would matter
+        model.model.vision_tower.patch_embedder.input_proj.weight.normal_(0.0, 0.3)
+        model.model.embed_vision.embedding_projection.weight.normal_(0.0, 0.1)
+    return model, processor
+
+
+BUILDERS = {"qwen2.5-vl": qwen_vl, "idefics3": idefics3, "gemma3": gemma3, "gemma4": gemma4}
 
 
 def image(seed: int, width: int = 40, height: int = 32) -> Image.Image:

@@ -20,6 +20,14 @@ FAMILIES = {
     "Mistral": dict(SMALL, head_dim=4),
     "Gemma2": dict(SMALL, head_dim=4),
     "Gemma3": dict(SMALL, head_dim=4),  # Gemma3ForCausalLM: the text model
+    # Gemma4ForCausalLM: per-layer inputs, a global layer with wider heads (a per-layer config), a sliding one
+    "Gemma4": dict(
+        SMALL,
+        head_dim=4,
+        global_head_dim=8,
+        hidden_size_per_layer_input=4,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
     "NemotronH": NEMOTRON_H,  # Mamba and attention layers: the plain engine (recurrent state)
 }
 
@@ -32,6 +40,8 @@ def family_dirs(tmp_path_factory):
     for family, settings in FAMILIES.items():
         cls = getattr(transformers, f"{family}ForCausalLM")
         torch.manual_seed(0)
+        if "hidden_size_per_layer_input" in settings:  # Gemma 4's per-layer embeddings: of this vocabulary too
+            settings = dict(settings, vocab_size_per_layer_input=len(tokenizer))
         model = cls(cls.config_class(vocab_size=len(tokenizer), **settings, **ids))
         dirs[family] = str(tmp_path_factory.mktemp(family.lower()))
         model.save_pretrained(dirs[family])
@@ -84,5 +94,5 @@ def test_each_family_takes_token_trees_with_the_padded_numbers(family_dirs, fami
     (padded, grads), (trees, tree_grads) = pass_(False), pass_(True)
     m = batch.mask.bool()
     torch.testing.assert_close(trees[m], padded[m], rtol=1e-5, atol=1e-6)
-    for name, grad in grads.items():
-        torch.testing.assert_close(tree_grads[name], grad, rtol=1e-5, atol=5e-6)
+    for name, grad in grads.items():  # atol scaled as test_shared_prefix_training.assert_same_pass's
+        torch.testing.assert_close(tree_grads[name], grad, rtol=1e-5, atol=5e-6 * max(1.0, float(grad.abs().max())))

@@ -1,6 +1,7 @@
-"""Image rows as token trees (issue 47, `grpo.learner.tree_images`) on the three tiny vision-language architectures:
-Qwen2.5-VL (multimodal RoPE: positions derived from the images), Idefics3 (tiled images, positions as text) and
-Gemma 3 (image tokens that attend each other both ways).
+"""Image rows as token trees (issue 47, `grpo.learner.tree_images`) on the four tiny vision-language architectures:
+Qwen2.5-VL (multimodal RoPE: positions derived from the images), Idefics3 (tiled images, positions as text), Gemma 3
+(image tokens that attend each other both ways) and Gemma 4 (both ways in its sliding layers only, causally in its
+global ones; causally everywhere in its smaller models).
 
 The tree pass gives the padded pass's log-probs, entropies and gradients (the vision tower's included), with a
 text-only row among image rows, in pieces, with pictures in the completions, and with rendered turns whose
@@ -20,6 +21,7 @@ import pytest
 import torch
 from transformers import (
     Gemma3ForConditionalGeneration,
+    Gemma4ForConditionalGeneration,
     Idefics3ForConditionalGeneration,
     PaliGemmaForConditionalGeneration,
     Qwen2_5_VLForConditionalGeneration,
@@ -39,6 +41,8 @@ from test_vision import QWEN_STRIPPING, CallFirst, cfg, image_rows, picture, pic
 from tiny_vlm import BUILDERS, collated, completion_pictures_batch, image, turn_pictures_batch
 
 ARCHITECTURES = sorted(BUILDERS)
+# where each architecture's image tokens attend each other both ways (the others: causally)
+RUN_LAYERS = {"gemma3": ("full_attention", "sliding_attention"), "gemma4": ("sliding_attention",)}
 GRAD_ATOL = 5e-6  # as test_tree_packing: the attention sums over other widths than the padded pass's
 
 
@@ -138,19 +142,22 @@ def test_pictures_in_the_completions_are_shared_only_where_the_same(arch):
     prompt_picture = pixels.layout(image(1, 28, 28)).tokens
     # the prompt's picture once, A once per group, the other picture once
     assert int((trees.input_ids == token).sum()) == prompt_picture + 3 * per_picture
-    assert marked.both_ways == (arch == "gemma3")
+    assert marked.run_layers == RUN_LAYERS.get(arch, ())
 
     (trees, laid_out), (padded, _) = image_pass(model, batch, images, True), image_pass(model, batch, images, False)
     assert laid_out == {"trees": 1}
     assert_same_pass(trees, padded, batch, GRAD_ATOL)
 
 
-@pytest.mark.parametrize("arch,rows", [("gemma3", "completion pictures"), ("qwen2.5-vl", "turns")])
+@pytest.mark.parametrize(
+    "arch,rows", [("gemma3", "completion pictures"), ("gemma4", "completion pictures"), ("qwen2.5-vl", "turns")]
+)
 def test_flex_attention_scores_image_trees_as_the_padded_pass(monkeypatch, arch, rows):
     """The "flex" kernel (compiled here for the CPU, forward only; the GPU check runs it forward and backward) gives
     the padded pass's log-probs and entropies: for Gemma 3's pictures in the completions, whose tokens attend each
-    other both ways, and for Qwen2.5-VL's rendered turns with pictures (positions from the forked rows) against the
-    forked rows."""
+    other both ways, for Gemma 4's, which do in its sliding layers only (a block mask per layer type, heads of two
+    sizes), and for Qwen2.5-VL's rendered turns with pictures (positions from the forked rows) against the forked
+    rows."""
     monkeypatch.setattr(tree_attention, "FORCE_KERNEL", "flex")
     model, processor = BUILDERS[arch](0)
     images = tree_images.ImageInputs.of(model, Pixels.of(processor, model))
@@ -191,6 +198,25 @@ def test_rendered_turns_with_pictures_score_as_their_turns_alone(arch):
     assert int((layout.input_ids == token).sum()) == 7 * per_picture
 
 
+def test_the_smaller_gemma4s_causal_image_tokens_take_trees():
+    """A Gemma 4 whose image tokens attend causally (`use_bidirectional_attention` None, as its smaller models):
+    its module builds open masks, but grpo knows this setting is causal, so its pictures take trees, with plain
+    ancestor masks in every layer, and score and backpropagate as the padded pass; and one that attends both ways
+    everywhere ("all": not a generative model) keeps padded rows."""
+    model, processor = BUILDERS["gemma4"](0, bidirectional=None)
+    pixels = Pixels.of(processor, model)
+    images = tree_images.ImageInputs.of(model, pixels)
+    assert tree_images.unsupported_reason(model, pixels) is None and images.run_layers == ()
+    batch = completion_pictures_batch(processor)
+    (trees, laid_out), (padded, _) = image_pass(model, batch, images, True), image_pass(model, batch, images, False)
+    assert laid_out == {"trees": 1}
+    assert_same_pass(trees, padded, batch, GRAD_ATOL)
+    marked = images.marks(batch)
+    assert tree.layout(batch, marks=marked.marks, run_layers=marked.run_layers).run_layers is None
+    model.config.text_config.use_bidirectional_attention = "all"
+    assert "both ways" in tree_images.unsupported_reason(model, pixels)
+
+
 def test_touching_images_and_rows_past_the_window_keep_the_padded_layout():
     """Gemma 3 (image tokens attend each other both ways within each run of them): a row whose completion holds two
     pictures' tokens touching (one run of two pictures: it could branch in a tree) gets no marks, where a causal
@@ -204,7 +230,7 @@ def test_touching_images_and_rows_past_the_window_keep_the_padded_layout():
     ids = [5, *[token] * n, 6]
     vision = [Prompt(ids=tuple(ids), images=pictures, text="")]
     batch = collated(processor.tokenizer, [ids], [[token] * (2 * n) + [7]], vision)
-    assert tree_images.marks(pixels, batch, both_ways=True) is None
+    assert tree_images.marks(pixels, batch, RUN_LAYERS["gemma3"]) is None
     assert tree_images.marks(pixels, batch) is not None
     apart = completion_pictures_batch(processor)
     assert tree.fits_window(model, apart)
@@ -248,6 +274,10 @@ def test_which_models_image_rows_take_trees():
     wrapped = type("FSDPGemma3", (Gemma3ForConditionalGeneration,), {"__module__": "torch.distributed.fsdp"})
     fsdp = built_as(wrapped, gemma.config)
     assert tree_images.both_ways(fsdp) and tree_images.unsupported_reason(fsdp, pixels) is None
+    gemma4, gemma4_processor = BUILDERS["gemma4"](0)
+    assert tree_images.opens_image_attention(Gemma4ForConditionalGeneration.__module__)
+    assert tree_images.run_layers(gemma4) == ("sliding_attention",)
+    assert tree_images.unsupported_reason(gemma4, Pixels.of(gemma4_processor, gemma4)) is None
     paligemma = built_as(PaliGemmaForConditionalGeneration, SimpleNamespace(model_type="paligemma"))
     assert "both ways" in tree_images.unsupported_reason(paligemma, pixels)
     fsdp_paligemma = type("FSDPPali", (PaliGemmaForConditionalGeneration,), {"__module__": "torch.distributed.fsdp"})
@@ -255,7 +285,8 @@ def test_which_models_image_rows_take_trees():
 
 
 @pytest.mark.parametrize(
-    "arch,lora", [("gemma3", False), ("idefics3", False), ("qwen2.5-vl", False), ("qwen2.5-vl", True)]
+    "arch,lora",
+    [("gemma3", False), ("gemma4", False), ("idefics3", False), ("qwen2.5-vl", False), ("qwen2.5-vl", True)],
 )
 def test_an_image_run_as_trees_trains_like_a_padded_one(arch, lora, tmp_path):
     """Two SGD steps with a KL term (the reference pass as trees too), and with LoRA adapters on the language model:

@@ -54,8 +54,10 @@ def test_image_trees_are_the_padded_pass_on_the_tests_device(arch):
     m = batch.mask.bool()
     torch.testing.assert_close(trees[0][m], padded[0][m], **tolerance)
     torch.testing.assert_close(trees[1][m], padded[1][m], **tolerance)
-    for name, grad in padded[2].items():
-        torch.testing.assert_close(trees[2][name], grad, **grad_tolerance, msg=name)
+    for name, grad in padded[2].items():  # atol scaled as test_shared_prefix_training.assert_same_pass's
+        scale = max(1.0, float(grad.abs().max()))
+        scaled = dict(grad_tolerance, atol=grad_tolerance["atol"] * scale)
+        torch.testing.assert_close(trees[2][name], grad, **scaled, msg=name)
 
 
 @on_device.mark

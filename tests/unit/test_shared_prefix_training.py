@@ -54,12 +54,14 @@ def logps_and_grads(model, batch, **kwargs):
 
 def assert_same_pass(a, b, batch, grad_atol=1e-6):
     """float32: log-probs at rtol 1e-5 / atol 1e-6, entropies at atol 1e-5, gradients at rtol 1e-5 / atol
-    `grad_atol`."""
+    `grad_atol` times the parameter's largest gradient where that is above 1 (a float32 sum's rounding grows with
+    its terms: Gemma 4's scaled embeddings have gradients near 100)."""
     m = batch.mask.bool()
     torch.testing.assert_close(a[0][m], b[0][m], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(a[1][m], b[1][m], rtol=1e-5, atol=1e-5)
     for name, grad in b[2].items():
-        torch.testing.assert_close(a[2][name], grad, rtol=1e-5, atol=grad_atol)
+        scale = max(1.0, float(grad.abs().max()))
+        torch.testing.assert_close(a[2][name], grad, rtol=1e-5, atol=grad_atol * scale)
 
 
 def test_shared_prefix_logps_and_gradients_match_plain():

@@ -194,6 +194,37 @@ def test_pair_cost_reads_the_models_shape():
     assert tree.pair_cost(SimpleNamespace(config=SimpleNamespace())) == tree.PAIR_COST
 
 
+def test_layers_of_two_shapes_are_each_counted():
+    """Gemma 4's global layers have wider heads (and here fewer key-value heads) than its sliding ones, a per-layer
+    config whose global `head_dim` transformers refuses to read: each layer's shape is read from its own config, by
+    the tree's cost model, the FlexAttention probe (`attention_shapes`) and vLLM's KV-cache size."""
+    from transformers import Gemma4TextConfig
+
+    from grpo.models.modeling import attention_shapes
+    from grpo.rollout.vllm import kv_cache_bytes
+
+    config = Gemma4TextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
+    assert attention_shapes(config) == [(4, 2, 16), (4, 2, 16), (4, 1, 32)]
+    per_token = [2 * 64 * 4 * head + 2 * 64 * kv * head + 3 * 64 * 128 for _, kv, head in attention_shapes(config)]
+    expected = (2 * 4 * 16 * 2 + 2 * 4 * 32) / sum(per_token)
+    assert tree.pair_cost(SimpleNamespace(config=config)) == pytest.approx(expected)
+    keys_and_values = 2 * (2 * 16 + 2 * 16 + 1 * 32) * 4  # float32 bytes a token holds, over the three layers
+    assert kv_cache_bytes(config, torch.float32, 1, 1, 1000) == keys_and_values * (1000 + 256)
+    llama = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    assert attention_shapes(llama) == [(4, 2, 16)] * 3
+
+
 def test_a_row_past_the_sliding_window_keeps_the_padded_layout():
     batch, model = batch_and_model()
     model.config.sliding_window = 4  # shorter than every row: the tree's mask would drop the window

@@ -264,8 +264,8 @@ def _as_trees(
     the processes' trees cost less than their padded rows together."""
     fits = tree.fits_window(model, part) and (images is None or marked is not None)
     marks = marked.marks if marked is not None else None
-    both_ways = marked is not None and marked.both_ways
-    trees = tree.layout(part, pair_cost=cost, kernel=kernel, marks=marks, both_ways=both_ways) if fits else None
+    runs = marked.run_layers if marked is not None else ()
+    trees = tree.layout(part, pair_cost=cost, kernel=kernel, marks=marks, run_layers=runs) if fits else None
     judged = trees is not None and where_cheaper and part.turns is None
     votes = [
         float(trees is None),

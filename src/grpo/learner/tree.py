@@ -30,6 +30,7 @@ which keep the padded layout.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ import torch
 
 from grpo.learner import tree_attention
 from grpo.learner.batch import TrainBatch
-from grpo.models.modeling import unwrap
+from grpo.models.modeling import attention_shapes, layer_configs, unwrap
 from grpo.rollout.base import left_pad, right_pad
 from grpo.rollout.fast import keeps_recurrent_state
 
@@ -57,8 +58,10 @@ class Tree:
     may attend the key at column k where first[k] <= q <= last[k] (`mask`). `last` is the last token of the key's
     subtree (its own column at padding); `first` is the key's own column, or for a key in a run of image tokens
     that attend each other both ways (`layout`'s `both_ways`) its run's first column. For each completion position
-    of the batch (B, C) the row and column whose output predicts it (`row`, `column`); and the attention `kernel`
-    it is laid out for (`tree_attention.attention_kernel`: "dense" or "flex")."""
+    of the batch (B, C) the row and column whose output predicts it (`row`, `column`); the attention `kernel` it is
+    laid out for (`tree_attention.attention_kernel`: "dense" or "flex"); and where runs attend each other both
+    ways only in some of the model's layers (Gemma 4: its sliding ones), those layers' types (`run_layers`: the
+    others attend the tree's ancestors alone, `without_runs`; None: every layer as `first` says)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -69,6 +72,7 @@ class Tree:
     row: torch.Tensor
     column: torch.Tensor
     kernel: str = "dense"
+    run_layers: tuple[str, ...] | None = None
 
     @property
     def mask(self) -> torch.Tensor:
@@ -78,6 +82,13 @@ class Tree:
         columns = torch.arange(self.last.shape[1], device=self.last.device)
         query = columns.view(1, -1, 1)
         return ((self.first.unsqueeze(1) <= query) & (query <= self.last.unsqueeze(1))).unsqueeze(1)
+
+    def without_runs(self) -> Tree:
+        """The same trees, each key attended from its own column on: its descendants alone (no run of image tokens
+        attended both ways)."""
+        rows, width = self.first.shape
+        own = torch.arange(width, device=self.first.device).expand(rows, width)
+        return dataclasses.replace(self, first=own, run_layers=None)
 
     @property
     def positions_computed(self) -> int:
@@ -215,14 +226,16 @@ def pair_cost(model: Any) -> float:
     and MLP, from the model's config: what a row's width costs (a dense mask attends every pair of a row) against
     what its tokens cost. Counted on the CPU, the training pass's time follows it (bench/tree_packing.py)."""
     config = tree_attention.text_config(model)
-    shape = tree_attention.attention_shape(config)
-    if shape is None:
+    shapes = attention_shapes(config)
+    if shapes is None:
         return PAIR_COST
-    heads, kv, head = shape
-    d = config.hidden_size
-    inner = getattr(config, "intermediate_size", None) or 4 * d
-    per_token = 2 * d * heads * head + 2 * d * kv * head + 3 * d * inner  # q and o, k and v, a gated MLP
-    return 2 * heads * head / per_token  # q.k and the weighted sum of v
+    token = pair = 0
+    for layer, (heads, kv, head) in zip(layer_configs(config), shapes):
+        d = layer.hidden_size
+        inner = getattr(layer, "intermediate_size", None) or 4 * d
+        token += 2 * d * heads * head + 2 * d * kv * head + 3 * d * inner  # q and o, k and v, a gated MLP
+        pair += 2 * heads * head  # q.k and the weighted sum of v
+    return pair / token
 
 
 # a trie and its rows' nodes ({row: the nodes of each of its sequences})
@@ -275,6 +288,7 @@ def layout(
     kernel: str = "dense",
     marks: list[list[Any]] | None = None,
     both_ways: bool = False,
+    run_layers: tuple[str, ...] | None = None,
 ) -> Tree:
     """`batch`'s rows as token trees: each group's (`batch.group`) rows merged on their common prefixes (each row's
     sequences, `contexts`: the prompt and its completion, or with turns each turn's context and tokens; completions
@@ -295,7 +309,10 @@ def layout(
     where their marks are equal too (an image's tokens, all one id, marked with which image and
     where in it: `grpo.learner.tree_images`). With `both_ways`, each run of marked tokens (an image's, where
     images never touch: `tree_images.marks`) attends itself both ways, as a model whose image tokens do (Gemma 3):
-    each of its keys is attended from the run's first token on (`Tree.first`)."""
+    each of its keys is attended from the run's first token on (`Tree.first`). `run_layers`, where given, are the
+    layer types in which runs attend both ways (Gemma 4: its sliding ones; `Tree.run_layers`), and imply
+    `both_ways` where there are any."""
+    both_ways = both_ways or bool(run_layers)
     device = batch.prompt_ids.device
     pair_cost = 0.0 if kernel == "flex" else pair_cost
     max_width = max_width or MAX_WIDTH
@@ -365,6 +382,7 @@ def layout(
         row=torch.from_numpy(row).to(device),
         column=torch.from_numpy(column).to(device),
         kernel=kernel,
+        run_layers=tuple(run_layers) if run_layers else None,
     )
 
 

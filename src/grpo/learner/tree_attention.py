@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grpo.models.modeling import unwrap
+from grpo.models.modeling import attention_shapes, unwrap
 
 if TYPE_CHECKING:
     from grpo.learner.tree import Tree
@@ -60,34 +60,21 @@ def attention_kernel(model: Any, device: torch.device) -> str:
         return "dense"
     if getattr(config, "attention_dropout", 0.0) and unwrap(model).training:
         return "dense"  # FlexAttention has no dropout
-    shape = attention_shape(text_config(model))
-    if shape is None:
+    shapes = attention_shapes(text_config(model))
+    if shapes is None:
         return "dense"  # no attention shape to probe
     dtype = (
         torch.get_autocast_dtype("cuda")
         if torch.is_autocast_enabled("cuda")
         else next(unwrap(model).parameters()).dtype
     )
-    return "flex" if _flex_runs(device, dtype, shape) else "dense"
+    return "flex" if all(_flex_runs(device, dtype, shape) for shape in dict.fromkeys(shapes)) else "dense"
 
 
 def text_config(model: Any) -> Any:
     """The model's config, its language model's for a vision-language model."""
     config = unwrap(model).config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def attention_shape(config: Any) -> tuple[int, int, int] | None:
-    """(query heads, key-value heads, head dim) of a (text) `config`; None where it does not give its heads and
-    hidden size."""
-    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
-    if not isinstance(heads, int) or not isinstance(hidden, int):
-        return None
-    return (
-        heads,
-        getattr(config, "num_key_value_heads", None) or heads,
-        getattr(config, "head_dim", None) or hidden // heads,
-    )
 
 
 # set to "flex" or "dense" to lay out every tree for that kernel (None: `attention_kernel` chooses)
@@ -178,7 +165,23 @@ def _flex_attention(module: Any, query: Any, key: Any, value: Any, attention_mas
 
 def attention_mask(model: Any, tree: Tree) -> Any:
     """The tree's mask as the model's attention takes a prepared one: a FlexAttention block mask for the "flex"
-    kernel, boolean for SDPA, additive for eager."""
+    kernel, boolean for SDPA, additive for eager. Where runs of image tokens attend each other both ways in some of
+    the model's layers only (`Tree.run_layers`), one mask per layer type (transformers' mask mapping: those layers
+    the tree's, the others `Tree.without_runs`'s)."""
+    layer_types = set(getattr(text_config(model), "layer_types", None) or ())
+    if tree.run_layers is not None and not layer_types <= set(tree.run_layers):
+        if not layer_types:
+            raise ValueError(
+                f"The tree's image runs attend both ways in {tree.run_layers} layers only, but the model's config "
+                "names no layer_types: train its image rows with packing='padded'."
+            )
+        plain = tree.without_runs()
+        return {kind: _prepared(model, tree if kind in tree.run_layers else plain) for kind in sorted(layer_types)}
+    return _prepared(model, tree)
+
+
+def _prepared(model: Any, tree: Tree) -> Any:
+    """`attention_mask` for every layer alike."""
     if tree.kernel == "flex":
         _route_block_masks()
         return block_mask(tree.first, tree.last)

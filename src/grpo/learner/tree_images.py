@@ -11,15 +11,17 @@ of the row's images, in the order the tokens come. So in a tree:
   them computed over the padded rows, as its padded pass computes them, then carried to each token's column
   (`tree.Tree.origin`); the others get each token's place in its context, as text.
 
-- Attention: a model whose image tokens attend each other both ways within each run of them (Gemma 3: transformers'
-  blockwise mask over `token_type_ids`) gets the same in the tree (`tree.layout`'s `both_ways`): a run's tokens are
-  one chain of the tree, each of its keys attended from the run's first token on, as each padded row attends it.
+- Attention: a model whose image tokens attend each other both ways within each run of them (transformers'
+  blockwise masks: Gemma 3 in every layer, over `token_type_ids`; Gemma 4's larger models in their sliding layers
+  only, over `mm_token_type_ids`) gets the same in the tree (`tree.layout`'s `both_ways`): a run's tokens are one
+  chain of the tree, each of its keys attended from the run's first token on, as each padded row attends it; in
+  the layers where they attend causally the tree's plain ancestor mask (`Tree.run_layers`, `run_layers`).
 
 `unsupported_reason` names what keeps the padded layout: a processor without an image token, another model whose
-image tokens attend other tokens both ways (Gemma 4 and PaliGemma, untested here, and any model whose module builds
-such masks: the tree's mask would not be theirs), a model that derives positions some other way. Rows whose image
-tokens do not add up to their images' keep the padded layout too (`marks`: None), and so, where runs attend both
-ways, do rows where two images' tokens touch (their runs could branch in a tree).
+image tokens attend other tokens both ways (PaliGemma, and any model whose module builds such masks that
+`_IMAGE_RUNS` does not name: the tree's mask would not be theirs), a model that derives positions some other way.
+Rows whose image tokens do not add up to their images' keep the padded layout too (`marks`: None), and so, where
+runs attend both ways, do rows where two images' tokens touch (their runs could branch in a tree).
 """
 
 from __future__ import annotations
@@ -41,10 +43,14 @@ from grpo.models.vision import computes_own_positions
 # masking_utils: Gemma 3's and PaliGemma's blocks, an extra mask function OR-ed with the causal one)
 _OPEN_MASKS = ("block_sequence_ids", "or_mask_function")
 
-# the architectures (config model_type) whose image tokens attend each other both ways within each run of them and
-# causally otherwise, which a tree lays out so (`both_ways`); each compared with its padded pass in
-# tests/integration/test_tree_images.py
-_IMAGE_RUNS = ("gemma3",)
+# the architectures (config model_type) whose module builds masks that open attention among image tokens, which a
+# tree lays out as they do: by the language model's `use_bidirectional_attention`, the layer types (`layer_types`)
+# in which each run of image tokens attends itself both ways (causally otherwise; none: causal everywhere). Each
+# is compared with its padded pass in tests/integration/test_tree_images.py.
+_IMAGE_RUNS: dict[str, dict[Any, tuple[str, ...]]] = {
+    "gemma3": {False: ("full_attention", "sliding_attention"), None: ("full_attention", "sliding_attention")},
+    "gemma4": {"vision": ("sliding_attention",), None: ()},  # the larger models; the smaller ones are causal
+}
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,12 @@ class Marked:
     marks: list[list[Any]]
     images: list[tuple[Any, ...]]
     by_digest: dict[bytes, Any]
-    both_ways: bool = False  # each image's tokens attend each other both ways (`tree.layout`'s `both_ways`)
+    run_layers: tuple[str, ...] = ()  # the layers where each image's tokens attend each other both ways
+
+    @property
+    def both_ways(self) -> bool:
+        """Whether each image's tokens attend each other both ways in some layer (`tree.layout`'s `both_ways`)."""
+        return bool(self.run_layers)
 
 
 @dataclass(frozen=True)
@@ -64,16 +75,17 @@ class ImageInputs:
     """What a vision-language model's pass adds: each row's pixel inputs, and the tokens it never samples (their
     logits are pushed to SUPPRESSED, where their probability is exactly 0 in float32 and entropies stay finite).
     In padded rows each row's pixel inputs (`inputs`); in trees each tree row's (`marks`, then `tree_inputs`);
-    `both_ways`: the model's image tokens attend each other both ways within each run (`both_ways`)."""
+    `run_layers`: the layers where the model's image tokens attend each other both ways within each run
+    (`run_layers`)."""
 
     pixels: Any
     suppressed: tuple[int, ...]
-    both_ways: bool = False
+    run_layers: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, model: Any, pixels: Any, suppressed: tuple[int, ...] = ()) -> ImageInputs:
         """For `model`'s passes, with its processor's `pixels`."""
-        return cls(pixels, suppressed, both_ways(model))
+        return cls(pixels, suppressed, run_layers(model) or ())
 
     def inputs(self, part: TrainBatch) -> dict[str, Any]:
         """The pixel inputs of the piece's rows (none when no row of it has images)."""
@@ -85,7 +97,7 @@ class ImageInputs:
     def marks(self, part: TrainBatch) -> Marked | None:
         """The piece's sequences with their image tokens marked, for `tree.layout` (`marks`); None where a tree
         cannot take them."""
-        return marks(self.pixels, part, self.both_ways)
+        return marks(self.pixels, part, self.run_layers)
 
     def forked_inputs(self, part: TrainBatch, marked: Marked | None = None) -> dict[str, Any]:
         """The pixel inputs of the forked rows of a piece with turns (`tree.forked`: one row per turn, its context
@@ -112,7 +124,7 @@ def unsupported_reason(model: Any, pixels: Any) -> str | None:
     inner = unwrap(model)
     if pixels.placeholder is None or not pixels.token_types or pixels.token_types[0] is None:
         return "the processor or the model names no image token"
-    if not both_ways(inner) and any(opens_image_attention(name) for name in _model_modules(type(inner))):
+    if run_layers(inner) is None and any(opens_image_attention(name) for name in _model_modules(type(inner))):
         return "the model's image tokens attend other tokens both ways in a way grpo does not lay out in a tree"
     if computes_own_positions(inner) and _rope_index(inner) is None:
         return "the model derives its positions from the images without a get_rope_index grpo can call"
@@ -137,9 +149,19 @@ def _model_modules(cls: type) -> set[str]:
     }
 
 
+def run_layers(model: Any) -> tuple[str, ...] | None:
+    """The layer types in which the model's image tokens attend each other both ways within each run of them (empty
+    where they attend causally in every layer); None where `_IMAGE_RUNS` does not name the model and its setting."""
+    config: Any = getattr(unwrap(model), "config", None)
+    settings = _IMAGE_RUNS.get(str(getattr(config, "model_type", None)))
+    if settings is None:
+        return None
+    return settings.get(getattr(config.get_text_config(), "use_bidirectional_attention", None))
+
+
 def both_ways(model: Any) -> bool:
-    """Whether the model's image tokens attend each other both ways within each run of them (`_IMAGE_RUNS`)."""
-    return getattr(getattr(unwrap(model), "config", None), "model_type", None) in _IMAGE_RUNS
+    """Whether the model's image tokens attend each other both ways within each run of them in some layer."""
+    return bool(run_layers(model))
 
 
 @functools.cache
@@ -153,13 +175,13 @@ def opens_image_attention(module_name: str) -> bool:
     return any(name in source for name in _OPEN_MASKS)
 
 
-def marks(pixels: Any, part: TrainBatch, both_ways: bool = False) -> Marked | None:
+def marks(pixels: Any, part: TrainBatch, run_layers: tuple[str, ...] = ()) -> Marked | None:
     """The piece's sequences (`part`'s rows, or their turns: `Marked`) with their image tokens marked (digest, place
     in the image). A sequence holds its row's first images: as many as its image tokens expand them into (a turn's
     context renders the conversation so far, its images included). None where a row without turns does not hold
     exactly its images' tokens, where a turn's image tokens are not its row's first images', or, for a model whose
-    image tokens attend each other both ways (`both_ways`), where two images' tokens touch: a run of image tokens is
-    then one image, which a tree holds as one chain (`tree.layout`)."""
+    image tokens attend each other both ways (in `run_layers`), where two images' tokens touch: a run of image
+    tokens is then one image, which a tree holds as one chain (`tree.layout`)."""
     token = pixels.token_types[0]
     out: list[list[Any]] = []
     images: list[tuple[Any, ...]] = []
@@ -183,12 +205,12 @@ def marks(pixels: Any, part: TrainBatch, both_ways: bool = False) -> Marked | No
             places = [(layout.digest, k) for layout in layouts[:first] for k in range(layout.tokens)]
             at = iter(places)
             marked = [next(at) if t == token else None for t in ids]
-            if both_ways and any(a and b and b[1] == 0 for a, b in zip(marked, marked[1:])):
+            if run_layers and any(a and b and b[1] == 0 for a, b in zip(marked, marked[1:])):
                 return None  # an image's first token right after another image token: one run, two images
             out.append(marked)
             images.append(row[:first])
         by_digest.update((layout.digest, image) for layout, image in zip(layouts, row))
-    return Marked(out, images, by_digest, both_ways)
+    return Marked(out, images, by_digest, run_layers)
 
 
 def inputs(pixels: Any, model: Any, part: TrainBatch, trees: tree.Tree, marked: Marked) -> dict[str, Any]:

@@ -113,6 +113,28 @@ def load_causal_lm(
     return own_memory(model) if device is None or device.type == "cpu" else model
 
 
+def layer_configs(config: Any) -> list[Any]:
+    """Each layer's config of a (text) `config`, in layer order: its own where the layers differ (transformers'
+    per-layer configs: Gemma 4's global layers have wider heads, and the config refuses to say one head size), else
+    `config` (`num_hidden_layers` times, 32 where it does not say)."""
+    if getattr(config, "is_heterogeneous", False):
+        return list(config.per_layer_config)
+    return [config] * (getattr(config, "num_hidden_layers", None) or 32)
+
+
+def attention_shapes(config: Any) -> list[tuple[int, int, int]] | None:
+    """(query heads, key-value heads, head dim) of each of a (text) `config`'s `layer_configs`; None where one does
+    not give its heads and hidden size."""
+    shapes = []
+    for layer in layer_configs(config):
+        heads, hidden = getattr(layer, "num_attention_heads", None), getattr(layer, "hidden_size", None)
+        if not isinstance(heads, int) or not isinstance(hidden, int):
+            return None
+        kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+        shapes.append((heads, kv_heads, getattr(layer, "head_dim", None) or hidden // heads))
+    return shapes
+
+
 def is_vision_language(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from grpo.base import process_env, sigterm
 from grpo.distributed.accelerator import before_teardown
 from grpo.distributed.engine_group import EngineGroup
+from grpo.models.modeling import attention_shapes, layer_configs
 from grpo.rollout.base import Request, Rollout, assemble, expand
 from grpo.rollout.plain import SUPPRESSED, suppressed_tokens
 from grpo.rollout.weights import checkpoint_weights
@@ -132,11 +133,9 @@ def kv_cache_bytes(
     """The CPU KV-cache default of one engine process: `sequences` sequences of `tokens` tokens, times 4 for vLLM's
     block rounding and headroom, and never less than one sequence of `max_model_len` tokens (vLLM refuses a smaller
     cache); a tensor-parallel shard holds its share of the key/value heads (at least one)."""
-    layers = getattr(config, "num_hidden_layers", 32)
-    heads = getattr(config, "num_attention_heads", 32)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    per_token = 2 * layers * max(kv_heads // parallel, 1) * head_dim * torch.finfo(dtype).bits // 8
+    # each layer's key/value heads and head size (Gemma 4's global layers differ); 32 heads where the config is silent
+    shapes = attention_shapes(config) or [(32, 32, config.hidden_size // 32)] * len(layer_configs(config))
+    per_token = 2 * sum(max(kv // parallel, 1) * head for _, kv, head in shapes) * torch.finfo(dtype).bits // 8
     return per_token * max(4 * sequences * tokens, max_model_len + 16 * 16)
 
 
