@@ -232,15 +232,16 @@ def gemma3(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 28, tok
     return model, processor
 
 
-def gemma4(seed: int = 0, hidden: int = 32, layers: int = 3, bidirectional: str | None = "vision"):
+def gemma4(seed: int = 0, hidden: int = 32, layers: int = 3, bidirectional: str | None = "vision", patch: int = 2):
     """(model, processor) of a 3-layer Gemma 4 (global, sliding-window, global: a global layer that later layers read,
     so where image tokens attend each other both ways shows; per-layer inputs) with a 3-layer vision tower of
     2x2-pixel patches pooled 3x3: each image resized to about 70 image tokens (64 for a square), which attend each
     other both ways in the sliding layers only (`bidirectional`: the language model's `use_bidirectional_attention`,
     "vision" as in the larger Gemma 4 models; None as in the smaller ones: causal). `hidden` and `layers`: the
-    widths of both towers and their depths (global and sliding layers alternate; the last is global)."""
+    widths of both towers and their depths (global and sliding layers alternate; the last is global); `patch`: the
+    patches' side (an image is resized to about 630 patches whatever its size: 16, Gemma 4's, for 384x384)."""
     tok = _tokenizer(["<|image>", "<|image|>", "<image|>", "<|video|>"])
-    images = Gemma4ImageProcessorPil(patch_size=2, max_soft_tokens=70, pooling_kernel_size=3)
+    images = Gemma4ImageProcessorPil(patch_size=patch, max_soft_tokens=70, pooling_kernel_size=3)
     processor = Gemma4Images(
         image_processor=images, tokenizer=tok, chat_template=GEMMA_TEMPLATE.replace("<start_of_image>", "<|image|>")
     )
@@ -266,7 +267,7 @@ def gemma4(seed: int = 0, hidden: int = 32, layers: int = 3, bidirectional: str 
         num_attention_heads=4,
         num_key_value_heads=4,
         head_dim=hidden // 4,
-        patch_size=2,
+        patch_size=patch,
         pooling_kernel_size=3,
         position_embedding_size=64,
     )

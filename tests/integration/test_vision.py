@@ -452,7 +452,8 @@ def test_a_vision_model_loads_from_its_directory_with_its_processor(tmp_path):
 
 
 def test_a_processor_that_needs_torchvision_is_one_clear_error(tmp_path):
-    """transformers cannot build a Qwen2.5-VL processor without torchvision (its video processor needs it)."""
+    """transformers cannot build a Qwen2.5-VL processor without torchvision (its video processor needs it), nor import
+    Gemma 4's (its image processor's module imports torchvision): each is one error naming the cause and the fix."""
     if importlib.util.find_spec("torchvision") is not None:
         pytest.skip("torchvision is installed: the processor builds")
     model, processor = BUILDERS["qwen2.5-vl"](0)
@@ -460,6 +461,12 @@ def test_a_processor_that_needs_torchvision_is_one_clear_error(tmp_path):
     processor.save_pretrained(tmp_path / "qwen")
     with pytest.raises(OSError, match="is a vision-language model, but its processor needs torchvision"):
         GRPOTrainer(str(tmp_path / "qwen"), length_reward, cfg(tmp_path), image_rows())
+    model, processor = BUILDERS["gemma4"](0)
+    model.save_pretrained(tmp_path / "gemma4")
+    processor.tokenizer.save_pretrained(tmp_path / "gemma4")
+    (tmp_path / "gemma4" / "processor_config.json").write_text('{"processor_class": "Gemma4Processor"}')
+    with pytest.raises(OSError, match="is a vision-language model, but its processor needs torchvision"):
+        GRPOTrainer(str(tmp_path / "gemma4"), length_reward, cfg(tmp_path), image_rows())
 
 
 def test_a_frozen_vision_tower_stays_as_it_was(tmp_path):

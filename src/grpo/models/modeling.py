@@ -143,15 +143,18 @@ def load_processing_class(model_id: str, config: Any, trust_remote_code: bool) -
     """A vision-language model's processor (`AutoProcessor`), else its tokenizer; prepared (`prepare_tokenizer`)."""
     if not is_vision_language(config):
         return load_tokenizer(model_id, trust_remote_code)
+    failure = ""
     try:
         processor = from_pretrained_checked(AutoProcessor, "processor", model_id, trust_remote_code=trust_remote_code)
-    except AttributeError:  # transformers' torchvision-less video processor mapping lacks what it looks up
-        processor = None
+    # transformers' torchvision-less video processor mapping lacks what it looks up (Qwen2-VL's family); a processor
+    # module that imports torchvision cannot be imported (Gemma 4's)
+    except (AttributeError, ImportError) as err:
+        processor, failure = None, f" ({type(err).__name__}: {err})"
     if not isinstance(processor, ProcessorMixin):  # AutoProcessor falls back to the tokenizer when it cannot
         why = (
-            "its processor needs torchvision (for its video processor), which is not installed"
+            "its processor needs torchvision (for its image or video processor), which is not installed"
             if importlib.util.find_spec("torchvision") is None
-            else "AutoProcessor could not build its processor"
+            else f"AutoProcessor could not build its processor{failure}"
         )
         raise ModelLoadError(
             f"'{model_id}' is a vision-language model, but {why}. Install the torchvision build that matches your "
