@@ -23,10 +23,12 @@ FAMILIES = {
     # Gemma4ForCausalLM: per-layer inputs, a global layer with wider heads (a per-layer config), a sliding one
     "Gemma4": dict(
         SMALL,
+        num_hidden_layers=4,
         head_dim=4,
         global_head_dim=8,
         hidden_size_per_layer_input=4,
-        layer_types=["sliding_attention", "full_attention"],
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,  # as Gemma 4 E2B/E4B: the last layers attend the keys and values of earlier ones
     ),
     "NemotronH": NEMOTRON_H,  # Mamba and attention layers: the plain engine (recurrent state)
 }
