@@ -397,6 +397,47 @@ def test_a_flex_attention_that_does_not_run_is_named_once_and_the_dense_mask_use
     assert not tree_attention._flex_runs(torch.device("cpu"), torch.float32, (2, 1, 16))  # asked again: no second probe
 
 
+def test_the_flex_probe_runs_each_head_shape_and_a_changed_width(monkeypatch):
+    """A model whose layers have two head shapes (Gemma 4's global layers are wider) is probed with each; each probe
+    runs two more shapes, two rows and one of a width no block divides (torch.compile recompiles for changing
+    shapes there), and a kernel that fails only there gives the dense mask, with one warning."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        hidden_size_per_layer_input=4,
+        vocab_size_per_layer_input=32,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    model = Gemma4ForCausalLM(config)
+    probes = []
+
+    def probe(device, dtype, shape, rows, width):
+        probes.append((shape, rows, width))
+        if fails and rows > 1:
+            raise RuntimeError("the recompiled kernel does not build")
+
+    monkeypatch.setattr(tree_attention, "_probe", probe)
+    monkeypatch.setattr(tree_attention, "_route_block_masks", lambda: None)
+    monkeypatch.setattr(tree_attention, "_FLEX_RUNS", {})
+    fails = False
+    assert tree_attention.attention_kernel(model, torch.device("cuda")) == "flex"
+    block = tree_attention.FLEX_BLOCK
+    shapes = [(1, 2 * block), (2, 3 * block - 5), (1, 3 * block - 5)]
+    assert probes == [((4, 2, 8), *shape) for shape in shapes] + [((4, 2, 16), *shape) for shape in shapes]
+    monkeypatch.setattr(tree_attention, "_FLEX_RUNS", {})
+    fails = True
+    with pytest.warns(UserWarning, match="FlexAttention does not run here.*recompiled kernel"):
+        assert tree_attention.attention_kernel(model, torch.device("cuda")) == "dense"
+
+
 def test_routing_block_masks_leaves_sdpa_as_it_was():
     """With block masks routed to FlexAttention, every other SDPA call is the same: the padded pass's numbers
     are unchanged, bit for bit."""

@@ -86,23 +86,17 @@ _FLEX_RUNS: dict[tuple, bool] = {}
 def _flex_runs(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> bool:
     """Whether FlexAttention's compiled forward and backward run on `device` for `dtype` and (query heads, key
     heads, head dim) `shape` (once per such triple: the kernels can lack resources on some GPUs, e.g. shared
-    memory for large heads); where not, one warning names why and the dense mask is used."""
+    memory for large heads); where not, one warning names why and the dense mask is used. Three shapes are run: one
+    row of two blocks, then two rows and one row of a width no block divides, as trees have. torch.compile
+    recompiles FlexAttention for the second (its automatic dynamic shapes: rows and width no longer fixed) and the
+    third (one row is always a shape of its own); every later micro-batch runs one of those, so a kernel that fails
+    only when recompiled fails here, not in the middle of a run."""
     key = (str(device), dtype, shape)
     if key not in _FLEX_RUNS:
-        heads, kv_heads, dim = shape
         try:
             _route_block_masks()
-            probe = torch.nn.Module()
-            probe.train()
-            with torch.inference_mode(False), torch.enable_grad():  # asked first from a pass without gradients too
-                # ones, not random draws: the run's random streams stay as they are
-                query = torch.ones(1, heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
-                key_value = torch.ones(1, kv_heads, 2 * FLEX_BLOCK, dim, device=device, dtype=dtype, requires_grad=True)
-                last = torch.full((1, 2 * FLEX_BLOCK), 2 * FLEX_BLOCK - 1, device=device)
-                first = torch.arange(2 * FLEX_BLOCK, device=device).unsqueeze(0)
-                mask = block_mask(first, last)
-                out, _ = _flex_attention(probe, query, key_value, key_value, mask, scaling=dim**-0.5)
-                out.float().sum().backward()
+            for rows, width in ((1, 2 * FLEX_BLOCK), (2, 3 * FLEX_BLOCK - 5), (1, 3 * FLEX_BLOCK - 5)):
+                _probe(device, dtype, shape, rows, width)
             _FLEX_RUNS[key] = True
             logger.info("The tree pass attends with FlexAttention on %s (%s).", device, dtype)
         except Exception as error:  # noqa: BLE001 - any failure to compile or run means: use the dense mask
@@ -113,6 +107,21 @@ def _flex_runs(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, 
             )
             _FLEX_RUNS[key] = False
     return _FLEX_RUNS[key]
+
+
+def _probe(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int], rows: int, width: int) -> None:
+    """FlexAttention's forward and backward over `rows` causal rows of `width` queries of `shape` (`_flex_runs`)."""
+    heads, kv_heads, dim = shape
+    probe = torch.nn.Module()
+    probe.train()
+    with torch.inference_mode(False), torch.enable_grad():  # asked first from a pass without gradients too
+        # ones, not random draws: the run's random streams stay as they are
+        query = torch.ones(rows, heads, width, dim, device=device, dtype=dtype, requires_grad=True)
+        key_value = torch.ones(rows, kv_heads, width, dim, device=device, dtype=dtype, requires_grad=True)
+        last = torch.full((rows, width), width - 1, device=device)
+        first = torch.arange(width, device=device).expand(rows, width)
+        out, _ = _flex_attention(probe, query, key_value, key_value, block_mask(first, last), scaling=dim**-0.5)
+        out.float().sum().backward()
 
 
 def block_mask(first: torch.Tensor, last: torch.Tensor) -> Any:
