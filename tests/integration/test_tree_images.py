@@ -215,6 +215,8 @@ def test_the_smaller_gemma4s_causal_image_tokens_take_trees():
     assert tree.layout(batch, marks=marked.marks, run_layers=marked.run_layers).run_layers is None
     model.config.text_config.use_bidirectional_attention = "all"
     assert "both ways" in tree_images.unsupported_reason(model, pixels)
+    model.config.text_config.use_bidirectional_attention, model.config.text_config.layer_types = "vision", None
+    assert "layer_types" in tree_images.unsupported_reason(model, pixels)
 
 
 def test_touching_images_and_rows_past_the_window_keep_the_padded_layout():

@@ -179,11 +179,7 @@ def attention_mask(model: Any, tree: Tree) -> Any:
     the tree's, the others `Tree.without_runs`'s)."""
     layer_types = set(getattr(text_config(model), "layer_types", None) or ())
     if tree.run_layers is not None and not layer_types <= set(tree.run_layers):
-        if not layer_types:
-            raise ValueError(
-                f"The tree's image runs attend both ways in {tree.run_layers} layers only, but the model's config "
-                "names no layer_types: train its image rows with packing='padded'."
-            )
+        assert layer_types, "a model without layer_types keeps padded image rows (tree_images.unsupported_reason)"
         plain = tree.without_runs()
         return {kind: _prepared(model, tree if kind in tree.run_layers else plain) for kind in sorted(layer_types)}
     return _prepared(model, tree)

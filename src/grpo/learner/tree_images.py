@@ -124,8 +124,11 @@ def unsupported_reason(model: Any, pixels: Any) -> str | None:
     inner = unwrap(model)
     if pixels.placeholder is None or not pixels.token_types or pixels.token_types[0] is None:
         return "the processor or the model names no image token"
-    if run_layers(inner) is None and any(opens_image_attention(name) for name in _model_modules(type(inner))):
+    layers = run_layers(inner)
+    if layers is None and any(opens_image_attention(name) for name in _model_modules(type(inner))):
         return "the model's image tokens attend other tokens both ways in a way grpo does not lay out in a tree"
+    if layers and not getattr(inner.config.get_text_config(), "layer_types", None):
+        return "the model's config names no layer_types to tell the layers whose image tokens attend both ways"
     if computes_own_positions(inner) and _rope_index(inner) is None:
         return "the model derives its positions from the images without a get_rope_index grpo can call"
     return None
