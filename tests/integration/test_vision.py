@@ -12,6 +12,7 @@ import dataclasses
 import glob
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -472,6 +473,19 @@ def test_a_processor_that_needs_torchvision_is_one_clear_error(tmp_path):
     (tmp_path / "gemma4" / "processor_config.json").write_text('{"processor_class": "Gemma4Processor"}')
     with pytest.raises(OSError, match="is a vision-language model, but its processor needs torchvision"):
         GRPOTrainer(str(tmp_path / "gemma4"), length_reward, cfg(tmp_path), image_rows())
+
+
+def test_a_prefix_lm_vision_model_is_refused_before_training():
+    """PaliGemma's token_type_ids mark its prompt (a prefix attended both ways) and its completion, not its image
+    tokens, which grpo marks: one error names why, before anything runs (`Pixels.of`, which the trainer builds)."""
+    from transformers import PaliGemmaForConditionalGeneration
+
+    model, processor = BUILDERS["gemma3"](0)
+    paligemma = object.__new__(PaliGemmaForConditionalGeneration)
+    object.__setattr__(paligemma, "config", SimpleNamespace(model_type="paligemma", image_token_id=5))
+    with pytest.raises(ValueError, match="does not train PaliGemmaForConditionalGeneration on images.*prefix-LM"):
+        Pixels.of(processor, paligemma)
+    assert Pixels.of(processor, model) is not None  # Gemma 3's token_type_ids mark its image tokens
 
 
 def test_a_frozen_vision_tower_stays_as_it_was(tmp_path):

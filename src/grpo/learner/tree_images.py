@@ -18,10 +18,11 @@ of the row's images, in the order the tokens come. So in a tree:
   the layers where they attend causally the tree's plain ancestor mask (`Tree.run_layers`, `run_layers`).
 
 `unsupported_reason` names what keeps the padded layout: a processor without an image token, another model whose
-image tokens attend other tokens both ways (PaliGemma, and any model whose module builds such masks that
-`_IMAGE_RUNS` does not name: the tree's mask would not be theirs), a model that derives positions some other way.
-Rows whose image tokens do not add up to their images' keep the padded layout too (`marks`: None), and so, where
-runs attend both ways, do rows where two images' tokens touch (their runs could branch in a tree).
+image tokens attend other tokens both ways (any model whose module builds such masks that `_IMAGE_RUNS` does not
+name: the tree's mask would not be theirs; PaliGemma's prefix-LM is refused before, `vision.Pixels.of`), a model
+that derives positions some other way. Rows whose image tokens do not add up to their images' keep the padded
+layout too (`marks`: None), and so, where runs attend both ways, do rows where two images' tokens touch (their
+runs could branch in a tree).
 """
 
 from __future__ import annotations

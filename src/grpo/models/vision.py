@@ -35,6 +35,9 @@ from transformers import ProcessorMixin
 
 IMAGE_COLUMNS = ("images", "image")  # "images" (a list per row) wins over "image" (one per row), as in TRL
 TOKEN_FIELDS = ("mm_token_type_ids", "token_type_ids")  # per-token fields: aligned with the input ids
+# architectures (config model_type) whose token_type_ids are not image marks: PaliGemma's mark its prompt (0, a
+# prefix attended both ways) and its completion (1)
+PREFIX_LM = ("paligemma",)
 # The most pixels (width x height) an image may have; None: no limit but PIL's. Vision-language processors resize
 # to a few megapixels (Qwen2-VL: 12.8 at most), so more only costs memory: a 0.4 MB PNG of 20000x20000 decodes to
 # 1.2 GB. 8192 x 8192 (192 MiB as RGB) stays below PIL's own Image.MAX_IMAGE_PIXELS (89 MP: a warning; twice
@@ -255,10 +258,18 @@ class Pixels:
 
     @classmethod
     def of(cls, processor: Any, model: Any) -> Pixels | None:
-        """For a vision-language model's processor (None for a tokenizer), with the model's image/video tokens."""
+        """For a vision-language model's processor (None for a tokenizer), with the model's image/video tokens. A
+        model whose per-token field means something else (`PREFIX_LM`) is refused: the marks would be wrong."""
         if processor is None:
             return None
         config = getattr(model, "config", None)
+        if getattr(config, "model_type", None) in PREFIX_LM:
+            raise ValueError(
+                f"grpo does not train {type(model).__name__} on images: its token_type_ids mark the prompt (which "
+                "attends itself both ways, a prefix-LM mask) and the completion, where grpo marks which tokens are "
+                "images, so its masks and log-probs would be wrong. Train a vision-language model whose "
+                "token_type_ids mark image tokens, or none (Gemma 3, Gemma 4, Qwen2.5-VL, SmolVLM, ...)."
+            )
         return cls(processor, (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)))
 
     def inputs(self, prompts: Sequence[Any], input_ids: torch.Tensor, device: Any = None) -> dict[str, Any]:
