@@ -468,16 +468,20 @@ def test_block_masks_reach_the_attention_in_forward_and_in_recomputation(monkeyp
     block mask through transformers' mask handling and hands it to the FlexAttention function, also in the forward
     that gradient checkpointing re-runs during backward; log-probs, entropies and gradients are the padded pass's.
     FlexAttention itself has no backward on the CPU, so a dense twin stands in for it here (the block mask's own
-    rule, attended by SDPA); the GPU check runs the real kernel on CUDA."""
+    rule, attended by SDPA); the GPU check runs the real kernel on CUDA. The pass's forward runs with
+    torch.compile's recompile limit raised (`tree_attention.compiles`), and leaves it as it was."""
+    import torch._dynamo
     import torch.nn.functional as F
 
-    calls = []
+    calls, limits = [], []
+    limit = torch._dynamo.config.recompile_limit
 
     def dense_twin(module, query, key, value, attention_mask, scaling=None, **kwargs):
         rows, _, width, _ = query.shape
         allowed = allowed_pairs(attention_mask, rows, width).unsqueeze(1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True)
         calls.append(torch.is_grad_enabled())
+        limits.append(torch._dynamo.config.recompile_limit)
         return out.transpose(1, 2).contiguous(), None
 
     monkeypatch.setattr(tree_attention, "_flex_attention", dense_twin)
@@ -492,3 +496,5 @@ def test_block_masks_reach_the_attention_in_forward_and_in_recomputation(monkeyp
     layers = model.config.num_hidden_layers
     # each layer attends once in the forward, and once more in backward where checkpointing re-runs it
     assert len(calls) == layers * (2 if checkpointing else 1)
+    assert limits[:layers] == [max(tree_attention.FLEX_RECOMPILES, limit)] * layers
+    assert torch._dynamo.config.recompile_limit == limit

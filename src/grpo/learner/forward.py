@@ -484,7 +484,7 @@ def _forward_tree(
     the padded layout). `extra`: the trees' image inputs (`ImageInputs.tree_inputs`), with their own
     `position_ids` where the model derives positions from the images."""
     extra = {"position_ids": trees.positions, **(extra or {})}
-    with blocks.real_tokens(trees.real):
+    with blocks.real_tokens(trees.real), tree_attention.compiles(trees):
         out = _outputs(
             model,
             chunked_head,

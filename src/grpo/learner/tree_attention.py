@@ -10,11 +10,14 @@ tokens attend each other both ways). `attention_kernel` picks how that is attend
   only the blocks of FLEX_BLOCK queries by FLEX_BLOCK keys where one query attends one key are computed
   (`flex_blocks`). transformers' SDPA attention function is extended once to hand a block mask to its FlexAttention
   function (`_route_block_masks`: every other call is unchanged), which also covers the forward that gradient
-  checkpointing re-runs in backward.
+  checkpointing re-runs in backward. Trees change width from one micro-batch to the next, so torch.compile
+  compiles FlexAttention for a few shapes (`_flex_runs` compiles them first) under a raised recompile limit
+  (`compiles`): past torch's default it would run uncompiled, computing every pair.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -95,8 +98,9 @@ def _flex_runs(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, 
     if key not in _FLEX_RUNS:
         try:
             _route_block_masks()
-            for rows, width in ((1, 2 * FLEX_BLOCK), (2, 3 * FLEX_BLOCK - 5), (1, 3 * FLEX_BLOCK - 5)):
-                _probe(device, dtype, shape, rows, width)
+            with _recompiles():
+                for rows, width in ((1, 2 * FLEX_BLOCK), (2, 3 * FLEX_BLOCK - 5), (1, 3 * FLEX_BLOCK - 5)):
+                    _probe(device, dtype, shape, rows, width)
             _FLEX_RUNS[key] = True
             logger.info("The tree pass attends with FlexAttention on %s (%s).", device, dtype)
         except Exception as error:  # noqa: BLE001 - any failure to compile or run means: use the dense mask
@@ -170,6 +174,24 @@ def _flex_attention(module: Any, query: Any, key: Any, value: Any, attention_mas
     from transformers.integrations.flex_attention import flex_attention_forward
 
     return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+# how many times torch.compile may compile FlexAttention's function over while the tree pass runs (torch's default:
+# 8 per function, after which it runs uncompiled, a kernel that computes every pair): each head shape (Gemma 4 has
+# two), with and without gradients, compiles for one row and for several (`_flex_runs`)
+FLEX_RECOMPILES = 64
+
+
+def compiles(tree: Tree) -> Any:
+    """The context the tree pass runs in: for the "flex" kernel, `_recompiles`."""
+    return _recompiles() if tree.kernel == "flex" else contextlib.nullcontext()
+
+
+def _recompiles() -> Any:
+    """torch.compile's recompile limit raised to at least FLEX_RECOMPILES, for a while."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(recompile_limit=max(FLEX_RECOMPILES, torch._dynamo.config.recompile_limit))
 
 
 def attention_mask(model: Any, tree: Tree) -> Any:
