@@ -172,6 +172,40 @@ def test_flex_attention_scores_image_trees_as_the_padded_pass(monkeypatch, arch,
         torch.testing.assert_close(got[m], expected[m], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_gemma4s_block_masks_per_layer_type_train_as_the_padded_pass(monkeypatch, checkpointing):
+    """The "flex" kernel's plumbing for Gemma 4, forward and backward, on the CPU: each layer type gets its own block
+    mask (the sliding layer the image runs', the global ones the plain tree's), also in the forward gradient
+    checkpointing re-runs; log-probs, entropies and gradients are the padded pass's. FlexAttention has no backward
+    on the CPU, so `test_tree_packing.dense_twin` stands in for it (the block mask's own rule, attended by SDPA)."""
+    from test_tree_packing import allowed_pairs, dense_twin
+
+    masks = []
+
+    def twin(module, query, key, value, attention_mask, **kwargs):
+        masks.append((module.layer_idx, attention_mask))
+        return dense_twin(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(tree_attention, "_flex_attention", twin)
+    monkeypatch.setattr(tree_attention, "FORCE_KERNEL", "flex")
+    model, processor = BUILDERS["gemma4"](0)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    images = tree_images.ImageInputs.of(model, Pixels.of(processor, model))
+    batch = completion_pictures_batch(processor)
+    (flex, laid_out), (padded, _) = image_pass(model, batch, images, True), image_pass(model, batch, images, False)
+    assert laid_out == {"trees": 1}
+    assert_same_pass(flex, padded, batch, GRAD_ATOL)
+    layers = model.config.text_config.num_hidden_layers
+    assert len(masks) == layers * (2 if checkpointing else 1)
+    sliding, full = masks[1][1], masks[0][1]  # layers 0 and 2 are global, layer 1 sliding
+    assert masks[2][1] is full
+    shape = (sliding.shape[0], sliding.shape[-1])
+    opened = allowed_pairs(sliding, *shape) & ~allowed_pairs(full, *shape)  # image tokens attending later ones
+    assert opened.any() and not (allowed_pairs(full, *shape) & ~allowed_pairs(sliding, *shape)).any()
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_rendered_turns_with_pictures_score_as_their_turns_alone(arch):
     """Rows whose turns were sampled after rendered histories holding pictures (the prompt's and a tool's): as

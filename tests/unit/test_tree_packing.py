@@ -292,6 +292,18 @@ def allowed_pairs(block_mask, rows, width):
     return block_mask.mask_mod(b, 0, q, k)
 
 
+def dense_twin(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
+    """A stand-in for FlexAttention with a backward on the CPU: its block mask's own rule (`allowed_pairs`),
+    attended by SDPA (no score softcap: the tiny models have none)."""
+    assert softcap is None
+    rows, _, width, _ = query.shape
+    allowed = allowed_pairs(attention_mask, rows, width).unsqueeze(1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
 def block_mask_pairs(trees):
     """Where FlexAttention's block mask of `trees` lets each query attend each key: (R, T, T)."""
     return allowed_pairs(tree_attention.block_mask(trees.first, trees.last), *trees.last.shape)
@@ -471,20 +483,16 @@ def test_block_masks_reach_the_attention_in_forward_and_in_recomputation(monkeyp
     rule, attended by SDPA); the GPU check runs the real kernel on CUDA. The pass's forward runs with
     torch.compile's recompile limit raised (`tree_attention.compiles`), and leaves it as it was."""
     import torch._dynamo
-    import torch.nn.functional as F
 
     calls, limits = [], []
     limit = torch._dynamo.config.recompile_limit
 
-    def dense_twin(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        rows, _, width, _ = query.shape
-        allowed = allowed_pairs(attention_mask, rows, width).unsqueeze(1)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True)
+    def counted_twin(*args, **kwargs):
         calls.append(torch.is_grad_enabled())
         limits.append(torch._dynamo.config.recompile_limit)
-        return out.transpose(1, 2).contiguous(), None
+        return dense_twin(*args, **kwargs)
 
-    monkeypatch.setattr(tree_attention, "_flex_attention", dense_twin)
+    monkeypatch.setattr(tree_attention, "_flex_attention", counted_twin)
     monkeypatch.setattr(tree_attention, "FORCE_KERNEL", "flex")
     batch, model = batch_and_model()
     model.train()
