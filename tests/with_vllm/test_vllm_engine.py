@@ -110,6 +110,43 @@ def test_sampled_log_probs_are_the_policys_processed_ones(vllm_model_dir, tmp_pa
             assert torch.allclose(torch.tensor(logps), expected, atol=FP32_TOL), settings
 
 
+def test_a_gemma4s_layer_scalars_reach_the_engine(tmp_path):
+    """Gemma 4 keeps a scalar per layer as a buffer (in its checkpoint, not among its parameters); an engine started
+    from dummy weights has random ones until a sync brings them (`weights.persistent_buffers`): without them its
+    log-probs were off by 0.45 here. Also Gemma 4's wider global heads, per-layer inputs and sliding layer."""
+    import transformers
+
+    import tiny
+
+    tokenizer = tiny.make_tokenizer()
+    config = transformers.Gemma4TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # vLLM's CPU attention takes heads of 32 and 64
+        global_head_dim=64,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=len(tokenizer),
+        layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    transformers.Gemma4ForCausalLM(config).save_pretrained(tmp_path / "gemma4")
+    tokenizer.save_pretrained(tmp_path / "gemma4")
+    trainer = make_trainer(str(tmp_path / "gemma4"), tmp_path)
+    with torch.no_grad():  # trained scalars, not the ones a fresh model starts with
+        for i, layer in enumerate(trainer.unwrapped_model.model.layers):
+            layer.layer_scalar.fill_(0.5 + i)
+    prompt, completion = fixed_completion(trainer)
+    trainer.engine.sync_weights(trainer.unwrapped_model)
+    diff = (engine_logps(trainer.engine, prompt, completion) - policy_logps(trainer, prompt, completion)).abs()
+    assert diff.max() < FP32_TOL
+
+
 def test_bfloat16_engine_matches_the_bfloat16_policy_within_its_tolerance(vllm_model_dir, tmp_path):
     trainer = make_trainer(vllm_model_dir, tmp_path, bf16=True)
     assert trainer.engine.llm.llm_engine.vllm_config.model_config.dtype == torch.bfloat16

@@ -9,12 +9,15 @@ copy of the model (vLLM) loads before it samples again.
 - wrapper segments (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`, DDP's `module.`) are dropped;
 - a PEFT model gives its merged weights (`lora.merged_parameters`: base + adapter delta, computed into copies) under
   the base model's names (no `base_model.model.`, no `.base_layer`, no adapter parameters, `modules_to_save`
-  copies under the original name).
+  copies under the original name);
+- the buffers a checkpoint holds come too (`persistent_buffers`: Gemma 4's layer scalars), since an engine that
+  starts from dummy weights has random ones.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -45,7 +48,17 @@ def checkpoint_weights(model: torch.nn.Module) -> Iterator[Iterator[tuple[str, t
     peft = lora.is_peft_model(model)
     inner = unwrap(model, keep_peft=True)
     with full_parameters(inner):
-        yield _renamed(lora.merged_parameters(inner) if peft else inner.named_parameters(), peft)
+        parameters = lora.merged_parameters(inner) if peft else inner.named_parameters()
+        yield _renamed(itertools.chain(parameters, persistent_buffers(inner)), peft)
+
+
+def persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's buffers that its state dict (and so its checkpoint) holds, named as in the model: its persistent
+    ones (Gemma 4's per-layer scalars; a rotary embedding's frequencies are not)."""
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buffer
 
 
 def _renamed(named: Iterator[tuple[str, torch.Tensor]], peft: bool) -> Iterator[tuple[str, torch.Tensor]]:
