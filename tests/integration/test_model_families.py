@@ -20,12 +20,15 @@ FAMILIES = {
     "Mistral": dict(SMALL, head_dim=4),
     "Gemma2": dict(SMALL, head_dim=4),
     "Gemma3": dict(SMALL, head_dim=4),  # Gemma3ForCausalLM: the text model
-    # Gemma4ForCausalLM: per-layer inputs, a global layer with wider heads (a per-layer config), a sliding one
+    # Gemma4ForCausalLM: per-layer inputs, global layers with wider heads, one key-value head and keys that are
+    # their values (per-layer configs, as Gemma 4's larger models), sliding ones
     "Gemma4": dict(
         SMALL,
         num_hidden_layers=4,
         head_dim=4,
         global_head_dim=8,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
         hidden_size_per_layer_input=4,
         layer_types=["sliding_attention", "full_attention"] * 2,
         num_kv_shared_layers=2,  # as Gemma 4 E2B/E4B: the last layers attend the keys and values of earlier ones

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from grpo.base.process_env import set_for_dependency
-from grpo.models.modeling import unwrap
+from grpo.models.modeling import attention_shapes, unwrap
 
 SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
 
@@ -22,8 +22,8 @@ def unsupported_reason(model: Any) -> str | None:
     """Why grouped heads should not be read as they are for this model (None when they should)."""
     model = unwrap(model)
     config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    if getattr(config, "num_key_value_heads", None) in (None, heads):
+    shapes = attention_shapes(config) if config is not None else None  # each layer's (Gemma 4's layers differ)
+    if not shapes or all(kv_heads == heads for heads, kv_heads, _ in shapes):
         return "the model has one key/value head per query head"
     if next(model.parameters()).device.type != "cpu":
         return "the model is not on the CPU"
