@@ -113,7 +113,8 @@ def test_sampled_log_probs_are_the_policys_processed_ones(vllm_model_dir, tmp_pa
 def test_a_gemma4s_layer_scalars_reach_the_engine(tmp_path):
     """Gemma 4 keeps a scalar per layer as a buffer (in its checkpoint, not among its parameters); an engine started
     from dummy weights has random ones until a sync brings them (`weights.persistent_buffers`): without them its
-    log-probs were off by 0.45 here. Also Gemma 4's wider global heads, per-layer inputs and sliding layer."""
+    log-probs were off by 0.45 here. Also Gemma 4's wider global heads with their own key-value heads, keys as
+    values, per-layer inputs and sliding layer, through vLLM's transformers backend."""
     import transformers
 
     import tiny
@@ -128,6 +129,8 @@ def test_a_gemma4s_layer_scalars_reach_the_engine(tmp_path):
         num_key_value_heads=2,
         head_dim=32,  # vLLM's CPU attention takes heads of 32 and 64
         global_head_dim=64,
+        num_global_key_value_heads=1,  # as the larger Gemma 4s: global layers with their own key-value heads,
+        attention_k_eq_v=True,  # whose keys are their values
         hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=len(tokenizer),
         layer_types=["sliding_attention", "full_attention"],
