@@ -136,7 +136,7 @@ def test_pictures_in_the_completions_are_shared_only_where_the_same(arch):
     images = tree_images.ImageInputs.of(model, pixels)
     batch = completion_pictures_batch(processor)
     marked = images.marks(batch)
-    trees = tree.layout(batch, marks=marked.marks, both_ways=marked.both_ways)
+    trees = tree.layout(batch, marks=marked.marks, run_layers=marked.run_layers)
     token = model.config.image_token_id
     per_picture = pixels.layout(image(2, 28, 28)).tokens
     prompt_picture = pixels.layout(image(1, 28, 28)).tokens
@@ -224,7 +224,7 @@ def test_rendered_turns_with_pictures_score_as_their_turns_alone(arch):
     forked, _ = image_pass(model, batch, images, False)
     assert_same_pass(forked, expected, batch, GRAD_ATOL)
     marked = images.marks(batch)
-    layout = tree.layout(batch, marks=marked.marks, both_ways=marked.both_ways)
+    layout = tree.layout(batch, marks=marked.marks, run_layers=marked.run_layers)
     token = model.config.image_token_id
     per_picture = pixels.layout(image(2, 28, 28)).tokens
     # group 0: the prompt's picture, A (in the shared first turn and the shared history), B twice (its turn and its
@@ -303,13 +303,13 @@ def test_which_models_image_rows_take_trees():
     no_token = SimpleNamespace(placeholder=None, token_types=(None, None))
     assert "image token" in tree_images.unsupported_reason(model, no_token)
     pixels = Pixels.of(processor, model)
-    assert tree_images.unsupported_reason(model, pixels) is None and not tree_images.both_ways(model)
+    assert tree_images.unsupported_reason(model, pixels) is None and not tree_images.run_layers(model)
     gemma, gemma_processor = BUILDERS["gemma3"](0)
-    assert tree_images.both_ways(gemma)
+    assert tree_images.run_layers(gemma) == RUN_LAYERS["gemma3"]
     assert tree_images.unsupported_reason(gemma, Pixels.of(gemma_processor, gemma)) is None
     wrapped = type("FSDPGemma3", (Gemma3ForConditionalGeneration,), {"__module__": "torch.distributed.fsdp"})
     fsdp = built_as(wrapped, gemma.config)
-    assert tree_images.both_ways(fsdp) and tree_images.unsupported_reason(fsdp, pixels) is None
+    assert tree_images.run_layers(fsdp) == RUN_LAYERS["gemma3"] and tree_images.unsupported_reason(fsdp, pixels) is None
     gemma4, gemma4_processor = BUILDERS["gemma4"](0)
     assert tree_images.opens_image_attention(Gemma4ForConditionalGeneration.__module__)
     assert tree_images.run_layers(gemma4) == ("sliding_attention",)

@@ -194,16 +194,14 @@ def test_pair_cost_reads_the_models_shape():
     assert tree.pair_cost(SimpleNamespace(config=SimpleNamespace())) == tree.PAIR_COST
 
 
-def test_layers_of_two_shapes_are_each_counted():
-    """Gemma 4's global layers have wider heads (and here fewer key-value heads) than its sliding ones, a per-layer
-    config whose global `head_dim` transformers refuses to read: each layer's shape is read from its own config, by
-    the tree's cost model, the FlexAttention probe (`attention_shapes`) and vLLM's KV-cache size."""
+def gemma4_text_config():
+    """A 3-layer Gemma 4 language model's config: two sliding layers with heads of 16 over 2 key-value heads, and a
+    global one with heads of 32 over 1 key-value head whose keys are its values (per-layer configs, as Gemma 4's
+    larger models), per-layer inputs of 4, a vocabulary of 32."""
     from transformers import Gemma4TextConfig
 
-    from grpo.models.modeling import attention_shapes
-    from grpo.rollout.vllm import kv_cache_bytes
-
-    config = Gemma4TextConfig(
+    return Gemma4TextConfig(
+        vocab_size=32,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=3,
@@ -213,8 +211,20 @@ def test_layers_of_two_shapes_are_each_counted():
         global_head_dim=32,
         num_global_key_value_heads=1,
         attention_k_eq_v=True,
+        hidden_size_per_layer_input=4,
+        vocab_size_per_layer_input=32,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
     )
+
+
+def test_layers_of_two_shapes_are_each_counted():
+    """Gemma 4's global layers have wider heads (and here fewer key-value heads) than its sliding ones, a per-layer
+    config whose global `head_dim` transformers refuses to read: each layer's shape is read from its own config, by
+    the tree's cost model, the FlexAttention probe (`attention_shapes`) and vLLM's KV-cache size."""
+    from grpo.models.modeling import attention_shapes
+    from grpo.rollout.vllm import kv_cache_bytes
+
+    config = gemma4_text_config()
     assert attention_shapes(config) == [(4, 2, 16), (4, 2, 16), (4, 1, 32)]
     per_token = [2 * 64 * 4 * head + 2 * 64 * kv * head + 3 * 64 * 128 for _, kv, head in attention_shapes(config)]
     expected = (2 * 4 * 16 * 2 + 2 * 4 * 32) / sum(per_token)
@@ -347,8 +357,11 @@ def run_marks(batch, length=4, short=()):
     return marks
 
 
+GEMMA3_LAYERS = ("full_attention", "sliding_attention")  # the layers where Gemma 3's image runs attend both ways
+
+
 def test_runs_of_marked_tokens_attend_each_other_both_ways(monkeypatch):
-    """With `both_ways` (a model whose image tokens attend each other both ways, Gemma 3), each run of marked tokens
+    """With `run_layers` (a model whose image tokens attend each other both ways, Gemma 3), each run of marked tokens
     also attends its later tokens, and nothing else changes: a group's run is one chain in its tree. FlexAttention's
     block mask allows the same pairs and `flex_blocks` counts its blocks. A run that would branch in a tree (one row's
     run ending where another's goes on) is refused."""
@@ -356,7 +369,7 @@ def test_runs_of_marked_tokens_attend_each_other_both_ways(monkeypatch):
     batch, _ = batch_and_model()
     marks = run_marks(batch)
     causal = tree.layout(batch, marks=marks)
-    both = tree.layout(batch, marks=marks, both_ways=True)
+    both = tree.layout(batch, marks=marks, run_layers=GEMMA3_LAYERS)
     assert torch.equal(causal.input_ids, both.input_ids) and torch.equal(causal.last, both.last)
     extra = both.mask & ~causal.mask
     assert bool((causal.mask <= both.mask).all())
@@ -372,7 +385,7 @@ def test_runs_of_marked_tokens_attend_each_other_both_ways(monkeypatch):
     for i, g in enumerate(batch.group.tolist()):
         first_of_group.setdefault(g, i)
     with pytest.raises(ValueError, match="branches"):
-        tree.layout(batch, marks=run_marks(batch, short={first_of_group[0]}), both_ways=True)
+        tree.layout(batch, marks=run_marks(batch, short={first_of_group[0]}), run_layers=GEMMA3_LAYERS)
     tree.layout(batch, marks=run_marks(batch, short={first_of_group[0]}))  # causal: a branch as any other
 
 
@@ -413,22 +426,9 @@ def test_the_flex_probe_runs_each_head_shape_and_a_changed_width(monkeypatch):
     """A model whose layers have two head shapes (Gemma 4's global layers are wider) is probed with each; each probe
     runs two more shapes, two rows and one of a width no block divides (torch.compile recompiles for changing
     shapes there), and a kernel that fails only there gives the dense mask, with one warning."""
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    from transformers import Gemma4ForCausalLM
 
-    config = Gemma4TextConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        global_head_dim=16,
-        hidden_size_per_layer_input=4,
-        vocab_size_per_layer_input=32,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    model = Gemma4ForCausalLM(config)
+    model = Gemma4ForCausalLM(gemma4_text_config())
     probes = []
 
     def probe(device, dtype, shape, rows, width):
@@ -443,7 +443,7 @@ def test_the_flex_probe_runs_each_head_shape_and_a_changed_width(monkeypatch):
     assert tree_attention.attention_kernel(model, torch.device("cuda")) == "flex"
     block = tree_attention.FLEX_BLOCK
     shapes = [(1, 2 * block), (2, 3 * block - 5), (1, 3 * block - 5)]
-    assert probes == [((4, 2, 8), *shape) for shape in shapes] + [((4, 2, 16), *shape) for shape in shapes]
+    assert probes == [((4, 2, 16), *shape) for shape in shapes] + [((4, 1, 32), *shape) for shape in shapes]
     monkeypatch.setattr(tree_attention, "_FLEX_RUNS", {})
     fails = True
     with pytest.warns(UserWarning, match="FlexAttention does not run here.*recompiled kernel"):

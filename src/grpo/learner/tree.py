@@ -57,11 +57,11 @@ class Tree:
     `first` and `last` (R, T) the columns of the first and the last query that attend each key: a query at column q
     may attend the key at column k where first[k] <= q <= last[k] (`mask`). `last` is the last token of the key's
     subtree (its own column at padding); `first` is the key's own column, or for a key in a run of image tokens
-    that attend each other both ways (`layout`'s `both_ways`) its run's first column. For each completion position
+    that attend each other both ways (`layout`'s `run_layers`) its run's first column. For each completion position
     of the batch (B, C) the row and column whose output predicts it (`row`, `column`); the attention `kernel` it is
-    laid out for (`tree_attention.attention_kernel`: "dense" or "flex"); and where runs attend each other both
-    ways only in some of the model's layers (Gemma 4: its sliding ones), those layers' types (`run_layers`: the
-    others attend the tree's ancestors alone, `without_runs`; None: every layer as `first` says)."""
+    laid out for (`tree_attention.attention_kernel`: "dense" or "flex"); and the types of the layers in which runs
+    attend each other both ways (`run_layers`, None where there are no runs; the model's other layers, Gemma 4's
+    global ones, attend the tree's ancestors alone: `without_runs`)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -287,8 +287,7 @@ def layout(
     pair_cost: float = 0.0,
     kernel: str = "dense",
     marks: list[list[Any]] | None = None,
-    both_ways: bool = False,
-    run_layers: tuple[str, ...] | None = None,
+    run_layers: tuple[str, ...] = (),
 ) -> Tree:
     """`batch`'s rows as token trees: each group's (`batch.group`) rows merged on their common prefixes (each row's
     sequences, `contexts`: the prompt and its completion, or with turns each turn's context and tokens; completions
@@ -307,12 +306,10 @@ def layout(
     `marks`: for each sequence (`sequence_ids`: a row without turns is one, its prompt and completion; a row with
     turns one per turn, its context and tokens), a mark for each of its tokens, or None; two tokens merge only
     where their marks are equal too (an image's tokens, all one id, marked with which image and
-    where in it: `grpo.learner.tree_images`). With `both_ways`, each run of marked tokens (an image's, where
-    images never touch: `tree_images.marks`) attends itself both ways, as a model whose image tokens do (Gemma 3):
-    each of its keys is attended from the run's first token on (`Tree.first`). `run_layers`, where given, are the
-    layer types in which runs attend both ways (Gemma 4: its sliding ones; `Tree.run_layers`), and imply
-    `both_ways` where there are any."""
-    both_ways = both_ways or bool(run_layers)
+    where in it: `grpo.learner.tree_images`). With `run_layers` (the layer types in which a model's image tokens
+    attend each other both ways: Gemma 3's every layer, Gemma 4's sliding ones; `Tree.run_layers`), each run of
+    marked tokens (an image's, where images never touch: `tree_images.marks`) attends itself both ways there: each
+    of its keys is attended from the run's first token on (`Tree.first`)."""
     device = batch.prompt_ids.device
     pair_cost = 0.0 if kernel == "flex" else pair_cost
     max_width = max_width or MAX_WIDTH
@@ -364,7 +361,7 @@ def layout(
             real[r, columns] = 1
             origin[r, columns] = trie.origin
             last[r, columns] = offset + subtree_last
-            if both_ways:
+            if run_layers:
                 first[r, columns] = columns[trie.runs()]
             for i, nodes in placed.items():
                 row[i] = r

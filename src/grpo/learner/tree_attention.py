@@ -133,7 +133,7 @@ def block_mask(first: torch.Tensor, last: torch.Tensor) -> Any:
     `Tree.last`): a query at column q attends the key at column k where first[k] <= q <= last[k]."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    width = last.shape[1]
+    rows, width = last.shape
     # both ends in one tensor, read once per key: Inductor's CPU template (torch 2.13) fails to compile a mask that
     # reads two tensors at the key's column ("cur_kvSplitSize8 was not declared")
     span = first * width + last
@@ -142,7 +142,6 @@ def block_mask(first: torch.Tensor, last: torch.Tensor) -> Any:
         ends = span[b, k]
         return (ends // width <= q) & (q <= ends % width)
 
-    rows, width = last.shape
     return create_block_mask(ancestor, rows, None, width, width, device=last.device, BLOCK_SIZE=FLEX_BLOCK)
 
 
@@ -201,7 +200,6 @@ def attention_mask(model: Any, tree: Tree) -> Any:
     the tree's, the others `Tree.without_runs`'s)."""
     layer_types = set(getattr(text_config(model), "layer_types", None) or ())
     if tree.run_layers is not None and not layer_types <= set(tree.run_layers):
-        assert layer_types, "a model without layer_types keeps padded image rows (tree_images.unsupported_reason)"
         plain = tree.without_runs()
         return {kind: _prepared(model, tree if kind in tree.run_layers else plain) for kind in sorted(layer_types)}
     return _prepared(model, tree)

@@ -13,7 +13,7 @@ of the row's images, in the order the tokens come. So in a tree:
 
 - Attention: a model whose image tokens attend each other both ways within each run of them (transformers'
   blockwise masks: Gemma 3 in every layer, over `token_type_ids`; Gemma 4's larger models in their sliding layers
-  only, over `mm_token_type_ids`) gets the same in the tree (`tree.layout`'s `both_ways`): a run's tokens are one
+  only, over `mm_token_type_ids`) gets the same in the tree (`tree.layout`'s `run_layers`): a run's tokens are one
   chain of the tree, each of its keys attended from the run's first token on, as each padded row attends it; in
   the layers where they attend causally the tree's plain ancestor mask (`Tree.run_layers`, `run_layers`).
 
@@ -64,11 +64,6 @@ class Marked:
     images: list[tuple[Any, ...]]
     by_digest: dict[bytes, Any]
     run_layers: tuple[str, ...] = ()  # the layers where each image's tokens attend each other both ways
-
-    @property
-    def both_ways(self) -> bool:
-        """Whether each image's tokens attend each other both ways in some layer (`tree.layout`'s `both_ways`)."""
-        return bool(self.run_layers)
 
 
 @dataclass(frozen=True)
@@ -161,11 +156,6 @@ def run_layers(model: Any) -> tuple[str, ...] | None:
     if settings is None:
         return None
     return settings.get(getattr(config.get_text_config(), "use_bidirectional_attention", None))
-
-
-def both_ways(model: Any) -> bool:
-    """Whether the model's image tokens attend each other both ways within each run of them in some layer."""
-    return bool(run_layers(model))
 
 
 @functools.cache
