@@ -1,13 +1,14 @@
-"""Tiny vision-language models built locally (no hub), random weights: a Qwen2.5-VL, an Idefics3 (SmolVLM's
-architecture), a Gemma 3 (its image tokens attend each other both ways) and a Gemma 4 (both ways in its sliding
-layers only), each with a processor made from the tiny character tokenizer plus the model's image tokens, a chat
-template that writes image blocks, and the model's PIL image processor (torchvision is not installed here).
+"""Tiny vision-language models built locally (no hub), random weights: a Qwen2.5-VL, a Qwen3-VL, an Idefics3
+(SmolVLM's architecture), a LLaVA, a Gemma 3 (its image tokens attend each other both ways) and a Gemma 4 (both ways
+in its sliding layers only), each with a processor made from the tiny character tokenizer plus the model's image
+tokens, a chat template that writes image blocks, and the model's PIL image processor (torchvision is not installed
+here).
 
-The Qwen2.5-VL processor is transformers' own with its video half left out: transformers 5.19 cannot build a
-Qwen2-VL processor without torchvision (its video processor needs it), and grpo trains on images only. Gemma 4's
-processor module cannot even be imported without torchvision, so `Gemma4Images` stands in for its image half: the
-same placeholder expansion (begin-of-image, one image token per soft token, end-of-image) and `mm_token_type_ids`,
-on transformers' `ProcessorMixin` with Gemma 4's PIL image processor."""
+The Qwen2.5-VL and Qwen3-VL processors are transformers' own with their video half left out: transformers 5.19
+cannot build a Qwen-VL processor without torchvision (its video processor needs it), and grpo trains on images
+only. Gemma 4's processor module cannot even be imported without torchvision, so `Gemma4Images` stands in for its
+image half: the same placeholder expansion (begin-of-image, one image token per soft token, end-of-image) and
+`mm_token_type_ids`, on transformers' `ProcessorMixin` with Gemma 4's PIL image processor."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers import (
+    CLIPImageProcessorPil,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3ImageProcessorPil,
@@ -26,11 +28,17 @@ from transformers import (
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessorPil,
     Idefics3Processor,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
     ProcessorMixin,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
     Qwen2VLImageProcessorPil,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
 )
 from transformers.processing_utils import ProcessingKwargs
 
@@ -53,6 +61,11 @@ IDEFICS_TEMPLATE = (
     + _BLOCKS.replace("IMAGE", "<image>")
     + "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    + _BLOCKS.replace("IMAGE", "<image>")
+    + "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 GEMMA_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     + _BLOCKS.replace("IMAGE", "<start_of_image>")
@@ -67,6 +80,20 @@ class QwenImageProcessor(Qwen2_5_VLProcessor):
         self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+class Qwen3Images(Qwen3VLProcessor):
+    """Qwen3-VL's processor for images only (see the module docstring)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+        self.vision_start_token, self.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+        self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id = (
+            tokenizer.convert_tokens_to_ids(
+                [self.image_token, self.video_token, self.vision_start_token, self.vision_end_token]
+            )
+        )
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
@@ -155,6 +182,56 @@ def qwen_vl(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 56):
     return Qwen2_5_VLForConditionalGeneration(config), processor
 
 
+def qwen3_vl(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 96):
+    """(model, processor) of a 2-layer Qwen3-VL with a 2-block vision tower of 16-pixel patches: images resized to
+    between 2048 pixels and 96x96 (4 to 9 image tokens, in a grid of the image's shape), the first block's features
+    also added to the first language layer's image tokens (DeepStack), multimodal RoPE with interleaved sections.
+    `hidden`, `layers` and `side`: as `qwen_vl`'s."""
+    tok = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    images = Qwen2VLImageProcessorPil(min_pixels=2 * 32 * 32, max_pixels=side * side, patch_size=16, merge_size=2)
+    processor = Qwen3Images(image_processor=images, tokenizer=tok, chat_template=QWEN_TEMPLATE)
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    k = hidden // 32  # the rotary sections (time, height, width) fill half of a head (hidden / 4 heads)
+    text = _language(
+        tok,
+        hidden,
+        layers,
+        head_dim=hidden // 4,
+        max_position_embeddings=2048,
+        rope_parameters={
+            "rope_type": "default",
+            "mrope_section": [2 * k, k, k],
+            "mrope_interleaved": True,
+            "rope_theta": 10000.0,
+        },
+        **ids,
+    )
+    vision = dict(
+        depth=layers,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_heads=4,
+        out_hidden_size=hidden,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0],
+    )
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=processor.image_token_id,
+        video_token_id=processor.video_token_id,
+        vision_start_token_id=processor.vision_start_token_id,
+        vision_end_token_id=processor.vision_end_token_id,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    torch.manual_seed(seed)
+    return Qwen3VLForConditionalGeneration(config), processor
+
+
 def idefics3(seed: int = 0, hidden: int = 32):
     """(model, processor) of a 2-layer Idefics3 (SmolVLM): images split into 32x32 tiles plus a global view.
     `hidden`: the language model's width (4 heads; vLLM's CPU attention needs heads of 32: hidden=128)."""
@@ -179,6 +256,46 @@ def idefics3(seed: int = 0, hidden: int = 32):
     )
     torch.manual_seed(seed)
     return Idefics3ForConditionalGeneration(config), processor
+
+
+def llava(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 28):
+    """(model, processor) of a 2-layer LLaVA (a Llama language model) with a 2-layer CLIP vision tower: images
+    resized and cropped to 28x28, in patches of 7 pixels: 16 image tokens each (the class token dropped), no tokens
+    around them, positions as text."""
+    tok = _tokenizer(["<image>"])
+    images = CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=7,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_TEMPLATE,
+        image_token="<image>",
+        num_additional_image_tokens=1,
+    )
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    text = dict(model_type="llama", **_language(tok, hidden, layers, max_position_embeddings=1024, **ids))
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        image_size=side,
+        patch_size=7,
+        projection_dim=hidden,
+    )
+    config = LlavaConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=processor.image_token_id,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    torch.manual_seed(seed)
+    return LlavaForConditionalGeneration(config), processor
 
 
 def gemma3(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 28, tokens: int = 4):
@@ -290,7 +407,14 @@ def gemma4(seed: int = 0, hidden: int = 32, layers: int = 3, bidirectional: str 
     return model, processor
 
 
-BUILDERS = {"qwen2.5-vl": qwen_vl, "idefics3": idefics3, "gemma3": gemma3, "gemma4": gemma4}
+BUILDERS = {
+    "qwen2.5-vl": qwen_vl,
+    "qwen3-vl": qwen3_vl,
+    "idefics3": idefics3,
+    "llava": llava,
+    "gemma3": gemma3,
+    "gemma4": gemma4,
+}
 
 
 def image(seed: int, width: int = 40, height: int = 32) -> Image.Image:

@@ -88,7 +88,7 @@ def test_a_groups_prompt_image_is_computed_once_per_tree(arch, tmp_path):
     padded_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     assert image_tokens(trainer, trees.input_ids) * 2 == image_tokens(trainer, padded_ids)  # 2 rows per group
     inputs = images.tree_inputs(trainer.model, batch, trees, marked)
-    if arch == "qwen2.5-vl":  # one grid per image the vision tower computes: 3 prompts' images, not 6 rows'
+    if arch.startswith("qwen"):  # one grid per image the vision tower computes: 3 prompts' images, not 6 rows'
         assert len(inputs["image_grid_thw"]) == 3 and len(images.inputs(batch)["image_grid_thw"]) == 6
         assert inputs["position_ids"].shape == (3, *trees.input_ids.shape)
     else:  # the tiles of 3 images (the padding images of a row are all zeros)
@@ -150,7 +150,13 @@ def test_pictures_in_the_completions_are_shared_only_where_the_same(arch):
 
 
 @pytest.mark.parametrize(
-    "arch,rows", [("gemma3", "completion pictures"), ("gemma4", "completion pictures"), ("qwen2.5-vl", "turns")]
+    "arch,rows",
+    [
+        ("gemma3", "completion pictures"),
+        ("gemma4", "completion pictures"),
+        ("qwen2.5-vl", "turns"),
+        ("qwen3-vl", "turns"),
+    ],
 )
 def test_flex_attention_scores_image_trees_as_the_padded_pass(monkeypatch, arch, rows):
     """The "flex" kernel (compiled here for the CPU, forward only; the GPU check runs it forward and backward) gives
@@ -322,7 +328,15 @@ def test_which_models_image_rows_take_trees():
 
 @pytest.mark.parametrize(
     "arch,lora",
-    [("gemma3", False), ("gemma4", False), ("idefics3", False), ("qwen2.5-vl", False), ("qwen2.5-vl", True)],
+    [
+        ("gemma3", False),
+        ("gemma4", False),
+        ("idefics3", False),
+        ("llava", False),
+        ("qwen2.5-vl", False),
+        ("qwen2.5-vl", True),
+        ("qwen3-vl", False),
+    ],
 )
 def test_an_image_run_as_trees_trains_like_a_padded_one(arch, lora, tmp_path):
     """Two SGD steps with a KL term (the reference pass as trees too), and with LoRA adapters on the language model:
