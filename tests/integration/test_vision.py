@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib.util
+import json
 import os
 from types import SimpleNamespace
 
@@ -453,15 +454,19 @@ def test_a_vision_model_loads_from_its_directory_with_its_processor(tmp_path):
 
 
 def test_a_processor_that_needs_torchvision_is_one_clear_error(tmp_path):
-    """transformers cannot build a Qwen2.5-VL processor without torchvision (its video processor needs it), nor import
-    Gemma 4's (its image processor's module imports torchvision): each is one error naming the cause and the fix."""
+    """transformers cannot build a Qwen2.5-VL or Qwen3-VL processor without torchvision (their video processors need
+    it), nor import Gemma 4's (its image processor's module imports torchvision): each is one error naming the cause
+    and the fix."""
     if importlib.util.find_spec("torchvision") is not None:
         pytest.skip("torchvision is installed: the processor builds")
-    model, processor = BUILDERS["qwen2.5-vl"](0)
-    model.save_pretrained(tmp_path / "qwen")
-    processor.save_pretrained(tmp_path / "qwen")
-    with pytest.raises(OSError, match="is a vision-language model, but its processor needs torchvision"):
-        GRPOTrainer(str(tmp_path / "qwen"), length_reward, cfg(tmp_path), image_rows())
+    for arch, processor_class in (("qwen2.5-vl", "Qwen2_5_VLProcessor"), ("qwen3-vl", "Qwen3VLProcessor")):
+        model, processor = BUILDERS[arch](0)
+        model.save_pretrained(tmp_path / arch)
+        processor.save_pretrained(tmp_path / arch)
+        saved = json.loads((tmp_path / arch / "processor_config.json").read_text())  # as a hub checkpoint names it
+        (tmp_path / arch / "processor_config.json").write_text(json.dumps(dict(saved, processor_class=processor_class)))
+        with pytest.raises(OSError, match="is a vision-language model, but its processor needs torchvision"):
+            GRPOTrainer(str(tmp_path / arch), length_reward, cfg(tmp_path), image_rows())
     try:  # transformers 5.19's module imports torchvision at once; later releases import it when used
         importlib.import_module("transformers.models.gemma4.processing_gemma4")
         return

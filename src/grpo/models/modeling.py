@@ -146,10 +146,15 @@ def load_processing_class(model_id: str, config: Any, trust_remote_code: bool) -
     failure = ""
     try:
         processor = from_pretrained_checked(AutoProcessor, "processor", model_id, trust_remote_code=trust_remote_code)
-    # transformers' torchvision-less video processor mapping lacks what it looks up (Qwen2-VL's family); a processor
-    # module that imports torchvision cannot be imported (Gemma 4's)
+    # transformers' torchvision-less video processor mapping lacks what it looks up (Qwen2-VL's family: "Can't load
+    # video processor", or an AttributeError); a processor module that imports torchvision cannot be imported (Gemma
+    # 4's)
     except (AttributeError, ImportError) as err:
         processor, failure = None, f" ({type(err).__name__}: {err})"
+    except ModelLoadError as err:
+        if importlib.util.find_spec("torchvision") is not None or "load video processor" not in str(err):
+            raise
+        processor = None
     if not isinstance(processor, ProcessorMixin):  # AutoProcessor falls back to the tokenizer when it cannot
         why = (
             "its processor needs torchvision (for its image or video processor), which is not installed"
