@@ -125,7 +125,7 @@ def command(phase: str, sizes: dict) -> list[str] | str:
             py,
             "-m",
             "pytest",
-            "-q",
+            "-v",  # each test's outcome on its own line: what passed is known even if the phase runs out of time
             "-rf",
             "-p",
             "no:cacheprovider",
@@ -192,10 +192,26 @@ def _text(output: bytes | str | None) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
+_OUTCOMES = "passed|failed|error|errors|skipped|deselected"
+
+
 def pytest_counts(output: str) -> dict:
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped|deselected)", output)}
-    failures = re.findall(r"^FAILED (\S+)", output, flags=re.M)
-    return {"name": "equivalence", **counts, "failures": failures}
+    """The equivalence phase's counts and failed tests, from pytest's output (`-v`): its closing summary, or where it
+    was stopped before one (out of time), each finished test's outcome line, and the test it was in (`running`)."""
+    outcomes = re.findall(r"^(\S+\.py::.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", output, flags=re.M)
+    failures = [node for node, outcome in outcomes if outcome in ("FAILED", "ERROR")]
+    listed = re.findall(r"^(?:FAILED|ERROR) (\S+\.py::.*?)(?: - .*)?$", output, flags=re.M)  # -rf's summary
+    failures += [node for node in listed if node not in failures]
+    summaries = [line for line in output.splitlines() if re.search(rf"\d+ (?:{_OUTCOMES})\b.* in [\d.]+s", line)]
+    if summaries:
+        counts = {k: int(n) for n, k in re.findall(rf"(\d+) ({_OUTCOMES})\b", summaries[-1])}
+        return {"name": "equivalence", **counts, "failures": failures}
+    counts: dict = {}
+    for _, outcome in outcomes:
+        counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+    last = output.rstrip("\n").rsplit("\n", 1)[-1].strip()
+    running = last if re.fullmatch(r"\S+\.py::.*", last) else None  # the test started, not finished
+    return {"name": "equivalence", **counts, "failures": failures, "running": running}
 
 
 def last_error(output: str) -> str:

@@ -89,3 +89,37 @@ def test_the_larger_shape_runs_the_same_phases():
     assert large["shape"] == "qwen2.5-1.5b" and large["decode_rows"] == [64, 256]
     assert gpu_check.command("train_large", sizes)[2] == "train"
     assert "no larger shape" in gpu_check.command("decode_large", dict(gpu_check.SIZES["dry"], model_dir="/x"))
+
+
+def test_the_equivalence_counts_survive_a_phase_that_runs_out_of_time():
+    """pytest runs verbose: its closing summary gives the counts; where the phase was stopped before it, each
+    finished test's outcome line does, and the test it was in is named."""
+    lines = [
+        "tests/unit/test_a.py::test_one PASSED                          [ 25%]",
+        "tests/unit/test_a.py::test_two[gemma3-completion pictures] FAILED [ 50%]",
+        "tests/unit/test_b.py::test_three SKIPPED (no GPU)              [ 75%]",
+        "tests/unit/test_b.py::test_four[qwen3-vl] ",
+    ]
+    stopped = gpu_check.pytest_counts("\n".join(lines))
+    assert stopped == {
+        "name": "equivalence",
+        "passed": 1,
+        "failed": 1,
+        "skipped": 1,
+        "failures": ["tests/unit/test_a.py::test_two[gemma3-completion pictures]"],
+        "running": "tests/unit/test_b.py::test_four[qwen3-vl]",
+    }
+    finished = lines[:3] + [
+        "tests/unit/test_b.py::test_four[qwen3-vl] PASSED [100%]",
+        "=========================== short test summary info ============================",
+        "FAILED tests/unit/test_a.py::test_two[gemma3-completion pictures] - AssertionError: close",
+        "============= 1 failed, 2 passed, 1 skipped, 3 deselected in 41.20s =============",
+    ]
+    assert gpu_check.pytest_counts("\n".join(finished)) == {
+        "name": "equivalence",
+        "failed": 1,
+        "passed": 2,
+        "skipped": 1,
+        "deselected": 3,
+        "failures": ["tests/unit/test_a.py::test_two[gemma3-completion pictures]"],
+    }
