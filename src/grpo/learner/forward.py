@@ -223,13 +223,14 @@ def token_logps(
             shared = plain is _forward_shared
             trees = _as_trees(model, part, cost, kernel, where_cheaper, shared, collective, images, marked)
         forward: Callable[..., torch.Tensor] = plain if trees is None else functools.partial(_forward_tree, trees=trees)
-        if trees is None and part.turns is not None:
-            forward = _forked(plain)
+        forked = tree.forked(part) if trees is None and part.turns is not None else None  # one row per turn
+        if forked is not None:
+            forward = _forked(plain, *forked)
         extra = None
         if images is not None and trees is not None:
             extra = images.tree_inputs(model, part, trees, marked)
         elif images is not None:  # the rows' own images, or with turns each forked row's
-            extra = images.inputs(part) if part.turns is None else images.forked_inputs(part, marked)
+            extra = images.inputs(part) if forked is None else images.forked_inputs(part, forked[0], marked)
         if laid_out is not None and as_trees:
             laid_out["trees" if trees is not None else "padded"] += 1
         outputs = forward(model, part, chunked_head, aux_losses, extra)
@@ -457,14 +458,16 @@ def _forward_shared(
     return torch.cat([last[inverse, -1:, :], rest[:, :-1, :]], dim=1)
 
 
-def _forked(plain: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`plain` (`_forward` or `_forward_shared`) over a batch with turns laid out as one row per turn
-    (`grpo.learner.tree.forked`): the outputs at each completion position of the batch, from its own turn's row."""
+def _forked(
+    plain: Callable[..., torch.Tensor], rows: TrainBatch, row: torch.Tensor, column: torch.Tensor
+) -> Callable[..., torch.Tensor]:
+    """`plain` (`_forward` or `_forward_shared`) over a batch with turns laid out as one row per turn (`rows`, `row`,
+    `column`: `grpo.learner.tree.forked` of it): the outputs at each completion position of the batch, from its own
+    turn's row."""
 
     def forward(
         model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: list | None = None, extra: None = None
     ) -> torch.Tensor:
-        rows, row, column = tree.forked(batch)
         return plain(model, rows, chunked_head, aux_losses, extra)[row, column]
 
     return forward

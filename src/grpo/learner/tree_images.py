@@ -95,9 +95,10 @@ class ImageInputs:
         cannot take them."""
         return marks(self.pixels, part, self.run_layers)
 
-    def forked_inputs(self, part: TrainBatch, marked: Marked | None = None) -> dict[str, Any]:
-        """The pixel inputs of the forked rows of a piece with turns (`tree.forked`: one row per turn, its context
-        then its tokens), each with the images its tokens hold (`marked`: the piece's marks, made here if None)."""
+    def forked_inputs(self, part: TrainBatch, rows: TrainBatch, marked: Marked | None = None) -> dict[str, Any]:
+        """The pixel inputs of `rows`, the forked rows of a piece with turns (`tree.forked(part)`: one row per turn,
+        its context then its tokens), each with the images its tokens hold (`marked`: the piece's marks, made here
+        if None)."""
         marked = marked if marked is not None else self.marks(part)
         if marked is None:
             raise ValueError(
@@ -105,7 +106,6 @@ class ImageInputs:
                 "that drops or reorders earlier images when it renders the conversation?); grpo cannot tell which "
                 "images each turn saw. Train with turn_context='appended'."
             )
-        rows, _, _ = tree.forked(part)
         ids = torch.cat([rows.prompt_ids, rows.completion_ids], dim=1)
         return self.pixels.images_inputs(marked.images, ids, ids.device)
 
