@@ -22,7 +22,7 @@ packing="tree" against the padded layout on the micro-batches of a short run (tr
 `multi_turn_tree_vs_forked_tokens`, `multi_turn_tree_vs_appended_tokens` and `multi_turn_tree_speedup`: multi-turn
 tool rollouts under a reasoning-stripping template, the tree against forked rows and append-only rows
 (multi_turn_tree.py). `tree_images_positions_ratio`, `tree_images_vision_ratio` and `tree_images_speedup`: image rows
-of a random Qwen2.5-VL, a random Gemma 3 (image tokens that attend each other both ways) and a random Gemma 4 (both
+of a random Qwen2.5-VL, a random Qwen3-VL, a random Gemma 3 (image tokens that attend each other both ways) and a random Gemma 4 (both
 ways in its sliding layers), as trees against padded rows, positions, images through the vision tower, and the
 training pass's time (tree_images.py).
 """
@@ -239,7 +239,7 @@ def main() -> None:
         )
         # image rows: a tree holds a group's prompt image once (tree_images.py)
         console.print("running image rows as token trees against padded rows ...")
-        for architecture in ("qwen2.5-vl", "gemma3", "gemma4"):
+        for architecture in ("qwen2.5-vl", "qwen3-vl", "gemma3", "gemma4"):
             command = [sys.executable, os.path.join(HERE, "tree_images.py"), "3", "224", architecture]
             images = subprocess.run(command, capture_output=True, text=True)
             ok = images.returncode == 0

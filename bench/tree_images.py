@@ -3,7 +3,8 @@
 A random-weight Qwen2.5-VL (tests/tiny_vlm.py's, at hidden 256 and 4 layers in both the language model and the vision
 tower; `architecture` "gemma3": a Gemma 3 of that size, its images pooled into 64 tokens that attend each other both
 ways; "gemma4": a Gemma 4 of that size, its images resized to 384x384 (patches of 16) and pooled into 64 tokens that
-attend each other both ways in its sliding layers, whatever `side`), 2 prompts each with one image of `side` x `side` pixels (224: 64 image tokens), 8 completions per prompt of
+attend each other both ways in its sliding layers, whatever `side`; "qwen3-vl": a Qwen3-VL of that size, patches of 16
+pixels, 49 image tokens at 224), 2 prompts each with one image of `side` x `side` pixels (224: 64 image tokens), 8 completions per prompt of
 16-96 random tokens. The training pass (forward, the loss's sum, backward; float32) over that micro-batch in each
 layout, alternately, median of `repeats` (3). Padded rows run each row's prompt and image (the pixel inputs go
 with each row); a tree holds a group's prompt and image once, so the vision tower computes each prompt image once
@@ -31,7 +32,7 @@ from grpo.learner import tree  # noqa: E402
 from grpo.learner.forward import TrainingPass  # noqa: E402
 from grpo.learner.tree_images import row_images  # noqa: E402
 from grpo.models.vision import Pixels  # noqa: E402
-from tiny_vlm import gemma3, gemma4, image_batch, qwen_vl  # noqa: E402  (the tests' tiny models, built locally)
+from tiny_vlm import gemma3, gemma4, image_batch, qwen3_vl, qwen_vl  # noqa: E402  (the tests' tiny models, built locally)
 
 PROMPTS, G = 2, 8
 
@@ -44,6 +45,8 @@ def main() -> None:
         model, processor = gemma3(0, hidden=256, layers=4, side=side, tokens=64)
     elif architecture == "gemma4":
         model, processor = gemma4(0, hidden=256, layers=4, patch=16)
+    elif architecture == "qwen3-vl":
+        model, processor = qwen3_vl(0, hidden=256, layers=4, side=side)
     else:
         model, processor = qwen_vl(0, hidden=256, layers=4, side=side)
     batch = image_batch(processor, PROMPTS, G, side=side, lengths=(16, 97), text_only=0)
