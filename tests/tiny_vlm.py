@@ -36,6 +36,8 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
     Qwen2VLImageProcessorPil,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     Qwen3VLProcessor,
@@ -232,6 +234,60 @@ def qwen3_vl(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 96):
     return Qwen3VLForConditionalGeneration(config), processor
 
 
+def qwen3_5(seed: int = 0, hidden: int = 32, side: int = 96):
+    """(model, processor) of a 2-layer Qwen3.5 (a gated delta-rule linear-attention layer, recurrent, then a gated
+    full-attention one with partial rotary embeddings) with Qwen3-VL's processor and a 2-block vision tower as
+    `qwen3_vl`'s: its image rows keep padded rows (trees refuse recurrent layers). `hidden` and `side`: as
+    `qwen3_vl`'s."""
+    _, processor = qwen3_vl(seed, hidden, 2, side)
+    tok = processor.tokenizer
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    k = hidden // 32  # heads of `hidden` (4 of them), a quarter of each rotated: the rotary half is 4k wide
+    text = _language(
+        tok,
+        hidden,
+        2,
+        head_dim=hidden,
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=hidden // 8,
+        linear_value_head_dim=hidden // 8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=2048,
+        rope_parameters={
+            "rope_type": "default",
+            "mrope_section": [2 * k, k, k],
+            "mrope_interleaved": True,
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000.0,
+        },
+        **ids,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_heads=4,
+        out_hidden_size=hidden,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+    )
+    config = Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=processor.image_token_id,
+        video_token_id=processor.video_token_id,
+        vision_start_token_id=processor.vision_start_token_id,
+        vision_end_token_id=processor.vision_end_token_id,
+        tie_word_embeddings=False,
+        **ids,
+    )
+    torch.manual_seed(seed)
+    return Qwen3_5ForConditionalGeneration(config), processor
+
+
 def idefics3(seed: int = 0, hidden: int = 32):
     """(model, processor) of a 2-layer Idefics3 (SmolVLM): images split into 32x32 tiles plus a global view.
     `hidden`: the language model's width (4 heads; vLLM's CPU attention needs heads of 32: hidden=128)."""
@@ -415,6 +471,10 @@ BUILDERS = {
     "gemma3": gemma3,
     "gemma4": gemma4,
 }
+# architectures whose image rows keep padded rows (trees refuse their recurrent layers): test_vision's tests run them
+# beside BUILDERS; the tree tests run BUILDERS only
+PADDED_ONLY = {"qwen3.5": qwen3_5}
+MODELS = {**BUILDERS, **PADDED_ONLY}
 
 
 def image(seed: int, width: int = 40, height: int = 32) -> Image.Image:

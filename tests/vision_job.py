@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from tiny_vlm import BUILDERS, image  # noqa: E402
+from tiny_vlm import MODELS, image  # noqa: E402
 
 
 def length_reward(completions, **kwargs):
@@ -49,7 +49,7 @@ def main() -> None:
         packing=packing,
         **({"learning_rate": 1e-2} if packing is None else {"optim": "sgd", "learning_rate": 0.5}),
     )
-    model, processor = BUILDERS[arch](0)
+    model, processor = MODELS[arch](0)
     trainer = GRPOTrainer(
         model=model, processing_class=processor, reward_funcs=length_reward, train_dataset=rows, args=args
     )

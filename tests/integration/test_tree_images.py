@@ -22,9 +22,7 @@ import torch
 from transformers import (
     Gemma3ForConditionalGeneration,
     Gemma4ForConditionalGeneration,
-    Idefics3ForConditionalGeneration,
     PaliGemmaForConditionalGeneration,
-    Qwen2_5_VLForConditionalGeneration,
 )
 
 from grpo import GRPOTrainer
@@ -38,7 +36,7 @@ from test_image_trees_on_device import image_pass
 from test_shared_prefix_training import assert_same_pass
 from test_turn_layouts import gathered
 from test_vision import QWEN_STRIPPING, CallFirst, cfg, image_rows, picture, picture_trainer, trainer_for
-from tiny_vlm import BUILDERS, collated, completion_pictures_batch, image, turn_pictures_batch
+from tiny_vlm import BUILDERS, PADDED_ONLY, collated, completion_pictures_batch, image, turn_pictures_batch
 
 ARCHITECTURES = sorted(BUILDERS)
 # where each architecture's image tokens attend each other both ways (the others: causally)
@@ -297,12 +295,15 @@ def built_as(cls, config):
 
 
 def test_which_models_image_rows_take_trees():
-    """Qwen2.5-VL's and Idefics3's image tokens attend causally; Gemma 3's attend each other both ways within each
-    image, which a tree lays out (also through an FSDP2-style subclass); a model whose module opens attention some
-    other way (PaliGemma: its whole prompt) keeps the padded layout, and so does a processor without an image
-    token."""
-    assert not tree_images.opens_image_attention(Qwen2_5_VLForConditionalGeneration.__module__)
-    assert not tree_images.opens_image_attention(Idefics3ForConditionalGeneration.__module__)
+    """Qwen2.5-VL's, Qwen3-VL's, Idefics3's and LLaVA's image tokens attend causally; Gemma 3's attend each other both
+    ways within each image, which a tree lays out (also through an FSDP2-style subclass); a model whose module opens
+    attention some other way (PaliGemma: its whole prompt) keeps the padded layout, and so does a processor without
+    an image token, and Qwen3.5 (its image tokens attend causally, but its linear-attention layers are recurrent)."""
+    for arch in ("qwen2.5-vl", "qwen3-vl", "idefics3", "llava"):
+        assert not tree_images.opens_image_attention(type(BUILDERS[arch](0)[0]).__module__)
+    qwen35, qwen35_processor = PADDED_ONLY["qwen3.5"](0)
+    assert tree_images.unsupported_reason(qwen35, Pixels.of(qwen35_processor, qwen35)) is None
+    assert "recurrent" in tree.unsupported_reason(qwen35)
     assert tree_images.opens_image_attention(PaliGemmaForConditionalGeneration.__module__)
     assert tree_images.opens_image_attention(Gemma3ForConditionalGeneration.__module__)
     model, processor = BUILDERS["qwen2.5-vl"](0)

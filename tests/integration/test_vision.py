@@ -29,9 +29,9 @@ from grpo.models.vision import Pixels, language_model
 from grpo.rollout.base import Rollout, assemble
 from support import cfg, generate, length_reward, params, torchrun
 from tiny import make_model, make_tokenizer
-from tiny_vlm import BUILDERS, image
+from tiny_vlm import BUILDERS, MODELS, image
 
-ARCHITECTURES = sorted(BUILDERS)
+ARCHITECTURES = sorted(MODELS)  # Qwen3.5's too: padded rows
 # grpo's tool template, with a user turn's image blocks written as Qwen2.5-VL writes them
 QWEN_TOOLS = CHATML_TOOLS.replace(
     "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>",
@@ -58,7 +58,7 @@ def image_rows(n=4, with_images=None, sizes=True):
 
 
 def trainer_for(arch, tmp_path, rows=None, seed=0, peft_config=None, **kw):
-    model, processor = BUILDERS[arch](seed)
+    model, processor = MODELS[arch](seed)
     args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=4, **kw)
     return GRPOTrainer(
         model=model,
@@ -112,7 +112,7 @@ def test_steps_change_every_language_model_parameter(arch, tmp_path, checkpointi
 def test_lora_targets_the_language_model_and_leaves_the_vision_tower(arch, tmp_path):
     from peft import LoraConfig
 
-    model, processor = BUILDERS[arch](0)
+    model, processor = MODELS[arch](0)
     vision_before = {n: p.detach().clone() for n, p in model.named_parameters() if "vision" in n or "visual" in n}
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
     args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=4, max_steps=2, beta=0.04)
@@ -436,7 +436,7 @@ def test_two_processes_with_images_on_one_only(arch, tmp_path):
     torchrun(2, os.path.join(os.path.dirname(os.path.dirname(__file__)), "vision_job.py"), tmp_path, arch, timeout=600)
     first, second = (torch.load(tmp_path / f"params_{rank}.pt") for rank in (0, 1))
     assert first["rows"] == [0, 0, 1, 1] and second["rows"] == [2, 2, 3, 3]
-    initial = dict(BUILDERS[arch](0)[0].named_parameters())
+    initial = dict(MODELS[arch](0)[0].named_parameters())
     for name, value in first["params"].items():
         assert torch.equal(value, second["params"][name]), name
     moved = [n for n, v in first["params"].items() if not torch.equal(v, initial[n].detach())]
