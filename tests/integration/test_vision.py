@@ -392,6 +392,21 @@ def test_a_rendered_history_that_drops_an_image_is_refused(tmp_path):
         generate(trainer, [0, 0, 1, 1])
 
 
+@pytest.mark.parametrize("arch", ["qwen2.5-vl", "idefics3"])
+def test_a_template_that_renders_no_image_is_one_clear_error(arch, tmp_path):
+    """An image prompt whose chat template writes no image placeholder (a text-only template on a vision-language
+    model): one error naming the row and the fix, before anything is sampled without the image."""
+    trainer = trainer_for(arch, tmp_path, image_rows(2, with_images={1}))
+    trainer.processing_class.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{% if c['type'] == 'text' %}"
+        "{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
+    with pytest.raises(
+        ValueError, match=r"rendered 0 image\(s\) of a conversation holding 1 \(train_dataset row 1\)\. Use a chat"
+    ):
+        generate(trainer, [0, 0, 1, 1])
+
+
 def test_a_tools_image_reaches_the_next_turn_and_the_training_pass(tmp_path):
     """A tool returns an image: the next turn is sampled seeing it (after the prompt's, or alone on a text-only
     row), and the training pass scores that turn alike, with the image; another image changes its log-probs."""

@@ -39,7 +39,7 @@ from grpo.agent.parsing import parse_turn
 from grpo.agent.template import cannot_fit, tool_suffix_ids
 from grpo.agent.tools import ToolSet, run_calls
 from grpo.base.sigterm import Preempted
-from grpo.data.prompts import tokenize_prompts
+from grpo.data.prompts import render_images, tokenize_prompts
 from grpo.rollout.base import Engine, Prompt, Request, Rollout
 
 
@@ -258,21 +258,16 @@ class ToolLoop:
         if self.processor is None:
             ids = tokenize_prompts([conversation], self.tokenizer, self.chat_template_kwargs, schemas)[0]
             return ids, ids
-        text = self.processor.apply_chat_template(
-            conversation, tools=schemas, tokenize=False, add_generation_prompt=True, **(self.chat_template_kwargs or {})
-        )
         earlier = row.image_prompt.images or () if row.image_prompt is not None else ()
-        shown = [*earlier, *images]
-        placeholder = getattr(self.processor, "image_token", None)
-        if shown and placeholder is not None and text.count(placeholder) != len(shown):
-            raise ValueError(
-                f"The chat template rendered {text.count(placeholder)} image(s) of a conversation holding "
-                f"{len(shown)} (the prompt's and the tools'): a rendered history must hold every earlier image, in "
-                "order, for its turns to be trained after what they saw. Use turn_context='appended', or a template "
-                "that renders each message's images."
-            )
-        out = self.processor(text=[text], images=[shown] if shown else None, add_special_tokens=False)
-        return list(out["input_ids"][0]), self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        fix = (
+            "(the prompt's and the tools'): a rendered history must hold every earlier image, in order, for its "
+            "turns to be trained after what they saw. Use turn_context='appended', or a template that renders each "
+            "message's images."
+        )
+        text, ids = render_images(
+            self.processor, conversation, [*earlier, *images], schemas, self.chat_template_kwargs, fix
+        )
+        return ids, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _tool_images(self, tool_messages: Sequence[dict]) -> list:
         """The images of the tool results' image blocks (a vision-language model sees them in its next turn)."""

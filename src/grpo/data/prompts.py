@@ -167,6 +167,7 @@ def make_prompt(
     processor: Any = None,
     images: Sequence[Any] | None = None,
     row: int = 0,
+    dataset: str = "train_dataset",
 ) -> Prompt:
     """A dataset prompt (string or messages) as a tokenized `Prompt` record. With a vision-language model's
     `processor`, a conversational prompt becomes content blocks with the row's `images` placed in them
@@ -177,12 +178,39 @@ def make_prompt(
         messages = tuple(dict(m) for m in prompt) if is_conversational(prompt) else None
         return Prompt(ids=tuple(ids), messages=messages)
     images = list(images or [])
-    blocks = vision.multimodal_messages(prompt, images, row)
-    text = processor.apply_chat_template(
-        blocks, tools=tools or None, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
-    )
-    ids = processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0]
+    blocks = vision.multimodal_messages(prompt, images, row, dataset)
+    fix = f"({dataset} row {row}). Use a chat template that renders each message's image blocks."
+    text, ids = render_images(processor, blocks, images, tools, chat_template_kwargs, fix)
     return Prompt(ids=tuple(ids), messages=tuple(blocks), images=tuple(images) or None, text=text)
+
+
+def render_images(
+    processor: Any,
+    conversation: Sequence[dict],
+    images: Sequence[Any],
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
+    fix: str = "",
+) -> tuple[str, list[int]]:
+    """A conversation as a vision-language model's processor renders it, with the next assistant header: its text
+    and its tokens, each of `images` (in order) expanded into its image tokens. A template that renders another
+    number of image placeholders than `images` is an error (`fix`: where, and what to do), before the processor's
+    own."""
+    text = processor.apply_chat_template(
+        list(conversation),
+        tools=tools or None,
+        tokenize=False,
+        add_generation_prompt=True,
+        **(chat_template_kwargs or {}),
+    )
+    placeholder = getattr(processor, "image_token", None)
+    if images and placeholder is not None and text.count(placeholder) != len(images):
+        raise ValueError(
+            f"The chat template rendered {text.count(placeholder)} image(s) of a conversation holding "
+            f"{len(images)} {fix}"
+        )
+    out = processor(text=[text], images=[list(images)] if images else None, add_special_tokens=False)
+    return text, list(out["input_ids"][0])
 
 
 def check_images(dataset: Any, processing_class: Any, dataset_name: str = "train_dataset") -> None:
@@ -276,7 +304,14 @@ class PromptSource:
         with a processor, with the images of the dataset row `example` (`vision.row_images`)."""
         images = vision.row_images(example or {}, row, self.name) if self.processor is not None else None
         record = make_prompt(
-            prompt, self.tokenizer, self.chat_template_kwargs, tools or self.tools, self.processor, images, row
+            prompt,
+            self.tokenizer,
+            self.chat_template_kwargs,
+            tools or self.tools,
+            self.processor,
+            images,
+            row,
+            self.name,
         )
         self._check_length(row, len(record.ids))
         return record
