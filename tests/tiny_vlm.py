@@ -192,24 +192,45 @@ def qwen3_vl(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 96):
     tok = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     images = Qwen2VLImageProcessorPil(min_pixels=2 * 32 * 32, max_pixels=side * side, patch_size=16, merge_size=2)
     processor = Qwen3Images(image_processor=images, tokenizer=tok, chat_template=QWEN_TEMPLATE)
-    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    k = hidden // 32  # the rotary sections (time, height, width) fill half of a head (hidden / 4 heads)
+    # the rotary sections (time, height, width) fill half of a head (hidden / 4 heads)
+    text = _language(tok, hidden, layers, head_dim=hidden // 4, **_interleaved_rope(hidden // 32))
+    return _qwen3_family(Qwen3VLConfig, Qwen3VLForConditionalGeneration, seed, processor, text, hidden, layers)
+
+
+def qwen3_5(seed: int = 0, hidden: int = 32, side: int = 96):
+    """(model, processor) of a 2-layer Qwen3.5 (a gated delta-rule linear-attention layer, recurrent, then a gated
+    full-attention one with partial rotary embeddings) with Qwen3-VL's processor and a 2-block vision tower as
+    `qwen3_vl`'s: its image rows keep padded rows (trees refuse recurrent layers). `hidden` and `side`: as
+    `qwen3_vl`'s."""
+    _, processor = qwen3_vl(seed, hidden, 2, side)
     text = _language(
-        tok,
+        processor.tokenizer,
         hidden,
-        layers,
-        head_dim=hidden // 4,
-        max_position_embeddings=2048,
-        rope_parameters={
-            "rope_type": "default",
-            "mrope_section": [2 * k, k, k],
-            "mrope_interleaved": True,
-            "rope_theta": 10000.0,
-        },
-        **ids,
+        2,
+        head_dim=hidden,  # heads of `hidden`, a quarter of each rotated: the rotary half is hidden / 8 wide
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=hidden // 8,
+        linear_value_head_dim=hidden // 8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        **_interleaved_rope(hidden // 32, partial_rotary_factor=0.25),
     )
+    return _qwen3_family(Qwen3_5Config, Qwen3_5ForConditionalGeneration, seed, processor, text, hidden, 2)
+
+
+def _interleaved_rope(k: int, **extra) -> dict:
+    """Qwen3-VL's multimodal RoPE fields: interleaved sections of 2k (time), k (height) and k (width) frequencies."""
+    rope = {"rope_type": "default", "mrope_section": [2 * k, k, k], "mrope_interleaved": True, "rope_theta": 1e4}
+    return dict(max_position_embeddings=2048, rope_parameters={**rope, **extra})
+
+
+def _qwen3_family(config_class, model_class, seed: int, processor, text: dict, hidden: int, depth: int):
+    """(model, processor): a Qwen3-VL-family model with the language model `text` and a vision tower of `depth`
+    blocks of width `hidden`, 16-pixel patches merged 2x2 (DeepStack from its first block, where the config has it)."""
+    tok = processor.tokenizer
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     vision = dict(
-        depth=layers,
+        depth=depth,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_heads=4,
@@ -220,8 +241,8 @@ def qwen3_vl(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 96):
         num_position_embeddings=16,
         deepstack_visual_indexes=[0],
     )
-    config = Qwen3VLConfig(
-        text_config=text,
+    config = config_class(
+        text_config=dict(text, **ids),
         vision_config=vision,
         image_token_id=processor.image_token_id,
         video_token_id=processor.video_token_id,
@@ -231,61 +252,7 @@ def qwen3_vl(seed: int = 0, hidden: int = 32, layers: int = 2, side: int = 96):
         **ids,
     )
     torch.manual_seed(seed)
-    return Qwen3VLForConditionalGeneration(config), processor
-
-
-def qwen3_5(seed: int = 0, hidden: int = 32, side: int = 96):
-    """(model, processor) of a 2-layer Qwen3.5 (a gated delta-rule linear-attention layer, recurrent, then a gated
-    full-attention one with partial rotary embeddings) with Qwen3-VL's processor and a 2-block vision tower as
-    `qwen3_vl`'s: its image rows keep padded rows (trees refuse recurrent layers). `hidden` and `side`: as
-    `qwen3_vl`'s."""
-    _, processor = qwen3_vl(seed, hidden, 2, side)
-    tok = processor.tokenizer
-    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    k = hidden // 32  # heads of `hidden` (4 of them), a quarter of each rotated: the rotary half is 4k wide
-    text = _language(
-        tok,
-        hidden,
-        2,
-        head_dim=hidden,
-        layer_types=["linear_attention", "full_attention"],
-        linear_key_head_dim=hidden // 8,
-        linear_value_head_dim=hidden // 8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        max_position_embeddings=2048,
-        rope_parameters={
-            "rope_type": "default",
-            "mrope_section": [2 * k, k, k],
-            "mrope_interleaved": True,
-            "partial_rotary_factor": 0.25,
-            "rope_theta": 10000.0,
-        },
-        **ids,
-    )
-    vision = dict(
-        depth=2,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_heads=4,
-        out_hidden_size=hidden,
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=16,
-    )
-    config = Qwen3_5Config(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=processor.image_token_id,
-        video_token_id=processor.video_token_id,
-        vision_start_token_id=processor.vision_start_token_id,
-        vision_end_token_id=processor.vision_end_token_id,
-        tie_word_embeddings=False,
-        **ids,
-    )
-    torch.manual_seed(seed)
-    return Qwen3_5ForConditionalGeneration(config), processor
+    return model_class(config), processor
 
 
 def idefics3(seed: int = 0, hidden: int = 32):
