@@ -6,12 +6,16 @@ continues the tokens so far, rendered turns are the appended ones; `appended` ke
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from grpo import GRPOTrainer
 from grpo.agent import CHATML_TOOLS
-from grpo.agent.template import rerenders
+from grpo.agent.template import rerendering, rerenders
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from scripted import ScoredTurnScript, TurnScript
@@ -60,17 +64,50 @@ def make(tmp_path, template=STRIPPING, sgd=False, peft_config=None, **args):
     return trainer
 
 
+# an opening the generation prompt writes and earlier turns lose (Qwen3's with enable_thinking=False)
+EMPTY_THINK = CHATML_TOOLS.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think></think>",
+)
+# a tool-calling turn's text after its calls, and once results follow, after them (Gemma 4's way)
+TEXT_AFTER_RESULTS = (
+    CHATML_TOOLS.replace("<|im_start|>assistant\n{{ message['content'] or '' }}", "<|im_start|>assistant\n")
+    .replace(
+        "</tool_call>{% endfor %}", "</tool_call>{% endfor %}{% if loop.last %}{{ message['content'] }}{% endif %}"
+    )
+    .replace(
+        "{% else %}<|im_start|>{{ message['role'] }}",
+        "{% elif message['role'] == 'tool' %}<|im_start|>tool\n{{ message['content'] }}{{ messages[loop.index0 - 1]"
+        "['content'] }}<|im_end|>\n{% else %}<|im_start|>{{ message['role'] }}",
+    )
+)
+
+
 def test_auto_renders_turns_only_for_a_template_that_rerenders_earlier_turns():
     tok = tool_tokenizer()
     assert not rerenders(tok)  # CHATML_TOOLS keeps every turn as it was
-    tok.chat_template = STRIPPING
-    assert rerenders(tok)
-    # an opening the generation prompt writes and earlier turns lose (Qwen3's enable_thinking=False)
-    tok.chat_template = CHATML_TOOLS.replace(
-        "{% if add_generation_prompt %}<|im_start|>assistant\n",
-        "{% if add_generation_prompt %}<|im_start|>assistant\n<think></think>",
+    for template, how in [
+        (STRIPPING, "drops an earlier turn's reasoning"),
+        (EMPTY_THINK, "drops what its generation prompt opens each turn with"),
+        (TEXT_AFTER_RESULTS, "renders an earlier turn otherwise once a tool result follows"),
+    ]:
+        tok.chat_template = template
+        assert rerenders(tok) and how in rerendering(tok), template
+
+
+def test_the_template_table_script_names_what_auto_picks(tmp_path):
+    """scripts/template_turns.py over a folder of templates: one row each, what auto picks and why."""
+    for name, template in [("chatml_tools", CHATML_TOOLS), ("stripping", STRIPPING), ("no_tools", "{{ messages }}")]:
+        (tmp_path / f"{name}.jinja").write_text(template)
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "template_turns.py")
+    done = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, check=True)
+    rows = done.stdout.strip().splitlines()[2:]
+    assert rows[0] == "| chatml_tools | yes | appended | appended |"
+    assert rows[1].startswith("| no_tools | no: drops the tools it is given") and rows[1].endswith("| - | - |")
+    assert rows[2] == (
+        "| stripping | yes | rendered: it drops an earlier turn's reasoning | rendered: it drops an earlier turn's "
+        "reasoning |"
     )
-    assert rerenders(tok)
 
 
 def test_each_turn_is_sampled_after_the_rendered_history_and_scored_after_it(tmp_path):

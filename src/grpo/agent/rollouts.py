@@ -19,7 +19,7 @@ from typing import Any
 
 from grpo.agent.environments import EMPTY_PROMPT, Environments
 from grpo.agent.loop import ToolLoop
-from grpo.agent.template import check_tool_template, rerenders
+from grpo.agent.template import check_tool_template, rerendering
 from grpo.agent.tools import ToolSet
 from grpo.base.sigterm import Preempted
 from grpo.data import prompts as data
@@ -69,11 +69,12 @@ class Rollouts:
             source.tools = self.tools.schemas
             rendered = args.turn_context == "rendered"
             if args.turn_context == "auto":
-                rendered = rerenders(self.tokenizer, args.chat_template_kwargs)
+                how = rerendering(self.tokenizer, args.chat_template_kwargs)
+                rendered = how is not None
                 logger.info(
                     "turn_context='auto': %s",
-                    "the chat template re-renders earlier assistant turns, so each turn is sampled after the "
-                    "conversation as it renders it ('rendered')"
+                    f"the chat template re-renders earlier assistant turns ({how}), so each turn is sampled after "
+                    "the conversation as it renders it ('rendered')"
                     if rendered
                     else "the chat template keeps earlier assistant turns as they were, so turns are appended",
                 )

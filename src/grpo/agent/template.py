@@ -76,23 +76,10 @@ def check_tool_template(
     )
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tools= needs a chat template, and the tokenizer has none. {fix}")
-    conversation = [
-        {"role": "user", "content": "hi"},
-        _call(_NAME, {_KEY: _VALUE}),
-        {"role": "tool", "name": _NAME, "content": _CONTENT},
-    ]
     try:
-        listed = tokenizer.apply_chat_template(conversation[:1], tools=[_sentinel_tool()], tokenize=False, **kwargs)
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+        dropped, text = tool_parts_dropped(tokenizer, kwargs)
     except Exception as err:
         raise ValueError(f"The chat template cannot render a tool-calling conversation ({err}). {fix}") from err
-    dropped = []
-    if _NAME not in listed:
-        dropped.append("the tools it is given")
-    if not all(s in text for s in (_NAME, _KEY, _VALUE)):
-        dropped.append("the assistant's tool calls")
-    if _CONTENT not in text:
-        dropped.append("tool results ('tool' messages)")
     if dropped:
         raise ValueError(f"The chat template does not render {', '.join(dropped)}. {fix}")
     if not has_response_parser(tokenizer) and "<tool_call>" not in text:
@@ -103,6 +90,27 @@ def check_tool_template(
             "format (transformers' response parsing), or use a template with the <tool_call> format (CHATML_TOOLS)."
         )
     _check_turn_boundary(tokenizer, kwargs, stop_ids)
+
+
+def tool_parts_dropped(tokenizer: Any, chat_template_kwargs: dict | None = None) -> tuple[list[str], str]:
+    """What of a tool-calling conversation the chat template does not render (the tools it is given, the assistant's
+    calls, the tools' results), and its rendering of a sentinel conversation; raises what the template raises."""
+    kwargs = chat_template_kwargs or {}
+    conversation = [
+        {"role": "user", "content": "hi"},
+        _call(_NAME, {_KEY: _VALUE}),
+        {"role": "tool", "name": _NAME, "content": _CONTENT},
+    ]
+    listed = tokenizer.apply_chat_template(conversation[:1], tools=[_sentinel_tool()], tokenize=False, **kwargs)
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+    dropped = []
+    if _NAME not in listed:
+        dropped.append("the tools it is given")
+    if not all(s in text for s in (_NAME, _KEY, _VALUE)):
+        dropped.append("the assistant's tool calls")
+    if _CONTENT not in text:
+        dropped.append("tool results ('tool' messages)")
+    return dropped, text
 
 
 def _check_turn_boundary(tokenizer: Any, kwargs: dict, stop_ids: set[int] | None) -> None:
@@ -222,11 +230,19 @@ _REASONING = "grpo_reasoning_x7"
 
 def rerenders(tokenizer: Any, chat_template_kwargs: dict | None = None) -> bool:
     """Whether the chat template renders an earlier assistant turn otherwise than the model sampled it, once a tool
-    result follows (what `turn_context="auto"` asks): checked on a sentinel conversation whose assistant turn holds
-    a reasoning block and a tool call. It re-renders when the conversation with the tool result drops the
-    reasoning (DeepSeek-R1's and QwQ's templates strip it from every earlier turn), does not begin with the
-    generation prompt the turn was sampled after (Qwen3's with enable_thinking=False opens every turn with an empty
-    reasoning block and drops it from earlier ones), or does not begin with the assistant turn as rendered last."""
+    result follows (what `turn_context="auto"` asks; `rerendering` says how)."""
+    return rerendering(tokenizer, chat_template_kwargs) is not None
+
+
+def rerendering(tokenizer: Any, chat_template_kwargs: dict | None = None) -> str | None:
+    """How the chat template renders an earlier assistant turn otherwise than the model sampled it once a tool
+    result follows (None where it renders it as it was, or cannot render the sentinel): checked on a sentinel
+    conversation whose assistant turn holds a reasoning block and a tool call. It re-renders when the conversation
+    with the tool result drops the reasoning (DeepSeek-R1's and QwQ's templates strip it from every earlier turn;
+    Llama 3.1's renders a tool-calling turn as its call alone), does not begin with the generation prompt the turn
+    was sampled after (Qwen3's with enable_thinking=False opens every turn with an empty reasoning block and drops
+    it from earlier ones), or does not begin with the assistant turn as rendered last (Gemma 4's puts the turn's
+    text after the tool's result)."""
     kwargs = chat_template_kwargs or {}
     user = [{"role": "user", "content": "hi"}]
     turn = {**_call(_NAME, {_KEY: _VALUE}), "content": f"<think>\n{_REASONING}\n</think>\n\n"}
@@ -238,5 +254,11 @@ def rerenders(tokenizer: Any, chat_template_kwargs: dict | None = None) -> bool:
             [*user, turn, result], tokenize=False, add_generation_prompt=True, **kwargs
         )
     except Exception:  # check_tool_template has named what the template cannot render
-        return False
-    return _REASONING not in followed or not followed.startswith(asked) or not followed.startswith(alone)
+        return None
+    if _REASONING not in followed:
+        return "it drops an earlier turn's reasoning"
+    if not followed.startswith(asked):
+        return "it drops what its generation prompt opens each turn with from earlier turns"
+    if not followed.startswith(alone):
+        return "it renders an earlier turn otherwise once a tool result follows"
+    return None
