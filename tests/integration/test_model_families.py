@@ -85,6 +85,24 @@ def test_each_family_trains_and_resumes_exactly(family_dirs, tmp_path, family):
     assert all(torch.equal(after[n], value) for n, value in params(resumed.model).items())
 
 
+RECURRENT = ("Qwen3_5", "NemotronH")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_trains_without_gradient_checkpointing(family_dirs, tmp_path, family):
+    """Without gradient checkpointing the rows of a prompt share its pass (a KV cache) where the model allows: not
+    for recurrent layers (Qwen3.5's gated delta rule, NemotronH's Mamba), whose state that cache does not hold (it
+    crashed there); either way the engine's sampling log-probs are what the training pass scores."""
+    args = cfg(tmp_path, max_steps=1, logging_steps=1, gradient_checkpointing=False)
+    trainer = GRPOTrainer(
+        model=family_dirs[family], reward_funcs=length_reward, train_dataset=chat_dataset(), args=args
+    )
+    assert trainer.training_pass.share_prefix is (family not in RECURRENT)
+    trainer.train()
+    row = next(r for r in reversed(trainer.state.log_history) if "loss" in r)
+    assert row["sampling/sampling_logp_difference/max"] < 1e-3
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_each_family_takes_token_trees_with_the_padded_numbers(family_dirs, family):
     """packing="tree" on each family: log-probs and gradients equal the padded pass's, or (recurrent layers) the
@@ -96,7 +114,7 @@ def test_each_family_takes_token_trees_with_the_padded_numbers(family_dirs, fami
     batch, _ = batch_and_model()
     model = getattr(transformers, f"{family}ForCausalLM").from_pretrained(family_dirs[family])
     reason = tree.unsupported_reason(model)
-    if family in ("NemotronH", "Qwen3_5"):
+    if family in RECURRENT:
         assert reason is not None and "recurrent" in reason
         return
     assert reason is None

@@ -40,6 +40,7 @@ from grpo.models.fp32_head import is_fp32_head
 from grpo.models.modeling import accepts_logits_to_keep, cache_argument, recomputes_activations, unwrap
 from grpo.models.vision import computes_own_positions
 from grpo.perf import blocks, compilation, linears
+from grpo.rollout.fast import keeps_recurrent_state
 from grpo.rollout.plain import SUPPRESSED, suppressed_tokens
 
 logger = logging.getLogger("grpo")
@@ -170,6 +171,8 @@ def prefix_sharing_unsupported_reason(model: Any) -> str | None:
         return "gradient checkpointing turns the KV cache off"
     if not getattr(inner, "_supports_cache_class", True) or getattr(inner.config, "is_encoder_decoder", False):
         return "the model does not use transformers' dynamic KV cache"
+    if keeps_recurrent_state(inner):  # Qwen3.5, NemotronH, ...: their layers' state is not in a DynamicCache
+        return "the model keeps recurrent state (Mamba or linear-attention layers), which a KV cache does not hold"
     return None
 
 
@@ -225,7 +228,7 @@ def token_logps(
         forward: Callable[..., torch.Tensor] = plain if trees is None else functools.partial(_forward_tree, trees=trees)
         forked = tree.forked(part) if trees is None and part.turns is not None else None  # one row per turn
         if forked is not None:
-            forward = _forked(plain, *forked)
+            forward = _forked(plain, forked)
         extra = None
         if images is not None and trees is not None:
             extra = images.tree_inputs(model, part, trees, marked)
@@ -458,12 +461,10 @@ def _forward_shared(
     return torch.cat([last[inverse, -1:, :], rest[:, :-1, :]], dim=1)
 
 
-def _forked(
-    plain: Callable[..., torch.Tensor], rows: TrainBatch, row: torch.Tensor, column: torch.Tensor
-) -> Callable[..., torch.Tensor]:
-    """`plain` (`_forward` or `_forward_shared`) over a batch with turns laid out as one row per turn (`rows`, `row`,
-    `column`: `grpo.learner.tree.forked` of it): the outputs at each completion position of the batch, from its own
-    turn's row."""
+def _forked(plain: Callable[..., torch.Tensor], forked: tuple) -> Callable[..., torch.Tensor]:
+    """`plain` (`_forward` or `_forward_shared`) over a batch with turns laid out as one row per turn (`forked`: its
+    `grpo.learner.tree.forked`): the outputs at each completion position of the batch, from its own turn's row."""
+    rows, row, column = forked
 
     def forward(
         model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: list | None = None, extra: None = None
