@@ -32,6 +32,7 @@ import errno
 import json
 import os
 import shutil
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -344,18 +345,26 @@ def _load_weights(model: torch.nn.Module, path: str) -> None:
 
 
 def _as_model_keys(model: torch.nn.Module, saved: dict, own: dict) -> dict:
-    """The saved tensors under the model's own parameter names. save_pretrained writes the Hub's names: transformers
-    reverts the renames it applies when loading (Qwen2.5-VL's `model.language_model.layers.*` is saved as
-    `model.layers.*`); reverting the model's own state dict the same way says which name is which."""
+    """The saved tensors under the model's own names and in its own layout. save_pretrained writes the Hub's:
+    transformers reverts the renames and fusions it applies when loading (Qwen2.5-VL's `model.language_model.layers.*`
+    is saved as `model.layers.*`, Qwen3-MoE's fused experts as one matrix per expert). Those conversions applied
+    forward give the model's: each one reversed, run through transformers' own `revert_weight_conversion` (so each
+    transformers release applies its own rules), last first."""
     if all(k in own for k in saved):
         return saved
     try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
         from transformers.modeling_utils import revert_weight_conversion
 
-        # typed for a PreTrainedModel; another module raises, handled below
-        original = revert_weight_conversion(model, dict(own))  # type: ignore[arg-type]
-    except Exception:  # no conversion known (older transformers): the names are compared as they are
+        conversions = getattr(model, "_weight_conversions", None)  # those from_pretrained applied
+        if conversions is None:  # a model built otherwise: its architecture's, as revert_weight_conversion finds them
+            mapping = get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
+            conversions = [c for c in mapping if not isinstance(c, PrefixChange)]
+        if not conversions:
+            return saved
+        reversed_ = [conversion.reverse_transform() for conversion in conversions][::-1]
+        forward = SimpleNamespace(config=model.config, _weight_conversions=reversed_)
+        return revert_weight_conversion(forward, dict(saved))  # type: ignore[arg-type]
+    except Exception:  # no conversion known (another transformers): the names are compared as they are
         return saved
-    name_of = {t.data_ptr(): n for n, t in own.items()}
-    rename = {k: name_of[t.data_ptr()] for k, t in original.items() if t.data_ptr() in name_of}
-    return {rename.get(k, k): v for k, v in saved.items()}
