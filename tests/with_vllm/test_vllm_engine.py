@@ -4,7 +4,11 @@ settings get one clear error."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -148,6 +152,18 @@ def test_a_gemma4s_layer_scalars_reach_the_engine(tmp_path):
     trainer.engine.sync_weights(trainer.unwrapped_model)
     diff = (engine_logps(trainer.engine, prompt, completion) - policy_logps(trainer, prompt, completion)).abs()
     assert diff.max() < FP32_TOL
+
+
+def test_a_mixture_of_experts_reaches_the_engine(tmp_path):
+    """vLLM's CPU experts kernel packs the experts' matrices once, and a reload does not pack them again
+    (`vllm._repack_cpu_experts` does): without it the engine sampled from its start's experts, log-probs 0.69 off
+    here. A tiny Qwen3-MoE whose experts change after the engine is built (moe_job.py, in a process of its own: a
+    mixture-of-experts engine needs vLLM's expert-parallel group, which an earlier engine's process lacks)."""
+    job = os.path.join(os.path.dirname(__file__), "moe_job.py")
+    done = subprocess.run([sys.executable, job, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    diff = json.loads((tmp_path / "diff.json").read_text())
+    assert diff["synced"] < FP32_TOL and diff["stale"] > 100 * FP32_TOL
 
 
 def test_bfloat16_engine_matches_the_bfloat16_policy_within_its_tolerance(vllm_model_dir, tmp_path):
