@@ -192,3 +192,23 @@ def test_a_reward_model_with_computed_positions_scores_any_length_as_trl():
     )
     rm = RewardModel(LlamaForSequenceClassification(config).eval(), tok)
     assert len(rm(prompts=["abc"], completions=["d" * 40])) == 1
+
+
+# ---- vLLM's errors: the line that says what failed ------------------------------------------------------------
+
+
+def test_a_vllm_error_is_named_by_its_message_not_its_closing_link():
+    """vLLM refuses an architecture it cannot build with a pydantic validation error, whose last line is a link (a
+    Qwen3.5 on vLLM's CPU build); the engine's one-line error names the message. Other errors: their last line."""
+    from grpo.rollout.vllm import error_reason
+
+    pydantic = ValueError(
+        "1 validation error for ModelConfig\n  Value error, Model architectures ['Qwen3_5ForCausalLM'] failed to be "
+        "inspected. Please check the logs for more details. [type=value_error, input_value=ArgsKwargs((), {}), "
+        "input_type=ArgsKwargs]\n    For further information visit https://errors.pydantic.dev/2.14/v/value_error"
+    )
+    assert error_reason(pydantic) == (
+        "Model architectures ['Qwen3_5ForCausalLM'] failed to be inspected. Please check the logs for more details."
+    )
+    assert error_reason(RuntimeError("deep in the stack\nno kernel for head_dim=8")) == "no kernel for head_dim=8"
+    assert error_reason(KeyError()) == "KeyError"

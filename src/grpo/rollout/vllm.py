@@ -375,11 +375,9 @@ class VLLMEngine:
         try:
             yield
         except Exception as err:
-            text = str(err).strip()
-            reason = text.splitlines()[-1][:300] if text else type(err).__name__
             raise RuntimeError(
-                f"vLLM could not {action} this model ({self.describe}): {reason}. Set use_vllm=False to generate "
-                "with grpo's own engines."
+                f"vLLM could not {action} this model ({self.describe}): {error_reason(err)}. Set use_vllm=False to "
+                "generate with grpo's own engines."
             ) from err
 
     def _budget(self, request: Request) -> int:
@@ -421,6 +419,16 @@ def _unique_shared_memory_names(token: str) -> None:
 
     make_group_name.grpo_original = original  # type: ignore[attr-defined]  # a marker on the function
     shm.make_group_name = staticmethod(make_group_name)
+
+
+def error_reason(err: BaseException) -> str:
+    """The line of a vLLM error that says what failed: its last, or for a pydantic validation error (vLLM's
+    configs: an architecture vLLM cannot build) the message, not the link that closes it."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("For further information visit")]
+    if not lines:
+        return type(err).__name__
+    return lines[-1].split(" [type=")[0].removeprefix("Value error, ")[:300]
 
 
 def _expected_reload_gaps(record: logging.LogRecord) -> bool:
