@@ -5,7 +5,7 @@
 
 vLLM's own server is not used: its weight-update routes are unauthenticated and its weight transfer needs
 NCCL/CUDA. Here weights travel as one safetensors body over HTTP and load through vLLM's in-place reload
-(`grpo.rollout.vllm.load_weights`, as the colocate engine's `sync_weights` does).
+(`grpo.rollout.vllm_reload.load_weights`, as the colocate engine's `sync_weights` does).
 
 Protocol (JSON bodies unless said; with a key, `Authorization: Bearer <key>` on every route but /health):
 - `GET /health` -> `{"status": "ok", "model", "dtype", "max_model_len", "vocab_size", "weight_version", "run"}`
@@ -54,13 +54,8 @@ from typing import Any, TypeGuard
 import torch
 
 from grpo.models import vision
-from grpo.rollout.vllm import (
-    in_process_environment,
-    load_weights,
-    quiet_expected_reload_warnings,
-    samples,
-    sampling_params,
-)
+from grpo.rollout.vllm import in_process_environment, samples, sampling_params
+from grpo.rollout.vllm_reload import load_weights, quiet_expected_reload_warnings
 from grpo.serve.server_http import Access, AppServer, Handler, RequestError, is_loopback
 
 logger = logging.getLogger("grpo")
