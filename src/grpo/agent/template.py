@@ -228,15 +228,10 @@ def _ids(rendered: Any) -> list[int]:
 _REASONING = "grpo_reasoning_x7"
 
 
-def rerenders(tokenizer: Any, chat_template_kwargs: dict | None = None) -> bool:
-    """Whether the chat template renders an earlier assistant turn otherwise than the model sampled it, once a tool
-    result follows (what `turn_context="auto"` asks; `rerendering` says how)."""
-    return rerendering(tokenizer, chat_template_kwargs) is not None
-
-
 def rerendering(tokenizer: Any, chat_template_kwargs: dict | None = None) -> str | None:
     """How the chat template renders an earlier assistant turn otherwise than the model sampled it once a tool
-    result follows (None where it renders it as it was, or cannot render the sentinel): checked on a sentinel
+    result follows (what `turn_context="auto"` asks; None where it renders it as it was, or cannot render the
+    sentinel): checked on a sentinel
     conversation whose assistant turn holds a reasoning block and a tool call. It re-renders when the conversation
     with the tool result drops the reasoning (DeepSeek-R1's and QwQ's templates strip it from every earlier turn;
     Llama 3.1's renders a tool-calling turn as its call alone), does not begin with the generation prompt the turn
