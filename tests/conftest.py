@@ -8,6 +8,8 @@ sys.path[:0] = [HERE] + [os.path.join(HERE, tier) for tier in ("unit", "integrat
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
 import on_device  # noqa: E402
 from tiny import save_tiny  # noqa: E402
 
@@ -30,3 +32,29 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture
+def restores_determinism():
+    """`full_determinism` switches torch process-wide: the flags and variables it sets, as they were before the test."""
+    names = (
+        "CUDA_LAUNCH_BLOCKING",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "ASCEND_LAUNCH_BLOCKING",
+        "HCCL_DETERMINISTIC",
+        "FLASH_ATTENTION_DETERMINISTIC",
+    )
+    env = {n: os.environ.get(n) for n in names}
+    flags = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    yield
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    torch.use_deterministic_algorithms(flags[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[1], flags[2]

@@ -367,31 +367,6 @@ def test_data_seed_seeds_the_prompt_order_only(tiny_model_dir, tmp_path):
     assert [plain.producer.rows(k) for k in range(4)] != [seeded.producer.rows(k) for k in range(4)]
 
 
-@pytest.fixture
-def restores_determinism():
-    names = (
-        "CUDA_LAUNCH_BLOCKING",
-        "CUBLAS_WORKSPACE_CONFIG",
-        "ASCEND_LAUNCH_BLOCKING",
-        "HCCL_DETERMINISTIC",
-        "FLASH_ATTENTION_DETERMINISTIC",
-    )
-    env = {n: os.environ.get(n) for n in names}
-    flags = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.backends.cudnn.deterministic,
-        torch.backends.cudnn.benchmark,
-    )
-    yield
-    for name, value in env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    torch.use_deterministic_algorithms(flags[0])
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[1], flags[2]
-
-
 def test_full_determinism_switches_torch_to_deterministic_algorithms(tiny_model_dir, tmp_path, restores_determinism):
     assert not torch.are_deterministic_algorithms_enabled()
     trainer = run(tiny_model_dir, tmp_path, max_steps=1, full_determinism=True)  # and training runs under it

@@ -168,7 +168,7 @@ def test_fsdp_plugin_checkpoint_wrappers_count_as_recomputation(tiny_model_dir):
     from transformers import AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from grpo.learner.forward import prefix_sharing_unsupported_reason
+    from grpo.learner.prefix import prefix_sharing_unsupported_reason
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not recomputes_activations(model) and prefix_sharing_unsupported_reason(model) is None

@@ -81,6 +81,34 @@ def test_shared_prefix_bf16_within_tolerance():
     assert (plain[m] - shared[m]).abs().max() < 0.05
 
 
+def backward_kinds(t):
+    """The kinds of autograd node `t`'s gradient passes through."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
+def test_shared_prefix_gradients_are_the_same_every_run():
+    """Each row's copy of its prompt's cache and last output adds its gradient back in a fixed order: no
+    advanced-indexing backward (`IndexBackward0`), which on a multi-threaded CPU adds copies with atomic adds in
+    thread order (the same batch gave gradients a rounding apart from run to run), and repeated passes over prompts
+    long enough for torch's threaded path give bit-identical gradients."""
+    batch, model = batch_and_model()
+    logps, _ = token_logps(model, batch, temperature=0.9, share_prefix=True)
+    assert "IndexBackward0" not in backward_kinds(logps)
+    long = " ".join(["what is two plus two and then three?"] * 6)
+    batch, _ = batch_and_model(texts=(long, long + " ok"), lengths=(4, 12))
+    model = make_model(make_tokenizer(), hidden=128)
+    first = logps_and_grads(model, batch, share_prefix=True)[2]
+    for _ in range(3):
+        grads = logps_and_grads(model, batch, share_prefix=True)[2]
+        assert all(torch.equal(grads[n], g) for n, g in first.items())
+
+
 @pytest.mark.parametrize("share", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_chunked_head_matches_full_logits(share, dtype):

@@ -35,12 +35,12 @@ from grpo.algo.loss_terms import router_aux_coef
 from grpo.distributed.zero import is_partitioned
 from grpo.learner import tree, tree_attention, tree_images
 from grpo.learner.batch import TrainBatch
+from grpo.learner.prefix import prefix_sharing_unsupported_reason, select_cache_rows, take_rows
 from grpo.learner.tree_images import ImageInputs
 from grpo.models.fp32_head import is_fp32_head
-from grpo.models.modeling import accepts_logits_to_keep, cache_argument, recomputes_activations, unwrap
+from grpo.models.modeling import accepts_logits_to_keep, cache_argument, unwrap
 from grpo.models.vision import computes_own_positions
 from grpo.perf import blocks, compilation, linears
-from grpo.rollout.fast import keeps_recurrent_state
 from grpo.rollout.plain import SUPPRESSED, suppressed_tokens
 
 logger = logging.getLogger("grpo")
@@ -162,18 +162,6 @@ class TrainingPass:
     def _compiled(self) -> contextlib.AbstractContextManager:
         """torch_compile: the policy's compiled decoder stack for the pass (a reference model runs as it is)."""
         return self.compiled() if self.compiled is not None else contextlib.nullcontext()
-
-
-def prefix_sharing_unsupported_reason(model: Any) -> str | None:
-    """Why the rows of one prompt cannot share the prompt's pass (None when they can)."""
-    inner = unwrap(model)
-    if recomputes_activations(model):
-        return "gradient checkpointing turns the KV cache off"
-    if not getattr(inner, "_supports_cache_class", True) or getattr(inner.config, "is_encoder_decoder", False):
-        return "the model does not use transformers' dynamic KV cache"
-    if keeps_recurrent_state(inner):  # Qwen3.5, NemotronH, ...: their layers' state is not in a DynamicCache
-        return "the model keeps recurrent state (Mamba or linear-attention layers), which a KV cache does not hold"
-    return None
 
 
 def token_logps(
@@ -444,7 +432,7 @@ def _forward_shared(
             logits_to_keep=1,
             **cache_kwargs,
         )
-    cache.batch_select_indices(inverse)
+    select_cache_rows(cache, inverse)  # deterministic backward (grpo.learner.prefix)
     attention = torch.cat([batch.prompt_mask, batch.completion_attention], dim=1)
     c = batch.completion_ids.shape[1]
     positions = batch.prompt_mask.sum(-1, keepdim=True) + torch.arange(c, device=attention.device)
@@ -458,7 +446,7 @@ def _forward_shared(
             use_cache=True,
             **cache_kwargs,
         )
-    return torch.cat([last[inverse, -1:, :], rest[:, :-1, :]], dim=1)
+    return torch.cat([take_rows(last[:, -1:, :], inverse), rest[:, :-1, :]], dim=1)
 
 
 def _forked(plain: Callable[..., torch.Tensor], forked: tuple) -> Callable[..., torch.Tensor]:

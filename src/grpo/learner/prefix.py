@@ -1,0 +1,55 @@
+"""Prefix sharing: whether the rows of one prompt group can share the prompt's pass, and the row copies that share
+it. Each row takes a copy of its prompt's KV cache and last output, with a backward that adds the copies' gradients
+in the same order on every run.
+
+transformers' `Cache.batch_select_indices` copies rows by advanced indexing (`keys[indices]`). On the CPU with more
+than one thread, that indexing's backward adds the copies' gradients with atomic float adds, in whichever order the
+threads reach them (torch lists `Tensor.__getitem__`'s CPU backward among its nondeterministic operations). The same
+batch then gave gradients a rounding apart from one run to the next, and a resumed run was not bit-identical to the
+uninterrupted one. `take_rows` copies rows through an embedding lookup instead: its backward is deterministic on the
+CPU and on CUDA, and it computes the same sums.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from grpo.models.modeling import recomputes_activations, unwrap
+from grpo.rollout.fast import keeps_recurrent_state
+
+
+def prefix_sharing_unsupported_reason(model: Any) -> str | None:
+    """Why the rows of one prompt cannot share the prompt's pass (None when they can)."""
+    inner = unwrap(model)
+    if recomputes_activations(model):
+        return "gradient checkpointing turns the KV cache off"
+    if not getattr(inner, "_supports_cache_class", True) or getattr(inner.config, "is_encoder_decoder", False):
+        return "the model does not use transformers' dynamic KV cache"
+    # Qwen3.5, NemotronH, ...: a plain DynamicCache has no place for their layers' state, and transformers' cache
+    # layers for it write the state in place, which a gradient pass through the rows cannot backpropagate
+    if keeps_recurrent_state(inner):
+        return "the model keeps recurrent state (Mamba or linear-attention layers), which a KV cache does not hold"
+    return None
+
+
+# the cache layers whose state is their keys and values alone; any other kind selects its own rows
+_KEYS_AND_VALUES = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`x[index]` along the first dimension (`index` may repeat rows), with a deterministic backward."""
+    flat = x.reshape(x.shape[0], -1)
+    return torch.nn.functional.embedding(index, flat).view(len(index), *x.shape[1:])
+
+
+def select_cache_rows(cache: Any, index: torch.Tensor) -> None:
+    """`cache.batch_select_indices(index)`, through `take_rows` for transformers' plain and sliding-window layers."""
+    for layer in cache.layers:
+        if type(layer) not in _KEYS_AND_VALUES:
+            layer.batch_select_indices(index)
+        elif layer.get_seq_length() > 0:
+            layer.keys = take_rows(layer.keys, index)
+            layer.values = take_rows(layer.values, index)
