@@ -92,20 +92,28 @@ def backward_kinds(t):
     return {type(node).__name__ for node in seen}
 
 
-def test_shared_prefix_gradients_are_the_same_every_run():
-    """Each row's copy of its prompt's cache and last output adds its gradient back in a fixed order: no
-    advanced-indexing backward (`IndexBackward0`), which on a multi-threaded CPU adds copies with atomic adds in
-    thread order (the same batch gave gradients a rounding apart from run to run), and repeated passes over prompts
-    long enough for torch's threaded path give bit-identical gradients."""
-    batch, model = batch_and_model()
-    logps, _ = token_logps(model, batch, temperature=0.9, share_prefix=True)
+LAYOUTS = [dict(share_prefix=True), dict(as_trees=True), dict(as_trees=True, turns=True), dict(turns=True)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_copies_of_a_shared_position_add_their_gradients_in_a_fixed_order(layout):
+    """Where rows share positions (each row's copy of its prompt's cache and last output; a tree's positions, a
+    prompt's last one every row's first; a turn's own row where turns are forked), the copies' gradients add back
+    through no advanced-indexing backward (`IndexBackward0`), which on a multi-threaded CPU adds with atomic adds in
+    thread order: the same batch gave gradients a rounding apart from run to run (resumes were not bit-identical).
+    And repeated passes over prompts long enough for torch's threaded path give bit-identical gradients."""
+    from test_turn_layouts import turns_batch
+
+    layout = dict(layout)
+    batch, model = turns_batch()[::4] if layout.pop("turns", False) else batch_and_model()
+    logps, _ = token_logps(model, batch, temperature=0.9, **layout)
     assert "IndexBackward0" not in backward_kinds(logps)
     long = " ".join(["what is two plus two and then three?"] * 6)
     batch, _ = batch_and_model(texts=(long, long + " ok"), lengths=(4, 12))
     model = make_model(make_tokenizer(), hidden=128)
-    first = logps_and_grads(model, batch, share_prefix=True)[2]
+    first = logps_and_grads(model, batch, **layout)[2]
     for _ in range(3):
-        grads = logps_and_grads(model, batch, share_prefix=True)[2]
+        grads = logps_and_grads(model, batch, **layout)[2]
         assert all(torch.equal(grads[n], g) for n, g in first.items())
 
 

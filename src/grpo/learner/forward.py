@@ -457,7 +457,8 @@ def _forked(plain: Callable[..., torch.Tensor], forked: tuple) -> Callable[..., 
     def forward(
         model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: list | None = None, extra: None = None
     ) -> torch.Tensor:
-        return plain(model, rows, chunked_head, aux_losses, extra)[row, column]
+        out = plain(model, rows, chunked_head, aux_losses, extra)
+        return take_rows(out.flatten(0, 1), row * out.shape[1] + column)  # out[row, column], as in _forward_tree
 
     return forward
 
@@ -485,4 +486,6 @@ def _forward_tree(
             use_cache=False,
             **extra,
         )
-    return out[trees.row, trees.column]
+    # each row's positions in its tree (a prompt's last position is every row's first): copied with a deterministic
+    # backward (grpo.learner.prefix), as out[trees.row, trees.column]
+    return take_rows(out.flatten(0, 1), trees.row * out.shape[1] + trees.column)

@@ -40,9 +40,9 @@ _KEYS_AND_VALUES = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`x[index]` along the first dimension (`index` may repeat rows), with a deterministic backward."""
+    """`x[index]` along the first dimension (`index`, of any shape, may repeat rows), with a deterministic backward."""
     flat = x.reshape(x.shape[0], -1)
-    return torch.nn.functional.embedding(index, flat).view(len(index), *x.shape[1:])
+    return torch.nn.functional.embedding(index, flat).view(*index.shape, *x.shape[1:])
 
 
 def select_cache_rows(cache: Any, index: torch.Tensor) -> None:
