@@ -7,7 +7,8 @@ than one thread, that indexing's backward adds the copies' gradients with atomic
 threads reach them (torch lists `Tensor.__getitem__`'s CPU backward among its nondeterministic operations). The same
 batch then gave gradients a rounding apart from one run to the next, and a resumed run was not bit-identical to the
 uninterrupted one. `take_rows` copies rows through an embedding lookup instead: its backward is deterministic on the
-CPU and on CUDA, and it computes the same sums.
+CPU and on CUDA, and it computes the same sums. The token-tree and forked-turn layouts read their rows' positions
+through it too (a tree's prompt end is every row's first position).
 """
 
 from __future__ import annotations
