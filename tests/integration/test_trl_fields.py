@@ -51,6 +51,12 @@ def test_trl_defaults(name):
         assert default_of(name) == trl_default
 
 
+@pytest.mark.parametrize("name", [n for n, e in LIST.items() if e.source == "grpo"])
+def test_grpo_only_defaults(name):
+    """The list's default of a field of grpo's own is the config's (packing's was listed as 'padded', not None)."""
+    assert default_of(name) == ast.literal_eval(LIST[name].default)
+
+
 def test_every_honoured_field_has_a_registered_effect():
     honoured = [n for n, e in LIST.items() if e.status in HONOURED]
     assert [n for n in honoured if n not in EFFECTS] == []
