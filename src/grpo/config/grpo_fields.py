@@ -22,7 +22,11 @@ class ModelFields:
     router_aux_loss_coef: Optional[float] = _help(
         "Mixture-of-experts models: weight of the router's load-balancing loss (None: the model config's own)."
     )
-    disable_dropout: bool = _help("Set every dropout probability to 0 in the policy and reference.", False)
+    disable_dropout: bool = _help(
+        "Set every dropout probability of the policy to 0: its Dropout modules (LoRA's included) and the ones its "
+        "layers pass to functional dropout (attention_dropout, ...).",
+        False,
+    )
     cast_lm_head_to_fp32: bool = _help("Keep the output projection's weights in float32 and project in float32.", False)
 
 

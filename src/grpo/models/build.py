@@ -3,6 +3,7 @@ wrapping of them (DDP, FSDP, DeepSpeed)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ from transformers import AutoConfig
 from grpo.distributed import zero
 from grpo.models import fp32_head, lora, vision
 from grpo.models.modeling import (
+    active_dropout,
     disable_dropout,
     enable_checkpointing,
     from_pretrained_checked,
@@ -69,8 +71,6 @@ def build(model: Any, processing_class: Any, peft_config: Any, args: Any, fsdp_p
             )
         processing_class = load_processing_class(source, policy.config, a.trust_remote_code)
     tokenizer = prepare_tokenizer(processing_class)
-    if a.disable_dropout:
-        disable_dropout(policy)
     from_adapters = a.beta != 0.0 and (peft_config is not None or lora.is_peft_model(policy))
     ref = None
     if a.beta != 0.0 and not from_adapters:
@@ -79,6 +79,17 @@ def build(model: Any, processing_class: Any, peft_config: Any, args: Any, fsdp_p
     set_use_cache([policy, ref], a.use_cache)
     if peft_config is not None:
         policy = lora.wrap(policy, peft_config, a.gradient_checkpointing, vision.lora_target_modules(policy))
+    if a.disable_dropout:  # after the adapters, whose lora_dropout it sets to 0 too (as TRL's order does)
+        disable_dropout(policy)
+    dropout = active_dropout(policy)
+    if dropout:
+        warnings.warn(
+            "The policy trains with dropout ("
+            + ", ".join(f"{kind}={p}" for kind, p in sorted(dropout.items()))
+            + "): the training pass's log-probs are then not the ones it sampled with (the sampling/* metrics show "
+            "the gap) and the clipped ratio carries dropout's noise. disable_dropout=True turns it off.",
+            stacklevel=3,
+        )
     fp32_head.apply(a, policy, ref)  # cast_lm_head_to_fp32
     return Models(policy, processing_class, tokenizer, ref, from_adapters)
 

@@ -234,10 +234,36 @@ def prepare_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def disable_dropout(model: torch.nn.Module) -> None:
-    for module in model.modules():
+def _dropout_probabilities(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, str, float]]:
+    """Each place `model` drops out in training, as (module, attribute, kind, probability): its Dropout modules
+    (LoRA's `lora_dropout` among them) and the float `*dropout*` attributes its layers pass to functional dropout in
+    forward (transformers' `attention_dropout` of every Llama-style attention, Seed-OSS's `residual_dropout`), which
+    no Dropout module holds."""
+    for name, module in model.named_modules():
         if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+            parts = name.split(".")  # LoRA's: ...q_proj.lora_dropout.default
+            kind = next((part for part in reversed(parts) if "drop" in part), parts[-1] or type(module).__name__)
+            yield module, "p", kind, float(module.p)
+        for attribute, value in list(vars(module).items()):
+            if "dropout" in attribute and isinstance(value, float):
+                yield module, attribute, attribute, value
+
+
+def active_dropout(model: torch.nn.Module) -> dict[str, float]:
+    """The dropout `model` trains with: each kind's largest probability, those above 0 only."""
+    found: dict[str, float] = {}
+    for _, _, kind, p in _dropout_probabilities(model):
+        if p > 0:
+            found[kind] = max(found.get(kind, 0.0), p)
+    return found
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout probability of `model` to 0: its Dropout modules' and the functional ones its layers hold
+    (TRL's `disable_dropout_in_model` sets the modules' only, so a model's attention dropout stayed on there)."""
+    for module, attribute, _, p in list(_dropout_probabilities(model)):
+        if p > 0:
+            setattr(module, attribute, 0.0)
 
 
 def reference_model(
