@@ -224,3 +224,23 @@ def test_each_family_takes_token_trees_with_the_padded_numbers(family_dirs, fami
     assert tree_grads.keys() == grads.keys()
     for name, grad in grads.items():  # atol scaled as test_shared_prefix_training.assert_same_pass's
         torch.testing.assert_close(tree_grads[name], grad, rtol=1e-5, atol=5e-6 * max(1.0, float(grad.abs().max())))
+
+
+def test_a_per_layer_mlp_width_costs_each_layer_its_own():
+    """Gemma 3n's config gives one intermediate_size per layer (a list): the tree's cost model (`packing="auto"`,
+    the CPU's default, and "tree") read it as one number and failed with a TypeError before the first step."""
+    import types
+
+    from grpo.learner import tree
+
+    def cost(widths):
+        config = transformers.Gemma3nTextConfig(
+            **dict(SMALL, intermediate_size=widths, head_dim=4, layer_types=["sliding_attention", "full_attention"])
+        )
+        return tree.pair_cost(types.SimpleNamespace(config=config))
+
+    narrow, mixed, wide = cost([32, 32]), cost([32, 64]), cost([64, 64])
+    assert narrow > mixed > wide > 0  # a wider MLP makes a token cost more against a pair
+    d, pair = 16, 2 * (2 * 4 * 4)  # two layers of 2 * heads * head_dim multiply-adds per (query, key) pair
+    token = sum(2 * d * 4 * 4 + 2 * d * 2 * 4 + 3 * d * inner for inner in (32, 64))  # q and o, k and v, the MLP
+    assert mixed == pytest.approx(pair / token)

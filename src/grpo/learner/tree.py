@@ -230,9 +230,11 @@ def pair_cost(model: Any) -> float:
     if shapes is None:
         return PAIR_COST
     token = pair = 0
-    for layer, (heads, kv, head) in zip(layer_configs(config), shapes):
+    for i, (layer, (heads, kv, head)) in enumerate(zip(layer_configs(config), shapes)):
         d = layer.hidden_size
         inner = getattr(layer, "intermediate_size", None) or 4 * d
+        if isinstance(inner, (list, tuple)):  # one per layer (Gemma 3n)
+            inner = inner[i]
         token += 2 * d * heads * head + 2 * d * kv * head + 3 * d * inner  # q and o, k and v, a gated MLP
         pair += 2 * heads * head  # q.k and the weighted sum of v
     return pair / token
