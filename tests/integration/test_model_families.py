@@ -244,3 +244,31 @@ def test_a_per_layer_mlp_width_costs_each_layer_its_own():
     d, pair = 16, 2 * (2 * 4 * 4)  # two layers of 2 * heads * head_dim multiply-adds per (query, key) pair
     token = sum(2 * d * 4 * 4 + 2 * d * 2 * 4 + 3 * d * inner for inner in (32, 64))  # q and o, k and v, the MLP
     assert mixed == pytest.approx(pair / token)
+
+
+@pytest.mark.parametrize("chunk", [8, 4096])
+def test_chunked_attention_takes_trees_only_within_its_first_chunk(chunk):
+    """Llama 4's chunked layers attend within fixed chunks of positions, which a tree's mask does not hold: rows
+    longer than a chunk keep the padded layout (as past a sliding window; trees were 0.055 off there), shorter ones
+    run as trees; either way the padded numbers."""
+    from collections import Counter
+
+    from grpo.learner.forward import token_logps
+    from test_shared_prefix_training import batch_and_model
+
+    batch, _ = batch_and_model()  # rows of about 20 to 40 tokens
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(
+        vocab_size=len(make_tokenizer()),
+        **dict(SMALL, head_dim=4, intermediate_size_mlp=32, num_local_experts=4, num_experts_per_tok=1),
+        interleave_moe_layer_step=2,
+        attention_chunk_size=chunk,
+        no_rope_layers=[1, 0],
+    )
+    model = transformers.Llama4ForCausalLM(config)
+    laid_out: Counter[str] = Counter()
+    padded, _ = token_logps(model, batch, 0.9, with_entropy=False)
+    trees, _ = token_logps(model, batch, 0.9, with_entropy=False, as_trees=True, laid_out=laid_out)
+    assert laid_out == Counter({"padded" if chunk == 8 else "trees": 1})
+    m = batch.mask.bool()
+    torch.testing.assert_close(trees[m], padded[m], rtol=1e-5, atol=1e-6)

@@ -428,10 +428,12 @@ def longest(batch: TrainBatch) -> int:
 
 
 def fits_window(model: Any, batch: TrainBatch) -> bool:
-    """Whether every row's whole sequence fits the model's sliding attention window (always, without one): a
-    prepared mask replaces the window's own, which only matters past the window."""
-    window = getattr(tree_attention.text_config(model), "sliding_window", None)  # a VLM's: its language model's
-    return not window or longest(batch) <= window
+    """Whether every row's whole sequence fits the model's sliding attention window and its attention chunk (Llama
+    4's chunked layers attend within fixed chunks of positions); always, without either: a prepared mask replaces the
+    model's own, which only differs from causal past the window or the first chunk."""
+    config = tree_attention.text_config(model)  # a VLM's: its language model's
+    bounds = [b for b in (getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)) if b]
+    return not bounds or longest(batch) <= min(bounds)
 
 
 def forked(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor, torch.Tensor]:
