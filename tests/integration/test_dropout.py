@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from grpo import GRPOTrainer
 from grpo.models.modeling import active_dropout
 from support import cfg, chat_dataset, length_reward
+from test_model_families import FAMILIES
 from tiny import make_tokenizer
 
 
@@ -59,17 +60,8 @@ def test_seed_oss_samples_what_it_trains_once_its_dropout_is_off(tmp_path, disab
     only: with disable_dropout its training pass scores what the engine sampled; without, it does not."""
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
-    config = transformers.SeedOssConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=4,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = transformers.SeedOssConfig(vocab_size=len(tokenizer), **FAMILIES["SeedOss"], **ids)  # the table's
     assert config.attention_dropout > 0 and config.residual_dropout > 0
     transformers.SeedOssForCausalLM(config).save_pretrained(tmp_path / "seed")
     tokenizer.save_pretrained(tmp_path / "seed")
