@@ -21,9 +21,9 @@ from tiny import make_tokenizer
 
 
 def trainer_with_dropout(tiny_model_dir, tmp_path, disable):
-    """The tiny Llama with attention dropout 0.2, a Dropout module (p=0.3) and LoRA adapters with dropout 0.1."""
+    """The tiny Llama with attention dropout 0.2, a dropout module (p=0.3) and LoRA adapters with dropout 0.1."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.2)
-    model.model.probe = torch.nn.Dropout(0.3)
+    model.model.probe = torch.nn.Dropout1d(0.3)  # any kind of dropout module (not an nn.Dropout subclass)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1, task_type="CAUSAL_LM")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -235,12 +235,12 @@ def prepare_tokenizer(tokenizer: Any) -> Any:
 
 
 def _dropout_probabilities(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, str, float]]:
-    """Each place `model` drops out in training, as (module, attribute, kind, probability): its Dropout modules
+    """Each place `model` drops out in training, as (module, attribute, kind, probability): its dropout modules
     (LoRA's `lora_dropout` among them) and the float `*dropout*` attributes its layers pass to functional dropout in
     forward (transformers' `attention_dropout` of every Llama-style attention, Seed-OSS's `residual_dropout`), which
     no Dropout module holds."""
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Dropout):
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):  # Dropout, Dropout1d-3d, AlphaDropout, ...
             parts = name.split(".")  # LoRA's: ...q_proj.lora_dropout.default
             kind = next((part for part in reversed(parts) if "drop" in part), parts[-1] or type(module).__name__)
             yield module, "p", kind, float(module.p)
