@@ -13,6 +13,19 @@ from support import cfg, chat_dataset, length_reward, params
 from tiny import NEMOTRON_H, make_tokenizer
 
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+QWEN_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)  # Qwen3-MoE's and Qwen3-Next's
+# Qwen3.5's and Qwen3-Next's gated delta-rule linear attention beside full attention
+GATED_DELTA = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_key_head_dim=4,
+    linear_value_head_dim=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+# DeepSeek-V3's and GLM-4.5's: a dense first layer, then routed experts with grouped top-k routing
+DEEPSEEK_EXPERTS = dict(
+    moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1
+)
 FAMILIES = {
     "Llama": dict(SMALL),
     "Qwen2": dict(SMALL),
@@ -36,7 +49,7 @@ FAMILIES = {
     "SmolLM3": dict(SMALL, no_rope_layers=[1, 0]),  # a layer without rotary embeddings
     "Olmo3": dict(SMALL),
     # mixtures of experts: Qwen3's, and gpt-oss's (attention sinks, sliding and full layers, experts with biases)
-    "Qwen3Moe": dict(SMALL, head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
+    "Qwen3Moe": dict(SMALL, head_dim=4, **QWEN_EXPERTS),
     "GptOss": dict(
         SMALL,
         head_dim=4,
@@ -47,32 +60,12 @@ FAMILIES = {
     ),
     # Qwen3_5ForCausalLM (Qwen3.5's text model): gated delta-rule linear attention (recurrent state) between gated
     # full-attention layers with partial rotary embeddings: the plain engine, padded rows
-    "Qwen3_5": dict(
-        SMALL,
-        head_dim=4,
-        layer_types=["linear_attention", "full_attention"],
-        linear_key_head_dim=4,
-        linear_value_head_dim=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-    ),
-    # Qwen3-Next: Qwen3.5's layers with mixture-of-experts blocks
-    "Qwen3Next": dict(
-        SMALL,
-        head_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=8,
-        layer_types=["linear_attention", "full_attention"],
-        linear_key_head_dim=4,
-        linear_value_head_dim=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-    ),
+    "Qwen3_5": dict(SMALL, head_dim=4, **GATED_DELTA),
+    "Qwen3Next": dict(SMALL, head_dim=4, **QWEN_EXPERTS, **GATED_DELTA),  # Qwen3.5's layers with expert blocks
     "NemotronH": NEMOTRON_H,  # Mamba and attention layers: the plain engine (recurrent state)
     "Phi3": dict(SMALL, partial_rotary_factor=0.5),  # Phi-3 and Phi-4 mini: fused qkv and gate-up, partial rotary
     # DeepSeek-V3: multi-head latent attention (low-rank queries and keys/values, values narrower than the queries'
-    # heads), a dense first layer, then routed and shared experts with grouped top-k routing
+    # heads), its experts with a shared one
     "DeepseekV3": dict(
         SMALL,
         num_key_value_heads=4,
@@ -81,26 +74,11 @@ FAMILIES = {
         qk_rope_head_dim=4,
         qk_nope_head_dim=4,
         v_head_dim=6,
-        moe_intermediate_size=8,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
         n_shared_experts=1,
+        **DEEPSEEK_EXPERTS,
     ),
     # GLM-4.5: DeepSeek-V3's routing on grouped-query attention with partial rotary
-    "Glm4Moe": dict(
-        SMALL,
-        head_dim=4,
-        partial_rotary_factor=0.5,
-        moe_intermediate_size=8,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-    ),
+    "Glm4Moe": dict(SMALL, head_dim=4, partial_rotary_factor=0.5, **DEEPSEEK_EXPERTS),
     "Ernie4_5_Moe": dict(SMALL, moe_intermediate_size=8, moe_num_experts=4, moe_k=2, moe_layer_start_index=1),
     "Olmoe": dict(SMALL, num_experts=4, num_experts_per_tok=2),
     # Granite: scaled embeddings, residuals and attention, logits divided after the head (the full head, not tiled)

@@ -229,14 +229,13 @@ _REASONING = "grpo_reasoning_x7"
 
 
 def rerendering(tokenizer: Any, chat_template_kwargs: dict | None = None) -> str | None:
-    """How the chat template renders an earlier assistant turn otherwise than the model sampled it once a tool
-    result follows (what `turn_context="auto"` asks; None where it renders it as it was, or cannot render the
-    sentinel): checked on a sentinel
-    conversation whose assistant turn holds a reasoning block and a tool call. It re-renders when the conversation
-    with the tool result drops the reasoning (DeepSeek-R1's and QwQ's templates strip it from every earlier turn;
-    Llama 3.1's renders a tool-calling turn as its call alone), does not begin with the generation prompt the turn
-    was sampled after (Qwen3's with enable_thinking=False opens every turn with an empty reasoning block and drops
-    it from earlier ones), or does not begin with the assistant turn as rendered last (Gemma 4's puts the turn's
+    """How the chat template renders an earlier assistant turn otherwise than the model sampled it once a tool result
+    follows (what `turn_context="auto"` asks; None where it renders it as it was, or cannot render the sentinel):
+    checked on a sentinel conversation whose assistant turn holds a reasoning block and a tool call. It re-renders when
+    the conversation with the tool result drops the reasoning (DeepSeek-R1's and QwQ's templates strip it from every
+    earlier turn; Llama 3.1's renders a tool-calling turn as its call alone), does not begin with the generation prompt
+    the turn was sampled after (Qwen3's with enable_thinking=False opens every turn with an empty reasoning block and
+    drops it from earlier ones), or does not begin with the assistant turn as rendered last (Gemma 4's puts the turn's
     text after the tool's result)."""
     kwargs = chat_template_kwargs or {}
     user = [{"role": "user", "content": "hi"}]
