@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, TrainerState
 from grpo import checkpoint
 from grpo.agent import Rollouts
 from grpo.agent.environments import placeholder_dataset
-from grpo.algo.loss_terms import LossTerms, router_aux_coef
+from grpo.algo.loss_terms import LossTerms
 from grpo.algo.losses import LossParams
 from grpo.algo.sampling_correction import SamplingCorrection
 from grpo.base import seeding
@@ -125,7 +125,7 @@ class Assembly(TrlSurface):
         mixed_reference = ref_sync.MixedReference.of(args, self.ref_model, self.accelerator)
         extra = [*mixed_reference, *([self.rounds] if args.async_generation else [])]  # in-flight rounds
         self.loss_params = LossParams.of(args)
-        self.loss_terms = LossTerms(args, router_aux_coef(self.unwrapped_model, args))  # entropy bonus, router loss
+        self.loss_terms = LossTerms(args, self.training_pass.router_aux_coef)  # entropy bonus, router loss
         # what checkpoints save and load (trainer_state.json's record first)
         resume_at = functools.partial(position_after_resume, args, self.train_dataset)  # ignore_data_skip
         self.state_components = components.of_run(self, extra, datasets.dataset_size(self.train_dataset), resume_at)

@@ -354,6 +354,30 @@ def test_router_aux_coefficient(moe_model_dir, tiny_model_dir):
         router_aux_coef(llama, args(0.5))
 
 
+def test_a_model_that_computes_no_router_loss_is_told_at_start_up(moe_model_dir):
+    """Llama 4's config (like Mixtral's) declares router logits and a coefficient (0.001), but its forward takes no
+    output_router_logits and returns no aux_loss; TRL asks for it anyway and fails at the first training pass. Here
+    the config's coefficient is not used (warned), and one set in GRPOConfig stops the run at start-up, named."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    llama4 = Llama4ForCausalLM(
+        Llama4TextConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, intermediate_size_mlp=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_local_experts=2, interleave_moe_layer_step=2,
+        )
+    )  # fmt: skip
+    assert llama4.config.router_aux_loss_coef == 0.001
+    with pytest.warns(UserWarning, match=r"Llama4ForCausalLM computes no router load-balancing loss .* \(0.001\)"):
+        assert router_aux_coef(llama4, SimpleNamespace(router_aux_loss_coef=None)) == 0.0
+    with pytest.raises(ValueError, match="is 0.5, but Llama4ForCausalLM's forward computes no load-balancing loss"):
+        router_aux_coef(llama4, SimpleNamespace(router_aux_loss_coef=0.5))
+    assert router_aux_coef(llama4, SimpleNamespace(router_aux_loss_coef=0.0)) == 0.0
+    # under LoRA the base model's forward decides: Mixtral's computes the loss
+    adapted = get_peft_model(MixtralForCausalLM.from_pretrained(moe_model_dir), LoraConfig(target_modules=["q_proj"]))
+    assert router_aux_coef(adapted, SimpleNamespace(router_aux_loss_coef=None)) == 0.001
+
+
 def _moe_step(tmp_path, moe_model_dir, coef, seen=None):
     trainer = GRPOTrainer(
         model=moe_model_dir,

@@ -7,11 +7,15 @@
   that for dapo, cispo and vespo under accumulation) and `entropy_coef` (at each optimizer step);
 - a mixture-of-experts router's load-balancing loss, `loss + router_aux_loss_coef * aux_loss / GA`, on when the
   model's config has `output_router_logits` and the coefficient (`router_aux_loss_coef`, None: the config's own)
-  is not 0. Metric `aux_loss`.
+  is not 0. Metric `aux_loss`. A model whose forward takes no `output_router_logits` computes no such loss (Llama 4,
+  DeepSeek-V3, GLM-4.5 in transformers): the config's own coefficient is then not used (a warning says so) and a
+  coefficient set in GRPOConfig is an error at start-up, not at the first training pass.
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -25,15 +29,41 @@ def router_aux_coef(model: Any, args: Any) -> float:
     `router_aux_loss_coef` on a model that returns no router logits is an error, as in TRL 1.16."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     coef = args.router_aux_loss_coef
+    name = type(model).__name__
     if coef and not hasattr(config, "output_router_logits"):
         raise ValueError(
-            f"GRPOConfig.router_aux_loss_coef is {coef}, but {type(model).__name__} is not a mixture-of-experts "
+            f"GRPOConfig.router_aux_loss_coef is {coef}, but {name} is not a mixture-of-experts "
             "model that returns router logits, so there is no load-balancing loss to weight. Leave "
             "router_aux_loss_coef at None (or 0)."
         )
     if not hasattr(config, "output_router_logits"):
         return 0.0
-    return float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+    weight = float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+    if weight and not _takes_router_logits(model):
+        # TRL 1.16 asks such a model for router logits anyway and fails at its first training pass
+        if coef is not None:
+            raise ValueError(
+                f"GRPOConfig.router_aux_loss_coef is {coef}, but {name}'s forward computes no load-balancing loss "
+                "(it takes no output_router_logits), so there is none to weight. Leave router_aux_loss_coef at None "
+                "(or 0)."
+            )
+        warnings.warn(
+            f"{name} computes no router load-balancing loss (its forward takes no output_router_logits), so it "
+            f"trains without one; its config's router_aux_loss_coef ({weight}) is not used.",
+            stacklevel=2,
+        )
+        return 0.0
+    return weight
+
+
+def _takes_router_logits(model: Any) -> bool:
+    """Whether `model`'s forward can return a router loss: transformers' mixture-of-experts models that compute one
+    take `output_router_logits`; a class from elsewhere is trusted (the training pass checks its outputs)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a PEFT wrapper
+    cls = type(base)
+    if not cls.__module__.startswith("transformers."):
+        return True
+    return "output_router_logits" in inspect.signature(cls.forward).parameters
 
 
 class LossTerms:

@@ -58,7 +58,8 @@ class TrainingPass:
         suppressed = tuple(suppressed_tokens(unwrap(model))) if pixels is not None else ()
         self.images = ImageInputs.of(model, pixels, suppressed) if pixels is not None else None
         self.autocast = autocast
-        self.router_aux = router_aux_coef(unwrap(model), args) != 0.0
+        self.router_aux_coef = router_aux_coef(unwrap(model), args)  # the router loss's weight (0.0: off)
+        self.router_aux = self.router_aux_coef != 0.0
         self.aux_loss: torch.Tensor | None = None  # the last gradient pass's router loss (router_aux)
         # the router loss is computed over whole padded sequences; an image prompt runs whole in padded rows (its
         # pixel inputs go with each row), once per tree in a tree
