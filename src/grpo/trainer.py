@@ -298,6 +298,9 @@ class GRPOTrainer(Assembly):
             stats.update(asynchronous.importance_stats(logps.detach(), batch.old_logps, batch.mask))
         self._window.add_many(collectives.reduce_stats(stats, acc))
         self._window.add("timing/training_tokens_per_s", tokens / max(time.perf_counter() - t0, 1e-9))
+        if self.training_pass.tree:  # packing "tree" or "auto": the share of the pass's pieces laid out as trees
+            laid_out = self.training_pass.trained_as
+            self._window.add("packing/trees", laid_out["trees"] / max(sum(laid_out.values()), 1))
         return loss_value
 
     def _update(self, losses: list[float]) -> Update:

@@ -48,6 +48,8 @@ def test_a_tree_run_trains_like_a_padded_one(tiny_model_dir, tmp_path, checkpoin
         if "loss" in row:
             assert tree_row["loss"] == pytest.approx(row["loss"], rel=1e-4, abs=1e-6)
             assert tree_row["entropy"] == pytest.approx(row["entropy"], rel=1e-4)
+            # the share of the gradient pass's pieces laid out as trees: all of them; padded rows log none
+            assert tree_row["packing/trees"] == 1.0 and "packing/trees" not in row
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
@@ -56,11 +58,13 @@ def test_auto_lays_out_each_piece_as_the_cheaper_and_trains_like_padded(tiny_mod
     lower; the run trains as the padded one does. On this workload (short completions after long chat prompts)
     the trees win where gradient checkpointing runs each row's prompt itself, and the padded rows where the prompt
     is shared through the KV cache."""
-    padded = trained(tiny_model_dir, tmp_path / "padded", gradient_checkpointing=checkpointing)
+    padded = trained(tiny_model_dir, tmp_path / "padded", gradient_checkpointing=checkpointing, packing="padded")
     auto = trained(tiny_model_dir, tmp_path / "auto", gradient_checkpointing=checkpointing, packing="auto")
     laid_out = auto.training_pass.laid_out
-    assert auto.training_pass.tree and auto.training_pass.where_cheaper
+    assert auto.training_pass.tree and auto.training_pass.where_cheaper and not padded.training_pass.tree
     assert set(laid_out) == ({"trees"} if checkpointing else {"padded"}), laid_out
+    rows = [row for row in auto.state.log_history if "loss" in row]
+    assert len(rows) == 2 and all(row["packing/trees"] == float(checkpointing) for row in rows)  # what auto took
     auto_params = params(auto.model)
     for name, value in params(padded.model).items():
         torch.testing.assert_close(auto_params[name], value, rtol=1e-4, atol=1e-6)

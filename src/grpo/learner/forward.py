@@ -83,8 +83,9 @@ class TrainingPass:
             logger.info("packing='auto' lays out padded rows: %s.", reason)
         self.tree = self.packing != "padded" and reason is None
         self.where_cheaper = self.packing == "auto"  # each piece as trees only where they cost less than padded rows
-        # with trees: how many pieces ran as "trees" and as "padded" rows
+        # with trees: how many pieces ran as "trees" and as "padded" rows (the last gradient pass's: trained_as)
         self.laid_out: Counter[str] = Counter()
+        self.trained_as: Counter[str] = Counter()
         reason = tiled_head_unsupported_reason(model)
         if reason is not None:
             logger.info("Training pass computes the full logits: %s.", reason)
@@ -134,10 +135,11 @@ class TrainingPass:
 
     def train(self, model: Any, batch: TrainBatch, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Token log-probs and entropies with gradient (entropies only with `entropy_grad`); with `router_aux`,
-        the router's load-balancing loss in `self.aux_loss`."""
+        the router's load-balancing loss in `self.aux_loss`; with trees, the pieces' layouts in `self.trained_as`."""
         lean = linears.lean_linears(model, self.lean_dtype) if self.lean_dtype else contextlib.nullcontext()
         kept = blocks.lean_blocks(model) if self.lean_blocks else contextlib.nullcontext()
         aux_losses: list[torch.Tensor] | None = [] if self.router_aux else None
+        self.trained_as = Counter()
         with self.autocast(), lean, kept, self._compiled():
             logps, entropies = token_logps(
                 model,
@@ -151,8 +153,9 @@ class TrainingPass:
                 images=self._images(),
                 as_trees=self.tree,
                 where_cheaper=self.where_cheaper,
-                laid_out=self.laid_out,
+                laid_out=self.trained_as,
             )
+        self.laid_out.update(self.trained_as)
         self.aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
         assert entropies is not None  # with_entropy
         return logps, entropies
