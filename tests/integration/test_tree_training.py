@@ -131,3 +131,54 @@ def test_flex_attention_scores_the_trees_as_the_padded_pass(monkeypatch):
             m = batch.mask.bool()
             for got, expected in zip(flex, padded):
                 torch.testing.assert_close(got[m], expected[m], rtol=1e-5, atol=1e-6)
+
+
+# models that place tokens by other means than the mask and positions a tree gives them
+ELSEWISE = {
+    "Mpt": lambda v: transformers.MptForCausalLM(
+        transformers.MptConfig(d_model=16, n_layers=2, n_heads=4, vocab_size=v)
+    ),
+    "Bloom": lambda v: transformers.BloomForCausalLM(
+        transformers.BloomConfig(hidden_size=16, n_layer=2, n_head=4, vocab_size=v)
+    ),
+    "TrOCR": lambda v: transformers.TrOCRForCausalLM(
+        transformers.TrOCRConfig(
+            d_model=16, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=32, vocab_size=v
+        )
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(ELSEWISE))
+def test_a_model_whose_trees_are_not_its_padded_rows_trains_padded_rows(family, tmp_path):
+    """MPT biases attention by each key's column (ALiBi): as trees its log-probs were 0.017 off the padded rows'
+    (on ragged completions), silently, under the CPU's default packing="auto" too; TrOCR's decoder places tokens
+    itself (0.24 off); BLOOM's ALiBi attention failed on a tree's mask. A probe of a few tokens before training
+    (`grpo.learner.tree_probe`) finds each, and the padded rows train, with the sampling log-probs they score."""
+    tokenizer = make_tokenizer()
+    torch.manual_seed(0)
+    model = ELSEWISE[family](len(tokenizer))
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    from grpo.learner import tree_probe
+    from grpo.learner.forward import token_logps as score
+
+    found = tree_probe.mismatch(model, lambda b, t: score(model, b, 1.0, with_entropy=False, as_trees=t)[0])
+    expected = "a tree pass failed here" if family == "Bloom" else "its log-probs as token trees differ"
+    assert found is not None and found.startswith(expected), found
+    assert model.training  # the probe ran in eval mode (no dropout) and gave the mode back
+    with pytest.warns(UserWarning, match=f"packing='tree' is not used: {expected}"):
+        trainer = GRPOTrainer(
+            model=str(tmp_path / "model"),
+            reward_funcs=length_reward,
+            train_dataset=chat_dataset(),
+            args=cfg(tmp_path / "tree", packing="tree", logging_steps=1, disable_dropout=True),  # TrOCR drops out
+        )
+    assert not trainer.training_pass.tree
+    trainer.train()
+    row = next(r for r in reversed(trainer.state.log_history) if "loss" in r)
+    assert "packing/trees" not in row and row["sampling/sampling_logp_difference/max"] < 1e-3
+    auto = GRPOTrainer(
+        model=str(tmp_path / "model"), reward_funcs=length_reward, train_dataset=chat_dataset(), args=cfg(tmp_path)
+    )
+    assert auto.training_pass.packing == "auto" and not auto.training_pass.tree  # the CPU's default: padded rows

@@ -33,7 +33,7 @@ from transformers import DynamicCache
 from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 from grpo.algo.loss_terms import router_aux_coef
 from grpo.distributed.zero import is_partitioned
-from grpo.learner import tree, tree_attention, tree_images
+from grpo.learner import tree, tree_attention, tree_images, tree_probe
 from grpo.learner.batch import TrainBatch
 from grpo.learner.prefix import prefix_sharing_unsupported_reason, select_cache_rows, take_rows
 from grpo.learner.tree_images import ImageInputs
@@ -77,6 +77,8 @@ class TrainingPass:
         if self.packing != "padded":  # image rows' own reasons (a model module's source read) only where trees may run
             images = tree_images.unsupported_reason(model, pixels) if pixels is not None else None
             reason = tree.unsupported_reason(model) or whole_rows or images
+            score = lambda batch, trees: token_logps(model, batch, 1.0, with_entropy=False, as_trees=trees)[0]  # noqa: E731
+            reason = reason or tree_probe.mismatch(model, score)  # a few tokens as trees and padded rows
         if reason is not None and self.packing == "tree":
             warnings.warn(f"packing='tree' is not used: {reason}. The padded layout trains instead.", stacklevel=3)
         elif reason is not None:

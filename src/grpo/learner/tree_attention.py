@@ -83,6 +83,19 @@ def text_config(model: Any) -> Any:
 # set to "flex" or "dense" to lay out every tree for that kernel (None: `attention_kernel` chooses)
 FORCE_KERNEL: str | None = None
 
+
+@contextlib.contextmanager
+def dense_kernel():
+    """Every tree laid out for the dense mask inside (`grpo.learner.tree_probe`: no FlexAttention compiled for its
+    few tokens)."""
+    global FORCE_KERNEL
+    kept, FORCE_KERNEL = FORCE_KERNEL, "dense"
+    try:
+        yield
+    finally:
+        FORCE_KERNEL = kept
+
+
 _FLEX_RUNS: dict[tuple, bool] = {}
 
 
