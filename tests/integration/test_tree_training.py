@@ -163,10 +163,13 @@ def test_a_model_whose_trees_are_not_its_padded_rows_trains_padded_rows(family, 
     from grpo.learner import tree_probe
     from grpo.learner.forward import token_logps as score
 
+    first = next(model.children())
+    first.eval()  # a module the run keeps in eval mode stays there
     found = tree_probe.mismatch(model, lambda b, t: score(model, b, 1.0, with_entropy=False, as_trees=t)[0])
     expected = "a tree pass failed here" if family == "Bloom" else "its log-probs as token trees differ"
     assert found is not None and found.startswith(expected), found
-    assert model.training  # the probe ran in eval mode (no dropout) and gave the mode back
+    # the probe ran in eval mode (no dropout) and gave each module its own mode back
+    assert model.training and not first.training and not any(m.training for m in first.modules())
     with pytest.warns(UserWarning, match=f"packing='tree' is not used: {expected}"):
         trainer = GRPOTrainer(
             model=str(tmp_path / "model"),

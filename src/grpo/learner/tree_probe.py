@@ -64,7 +64,7 @@ def mismatch(model: Any, score: Callable[[TrainBatch, bool], torch.Tensor]) -> s
     if parameter is None:
         return None
     batch = probe_batch(model, parameter.device)
-    was_training = inner.training
+    modes = [(module, module.training) for module in inner.modules()]  # each module's own (a frozen tower's eval)
     inner.eval()
     try:
         with torch.no_grad(), tree_attention.dense_kernel():
@@ -77,7 +77,8 @@ def mismatch(model: Any, score: Callable[[TrainBatch, bool], torch.Tensor]) -> s
             except Exception as error:  # noqa: BLE001 - any failure of the tree pass means padded rows
                 return f"a tree pass failed here ({type(error).__name__}: {str(error)[:200]})"
     finally:
-        inner.train(was_training)
+        for module, training in modes:
+            module.training = training
     real = batch.mask.bool()
     difference = float((trees[real].float() - padded[real].float()).abs().max())
     tolerance = TOLERANCE.get(parameter.dtype, LOW_PRECISION_TOLERANCE)
