@@ -19,6 +19,7 @@ import torch
 
 from grpo.learner import tree_attention
 from grpo.learner.batch import TrainBatch, collate
+from grpo.learner.tree_attention import text_config
 from grpo.models.modeling import unwrap
 from grpo.rollout.base import Rollout
 
@@ -32,10 +33,11 @@ def probe_batch(model: Any, device: torch.device) -> TrainBatch:
     """Two prompts (5 and 3 tokens) with two completions each (3 and 12, 2 and 8 tokens) of fixed random ids: the
     longer siblings sit between a prompt and the other completion in its tree."""
     inner = unwrap(model)
-    vocab = inner.get_input_embeddings().num_embeddings
+    vocab = getattr(inner.get_input_embeddings(), "num_embeddings", None) or text_config(model).vocab_size
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if isinstance(getattr(head, "weight", None), torch.Tensor):
-        vocab = min(vocab, head.weight.shape[0])  # ids the head scores (CPM-Ant embeds more than it predicts)
+    scored = getattr(head, "out_features", None)  # (not its weight's shape: ZeRO-3 partitions that to 0 rows)
+    if isinstance(scored, int) and scored > 0:
+        vocab = min(vocab, scored)  # ids the head scores (CPM-Ant embeds more than it predicts)
     generator = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
@@ -63,7 +65,10 @@ def mismatch(model: Any, score: Callable[[TrainBatch, bool], torch.Tensor]) -> s
     parameter = next((p for p in inner.parameters() if p.is_floating_point()), None)
     if parameter is None:
         return None
-    batch = probe_batch(model, parameter.device)
+    try:
+        batch = probe_batch(model, parameter.device)
+    except Exception:  # noqa: BLE001 - a model without the usual embeddings: the tree pass is trusted, as before
+        return None
     modes = [(module, module.training) for module in inner.modules()]  # each module's own (a frozen tower's eval)
     inner.eval()
     try:
