@@ -103,6 +103,26 @@ FAMILIES = {
     "Exaone4": dict(SMALL, head_dim=4, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
     "SeedOss": dict(SMALL, head_dim=4),  # attention and residual dropout by default: trained with disable_dropout
     "Apertus": dict(SMALL),  # xIELU activations, query-key norms
+    # Qwen4-Exp: gated delta-rule layers beside sparse attention through a key indexer, experts, hyper-connections
+    # and n-gram embeddings
+    "Qwen4Exp": dict(
+        SMALL,
+        head_dim=4,
+        **QWEN_EXPERTS,
+        **dict(GATED_DELTA, layer_types=["linear_attention", "indexed_attention"]),
+        shared_expert_intermediate_size=8,
+        hc_lowrank=4,
+        ple_embed_dim=8,
+        ngram_vocab_size_base=256,
+        heads_per_ngram=2,
+        split_ngram_parts=4,
+        make_ngram_vocab_size_divisible_by=8,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=4,
+        indexer_budget=8,
+        indexer_compress_ratio=2,
+    ),
     # hybrids with recurrent state: LFM2's short convolutions, Falcon-H1's Mamba-2 heads beside attention
     "Lfm2": dict(SMALL, layer_types=["conv", "full_attention"], block_dim=16, block_ff_dim=32),
     "FalconH1": dict(
@@ -141,13 +161,13 @@ def family_dirs(tmp_path_factory):
 # transformers' experts gather each expert's tokens (and gpt-oss's biases) by advanced indexing, whose backward on a
 # multi-threaded CPU adds in thread order (torch: nondeterministic; gpt-oss's resume differed about one run in 20 here),
 # so bit-identical mixture-of-experts runs there need torch's deterministic algorithms (docs/checkpoints.md)
-DETERMINISTIC_ONLY = ("Qwen3Moe", "GptOss", "Qwen3Next", "DeepseekV3", "Glm4Moe", "Ernie4_5_Moe", "Olmoe", "Llama4")
+MIXTURES = ("Qwen3Moe", "GptOss", "Qwen3Next", "DeepseekV3", "Glm4Moe", "Ernie4_5_Moe", "Olmoe", "Llama4", "Qwen4Exp")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_each_family_trains_and_resumes_exactly(family_dirs, tmp_path, family, restores_determinism):
     def run(name, **kw):
-        exact = dict(full_determinism=family in DETERMINISTIC_ONLY, disable_dropout=family in DROPOUT)
+        exact = dict(full_determinism=family in MIXTURES, disable_dropout=family in DROPOUT)
         args = cfg(tmp_path / name, max_steps=2, save_strategy="steps", save_steps=1, logging_steps=1, **exact, **kw)
         return GRPOTrainer(
             model=family_dirs[family], reward_funcs=length_reward, train_dataset=chat_dataset(), args=args
@@ -165,7 +185,7 @@ def test_each_family_trains_and_resumes_exactly(family_dirs, tmp_path, family, r
     assert all(torch.equal(after[n], value) for n, value in params(resumed.model).items())
 
 
-RECURRENT = ("Qwen3_5", "Qwen3Next", "NemotronH", "Lfm2", "FalconH1")
+RECURRENT = ("Qwen3_5", "Qwen3Next", "NemotronH", "Lfm2", "FalconH1", "Qwen4Exp")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
