@@ -25,7 +25,7 @@ from grpo.rollout.base import Rollout
 
 # the log-prob difference past which trees are taken to compute other numbers: float32 rounding is ~1e-6 here, a
 # model that places tokens otherwise is off by 1e-2 or more; 16-bit weights round to ~1e-2 themselves
-TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}
+TOLERANCE = 1e-3  # float32 and float64 weights
 LOW_PRECISION_TOLERANCE = 5e-2
 
 
@@ -86,7 +86,7 @@ def mismatch(model: Any, score: Callable[[TrainBatch, bool], torch.Tensor]) -> s
             module.training = training
     real = batch.mask.bool()
     difference = float((trees[real].float() - padded[real].float()).abs().max())
-    tolerance = TOLERANCE.get(parameter.dtype, LOW_PRECISION_TOLERANCE)
+    tolerance = TOLERANCE if parameter.dtype in (torch.float32, torch.float64) else LOW_PRECISION_TOLERANCE
     if not difference <= tolerance:  # NaN too
         return (
             f"its log-probs as token trees differ from its padded rows by {difference:.3g} on a probe of a few "
