@@ -1,6 +1,6 @@
-"""The `grpo` command: `grpo train ...` (TRL's `trl grpo`, `grpo.train_cli`), `grpo vllm-serve ...` (a
-generation server for the trainer, `grpo.serve.server`) and `grpo report <output_dir>` (a run's report.html rebuilt
-from its files, `grpo.observe.report`)."""
+"""The `grpo` command: `grpo train ...` (TRL's `trl grpo`, `grpo.train_cli`), `grpo vllm-serve ...` (vLLM's own
+server with the flags the trainer needs, `grpo.serve.launcher`) and `grpo report <output_dir>` (a run's report.html
+rebuilt from its files, `grpo.observe.report`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from grpo import train_cli
 from grpo.observe import report
-from grpo.serve import server
+from grpo.serve import launcher
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,9 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands.add_parser(
         "vllm-serve",
-        parents=[server.build_parser(add_help=False)],
-        help="serve generation from a vLLM engine (weights updatable by the trainer)",
-        description=server.build_parser().description,
+        parents=[launcher.build_parser(add_help=False)],
+        help="run vLLM's server for the trainer (server mode); unknown flags go to vLLM",
+        description=launcher.build_parser().description,
     )
     reporting = commands.add_parser(
         "report",
@@ -46,9 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except train_cli.UsageError as err:  # a bad flag or config file: one line, argparse's status
             print(err, file=sys.stderr)
             return 2
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
     if args.command == "vllm-serve":
-        return server.serve(args)
+        return launcher.serve(args, extra)
+    if extra:
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "report":
         try:
             path = report.rebuild(args.output_dir, args.output)

@@ -11,7 +11,7 @@ from grpo.data.prompts import PromptSource, end_of_turn_ids, make_prompt
 from grpo.rollout import Request, Rollout, build_engine
 from grpo.rollout.fast import FastEngine
 from grpo.rollout.plain import TransformersEngine
-from grpo.rollout.vllm import thread_binding
+from grpo.serve.launcher import thread_binding
 from scripted import ScriptedEngine
 from support import cfg, chat_dataset, length_reward
 from tiny import make_model, make_tokenizer

@@ -1,6 +1,6 @@
 """The architecture's rules, checked on the source with `ast` (style guide: dependencies point one way):
 - the math modules (losses, advantages, log-probs) import torch and the standard library only;
-- `peft` is imported in `grpo/models/lora.py` only; `vllm` only in the vLLM engine and server modules;
+- `peft` is imported in `grpo/models/lora.py` only; `vllm` only in the colocate engine and the weight-transfer plugin;
 - experiment trackers are imported in `grpo/observe/metrics.py` only;
 - nothing imports `grpo.*` inside a function (function-level imports are for optional dependencies);
 - grpo sets no environment variable of its own making: `os.environ` is written only by `grpo/base/process_env.py`.
@@ -16,7 +16,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "grpo"
 MATH = ("algo/losses.py", "algo/advantages.py", "algo/logprobs.py")
-VLLM_MODULES = ("rollout/vllm.py", "serve/server.py")
+VLLM_MODULES = ("rollout/vllm.py", "serve/vllm_plugin.py")
 TRACKERS = {
     "wandb",
     "tensorboard",
@@ -130,12 +130,12 @@ LAYERS = [
     {"base"},  # the leaves: SIGTERM, secrets, the environment set for dependencies, background threads, seeds
     {"config"},  # GRPOConfig and the TRL field tables
     {"algo"},  # the math: losses, advantages, log-probs, the sampling correction (pure functions of tensors)
-    {"distributed"},  # collectives, sharding, ZeRO, the accelerator's teardown
+    {"distributed", "serve"},  # collectives, sharding, ZeRO, the accelerator's teardown; vLLM's side of server mode
     {"models"},  # loading and preparing the policy, LoRA, the float32 head, image prompts
     {"perf"},  # speed and memory patches (they look at distributed's wrappers)
     {"rollout"},  # generation engines
     {"data"},  # datasets into prompts
-    {"agent", "rewards", "serve"},  # the tool loop above the engines; reward functions; the vLLM server
+    {"agent", "rewards"},  # the tool loop above the engines; reward functions
     {"observe"},  # metrics, console, diagnostics, callbacks, the run directory and its report
     {"checkpoint"},  # saving and loading a run (above everything it saves); in-flight rounds; the Hub
     {"learner"},  # the training batch and pass, the micro-step loop, the optimizer, the accelerator

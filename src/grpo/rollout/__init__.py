@@ -6,7 +6,8 @@ log-probs out.
   Llama-family models;
 - `vllm.VLLMEngine`: a vLLM engine in the training process (`use_vllm=True`, colocate mode), sampling
   from a copy of the policy's weights that `sync_weights` refreshes;
-- `remote.ServerEngine`: generation on a `grpo vllm-serve` server (`vllm_mode="server"`), weights pushed to it.
+- `remote.ServerEngine`: generation on vLLM servers (`vllm_mode="server"`: vLLM's own server, as `grpo vllm-serve`
+  starts it), weights pushed through vLLM's weight-transfer engine.
 
 `build_engine` picks one from the config and logs why.
 """
@@ -34,7 +35,7 @@ def build_engine(
     says which and why. `pixels` (`grpo.models.vision.Pixels`): a vision-language model's image inputs."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     if args.use_vllm and args.vllm_mode == "server":
-        logger.info("Generating on the vLLM server at %s.", remote.server_url(args))
+        logger.info("Generating on the vLLM server(s) at %s.", ", ".join(remote.server_urls(args)))
         if args.vllm_tensor_parallel_size > 1:  # as in 1.16, a colocate setting
             logger.warning(
                 "vllm_tensor_parallel_size=%d is for colocate mode; a server's shards are set where it starts: grpo "
@@ -44,7 +45,9 @@ def build_engine(
         sampling = sampling_kwargs(args, stop_ids, False)
         if pixels is not None:  # never sample an image placeholder (as the training pass scores it)
             sampling["logit_bias"] = dict.fromkeys(suppressed_tokens(model), SUPPRESSED)
-        return remote.ServerEngine(tokenizer, args, stop_ids, accelerator, sampling)
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        vocab_size = int(getattr(config, "vocab_size", None) or len(tokenizer))
+        return remote.ServerEngine(tokenizer, args, stop_ids, accelerator, sampling, model.config, vocab_size)
     if args.use_vllm:
         return _vllm_engine(model, tokenizer, args, stop_ids, accelerator, dtype, pixels)
     reason = fast.unsupported_reason(model, args)

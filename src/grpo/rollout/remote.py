@@ -1,245 +1,373 @@
-"""`ServerEngine`: generation on a `grpo vllm-serve` server (`use_vllm=True`, `vllm_mode="server"`), over HTTP.
+"""`ServerEngine`: generation on vLLM servers (`use_vllm=True`, `vllm_mode="server"`): vLLM's own OpenAI server in
+dev mode, as TRL 1.16 uses it (`grpo vllm-serve` starts one with the flags the trainer needs), one or several
+(`vllm_server_base_url` may list several: "http://a:8000,http://b:8000", or a list).
 
-The server (`grpo.serve.server`) hosts vLLM in its own process; this client never imports vLLM. Protocol: JSON
-`POST /generate`, raw safetensors `POST /update_weights` with an `X-Weight-Version` header, `GET /health` and
-`GET /weight_version`; every route but /health carries `Authorization: Bearer <key>` when a key is set
-(`vllm_server_api_key`, or the environment variable GRPO_VLLM_API_KEY).
-
-- **Weights.** Before the first generation after an optimizer step every process takes part in gathering the
-  policy's weights (`grpo.rollout.weights`: sharded models gather collectively, LoRA sends base + delta); the main
-  process sends them, in the server's dtype, as one safetensors body naming this run (`X-Run`: run_name or the
-  output_dir's name, host and pid); the server numbers the push and answers with its version, which the main
-  process hands to the others. Every generation names that version and the run: a server that holds other weights
-  (a stale one, or one another run has pushed to since) answers 409, an error here, so it is never sampled from.
-- **Replies are checked** before anything is trained on them: one list of `n` samples per request, token ids in
-  the server's vocabulary, at most `max_tokens` of them, one log-prob (a number or null) per token, the version
-  asked for. A reply that is not so is an error naming the server, never an IndexError or a reward function's
-  "wrong number of values".
-- **Liveness.** A generation may take long; a dead server must not hang the run. While a request is in flight the
-  client polls `/health`; a server that has not answered it for `vllm_server_timeout` seconds is an error that
-  names the URL and says how to resume. At start the client waits up to `vllm_server_timeout` for the server.
+- **Generation** goes through `/v1/completions` with token-id prompts, `n` samples per prompt, the sampled tokens'
+  ids and processed log-probs (image prompts: TRL 1.16's route, `grpo.rollout.server_vision`). Each process sends
+  its own rows, spread over the servers (request i of process p to server (p + i) mod S), several requests of one
+  shape in one call, calls to different servers at once. Sampling means what it means in-process (the same
+  `sampling_kwargs`); each call carries a seed drawn from (seed, process, call), so a run's samples depend on the
+  weights it pushed and not on the server's other traffic.
+- **Replies are checked** before anything is trained on them: `n` choices per prompt, the prompt echoed back as
+  sent, token ids in the policy's vocabulary, at most `max_tokens` of them, one finite log-prob per token (null:
+  a token vLLM did not score, NaN as in colocate mode). A reply that is not so is an error naming the server.
+- **Weights** reach every server through vLLM's weight-transfer engine, never in an HTTP body: grpo's `gloo` engine
+  on CPUs (`grpo.serve.vllm_plugin`), vLLM's packed NCCL engine on GPUs. The main process connects to each server
+  when the run starts (port `vllm_group_port` + the server's index); at each sync every process takes part in
+  gathering the policy (sharded policies gather collectively, LoRA sends base + adapter delta:
+  `grpo.rollout.weights`), and only then does the main process send, so sending never interleaves with another
+  collective; the others wait for the new version's name.
+- **Weight versions** are vLLM's (`/weight_info`), named by the run: "<run> #<push>" once a push has loaded,
+  "... (loading)" while one does. Before and after each generation every server used is asked for its version: a
+  server that holds another one (a stale server, another run's push, a push that failed midway) is an error naming
+  what it holds, and nothing sampled there is used. The others processes learn the version from the main one.
+- **Failures.** Every request waits as long as the server answers `/health` and no longer than
+  `vllm_server_timeout` after it stops (`grpo.rollout.server_client`); a push is bounded by the same timeout. An
+  error names the server; the checkpoints are intact, and `train(resume_from_checkpoint=True)` continues once the
+  servers are back.
 """
 
 from __future__ import annotations
 
-import json
+import concurrent.futures
 import math
 import os
+import secrets
 import socket
-import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from typing import Any, TypeGuard
+from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 from accelerate.utils import broadcast_object_list
-from safetensors.torch import save
 
 from grpo.base import sigterm
-from grpo.models.vision import encode_image
+from grpo.rollout import server_vision
 from grpo.rollout.base import Request, Rollout, assemble, expand
-from grpo.rollout.vllm import check_expanded, multimodal_input
+from grpo.rollout.server_client import ServerClient, ServerError
 from grpo.rollout.weights import checkpoint_weights
+from grpo.serve import vllm_plugin
+from grpo.serve.gloo import local_address
 
 API_KEY_ENV = "GRPO_VLLM_API_KEY"
-_POLL_S = 1.0  # how often /health is asked while waiting
+__all__ = ["API_KEY_ENV", "ServerEngine", "ServerError", "server_urls"]
+_SEED_SPACE = 2**31
 
 
-class ServerError(RuntimeError):
-    """The generation server is unreachable, refused a request, or is not at the expected weight version."""
-
-
-def server_url(args: Any) -> str:
-    return (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
+def server_urls(args: Any) -> list[str]:
+    """The servers' URLs: vllm_server_base_url (one URL, several separated by commas, or a list), else
+    http://vllm_server_host:vllm_server_port."""
+    given = args.vllm_server_base_url
+    if not given:
+        return [f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
+    urls = given.split(",") if isinstance(given, str) else list(given)
+    urls = [str(url).strip().rstrip("/") for url in urls if str(url).strip()]
+    if not urls or len(set(urls)) != len(urls):
+        raise ValueError(f"vllm_server_base_url={given!r}: give one URL per server, each once")
+    return urls
 
 
 class ServerEngine:
-    """Samples on a `grpo vllm-serve` server (see the module docstring)."""
+    """Samples on vLLM servers (see the module docstring)."""
 
     name = "vllm-server"
     samples_elsewhere = True
 
-    def __init__(self, tokenizer: Any, args: Any, stop_ids: list[int], accelerator: Any, sampling: dict) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        args: Any,
+        stop_ids: list[int],
+        accelerator: Any,
+        sampling: dict,
+        model_config: Any,
+        vocab_size: int,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.accelerator = accelerator
-        self.url = server_url(args)
-        self.timeout = float(args.vllm_server_timeout)
-        self.key = args.vllm_server_api_key or os.environ.get(API_KEY_ENV)
-        self.sampling = sampling
+        self.sampling = {k: v for k, v in sampling.items() if k not in ("max_tokens", "logprobs", "detokenize")}
+        _check_generation_kwargs(args.generation_kwargs or {})
         self.max_tokens = args.max_completion_length
-        self.info = self._wait_until_up()
-        self.vocab_size = int(self.info.get("vocab_size") or len(tokenizer))
-        self.version: int | None = None  # the server's number of this run's last push (None: none yet)
+        self.vocab_size = vocab_size
+        self.seed, self.calls = int(args.seed), 0
+        key = args.vllm_server_api_key or os.environ.get(API_KEY_ENV)
+        timeout = float(args.vllm_server_timeout)
+        self.servers = [ServerClient(url, timeout, key) for url in server_urls(args)]
+        self.facts = [server.describe(tokenizer) for server in self.servers]
+        self.version: str | None = None  # the weight version every server holds (None: none pushed yet)
+        self.pushes = 0
         label = (args.run_name or os.path.basename(str(args.output_dir).rstrip("/\\")) or "grpo")[:100]
-        run = f"{label} ({socket.gethostname()[:60]} pid {os.getpid()})"  # the server's X-Run: printable
+        run = f"{label} ({socket.gethostname()[:60]} pid {os.getpid()})"
         self.run = "".join(c if c.isprintable() else "?" for c in run)
+        self.transfers: list[tuple[Any, Any]] = []
+        if accelerator.is_main_process:
+            self.transfers = self._connect(args, model_config)
 
-    # ---- HTTP ---------------------------------------------------------------------------------------------------
+    @property
+    def info(self) -> dict:
+        """The first server's facts (`dtype`, `max_model_len`, `model`, `backend`, `world_size`)."""
+        return self.facts[0]
 
-    def _request(self, path: str, body: bytes | None = None, headers: dict | None = None, timeout: float | None = None):
-        request = urllib.request.Request(self.url + path, data=body, method="POST" if body is not None else "GET")
-        for name, value in (headers or {}).items():
-            request.add_header(name, value)
-        if self.key and path != "/health":
-            request.add_header("Authorization", f"Bearer {self.key}")
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:500]
-            hint = " (set vllm_server_api_key or GRPO_VLLM_API_KEY to the server's key)" if err.code == 401 else ""
-            raise ServerError(f"The vLLM server at {self.url} refused {path} ({err.code}): {detail}{hint}") from err
-
-    def _healthy(self) -> dict | None:
-        try:
-            return self._request("/health", timeout=min(self.timeout, 10.0))
-        except (OSError, ServerError, ValueError):
-            return None
-
-    def _wait_until_up(self) -> dict:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            info = self._healthy()
-            if info is not None:
-                return info
-            if time.monotonic() > deadline:
+    def _connect(self, args: Any, model_config: Any) -> list[tuple[Any, Any]]:
+        """The main process's trainer-side engine (and its source) for each server (`vllm_plugin.trainer_engine`)."""
+        transfers = []
+        for index, (server, facts) in enumerate(zip(self.servers, self.facts)):
+            backend = facts["backend"]
+            if backend == "nccl" and not torch.cuda.is_available():
                 raise ServerError(
-                    f"No vLLM server answered at {self.url} within vllm_server_timeout={self.timeout:g} s. Start one "
-                    "with `grpo vllm-serve --model <the policy's model>` (set vllm_server_host/vllm_server_port or "
-                    "vllm_server_base_url to its address), or set vllm_mode='colocate'."
+                    f"The vLLM server at {server.url} takes weights through vLLM's NCCL engine, which needs a CUDA "
+                    """device on the trainer's side. On CPUs start it with --weight-transfer-config '{"backend": """
+                    '"gloo"}\' (grpo vllm-serve picks the backend by device).'
                 )
-            time.sleep(_POLL_S)
-
-    def _while_alive(self, path: str, body: bytes, headers: dict) -> dict:
-        """The request's answer; an error if the server stops answering /health for vllm_server_timeout meanwhile
-        (a slow answer from a live server is waited for)."""
-        result: dict[str, Any] = {}
-
-        def call() -> None:
+            if backend not in ("gloo", "nccl"):
+                raise ServerError(
+                    f"The vLLM server at {server.url} uses the {backend!r} weight-transfer engine; grpo pushes through "
+                    """'gloo' (CPUs) or 'nccl' (GPUs): start it with --weight-transfer-config '{"backend": "gloo"}' """
+                    "(or run grpo vllm-serve, which picks it)."
+                )
+            host = urlsplit(server.url).hostname or "127.0.0.1"
+            port = int(args.vllm_group_port) + index
+            session = secrets.token_hex(8)
+            server.set_version(f"{self.run} #0 (connecting)")
             try:
-                result["value"] = self._request(path, body, headers)
-            except BaseException as err:  # handed to the waiting thread
-                result["error"] = err
+                transfers.append(
+                    vllm_plugin.trainer_engine(
+                        backend,
+                        server,
+                        master_address=local_address(host),
+                        master_port=port,
+                        world_size=facts["world_size"] + 1,
+                        session=session,
+                        run=self.run,
+                        timeout_s=server.timeout,
+                        model=vllm_plugin.model_facts(model_config),
+                        peer=host,
+                    )
+                )
+            except ServerError:
+                raise
+            except Exception as err:  # the rendezvous (a busy port, a timeout) or the server's refusal
+                raise ServerError(
+                    f"Connecting the weight transfer to the vLLM server at {server.url} failed (group port {port}, "
+                    f"vllm_group_port + {index}): {type(err).__name__}: {err}"
+                ) from err
+        return transfers
 
-        worker = threading.Thread(target=call, daemon=True)
-        worker.start()
-        last_seen = time.monotonic()
-        while worker.is_alive():
-            worker.join(_POLL_S)
-            sigterm.check()
-            if worker.is_alive():
-                if self._healthy() is not None:
-                    last_seen = time.monotonic()
-                elif time.monotonic() - last_seen > self.timeout:
-                    raise self._gone(path)
-        if "error" in result:
-            if isinstance(result["error"], ServerError):
-                raise result["error"]
-            raise self._gone(path) from result["error"]
-        return result["value"]
-
-    def _gone(self, path: str) -> ServerError:
-        return ServerError(
-            f"The vLLM server at {self.url} stopped answering during {path} (no /health answer for "
-            f"vllm_server_timeout={self.timeout:g} s). The checkpoints in output_dir are intact: start the server "
-            "again and continue with trainer.train(resume_from_checkpoint=True)."
-        )
-
-    # ---- the engine interface -----------------------------------------------------------------------------------
+    # ---- weights ------------------------------------------------------------------------------------------------
 
     def sync_weights(self, model: torch.nn.Module, group: Any = None) -> None:
-        """Every process calls it (gathering a sharded policy is collective); the main process pushes and hands
-        the server's number of the push to the others, over `group` when given (an async producer's own group:
-        the default one is the learner's)."""
-        dtype = getattr(torch, self.info.get("dtype", "float32"))
-        main = self.accelerator.is_main_process
+        """Every process calls it (gathering a sharded policy is collective); the main process pushes to every
+        server and hands the new version's name to the others, over `group` when given (an async producer's own
+        group: the default one is the learner's)."""
+        self.pushes += 1
+        version = f"{self.run} #{self.pushes}"
+        failure = None
         with checkpoint_weights(model) as weights:
-            tensors = {name: t.to("cpu", dtype).contiguous() for name, t in weights} if main else {}
-        version = None
-        if main:
-            headers = {"Content-Type": "application/octet-stream", "X-Run": self.run}
-            answer = self._while_alive("/update_weights", save(tensors), headers)
-            version = answer.get("weight_version") if isinstance(answer, dict) else None
-            if not _is_int(version) or version < 1 or answer.get("run") != self.run:
-                raise ServerError(
-                    f"The vLLM server at {self.url} answered the push with {str(answer)[:200]}, not this run's new "
-                    "weight version: is it a `grpo vllm-serve` of this grpo version?"
-                )
+            if self.accelerator.is_main_process:
+                pairs = list(weights)  # gathered now by every process; sent once the gathering is done
+                try:
+                    self._push(pairs, version)
+                except BaseException as err:
+                    failure = err
+        shared: list[Any] = [version, None if failure is None else str(failure)]
         if group is not None:
-            shared: list[Any] = [version, self.run]
             torch.distributed.broadcast_object_list(shared, src=0, group=group)
-            version, self.run = shared
-        elif self.accelerator.num_processes > 1:  # the others wait here until the server has loaded the push
-            version, self.run = broadcast_object_list([version, self.run], from_process=0)  # the main's name
-        self.version = version
+        elif self.accelerator.num_processes > 1:
+            shared = broadcast_object_list(shared, from_process=0)
+        if failure is not None:
+            raise failure
+        if shared[1] is not None:
+            raise ServerError(f"The main process's weight push failed: {shared[1]}")
+        self.version = shared[0]
 
-    def _request_of(self, request: Request) -> dict:
-        """One request as JSON; an image prompt as its unexpanded ids and its images (`multimodal_input`)."""
-        vllm_input = multimodal_input(request.prompt, self.tokenizer)
-        out = {
-            "prompt_ids": vllm_input["prompt_token_ids"],
-            "n": request.num_samples,
-            "max_tokens": request.max_tokens or self.max_tokens,
-        }
-        if "multi_modal_data" in vllm_input:
-            out["images"] = [encode_image(image) for image in vllm_input["multi_modal_data"]["image"]]
-        return out
+    def _push(self, pairs: list[tuple[str, torch.Tensor]], version: str) -> None:
+        """The main process: every server gets the weights (at once), named `version` once they are loaded."""
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
+            pushes = [
+                pool.submit(self._push_one, server, facts, transfer, pairs, version)
+                for server, facts, transfer in zip(self.servers, self.facts, self.transfers)
+            ]
+            for push in pushes:
+                push.result()
+
+    def _push_one(self, server: ServerClient, facts: dict, transfer: Any, pairs: list, version: str) -> None:
+        engine, source = transfer
+        self._expect(server, self.version or f"{self.run} #0 (connecting)", "before pushing")
+        source.fill(pairs, getattr(torch, facts["dtype"]))
+        server.set_version(f"{version} (loading)")
+        try:
+            engine.send_weights()
+        except ServerError:
+            raise
+        except Exception as err:
+            raise ServerError(
+                f"Pushing the weights to the vLLM server at {server.url} failed: {type(err).__name__}: {err}. The "
+                "checkpoints in output_dir are intact: restart the server and continue with "
+                "trainer.train(resume_from_checkpoint=True)."
+            ) from err
+        finally:
+            source.fill([], source.dtype)
+        server.set_version(version)
+        server.reset_caches()
+
+    def _expect(self, server: ServerClient, version: str, when: str) -> None:
+        """The server holds `version`, or this is an error naming what it holds (never sampled from)."""
+        held = server.version()
+        if held != version:
+            raise ServerError(
+                f"The vLLM server at {server.url} holds weight version {held!r} {when}, where this run expects "
+                f"{version!r}: another run has pushed to it (or connected to it) since, or a push failed midway. "
+                "One server serves one run at a time; nothing it sampled is used."
+            )
+
+    # ---- generation ---------------------------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[Request]) -> Rollout:
         sigterm.check()
         if not requests:  # a follow-up turn of a tool loop where this process has no row left
             return Rollout([], [], [], [])
-        sent = [self._request_of(r) for r in requests]
-        payload = {
-            "requests": sent,
-            "sampling": self.sampling,
-            "weight_version": self.version,
-            "run": self.run if self.version is not None else None,
-        }
-        answer = self._while_alive("/generate", json.dumps(payload).encode(), {"Content-Type": "application/json"})
-        tokens, logps = self._checked(answer, sent)
-        for request, expanded in zip(requests, answer.get("prompt_ids") or [None] * len(requests)):
-            check_expanded(request.prompt, expanded)
+        self.calls += 1
+        batches = self._batches(requests)
+        used = sorted({server for server, _, _, _ in batches})
+        if self.version is not None:
+            for server in used:
+                self._expect(self.servers[server], self.version, "before a generation")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(batches)) as pool:
+            answers = list(pool.map(lambda batch: self._complete(requests, *batch), batches))
+        if self.version is not None:
+            for server in used:
+                self._expect(self.servers[server], self.version, "after a generation")
+        starts = [0]
+        for request in requests:
+            starts.append(starts[-1] + request.num_samples)
+        tokens: list[list[int]] = [[] for _ in range(starts[-1])]
+        logps: list[list[float]] = [[] for _ in range(starts[-1])]
+        for (_, indices, _, _), samples in zip(batches, answers):
+            ordered = iter(samples)
+            for i in indices:
+                for row in range(starts[i], starts[i + 1]):
+                    tokens[row], logps[row] = next(ordered)
         return assemble(expand(requests), tokens, logps, self.stop_ids, self.tokenizer)
 
-    def _checked(self, answer: Any, sent: list[dict]) -> tuple[list[list[int]], list[list[float]]]:
-        """The reply's token ids and log-probs, per sample, once it is what was asked for (else a ServerError)."""
+    def _batches(self, requests: Sequence[Request]) -> list[tuple[int, list[int], int, int]]:
+        """(server, request indices, n, max_tokens): one call each, request i of this process on server
+        (process + i) mod S, requests of one shape on one server together (image prompts one by one)."""
+        calls: dict[tuple[int, int, int, int], list[int]] = {}
+        for i, request in enumerate(requests):
+            server = (self.accelerator.process_index + i) % len(self.servers)
+            prompt, limit = len(request.prompt.ids), self.facts[server]["max_model_len"]
+            max_tokens = min(request.max_tokens or self.max_tokens, limit - prompt)
+            if max_tokens < 1:
+                raise ServerError(
+                    f"A prompt of {prompt} tokens leaves no room for a completion in the context of the vLLM server "
+                    f"at {self.servers[server].url} (max_model_len {limit}): shorten it (max_prompt_length) or start "
+                    "the server with a larger --max-model-len."
+                )
+            alone = i if request.prompt.images else -1
+            calls.setdefault((server, request.num_samples, max_tokens, alone), []).append(i)
+        return [(s, indices, n, m) for (s, n, m, _), indices in calls.items()]
+
+    def _complete(
+        self, requests: Sequence[Request], server_index: int, indices: list[int], n: int, max_tokens: int
+    ) -> list[tuple[list[int], list[float]]]:
+        """The samples of one call, n per request of `indices` in their order, checked (`_checked`)."""
+        server = self.servers[server_index]
+        seed = hash((self.seed, self.accelerator.process_index, self.calls, indices[0])) % _SEED_SPACE
+        prompts = [list(requests[i].prompt.ids) for i in indices]
+        if requests[indices[0]].prompt.images:
+            model, prompt = self.facts[server_index]["model"], requests[indices[0]].prompt
+            choices = server_vision.generate(server, model, prompt, self._params(n, max_tokens, seed))
+            return self._checked(server, choices, prompts, n, max_tokens, "/inference/v1/generate")
+        payload = {
+            "model": self.facts[server_index]["model"],
+            "prompt": prompts,
+            **self._params(n, max_tokens, seed),
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        answer = server.while_alive("POST", "/v1/completions", payload)
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        return self._checked(server, choices, prompts, n, max_tokens, "/v1/completions")
+
+    def _params(self, n: int, max_tokens: int, seed: int) -> dict:
+        return {**self.sampling, "seed": seed, "n": n, "max_tokens": max_tokens, "logprobs": 0}
+
+    def _checked(
+        self, server: ServerClient, choices: Any, prompts: list[list[int]], n: int, max_tokens: int, route: str
+    ) -> list[tuple[list[int], list[float]]]:
+        """The choices' (token ids, log-probs), `n` per prompt in order, once they are what was asked for (else a
+        ServerError naming the server: nothing of the reply is used)."""
 
         def bad(what: str) -> ServerError:
             return ServerError(
-                f"The vLLM server at {self.url} answered /generate with {what}; nothing of it is used. Is it a "
-                "`grpo vllm-serve` of the policy's model (same tokenizer and vocabulary) and of this grpo version?"
+                f"The vLLM server at {server.url} answered {route} with {what}; nothing of it is used. Is it a "
+                "server of the policy's model (same tokenizer and vocabulary)?"
             )
 
-        if not isinstance(answer, dict) or not isinstance(answer.get("outputs"), list):
-            raise bad("no 'outputs' list")
-        if self.version is not None and answer.get("weight_version") != self.version:
-            raise bad(f"weight version {answer.get('weight_version')!r} where this run's is {self.version}")
-        if len(answer["outputs"]) != len(sent):
-            raise bad(f"{len(answer['outputs'])} outputs for {len(sent)} requests")
-        tokens, logps = [], []
-        for i, (request, samples) in enumerate(zip(sent, answer["outputs"])):
-            if not isinstance(samples, list) or len(samples) != request["n"]:
-                count = len(samples) if isinstance(samples, list) else "no list of"
-                raise bad(f"{count} samples for request {i}, which asked for {request['n']}")
-            for sample in samples:
-                ids = sample.get("token_ids") if isinstance(sample, dict) else None
-                lps = sample.get("logprobs") if isinstance(sample, dict) else None
-                if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids):
-                    raise bad(f"token ids outside the vocabulary [0, {self.vocab_size}) in request {i}")
-                if len(ids) > request["max_tokens"]:
-                    raise bad(f"{len(ids)} tokens in request {i}, which allowed {request['max_tokens']}")
-                if not isinstance(lps, list) or len(lps) != len(ids):
-                    raise bad(f"log-probs that are not one per token in request {i}")
-                if not all(lp is None or (isinstance(lp, (int, float)) and not isinstance(lp, bool)) for lp in lps):
-                    raise bad(f"log-probs that are neither numbers nor null in request {i}")
-                tokens.append(ids)
-                logps.append([math.nan if lp is None else float(lp) for lp in lps])
-        return tokens, logps
+        if not isinstance(choices, list) or len(choices) != len(prompts) * n:
+            count = len(choices) if isinstance(choices, list) else "no list of"
+            raise bad(f"{count} choices for {len(prompts)} prompts of {n} samples")
+        out = []
+        for position, choice in enumerate(sorted(choices, key=_index)):
+            prompt = prompts[position // n]
+            if not isinstance(choice, dict) or _index(choice) != position:
+                raise bad(f"choices numbered other than 0..{len(choices) - 1}")
+            if choice.get("prompt_token_ids") not in (None, prompt):
+                raise bad(f"another prompt than was sent for choice {position}")
+            ids = choice.get("token_ids")
+            if not isinstance(ids, list) or not all(_is_token(t, self.vocab_size) for t in ids):
+                raise bad(f"token ids outside the policy's vocabulary [0, {self.vocab_size}) in choice {position}")
+            if len(ids) > max_tokens:
+                raise bad(f"{len(ids)} tokens in choice {position}, which allowed {max_tokens}")
+            logps = _token_logprobs(choice.get("logprobs"))
+            if logps is None or len(logps) != len(ids):
+                raise bad(f"log-probs that are not one per token in choice {position}")
+            if not all(lp is None or _finite_logp(lp) for lp in logps):
+                raise bad(f"log-probs that are not finite numbers in choice {position}")
+            out.append((ids, [math.nan if lp is None else float(lp) for lp in logps]))
+        return out
 
 
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _check_generation_kwargs(extra: dict) -> None:
+    """generation_kwargs travel in each /v1/completions request: a key the route does not take would be dropped by
+    the server with a log line, so it is an error here (as is one grpo sets itself)."""
+    own = {"n", "logprobs", "max_tokens", "prompt", "model", "stream", "echo", "prompt_logprobs"}
+    own |= {"return_token_ids", "return_tokens_as_token_ids", "stop_token_ids"}
+    taken = sorted(set(extra) & own)
+    if taken:
+        raise ValueError(
+            f"generation_kwargs sets {taken}, which grpo's server engine sets itself (one sample per row with its "
+            "log-prob, stopping at EOS and the end of turn): remove it."
+        )
+    known = vllm_plugin.completion_fields()
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(
+            f"generation_kwargs has {unknown}, which vLLM's /v1/completions does not take (server mode samples on "
+            f"a vLLM server). Its parameters: {', '.join(sorted(known))}."
+        )
+
+
+def _index(choice: Any) -> int:
+    index = choice.get("index") if isinstance(choice, dict) else None
+    return index if isinstance(index, int) and not isinstance(index, bool) else -1
+
+
+def _token_logprobs(logprobs: Any) -> list | None:
+    """The sampled tokens' log-probs of a choice: /v1/completions' `token_logprobs`, or the `content` entries'."""
+    if not isinstance(logprobs, dict):
+        return None
+    if isinstance(logprobs.get("token_logprobs"), list):
+        return logprobs["token_logprobs"]
+    if isinstance(logprobs.get("content"), list):
+        return [entry.get("logprob") if isinstance(entry, dict) else "?" for entry in logprobs["content"]]
+    return None
+
+
+def _is_token(value: Any, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def _finite_logp(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -31,7 +31,6 @@ import contextlib
 import copy
 import logging
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -48,8 +47,8 @@ from grpo.distributed.engine_group import EngineGroup
 from grpo.models.modeling import attention_shapes, layer_configs
 from grpo.rollout.base import Request, Rollout, assemble, expand
 from grpo.rollout.plain import SUPPRESSED, suppressed_tokens
-from grpo.rollout.vllm_reload import load_weights, quiet_expected_reload_warnings
 from grpo.rollout.weights import checkpoint_weights
+from grpo.serve.vllm_reload import load_weights, quiet_expected_reload_warnings
 
 logger = logging.getLogger("grpo")
 
@@ -59,24 +58,16 @@ _OWN_KEYS = ("n", "logprobs", "detokenize", "output_kind", "prompt_logprobs", "s
 _PROMPT_ROOM = 512
 
 
-def in_process_environment(colocate: bool, parallel: int = 1) -> str | None:
-    """Set the environment vLLM reads at import for an engine in this process (colocate mode, or the server's own
-    process, whose engine has `parallel` shards); returns why it cannot run here, or None."""
+def in_process_environment() -> str | None:
+    """Set the environment vLLM reads at import for an engine in this process (colocate mode); returns why it
+    cannot run here, or None."""
     process_env.set_for_dependency("VLLM_LOGGING_LEVEL", "WARNING", "vLLM's INFO lines would drown the run's")
-    if not colocate and parallel > 1:
-        process_env.set_for_dependency(
-            "VLLM_CPU_OMP_THREADS_BIND",
-            thread_binding(_usable_cpus(), parallel),
-            "on a CPU, the shards' processes each get their own share of the CPUs (vLLM's automatic binding "
-            "wants a NUMA node per shard)",
-        )
-    if colocate:
-        process_env.set_for_dependency(
-            "VLLM_CPU_OMP_THREADS_BIND",
-            "nobind",
-            "colocate mode on a CPU: the engine shares the trainer's threads; vLLM's binding would pin them to one "
-            "logical CPU per core and keep one core for a scheduler process that colocate mode does not have",
-        )
+    process_env.set_for_dependency(
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "nobind",
+        "colocate mode on a CPU: the engine shares the trainer's threads; vLLM's binding would pin them to one "
+        "logical CPU per core and keep one core for a scheduler process that colocate mode does not have",
+    )
     if not process_env.set_for_dependency(
         "VLLM_ENABLE_V1_MULTIPROCESSING", "0", "the engine in this process: weights are passed to it as tensors"
     ):
@@ -87,29 +78,10 @@ def in_process_environment(colocate: bool, parallel: int = 1) -> str | None:
     return None
 
 
-def _usable_cpus() -> list[int]:
-    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every CPU
-    return sorted(affinity(0)) if affinity is not None else list(range(os.cpu_count() or 1))
-
-
-def thread_binding(cpus: Sequence[int], parts: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `parts` shards on `cpus`: contiguous equal shares ("0,1|2,3"), or "nobind"
-    when there are fewer CPUs than shards."""
-    if len(cpus) < parts:
-        return "nobind"
-    size, extra = divmod(len(cpus), parts)
-    shares, start = [], 0
-    for i in range(parts):
-        end = start + size + (i < extra)
-        shares.append(",".join(map(str, cpus[start:end])))
-        start = end
-    return "|".join(shares)
-
-
 def unavailable_reason() -> str | None:
     """Why vLLM cannot be used here for colocate mode (None when it can), after setting the environment vLLM reads
     at import."""
-    reason = in_process_environment(colocate=True)
+    reason = in_process_environment()
     if reason is not None:
         return f"use_vllm=True: {reason}"
     try:
@@ -182,7 +154,8 @@ def engine_kwargs(args: Any, model: Any, dtype: torch.dtype, device: str, proces
 
 def sampling_kwargs(args: Any, stop_ids: Sequence[int], validate: bool = True) -> dict:
     """The keyword arguments of `vllm.SamplingParams` for the config, generation_kwargs applied over them (checked
-    against vLLM's SamplingParams unless `validate` is False: a server checks them itself)."""
+    against vLLM's SamplingParams unless `validate` is False: server mode checks them against its completions
+    request instead, `grpo.rollout.remote`)."""
     params = dict(
         temperature=args.temperature,
         top_p=args.top_p,
