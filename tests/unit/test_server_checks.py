@@ -17,14 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from grpo.serve.server import Server
+from grpo.serve.server_http import Access, Handler, RequestError, host_name
 from safetensors.torch import save
 
 import tiny
 from grpo.rollout.base import Prompt, Request
 from grpo.rollout.remote import ServerEngine, ServerError
 from grpo.serve import server as server_module
-from grpo.serve.server import Server
-from grpo.serve.server_http import Access, Handler, RequestError, host_name
 
 
 class FakeApp:

@@ -80,13 +80,12 @@ def tiny_model_dir_h8(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def servers(vllm_model_dir, tmp_path_factory):
-    """Ports of two float32 `grpo vllm-serve` servers of the head-size-32 tiny model, started at once and stopped
-    at the end of the session: `open`, which any test may push its run's weights to (a test asserts on versions
-    relative to the server's current one), and `keyed`, which requires served.KEY (test_server.py's alone)."""
+    """Ports of two `grpo vllm-serve` servers of the head-size-32 tiny model, started at once and stopped at the
+    end of the session: `open` (float32, no key) and `keyed` (bfloat16, requires served.KEY). A run connecting to a
+    server takes its weight transfer over, so tests use them one run at a time."""
     tmp = tmp_path_factory.mktemp("servers")
-    small = ("--kv-cache-gib", "0.05")
-    keyed = (*small, "--api-key", served.KEY)
-    procs = [served.start(vllm_model_dir, tmp, *small), served.start(vllm_model_dir, tmp, *keyed)]
+    keyed = ("--dtype", "bfloat16", "--api-key", served.KEY)
+    procs = [served.start(vllm_model_dir, tmp), served.start(vllm_model_dir, tmp, *keyed)]
     try:
         for proc in procs:
             served.wait(proc)

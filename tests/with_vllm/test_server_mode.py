@@ -1,14 +1,15 @@
-"""Training against a `grpo vllm-serve` server (`vllm_mode="server"`) on this CPU: the server samples the policy's
-weights after each push and not without one, two trainer processes share one server, a server killed mid-run
-stops the run with a clear error (checkpoints intact) and a resume continues once a server is back, and a
-server with a key refuses a trainer without it."""
+"""Training against vLLM's own server (`vllm_mode="server"`, `grpo vllm-serve`) on this CPU, weights through grpo's
+gloo weight-transfer engine: the server samples the policy's weights after each push and not without one, two
+trainer processes share one server, a run whose server another run took over is refused by name, a server killed
+in a push stops the run with a clear error (checkpoints intact) and a resume continues once a server is back, a
+keyed server refuses a trainer without its key, a bfloat16 server takes a LoRA policy's merged weights, and two
+servers (one of them split in two shards) share a run's requests and each get every push."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -16,9 +17,17 @@ import torch
 
 from grpo.rollout.base import Request
 from grpo.rollout.remote import ServerError
-from served import Server
+from served import KEY, Server, request
 from support import torchrun
-from test_vllm_engine import FP32_TOL, fixed_completion, make_trainer, perturb, policy_logps
+from test_vllm_engine import (
+    BF16_MAX_TOL,
+    BF16_MEAN_TOL,
+    FP32_TOL,
+    fixed_completion,
+    make_trainer,
+    perturb,
+    policy_logps,
+)
 
 JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")
 
@@ -29,10 +38,10 @@ def server(servers):
     return SimpleNamespace(port=servers.open, url=f"http://127.0.0.1:{servers.open}")
 
 
-def served(trainer, prompt, completion_len=12):
-    """One completion sampled by the server with its log-probs, and the policy's log-probs of the same tokens."""
-    request = Request(trainer.prompts[0], num_samples=1, max_tokens=completion_len)
-    rollout = trainer.engine.generate([request])
+def served(trainer, completion_len=12):
+    """One completion sampled by the server(s) with its log-probs, and the policy's log-probs of the same tokens."""
+    request_ = Request(trainer.prompts[0], num_samples=1, max_tokens=completion_len)
+    rollout = trainer.engine.generate([request_])
     tokens = rollout.completion_ids[0]
     return torch.tensor(rollout.sampling_logps[0]), policy_logps(trainer, list(rollout.prompt_ids[0]), tokens)
 
@@ -40,15 +49,14 @@ def served(trainer, prompt, completion_len=12):
 def test_the_server_samples_the_pushed_policy_and_a_skipped_push_shows(server, vllm_model_dir, tmp_path):
     trainer = make_trainer(vllm_model_dir, tmp_path, vllm_mode="server", vllm_server_port=server.port, max_steps=2)
     trainer.train()
-    assert trainer.engine.version is not None
-    with urllib.request.urlopen(server.url + "/health") as response:
-        assert json.loads(response.read())["weight_version"] == trainer.engine.version
+    assert trainer.engine.version.endswith(" #2")  # the policy at its start, then after the first step
+    assert request(server.port, "GET", "/weight_info")[1]["weight_version"] == trainer.engine.version
     trainer.engine.sync_weights(trainer.unwrapped_model)
-    prompt, _ = fixed_completion(trainer)
-    server_logps, policy = served(trainer, prompt)
+    fixed_completion(trainer)
+    server_logps, policy = served(trainer)
     assert (server_logps - policy).abs().max() < FP32_TOL
     perturb(trainer.unwrapped_model)  # not pushed
-    server_logps, policy = served(trainer, prompt)
+    server_logps, policy = served(trainer)
     assert (server_logps - policy).abs().mean() > 100 * FP32_TOL
     for row in trainer.state.log_history:
         assert row["sampling/sampling_logp_difference/max"] < FP32_TOL
@@ -67,7 +75,7 @@ def test_two_async_trainer_processes_share_one_server_in_lockstep(server, vllm_m
     generate round by round together (process 1 starting its requests late), and stop between rounds for the
     evaluation (which pushes the learner's weights); every round was sampled from the snapshot whose log-probs the
     learner trained against. (Without the producers' barrier before a push, or the learners' before the
-    evaluation's, process 1's late requests meet a server pushed to meanwhile: 409.)"""
+    evaluation's, process 1's late requests meet a server pushed to meanwhile: refused.)"""
     torchrun(2, JOB, tmp_path, vllm_model_dir, f"server:{server.port}+async", timeout=420)
     rows = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
     for row in rows:
@@ -76,38 +84,57 @@ def test_two_async_trainer_processes_share_one_server_in_lockstep(server, vllm_m
         assert row["evaluations"] == 1
 
 
-def test_a_run_whose_weights_another_run_replaced_is_refused_by_name(server, vllm_model_dir, tmp_path):
-    """Versions belong to the server: run B's push gets a number of its own, so run A, generating after it
-    without pushing, is refused with B named, instead of sampling B's weights."""
+def test_a_run_whose_server_another_run_took_over_is_refused_by_name(server, vllm_model_dir, tmp_path):
+    """Run B pushes to the server run A pushes to (its first push connects, taking the server's weight transfer
+    over): A's next generation and A's next push are errors naming B (vLLM's weight version says whose weights the
+    server holds), so nothing B's weights sampled reaches A; B samples its own."""
     a = make_trainer(vllm_model_dir, tmp_path / "a", vllm_mode="server", vllm_server_port=server.port, run_name="A")
-    b = make_trainer(vllm_model_dir, tmp_path / "b", vllm_mode="server", vllm_server_port=server.port, run_name="B")
     a.engine.sync_weights(a.unwrapped_model)
+    served(a)
+    b = make_trainer(vllm_model_dir, tmp_path / "b", vllm_mode="server", vllm_server_port=server.port, run_name="B")
     b.engine.sync_weights(b.unwrapped_model)
-    assert b.engine.version == a.engine.version + 1 and a.engine.run.startswith("A (")
-    with pytest.raises(ServerError, match=r"\(409\).*pushed by run 'B \(.*Another run pushed"):
-        served(a, None)
-    served(b, None)  # B's own weights: served
-    a.engine.sync_weights(a.unwrapped_model)  # A pushes again: A is served, B is refused
-    served(a, None)
-    with pytest.raises(ServerError, match="pushed by run 'A"):
-        served(b, None)
+    with pytest.raises(ServerError, match=r"holds weight version 'B \(.*#1' before a generation.*expects 'A \("):
+        served(a)
+    with pytest.raises(ServerError, match=r"holds weight version 'B \(.*before pushing"):
+        a.engine.sync_weights(a.unwrapped_model)
+    server_logps, policy = served(b)
+    assert (server_logps - policy).abs().max() < FP32_TOL
 
 
-def test_a_server_killed_mid_run_stops_it_clearly_and_resume_continues(vllm_model_dir, tmp_path):
+def test_a_server_killed_in_a_push_stops_the_run_clearly_and_resume_continues(vllm_model_dir, tmp_path):
     s = Server(vllm_model_dir)
-    args = dict(vllm_mode="server", vllm_server_port=s.port, vllm_server_timeout=5.0, max_steps=3)
+    args = dict(vllm_mode="server", vllm_server_port=s.port, vllm_server_timeout=10.0, max_steps=3)
     trainer = make_trainer(vllm_model_dir, tmp_path, save_strategy="steps", save_steps=1, **args)
-    original, calls = trainer.engine.generate, []
+    connect, pushes = trainer.engine._connect, []
 
-    def dies_on_the_second_generation(requests):
-        calls.append(1)
-        if len(calls) == 2:
-            s.kill()
-        return original(requests)
+    class DiesHalfwaySent(list):
+        """The push's tensors; the server (all its processes) is killed when half of them are sent."""
 
-    trainer.engine.generate = dies_on_the_second_generation
+        walks = 0
+
+        def __iter__(self):
+            DiesHalfwaySent.walks += 1  # the first walk reads the metadata, the second sends
+            for i, pair in enumerate(list.__iter__(self)):
+                if DiesHalfwaySent.walks == 2 and i == len(self) // 2:
+                    s.kill()
+                yield pair
+
+    def connected(index):
+        engine, source = connect(index)
+        send = engine.send_weights
+
+        def dies_in_the_second_push():
+            pushes.append(1)
+            if len(pushes) == 2:
+                source.pairs = DiesHalfwaySent(source.pairs)
+            return send()
+
+        engine.send_weights = dies_in_the_second_push
+        return engine, source
+
+    trainer.engine._connect = connected
     start = time.monotonic()
-    with pytest.raises(ServerError, match=r"stopped answering|No vLLM server|refused"):
+    with pytest.raises(ServerError, match=r"vLLM server at http://0.0.0.0:\d+ .*(stopped answering|failed)"):
         trainer.train()
     assert time.monotonic() - start < 120  # no hang
     assert os.path.isdir(tmp_path / "out" / "checkpoint-1")
@@ -116,50 +143,24 @@ def test_a_server_killed_mid_run_stops_it_clearly_and_resume_continues(vllm_mode
         resumed = make_trainer(vllm_model_dir, tmp_path, save_strategy="steps", save_steps=1, **args)
         resumed.train(resume_from_checkpoint=True)
         assert resumed.state.global_step == 3
+        assert resumed.state.log_history[-1]["sampling/sampling_logp_difference/max"] < FP32_TOL
     finally:
         back.kill()
 
 
-@pytest.fixture(scope="module")
-def keyed_bfloat16_server(vllm_model_dir):
-    """A bfloat16 server with a key, for the key's test and the bfloat16 one."""
-    s = Server(vllm_model_dir, None, "--dtype", "bfloat16", "--api-key", "s3cret")
-    yield s
-    s.kill()
-
-
-def test_a_server_with_a_key_refuses_a_trainer_without_it(vllm_model_dir, tmp_path, keyed_bfloat16_server):
-    s = keyed_bfloat16_server
-    trainer = make_trainer(vllm_model_dir, tmp_path, vllm_mode="server", vllm_server_port=s.port)
-    with pytest.raises(ServerError, match=r"refused /update_weights \(401\).*vllm_server_api_key"):
-        trainer.train()
-    keyed = make_trainer(
-        vllm_model_dir, tmp_path / "k", vllm_mode="server", vllm_server_port=s.port, vllm_server_api_key="s3cret"
-    )
-    keyed.train()
-    assert keyed.state.global_step == 1
-
-
-def test_a_bfloat16_server_samples_the_pushed_lora_policy_within_its_tolerance(
-    vllm_model_dir, tmp_path, keyed_bfloat16_server
+def test_a_keyed_bfloat16_server_refuses_a_trainer_without_its_key_and_takes_a_lora_policy(
+    vllm_model_dir, tmp_path, servers
 ):
-    """A bfloat16 server and a LoRA policy: the push carries base + adapter delta in the server's dtype; its
-    log-probs match the (bfloat16 autocast) policy's within the bf16 tolerance, and not the adapter-less base's."""
+    """The keyed session server (bfloat16): a trainer without the key is refused before its first step, naming
+    the setting; with it, a LoRA policy's push carries base + adapter delta in the server's dtype, whose log-probs
+    match the (bfloat16 autocast) policy's within the bf16 tolerance, and not the adapter-less base's."""
     from peft import LoraConfig
 
-    from test_vllm_engine import BF16_MAX_TOL, BF16_MEAN_TOL
-
-    s = keyed_bfloat16_server
+    with pytest.raises(ServerError, match=r"refused /server_info.*\(401\).*vllm_server_api_key"):
+        make_trainer(vllm_model_dir, tmp_path / "k", vllm_mode="server", vllm_server_port=servers.keyed)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    trainer = make_trainer(
-        vllm_model_dir,
-        tmp_path,
-        peft_config=lora,
-        bf16=True,
-        vllm_mode="server",
-        vllm_server_port=s.port,
-        vllm_server_api_key="s3cret",
-    )
+    keyed = dict(vllm_mode="server", vllm_server_port=servers.keyed, vllm_server_api_key=KEY)
+    trainer = make_trainer(vllm_model_dir, tmp_path, peft_config=lora, bf16=True, **keyed)
     assert trainer.engine.info["dtype"] == "bfloat16"
     trainer.train()
     trainer.engine.sync_weights(trainer.unwrapped_model)
@@ -171,3 +172,35 @@ def test_a_bfloat16_server_samples_the_pushed_lora_policy_within_its_tolerance(
     with trainer.unwrapped_model.disable_adapter():
         base = (server_logps - policy_logps(trainer, prompt, tokens)).abs()
     assert base.mean() > max(2 * diff.mean(), BF16_MEAN_TOL)  # the adapters reached the server
+
+
+def test_two_servers_one_in_two_shards_share_the_requests_and_each_get_every_push(server, vllm_model_dir, tmp_path):
+    """vllm_server_base_url with two servers, the second split in two shards (--tensor-parallel-size 2, a worker
+    process each, both in the gloo group): each step's requests go to both, both hold the run's version after every
+    push, both sample the policy's log-probs; a server lost mid-run is an error naming it."""
+    shards = Server(vllm_model_dir, None, "--tensor-parallel-size", "2")
+    try:
+        urls = f"{server.url},{shards.url}"
+        trainer = make_trainer(vllm_model_dir, tmp_path, vllm_mode="server", vllm_server_base_url=urls, max_steps=2)
+        assert [f["world_size"] for f in trainer.engine.facts] == [1, 2]
+        calls = {url: 0 for url in urls.split(",")}
+        for client in trainer.engine.servers:
+            original = client.while_alive
+
+            def counted(method, path, body=None, client=client, original=original):
+                calls[client.url] += path == "/v1/completions"
+                return original(method, path, body)
+
+            client.while_alive = counted
+        trainer.train()
+        assert all(count >= 2 for count in calls.values()), calls
+        for url in calls:
+            port = int(url.rsplit(":", 1)[1])
+            assert request(port, "GET", "/weight_info")[1]["weight_version"] == trainer.engine.version
+        for row in trainer.state.log_history:
+            assert row["sampling/sampling_logp_difference/max"] < FP32_TOL
+        shards.kill()
+        with pytest.raises(ServerError, match=rf"at {shards.url} "):
+            trainer.engine.generate([Request(trainer.prompts[i], 2) for i in range(2)])
+    finally:
+        shards.kill()

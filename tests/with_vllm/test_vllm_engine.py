@@ -157,8 +157,9 @@ def test_a_gemma4s_layer_scalars_reach_the_engine(tmp_path):
 def test_a_mixture_of_experts_reaches_the_engine(tmp_path):
     """vLLM's CPU experts kernel packs the experts' matrices once, and a reload does not pack them again
     (`serve.vllm_reload._repack_cpu_experts` does): without it the engine sampled from its start's experts,
-    log-probs 0.69 off here. A tiny Qwen3-MoE whose experts change after the engine is built (moe_job.py, in a process of its own: a
-    mixture-of-experts engine needs vLLM's expert-parallel group, which an earlier engine's process lacks)."""
+    log-probs 0.69 off here. A tiny Qwen3-MoE whose experts change after the engine is built (moe_job.py, in a
+    process of its own: a mixture-of-experts engine needs vLLM's expert-parallel group, which an earlier engine's
+    process lacks)."""
     job = os.path.join(os.path.dirname(__file__), "moe_job.py")
     done = subprocess.run([sys.executable, job, str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

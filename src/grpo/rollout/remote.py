@@ -30,6 +30,7 @@ dev mode, as TRL 1.16 uses it (`grpo vllm-serve` starts one with the flags the t
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
 import os
 import secrets
@@ -47,8 +48,9 @@ from grpo.rollout.base import Request, Rollout, assemble, expand
 from grpo.rollout.server_client import ServerClient, ServerError
 from grpo.rollout.weights import checkpoint_weights
 from grpo.serve import vllm_plugin
-from grpo.serve.gloo import local_address
+from grpo.serve.gloo import free_port, local_address
 
+logger = logging.getLogger("grpo")
 API_KEY_ENV = "GRPO_VLLM_API_KEY"
 __all__ = ["API_KEY_ENV", "ServerEngine", "ServerError", "server_urls"]
 _SEED_SPACE = 2**31
@@ -100,59 +102,65 @@ class ServerEngine:
         label = (args.run_name or os.path.basename(str(args.output_dir).rstrip("/\\")) or "grpo")[:100]
         run = f"{label} ({socket.gethostname()[:60]} pid {os.getpid()})"
         self.run = "".join(c if c.isprintable() else "?" for c in run)
-        self.transfers: list[tuple[Any, Any]] = []
-        if accelerator.is_main_process:
-            self.transfers = self._connect(args, model_config)
+        self.group_port = int(args.vllm_group_port)
+        self.model_facts = vllm_plugin.model_facts(model_config)
+        # the main process's trainer-side engine and source per server, connected at its first push
+        self.transfers: list[tuple[Any, Any] | None] = [None] * len(self.servers)
 
     @property
     def info(self) -> dict:
         """The first server's facts (`dtype`, `max_model_len`, `model`, `backend`, `world_size`)."""
         return self.facts[0]
 
-    def _connect(self, args: Any, model_config: Any) -> list[tuple[Any, Any]]:
-        """The main process's trainer-side engine (and its source) for each server (`vllm_plugin.trainer_engine`)."""
-        transfers = []
-        for index, (server, facts) in enumerate(zip(self.servers, self.facts)):
-            backend = facts["backend"]
-            if backend == "nccl" and not torch.cuda.is_available():
-                raise ServerError(
-                    f"The vLLM server at {server.url} takes weights through vLLM's NCCL engine, which needs a CUDA "
-                    """device on the trainer's side. On CPUs start it with --weight-transfer-config '{"backend": """
-                    '"gloo"}\' (grpo vllm-serve picks the backend by device).'
+    def _connect(self, index: int) -> tuple[Any, Any]:
+        """The main process's trainer-side engine (and its source) for server `index`
+        (`vllm_plugin.trainer_engine`), on the first free port from vllm_group_port + index."""
+        server, facts = self.servers[index], self.facts[index]
+        backend = facts["backend"]
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ServerError(
+                f"The vLLM server at {server.url} takes weights through vLLM's NCCL engine, which needs a CUDA "
+                """device on the trainer's side. On CPUs start it with --weight-transfer-config '{"backend": """
+                '"gloo"}\' (grpo vllm-serve picks the backend by device).'
+            )
+        if backend not in ("gloo", "nccl"):
+            raise ServerError(
+                f"The vLLM server at {server.url} uses the {backend!r} weight-transfer engine; grpo pushes through "
+                """'gloo' (CPUs) or 'nccl' (GPUs): start it with --weight-transfer-config '{"backend": "gloo"}' """
+                "(or run grpo vllm-serve, which picks it)."
+            )
+        host = urlsplit(server.url).hostname or "127.0.0.1"
+        wanted = self.group_port + index
+        try:
+            port = free_port(wanted)
+            if port != wanted:
+                logger.warning(
+                    "vllm_group_port + %d = %d is in use on this machine: the weight transfer to %s listens on %d.",
+                    index,
+                    wanted,
+                    server.url,
+                    port,
                 )
-            if backend not in ("gloo", "nccl"):
-                raise ServerError(
-                    f"The vLLM server at {server.url} uses the {backend!r} weight-transfer engine; grpo pushes through "
-                    """'gloo' (CPUs) or 'nccl' (GPUs): start it with --weight-transfer-config '{"backend": "gloo"}' """
-                    "(or run grpo vllm-serve, which picks it)."
-                )
-            host = urlsplit(server.url).hostname or "127.0.0.1"
-            port = int(args.vllm_group_port) + index
-            session = secrets.token_hex(8)
             server.set_version(f"{self.run} #0 (connecting)")
-            try:
-                transfers.append(
-                    vllm_plugin.trainer_engine(
-                        backend,
-                        server,
-                        master_address=local_address(host),
-                        master_port=port,
-                        world_size=facts["world_size"] + 1,
-                        session=session,
-                        run=self.run,
-                        timeout_s=server.timeout,
-                        model=vllm_plugin.model_facts(model_config),
-                        peer=host,
-                    )
-                )
-            except ServerError:
-                raise
-            except Exception as err:  # the rendezvous (a busy port, a timeout) or the server's refusal
-                raise ServerError(
-                    f"Connecting the weight transfer to the vLLM server at {server.url} failed (group port {port}, "
-                    f"vllm_group_port + {index}): {type(err).__name__}: {err}"
-                ) from err
-        return transfers
+            return vllm_plugin.trainer_engine(
+                backend,
+                server,
+                master_address=local_address(host),
+                master_port=port,
+                world_size=facts["world_size"] + 1,
+                session=secrets.token_hex(8),
+                run=self.run,
+                timeout_s=server.timeout,
+                model=self.model_facts,
+                peer=host,
+            )
+        except ServerError:
+            raise
+        except Exception as err:  # the rendezvous (a timeout) or the server's refusal
+            raise ServerError(
+                f"Connecting the weight transfer to the vLLM server at {server.url} failed (group port from "
+                f"vllm_group_port + {index} = {wanted}): {type(err).__name__}: {err}"
+            ) from err
 
     # ---- weights ------------------------------------------------------------------------------------------------
 
@@ -183,24 +191,32 @@ class ServerEngine:
 
     def _push(self, pairs: list[tuple[str, torch.Tensor]], version: str) -> None:
         """The main process: every server gets the weights (at once), named `version` once they are loaded."""
+        connected = [i for i, transfer in enumerate(self.transfers) if transfer is None]
+        for index in connected:  # one by one: each takes the first free group port
+            self.transfers[index] = self._connect(index)
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
             pushes = [
-                pool.submit(self._push_one, server, facts, transfer, pairs, version)
-                for server, facts, transfer in zip(self.servers, self.facts, self.transfers)
+                pool.submit(self._push_one, index, pairs, version, index not in connected)
+                for index in range(len(self.servers))
             ]
             for push in pushes:
                 push.result()
 
-    def _push_one(self, server: ServerClient, facts: dict, transfer: Any, pairs: list, version: str) -> None:
-        engine, source = transfer
-        self._expect(server, self.version or f"{self.run} #0 (connecting)", "before pushing")
+    def _push_one(self, index: int, pairs: list, version: str, check: bool) -> None:
+        """Push to server `index` (connected; `check`: it must still hold this run's last version)."""
+        server, facts = self.servers[index], self.facts[index]
+        if check:
+            self._expect(server, self.version or "", "before pushing")
+        engine, source = self.transfers[index]
         source.fill(pairs, getattr(torch, facts["dtype"]))
         server.set_version(f"{version} (loading)")
         try:
             engine.send_weights()
-        except ServerError:
-            raise
-        except Exception as err:
+        except BaseException as err:
+            self.transfers[index] = None  # the group is gone: a later push connects again
+            engine.shutdown()
+            if isinstance(err, ServerError) or not isinstance(err, Exception):
+                raise
             raise ServerError(
                 f"Pushing the weights to the vLLM server at {server.url} failed: {type(err).__name__}: {err}. The "
                 "checkpoints in output_dir are intact: restart the server and continue with "

@@ -58,6 +58,12 @@ class ServerClient:
                 raw = response.read()
         except urllib.error.HTTPError as err:
             raise self._refused(path, err) from err
+        except OSError as err:  # refused, reset, timed out: the server is not there (any more)
+            reason = getattr(err, "reason", err)
+            raise ServerError(
+                f"The vLLM server at {self.url} cannot be reached ({path}: {reason}). If it stopped, the checkpoints "
+                "in output_dir are intact: start it again and continue with trainer.train(resume_from_checkpoint=True)."
+            ) from err
         try:
             return json.loads(raw) if raw else None
         except ValueError as err:
@@ -114,9 +120,10 @@ class ServerClient:
                 elif time.monotonic() - last_seen > self.timeout:
                     raise self.gone(path)
         if "error" in result:
-            if isinstance(result["error"], ServerError):
-                raise result["error"]
-            raise self.gone(path) from result["error"]
+            error = result["error"]
+            if isinstance(error, ServerError) and not isinstance(error.__cause__, OSError):
+                raise error
+            raise self.gone(path) from error
         return result["value"]
 
     def gone(self, path: str) -> ServerError:

@@ -86,6 +86,18 @@ def local_address(peer: str) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
+def free_port(first: int, tries: int = 64) -> int:
+    """The first port from `first` on that this machine can listen on (a group's store binds every interface)."""
+    for port in range(first, min(first + tries, 65536)):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+                return port
+            except OSError:
+                continue
+    raise OSError(f"no free port among {first}..{first + tries - 1}")
+
+
 def connect(
     address: str, port: int, rank: int, world_size: int, session: str, timeout_s: float, peer: str | None = None
 ) -> tuple[dist.ProcessGroupGloo, dist.TCPStore]:

@@ -219,20 +219,19 @@ def _trainer_classes() -> dict:
                 timeout_s=init_info.timeout_s,
                 model=init_info.model,
             )
-            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-                answered = pool.submit(client.init_weight_transfer_engine, worker_info)
-                group, store = _racing(
-                    answered,
-                    lambda: gloo.connect(
-                        init_info.master_address,
-                        init_info.master_port,
-                        0,
-                        init_info.world_size,
-                        init_info.session,
-                        init_info.timeout_s,
-                        peer=init_info.peer or None,
-                    ),
-                )
+            answered = _background(client.init_weight_transfer_engine, worker_info)
+            group, store = _racing(
+                answered,
+                lambda: gloo.connect(
+                    init_info.master_address,
+                    init_info.master_port,
+                    0,
+                    init_info.world_size,
+                    init_info.session,
+                    init_info.timeout_s,
+                    peer=init_info.peer or None,
+                ),
+            )
             return cls(client=client, source=source, group=group, store=store, session=init_info.session)
 
         def send_weights(self) -> None:
@@ -245,13 +244,12 @@ def _trainer_classes() -> dict:
                 session=self.session,
             )
             self.client.start_weight_update()
-            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-                answered = pool.submit(self.client.update_weights, update)
-                try:
-                    _racing(answered, lambda: gloo.send(self.group, iter(self.source), metadata))
-                except BaseException:
-                    self.shutdown()  # the server gave up on this push (or the broadcast failed): no receiver
-                    raise
+            answered = _background(self.client.update_weights, update)
+            try:
+                _racing(answered, lambda: gloo.send(self.group, iter(self.source), metadata))
+            except BaseException:
+                self.shutdown()  # the server gave up on this push (or the broadcast failed): no receiver
+                raise
             self.client.finish_weight_update()
 
         def shutdown(self) -> None:
@@ -287,6 +285,21 @@ def _source_class() -> type:
                 yield name, tensor.detach().to(self._wire(tensor))
 
     return PushSource
+
+
+def _background(call: Any, *args: Any) -> concurrent.futures.Future:
+    """`call(*args)` on a daemon thread (a request to a server that may never answer must not hold the process's
+    exit, as an executor's thread would)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call(*args))
+        except BaseException as err:  # handed to the future's reader
+            future.set_exception(err)
+
+    threading.Thread(target=run, daemon=True, name="grpo-weight-transfer-request").start()
+    return future
 
 
 def _racing(answered: concurrent.futures.Future, work: Any) -> Any:
