@@ -3,14 +3,14 @@ dev mode, as TRL 1.16 uses it (`grpo vllm-serve` starts one with the flags the t
 (`vllm_server_base_url` may list several: "http://a:8000,http://b:8000", or a list).
 
 - **Generation** goes through `/v1/completions` with token-id prompts, `n` samples per prompt, the sampled tokens'
-  ids and processed log-probs (image prompts: TRL 1.16's route, `grpo.rollout.server_vision`). Each process sends
-  its own rows, spread over the servers (request i of process p to server (p + i) mod S), several requests of one
-  shape in one call, calls to different servers at once. Sampling means what it means in-process (the same
-  `sampling_kwargs`); each call carries a seed drawn from (seed, process, call), so a run's samples depend on the
-  weights it pushed and not on the server's other traffic.
-- **Replies are checked** before anything is trained on them: `n` choices per prompt, the prompt echoed back as
-  sent, token ids in the policy's vocabulary, at most `max_tokens` of them, one finite log-prob per token (null:
-  a token vLLM did not score, NaN as in colocate mode). A reply that is not so is an error naming the server.
+  ids and processed log-probs (image prompts: vLLM's token-in route, `grpo.rollout.server_vision`). Each process sends
+  its own rows, spread over the servers (request i of process p to server (p + i) mod S), up to 64 requests in flight
+  at once (vLLM batches them). Sampling means what it means in-process (the same `sampling_kwargs`); each request
+  carries a seed drawn from (seed, process, generation, request), so a run's samples depend on the weights it
+  pushed and not on the server's other traffic.
+- **Replies are checked** before anything is trained on them: `n` choices, the prompt echoed back as sent, token
+  ids in the policy's vocabulary, at most `max_tokens` of them, one finite log-prob per token (null: a token vLLM
+  did not score, NaN as in colocate mode). A reply that is not so is an error naming the server.
 - **Weights** reach every server through vLLM's weight-transfer engine, never in an HTTP body: grpo's `gloo` engine
   on CPUs (`grpo.serve.vllm_plugin`), vLLM's packed NCCL engine on GPUs. The main process connects to each server
   when the run starts (port `vllm_group_port` + the server's index); at each sync every process takes part in
@@ -54,6 +54,7 @@ logger = logging.getLogger("grpo")
 API_KEY_ENV = "GRPO_VLLM_API_KEY"
 __all__ = ["API_KEY_ENV", "ServerEngine", "ServerError", "server_urls"]
 _SEED_SPACE = 2**31
+_CONCURRENCY = 64  # requests in flight at once per process (vLLM batches them)
 
 
 def server_urls(args: Any) -> list[str]:
@@ -244,75 +245,51 @@ class ServerEngine:
         if not requests:  # a follow-up turn of a tool loop where this process has no row left
             return Rollout([], [], [], [])
         self.calls += 1
-        batches = self._batches(requests)
-        used = sorted({server for server, _, _, _ in batches})
+        # request i of process p on server (p + i) mod S
+        placed = [(self.accelerator.process_index + i) % len(self.servers) for i in range(len(requests))]
+        used = sorted(set(placed))
         if self.version is not None:
             for server in used:
                 self._expect(self.servers[server], self.version, "before a generation")
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(batches)) as pool:
-            answers = list(pool.map(lambda batch: self._complete(requests, *batch), batches))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(_CONCURRENCY, len(requests))) as pool:
+            answers = list(pool.map(self._complete, range(len(requests)), requests, placed))
         if self.version is not None:
             for server in used:
                 self._expect(self.servers[server], self.version, "after a generation")
-        starts = [0]
-        for request in requests:
-            starts.append(starts[-1] + request.num_samples)
-        tokens: list[list[int]] = [[] for _ in range(starts[-1])]
-        logps: list[list[float]] = [[] for _ in range(starts[-1])]
-        for (_, indices, _, _), samples in zip(batches, answers):
-            ordered = iter(samples)
-            for i in indices:
-                for row in range(starts[i], starts[i + 1]):
-                    tokens[row], logps[row] = next(ordered)
+        tokens = [ids for samples in answers for ids, _ in samples]
+        logps = [lps for samples in answers for _, lps in samples]
         return assemble(expand(requests), tokens, logps, self.stop_ids, self.tokenizer)
 
-    def _batches(self, requests: Sequence[Request]) -> list[tuple[int, list[int], int, int]]:
-        """(server, request indices, n, max_tokens): one call each, request i of this process on server
-        (process + i) mod S, requests of one shape on one server together (image prompts one by one)."""
-        calls: dict[tuple[int, int, int, int], list[int]] = {}
-        for i, request in enumerate(requests):
-            server = (self.accelerator.process_index + i) % len(self.servers)
-            prompt, limit = len(request.prompt.ids), self.facts[server]["max_model_len"]
-            max_tokens = min(request.max_tokens or self.max_tokens, limit - prompt)
-            if max_tokens < 1:
-                raise ServerError(
-                    f"A prompt of {prompt} tokens leaves no room for a completion in the context of the vLLM server "
-                    f"at {self.servers[server].url} (max_model_len {limit}): shorten it (max_prompt_length) or start "
-                    "the server with a larger --max-model-len."
-                )
-            alone = i if request.prompt.images else -1
-            calls.setdefault((server, request.num_samples, max_tokens, alone), []).append(i)
-        return [(s, indices, n, m) for (s, n, m, _), indices in calls.items()]
-
-    def _complete(
-        self, requests: Sequence[Request], server_index: int, indices: list[int], n: int, max_tokens: int
-    ) -> list[tuple[list[int], list[float]]]:
-        """The samples of one call, n per request of `indices` in their order, checked (`_checked`)."""
-        server = self.servers[server_index]
-        seed = hash((self.seed, self.accelerator.process_index, self.calls, indices[0])) % _SEED_SPACE
-        prompts = [list(requests[i].prompt.ids) for i in indices]
-        if requests[indices[0]].prompt.images:
-            model, prompt = self.facts[server_index]["model"], requests[indices[0]].prompt
-            choices = server_vision.generate(server, model, prompt, self._params(n, max_tokens, seed))
-            return self._checked(server, choices, prompts, n, max_tokens, "/inference/v1/generate")
-        payload = {
-            "model": self.facts[server_index]["model"],
-            "prompt": prompts,
-            **self._params(n, max_tokens, seed),
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-        }
+    def _complete(self, index: int, request: Request, server_index: int) -> list[tuple[list[int], list[float]]]:
+        """The request's `num_samples` samples, checked (`_checked`). Each request is a call of its own, with its
+        own seed (one call's prompts share its seed, so equal prompts in it would be sampled alike)."""
+        server, facts = self.servers[server_index], self.facts[server_index]
+        prompt, n = list(request.prompt.ids), request.num_samples
+        max_tokens = min(request.max_tokens or self.max_tokens, facts["max_model_len"] - len(prompt))
+        if max_tokens < 1:
+            raise ServerError(
+                f"A prompt of {len(prompt)} tokens leaves no room for a completion in the context of the vLLM server "
+                f"at {server.url} (max_model_len {facts['max_model_len']}): shorten it (max_prompt_length) or start "
+                "the server with a larger --max-model-len."
+            )
+        seed = hash((self.seed, self.accelerator.process_index, self.calls, index)) % _SEED_SPACE
+        params = self._params(n, max_tokens, seed)
+        if request.prompt.images:
+            choices = server_vision.generate(server, facts["model"], request.prompt, self.tokenizer, params)
+            return self._checked(server, choices, prompt, n, max_tokens, "/inference/v1/generate")
+        payload = {"model": facts["model"], "prompt": prompt, **params}
+        payload.update(return_token_ids=True, return_tokens_as_token_ids=True)
         answer = server.while_alive("POST", "/v1/completions", payload)
         choices = answer.get("choices") if isinstance(answer, dict) else None
-        return self._checked(server, choices, prompts, n, max_tokens, "/v1/completions")
+        return self._checked(server, choices, prompt, n, max_tokens, "/v1/completions")
 
     def _params(self, n: int, max_tokens: int, seed: int) -> dict:
         return {**self.sampling, "seed": seed, "n": n, "max_tokens": max_tokens, "logprobs": 0}
 
     def _checked(
-        self, server: ServerClient, choices: Any, prompts: list[list[int]], n: int, max_tokens: int, route: str
+        self, server: ServerClient, choices: Any, prompt: list[int], n: int, max_tokens: int, route: str
     ) -> list[tuple[list[int], list[float]]]:
-        """The choices' (token ids, log-probs), `n` per prompt in order, once they are what was asked for (else a
+        """The choices' (token ids, log-probs), `n` of them in order, once they are what was asked for (else a
         ServerError naming the server: nothing of the reply is used)."""
 
         def bad(what: str) -> ServerError:
@@ -321,12 +298,10 @@ class ServerEngine:
                 "server of the policy's model (same tokenizer and vocabulary)?"
             )
 
-        if not isinstance(choices, list) or len(choices) != len(prompts) * n:
-            count = len(choices) if isinstance(choices, list) else "no list of"
-            raise bad(f"{count} choices for {len(prompts)} prompts of {n} samples")
+        if not isinstance(choices, list) or len(choices) != n:
+            raise bad(f"{len(choices) if isinstance(choices, list) else 'no list of'} choices for {n} samples")
         out = []
         for position, choice in enumerate(sorted(choices, key=_index)):
-            prompt = prompts[position // n]
             if not isinstance(choice, dict) or _index(choice) != position:
                 raise bad(f"choices numbered other than 0..{len(choices) - 1}")
             if choice.get("prompt_token_ids") not in (None, prompt):

@@ -35,6 +35,10 @@ class ServerError(RuntimeError):
     """A vLLM server is unreachable, refused a request, answered wrongly, or holds another run's weights."""
 
 
+class _Unreachable(ServerError):
+    """The server did not answer at all (refused, reset, timed out)."""
+
+
 class ServerClient:
     """One server at `url` (`timeout`: vllm_server_timeout; `key`: its API key or None)."""
 
@@ -42,6 +46,8 @@ class ServerClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.key = key
+        self.answered = 0.0  # when /health last answered (the requests in flight share one poll a second)
+        self.lock = threading.Lock()
 
     # ---- HTTP ---------------------------------------------------------------------------------------------------
 
@@ -60,7 +66,7 @@ class ServerClient:
             raise self._refused(path, err) from err
         except OSError as err:  # refused, reset, timed out: the server is not there (any more)
             reason = getattr(err, "reason", err)
-            raise ServerError(
+            raise _Unreachable(
                 f"The vLLM server at {self.url} cannot be reached ({path}: {reason}). If it stopped, the checkpoints "
                 "in output_dir are intact: start it again and continue with trainer.train(resume_from_checkpoint=True)."
             ) from err
@@ -79,11 +85,15 @@ class ServerClient:
         return ServerError(f"The vLLM server at {self.url} refused {path} ({err.code}): {detail}{hint}")
 
     def healthy(self) -> bool:
-        try:
-            self.request("GET", "/health", timeout=min(self.timeout, 10.0))
+        with self.lock:
+            if time.monotonic() - self.answered < _POLL_S:
+                return True
+            try:
+                self.request("GET", "/health", timeout=min(self.timeout, 10.0))
+            except (OSError, ServerError, ValueError):
+                return False
+            self.answered = time.monotonic()
             return True
-        except (OSError, ServerError, ValueError):
-            return False
 
     def wait_until_up(self) -> None:
         deadline = time.monotonic() + self.timeout
@@ -121,7 +131,7 @@ class ServerClient:
                     raise self.gone(path)
         if "error" in result:
             error = result["error"]
-            if isinstance(error, ServerError) and not isinstance(error.__cause__, OSError):
+            if isinstance(error, ServerError) and not isinstance(error, _Unreachable):
                 raise error
             raise self.gone(path) from error
         return result["value"]
