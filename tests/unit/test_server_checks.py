@@ -108,7 +108,8 @@ def test_the_launcher_runs_vllms_module_with_the_trainers_flags():
     assert flags["--host"] == "127.0.0.1" and flags["--middleware"] == "grpo.serve.guard.Guard"
     assert flags["--logprobs-mode"] == "processed_logprobs" and "--enable-scale-out" in argv
     assert "--enforce-eager" in argv and flags["--kv-cache-memory-bytes"] == str(2**30)
-    assert argv[-2:] == ["--max-num-seqs", "8"] and env == {"VLLM_SERVER_DEV_MODE": "1"}
+    assert argv[-2:] == ["--max-num-seqs", "8"] and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["MALLOC_MMAP_MAX_"] == "0"  # freed memory kept for reuse, as the trainer's CPU policy
     argv, _ = launcher.command(args, extra, cuda=True, cpus=[0, 1])
     assert json.loads(dict(zip(argv, argv[1:]))["--weight-transfer-config"]) == {"backend": "nccl"}
     assert "--enforce-eager" not in argv and "--kv-cache-memory-bytes" not in argv

@@ -9,14 +9,17 @@ ranks and receive. Plain torch, no vLLM: both sides import it.
 What travels is fixed by `metadata` alone (names, dtypes, shapes), so both sides cut the stream the same way
 (`plan`): a tensor of `DIRECT_BYTES` or more goes as broadcasts of its own bytes (no copy on either side when it is
 already contiguous in its wire dtype; over `MAX_MESSAGE_BYTES` in several pieces), smaller ones are packed into
-buffers of `PACK_BYTES`. Up to `IN_FLIGHT_BYTES` are in flight at once, so packing, casting and loading overlap
-the wire, and neither side holds more than that beyond the model.
+buffers of up to `PACK_BYTES` (the sender casts each straight into its place; the receiver hands views of the
+buffer on, no copy). Few, large messages: each broadcast costs a round of gloo's protocol, and loopback TCP reached
+2.2 GB/s with 32 MiB messages against 3-3.7 GB/s with 128 MiB on a 2-core machine. Up to `IN_FLIGHT_BYTES` are in
+flight at once, over two connections (gloo devices), so casting, the wire and loading overlap.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import socket
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,11 +27,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-DIRECT_BYTES = 1 << 20  # tensors at least this large are broadcast on their own (no packing copy)
-PACK_BYTES = 32 << 20  # the buffers the smaller ones are packed into
+DIRECT_BYTES = 16 << 20  # tensors at least this large are broadcast on their own (no packing copy)
+PACK_BYTES = 128 << 20  # the buffers the smaller ones are packed into
 MAX_MESSAGE_BYTES = 256 << 20  # a larger tensor goes in pieces of at most this
+# the sender's casting threads: gloo's connections need cores of their own (on 2 cores, casting on one thread made
+# the wire 2.85 GB/s against 2.2 on both: bench/push.py)
+_CAST_THREADS = max(1, (os.cpu_count() or 1) // 4)
 IN_FLIGHT_BYTES = 512 << 20  # broadcasts posted before the oldest is waited for
 _ALIGN = 16  # packed tensors start at multiples of this (every dtype's element size divides it)
+_CONNECTIONS = 2  # gloo devices: TCP connections (and threads) the broadcasts share
 
 Meta = tuple[str, torch.dtype, tuple[int, ...]]  # (name, wire dtype, shape)
 
@@ -109,14 +116,26 @@ def connect(
     store = dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(peer or address))]
+    address_here = local_address(peer or address)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_here) for _ in range(_CONNECTIONS)]
+    options._threads = _CONNECTIONS
     group = dist.ProcessGroupGloo(dist.PrefixStore(f"grpo-weights/{session}", store), rank, world_size, options)
     return group, store
 
 
 def send(group: dist.ProcessGroupGloo, pairs: Iterable[tuple[str, torch.Tensor]], metadata: Sequence[Meta]) -> int:
     """Rank 0: broadcast `pairs`, which must be `metadata`'s tensors in its order (each cast to its wire dtype, and
-    brought to this machine's memory, on the way); returns the bytes sent."""
+    brought to this machine's memory, on the way); returns the bytes sent. Casting runs on `_CAST_THREADS` threads
+    (the calling thread's own setting, restored after: other threads keep theirs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, _CAST_THREADS))
+    try:
+        return _send(group, pairs, metadata)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _send(group: dist.ProcessGroupGloo, pairs: Iterable[tuple[str, torch.Tensor]], metadata: Sequence[Meta]) -> int:
     tensors = enumerate(_checked(pairs, metadata))
     fetched: dict[int, torch.Tensor] = {}  # tensors taken from `pairs` before the message that sends them
 
@@ -161,8 +180,9 @@ def receive(
     load: Callable[[list[tuple[str, torch.Tensor]]], object],
 ) -> int:
     """A receiver: the tensors of `metadata` as rank 0 broadcasts them, handed to `load` (lists of (name, tensor),
-    whole tensors only, in the order they complete); returns the bytes received."""
-    tensors: dict[int, torch.Tensor] = {}
+    whole tensors only, in the order they complete; packed ones are views of their message's buffer, which `load`
+    may keep); returns the bytes received."""
+    tensors: dict[int, torch.Tensor] = {}  # direct tensors being received
     remaining = {i: nbytes(meta) for i, meta in enumerate(metadata)}
     window: deque[tuple[dist.Work, Message, torch.Tensor]] = deque()
     in_flight = received = 0
@@ -171,21 +191,22 @@ def receive(
         work.wait()
         done = []
         for index, _, offset, length in message.parts:
-            if not message.direct:
-                _flat_bytes(tensors[index]).copy_(payload[offset : offset + length])
+            name, dtype, shape = metadata[index]
+            if not message.direct:  # a view of the buffer: no copy
+                done.append((name, payload[offset : offset + length].view(dtype).view(shape)))
+                continue
             remaining[index] -= length
             if remaining[index] == 0:
-                done.append((metadata[index][0], tensors.pop(index)))
+                done.append((name, tensors.pop(index)))
         if done:
             load(done)
 
     for message in plan(metadata):
-        for index, _, _, _ in message.parts:
+        if message.direct:
+            index, start, _, length = message.parts[0]
             if index not in tensors:
                 _, dtype, shape = metadata[index]
                 tensors[index] = torch.empty(shape, dtype=dtype)
-        if message.direct:
-            index, start, _, length = message.parts[0]
             payload = _flat_bytes(tensors[index])[start : start + length]
         else:
             payload = torch.empty(message.size, dtype=torch.uint8)

@@ -19,7 +19,8 @@ It replaces itself (`os.execve`, same process) with
   GRPO_VLLM_API_KEY, handed to vLLM as VLLM_API_KEY, never on the command line), else it refuses to start (exit
   status 2); `grpo.serve.guard.Guard` requires the key on every route but /health (vLLM's own check covers only
   /v1 and a few more) and refuses web pages and, without a key, non-loopback Host names;
-- on a CPU: eager execution (compiling costs minutes at start), a KV cache of `--kv-cache-gib`, and with
+- on a CPU: eager execution (compiling costs minutes at start), a KV cache of `--kv-cache-gib`, glibc keeping
+  freed memory for reuse (as the trainer does: each push then lands in pages the first one faulted in), and with
   `--tensor-parallel-size k` each shard's process bound to its own share of the CPUs (vLLM's automatic binding
   wants a NUMA node per shard).
 
@@ -38,6 +39,9 @@ from grpo.serve.guard import ALLOWED_HOSTS_ENV, is_loopback
 
 KEY_ENV = "GRPO_VLLM_API_KEY"
 BACKENDS = ("gloo", "nccl")
+# glibc keeps freed memory for reuse (the trainer's CPU policy, `grpo.perf.allocator.keep_freed_memory`): each push's
+# tensors are then written into pages faulted in by the first push, not fresh ones (measured: bench/push.py)
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 
 
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -112,6 +116,9 @@ def command(args: argparse.Namespace, extra: Sequence[str], cuda: bool, cpus: Se
         shards = args.tensor_parallel_size * args.data_parallel_size
         if shards > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             env["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(cpus, shards)
+        for name, value in KEEP_FREED_MEMORY.items():  # glibc's own variables, read at the processes' start
+            if name not in os.environ:
+                env[name] = value
     elif args.enforce_eager:
         argv += ["--enforce-eager"]
     return argv + list(extra), env
