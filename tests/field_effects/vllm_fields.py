@@ -264,6 +264,33 @@ def _timeout(s: Setting):
         s.trainer(use_vllm=True, vllm_mode="server", vllm_server_port=1)
 
 
+@effect("vllm_group_port", 52000)
+def _group_port(s: Setting):
+    """Server i's weight-transfer group listens on the first free port from vllm_group_port + i (a stub server:
+    the check stops at the port, before vLLM is imported)."""
+    import grpo.rollout.remote as remote
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def first_free(port):
+        asked.append(port)
+        raise Stop
+
+    facts = {"model": "m", "dtype": "float32", "max_model_len": 64, "backend": "gloo", "world_size": 1}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(remote.ServerClient, "describe", lambda self, tokenizer: dict(facts))
+        patch.setattr(remote, "free_port", first_free)
+        trainer = s.trainer(
+            use_vllm=True, vllm_mode="server", vllm_server_base_url="http://127.0.0.1:1,http://127.0.0.1:2"
+        )
+        with pytest.raises(remote.ServerError, match=r"from vllm_group_port \+ 0 = 52000\): Stop"):
+            trainer.engine.sync_weights(trainer.unwrapped_model)
+    assert asked == [52000]
+
+
 @effect("vllm_server_api_key", "s3cret")
 def _api_key(s: Setting):
     config = s.config(use_vllm=True, vllm_mode="server")

@@ -27,10 +27,11 @@ _ENGINES: dict[tuple, object] = {}
 
 
 def vllm_tiny_model(path, seed: int = 0, tied: bool = False) -> str:
-    """A 2-layer Llama whose head size vLLM's CPU attention supports (32), with the tiny tokenizer; `tied`: its
-    output head shares the input embedding (as SmolLM2's does)."""
+    """A 2-layer Llama whose head size vLLM's CPU attention supports (32), with the tiny tokenizer and 2048
+    positions (room for a tool loop's schemas: test_vllm_agent.py's server mode runs on the session's server);
+    `tied`: its output head shares the input embedding (as SmolLM2's does)."""
     tokenizer = tiny.make_tokenizer()
-    model = tiny.make_model(tokenizer, seed, hidden=128)
+    model = tiny.make_model(tokenizer, seed, hidden=128, context=2048)
     if tied:
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -10,11 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from served import KEY, request, server_env
-from support import side_by_side
 
 FP32_TOL = 1e-3
 PROMPTS = [[4, 10, 11, 12], [4, 20, 21]]
@@ -103,33 +103,24 @@ def _raw(port, data: bytes) -> int:
         return int(s.makefile("rb").readline().split()[1])
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "grpo", *args]
+def test_bad_flags_are_refused_before_vllm_starts(vllm_model_dir, capsys):
+    from grpo import cli
+
+    def refused(*flags: str) -> str:
+        assert cli.main(["vllm-serve", "--model", vllm_model_dir, *flags]) == 2
+        return capsys.readouterr().err
+
+    public = refused("--host", "0.0.0.0")
+    assert "--api-key" in public and "GRPO_VLLM_API_KEY" in public and "0.0.0.0" in public
+    assert "--tensor-parallel-size" in refused("--tensor-parallel-size", "0")
+    assert "--middleware" in refused("--middleware", "x.Y")
+    with pytest.raises(SystemExit):
+        cli.main(["vllm-serve", "--model", vllm_model_dir, "--weight-transfer-backend", "ipc"])
+    assert "invalid choice" in capsys.readouterr().err
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=server_env())
-
-
-def test_bad_flags_are_refused_before_vllm_starts_and_help_lists_the_command(vllm_model_dir):
+def test_the_grpo_command_lists_vllm_serve():
     script = Path(sys.executable).parent / "grpo"  # the console script (pip install -e .)
-    public, no_shards, own_flag, backend, *helps = side_by_side(
-        *(
-            lambda command=command: _run(command)
-            for command in (
-                _cli("vllm-serve", "--model", vllm_model_dir, "--host", "0.0.0.0"),
-                _cli("vllm-serve", "--model", vllm_model_dir, "--tensor-parallel-size", "0"),
-                _cli("vllm-serve", "--model", vllm_model_dir, "--middleware", "x.Y"),
-                _cli("vllm-serve", "--model", vllm_model_dir, "--weight-transfer-backend", "ipc"),
-                _cli("--help"),
-                *([[str(script), "--help"]] if script.exists() else []),
-            )
-        )
-    )
-    assert public.returncode == 2
-    assert "--api-key" in public.stderr and "GRPO_VLLM_API_KEY" in public.stderr and "0.0.0.0" in public.stderr
-    assert no_shards.returncode == 2 and "--tensor-parallel-size" in no_shards.stderr
-    assert own_flag.returncode == 2 and "--middleware" in own_flag.stderr
-    assert backend.returncode == 2 and "invalid choice" in backend.stderr and "gloo" in backend.stderr
-    for result in helps:
-        assert result.returncode == 0 and "vllm-serve" in result.stdout
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "grpo"]
+    result = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120, env=server_env())
+    assert result.returncode == 0 and "vllm-serve" in result.stdout

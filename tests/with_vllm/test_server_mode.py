@@ -101,7 +101,9 @@ def test_a_run_whose_server_another_run_took_over_is_refused_by_name(server, vll
     assert (server_logps - policy).abs().max() < FP32_TOL
 
 
-def test_a_server_killed_in_a_push_stops_the_run_clearly_and_resume_continues(vllm_model_dir, tmp_path):
+def test_a_server_killed_in_a_push_stops_the_run_clearly_and_resume_continues(server, vllm_model_dir, tmp_path):
+    """A server (all its processes) killed halfway through the second push: one error naming it, in seconds; the
+    first step's checkpoint is intact, and the resume continues on a server that is up (the session's)."""
     s = Server(vllm_model_dir)
     args = dict(vllm_mode="server", vllm_server_port=s.port, vllm_server_timeout=10.0, max_steps=3)
     trainer = make_trainer(vllm_model_dir, tmp_path, save_strategy="steps", save_steps=1, **args)
@@ -138,14 +140,11 @@ def test_a_server_killed_in_a_push_stops_the_run_clearly_and_resume_continues(vl
         trainer.train()
     assert time.monotonic() - start < 120  # no hang
     assert os.path.isdir(tmp_path / "out" / "checkpoint-1")
-    back = Server(vllm_model_dir, s.port)
-    try:
-        resumed = make_trainer(vllm_model_dir, tmp_path, save_strategy="steps", save_steps=1, **args)
-        resumed.train(resume_from_checkpoint=True)
-        assert resumed.state.global_step == 3
-        assert resumed.state.log_history[-1]["sampling/sampling_logp_difference/max"] < FP32_TOL
-    finally:
-        back.kill()
+    args["vllm_server_port"] = server.port
+    resumed = make_trainer(vllm_model_dir, tmp_path, save_strategy="steps", save_steps=1, **args)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+    assert resumed.state.log_history[-1]["sampling/sampling_logp_difference/max"] < FP32_TOL
 
 
 def test_a_keyed_bfloat16_server_refuses_a_trainer_without_its_key_and_takes_a_lora_policy(

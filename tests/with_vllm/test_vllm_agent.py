@@ -1,5 +1,5 @@
-"""A tool loop through the vLLM engines, colocate and a `grpo vllm-serve` server: the first turns (which call the
-tool) come from a rollout_func, scripted, with the policy's own log-probs; every follow-up turn after the tool
+"""A tool loop through the vLLM engines, colocate and the session's `grpo vllm-serve` server: the first turns (which
+call the tool) come from a rollout_func, scripted, with the policy's own log-probs; every follow-up turn after the tool
 result is sampled by vLLM, one sample per row, from the sequence so far (prompt, the call, the tool turn's tokens).
 The sampling/* metrics then compare vLLM's log-probs with the policy's on model tokens only: they agree to float32
 rounding, so the tool tokens (whose placeholder log-prob 0.0 is far from the policy's) take no part."""
@@ -14,7 +14,6 @@ from field_effects import BASE, chat_dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.data.prompts import make_prompt
-from served import Server
 from test_vllm_engine import FP32_TOL, policy_logps
 
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -42,12 +41,12 @@ def tools_model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["colocate", "server"])
-def test_follow_up_turns_are_sampled_by_vllm(tools_model_dir, tmp_path, mode):
+def test_follow_up_turns_are_sampled_by_vllm(tools_model_dir, tmp_path, mode, servers):
+    """Server mode on the session's server (the same tiny Llama; the run pushes its weights first)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tools_model_dir)
-    server = Server(tools_model_dir) if mode == "server" else None
-    extra = {"vllm_mode": "server", "vllm_server_port": server.port} if server else {}
+    extra = {"vllm_mode": "server", "vllm_server_port": servers.open} if mode == "server" else {}
 
     def first_turns(prompts, trainer):
         schemas = trainer.rollouts.tools.schemas
@@ -77,11 +76,7 @@ def test_follow_up_turns_are_sampled_by_vllm(tools_model_dir, tmp_path, mode):
 
     trainer.engine.generate = recording
     before = {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
-    try:
-        trainer.train()
-    finally:
-        if server is not None:
-            server.kill()
+    trainer.train()
     assert len(asked) == 1 and [r.num_samples for r in asked[0]] == [1] * 8  # the follow-up turns, one per row
     suffix = tok("\n<|im_start|>tool\n6<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert list(asked[0][0].prompt.ids[-len(suffix) :]) == suffix

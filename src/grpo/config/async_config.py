@@ -25,7 +25,7 @@ ASYNC_ONLY = {
     "token_budget": (None, "micro-batches have per_device_train_batch_size rows (no token-budget packing)"),
     "fork_threshold_tokens": (1024, "the tool loop keeps each turn's sampled tokens: nothing is re-tokenized"),
     "request_timeout": (600, "server requests use vllm_server_timeout"),
-    "weight_sync_timeout": (1800, "weights reach the engine in-process or by HTTP push, with vllm_server_timeout"),
+    "weight_sync_timeout": (1800, "weights reach the engine in-process, or a server's within vllm_server_timeout"),
 }
 
 
