@@ -24,7 +24,9 @@ tool rollouts under a reasoning-stripping template, the tree against forked rows
 (multi_turn_tree.py). `tree_images_positions_ratio`, `tree_images_vision_ratio` and `tree_images_speedup`: image rows
 of a random Qwen2.5-VL, a random Qwen3-VL, a random Gemma 3 (image tokens that attend each other both ways) and a random Gemma 4 (both
 ways in its sliding layers), as trees against padded rows, positions, images through the vision tower, and the
-training pass's time (tree_images.py).
+training pass's time (tree_images.py). Where vLLM is installed, server mode (push.py): per model (the bundled one
+and a random Qwen2.5-0.5B), a line `push_<model>: copy_bound_gb_s http_body_gb_s gloo_wire_gb_s gloo_vllm_gb_s
+gloo_vs_http gloo_vs_copy_bound` (the weight push in bytes/s), and `server_vs_colocate`, the workload end to end.
 """
 
 from __future__ import annotations
@@ -244,6 +246,14 @@ def main() -> None:
             images = subprocess.run(command, capture_output=True, text=True)
             ok = images.returncode == 0
             print(images.stdout.strip().splitlines()[-1] if ok else f"tree_images failed: {images.stderr}")
+    if not opts.only and vllm_available():
+        # server mode: the weight push (gloo engine, HTTP body, copy bound) and the workload against colocate
+        console.print("running server mode's weight push and workload (push.py) ...")
+        push = subprocess.run(
+            [sys.executable, os.path.join(HERE, "push.py"), "--workload", first], capture_output=True, text=True
+        )
+        lines = [line for line in push.stdout.splitlines() if line.startswith(("push_", "server_vs_colocate"))]
+        print("\n".join(lines) if push.returncode == 0 else f"push failed: {push.stderr[-2000:]}")
     if opts.only:
         return
     speed = {p: results[("grpo", p)]["tokens_per_s"] / results[("trl", p)]["tokens_per_s"] for p in precisions}

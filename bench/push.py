@@ -162,7 +162,7 @@ def gloo_vllm(model, tokenizer, model_dir: str, dtype: torch.dtype) -> float:
 
 
 def start_server(model_dir: str, port: int, dtype: str, kv_cache_gib: float) -> subprocess.Popen:
-    """`grpo vllm-serve` of the model (a 2048-token context), answering; its log in /tmp/grpo-bench-server-<port>.log."""
+    """`grpo vllm-serve` of the model (a 2048-token context), answering; its log: /tmp/grpo-bench-server-<port>.log."""
     log = open(f"/tmp/grpo-bench-server-{port}.log", "w")
     command = [sys.executable, "-m", "grpo", "vllm-serve", "--model", model_dir, "--port", str(port), "--dtype", dtype]
     command += ["--kv-cache-gib", str(kv_cache_gib), "--max-model-len", "2048"]

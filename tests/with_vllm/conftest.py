@@ -81,16 +81,22 @@ def tiny_model_dir_h8(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def servers(vllm_model_dir, tmp_path_factory):
-    """Ports of two `grpo vllm-serve` servers of the head-size-32 tiny model, started at once and stopped at the
-    end of the session: `open` (float32, no key) and `keyed` (bfloat16, requires served.KEY). A run connecting to a
-    server takes its weight transfer over, so tests use them one run at a time."""
+    """`grpo vllm-serve` servers of the head-size-32 tiny model, started at once (a start is ~30 s of imports in
+    three processes; side by side they share it) and stopped at the end of the session: the ports of `open`
+    (float32, no key) and `keyed` (bfloat16, requires served.KEY), and `shards` (float32, in two shards: its
+    process; test_server_mode.py kills it). A run connecting to a server takes its weight transfer over, so tests
+    use them one run at a time."""
     tmp = tmp_path_factory.mktemp("servers")
     keyed = ("--dtype", "bfloat16", "--api-key", served.KEY)
-    procs = [served.start(vllm_model_dir, tmp), served.start(vllm_model_dir, tmp, *keyed)]
+    procs = [
+        served.start(vllm_model_dir, tmp),
+        served.start(vllm_model_dir, tmp, *keyed),
+        served.start(vllm_model_dir, tmp, "--tensor-parallel-size", "2"),
+    ]
     try:
         for proc in procs:
             served.wait(proc)
-        yield SimpleNamespace(open=procs[0].port, keyed=procs[1].port)
+        yield SimpleNamespace(open=procs[0].port, keyed=procs[1].port, shards=procs[2])
     finally:
         for proc in procs:
             served.stop(proc)

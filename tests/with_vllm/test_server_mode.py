@@ -1,9 +1,9 @@
 """Training against vLLM's own server (`vllm_mode="server"`, `grpo vllm-serve`) on this CPU, weights through grpo's
 gloo weight-transfer engine: the server samples the policy's weights after each push and not without one, two
 trainer processes share one server, a run whose server another run took over is refused by name, a server killed
-in a push stops the run with a clear error (checkpoints intact) and a resume continues once a server is back, a
-keyed server refuses a trainer without its key, a bfloat16 server takes a LoRA policy's merged weights, and two
-servers (one of them split in two shards) share a run's requests and each get every push."""
+in a push stops the run with a clear error naming it (checkpoints intact) and a resume continues on a server that
+is up, a keyed server refuses a trainer without its key, a bfloat16 server takes a LoRA policy's merged weights, and
+two servers (one of them split in two shards) share a run's requests and each get every push."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
+import served as served_
 from grpo.rollout.base import Request
 from grpo.rollout.remote import ServerError
-from served import KEY, Server, request
+from served import KEY, request
 from support import torchrun
 from test_vllm_engine import (
     BF16_MAX_TOL,
@@ -101,52 +103,6 @@ def test_a_run_whose_server_another_run_took_over_is_refused_by_name(server, vll
     assert (server_logps - policy).abs().max() < FP32_TOL
 
 
-def test_a_server_killed_in_a_push_stops_the_run_clearly_and_resume_continues(server, vllm_model_dir, tmp_path):
-    """A server (all its processes) killed halfway through the second push: one error naming it, in seconds; the
-    first step's checkpoint is intact, and the resume continues on a server that is up (the session's)."""
-    s = Server(vllm_model_dir)
-    args = dict(vllm_mode="server", vllm_server_port=s.port, vllm_server_timeout=10.0, max_steps=3)
-    trainer = make_trainer(vllm_model_dir, tmp_path, save_strategy="steps", save_steps=1, **args)
-    connect, pushes = trainer.engine._connect, []
-
-    class DiesHalfwaySent(list):
-        """The push's tensors; the server (all its processes) is killed when half of them are sent."""
-
-        walks = 0
-
-        def __iter__(self):
-            DiesHalfwaySent.walks += 1  # the first walk reads the metadata, the second sends
-            for i, pair in enumerate(list.__iter__(self)):
-                if DiesHalfwaySent.walks == 2 and i == len(self) // 2:
-                    s.kill()
-                yield pair
-
-    def connected(index):
-        engine, source = connect(index)
-        send = engine.send_weights
-
-        def dies_in_the_second_push():
-            pushes.append(1)
-            if len(pushes) == 2:
-                source.pairs = DiesHalfwaySent(source.pairs)
-            return send()
-
-        engine.send_weights = dies_in_the_second_push
-        return engine, source
-
-    trainer.engine._connect = connected
-    start = time.monotonic()
-    with pytest.raises(ServerError, match=r"vLLM server at http://0.0.0.0:\d+ .*(stopped answering|failed)"):
-        trainer.train()
-    assert time.monotonic() - start < 120  # no hang
-    assert os.path.isdir(tmp_path / "out" / "checkpoint-1")
-    args["vllm_server_port"] = server.port
-    resumed = make_trainer(vllm_model_dir, tmp_path, save_strategy="steps", save_steps=1, **args)
-    resumed.train(resume_from_checkpoint=True)
-    assert resumed.state.global_step == 3
-    assert resumed.state.log_history[-1]["sampling/sampling_logp_difference/max"] < FP32_TOL
-
-
 def test_a_keyed_bfloat16_server_refuses_a_trainer_without_its_key_and_takes_a_lora_policy(
     vllm_model_dir, tmp_path, servers
 ):
@@ -173,33 +129,75 @@ def test_a_keyed_bfloat16_server_refuses_a_trainer_without_its_key_and_takes_a_l
     assert base.mean() > max(2 * diff.mean(), BF16_MEAN_TOL)  # the adapters reached the server
 
 
-def test_two_servers_one_in_two_shards_share_the_requests_and_each_get_every_push(server, vllm_model_dir, tmp_path):
+def test_two_servers_share_a_runs_requests_and_pushes_and_one_killed_in_a_push_is_named(
+    server, servers, vllm_model_dir, tmp_path
+):
     """vllm_server_base_url with two servers, the second split in two shards (--tensor-parallel-size 2, a worker
-    process each, both in the gloo group): each step's requests go to both, both hold the run's version after every
-    push, both sample the policy's log-probs; a server lost mid-run is an error naming it."""
-    shards = Server(vllm_model_dir, None, "--tensor-parallel-size", "2")
-    try:
-        urls = f"{server.url},{shards.url}"
-        trainer = make_trainer(vllm_model_dir, tmp_path, vllm_mode="server", vllm_server_base_url=urls, max_steps=2)
-        assert [f["world_size"] for f in trainer.engine.facts] == [1, 2]
-        calls = {url: 0 for url in urls.split(",")}
-        for client in trainer.engine.servers:
-            original = client.while_alive
+    process each, both in the gloo group): the first step's requests go to both, both hold the run's version after
+    its push and sample the policy's log-probs. The second server (all its processes) is then killed halfway through
+    the second push: one error naming it, in seconds; the first step's checkpoint is intact, and the resume continues
+    on the server that is up."""
+    shards = SimpleNamespace(url=f"http://127.0.0.1:{servers.shards.port}")
+    urls = f"{server.url},{shards.url}"
+    args = dict(vllm_mode="server", vllm_server_timeout=10.0, max_steps=3, save_strategy="steps", save_steps=1)
+    trainer = make_trainer(vllm_model_dir, tmp_path, vllm_server_base_url=urls, **args)
+    assert [f["world_size"] for f in trainer.engine.facts] == [1, 2]
+    calls = {url: 0 for url in urls.split(",")}
+    for client in trainer.engine.servers:
+        original = client.while_alive
 
-            def counted(method, path, body=None, client=client, original=original):
-                calls[client.url] += path == "/v1/completions"
-                return original(method, path, body)
+        def counted(method, path, body=None, client=client, original=original):
+            calls[client.url] += path == "/v1/completions"
+            return original(method, path, body)
 
-            client.while_alive = counted
+        client.while_alive = counted
+    held = []
+
+    class DiesHalfwaySent(list):
+        """The second push's tensors to the second server, which is killed when half of them are sent (the first
+        walk reads the metadata, the second sends)."""
+
+        walks = 0
+
+        def __iter__(self):
+            DiesHalfwaySent.walks += 1
+            for i, pair in enumerate(list.__iter__(self)):
+                if DiesHalfwaySent.walks == 2 and i == len(self) // 2:
+                    served_.kill(servers.shards)
+                yield pair
+
+    connect, pushes = trainer.engine._connect, []
+
+    def connected(index):
+        engine, source = connect(index)
+        if index == 1:
+            send = engine.send_weights
+
+            def dies_in_the_second_push():
+                pushes.append(1)
+                if len(pushes) == 2:
+                    source.pairs = DiesHalfwaySent(source.pairs)
+                return send()
+
+            engine.send_weights = dies_in_the_second_push
+        return engine, source
+
+    class Versions(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:  # after the first step: both servers hold its push
+                held.extend(request(int(url.rsplit(":", 1)[1]), "GET", "/weight_info")[1] for url in calls)
+
+    trainer.engine._connect = connected
+    trainer.add_callback(Versions())
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=rf"vLLM server at {shards.url} .*(stopped answering|failed|reached)"):
         trainer.train()
-        assert all(count >= 2 for count in calls.values()), calls
-        for url in calls:
-            port = int(url.rsplit(":", 1)[1])
-            assert request(port, "GET", "/weight_info")[1]["weight_version"] == trainer.engine.version
-        for row in trainer.state.log_history:
-            assert row["sampling/sampling_logp_difference/max"] < FP32_TOL
-        shards.kill()
-        with pytest.raises(ServerError, match=rf"at {shards.url} "):
-            trainer.engine.generate([Request(trainer.prompts[i], 2) for i in range(2)])
-    finally:
-        shards.kill()
+    assert time.monotonic() - start < 120  # no hang
+    assert all(count >= 1 for count in calls.values()), calls
+    assert [h["weight_version"] for h in held] == [trainer.engine.version] * 2 and trainer.engine.version.endswith("#1")
+    assert trainer.state.log_history[0]["sampling/sampling_logp_difference/max"] < FP32_TOL  # both servers' samples
+    assert os.path.isdir(tmp_path / "out" / "checkpoint-1")
+    resumed = make_trainer(vllm_model_dir, tmp_path, vllm_server_port=server.port, **args)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+    assert resumed.state.log_history[-1]["sampling/sampling_logp_difference/max"] < FP32_TOL

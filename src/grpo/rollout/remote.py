@@ -206,6 +206,9 @@ class ServerEngine:
     def _push_one(self, index: int, pairs: list, version: str, check: bool) -> None:
         """Push to server `index` (connected; `check`: it must still hold this run's last version)."""
         server, facts = self.servers[index], self.facts[index]
+        device = getattr(self.accelerator, "device", None)
+        if device is not None and torch.device(device).type == "cuda":  # this thread's CUDA device: the policy's
+            torch.cuda.set_device(device)
         if check:
             self._expect(server, self.version or "", "before pushing")
         engine, source = self.transfers[index]
