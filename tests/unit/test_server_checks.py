@@ -206,7 +206,7 @@ class FakeVLLM(BaseHTTPRequestHandler):
     def do_GET(self):
         path = self.path.split("?")[0]
         if path == "/health":
-            return self._json({})
+            return self._json({}, 503 if self.server.dead else 200)
         if path == "/server_info":
             if self.server.dev_mode is False:
                 return self._json({"detail": "Not Found"}, 404)
@@ -226,6 +226,10 @@ class FakeVLLM(BaseHTTPRequestHandler):
             return self._json({"tokens": self.server.tokenize(body["prompt"])})
         if self.path == "/v1/completions":
             self.server.asked.append(body)
+            if self.server.dies:  # the server goes away in the middle of the generation
+                self.server.dead = True
+                self.close_connection = True
+                return
             return self._json({"choices": self.server.completion(body)})
         self._json({})
 
@@ -259,6 +263,7 @@ def fake(tmp_path):
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
     httpd.daemon_threads, httpd.asked, httpd.versions = True, [], ["default"]
     httpd.dev_mode, httpd.backend, httpd.completion = True, "gloo", good_choices
+    httpd.dies = httpd.dead = False
     httpd.tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
     args = SimpleNamespace(
@@ -375,6 +380,13 @@ def test_a_backend_grpo_does_not_drive_here_is_an_error_naming_it_before_anythin
 def test_no_server_at_the_url_is_an_error_naming_it_and_the_command_that_starts_one(fake):
     with pytest.raises(ServerError, match=r"No vLLM server answered at http://127.0.0.1:1 within .*grpo vllm-serve"):
         fake.engine(vllm_server_base_url="http://127.0.0.1:1", vllm_server_timeout=0.3)
+
+
+def test_a_server_lost_in_a_generation_is_an_error_naming_it_within_the_timeout(fake):
+    engine = fake.engine(vllm_server_timeout=1.0)
+    fake.httpd.dies = True
+    with pytest.raises(ServerError, match=rf"{fake.url} stopped answering during /v1/completions.*resume_from"):
+        engine.generate(REQUESTS)
 
 
 def test_several_servers_come_as_a_list_or_comma_separated():

@@ -72,6 +72,20 @@ def test_two_trainer_processes_share_one_server(server, vllm_model_dir, tmp_path
         assert row["sampling"]["sampling/sampling_logp_difference/max"] < FP32_TOL
 
 
+@pytest.mark.parametrize("sharding", ["fsdp", "zero3"])
+def test_a_sharded_policy_is_gathered_by_every_process_and_sent_by_the_main_one(
+    server, vllm_model_dir, tmp_path, sharding
+):
+    """FSDP and DeepSpeed ZeRO-3 on two processes: each push gathers the policy on both (a collective), then the
+    main process alone sends; the server samples the policy's log-probs, and its version is the run's."""
+    torchrun(2, JOB, tmp_path, vllm_model_dir, f"{sharding}+server:{server.port}", timeout=420)
+    rows = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    for row in rows:
+        assert row["sampling"]["sampling/sampling_logp_difference/max"] < FP32_TOL
+    version = request(server.port, "GET", "/weight_info")[1]["weight_version"]
+    assert version.endswith(" #3")  # the start, the step, and the job's last push
+
+
 def test_two_async_trainer_processes_share_one_server_in_lockstep(server, vllm_model_dir, tmp_path):
     """async_generation on two processes and one server, which holds one weight version: the producers push and
     generate round by round together (process 1 starting its requests late), and stop between rounds for the
@@ -101,6 +115,23 @@ def test_a_run_whose_server_another_run_took_over_is_refused_by_name(server, vll
         a.engine.sync_weights(a.unwrapped_model)
     server_logps, policy = served(b)
     assert (server_logps - policy).abs().max() < FP32_TOL
+
+
+def test_a_server_of_another_model_is_one_error_naming_it_and_keeps_serving(server, vllm_model_dir, tmp_path):
+    """The policy has 3 layers, the server's model 2 (same tokenizer: the probe text passes): the first push is
+    refused when the run connects, naming what differs, before anything is sent; the server serves the next run."""
+    import tiny
+
+    deeper = tmp_path / "deeper"
+    tokenizer = tiny.make_tokenizer()
+    tiny.make_model(tokenizer, hidden=128, layers=3, context=2048).save_pretrained(deeper)
+    tokenizer.save_pretrained(deeper)
+    trainer = make_trainer(str(deeper), tmp_path / "a", vllm_mode="server", vllm_server_port=server.port)
+    with pytest.raises(ServerError, match=r"trains another model than this server serves.*num_hidden_layers 3 \(this"):
+        trainer.engine.sync_weights(trainer.unwrapped_model)
+    fine = make_trainer(vllm_model_dir, tmp_path / "b", vllm_mode="server", vllm_server_port=server.port)
+    fine.train()
+    assert fine.state.log_history[-1]["sampling/sampling_logp_difference/max"] < FP32_TOL
 
 
 def test_a_keyed_bfloat16_server_refuses_a_trainer_without_its_key_and_takes_a_lora_policy(

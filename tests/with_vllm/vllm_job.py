@@ -1,6 +1,7 @@
 """Training with vLLM in several processes, launched with torchrun (gloo on CPU) by test_vllm_training.py:
 
-    torchrun --nproc_per_node N vllm_job.py OUT MODEL_DIR [ddp|fsdp|zero3][+lora][+tp] | server:PORT [+async]
+    torchrun --nproc_per_node N vllm_job.py OUT MODEL_DIR [ddp|fsdp|zero3][+lora][+tp][+server:PORT]
+    torchrun --nproc_per_node N vllm_job.py OUT MODEL_DIR server:PORT[+async]
 
 Every process runs its own vLLM engine (colocate mode) inside a process that already has the trainer's gloo group;
 with `+tp`, each pair of processes shares one engine split across them (vllm_tensor_parallel_size=2), and the last
@@ -9,7 +10,8 @@ shards must still sample alike). Two optimizer steps, then every process syncs i
 OUT/rank<i>.json, its engine's log-probs of one fixed completion and the policy's (a sharded policy computes them
 collectively), so the test can check that every engine holds the same weights and that they are the policy's;
 with `+tp`, also one more generation in which the processes ask for different numbers of rows (as a tool loop's
-later turns do): each one's completions, their sampling log-probs and the policy's. With `+async`:
+later turns do): each one's completions, their sampling log-probs and the policy's. With `server:PORT`, generation
+is on that `grpo vllm-serve` instead of colocated engines. With `+async`:
 async_generation (max_staleness 1) for four steps, with an evaluation after the third, process 1's generations starting
 half a second late; every step's logged row goes to OUT/rank<i>.json too."""
 
@@ -47,8 +49,9 @@ def main() -> None:
     out, model_dir = sys.argv[1:3]
     mode, *options = (sys.argv[3] if len(sys.argv) > 3 else "ddp").split("+")
     server = {}
-    if mode.startswith("server:"):  # both processes against one `grpo vllm-serve` on that port
-        server = {"vllm_mode": "server", "vllm_server_port": int(mode.split(":")[1])}
+    on_server = [o for o in [mode, *options] if o.startswith("server:")]
+    if on_server:  # both processes against one `grpo vllm-serve` on that port (a sharded policy: every one gathers)
+        server = {"vllm_mode": "server", "vllm_server_port": int(on_server[0].split(":")[1])}
     if mode == "fsdp":
         use_fsdp()
     if mode == "zero3":
