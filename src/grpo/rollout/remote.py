@@ -211,7 +211,9 @@ class ServerEngine:
             torch.cuda.set_device(device)
         if check:
             self._expect(server, self.version or "", "before pushing")
-        engine, source = self.transfers[index]
+        transfer = self.transfers[index]
+        assert transfer is not None  # connected by `_push`
+        engine, source = transfer
         source.fill(pairs, getattr(torch, facts["dtype"]))
         server.set_version(f"{version} (loading)")
         try:

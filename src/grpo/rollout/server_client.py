@@ -167,14 +167,15 @@ class ServerClient:
                 "on GPUs), as grpo vllm-serve does."
             )
         model = config.get("model_config") or {}
+        name = str(model.get("served_model_name") or model.get("model"))
         facts = {
-            "model": str(model.get("served_model_name") or model.get("model")),
+            "model": name,
             "dtype": str(model.get("dtype", "float32")).removeprefix("torch."),
             "max_model_len": int(model.get("max_model_len") or 0),
             "backend": str(transfer.get("backend")),
             "world_size": int(self.request("GET", "/get_world_size", timeout=self.timeout)["world_size"]),
         }
-        self._check_tokenizer(tokenizer, facts["model"])
+        self._check_tokenizer(tokenizer, name)
         return facts
 
     def _check_tokenizer(self, tokenizer: Any, model: str) -> None:

@@ -23,6 +23,7 @@ import os
 import socket
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -114,7 +115,7 @@ def connect(
     `address`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs lack the options class
     options._timeout = timeout
     address_here = local_address(peer or address)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_here) for _ in range(_CONNECTIONS)]
@@ -141,10 +142,10 @@ def _send(group: dist.ProcessGroupGloo, pairs: Iterable[tuple[str, torch.Tensor]
 
     def tensor(index: int) -> torch.Tensor:
         while index not in fetched:
-            taken, value = next(tensors, (None, None))
-            if taken is None:
+            pair = next(tensors, None)
+            if pair is None:
                 raise ValueError(f"fewer tensors than the {len(metadata)} the receivers were told of")
-            fetched[taken] = value
+            fetched[pair[0]] = pair[1]
         return fetched.pop(index)
 
     window: deque[tuple[dist.Work, int, object]] = deque()
@@ -222,7 +223,7 @@ def receive(
     return received
 
 
-def _broadcast(group: dist.ProcessGroupGloo, payload: torch.Tensor) -> dist.Work:
+def _broadcast(group: Any, payload: torch.Tensor) -> dist.Work:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     return group.broadcast([payload], options)

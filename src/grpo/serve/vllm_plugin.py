@@ -160,7 +160,8 @@ def _worker_classes() -> dict:
                 (name, getattr(torch, dtype), tuple(shape))
                 for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes)
             ]
-            gloo.receive(self.group, metadata, self.model.load_weights)
+            model: Any = self.model
+            gloo.receive(self.group, metadata, model.load_weights)
 
         def finish_weight_update(self) -> None:
             finalize_layerwise_reload(self.model, self.model_config)
@@ -235,7 +236,9 @@ def _trainer_classes() -> dict:
             return cls(client=client, source=source, group=group, store=store, session=init_info.session)
 
         def send_weights(self) -> None:
-            meta = self.source.metadata()
+            source = self.source
+            assert source is not None  # a full-resync engine: trainer_engine gives it its source
+            meta = source.metadata()
             metadata = [(m.name, m.dtype, tuple(m.shape)) for m in meta]
             update = dict(
                 names=[m.name for m in meta],
@@ -246,7 +249,7 @@ def _trainer_classes() -> dict:
             self.client.start_weight_update()
             answered = _background(self.client.update_weights, update)
             try:
-                _racing(answered, lambda: gloo.send(self.group, iter(self.source), metadata))
+                _racing(answered, lambda: gloo.send(self.group, iter(source), metadata))
             except BaseException:
                 self.shutdown()  # the server gave up on this push (or the broadcast failed): no receiver
                 raise
