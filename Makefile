@@ -45,8 +45,8 @@ $(CHROMIUM):
 	else echo "no apt-get here: install Chromium at $(CHROMIUM) for the report's browser test (skipped without it)"; fi
 
 test: $(STAMP) $(CHROMIUM)
-	$(VENV)/bin/ruff check src tests setup.py
-	$(VENV)/bin/ruff format --check src tests setup.py
+	$(VENV)/bin/ruff check src tests examples setup.py
+	$(VENV)/bin/ruff format --check src tests examples setup.py
 	# byte-compiled once here: the tests start hundreds of processes, which write no cache where PYTHONDONTWRITEBYTECODE is set
 	$(PY) -m compileall -q -j 0 src tests >/dev/null
 	$(PY) -m pytest -q -m "not slow" --ignore=tests/with_vllm
@@ -82,8 +82,8 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests setup.py
-	$(VENV)/bin/ruff format --check src tests setup.py
+	$(VENV)/bin/ruff check src tests examples setup.py
+	$(VENV)/bin/ruff format --check src tests examples setup.py
 	# the type check of src/grpo, as pyproject.toml's [tool.mypy] configures it
 	$(PY) -m mypy
 

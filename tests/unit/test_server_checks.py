@@ -397,3 +397,28 @@ def test_several_servers_come_as_a_list_or_comma_separated():
     assert urls("http://a:1/, http://b:2") == urls(["http://a:1", "http://b:2"]) == ["http://a:1", "http://b:2"]
     with pytest.raises(ValueError, match="each once"):
         urls("http://a:1,http://a:1")
+
+
+def test_the_examples_parse_and_use_real_flags():
+    """examples/server_mode.sbatch is valid bash and its `grpo vllm-serve` and `accelerate launch` flags exist;
+    examples/server_mode_train.py compiles."""
+    import py_compile
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    script = (examples / "server_mode.sbatch").read_text()
+    if shutil.which("bash"):
+        assert subprocess.run(["bash", "-n", str(examples / "server_mode.sbatch")]).returncode == 0
+    serve = re.search(r"^\s+grpo vllm-serve (.*?)&", script, re.M | re.S).group(1)
+    flags = [word for word in serve.split() if word.startswith("--")]
+    known = {option for action in launcher.build_parser()._actions for option in action.option_strings}
+    assert flags and set(flags) <= known, set(flags) - known
+    from accelerate.commands.launch import launch_command_parser
+
+    launch = {option for action in launch_command_parser()._actions for option in action.option_strings}
+    used = set(re.findall(r"(--[a-z_]+)", script.rsplit("accelerate launch", 1)[1]))
+    assert {"--multi_gpu", "--num_machines", "--machine_rank", "--main_process_ip"} <= used <= launch, used - launch
+    py_compile.compile(str(examples / "server_mode_train.py"), doraise=True)

@@ -68,11 +68,15 @@ class VLLMFields:
     vllm_model_impl: str = _help("vLLM model implementation: 'vllm' or 'transformers'.", "vllm")
     vllm_enable_sleep_mode: bool = _help("Colocate: free vLLM's memory during the training pass.", False)
     vllm_structured_outputs_regex: Optional[str] = _help("Constrain completions to a regular expression.")
-    vllm_server_base_url: Optional[str] = _help("Server mode: the server's URL (overrides host and port).")
+    vllm_server_base_url: Optional[str] = _help(
+        "Server mode: the server's URL (overrides host and port); several servers comma-separated (or a list)."
+    )
     vllm_server_host: str = _help("Server mode: the server's address.", "0.0.0.0")
     vllm_server_port: int = _help("Server mode: the server's port.", 8000)
     vllm_server_timeout: float = _help("Server mode: seconds to wait for the server.", 240.0)
-    vllm_group_port: int = _help("Server mode: the weight-transfer port.", 51216)
+    vllm_group_port: int = _help(
+        "Server mode: the port the weight-transfer group of server i starts from (+ i).", 51216
+    )
     vllm_gpu_memory_utilization: float = _help("Colocate: GPU memory fraction for vLLM.", 0.3)
     vllm_max_model_length: Optional[int] = _help("Colocate: vLLM's context length (None: the model's).")
     vllm_tensor_parallel_size: int = _help(

@@ -13,14 +13,14 @@ dev mode, as TRL 1.16 uses it (`grpo vllm-serve` starts one with the flags the t
   did not score, NaN as in colocate mode). A reply that is not so is an error naming the server.
 - **Weights** reach every server through vLLM's weight-transfer engine, never in an HTTP body: grpo's `gloo` engine
   on CPUs (`grpo.serve.vllm_plugin`), vLLM's packed NCCL engine on GPUs. The main process connects to each server
-  when the run starts (port `vllm_group_port` + the server's index); at each sync every process takes part in
-  gathering the policy (sharded policies gather collectively, LoRA sends base + adapter delta:
+  at its first push (the first free port from `vllm_group_port` + the server's index); at each sync every process
+  takes part in gathering the policy (sharded policies gather collectively, LoRA sends base + adapter delta:
   `grpo.rollout.weights`), and only then does the main process send, so sending never interleaves with another
   collective; the others wait for the new version's name.
 - **Weight versions** are vLLM's (`/weight_info`), named by the run: "<run> #<push>" once a push has loaded,
   "... (loading)" while one does. Before and after each generation every server used is asked for its version: a
   server that holds another one (a stale server, another run's push, a push that failed midway) is an error naming
-  what it holds, and nothing sampled there is used. The others processes learn the version from the main one.
+  what it holds, and nothing sampled there is used. The other processes learn the version from the main one.
 - **Failures.** Every request waits as long as the server answers `/health` and no longer than
   `vllm_server_timeout` after it stops (`grpo.rollout.server_client`); a push is bounded by the same timeout. An
   error names the server; the checkpoints are intact, and `train(resume_from_checkpoint=True)` continues once the
