@@ -369,6 +369,12 @@ def test_an_image_run_as_trees_trains_like_a_padded_one(arch, lora, tmp_path):
     assert moved > 0 if lora else True
 
 
+def token_sum_reward(completion_ids, **kwargs):
+    """Differs between a group's samples whatever their lengths (a random model's turns may all run to the cap, and
+    `length_reward` then gives a group no advantage: on an AVX2-only machine no parameter moved)."""
+    return [float(sum(ids) % 13) for ids in completion_ids]
+
+
 def test_a_run_over_rendered_turns_with_pictures_trains_like_forked_rows(tmp_path):
     """Two SGD steps with a KL term (the reference pass scores the turns too) over rendered turns whose histories
     hold the prompt's and a tool's pictures (Qwen2.5-VL): the tree run ends with the forked rows' parameters."""
@@ -389,7 +395,7 @@ def test_a_run_over_rendered_turns_with_pictures_trains_like_forked_rows(tmp_pat
             optim="sgd",
         )
         rows = image_rows(2, with_images={0})
-        trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[picture])
+        trainer = GRPOTrainer(model, token_sum_reward, args, rows, processing_class=processor, tools=[picture])
         trainer.engine = CallFirst(trainer.engine, tok)
         call = '<think>first I look</think><tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>'
         trainer.engine.call = tok(call)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]

@@ -99,7 +99,9 @@ def test_the_middleware_answers_a_refusal_itself_and_passes_the_rest_on(monkeypa
 # ---- grpo vllm-serve's command ------------------------------------------------------------------------------------
 
 
-def test_the_launcher_runs_vllms_module_with_the_trainers_flags():
+def test_the_launcher_runs_vllms_module_with_the_trainers_flags(monkeypatch):
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"):  # a user's own wins
+        monkeypatch.delenv(name, raising=False)
     args, extra = launcher.build_parser().parse_known_args(["--model", "m", "--max-num-seqs", "8"])
     argv, env = launcher.command(args, extra, cuda=False, cpus=[0, 1])
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # works under vllm-cpu (no `vllm` package)
