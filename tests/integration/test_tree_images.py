@@ -31,7 +31,7 @@ from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.models.vision import Pixels
 from grpo.rollout.base import Prompt
-from support import generate, length_reward, params, torchrun
+from support import generate, params, torchrun
 from test_image_trees_on_device import image_pass
 from test_shared_prefix_training import assert_same_pass
 from test_turn_layouts import gathered
