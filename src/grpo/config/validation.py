@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,24 @@ def require(ok: bool, name: str, fix: str) -> None:
 
 
 FLOAT32_MAX = 3.4028234663852886e38
+
+# Fields whose value becomes a part of a path inside output_dir: TensorBoard writes the run under
+# <output_dir>/<project>/<run_name> (the other trackers take them as names only)
+PATH_NAME_FIELDS = ("project", "run_name")
+
+
+def check_path_name(name: str, value: Any) -> None:
+    """A name used as a path part inside output_dir stays there: one with a '..' part or an absolute path (a YAML
+    recipe from elsewhere) is refused, naming the field, before anything is written. '/' nests directories inside
+    output_dir, as before; a backslash counts as a separator too (Windows)."""
+    if not isinstance(value, str):
+        return
+    if os.path.isabs(value) or value.startswith(("/", "\\")) or ".." in re.split(r"[/\\]", value):
+        raise ValueError(
+            f"GRPOConfig.{name} is {value!r}; it names a directory inside output_dir (TensorBoard writes the run "
+            "under <output_dir>/<project>/<run_name>), so it may have no '..' part and may not be an absolute path. "
+            "Use a plain name such as 'exp-1' (a '/' nests directories inside output_dir)."
+        )
 
 
 def check_numbers(c: GRPOConfig) -> None:
@@ -85,6 +104,8 @@ def validate(c: GRPOConfig) -> None:
     assert c.generation_batch_size is not None and c.steps_per_generation is not None and c.epsilon_high is not None
     assert not isinstance(c.pad_to_multiple_of, str)
     _check_optim(str(c.optim))
+    for name in PATH_NAME_FIELDS:
+        check_path_name(name, getattr(c, name))
     require(c.loss_type in LOSS_TYPES, "loss_type", f"is {c.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
     require(
         c.num_generations >= 2,

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from grpo.algo.advantages import Advantages, nanstd
+from grpo.config.validation import check_path_name
 from grpo.models.vision import image_name
 
 if TYPE_CHECKING:  # grpo.distributed.accelerator imports this module, and grpo.rounds.groups imports it back
@@ -151,7 +152,10 @@ def tracker_init_kwargs(run_name: str | None) -> dict[str, dict[str, str]]:
 
 def tensorboard_run_dir(project: str, run_name: str | None) -> str:
     """The TensorBoard run's directory under output_dir: `<project>/<run_name>`; an unnamed run gets the HF
-    Trainer's default name, `<month><day>_<time>_<host>`."""
+    Trainer's default name, `<month><day>_<time>_<host>`. Names that would lead out of output_dir ('..', an
+    absolute path) are refused as `GRPOConfig` refuses them: here too for a config changed after it was built."""
+    check_path_name("project", project)
+    check_path_name("run_name", run_name)
     return os.path.join(project, run_name or datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname())
 
 

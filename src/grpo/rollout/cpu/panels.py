@@ -21,7 +21,11 @@ biases, scaled RoPE, tied head) and against the per-operator path, within float3
 The C source is built at install, where a C compiler with OpenMP and an x86 target allow (`setup.py`: an optional
 extension, `grpo.rollout.cpu._panel_gemm`, loaded here with ctypes; no compiling or caching at run time). Without
 it, on other CPUs, or when the file cannot be loaded (logged once), the lean decoder keeps MKL's packed sgemm
-(`grpo.rollout.cpu.packed`), and `available()` says so.
+(`grpo.rollout.cpu.packed`), and `available()` says so. The file is checked before the dynamic loader maps it
+(`elf_problem`: every segment and the section headers within the file), since a file cut short (a half-copied
+environment) would be mapped all the same and kill the process with SIGBUS at the first page past its end. It is
+found by Python's import system in grpo's own package directory (`grpo.rollout.cpu.__path__`) only: a copy in the
+working directory, on PYTHONPATH or in a temporary or cache directory is never loaded (tests/unit/test_kernel_file.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ import ctypes
 import functools
 import importlib.util
 import logging
+import os
 import platform
+import stat
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +63,95 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+# ELF64 little-endian (x86-64) headers: the file header (e_ident, e_type, e_machine, e_version, e_entry, e_phoff,
+# e_shoff, e_flags, e_ehsize, e_phentsize, e_phnum, e_shentsize, e_shnum, e_shstrndx), a program header (p_type,
+# p_flags, p_offset, p_vaddr, p_paddr, p_filesz, p_memsz, p_align), a section header (sh_name, sh_type, sh_flags,
+# sh_addr, sh_offset, sh_size, sh_link, sh_info, sh_addralign, sh_entsize)
+ELF_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
+PROGRAM_HEADER = struct.Struct("<IIQQQQQQ")
+SECTION_HEADER = struct.Struct("<IIQQQQIIQQ")
+ET_DYN, EM_X86_64, PT_LOAD, SHT_NOBITS = 3, 62, 1, 8
+
+
+def elf_problem(path: str) -> str | None:
+    """Why the kernel file at `path` must not be mapped, or None where it is whole. Read from its ELF headers
+    before the dynamic loader sees it: a file cut short (a half-copied environment) or a header whose segments lie
+    past the file's end is mapped all the same, and the first touch of a page past the end kills the process with
+    SIGBUS. Checked: an x86-64 ELF64 shared object, whose program headers, every segment's file bytes, section
+    header table and every section's file bytes lie within the file (a file of the right size with damaged code is
+    not found here)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # never blocks on a FIFO
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                return "not a regular file"
+            return _elf_layout_problem(f, info.st_size)
+    except (OSError, struct.error) as err:
+        return f"the file cannot be read ({err})"
+
+
+def _elf_layout_problem(f: Any, size: int) -> str | None:
+    """`elf_problem` of the open file `f` of `size` bytes."""
+
+    def read(offset: int, count: int) -> bytes:
+        f.seek(offset)
+        return f.read(count)
+
+    head = read(0, ELF_HEADER.size)
+    if size < 4 or head[:4] != b"\x7fELF":
+        return f"the file is {size} bytes, not an ELF shared library"
+    if size < ELF_HEADER.size:
+        return f"its ELF header is cut short: the file is {size} bytes, the header {ELF_HEADER.size}"
+    ident, e_type, machine, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _ = ELF_HEADER.unpack(head)
+    if ident[4:6] != b"\x02\x01":
+        return f"not a 64-bit little-endian ELF file (class {ident[4]}, data {ident[5]}; the file is {size} bytes)"
+    if e_type != ET_DYN or machine != EM_X86_64:
+        return f"not an x86-64 shared library (ELF type {e_type}, machine {machine}; the file is {size} bytes)"
+    return _segments_problem(read, size, phoff, phentsize, phnum) or _sections_problem(
+        read, size, shoff, shentsize, shnum
+    )
+
+
+def _past_end(size: int) -> str:
+    return f"past the file's end: the file is {size} bytes (truncated, or its headers are damaged)"
+
+
+def _segments_problem(read: Any, size: int, phoff: int, phentsize: int, phnum: int) -> str | None:
+    """The program headers and every segment's file bytes within the file; a loadable segment among them."""
+    if phentsize != PROGRAM_HEADER.size or not 0 < phnum < 0xFFFF:
+        return f"its program header table is damaged ({phnum} entries of {phentsize} bytes; the file is {size} bytes)"
+    if phoff + phnum * phentsize > size:
+        return f"its program header table ends at byte {phoff + phnum * phentsize}, {_past_end(size)}"
+    table = read(phoff, phnum * phentsize)
+    segments = [PROGRAM_HEADER.unpack_from(table, i * phentsize) for i in range(phnum)]
+    if not any(s[0] == PT_LOAD for s in segments):
+        return f"it has no loadable segment (the file is {size} bytes)"
+    for i, (p_type, _, offset, _, _, filesz, memsz, _) in enumerate(segments):
+        if offset + filesz > size:
+            return f"its segment {i} ends at byte {offset + filesz}, {_past_end(size)}"
+        if p_type == PT_LOAD and filesz > memsz:
+            return f"its segment {i} has more file bytes than memory ({filesz} > {memsz}; the file is {size} bytes)"
+    return None
+
+
+def _sections_problem(read: Any, size: int, shoff: int, shentsize: int, shnum: int) -> str | None:
+    """The section header table and every section's file bytes within the file (a file without one: nothing)."""
+    if shoff == 0:  # no section header table (stripped to the bone): the segments are what is mapped
+        return None
+    if shentsize != SECTION_HEADER.size or shoff + SECTION_HEADER.size > size:
+        return f"its section header table (at byte {shoff}, entries of {shentsize} bytes) lies {_past_end(size)}"
+    count = shnum or SECTION_HEADER.unpack(read(shoff, SECTION_HEADER.size))[5]  # over 0xff00: in entry 0
+    if shoff + count * shentsize > size:
+        return f"its section header table ends at byte {shoff + count * shentsize}, {_past_end(size)}"
+    table = read(shoff, count * shentsize)
+    for i in range(count):
+        _, sh_type, _, _, offset, length, *_ = SECTION_HEADER.unpack_from(table, i * shentsize)
+        if sh_type != SHT_NOBITS and offset + length > size:
+            return f"its section {i} ends at byte {offset + length}, {_past_end(size)}"
+    return None
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The kernel built at install (`setup.py`), or None where it cannot run here (logged once)."""
@@ -66,6 +162,15 @@ def library() -> ctypes.CDLL | None:
         logger.info(
             "grpo's panel kernel was not built at install (no C compiler or OpenMP then): float32 decoding uses "
             "MKL's packed sgemm. Reinstall grpo where `cc` works to build it."
+        )
+        return None
+    problem = elf_problem(spec.origin)
+    if problem is not None:  # mapped, it could kill the process (SIGBUS) instead of failing to load
+        logger.warning(
+            "grpo's panel kernel %s is damaged (%s): float32 decoding uses MKL's packed sgemm. Reinstall grpo to "
+            "rebuild it.",
+            spec.origin,
+            problem,
         )
         return None
     try:
