@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -26,8 +27,9 @@ import torch
 import tiny
 from grpo.rollout.base import Prompt, Request
 from grpo.rollout.remote import ServerEngine, ServerError, server_urls
+from grpo.rollout.server_client import token_counters
 from grpo.serve import gloo, launcher
-from grpo.serve.guard import Access, Guard, host_name
+from grpo.serve.guard import Access, Guard, host_name, lone_surrogate, past_the_context
 
 # ---- the guard --------------------------------------------------------------------------------------------------
 
@@ -94,6 +96,51 @@ def test_the_middleware_answers_a_refusal_itself_and_passes_the_rest_on(monkeypa
     assert sent[0]["status"] == 401 and b"API key" in sent[1]["body"]
     asyncio.run(guard({"type": "lifespan"}, None, send))  # not a request: passed on
     assert len(reached) == 3
+
+
+def test_a_body_with_a_lone_surrogate_is_refused_and_others_reach_the_app_whole(monkeypatch):
+    """vLLM answers a lone UTF-16 surrogate in `bad_words` with a 500 (measured): the guard refuses any JSON body
+    holding one with a 400, and hands every other body on unchanged, however it was split."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    got, sent = [], []
+
+    async def app(scope, receive, send):
+        parts = []
+        while True:
+            message = await receive()
+            parts.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        got.append(b"".join(parts))
+
+    async def send(message):
+        sent.append(message)
+
+    def post(*chunks):
+        messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+
+        async def receive():
+            return messages.pop(0)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"host", b"127.0.0.1")]}
+        asyncio.run(Guard(app)(scope, receive, send))
+
+    post(b'{"prompt": [1], "bad_words": ["\\ud800x"]}')
+    assert got == [] and sent[0]["status"] == 400 and b"lone UTF-16 surrogate" in sent[1]["body"]
+    post(b'{"prompt": "a pair \\ud83d\\ude00 ', b'and text"}')  # a surrogate pair is text (an emoji)
+    post(b"not json \\ud800")  # vLLM's own parser answers that
+    assert got == [b'{"prompt": "a pair \\ud83d\\ude00 and text"}', b"not json \\ud800"] and len(sent) == 2
+    assert lone_surrogate(b'["\\uDC00"]') and lone_surrogate(b'{"a": {"b": ["\\ud800"]}}')
+    assert lone_surrogate(b'{"k": "\\\\ud800"}') is None  # an escaped backslash, then the letters
+
+
+def test_a_token_in_generation_past_the_context_is_refused():
+    def ask(prompt, max_tokens):
+        return json.dumps({"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens}}).encode()
+
+    assert past_the_context(ask([1, 2, 3], 62), 64)[0] == 400
+    assert past_the_context(ask([1, 2, 3], 62), None) is None  # the server's context unknown: vLLM's to answer
+    assert past_the_context(ask([1, 2, 3], 61), 64) is None and past_the_context(b"[1]", 64) is None
 
 
 # ---- grpo vllm-serve's command ------------------------------------------------------------------------------------
@@ -217,6 +264,13 @@ class FakeVLLM(BaseHTTPRequestHandler):
             return self._json({"vllm_config": {"model_config": model, "weight_transfer_config": transfer}})
         if path == "/get_world_size":
             return self._json({"world_size": 1})
+        if path == "/metrics":
+            if self.server.tokens is None:  # statistics off: no vLLM counters
+                return self._text("python_info 1.0\n")
+            tokens = self.server.tokens()
+            return self._text(
+                f'vllm:prompt_tokens_total{{engine="0"}} 7.0\nvllm:generation_tokens_total{{}} {tokens}\n'
+            )
         if path == "/weight_info":
             versions = self.server.versions
             return self._json({"weight_version": versions.pop(0) if len(versions) > 1 else versions[0]})
@@ -232,8 +286,18 @@ class FakeVLLM(BaseHTTPRequestHandler):
                 self.server.dead = True
                 self.close_connection = True
                 return
+            if self.server.answers_after:  # (seconds) a slow generation, or a wedged engine's (never answered)
+                time.sleep(self.server.answers_after)
             return self._json({"choices": self.server.completion(body)})
         self._json({})
+
+    def _text(self, text):
+        data = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def _json(self, answer, status=200):
         data = json.dumps(answer).encode()
@@ -266,6 +330,7 @@ def fake(tmp_path):
     httpd.daemon_threads, httpd.asked, httpd.versions = True, [], ["default"]
     httpd.dev_mode, httpd.backend, httpd.completion = True, "gloo", good_choices
     httpd.dies = httpd.dead = False
+    httpd.answers_after, httpd.tokens = 0, lambda: 0
     httpd.tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
     args = SimpleNamespace(
@@ -330,8 +395,11 @@ BROKEN = {
         "5 tokens in choice 0, which allowed 4",
     ),
     "log-probs short": (_set(1, logprobs={"token_logprobs": [0.0]}), "not one per token in choice 1"),
-    "a string log-prob": (_set(0, logprobs={"token_logprobs": ["x", 0.0]}), "not finite numbers in choice 0"),
-    "an infinite log-prob": (_set(0, logprobs={"token_logprobs": [float("-inf"), 0.0]}), "not finite numbers"),
+    "a string log-prob": (_set(0, logprobs={"token_logprobs": ["x", 0.0]}), "log-prob of 'x' in choice 0"),
+    "a log-prob of -Infinity": (_set(0, logprobs={"token_logprobs": [float("-inf"), 0.0]}), "log-prob of -inf"),
+    "a log-prob of +Infinity": (_set(1, logprobs={"token_logprobs": [-1.0, float("inf")]}), "log-prob of inf in"),
+    "a NaN log-prob": (_set(0, logprobs={"token_logprobs": [float("nan"), 0.0]}), "log-prob of nan"),
+    "a positive log-prob": (_set(0, logprobs={"token_logprobs": [-0.5, 0.25]}), r"0.25 in choice 0.*at most 0"),
     "no choices": (lambda c: c.clear(), "0 choices for 2 samples"),
 }
 
@@ -389,6 +457,35 @@ def test_a_server_lost_in_a_generation_is_an_error_naming_it_within_the_timeout(
     fake.httpd.dies = True
     with pytest.raises(ServerError, match=rf"{fake.url} stopped answering during /v1/completions.*resume_from"):
         engine.generate(REQUESTS)
+
+
+def test_a_generation_on_an_engine_that_makes_no_progress_is_an_error_though_health_answers(fake):
+    """A wedged engine (one hostile request once did that) keeps /health answering: its token counters on /metrics
+    standing still for vllm_server_timeout make the generation an error naming the server."""
+    engine = fake.engine(vllm_server_timeout=1.0)
+    fake.httpd.answers_after = 60
+    with pytest.raises(ServerError, match=rf"{fake.url} answers /health, but its engine has produced no token"):
+        engine.generate(REQUESTS)
+
+
+def test_a_slow_generation_whose_engine_makes_progress_is_waited_for(fake):
+    engine = fake.engine(vllm_server_timeout=1.0)
+    fake.httpd.answers_after = 3  # three timeouts, while the counters move
+    fake.httpd.tokens = time.monotonic_ns
+    assert len(engine.generate(REQUESTS)) == 3
+
+
+def test_without_counters_only_health_is_read(fake):
+    engine = fake.engine(vllm_server_timeout=1.0)
+    fake.httpd.answers_after, fake.httpd.tokens = 2.5, None  # statistics off: a long wait is not a stall
+    assert len(engine.generate(REQUESTS)) == 3
+
+
+def test_token_counters_are_summed_over_their_labels():
+    page = 'vllm:prompt_tokens_total{engine="0"} 3.0\nvllm:prompt_tokens_total{engine="1"} 4.0\n'
+    page += "# HELP vllm:generation_tokens_total x\nvllm:generation_tokens_total 5e+01\nvllm:prompt_tokens_created 9\n"
+    assert token_counters(page) == (7.0, 50.0)
+    assert token_counters("python_info 1.0\nvllm:prompt_tokens_total{} x\n") is None
 
 
 def test_several_servers_come_as_a_list_or_comma_separated():

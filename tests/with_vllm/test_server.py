@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from grpo.rollout.server_client import ServerClient, token_counters
 from served import KEY, request, server_env
 
 FP32_TOL = 1e-3
@@ -101,6 +102,62 @@ def _raw(port, data: bytes) -> int:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(data)
         return int(s.makefile("rb").readline().split()[1])
+
+
+# sampling parameters a hostile local process may send: each must be a 4xx, and the engine must serve on (one such
+# request once wedged the private server's engine while /health kept answering)
+HOSTILE = {
+    "seed past 64 bits": {"seed": 2**70},
+    "a float seed": {"seed": 1.5},
+    "logit_bias past the vocabulary": {"logit_bias": {"99999999": 5}},
+    "logit_bias negative": {"logit_bias": {"-3": 5}},
+    "allowed_token_ids past the vocabulary": {"allowed_token_ids": [99999999]},
+    "allowed_token_ids negative": {"allowed_token_ids": [-1]},
+    "stop_token_ids past the vocabulary": {"stop_token_ids": [99999999]},
+    "negative top_k": {"top_k": -5},
+    "negative temperature": {"temperature": -1},
+    "NaN temperature": {"temperature": float("nan")},
+    "min_p above 1": {"min_p": 2},
+    "min_tokens past max_tokens": {"min_tokens": 10**6},
+    "max_tokens past the context": {"min_tokens": 5000, "max_tokens": 6000},
+    "a bad regex": {"structured_outputs": {"regex": "(("}},
+    "a bad JSON schema": {"structured_outputs": {"json": "{not json"}},
+    "n past the limit": {"n": 10**6},
+    "logprobs past the vocabulary": {"logprobs": 10**9},
+    "top_p of 0": {"top_p": 0},
+    "a lone surrogate in bad_words": {"bad_words": ["\ud800"]},
+    "a lone surrogate in the prompt": {"prompt": "a\ud800b"},
+    "an id past the vocabulary in the prompt": {"prompt": [99999999]},
+}
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/inference/v1/generate"])
+def test_hostile_sampling_parameters_get_a_4xx_and_the_engine_serves_on(servers, vllm_model_dir, route):
+    base = {"max_tokens": 2, "logprobs": 0}
+
+    def body(extra):
+        if route == "/v1/completions":
+            return {"model": vllm_model_dir, "prompt": PROMPTS[0], **base, **extra}
+        sampling = {**base, "output_kind": 2, **{k: v for k, v in extra.items() if k != "prompt"}}
+        return {"model": vllm_model_dir, "token_ids": extra.get("prompt", PROMPTS[0]), "sampling_params": sampling}
+
+    answered = {}
+    for name, extra in HOSTILE.items():
+        if route != "/v1/completions" and isinstance(extra.get("prompt"), str):
+            continue  # that route takes token ids only
+        status, answer = request(servers.open, "POST", route, body(extra))
+        answered[name] = status
+        good, _ = request(servers.open, "POST", route, body({}))
+        assert good == 200, f"after {name!r} ({status}: {answer}) the server no longer generates"
+    assert all(400 <= status < 500 for status in answered.values()), answered
+
+
+def test_the_engine_counts_its_tokens_for_the_trainers_progress_watch(servers, vllm_model_dir):
+    """The trainer tells a wedged engine from a slow one by vLLM's token counters on /metrics (statistics on)."""
+    before = token_counters(ServerClient(f"http://127.0.0.1:{servers.open}", 30, None).request_text("/metrics", 30))
+    assert completions(servers.open, model=vllm_model_dir)[0] == 200
+    after = token_counters(ServerClient(f"http://127.0.0.1:{servers.open}", 30, None).request_text("/metrics", 30))
+    assert before is not None and after is not None and after[1] >= before[1] + 6 and after[0] > before[0]
 
 
 def test_bad_flags_are_refused_before_vllm_starts(vllm_model_dir, capsys):

@@ -284,7 +284,7 @@ class ServerEngine:
             return self._checked(server, choices, prompt, n, max_tokens, "/inference/v1/generate")
         payload = {"model": facts["model"], "prompt": prompt, **params}
         payload.update(return_token_ids=True, return_tokens_as_token_ids=True)
-        answer = server.while_alive("POST", "/v1/completions", payload)
+        answer = server.while_alive("POST", "/v1/completions", payload, progress=True)
         choices = answer.get("choices") if isinstance(answer, dict) else None
         return self._checked(server, choices, prompt, n, max_tokens, "/v1/completions")
 
@@ -319,8 +319,12 @@ class ServerEngine:
             logps = _token_logprobs(choice.get("logprobs"))
             if logps is None or len(logps) != len(ids):
                 raise bad(f"log-probs that are not one per token in choice {position}")
-            if not all(lp is None or _finite_logp(lp) for lp in logps):
-                raise bad(f"log-probs that are not finite numbers in choice {position}")
+            wrong = next((lp for lp in logps if not (lp is None or _log_probability(lp))), None)
+            if wrong is not None:
+                raise bad(
+                    f"a sampled token's log-prob of {repr(wrong)[:40]} in choice {position}, which no "
+                    "log-probability is (a finite number at most 0)"
+                )
             out.append((ids, [math.nan if lp is None else float(lp) for lp in logps]))
         return out
 
@@ -367,5 +371,7 @@ def _is_token(value: Any, vocab_size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
-def _finite_logp(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _log_probability(value: Any) -> bool:
+    """Whether `value` can be a sampled token's log-prob: a finite number, at most 0 (+Infinity, -Infinity, NaN and
+    positive numbers are impossible: a -Infinity would silently zero the sequence's importance weight)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value <= 0

@@ -9,6 +9,11 @@
 - **Liveness.** A request may take long (a generation, a push); a dead server must not hang the run: while one is
   in flight `/health` is polled, and a server that has not answered it for `vllm_server_timeout` seconds is an error
   naming its URL and saying how to resume. At start the client waits up to `vllm_server_timeout` for the server.
+  A generation also needs progress: vLLM's token counters on `/metrics` (`vllm:prompt_tokens_total`,
+  `vllm:generation_tokens_total`) are read every few seconds, and an engine that has produced no token for
+  `vllm_server_timeout` while a generation waits is a dead server too, even when `/health` answers (one hostile
+  request could once wedge an engine that way). A server whose statistics are off (`--disable-log-stats`) has no
+  counters: there only `/health` is read.
 - **Keys.** With `vllm_server_api_key` (or GRPO_VLLM_API_KEY) every request carries `Authorization: Bearer <key>`.
 - **Weights** (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`:
   vLLM's `VLLMWeightSyncClient`, which its trainer-side engines drive) and **weight versions** (`version`,
@@ -27,8 +32,29 @@ from typing import Any
 from grpo.base import sigterm
 
 _POLL_S = 1.0  # how often /health is asked while a request is in flight
+_PROGRESS_POLL_S = 3.0  # how often the token counters on /metrics are read while a generation is in flight
+_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 # a text whose tokens a server of the policy's tokenizer must give as the policy's tokenizer does
 PROBE = "GRPO probe: The quick brown fox jumps over 13 lazy dogs. ¿Qué? 数学 🙂\n\tx = y**2;"
+
+
+_METRICS_MAX = 8 << 20  # a /metrics page is read up to this many bytes
+
+
+def token_counters(text: str) -> tuple[float, ...] | None:
+    """The sums of vLLM's prompt and generation token counters (over their labels: engines, models) in a
+    Prometheus text page; None when the page has neither."""
+    sums = dict.fromkeys(_COUNTERS, 0.0)
+    seen = False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            try:
+                sums[name] += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+            seen = True
+    return tuple(sums.values()) if seen else None
 
 
 class ServerError(RuntimeError):
@@ -48,6 +74,11 @@ class ServerClient:
         self.key = key
         self.answered = 0.0  # when /health last answered (the requests in flight share one poll a second)
         self.lock = threading.Lock()
+        # the engine's token counters (None: not read yet; (): the server has none), when they were last read and
+        # when they last moved (shared by the generations in flight)
+        self.counters: tuple[float, ...] | None = None
+        self.counted = 0.0
+        self.progressed = 0.0
 
     # ---- HTTP ---------------------------------------------------------------------------------------------------
 
@@ -95,6 +126,41 @@ class ServerClient:
             self.answered = time.monotonic()
             return True
 
+    def still_for(self, start: float) -> float | None:
+        """For how many seconds (since `start`) the engine's token counters have been seen standing still, read at
+        most every few seconds; None when the server has no counters (its statistics are off) or /metrics cannot
+        be read."""
+        with self.lock:
+            now = time.monotonic()
+            if self.counters != () and now - self.counted >= min(_PROGRESS_POLL_S, self.timeout / 3):
+                self.counted = now
+                counters = self._read_counters()
+                if counters is None:
+                    self.counters = ()
+                elif counters != self.counters:
+                    self.counters, self.progressed = counters, now
+            if not self.counters:
+                return None
+            return self.counted - max(start, self.progressed)
+
+    def _read_counters(self) -> tuple[float, ...] | None:
+        try:
+            text = self.request_text("/metrics", timeout=min(self.timeout, 10.0))
+        except (OSError, ServerError, ValueError):
+            return None
+        return token_counters(text)
+
+    def request_text(self, path: str, timeout: float) -> str:
+        """The body of a GET as text (/metrics is Prometheus' text format, not JSON)."""
+        request = urllib.request.Request(self.url + path, method="GET")
+        if self.key:
+            request.add_header("Authorization", f"Bearer {self.key}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.read(_METRICS_MAX + 1)[:_METRICS_MAX].decode("utf-8", errors="replace")
+        except urllib.error.HTTPError as err:
+            raise self._refused(path, err) from err
+
     def wait_until_up(self) -> None:
         deadline = time.monotonic() + self.timeout
         while not self.healthy():
@@ -107,10 +173,12 @@ class ServerClient:
             sigterm.check()
             time.sleep(_POLL_S)
 
-    def while_alive(self, method: str, path: str, body: Any = None) -> Any:
+    def while_alive(self, method: str, path: str, body: Any = None, progress: bool = False) -> Any:
         """The request's answer, waited for as long as the server answers /health: one that has not for
-        vllm_server_timeout meanwhile is an error (a slow answer from a live server is waited for)."""
+        vllm_server_timeout meanwhile is an error (a slow answer from a live server is waited for). `progress` (a
+        generation): an engine whose token counters have not moved for vllm_server_timeout is an error too."""
         result: dict[str, Any] = {}
+        start = time.monotonic()
 
         def call() -> None:
             try:
@@ -129,6 +197,9 @@ class ServerClient:
                     last_seen = time.monotonic()
                 elif time.monotonic() - last_seen > self.timeout:
                     raise self.gone(path)
+                still = self.still_for(start) if progress else None
+                if still is not None and still > self.timeout:
+                    raise self.stalled(path)
         if "error" in result:
             error = result["error"]
             if isinstance(error, ServerError) and not isinstance(error, _Unreachable):
@@ -141,6 +212,15 @@ class ServerClient:
             f"The vLLM server at {self.url} stopped answering during {path} (no /health answer for "
             f"vllm_server_timeout={self.timeout:g} s, or the connection broke). The checkpoints in output_dir are "
             "intact: start the server again and continue with trainer.train(resume_from_checkpoint=True)."
+        )
+
+    def stalled(self, path: str) -> ServerError:
+        return ServerError(
+            f"The vLLM server at {self.url} answers /health, but its engine has produced no token for "
+            f"vllm_server_timeout={self.timeout:g} s while {path} waited (vllm:prompt_tokens_total and "
+            "vllm:generation_tokens_total on its /metrics stood still): its engine is stuck. Restart the server; the "
+            "checkpoints in output_dir are intact: continue with trainer.train(resume_from_checkpoint=True). (A "
+            "server that is merely slow needs a larger vllm_server_timeout.)"
         )
 
     # ---- what the server is -------------------------------------------------------------------------------------

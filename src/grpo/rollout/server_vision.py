@@ -32,7 +32,7 @@ def generate(server: ServerClient, model: str, prompt: Prompt, tokenizer: Any, p
         "sampling_params": {**params, "output_kind": 2},  # FINAL_ONLY: every one of the n samples
     }
     try:
-        answer = server.while_alive("POST", "/inference/v1/generate", body)
+        answer = server.while_alive("POST", "/inference/v1/generate", body, progress=True)
     except ServerError as err:
         if "(404)" in str(err) or ("(403)" in str(err) and "scale-out" in str(err).lower()):
             raise ServerError(

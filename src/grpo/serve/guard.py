@@ -20,6 +20,14 @@ The guard closes these, before any route runs:
   is allowed (GRPO_VLLM_ALLOWED_HOSTS, comma-separated, `grpo vllm-serve --allowed-hosts`; `*`: any);
 - without a key, only requests addressed to a loopback name (`Host:` localhost, 127.x.x.x, [::1], or 0.0.0.0 and
   [::], which clients use to reach this machine) or an allowed host are answered (403): DNS rebinding.
+
+Sampling parameters: vLLM's server validates them itself before they reach the engine (out-of-range seeds, token
+ids in `logit_bias`, `allowed_token_ids`, `stop_token_ids` or the prompt, negative `top_k` or `temperature`,
+`min_p` above 1, `min_tokens` past `max_tokens`, bad structured-output patterns: each a 400, and the engine serves
+on; `tests/with_vllm/test_server.py` sends each). Two holes were measured, and the guard closes them with a 400: a
+lone UTF-16 surrogate (`"\\ud800"`, valid JSON) anywhere in a JSON body (a 500 in `bad_words`), and, on
+`/inference/v1/generate`, `max_tokens` past the context (`/v1/completions` refuses it; this route took it and
+generated to the end of the context).
 """
 
 from __future__ import annotations
@@ -29,12 +37,16 @@ import hmac
 import ipaddress
 import json
 import os
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 ALLOWED_HOSTS_ENV = "GRPO_VLLM_ALLOWED_HOSTS"
 OPEN_ROUTES = ("/health", "/ping")  # answered without the key (a load balancer's, the trainer's liveness checks)
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate (paired or not)
+_BODY_MAX = 1 << 30  # a body is read for the surrogate check up to this size (larger ones are vLLM's to refuse)
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
@@ -125,17 +137,85 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
         refused = self._access(scope).refusal(path, headers)
+        if refused is None and scope["type"] == "http" and scope.get("method") == "POST":
+            body, receive = await _buffered(receive)
+            refused = lone_surrogate(body)
+            if refused is None and path == "/inference/v1/generate":
+                refused = past_the_context(body, _max_model_len(scope))
         if refused is None:
             return await self.app(scope, receive, send)
         status, why = refused
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        body = json.dumps({"error": why}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-            }
+        await _answer(send, status, why)
+
+
+def lone_surrogate(body: bytes) -> tuple[int, str] | None:
+    """(400, why) when a JSON body holds a string with an unpaired UTF-16 surrogate (which no UTF-8 text can hold:
+    vLLM's tokenizers fail on it, with a 500 in one place); None otherwise, or when the body is not JSON."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return None
+    try:
+        value = json.loads(body)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return 400, "the request holds a lone UTF-16 surrogate (such as \\ud800), which is not text: remove it"
+    except (ValueError, RecursionError):
+        return None  # not JSON: vLLM's own parser answers
+    return None
+
+
+def past_the_context(body: bytes, max_model_len: int | None) -> tuple[int, str] | None:
+    """(400, why) when a token-in generation asks for more tokens than the context holds after its prompt."""
+    if max_model_len is None:
+        return None
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    sampling = request.get("sampling_params") if isinstance(request, dict) else None
+    prompt = request.get("token_ids") if isinstance(request, dict) else None
+    asked = sampling.get("max_tokens") if isinstance(sampling, dict) else None
+    if isinstance(asked, int) and isinstance(prompt, list) and len(prompt) + asked > max_model_len:
+        return 400, (
+            f"max_tokens={asked} after a prompt of {len(prompt)} tokens is past the context of {max_model_len} "
+            "tokens: ask for fewer"
         )
-        await send({"type": "http.response.body", "body": body})
+    return None
+
+
+def _max_model_len(scope: Scope) -> int | None:
+    config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+    value = getattr(getattr(config, "model_config", None), "max_model_len", None)
+    return value if isinstance(value, int) else None
+
+
+async def _buffered(receive: Callable) -> tuple[bytes, Callable]:
+    """The request's body (up to _BODY_MAX bytes read), and a `receive` that hands the same messages on."""
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message.get("type") != "http.request":
+            break
+        size += len(message.get("body", b""))
+        if not message.get("more_body") or size > _BODY_MAX:
+            break
+    body = b"".join(m.get("body", b"") for m in messages if m.get("type") == "http.request")
+
+    async def replay() -> Any:
+        return messages.pop(0) if messages else await receive()
+
+    return (body if size <= _BODY_MAX else b""), replay
+
+
+async def _answer(send: Callable, status: int, why: str) -> None:
+    body = json.dumps({"error": why}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

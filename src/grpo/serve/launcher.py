@@ -102,7 +102,9 @@ def command(args: argparse.Namespace, extra: Sequence[str], cuda: bool, cpus: Se
     argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     argv += ["--weight-transfer-config", json.dumps({"backend": backend})]
     argv += ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--enable-scale-out"]
-    argv += ["--middleware", "grpo.serve.guard.Guard", "--disable-log-stats"]
+    # (the engine's statistics stay on: the trainer reads its token counters on /metrics to tell a wedged engine,
+    # whose /health still answers, from a slow one)
+    argv += ["--middleware", "grpo.serve.guard.Guard"]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.trust_remote_code:
