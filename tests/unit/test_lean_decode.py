@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import on_device
 from grpo.rollout import lean_decoder
@@ -105,6 +105,42 @@ def _llama_biased():
     return LlamaForCausalLM(config).eval()
 
 
+def _qwen3():
+    """Qwen3: per-head query and key RMSNorms (their weights made far from 1, so a norm left out or misplaced
+    shows), grouped queries, a head size other than hidden / heads, a tied head."""
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.2, 3.0)
+    return model
+
+
+@on_device.mark
+@on_device.dtypes
+def test_qwen3_with_query_and_key_norms_matches(dtype):
+    assert unsupported_reason(_qwen3()) is None
+    check(_qwen3().to(on_device.device()), dtype)
+
+
+def test_qwen3_with_sliding_window_layers_is_named():
+    model = _qwen3()
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    assert "other attention types (full_attention, sliding_attention)" in unsupported_reason(model)
+
+
 @on_device.mark
 @on_device.dtypes
 def test_qwen2_with_qkv_bias_and_tied_head_matches(dtype):
@@ -118,7 +154,7 @@ def test_llama_with_biases_and_rope_scaling_matches(dtype):
 
 
 @needs_panels
-@pytest.mark.parametrize("make", [_qwen2_tied, _llama_biased, lambda: make_model(make_tokenizer(), hidden=64)])
+@pytest.mark.parametrize("make", [_qwen2_tied, _llama_biased, _qwen3, lambda: make_model(make_tokenizer(), hidden=64)])
 def test_fused_float32_decode_steps_match_transformers(make, monkeypatch):
     """Float32 with the panel kernel: each decode step runs every layer in one call (panels.decode_layers: norms,
     q/k/v with biases, RoPE (scaled), grouped-query attention over the buffers, MLP), and matches the transformers

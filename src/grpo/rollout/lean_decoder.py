@@ -1,4 +1,4 @@
-"""A lean forward pass for sampling from Llama-family models (Llama, Mistral, Qwen2, SmolLM).
+"""A lean forward pass for sampling from Llama-family models (Llama, Mistral, Qwen2, Qwen3, SmolLM).
 
 Decoding a 135M model on a CPU spends most of each token in framework overhead: a transformers forward runs
 ~500 small operators per token (module calls, per-projection matmuls, a growing KV cache concatenated each
@@ -22,7 +22,9 @@ step, mask construction). `LeanDecoder` runs the same arithmetic with fewer, lar
   last row alone leaves for the plain matrix-vector product.
 The numbers follow the transformers forward under autocast: float32 residual stream and RMSNorm, matmuls on
 bfloat16 inputs and weights with bfloat16 outputs, rotary embedding from the model's own rotary module, attention
-over bfloat16 keys and values. The tests compare next-token distributions against the transformers forward.
+over bfloat16 keys and values. Qwen3's per-head RMSNorm of queries and keys (`q_norm`, `k_norm`) runs before the
+rotation, as there: float32 statistics, the result rounded to the compute dtype, then times the norm's weight. The
+tests compare next-token distributions against the transformers forward.
 
 Models it does not recognise, or that carry wrapped projections (LoRA, quantized layers), keep the transformers
 forward (`unsupported_reason` says why).
@@ -40,7 +42,7 @@ from grpo.models.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear, rms_norm
 from grpo.rollout.cpu import packed, panels
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 # the linears packed for MKL (with the head): packing qkv and o too costs several times their weights' memory for a
 # few percent of a step (`bench/RESULTS.md`)
 PACKED = ("gate_up", "down")
@@ -67,12 +69,25 @@ def unsupported_reason(model: Any) -> str | None:
         return "the model uses a non-default activation or tensor-parallel split"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "the model uses sliding-window attention"
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention"}:
+        return f"the model has layers of other attention types ({', '.join(sorted(layer_types))})"
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             if type(proj) is not torch.nn.Linear:
                 kind = f"{type(proj).__module__}.{type(proj).__qualname__}"
                 return f"a projection is a {kind}, not a plain torch Linear (adapters or quantization)"
+        norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+        if (norms[0] is None) != (norms[1] is None) or (
+            norms[0] is not None
+            and (
+                not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms)
+                or norms[0].variance_epsilon != norms[1].variance_epsilon
+                or any(tuple(n.weight.shape) != (attn.head_dim,) for n in norms)  # per head (OLMo: per projection)
+            )
+        ):
+            return "the model's query/key norms are not the RMSNorm pair (of one epsilon) the lean decoder knows"
     return None
 
 
@@ -108,6 +123,7 @@ class LeanDecoder:
             )
             self.layers.append(
                 dict(
+                    qk_norm=_head_norms(a, self.heads, self.kv_heads),
                     norm1=_rms_norm(layer.input_layernorm),
                     norm2=_rms_norm(layer.post_attention_layernorm),
                     norm1_weight=layer.input_layernorm.weight,
@@ -260,6 +276,9 @@ class LeanDecoder:
             layer.update({k: panels.panel_linear(*parts[k]) for k in PANELS})
         self.head = panels.panel_linear([self.head_weights[0]], self.head_weights[1])
         same = len(self.eps) == 1 and len({layer["intermediate"] for layer in self.layers}) == 1
+        head_norms = [layer["qk_norm"] for layer in self.layers if layer["qk_norm"] is not None]
+        # the C step takes query/key norms of the layers' epsilon, in float32, held contiguous
+        same = same and all(eps in self.eps and t.dtype == torch.float32 and t.is_contiguous() for t, eps in head_norms)
         if FUSED and same and all(n.dtype == torch.float32 for n in self._norm_weights()):
             sizes = panels.Sizes(
                 self.hidden,
@@ -319,7 +338,11 @@ class LeanDecoder:
             qkv = layer["qkv"](layer["norm1"](x))
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
             # queries and keys rotated in one pass (the same arithmetic, element by element, as one each)
-            qk = _rope(qk.view(b, t, self.heads + self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            qk = qk.view(b, t, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
+            if layer["qk_norm"] is not None:  # Qwen3: each head's query and key RMS-normed before the rotation
+                weight, eps = layer["qk_norm"]
+                qk = weight * _normed(qk.float(), eps).to(qk.dtype)
+            qk = _rope(qk, cos, sin)
             q, k = qk.split([self.heads, self.kv_heads], dim=1)
             q = q.to(self.dtype)
             self.keys[i][:, :, start:end] = k
@@ -348,6 +371,21 @@ def _rms_norm(module: Any) -> Linear:  # a Llama-family RMSNorm: weight, varianc
     that would run its sharding hooks outside the model's forward). Float32 input, as in the lean forward."""
     weight, eps = module.weight, module.variance_epsilon
     return lambda x: rms_norm(x, weight, eps)[0]
+
+
+def _head_norms(attn: Any, heads: int, kv_heads: int) -> tuple[torch.Tensor, float] | None:
+    """Qwen3's per-head query and key RMSNorms as one (heads + kv_heads, 1, head_dim) weight table (the query
+    norm's weight for each query head, the key norm's for each key head) and their epsilon; None without them."""
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q_norm is None:
+        return None
+    table = torch.cat([q_norm.weight.detach().expand(heads, -1), k_norm.weight.detach().expand(kv_heads, -1)])
+    return table.unsqueeze(1), q_norm.variance_epsilon
+
+
+def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, as transformers' RMSNorm computes it before its weight (float32 in)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

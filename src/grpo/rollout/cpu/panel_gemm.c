@@ -142,7 +142,9 @@ int grpo_pack_panels(int count, const float *const *parts, const int *rows, int 
  * that a step is one call instead of ~35 small torch operators a layer (each a few microseconds of dispatch, which
  * at a decode step's few rows cost more than their arithmetic). Per layer, for B rows of hidden size D:
  *
- *   h = rmsnorm(x) * norm1;  [q k v] = h @ Wqkv^T (+b);  q, k rotated (cos, sin: the model's rotary embedding);
+ *   h = rmsnorm(x) * norm1;  [q k v] = h @ Wqkv^T (+b);  with qk_norm (Qwen3): each head of q and k RMS-normed
+ *   over its HD values, times its row of qk_norm ((H + KVH) x HD);  q, k rotated (cos, sin: the model's rotary
+ *   embedding);
  *   k, v written at position `pos` of the layer's key/value buffers (B, KVH, W, HD);
  *   a = softmax(q . K^T * scale + mask) V   (a query head reads key head h / (H / KVH); mask: 0 or -inf, (B, pos+1));
  *   x += a @ Wo^T (+b);  h = rmsnorm(x) * norm2;  [g u] = h @ Wgu^T (+b);  x += (silu(g) * u) @ Wdown^T (+b)
@@ -239,8 +241,12 @@ static void rope(float *v, const float *cos, const float *sin, int HD) {
 
 typedef struct {
     const float *norm1, *norm2, *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    const float *qk_norm; /* NULL: no query/key norm */
     float *keys, *values;
 } grpo_layer;
+
+/* the layout of grpo_layer and the arguments of grpo_decode_layers: panels.py refuses a library of another */
+int grpo_abi_version(void) { return 2; }
 
 int grpo_decode_layers(int B, int L, int D, int H, int KVH, int HD, int I, float eps, float scale, int W, int pos,
                        const grpo_layer *layers, const float *cos, const float *sin, const float *mask, float *x) {
@@ -259,7 +265,11 @@ int grpo_decode_layers(int B, int L, int D, int H, int KVH, int HD, int I, float
         grpo_panel_gemm(B, N, D, h, ly->qkv, ly->qkv_bias, qkv);
         for (int b = 0; b < B; b++) {
             float *row = qkv + (size_t)b * N;
-            for (int j = 0; j < H + KVH; j++) rope(row + (size_t)j * HD, cos + (size_t)b * HD, sin + (size_t)b * HD, HD);
+            for (int j = 0; j < H + KVH; j++) {
+                float *head = row + (size_t)j * HD;
+                if (ly->qk_norm) rms_norm_rows(1, HD, head, ly->qk_norm + (size_t)j * HD, eps, head);
+                rope(head, cos + (size_t)b * HD, sin + (size_t)b * HD, HD);
+            }
             for (int j = 0; j < KVH; j++) {
                 size_t at = (((size_t)b * KVH + j) * W + pos) * HD;
                 memcpy(ly->keys + at, row + Q + (size_t)j * HD, sizeof(float) * HD);

@@ -152,6 +152,9 @@ def _sections_problem(read: Any, size: int, shoff: int, shentsize: int, shnum: i
     return None
 
 
+ABI_VERSION = 2  # panel_gemm.c's grpo_abi_version: the layout of `Layer` and grpo_decode_layers' arguments
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The kernel built at install (`setup.py`), or None where it cannot run here (logged once)."""
@@ -182,6 +185,14 @@ def library() -> ctypes.CDLL | None:
             "to rebuild it.",
             spec.origin,
             err,
+        )
+        return None
+    version = getattr(lib, "grpo_abi_version", None)
+    if version is None or version() != ABI_VERSION:  # an install of another grpo: its layer layout differs
+        logger.warning(
+            "grpo's panel kernel %s was built for another version of grpo: float32 decoding uses MKL's packed "
+            "sgemm. Reinstall grpo to rebuild it.",
+            spec.origin,
         )
         return None
     lib.grpo_panel_gemm.restype = ctypes.c_int
@@ -274,6 +285,7 @@ class Layer(ctypes.Structure):
             "gate_up_bias",
             "down",
             "down_bias",
+            "qk_norm",
             "keys",
             "values",
         )
@@ -285,11 +297,13 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 
 def layer_table(layers: Sequence[dict[str, Any]]) -> ctypes.Array:
-    """The layers' norm weights and panel linears (`qkv`, `o`, `gate_up`, `down`: PanelLinear) as `decode_layers`
-    reads them; `set_caches` fills in the key/value buffers."""
+    """The layers' norm weights (and query/key norm tables, `qk_norm`) and panel linears (`qkv`, `o`, `gate_up`,
+    `down`: PanelLinear) as `decode_layers` reads them; `set_caches` fills in the key/value buffers."""
     table = (Layer * len(layers))()
     for entry, layer in zip(table, layers):
         entry.norm1, entry.norm2 = layer["norm1_weight"].data_ptr(), layer["norm2_weight"].data_ptr()
+        qk_norm = layer.get("qk_norm")  # (a float32 contiguous (heads + kv_heads, 1, head_dim) table, eps) or None
+        entry.qk_norm = qk_norm[0].data_ptr() if qk_norm is not None else None
         for name in ("qkv", "o", "gate_up", "down"):
             setattr(entry, name, layer[name].panels.data_ptr())
             setattr(entry, f"{name}_bias", _ptr(layer[name].bias))
