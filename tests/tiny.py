@@ -7,7 +7,15 @@ import string
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|im_start|>", "<|im_end|>"]
 CHARS = list(string.ascii_letters + string.digits + string.punctuation + " \n")
@@ -73,6 +81,31 @@ def make_model(
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
+
+
+def make_qwen3(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden: int = 64) -> Qwen3ForCausalLM:
+    """A 2-layer Qwen3 of the tiny tokenizer: per-head query/key RMSNorms (their weights drawn far from 1, so that
+    a norm left out or misplaced shows), grouped queries, a head size of its own, a tied head."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=True,
+    )
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.3, 2.5)
+            layer.self_attn.k_norm.weight.uniform_(0.3, 2.5)
+    return model
 
 
 def save_tiny_moe(path, seed: int = 0) -> str:

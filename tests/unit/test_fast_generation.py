@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import on_device
 from grpo import GRPOConfig
@@ -16,32 +15,7 @@ from grpo.rollout import fast
 from grpo.rollout.fast import FastEngine, low_precision_linears, sample_from
 from grpo.rollout.plain import TransformersEngine
 from scripted import as_requests
-from tiny import make_model, make_tokenizer
-
-
-def make_qwen3(tok):
-    """A Qwen3 of the tiny tokenizer: per-head query/key norms (weights far from 1), a tied head."""
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-        tie_word_embeddings=True,
-    )
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.uniform_(0.3, 2.5)
-            layer.self_attn.k_norm.weight.uniform_(0.3, 2.5)
-    return model
-
+from tiny import make_model, make_qwen3, make_tokenizer
 
 MODELS = {"llama": lambda tok: make_model(tok, hidden=64), "qwen3": make_qwen3}
 models = pytest.mark.parametrize("family", list(MODELS))

@@ -23,14 +23,14 @@ from grpo.rollout.fast import FastEngine, logits_processors, sample_from
 from grpo.rollout.graphed import StaticDecode, bucket
 from grpo.rollout.lean_decoder import GROW, LeanDecoder
 from scripted import as_requests
-from tiny import make_model, make_tokenizer
+from tiny import make_model, make_qwen3, make_tokenizer
 
 
-def setup(device, budgets=(150, 40, 7), **kw):
+def setup(device, budgets=(150, 40, 7), family="llama", **kw):
     """Three prompts of different lengths, 5 samples each (15 rows: a batch of 16 with a spare slot), each request
     its own budget; one token stops a row (~1% a step here), so rows finish all along the rollout."""
     tok = make_tokenizer()
-    model = make_model(tok, hidden=64).eval().to(device)
+    model = (make_qwen3(tok) if family == "qwen3" else make_model(tok, hidden=64)).eval().to(device)
     args = GRPOConfig(
         output_dir="x", max_completion_length=max(budgets), num_generations=5, per_device_train_batch_size=15, **kw
     )
@@ -98,11 +98,12 @@ def test_fixed_shapes_without_prefix_sharing_and_with_a_custom_sampler():
 
 
 @on_device.mark
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @on_device.dtypes
-def test_fixed_shape_sampling_logps_equal_training_logps(dtype):
+def test_fixed_shape_sampling_logps_equal_training_logps(dtype, family):
     """The fixed-shape loop on bfloat16 weights against the training pass under bfloat16 autocast, as the trainer
-    runs both (float32: the device's tolerance; bfloat16: 0.01 nats on average)."""
-    tok, model, args, stop, requests = setup(on_device.device(), budgets=(40, 20, 7), temperature=0.8)
+    runs both (float32: the device's tolerance; bfloat16: 0.01 nats on average); Qwen3 with its query/key norms."""
+    tok, model, args, stop, requests = setup(on_device.device(), budgets=(40, 20, 7), family=family, temperature=0.8)
     low = dtype if dtype == torch.bfloat16 else None
     torch.manual_seed(0)
     engine = FastEngine(model, tok, args, stop, compute_dtype=low, static=True)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from grpo.base import sigterm
-from grpo.rollout.lean_decoder import GROW, LeanDecoder, _rope, grouped_attention
+from grpo.rollout.lean_decoder import GROW, LeanDecoder, grouped_attention, rotated
 
 logger = logging.getLogger("grpo")
 
@@ -224,7 +224,7 @@ class StaticDecode:
         for i, layer in enumerate(dec.layers):
             qkv = layer["qkv"](layer["norm1"](x))
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
-            qk = _rope(qk.view(b, 1, dec.heads + dec.kv_heads, dec.head_dim).transpose(1, 2), cos, sin)
+            qk = rotated(qk.view(b, 1, dec.heads + dec.kv_heads, dec.head_dim).transpose(1, 2), layer, cos, sin)
             q, k = qk.split([dec.heads, dec.kv_heads], dim=1)
             dec.keys[i].index_copy_(2, column, k.to(dec.dtype))
             dec.values[i].index_copy_(2, column, v.view(b, 1, dec.kv_heads, dec.head_dim).transpose(1, 2).to(dec.dtype))

@@ -338,11 +338,7 @@ class LeanDecoder:
             qkv = layer["qkv"](layer["norm1"](x))
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
             # queries and keys rotated in one pass (the same arithmetic, element by element, as one each)
-            qk = qk.view(b, t, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
-            if layer["qk_norm"] is not None:  # Qwen3: each head's query and key RMS-normed before the rotation
-                weight, eps = layer["qk_norm"]
-                qk = weight * _normed(qk.float(), eps).to(qk.dtype)
-            qk = _rope(qk, cos, sin)
+            qk = rotated(qk.view(b, t, self.heads + self.kv_heads, self.head_dim).transpose(1, 2), layer, cos, sin)
             q, k = qk.split([self.heads, self.kv_heads], dim=1)
             q = q.to(self.dtype)
             self.keys[i][:, :, start:end] = k
@@ -371,6 +367,15 @@ def _rms_norm(module: Any) -> Linear:  # a Llama-family RMSNorm: weight, varianc
     that would run its sharding hooks outside the model's forward). Float32 input, as in the lean forward."""
     weight, eps = module.weight, module.variance_epsilon
     return lambda x: rms_norm(x, weight, eps)[0]
+
+
+def rotated(qk: torch.Tensor, layer: dict[str, Any], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Queries and keys (rows, heads + kv_heads, tokens, head_dim) rotated, each head RMS-normed first where the
+    layer has query/key norms (Qwen3)."""
+    if layer["qk_norm"] is not None:
+        weight, eps = layer["qk_norm"]
+        qk = weight * _normed(qk.float(), eps).to(qk.dtype)
+    return _rope(qk, cos, sin)
 
 
 def _head_norms(attn: Any, heads: int, kv_heads: int) -> tuple[torch.Tensor, float] | None:
