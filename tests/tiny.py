@@ -108,6 +108,23 @@ def make_qwen3(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden: int = 
     return model
 
 
+def with_lora(model, seed: int = 1, **config):
+    """`model` with LoRA adapters (r=16, alpha 32, dropout 0.1 (off in eval mode); every linear unless `config`
+    says otherwise), lora_B drawn at random so that the adapters change the output (PEFT starts it at zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": "all-linear", **config}
+    model = get_peft_model(model, LoraConfig(**config))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+            elif "modules_to_save" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
 def save_tiny_moe(path, seed: int = 0) -> str:
     """A 2-layer Mixtral (4 experts, 2 per token) with random weights and the tiny tokenizer, saved to `path`."""
     tokenizer = make_tokenizer()

@@ -16,7 +16,7 @@ from grpo.rollout import lean_decoder
 from grpo.rollout.base import left_pad
 from grpo.rollout.cpu import packed, panels
 from grpo.rollout.lean_decoder import LeanDecoder, unsupported_reason
-from tiny import make_model, make_tokenizer
+from tiny import make_model, make_tokenizer, with_lora
 
 PACKED_LINEAR = packed.packed_linear
 
@@ -32,10 +32,11 @@ def reference_logprobs(model, rows, dtype):
     return torch.stack(out)
 
 
-def check(model, dtype, max_new=6):
+def check(model, dtype, max_new=6, judge=None):
     """Six decode steps (rows 1 and 4 leave after the third) against the transformers forward, on the model's
     device; a budget of `max_new` tokens (over packed.STEPS_AFTER_PACKING: the float32 panel kernel and fused
-    steps, where they run). Tolerances: `on_device`'s for the dtype and device."""
+    steps, where they run). Tolerances: `on_device`'s for the dtype and device; `judge(got, rows)` instead, where
+    given."""
     prompts = [[5, 9, 11, 13, 7], [8, 3], [21, 22, 23, 24, 25, 26, 27]]
     dev = next(model.parameters()).device
     owner = torch.tensor([0, 0, 1, 1, 2, 2], device=dev)
@@ -47,8 +48,11 @@ def check(model, dtype, max_new=6):
     g = torch.Generator().manual_seed(0)
     for step in range(6):
         got = torch.log_softmax(logits, -1)
-        expected = reference_logprobs(model, [seqs[r] for r in active], dtype)
-        on_device.assert_next_token_logps_close(got, expected, dtype)
+        if judge is not None:
+            judge(got, [seqs[r] for r in active])
+        else:
+            expected = reference_logprobs(model, [seqs[r] for r in active], dtype)
+            on_device.assert_next_token_logps_close(got, expected, dtype)
         tokens = torch.randint(5, 60, (len(active),), generator=g)
         for r, t in zip(active, tokens.tolist()):
             seqs[r].append(t)
@@ -192,11 +196,88 @@ def test_unsupported_models_are_named():
     model = make_model(make_tokenizer())
     assert unsupported_reason(model) is None
     lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
-    assert "projection is a peft.tuners.lora" in unsupported_reason(lora)
+    assert unsupported_reason(lora) is None  # merged per rollout
+    dora = get_peft_model(make_model(make_tokenizer()), LoraConfig(r=2, target_modules=["v_proj"], use_dora=True))
+    assert "LoRA adapter 'default' is a variant (DoRA" in unsupported_reason(dora)
+    biased = get_peft_model(make_model(make_tokenizer()), LoraConfig(r=2, target_modules=["o_proj"], lora_bias=True))
+    assert "has a bias (lora_bias=True)" in unsupported_reason(biased)
+    embedded = get_peft_model(make_model(make_tokenizer()), LoraConfig(r=2, target_modules=["embed_tokens"]))
+    assert "input embedding is a Embedding" in unsupported_reason(embedded)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     assert "model type 'gpt2'" in unsupported_reason(gpt2)
+
+
+def _lora(make, **config):
+    return with_lora(make(), **config).eval()
+
+
+def _snapshot(model, optimizer):
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for i, group in enumerate(optimizer.state.values()):
+        state.update({f"optimizer.{i}.{k}": v.clone() for k, v in group.items() if torch.is_tensor(v)})
+    return state
+
+
+LORA_MODELS = {
+    "llama, every linear": lambda: _lora(lambda: make_model(make_tokenizer(), hidden=64)),
+    "qwen3, attention only": lambda: _lora(_qwen3, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "qwen2 tied head, modules_to_save head and norm": lambda: _lora(
+        _qwen2_tied, target_modules=["q_proj", "down_proj"], modules_to_save=["lm_head", "norm"]
+    ),
+    "llama, LoRA on the head": lambda: _lora(
+        lambda: make_model(make_tokenizer(), hidden=64), target_modules=["lm_head", "gate_proj"]
+    ),
+}
+
+
+@on_device.mark
+@on_device.dtypes
+@pytest.mark.parametrize("which", list(LORA_MODELS))
+def test_lora_policies_decode_their_merged_weights_and_leave_everything_untouched(which, dtype):
+    """A LoRA policy on the lean path: each rollout merges base + scaling * B A into the decoder's own copy (in
+    float32, rounded once), so next-token log-probs match the PEFT model's own forward (adapters applied as they
+    train, dropout off) within the dtype's tolerance; the policy's parameters (base, adapters, `modules_to_save`
+    copies) and the optimizer's state are bitwise what they were."""
+    model = LORA_MODELS[which]().to(on_device.device())
+    assert unsupported_reason(model) is None
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    loss = model(torch.tensor([[5, 9, 11]], device=on_device.device())).logits.float().logsumexp(-1).sum()
+    loss.backward()
+    optimizer.step()  # a state to keep
+    before = _snapshot(model, optimizer)
+    judge = None if dtype == torch.float32 else lambda got, rows: _as_close_as_autocast(model, got, rows)
+    check(model, dtype, judge=judge)
+    after = _snapshot(model, optimizer)
+    assert before.keys() == after.keys()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not changed, changed
+
+
+def _as_close_as_autocast(model, got, rows):
+    """bfloat16 with adapters: PEFT's own forward under autocast rounds the adapter branch apart from the base (a
+    LoRA head's logits twice), where the merged copy rounds each weight once: neither is the other's reference.
+    Both are judged against the float32 forward: the lean decoder's numbers within the bfloat16 tolerance of it
+    (on_device.BFLOAT16_NATS), or, where the training pass's own autocast is further off than that, within twice
+    the training pass's distance."""
+    truth = reference_logprobs(model, rows, torch.float32)
+    amp = (reference_logprobs(model, rows, torch.bfloat16) - truth).abs().max()
+    worst = (got - truth).abs().max()
+    assert worst < max(on_device.BFLOAT16_NATS, 2 * amp), (worst, amp)
+
+
+def test_lora_deltas_matter_and_a_disabled_adapter_decodes_the_base():
+    """The merged copy is what makes the log-probs match: the base weights alone are far off; with the adapters
+    disabled (the reference policy), the decoder reads the base weights."""
+    model = LORA_MODELS["llama, every linear"]()
+    ids, mask = left_pad([[5, 9, 11, 13, 7]], 0)
+    with_adapters = LeanDecoder(model, torch.float32).prefill(ids, mask, torch.tensor([0]), max_new=2)
+    with model.disable_adapter():
+        base = LeanDecoder(model, torch.float32).prefill(ids, mask, torch.tensor([0]), max_new=2)
+        expected_base = model(ids).logits[:, -1]
+    torch.testing.assert_close(base, expected_base, rtol=1e-5, atol=1e-5)
+    assert (with_adapters - base).abs().max() > 0.1
 
 
 def _decode_with_drops(prompts, owner, steps, max_new, drops, after_step):

@@ -7,6 +7,11 @@
 - Saving writes the adapter (PEFT's `save_pretrained`); resuming loads it back (`load_adapter`).
 - An engine with its own copy of the weights (vLLM) gets the merged weights (`merged_parameters`: base + delta
   computed into copies, the model's own weights untouched).
+- The lean decoder reads each module through `active_module` (a `modules_to_save` copy where one is active) and each
+  linear's weight through `merged_linear` (a LoRA layer's base weight plus its active adapters' deltas, summed in
+  float32 into a new tensor and rounded once, by the decoder's own cast; the adapters, the base weights and the
+  optimizer state are untouched). `lean_problem` names what it cannot merge (DoRA and other variants, an adapter
+  bias, a non-Linear base).
 """
 
 from __future__ import annotations
@@ -105,6 +110,68 @@ def merged_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     for name, param in model.named_parameters():
         delta = deltas.get(name)
         yield name, param.detach() if delta is None else param.detach() + delta.to(param.dtype)
+
+
+def active_module(module: Any) -> Any:
+    """The module a forward runs now: a `modules_to_save` wrapper's active copy (its original while adapters are
+    disabled or the active adapter has no copy); any other module itself."""
+    if type(module).__name__ != "ModulesToSaveWrapper":
+        return module
+    adapters = list(module.active_adapters)
+    if module.disable_adapters or not adapters or any(a not in module.modules_to_save for a in adapters):
+        return module.original_module
+    return module.modules_to_save[adapters[0]]
+
+
+def _lora_adapters(module: Any) -> list[str]:
+    """The active adapters of a LoRA layer that change its output now (none while disabled or merged in)."""
+    if module.disable_adapters or module.merged:
+        return []
+    return [a for a in module.active_adapters if a in module.lora_A or a in getattr(module, "lora_embedding_A", {})]
+
+
+def lean_problem(module: Any) -> str | None:
+    """Why `merged_linear` cannot give this module's weight (None: a plain Linear, or a LoRA Linear it merges)."""
+    module = active_module(module)
+    if type(module) is torch.nn.Linear:
+        return None
+    kind = f"{type(module).__module__}.{type(module).__qualname__}"
+    if not _is_lora_linear(module):
+        return f"a projection is a {kind}, not a plain torch Linear or a LoRA adapter on one (quantization?)"
+    if type(module.get_base_layer()) is not torch.nn.Linear:
+        return f"a LoRA adapter sits on a {type(module.get_base_layer()).__qualname__}, not a plain torch Linear"
+    for adapter in _lora_adapters(module):
+        if adapter in module.lora_variant or module.use_dora.get(adapter, False):
+            return f"the LoRA adapter {adapter!r} is a variant (DoRA or another) whose weight is not base + B A"
+        if module.lora_B[adapter].bias is not None:
+            return f"the LoRA adapter {adapter!r} has a bias (lora_bias=True)"
+    return None
+
+
+def _is_lora_linear(module: Any) -> bool:
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        return False
+    return isinstance(module, LoraLinear)
+
+
+def merged_linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a linear as its forward applies them now: a plain Linear's own; a LoRA Linear's base
+    weight plus scaling * B A of each active adapter, summed in float32 into a new tensor (detached: the module,
+    its adapters and the optimizer's state are untouched). Check `lean_problem` first."""
+    module = active_module(module)
+    if type(module) is torch.nn.Linear:
+        return module.weight, module.bias
+    base = module.get_base_layer()
+    adapters = _lora_adapters(module)
+    if not adapters:
+        return base.weight, base.bias
+    weight = base.weight.detach().float().clone()
+    for adapter in adapters:
+        delta = module.lora_B[adapter].weight.detach().float() @ module.lora_A[adapter].weight.detach().float()
+        weight.add_(delta.T if module.fan_in_fan_out else delta, alpha=module.scaling[adapter])
+    return weight, base.bias
 
 
 def load_adapter(model: Any, path: str) -> list[str]:

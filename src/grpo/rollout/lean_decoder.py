@@ -26,8 +26,10 @@ over bfloat16 keys and values. Qwen3's per-head RMSNorm of queries and keys (`q_
 rotation, as there: float32 statistics, the result rounded to the compute dtype, then times the norm's weight. The
 tests compare next-token distributions against the transformers forward.
 
-Models it does not recognise, or that carry wrapped projections (LoRA, quantized layers), keep the transformers
-forward (`unsupported_reason` says why).
+A LoRA policy (PEFT) runs here too: each rollout's weights are the merged copies (`lora.merged_linear`: base +
+scaling * B A of the active adapters, summed in float32 and rounded once by the cast above; `modules_to_save`
+copies in place of their originals), never merged into the policy. Models it does not recognise, or that carry
+other wrapped projections (DoRA, quantized layers), keep the transformers forward (`unsupported_reason` says why).
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from grpo.models import lora
 from grpo.models.fp32_head import is_fp32_head
+from grpo.models.lora import active_module
 from grpo.models.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear, rms_norm
 from grpo.rollout.cpu import packed, panels
@@ -59,12 +63,16 @@ def unsupported_reason(model: Any) -> str | None:
     if kind not in SUPPORTED:
         return f"model type {kind!r} is not one the lean decoder knows ({', '.join(SUPPORTED)})"
     inner = getattr(model, "model", None)
+    head = active_module(getattr(model, "lm_head", None))
     if (
         inner is None
         or not hasattr(inner, "rotary_emb")
-        or not isinstance(getattr(model, "lm_head", None), torch.nn.Linear)
+        or not (isinstance(head, torch.nn.Linear) or lora.lean_problem(head) is None)
     ):
         return "the model does not have the usual Llama layout"
+    if type(active_module(inner.embed_tokens)) is not torch.nn.Embedding:
+        kind = type(active_module(inner.embed_tokens)).__qualname__
+        return f"its input embedding is a {kind}, not a plain torch Embedding (a LoRA adapter on it?)"
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
         return "the model uses a non-default activation or tensor-parallel split"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
@@ -75,10 +83,10 @@ def unsupported_reason(model: Any) -> str | None:
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            if type(proj) is not torch.nn.Linear:
-                kind = f"{type(proj).__module__}.{type(proj).__qualname__}"
-                return f"a projection is a {kind}, not a plain torch Linear (adapters or quantization)"
-        norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+            problem = lora.lean_problem(proj)
+            if problem is not None:
+                return problem
+        norms = [active_module(getattr(attn, name, None)) for name in ("q_norm", "k_norm")]
         if (norms[0] is None) != (norms[1] is None) or (
             norms[0] is not None
             and (
@@ -98,7 +106,7 @@ class LeanDecoder:
         model = unwrap(model)
         config, inner = model.config, model.model
         self.dtype = dtype
-        self.embed = inner.embed_tokens.weight
+        self.embed = active_module(inner.embed_tokens).weight
         self.rotary = inner.rotary_emb
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -107,35 +115,41 @@ class LeanDecoder:
         self.scale = self.head_dim**-0.5
         self.layers = []
         # per layer, each linear's weight parts and bias: q/k/v and gate/up are one matmul each, their weights
-        # stacked by rows (by the panel kernel's packing, or concatenated once the plain path needs them)
+        # stacked by rows (by the panel kernel's packing, or concatenated once the plain path needs them). A LoRA
+        # layer's weight is its merged copy (`lora.merged_linear`), made here for this rollout.
         self.parts: list[dict[str, tuple[list[torch.Tensor], torch.Tensor | None]]] = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            up_bias = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
+            (wq, bq), (wk, bk), (wv, bv) = (lora.merged_linear(p) for p in (a.q_proj, a.k_proj, a.v_proj))
+            (wg, bg), (wu, bu) = lora.merged_linear(m.gate_proj), lora.merged_linear(m.up_proj)
+            qkv_bias, up_bias = _stacked_bias([(wq, bq), (wk, bk), (wv, bv)]), _stacked_bias([(wg, bg), (wu, bu)])
             self.parts.append(
                 dict(
-                    qkv=([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], qkv_bias),
-                    o=([a.o_proj.weight], a.o_proj.bias),
-                    gate_up=([m.gate_proj.weight, m.up_proj.weight], up_bias),
-                    down=([m.down_proj.weight], m.down_proj.bias),
+                    qkv=([wq, wk, wv], qkv_bias),
+                    o=_listed(lora.merged_linear(a.o_proj)),
+                    gate_up=([wg, wu], up_bias),
+                    down=_listed(lora.merged_linear(m.down_proj)),
                 )
             )
+            norm1, norm2 = active_module(layer.input_layernorm), active_module(layer.post_attention_layernorm)
             self.layers.append(
                 dict(
                     qk_norm=_head_norms(a, self.heads, self.kv_heads),
-                    norm1=_rms_norm(layer.input_layernorm),
-                    norm2=_rms_norm(layer.post_attention_layernorm),
-                    norm1_weight=layer.input_layernorm.weight,
-                    norm2_weight=layer.post_attention_layernorm.weight,
-                    intermediate=m.gate_proj.out_features,
+                    norm1=_rms_norm(norm1),
+                    norm2=_rms_norm(norm2),
+                    norm1_weight=norm1.weight,
+                    norm2_weight=norm2.weight,
+                    intermediate=wg.shape[0],
                 )
             )
-        norms = [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms = [
+            active_module(n) for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
         self.eps = {n.variance_epsilon for n in norms}
-        self.norm = _rms_norm(inner.norm)
-        self.head_dtype = torch.float32 if is_fp32_head(model.lm_head) else dtype  # cast_lm_head_to_fp32
-        self.head_weights = (model.lm_head.weight, model.lm_head.bias)
+        self.norm = _rms_norm(active_module(inner.norm))
+        head = active_module(model.lm_head)
+        self.head_dtype = torch.float32 if is_fp32_head(head) else dtype  # cast_lm_head_to_fp32
+        self.head_weights = lora.merged_linear(head)
         self.head: Linear | None = None
         self.plain: tuple[list[dict[str, Linear]], Linear] | None = None  # the plain linears (`_unpack`), once made
         self.stacked: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] | None = None  # `_plain_weights`
@@ -362,6 +376,21 @@ class LeanDecoder:
         return self.head(self.norm(x[:, -1])).float()
 
 
+def _stacked_bias(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:
+    """The bias of linears stacked by rows: None where none has one, else theirs (zeros for one without)."""
+    if all(bias is None for _, bias in linears):
+        return None
+    return torch.cat([bias if bias is not None else weight.new_zeros(weight.shape[0]) for weight, bias in linears])
+
+
+def _layer_norms(layer: Any) -> tuple[Any, Any]:
+    return layer.input_layernorm, layer.post_attention_layernorm
+
+
+def _listed(linear: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    return [linear[0]], linear[1]
+
+
 def _rms_norm(module: Any) -> Linear:  # a Llama-family RMSNorm: weight, variance_epsilon
     """The RMSNorm module's arithmetic on its weight as it is now (the module's forward is not called: under FSDP
     that would run its sharding hooks outside the model's forward). Float32 input, as in the lean forward."""
@@ -381,7 +410,7 @@ def rotated(qk: torch.Tensor, layer: dict[str, Any], cos: torch.Tensor, sin: tor
 def _head_norms(attn: Any, heads: int, kv_heads: int) -> tuple[torch.Tensor, float] | None:
     """Qwen3's per-head query and key RMSNorms as one (heads + kv_heads, 1, head_dim) weight table (the query
     norm's weight for each query head, the key norm's for each key head) and their epsilon; None without them."""
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    q_norm, k_norm = active_module(getattr(attn, "q_norm", None)), active_module(getattr(attn, "k_norm", None))
     if q_norm is None:
         return None
     table = torch.cat([q_norm.weight.detach().expand(heads, -1), k_norm.weight.detach().expand(kv_heads, -1)])
