@@ -10,7 +10,8 @@
   is not shared then);
 - `torch_compile`: the policy's decoder stack compiled (`grpo.perf.compilation`), in both kinds of pass;
 - the layout (`packing`; None: "auto" on the CPU, "padded" elsewhere, `grpo.learner.tree.default_packing`): padded
-  rows, or token trees (`grpo.learner.tree`) for every piece or where a cost model puts them below the padded rows;
+  rows, or token trees (`grpo.learner.tree`) for every piece or where a cost model puts them below the padded rows,
+  none wider than a window the model may apply over the columns of its input (`tree.window_cap`, named once);
   where each forward is a collective across processes, every process takes the same layout for each piece.
 Position ids follow the attention mask, as in generation, so left padding never shifts a token's position.
 """
@@ -35,7 +36,7 @@ from grpo.algo.loss_terms import router_aux_coef
 from grpo.distributed.zero import is_partitioned
 from grpo.learner import tree, tree_attention, tree_images, tree_probe
 from grpo.learner.batch import TrainBatch
-from grpo.learner.prefix import prefix_sharing_unsupported_reason, select_cache_rows, take_rows
+from grpo.learner.prefix import prefix_sharing_unsupported_reason, select_cache_rows, shared_prompts, take_rows
 from grpo.learner.tree_images import ImageInputs
 from grpo.models.fp32_head import is_fp32_head
 from grpo.models.modeling import accepts_logits_to_keep, cache_argument, unwrap
@@ -84,6 +85,15 @@ class TrainingPass:
         elif reason is not None:
             logger.info("packing='auto' lays out padded rows: %s.", reason)
         self.tree = self.packing != "padded" and reason is None
+        reason = tree.window_cap_reason(model) if self.tree else None
+        if reason is not None:  # trees past the window would train other numbers, silently
+            narrow = f"lays out trees of at most {tree.window_cap(model)} tokens: {reason}"
+            if self.packing == "tree":
+                warnings.warn(
+                    f"packing='tree' {narrow}; a piece with a longer row trains as padded rows.", stacklevel=3
+                )
+            else:
+                logger.info("packing='auto' %s.", narrow)
         self.where_cheaper = self.packing == "auto"  # each piece as trees only where they cost less than padded rows
         # with trees: how many pieces ran as "trees" and as "padded" rows (the last gradient pass's: trained_as)
         self.laid_out: Counter[str] = Counter()
@@ -201,7 +211,8 @@ def token_logps(
     then not shared). With `images` (a vision-language model), each piece gets its rows' pixel inputs and the
     suppressed tokens' logits are SUPPRESSED. With `as_trees` (`packing="tree"`), each piece runs as token trees of
     its prompt groups (`grpo.learner.tree`: no padding inside a tree, each prompt once per tree), unless a row is
-    longer than the model's sliding window; with `where_cheaper` too, a piece without turns runs as trees only where
+    longer than one of the model's windows (a tree is never wider than a window the model may apply over the
+    columns of its input: `tree.window_cap`); with `where_cheaper` too, a piece without turns runs as trees only where
     the layout's cost model puts them below the padded rows (`tree.cheaper`); where each forward of the model is a
     collective across processes, all of them decide each piece's layout together (`_as_trees`). `laid_out` counts
     the pieces that ran as "trees" and as "padded" rows."""
@@ -254,7 +265,8 @@ def _as_trees(
     marked: tree_images.Marked | None = None,
 ) -> tree.Tree | None:
     """The piece as token trees (`tree.layout` at pair cost `cost`, for `kernel`), or None for padded rows: trees
-    where every row fits the model's sliding window and, with `images`, where its image tokens are `marked`
+    where every row fits the model's windows (`tree.fits_window`), none wider than a window the model may apply
+    over columns (`tree.window_cap`), and, with `images`, where its image tokens are `marked`
     (`ImageInputs.marks`); with `where_cheaper` (a piece without turns) where they cost less than the padded rows
     (`shared`: the padded pass shares each prompt). Where each forward of the model
     is a collective (`collective`, `forward_is_collective`), every process takes the same layout, as the padded pass
@@ -263,7 +275,10 @@ def _as_trees(
     fits = tree.fits_window(model, part) and (images is None or marked is not None)
     marks = marked.marks if marked is not None else None
     runs = marked.run_layers if marked is not None else ()
-    trees = tree.layout(part, pair_cost=cost, kernel=kernel, marks=marks, run_layers=runs) if fits else None
+    cap = tree.window_cap(model)  # a window the model may apply over columns: no tree wider
+    trees = tree.layout(part, cap, pair_cost=cost, kernel=kernel, marks=marks, run_layers=runs) if fits else None
+    if trees is not None and cap is not None and trees.input_ids.shape[1] > cap:
+        trees = None  # a row alone wider (a row's turns after a stripped branch): padded rows
     judged = trees is not None and where_cheaper and part.turns is None
     votes = [
         float(trees is None),
@@ -410,18 +425,17 @@ def _forward(
 def _forward_shared(
     model: Any, batch: TrainBatch, chunked_head: bool = False, aux_losses: None = None, extra: None = None
 ) -> torch.Tensor:
-    """The same outputs as `_forward`, running each distinct prompt once (`aux_losses` is always None here:
-    `token_logps` runs whole sequences when the router loss is wanted; `extra` too: image prompts run whole).
+    """The same outputs as `_forward`, running each distinct prompt once (`prefix.shared_prompts`: rows of equal
+    prompt tokens; `aux_losses` is always None here: `token_logps` runs whole sequences when the router loss is
+    wanted; `extra` too: image prompts run whole).
 
     The prompt pass fills a KV cache (with gradient), whose rows are copied to the completions of that prompt;
     the completions then attend to it. Causal attention makes this exact: a prompt token never sees the
     completion, so its keys and values are the same for all G rows, and autograd sums their gradients back.
     With prompts longer than completions this removes most of the training pass's work."""
-    groups, inverse = torch.unique(batch.group, return_inverse=True)
-    # one row per prompt (which one does not matter: all rows of a group hold the same prompt tokens)
-    first = torch.empty(len(groups), dtype=torch.long, device=inverse.device).scatter_(
-        0, inverse, torch.arange(len(inverse), device=inverse.device)
-    )
+    # one row per distinct prompt (which one does not matter: they hold the same tokens), by its tokens: a group's
+    # samples may come with different prompts (a rollout_func's prompt_ids)
+    first, inverse = shared_prompts(batch)
     prompt_mask = batch.prompt_mask[first]
     cache = DynamicCache()
     cache_arg = cache_argument(unwrap(model))

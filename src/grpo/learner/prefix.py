@@ -1,6 +1,7 @@
-"""Prefix sharing: whether the rows of one prompt group can share the prompt's pass, and the row copies that share
-it. Each row takes a copy of its prompt's KV cache and last output, with a backward that adds the copies' gradients
-in the same order on every run.
+"""Prefix sharing: whether the rows of one prompt group can share the prompt's pass, which rows hold the same prompt
+(`shared_prompts`: by its tokens, never by its group id alone), and the row copies that share it. Each row takes a
+copy of its prompt's KV cache and last output, with a backward that adds the copies' gradients in the same order on
+every run.
 
 transformers' `Cache.batch_select_indices` copies rows by advanced indexing (`keys[indices]`). On the CPU with more
 than one thread, that indexing's backward adds the copies' gradients with atomic float adds, in whichever order the
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from grpo.learner.batch import TrainBatch
 from grpo.models.modeling import recomputes_activations, unwrap
 from grpo.rollout.fast import keeps_recurrent_state
 
@@ -34,6 +36,22 @@ def prefix_sharing_unsupported_reason(model: Any) -> str | None:
     if keeps_recurrent_state(inner):
         return "the model keeps recurrent state (Mamba or linear-attention layers), which a KV cache does not hold"
     return None
+
+
+def shared_prompts(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows that hold each distinct prompt of `batch`, one each (`first`), and each row's prompt among them
+    (`inverse`): rows share a prompt where their group (`TrainBatch.group`) and prompt tokens (ids and length) are
+    equal. A group id alone is not enough: a rollout_func returns prompt ids per sample and may give a group's
+    samples different ones (a per-sample hint). Rows keep their groups' order, so a batch whose groups hold one
+    prompt each shares exactly as by its group ids."""
+    mask = batch.prompt_mask.long()
+    key = torch.cat([batch.group.long().unsqueeze(1), mask, batch.prompt_ids.long() * mask], dim=1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    count = int(inverse.max()) + 1 if len(inverse) else 0
+    first = torch.empty(count, dtype=torch.long, device=inverse.device).scatter_(
+        0, inverse, torch.arange(len(inverse), device=inverse.device)
+    )
+    return first, inverse
 
 
 # the cache layers whose state is their keys and values alone; any other kind selects its own rows
