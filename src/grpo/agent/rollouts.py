@@ -19,6 +19,7 @@ from typing import Any
 
 from grpo.agent.environments import EMPTY_PROMPT, Environments
 from grpo.agent.loop import ToolLoop
+from grpo.agent.rollout_output import MASK_KEY, ROLLOUT_KEYS, checked, policy_vocab_size
 from grpo.agent.template import check_tool_template, rerendering
 from grpo.agent.tools import ToolSet
 from grpo.base.sigterm import Preempted
@@ -26,8 +27,6 @@ from grpo.data import prompts as data
 from grpo.rollout.base import Engine, Rollout, expand, group_requests
 
 logger = logging.getLogger("grpo")
-
-ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
 @dataclass
@@ -58,6 +57,7 @@ class Rollouts:
         self.environments = environments
         self.rollout_func = rollout_func
         self.trainer = trainer
+        self.vocab_size: int | None = None  # the policy's, read at rollout_func's first call (its ids are checked)
         self.uses_tools = bool(self.tools) or bool(environments and environments.has_tools)
         if environments is not None:  # a tool and an environment method of the same name: refused now, not mid-run
             for pool in environments.pool.values():
@@ -130,41 +130,25 @@ class Rollouts:
         return Generated(rollout, prompts, columns)
 
     def _custom(self, prompts: list) -> tuple[Rollout, dict[str, list]]:
-        """rollout_func(prompts, trainer)'s output as a Rollout, and its further keys as reward columns."""
+        """rollout_func(prompts, trainer)'s output, checked (`grpo.agent.rollout_output`), as a Rollout, and its
+        further keys as reward columns."""
         assert self.rollout_func is not None  # called only with one
         n = len(prompts)
         if n == 0:  # a process with no rows in this (evaluation) batch
             return Rollout([], [], [], []), {}
         output = self.rollout_func(copy.deepcopy(prompts), self.trainer)
-        if not isinstance(output, dict):
-            raise ValueError(
-                f"rollout_func must return a dict with keys {list(ROLLOUT_KEYS)}; it returned {type(output).__name__}."
-            )
-        missing = [k for k in ROLLOUT_KEYS if k not in output]
-        if missing:
-            raise ValueError(
-                f"rollout_func must return keys {sorted(missing)} in its output dict (it returned {sorted(output)})."
-            )
-        prompt_ids, completion_ids, logprobs = (_rows(output, k, n) for k in ROLLOUT_KEYS)
-        mask = output.get("env_mask")
-        for i in range(n):
-            if len(logprobs[i]) != len(completion_ids[i]) or (
-                mask is not None and len(mask[i]) != len(completion_ids[i])
-            ):
-                raise ValueError(
-                    f"rollout_func: row {i} has {len(completion_ids[i])} completion ids but {len(logprobs[i])} "
-                    "logprobs"
-                    + ("" if mask is None else f" and {len(mask[i])} env_mask entries")
-                    + ": give one per completion token."
-                )
+        if self.vocab_size is None:
+            model = getattr(self.trainer, "unwrapped_model", None)
+            self.vocab_size = policy_vocab_size(model, self.tokenizer) if model is not None else len(self.tokenizer)
+        prompt_ids, completion_ids, logprobs, mask = checked(output, n, self.vocab_size, self.environments is not None)
         conversational = [data.is_conversational(p) for p in prompts]
         rollout = Rollout(
-            prompt_ids=[list(p) for p in prompt_ids],
-            completion_ids=[list(c) for c in completion_ids],
-            sampling_logps=[[float(x) for x in lp] for lp in logprobs],
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            sampling_logps=logprobs,
             truncated=[not c or c[-1] not in self.stop_ids for c in completion_ids],
-            texts=self.tokenizer.batch_decode([list(c) for c in completion_ids], skip_special_tokens=True),
-            loss_mask=[list(m) for m in mask] if mask is not None and self.loop is None else [],
+            texts=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            loss_mask=mask if mask is not None and self.loop is None else [],
         )
         rollout.messages = [
             [{"role": "assistant", "content": text}] if conv else None
@@ -173,7 +157,7 @@ class Rollouts:
         extra = {
             k: list(v) if isinstance(v, (list, tuple)) and len(v) == n else [v] * n
             for k, v in output.items()
-            if k not in ROLLOUT_KEYS and k != "env_mask"
+            if k not in ROLLOUT_KEYS and k != MASK_KEY
         }
         return rollout, extra
 
@@ -181,14 +165,6 @@ class Rollouts:
 def _as_given(record: Any, prompt: Any) -> Any:
     """A prompt as reward functions see it: a vision-language model's conversation with its image blocks (TRL 1.16)."""
     return [dict(m) for m in record.messages] if record.messages is not None else prompt
-
-
-def _rows(output: dict, key: str, n: int) -> list:
-    value = output[key]
-    if not isinstance(value, (list, tuple)) or len(value) != n:
-        got = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
-        raise ValueError(f"rollout_func's '{key}' must be a list with one entry per prompt ({n} here); got {got}.")
-    return list(value)
 
 
 __all__ = ["EMPTY_PROMPT", "Generated", "Rollouts"]

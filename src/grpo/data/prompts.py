@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -100,7 +101,9 @@ def _check_columns(columns: list[str], environments: bool, dataset: str = "train
 def _prompt_problem(prompt: Any) -> str | None:
     """What is wrong with one prompt (None: nothing)."""
     if isinstance(prompt, str):
-        return None if prompt.strip() else "the prompt is empty; give every row a non-empty prompt (or drop it)."
+        if not prompt.strip():
+            return "the prompt is empty; give every row a non-empty prompt (or drop it)."
+        return text_problem(prompt)
     if not isinstance(prompt, (list, tuple)) or not prompt:
         return (
             f"the prompt is {type(prompt).__name__} {prompt!r:.80}; a prompt is a non-empty string or a "
@@ -116,6 +119,42 @@ def _prompt_problem(prompt: Any) -> str | None:
             return (
                 f"message {j} of the prompt ({message['role']}) has no text 'content' (it is "
                 f"{type(content).__name__}); give it a string."
+            )
+    return text_problem(prompt)
+
+
+# half of a UTF-16 pair, alone: a valid Python str (and valid JSON: "\ud800") that no UTF-8 tokenizer encodes
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# keys whose values are not text the chat template renders (a content block's image: a path, URL or bytes)
+_NOT_TEXT = frozenset(("image", "images", "image_url", "video", "videos", "audio"))
+
+
+def _texts(value: Any, path: str) -> Any:
+    """(path, text) of every string in a prompt (a string, or messages with their content blocks), in order."""
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, (list, tuple)):
+        for j, item in enumerate(value):
+            yield from _texts(item, f"{path}[{j}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key not in _NOT_TEXT:
+                yield from _texts(item, f"{path}[{key!r}]")
+
+
+def text_problem(prompt: Any) -> str | None:
+    """Where a prompt's text holds a lone UTF-16 surrogate, which the tokenizer cannot encode (None: nowhere)."""
+    for path, text in _texts(prompt, "prompt"):
+        if text.isascii():
+            continue
+        found = _SURROGATE.search(text)
+        if found is not None:
+            where = "the prompt" if path == "prompt" else path
+            return (
+                f"{where} holds a lone UTF-16 surrogate {found.group()!r} at character {found.start()}: half of a "
+                "UTF-16 pair (e.g. JSON's \\ud800 escape without its partner), which is not Unicode text and which "
+                "no tokenizer encodes. Repair the text, or drop the row; text.encode('utf-8', 'replace')"
+                ".decode('utf-8') replaces each such character with '?'."
             )
     return None
 
@@ -172,7 +211,10 @@ def make_prompt(
     """A dataset prompt (string or messages) as a tokenized `Prompt` record. With a vision-language model's
     `processor`, a conversational prompt becomes content blocks with the row's `images` placed in them
     (`grpo.models.vision.multimodal_messages`) and is rendered and tokenized by the processor, which expands each image
-    into its image tokens."""
+    into its image tokens. Text the tokenizer cannot encode (a lone surrogate) is an error naming the row and field."""
+    problem = text_problem(prompt)
+    if problem is not None:
+        raise ValueError(f"{dataset} row {row}: {problem}")
     if processor is None or not is_conversational(prompt):
         ids = tokenize_prompts([prompt], tokenizer, chat_template_kwargs, tools)[0]
         messages = tuple(dict(m) for m in prompt) if is_conversational(prompt) else None

@@ -23,6 +23,7 @@ import torch
 
 from grpo.base import sigterm
 from grpo.base.background import BackgroundLoop, DaemonCall
+from grpo.data.prompts import RESERVED_COLUMNS
 from grpo.rewards.models import load_reward_model
 from grpo.rollout.base import Rollout
 
@@ -363,6 +364,7 @@ class RewardFunctions:
                     continue
                 columns.setdefault(key, []).append(value)
         self._check_removed_columns(removed)
+        _check_shadowing(columns, live or {})
         shared = dict(
             columns,
             prompts=prompts if prompts is not None else [e["prompt"] for e in examples],
@@ -398,6 +400,19 @@ class RewardFunctions:
                     raise RewardFunctionError(
                         f"Reward function '{name}' takes the dataset column '{p.name}'. {_removed_hint(p.name)}"
                     )
+
+
+def _check_shadowing(columns: dict[str, list], live: dict[str, list]) -> None:
+    """Neither a dataset column nor a live column (rollout_func's fields) may take a keyword the trainer passes
+    reward functions itself (RESERVED_COLUMNS): its value would be replaced, or the call would fail. The dataset's
+    columns and rollout_func's fields are refused before this, by name; this is the last word."""
+    for source, names in (("dataset column", columns), ("rollout_func field", live)):
+        for name in names:
+            if name in RESERVED_COLUMNS:
+                raise ValueError(
+                    f"A {source} is named '{name}', but reward functions receive the trainer's own '{name}' under "
+                    f"that keyword (the trainer passes {', '.join(RESERVED_COLUMNS)} itself). Rename it."
+                )
 
 
 def _removed_hint(column: str) -> str:

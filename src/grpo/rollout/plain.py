@@ -3,23 +3,63 @@
 It honours every `generation_kwargs` key transformers knows. Each sampled token's log-probability is taken from
 the processed scores (after temperature and every logits processor), the quantity vLLM calls "processed
 logprobs".
+
+Beam search (`num_beams` > 1, from generation_kwargs or the model's generation_config) returns one completion per
+row too, but its tokens are chosen by beam score, not drawn from a per-token distribution: no sampler log-prob is
+recorded (NaN: no sampling correction, the sampling/* metrics skip them; the trainer's own pass gives the old
+log-probs). Options under which `generate` returns another number of rows than asked for (num_return_sequences),
+runs one sequence at a time (assisted decoding) or runs code transformers moved to the Hub (group and constrained
+beam search, contrastive search, DoLa) are refused when the engine is built, naming the option.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
 
 from grpo.base import sigterm
 from grpo.rollout.base import Request, Rollout, assemble, cut_at_stop, expand, left_pad
 
+logger = logging.getLogger("grpo")
+
+# arguments of `generate()` itself, not of a GenerationConfig: each selects assisted decoding
+GENERATE_ARGUMENTS = ("assistant_model", "assistant_tokenizer")
+
+# decoding modes the engine cannot run: the options that select each, and why
+UNSUPPORTED_MODES = {
+    GenerationMode.ASSISTED_GENERATION: (
+        ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", *GENERATE_ARGUMENTS),
+        "assisted decoding, which transformers runs for one sequence at a time (batch size 1), where the engine "
+        "samples every completion of a generation batch together",
+    ),
+    GenerationMode.GROUP_BEAM_SEARCH: (
+        ("num_beam_groups", "diversity_penalty"),
+        "group beam search (diverse beam search)",
+    ),
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: (("constraints", "force_words_ids"), "constrained beam search"),
+    GenerationMode.CONTRASTIVE_SEARCH: (("penalty_alpha",), "contrastive search"),
+    GenerationMode.DOLA_GENERATION: (("dola_layers",), "dola decoding"),
+}
+HUB_MODES = (
+    "transformers moved it out of the library into a Hub repository of remote code (custom_generate), which the "
+    "engine does not run"
+)
+BEAM_MODES = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
+
 
 def sampling_config(args: Any, stop_ids: list[int], pad_id: int) -> GenerationConfig:
-    """The generation parameters of GRPOConfig, with `generation_kwargs` applied over them."""
+    """The generation parameters of GRPOConfig, with `generation_kwargs` applied over them (options the engine
+    cannot run refused first, by name)."""
+    for name in GENERATE_ARGUMENTS:
+        if name in (args.generation_kwargs or {}):
+            _refuse(args.generation_kwargs, GenerationMode.ASSISTED_GENERATION)
     params = dict(
         max_new_tokens=args.max_completion_length,
         do_sample=True,
@@ -38,6 +78,41 @@ def sampling_config(args: Any, stop_ids: list[int], pad_id: int) -> GenerationCo
     return GenerationConfig(**params)
 
 
+def decoding_mode(config: GenerationConfig, model: Any, given: dict | None) -> GenerationMode:
+    """The decoding mode `model.generate` runs under `config`: the model's own generation_config fills the
+    fields `config` leaves unset, as `generate` merges them (a model may ask for beams there). A mode the engine
+    cannot run, or one that returns another number of rows than it is given, is refused, naming the option
+    (`given`: the run's generation_kwargs)."""
+    effective = copy.deepcopy(config)
+    own = getattr(model, "generation_config", None)
+    if isinstance(own, GenerationConfig):
+        effective.update(**own.to_dict(), defaults_only=True, allow_custom_entries=True)
+    returned = effective.num_return_sequences
+    if returned is not None and returned != 1:
+        where = "generation_kwargs" if "num_return_sequences" in (given or {}) else "The model's generation_config has"
+        raise ValueError(
+            f"{where} num_return_sequences={returned}: generate would return {returned} completions per "
+            "row, where the trainer samples each completion as a row of its own. Remove num_return_sequences: "
+            "num_generations sets how many completions each prompt gets."
+        )
+    mode = effective.get_generation_mode()
+    if mode in UNSUPPORTED_MODES:
+        _refuse(given or {}, mode)
+    return mode
+
+
+def _refuse(given: dict, mode: GenerationMode) -> None:
+    options, what = UNSUPPORTED_MODES[mode]
+    named = [repr(name) for name in options if name in given]
+    where = f"generation_kwargs {', '.join(named)}" if named else "The model's generation_config"
+    hub = "" if mode == GenerationMode.ASSISTED_GENERATION else f"; {HUB_MODES}"
+    raise ValueError(
+        f"{where} selects {what}{hub}. The plain engine samples (or searches beams, num_beams) with transformers' "
+        f"own decoding: remove {' / '.join(options)} from generation_kwargs (and from the model's "
+        "generation_config)."
+    )
+
+
 # a suppressed token's logit where the engine cannot leave it out: its probability underflows to exactly 0 in
 # float32, and (unlike -inf) its entropy term stays 0
 SUPPRESSED = -1e4
@@ -49,6 +124,17 @@ def suppressed_tokens(model: Any) -> list[int]:
     return [
         i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)) if i is not None
     ]
+
+
+def _check_beam_behaviour(args: Any) -> None:
+    """Beams leave no sampler log-probs: the behaviour policy of async_generation cannot be taken from them."""
+    if getattr(args, "async_generation", False) and getattr(args, "async_behaviour_logps", None) == "sampler":
+        beams = (args.generation_kwargs or {}).get("num_beams", "from the model's generation_config")
+        raise ValueError(
+            f"generation_kwargs num_beams={beams} searches beams, which gives no sampler log-probs, and "
+            "async_behaviour_logps='sampler' takes the behaviour policy's log-probs from them. Set "
+            "async_behaviour_logps='training' (the training pass computes them), or sample without beams."
+        )
 
 
 class _StopOnPreemption(StoppingCriteria):
@@ -71,22 +157,32 @@ class _SampledLogps(StoppingCriteria):
 
     def __init__(self) -> None:
         self.steps: list[torch.Tensor] = []
+        self.misaligned = False  # a step whose scores had another number of rows than its tokens (beams)
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         if isinstance(scores, tuple) and scores and scores[-1].numel():
-            self.steps.append(_token_logps(scores[-1], input_ids[:, -1]))
+            if scores[-1].shape[0] == input_ids.shape[0] and not self.misaligned:
+                self.steps.append(_token_logps(scores[-1], input_ids[:, -1]))
+            else:  # beam search hands the candidate beams with the kept beams' scores: nothing to read
+                self.misaligned = True
             scores[-1].set_()  # generate's tuple keeps the tensor object, no longer its (rows, vocabulary) memory
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def logps(self, new_tokens: torch.Tensor, scores: Any) -> torch.Tensor:
         """(rows, steps) log-probs of `new_tokens`: the steps read as they came (a deferred stop check may have
         run steps that generate then undid: only the first ones count), else from scores generate returned whole
-        (a decoding loop that does not hand its criteria the scores), else NaN (no sampling correction)."""
-        count = new_tokens.shape[1]
-        steps = self.steps
-        if len(steps) < count and scores is not None and len(scores) >= count and all(s.numel() for s in scores):
+        (a decoding loop that does not hand its criteria the scores), else NaN (no sampling correction). Scores of
+        another number of rows than `new_tokens` (beams) are never read."""
+        rows, count = new_tokens.shape
+        steps = [] if self.misaligned else self.steps
+        if (
+            len(steps) < count
+            and scores is not None
+            and len(scores) >= count
+            and all(s.numel() and s.shape[0] == rows for s in scores[:count])
+        ):
             steps = [_token_logps(s, new_tokens[:, t]) for t, s in enumerate(scores[:count])]
-        if len(steps) < count:
+        if len(steps) < count or any(step.shape[0] != rows for step in steps[:count]):
             return torch.full(new_tokens.shape, float("nan"))
         return torch.stack(steps[:count], dim=1) if count else torch.zeros(new_tokens.shape)
 
@@ -111,6 +207,15 @@ class TransformersEngine:
         self.stop_ids = set(stop_ids)
         self.config = sampling_config(args, stop_ids, tokenizer.pad_token_id)
         self.max_new_tokens = self.config.max_new_tokens  # generation_kwargs may set it
+        self.beams = decoding_mode(self.config, model, args.generation_kwargs) in BEAM_MODES
+        if self.beams:
+            self.config.output_scores = False  # (rows x beams, vocabulary) per step, and no sampler log-prob in them
+            _check_beam_behaviour(args)
+            logger.info(
+                "generate searches beams (num_beams=%s): completions are the best beams, not draws from the "
+                "policy, so the engine records no sampler log-probs (the sampling/* metrics compare none: ratio 1).",
+                self.config.num_beams if self.config.num_beams not in (None, 1) else "from the model's config",
+            )
         self.autocast = autocast
         self.batch_size = batch_size
         self.pixels = pixels  # a vision-language model's image inputs (`grpo.models.vision.Pixels`)
@@ -141,6 +246,7 @@ class TransformersEngine:
         was_training = self.model.training
         self.model.eval()  # dropout off, and the KV cache on even when gradient checkpointing is enabled
         sampled = _SampledLogps()
+        criteria = [_StopOnPreemption()] if self.beams else [_StopOnPreemption(), sampled]
         try:
             with self.autocast() if self.autocast else nullcontext():
                 out = self.model.generate(
@@ -149,16 +255,23 @@ class TransformersEngine:
                     **images,
                     generation_config=self.config,
                     max_new_tokens=max(budgets),
-                    stopping_criteria=StoppingCriteriaList([_StopOnPreemption(), sampled]),
+                    stopping_criteria=StoppingCriteriaList(criteria),
                 )
         finally:
             self.model.train(was_training)
         sigterm.check()
-        if isinstance(out, torch.Tensor):  # a replaced generate returning sequences only: tokens the engine did not
-            new_tokens = out[:, ids.shape[1] :]  # score (NaN log-probs: no sampling correction, as vLLM's unscored)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        if sequences.shape[0] != len(rows):
+            raise ValueError(
+                f"model.generate returned {sequences.shape[0]} sequences for {len(rows)} rows: the engine takes one "
+                "completion per row. Remove the generate option that changes the row count (num_return_sequences) "
+                "from generation_kwargs or the model's generation_config."
+            )
+        new_tokens = sequences[:, ids.shape[1] :]
+        if isinstance(out, torch.Tensor) or self.beams:  # tokens the engine did not score: a replaced generate
+            # returning sequences only, or beams (NaN log-probs: no sampling correction, as vLLM's unscored)
             token_logps = torch.full(new_tokens.shape, float("nan"))
         else:  # from the processed scores each token was drawn from (after temperature and every logits processor)
-            new_tokens = out.sequences[:, ids.shape[1] :]
             token_logps = sampled.logps(new_tokens, out.scores)
         completions, logps = [], []
         for row, row_logps, budget in zip(new_tokens.tolist(), token_logps.tolist(), budgets):
