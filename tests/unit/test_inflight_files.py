@@ -1,7 +1,8 @@
 """The in-flight rounds of an asynchronous checkpoint (`grpo.checkpoint.inflight`), as a careless hand or a hostile
 file would leave them: every field checked against the checkpoint's data position and max_staleness, the weights'
 file read whole and finite, and the two files together or not at all. Each is one CheckpointError naming the file
-and the next-newest complete checkpoint, raised while the checkpoint is read, before anything trains."""
+(the damaged one) and the next-newest complete checkpoint, raised while the checkpoint is read, before anything
+trains."""
 
 from __future__ import annotations
 
@@ -71,6 +72,14 @@ def edit(meta, case):
         pubs["2"]["weights"] = -1
     elif case == "not an object":
         return "[1, 2]"
+    elif case == "a trainer state whose step is a string":
+        pubs["2"]["state"]["global_step"] = "2"
+    elif case == "a trainer state whose log is a string":
+        pubs["2"]["state"]["log_history"] = "rows"
+    elif case == "a trainer state with a field TrainerState lacks":
+        pubs["2"]["state"]["run_code"] = True
+    elif case == "a max_staleness that is a list":
+        meta["max_staleness"] = [2]
     return json.dumps(meta)
 
 
@@ -83,6 +92,10 @@ CRAFTED = {
     "a step that is a string": "publication 2's step is '2', not a count",
     "a negative weights key": "publication 2's weights is -1, not a count",
     "not an object": "holds a list, not an object",
+    "a trainer state whose step is a string": "publication 2's trainer state has global_step '2', not a count",
+    "a trainer state whose log is a string": "publication 2's log_history is not a list of rows",
+    "a trainer state with a field TrainerState lacks": "'run_code', not a field of TrainerState",
+    "a max_staleness that is a list": r"its max_staleness is \[2\], not a count",
 }
 
 
@@ -119,7 +132,17 @@ def test_a_damaged_weights_file_is_refused_naming_it(tmp_path, damage):
         tensors["1/layer.bias"] = torch.full((3,), float("nan"))
         save_file(tensors, str(path))
     match = "not finite numbers" if damage == "NaN weights" else "cannot be read as in-flight rounds"
-    refused(checkpoint, rf"{FILE}\.json: .*{match}")
+    refused(checkpoint, rf"{FILE}\.tensors: .*{match}")  # the file that is damaged, not its companion
+
+
+def test_weights_missing_for_a_publication_name_the_weights_file(tmp_path):
+    checkpoint, weights = saved(tmp_path)
+    from safetensors.torch import save_file
+
+    save_file({f"0/{name}": t for name, t in weights[0].items()}, str(checkpoint / f"{FILE}.tensors"))
+    refused(checkpoint, rf"{FILE}\.tensors: .*does not hold in full the weights that publication 2 of {FILE}\.json")
+    (checkpoint / f"{FILE}.tensors").unlink()
+    refused(checkpoint, rf"{FILE}\.tensors: is missing, while {FILE}\.json is there")
 
 
 def test_weights_without_their_publications_are_refused(tmp_path):

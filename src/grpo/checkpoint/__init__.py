@@ -16,10 +16,12 @@ directory and says which complete checkpoint is the newest. It holds:
   is written before its step's evaluation; the evaluation's row is added to it afterwards (`add_evaluation`).
 
 `load` restores all of it, after checking that every file reads back (weights-only: nothing in a checkpoint can
-run code), that trainer_state.json is consistent, and that the checkpoint fits the model and the run (same
-parameter names and shapes, same batch geometry, seed, world size and dataset size): what is wrong is named in
-the error, with the next-newest complete checkpoint. A checkpoint saved with save_only_model holds the model
-directory and trainer_state.json only, and is refused as a starting point to resume from.
+run code; only regular files, within their sizes: a FIFO, a device or a symlink to one is refused unopened, so
+nothing blocks or reads without end), that every JSON file has its shape and trainer_state.json is consistent, and
+that the checkpoint fits the model and the run (same parameter names and shapes, same batch geometry, seed, world
+size and dataset size): what is wrong is named in the error, with the next-newest complete checkpoint. A checkpoint
+saved with save_only_model holds the model directory and trainer_state.json only, and is refused as a starting point
+to resume from.
 
 When to save, the best checkpoint (trainer_state.json names it: best_metric, best_global_step,
 best_model_checkpoint), rotation (`save_total_limit`: never the newest nor the best) and which processes write
@@ -254,6 +256,7 @@ def load(trainer: CheckpointedRun, path: str) -> None:
     """Restore everything `save` wrote into this trainer (every process). Nothing is changed in the trainer
     until every file has been read and checked."""
     acc, args = trainer.accelerator, trainer.args
+    files.check_files(path)  # only regular files, before any library reads one (a FIFO would block it)
     state = files.read_state(path, trainer.max_steps, args.gradient_accumulation_steps)
     if state.get("save_only_model"):
         raise CheckpointError(
@@ -266,7 +269,8 @@ def load(trainer: CheckpointedRun, path: str) -> None:
     components = [(c, c.read(path, state)) for c in trainer.state_components]
     best = strategy.read_best(state, path)
     if args.restore_callback_states_from_checkpoint:
-        trainer.callback_handler.restore(state.get("stateful_callbacks") or {})
+        saved = state.get("stateful_callbacks") or {}
+        files.apply(path, STATE, lambda: trainer.callback_handler.restore(saved))  # a state a callback cannot take
     _load_model(trainer, path, sharding.is_sharded(trainer.model), zero.in_use(acc))
     for name, value in best.items():
         setattr(trainer.state, name, value)
@@ -277,6 +281,7 @@ def load(trainer: CheckpointedRun, path: str) -> None:
 def load_model_weights(trainer: CheckpointedRun, path: str) -> None:
     """The model weights of checkpoint `path` into the trainer's model (every process), as a resume loads them:
     load_best_model_at_end."""
+    files.check_files(path)
     _load_model(trainer, path, sharding.is_sharded(trainer.model), zero.in_use(trainer.accelerator))
 
 

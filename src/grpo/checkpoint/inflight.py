@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import TrainerState
 
 from grpo.checkpoint import files
@@ -69,41 +69,65 @@ def read(
         # a sequential run's checkpoint: the next rounds sample the resumed policy
         logger.warning("%s has no in-flight rounds (a sequential run's): async resumes on-policy.", checkpoint)
         return None
+    listed = _read_meta(meta_path, staleness, position)
+    if not os.path.exists(tensors_path):
+        raise files.invalid(
+            tensors_path,
+            f"is missing, while {file}.json is there: the rounds after this checkpoint cannot be sampled from the "
+            "policies they were. Restore the file, or resume from another checkpoint",
+        )
     try:
-        with open(meta_path) as f:
-            meta = json.load(f, parse_constant=_no_constant)
+        weights = _read_weights(tensors_path, params)
+        for p, pub in listed.items():
+            if set(weights.get(pub.weights, ())) != set(params):
+                raise ValueError(f"it does not hold in full the weights that publication {p} of {file}.json names")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, SafetensorError) as error:
+        if isinstance(error, files.CheckpointError):
+            raise
+        raise files.invalid(tensors_path, f"cannot be read as in-flight rounds' weights ({error})") from None
+    return listed, weights
+
+
+def _read_meta(meta_path: str, staleness: int, position: int | None) -> dict[int, Publication]:
+    """The publications of `file`.json, every field checked (their trainer states by their fields' kinds)."""
+    try:
+        meta = files.parse_json(meta_path, parse_constant=_no_constant)
         if not isinstance(meta, dict):
             raise ValueError(f"it holds a {type(meta).__name__}, not an object")
-        if meta["max_staleness"] != staleness:
+        if meta.get("max_staleness") != staleness:
+            if type(meta.get("max_staleness")) is not int:
+                raise ValueError(f"its max_staleness is {meta.get('max_staleness')!r:.100}, not a count")
             raise files.invalid(
                 meta_path,
                 f"was written with max_staleness={meta['max_staleness']}, this run has {staleness}: the rounds after "
                 "the checkpoint would sample other weights. Resume with the same max_staleness",
             )
         listed = _publications(meta, staleness, position)
-        tensors = load_file(tensors_path)
-        weights: dict[int, dict[str, torch.Tensor]] = {}
-        for key, tensor in tensors.items():
-            wid, _, name = key.partition("/")
-            if name not in params or tensor.shape != params[name].shape or not wid.isdigit():
-                raise ValueError(f"it holds {key!r} {tuple(tensor.shape)}, not a trained parameter of the model")
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                raise ValueError(f"{file}.tensors holds values of {key!r} that are not finite numbers")
-            # a tensor of its own, allocated as the publications' clones are (the snapshot samples it in place, and
-            # a kernel's result may depend on its memory's alignment, which a tensor read from the file does not have)
-            value = torch.empty_like(params[name]).copy_(tensor)
-            weights.setdefault(int(wid), {})[name] = value
-        pubs = {}
-        for p, pub in listed.items():
-            if set(weights.get(pub["weights"], ())) != set(params):
-                raise ValueError(f"publication {p} names weights the file does not hold in full")
-            pubs[p] = Publication(pub["weights"], None, pub["step"], TrainerState(**pub["state"]))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, SafetensorError) as error:
+        return {
+            p: Publication(pub["weights"], None, pub["step"], TrainerState(**pub["state"])) for p, pub in listed.items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
         if isinstance(error, files.CheckpointError):
             raise
         problem = "nested too deeply" if isinstance(error, RecursionError) else error
         raise files.invalid(meta_path, f"cannot be read as in-flight rounds ({problem})") from None
-    return pubs, weights
+
+
+def _read_weights(tensors_path: str, params: Mapping[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """The weights of `file`.tensors by key, each a trained parameter's name and shape, with finite values."""
+    tensors = files.load_safetensors(tensors_path)
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        wid, _, name = key.partition("/")
+        if name not in params or tensor.shape != params[name].shape or not wid.isdigit():
+            raise ValueError(f"it holds {key!r} {tuple(tensor.shape)}, not a trained parameter of the model")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"it holds values of {key!r} that are not finite numbers")
+        # a tensor of its own, allocated as the publications' clones are (the snapshot samples it in place, and
+        # a kernel's result may depend on its memory's alignment, which a tensor read from the file does not have)
+        value = torch.empty_like(params[name]).copy_(tensor)
+        weights.setdefault(int(wid), {})[name] = value
+    return weights
 
 
 def _no_constant(name: str) -> Any:
@@ -132,8 +156,44 @@ def _publications(meta: dict, staleness: int, position: int | None) -> dict[int,
         for key in ("weights", "step"):
             if type(pub.get(key)) is not int or pub[key] < 0:
                 raise ValueError(f"publication {p}'s {key} is {pub.get(key)!r}, not a count")
+        _check_state(p, pub["state"])
         out[int(p)] = pub
     return out
+
+
+# a publication's trainer state (reward functions read it): each field of TrainerState that it holds, by its kind
+_COUNT, _NUMBER, _FLAG, _TEXT, _OBJECT = "a count", "a number", "true or false", "a string", "an object"
+_STATE_FIELDS = {
+    **dict.fromkeys(("global_step", "max_steps", "num_input_tokens_seen", "best_global_step"), _COUNT),
+    **dict.fromkeys(("epoch", "logging_steps", "eval_steps", "save_steps", "train_batch_size"), _NUMBER),
+    **dict.fromkeys(("num_train_epochs", "total_flos", "best_metric"), _NUMBER),
+    **dict.fromkeys(("is_local_process_zero", "is_world_process_zero", "is_hyper_param_search"), _FLAG),
+    **dict.fromkeys(("best_model_checkpoint", "trial_name"), _TEXT),
+    **dict.fromkeys(("trial_params", "stateful_callbacks"), _OBJECT),
+}
+_KIND_CHECKS = {
+    _COUNT: lambda v: type(v) is int and v >= 0,
+    _NUMBER: files.is_number,
+    _FLAG: lambda v: type(v) is bool,
+    _TEXT: lambda v: isinstance(v, str),
+    _OBJECT: lambda v: isinstance(v, dict),
+}
+
+
+def _check_state(p: str, state: dict[str, Any]) -> None:
+    """A publication's trainer state: TrainerState's fields only, each null or of its kind, the log history as
+    trainer_state.json's (a field this table does not know, of a later transformers, is any JSON value)."""
+    known = {f.name for f in dataclasses.fields(TrainerState)}
+    for key, value in state.items():
+        if key not in known:
+            raise ValueError(f"publication {p}'s trainer state has {key!r:.100}, not a field of TrainerState")
+        if value is None:
+            continue
+        if key == "log_history":
+            if not files.log_rows(value):
+                raise ValueError(f"publication {p}'s log_history is not a list of rows, each with its step")
+        elif key in _STATE_FIELDS and not _KIND_CHECKS[_STATE_FIELDS[key]](value):
+            raise ValueError(f"publication {p}'s trainer state has {key} {value!r:.100}, not {_STATE_FIELDS[key]}")
 
 
 def _state_json(state: TrainerState) -> dict[str, Any]:
