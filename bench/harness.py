@@ -27,6 +27,9 @@ ways in its sliding layers), as trees against padded rows, positions, images thr
 training pass's time (tree_images.py). Where vLLM is installed, server mode (push.py): per model (the bundled one
 and a random Qwen2.5-0.5B), a line `push_<model>: copy_bound_gb_s http_body_gb_s gloo_wire_gb_s gloo_vllm_gb_s
 gloo_vs_http gloo_vs_copy_bound` (the weight push in bytes/s), and `server_vs_colocate`, the workload end to end.
+Per family the lean decoder is meant for (families.py: a random Qwen3-0.6B, a random Gemma 3, the bundled model with
+LoRA adapters and without), a line `<family>: decode_tokens_s stepper_tokens_s decode_vs_bound vs_stepper`, the lean
+decoder against the transformers forward it replaces, in float32.
 """
 
 from __future__ import annotations
@@ -246,6 +249,16 @@ def main() -> None:
             images = subprocess.run(command, capture_output=True, text=True)
             ok = images.returncode == 0
             print(images.stdout.strip().splitlines()[-1] if ok else f"tree_images failed: {images.stderr}")
+    if not opts.only:
+        # the lean decoder on the families users train, against the transformers stepper (families.py)
+        console.print("running the lean decoder on Qwen3, Gemma 3 and a LoRA policy (families.py) ...")
+        families = subprocess.run([sys.executable, os.path.join(HERE, "families.py")], capture_output=True, text=True)
+        lines = [
+            line
+            for line in families.stdout.splitlines()
+            if line.split(":")[0] in ("qwen3", "gemma3", "lora", "bundled")
+        ]
+        print("\n".join(lines) if families.returncode == 0 else f"families failed: {families.stderr[-2000:]}")
     if not opts.only and vllm_available():
         # server mode: the weight push (gloo engine, HTTP body, copy bound) and the workload against colocate
         console.print("running server mode's weight push and workload (push.py) ...")
