@@ -108,6 +108,38 @@ def make_qwen3(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden: int = 
     return model
 
 
+def make_gemma3(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden: int = 64, window: int = 4, **config):
+    """A 3-layer Gemma 3 text model of the tiny tokenizer: sliding layers (a window of `window` tokens, so that
+    short rows already cross it) beside a full one, each rotated at its own base, per-head query/key norms and
+    sandwich norms (their weights drawn away from 0: Gemma's norms multiply by 1 + weight), scaled embeddings, the
+    tanh GELU, a tied head."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        attn_implementation="eager",
+    )
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**settings, **config}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(-0.5, 1.0)
+    return model
+
+
 def with_lora(model, seed: int = 1, **config):
     """`model` with LoRA adapters (r=16, alpha 32, dropout 0.1 (off in eval mode); every linear unless `config`
     says otherwise), lora_B drawn at random so that the adapters change the output (PEFT starts it at zero)."""

@@ -17,11 +17,12 @@ from grpo.rollout import fast
 from grpo.rollout.fast import FastEngine, low_precision_linears, sample_from
 from grpo.rollout.plain import TransformersEngine
 from scripted import as_requests
-from tiny import make_model, make_qwen3, make_tokenizer, with_lora
+from tiny import make_gemma3, make_model, make_qwen3, make_tokenizer, with_lora
 
 MODELS = {
     "llama": lambda tok: make_model(tok, hidden=64),
     "qwen3": make_qwen3,
+    "gemma3": make_gemma3,
     "lora": lambda tok: with_lora(make_model(tok, hidden=64), modules_to_save=["lm_head"]),
 }
 models = pytest.mark.parametrize("family", list(MODELS))

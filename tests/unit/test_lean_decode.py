@@ -16,7 +16,7 @@ from grpo.rollout import lean_decoder
 from grpo.rollout.base import left_pad
 from grpo.rollout.cpu import packed, panels
 from grpo.rollout.lean_decoder import LeanDecoder, unsupported_reason
-from tiny import make_model, make_tokenizer, with_lora
+from tiny import make_gemma3, make_model, make_tokenizer, with_lora
 
 PACKED_LINEAR = packed.packed_linear
 
@@ -139,6 +139,28 @@ def test_qwen3_with_query_and_key_norms_matches(dtype):
     check(_qwen3().to(on_device.device()), dtype)
 
 
+@on_device.mark
+@on_device.dtypes
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_gemma3_with_sliding_layers_and_sandwich_norms_matches(dtype, softcap):
+    """Gemma 3: rows cross the sliding layers' window of 4 (prompts of 2 to 7 tokens and 6 steps), each kind of
+    layer rotated at its own base, scaled embeddings, (1 + weight) norms around each sublayer, the tanh GELU, and
+    the final soft-capping where configured."""
+    model = make_gemma3(make_tokenizer(), final_logit_softcapping=softcap).eval()
+    assert unsupported_reason(model) is None
+    dec = check(model.to(on_device.device()), dtype)
+    assert dec.windows == [4] and dec.fused is None
+
+
+def test_gemma3_settings_the_lean_decoder_does_not_run_are_named():
+    tok = make_tokenizer()
+    assert "attn_logit_softcapping" in unsupported_reason(make_gemma3(tok, attn_logit_softcapping=50.0))
+    assert "both ways" in unsupported_reason(make_gemma3(tok, use_bidirectional_attention=True))
+    assert "'gelu' is not Gemma's tanh GELU" in unsupported_reason(make_gemma3(tok, hidden_activation="gelu"))
+    assert lean_decoder.fixed_shape_reason(make_gemma3(tok)) is not None
+    assert lean_decoder.fixed_shape_reason(make_model(tok)) is None
+
+
 def test_qwen3_with_sliding_window_layers_is_named():
     model = _qwen3()
     model.config.layer_types = ["sliding_attention", "full_attention"]
@@ -221,6 +243,7 @@ def _snapshot(model, optimizer):
 
 
 LORA_MODELS = {
+    "gemma3, every linear": lambda: _lora(lambda: make_gemma3(make_tokenizer())),
     "llama, every linear": lambda: _lora(lambda: make_model(make_tokenizer(), hidden=64)),
     "qwen3, attention only": lambda: _lora(_qwen3, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "qwen2 tied head, modules_to_save head and norm": lambda: _lora(

@@ -194,6 +194,7 @@ def test_finished_rows_never_hold_the_cache_twice():
         dec = LeanDecoder.__new__(LeanDecoder)
         dec.keys, dec.values = caches()
         dec.valid, dec.positions = torch.ones(64, 320, dtype=torch.bool), torch.zeros(64, 1, dtype=torch.long)
+        dec.key_positions = None  # no sliding layers
         before = status("VmRSS:")
         open("/proc/self/clear_refs", "w").write("5")
         dec._keep(keep)

@@ -233,6 +233,8 @@ class FastEngine:
         self.sampler = sampler  # None: `sample_from` on uniform numbers drawn per row and step (`draw_uniforms`)
         self.static = static  # decode on fixed shapes (`graphed.StaticDecode`); None: on CUDA, with the lean decoder
         self.lean_reason = lean_decoder.unsupported_reason(model) if lean else "turned off"
+        # the fixed-shape loop runs the Llama layer only: other lean models take the per-step loop
+        self.fixed_reason = lean_decoder.fixed_shape_reason(model) if self.lean_reason is None else self.lean_reason
         if self.lean_reason is not None:
             logger.info("Sampling with the transformers forward: %s.", self.lean_reason)
 
@@ -282,7 +284,7 @@ class FastEngine:
         ids, mask, owner, budgets = ids.to(device), mask.to(device), owner.to(device), budgets.to(device)
         generator = getattr(_thread, "generator", None)
         static = self.static if self.static is not None else device.type == "cuda"
-        if static and self.lean_reason is None:
+        if static and self.fixed_reason is None:
             decoder = self._stepper()
             stop_ids, graphs = self.stop_ids.to(device), device.type == "cuda"
             run = graphed.StaticDecode(decoder, self.processors, stop_ids, self._draw, self.needs_history, graphs)

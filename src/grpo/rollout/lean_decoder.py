@@ -1,4 +1,4 @@
-"""A lean forward pass for sampling from Llama-family models (Llama, Mistral, Qwen2, Qwen3, SmolLM).
+"""A lean forward pass for sampling from Llama-family models (Llama, Mistral, Qwen2, Qwen3, SmolLM) and Gemma 3.
 
 Decoding a 135M model on a CPU spends most of each token in framework overhead: a transformers forward runs
 ~500 small operators per token (module calls, per-projection matmuls, a growing KV cache concatenated each
@@ -26,6 +26,12 @@ over bfloat16 keys and values. Qwen3's per-head RMSNorm of queries and keys (`q_
 rotation, as there: float32 statistics, the result rounded to the compute dtype, then times the norm's weight. The
 tests compare next-token distributions against the transformers forward.
 
+Gemma 3's text model runs the same loop with its own layer: embeddings times sqrt(hidden), RMSNorms of (1 + weight)
+before and after each sublayer, queries scaled by `query_pre_attn_scalar`, the tanh GELU, sliding layers (keys at
+most `sliding_window` - 1 positions back, by position, not column: rows are left-padded) rotated at their own base
+beside full ones, and the final soft-capping where configured. It takes the per-operator path (the fused C step
+and the fixed-shape loop run the Llama layer: `fixed_shape_reason`).
+
 A LoRA policy (PEFT) runs here too: each rollout's weights are the merged copies (`lora.merged_linear`: base +
 scaling * B A of the active adapters, summed in float32 and rounded once by the cast above; `modules_to_save`
 copies in place of their originals), never merged into the policy. Models it does not recognise, or that carry
@@ -34,6 +40,7 @@ other wrapped projections (DoRA, quantized layers), keep the transformers forwar
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -46,7 +53,8 @@ from grpo.models.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear, rms_norm
 from grpo.rollout.cpu import packed, panels
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+GEMMA = ("gemma3_text",)  # sandwich norms of 1 + weight, scaled embeddings, GELU, sliding-window layers
 # the linears packed for MKL (with the head): packing qkv and o too costs several times their weights' memory for a
 # few percent of a step (`bench/RESULTS.md`)
 PACKED = ("gate_up", "down")
@@ -70,16 +78,24 @@ def unsupported_reason(model: Any) -> str | None:
         or not (isinstance(head, torch.nn.Linear) or lora.lean_problem(head) is None)
     ):
         return "the model does not have the usual Llama layout"
-    if type(active_module(inner.embed_tokens)) is not torch.nn.Embedding:
+    embedding = type(active_module(inner.embed_tokens))
+    if embedding is not torch.nn.Embedding and not (
+        kind in GEMMA and embedding.__name__ == "Gemma3TextScaledWordEmbedding"
+    ):
         kind = type(active_module(inner.embed_tokens)).__qualname__
         return f"its input embedding is a {kind}, not a plain torch Embedding (a LoRA adapter on it?)"
-    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
-        return "the model uses a non-default activation or tensor-parallel split"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "the model uses sliding-window attention"
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    if layer_types - {"full_attention"}:
-        return f"the model has layers of other attention types ({', '.join(sorted(layer_types))})"
+    if kind in GEMMA:
+        reason = _gemma_reason(config)
+        if reason is not None:
+            return reason
+    else:
+        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+            return "the model uses a non-default activation or tensor-parallel split"
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            return "the model uses sliding-window attention"
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        if layer_types - {"full_attention"}:
+            return f"the model has layers of other attention types ({', '.join(sorted(layer_types))})"
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
@@ -90,13 +106,34 @@ def unsupported_reason(model: Any) -> str | None:
         if (norms[0] is None) != (norms[1] is None) or (
             norms[0] is not None
             and (
-                not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms)
-                or norms[0].variance_epsilon != norms[1].variance_epsilon
+                not all(not math.isnan(_eps(n)) and hasattr(n, "weight") for n in norms)
+                or _eps(norms[0]) != _eps(norms[1])
                 or any(tuple(n.weight.shape) != (attn.head_dim,) for n in norms)  # per head (OLMo: per projection)
             )
         ):
             return "the model's query/key norms are not the RMSNorm pair (of one epsilon) the lean decoder knows"
     return None
+
+
+def _gemma_reason(config: Any) -> str | None:
+    """Why a Gemma 3 text model's settings are not the ones the lean decoder runs (None: they are)."""
+    if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
+        return f"the model's activation {getattr(config, 'hidden_activation', None)!r} is not Gemma's tanh GELU"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "the model soft-caps its attention scores (attn_logit_softcapping)"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "the model attends both ways (use_bidirectional_attention)"
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention", "sliding_attention"}:
+        return f"the model has layers of other attention types ({', '.join(sorted(layer_types))})"
+    return None
+
+
+def fixed_shape_reason(model: Any) -> str | None:
+    """Why the fixed-shape loop (`graphed.StaticDecode`) cannot run this model's lean decoder (None when it can):
+    it runs the Llama layer only."""
+    kind = getattr(getattr(unwrap(model), "config", None), "model_type", None)
+    return "Gemma 3's layers (sandwich norms, sliding windows) take the per-step loop" if kind in GEMMA else None
 
 
 class LeanDecoder:
@@ -106,13 +143,20 @@ class LeanDecoder:
         model = unwrap(model)
         config, inner = model.config, model.model
         self.dtype = dtype
-        self.embed = active_module(inner.embed_tokens).weight
+        self.gemma = config.model_type in GEMMA
+        embed = active_module(inner.embed_tokens)
+        self.embed = embed.weight
+        # Gemma scales its embeddings (by sqrt(hidden), in the weight's dtype): None for the others
+        self.embed_scale = getattr(embed, "embed_scale", None) if self.gemma else None
         self.rotary = inner.rotary_emb
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.hidden = config.hidden_size
-        self.scale = self.head_dim**-0.5
+        scalar = getattr(config, "query_pre_attn_scalar", None) if self.gemma else None
+        self.scale = (scalar or self.head_dim) ** -0.5
+        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(inner.layers))
+        self.softcap = getattr(config, "final_logit_softcapping", None) if self.gemma else None
         self.layers = []
         # per layer, each linear's weight parts and bias: q/k/v and gate/up are one matmul each, their weights
         # stacked by rows (by the panel kernel's packing, or concatenated once the plain path needs them). A LoRA
@@ -131,22 +175,28 @@ class LeanDecoder:
                     down=_listed(lora.merged_linear(m.down_proj)),
                 )
             )
-            norm1, norm2 = active_module(layer.input_layernorm), active_module(layer.post_attention_layernorm)
+            norm1, norm2 = (active_module(n) for n in _layer_norms(layer, self.gemma))
+            norm = _gemma_norm if self.gemma else _rms_norm
             self.layers.append(
                 dict(
-                    qk_norm=_head_norms(a, self.heads, self.kv_heads),
-                    norm1=_rms_norm(norm1),
-                    norm2=_rms_norm(norm2),
+                    qk_norm=_head_norms(a, self.heads, self.kv_heads, self.gemma),
+                    norm1=norm(norm1),
+                    norm2=norm(norm2),
                     norm1_weight=norm1.weight,
                     norm2_weight=norm2.weight,
+                    # Gemma: each sublayer's output RMS-normed before it joins the residual stream
+                    post_attn=_gemma_norm(active_module(layer.post_attention_layernorm)) if self.gemma else None,
+                    post_mlp=_gemma_norm(active_module(layer.post_feedforward_layernorm)) if self.gemma else None,
+                    # a sliding layer's window: keys at most window - 1 positions before the query
+                    window=getattr(a, "sliding_window", None) if self.gemma else None,
+                    rotary_type=getattr(a, "layer_type", None) if self.gemma else None,
                     intermediate=wg.shape[0],
                 )
             )
-        norms = [
-            active_module(n) for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
-        ]
-        self.eps = {n.variance_epsilon for n in norms}
-        self.norm = _rms_norm(active_module(inner.norm))
+        self.eps = {_eps(active_module(n)) for layer in inner.layers for n in _layer_norms(layer, self.gemma)}
+        self.norm = (_gemma_norm if self.gemma else _rms_norm)(active_module(inner.norm))
+        self.windows = sorted({layer["window"] for layer in self.layers if layer["window"]})
+        self.key_positions: torch.Tensor | None = None  # with windows: each key column's position (rows, width)
         head = active_module(model.lm_head)
         self.head_dtype = torch.float32 if is_fp32_head(head) else dtype  # cast_lm_head_to_fp32
         self.head_weights = lora.merged_linear(head)
@@ -192,9 +242,18 @@ class LeanDecoder:
         self.positions = None
         causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
         # a padding query attends to itself only (its output is never used; an all-masked row would be NaN)
-        attend = (self.valid[:, None, None, :p] & causal) | torch.eye(p, dtype=torch.bool, device=ids.device)
+        eye = torch.eye(p, dtype=torch.bool, device=ids.device)
+        attend = (self.valid[:, None, None, :p] & causal) | eye
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        return self._forward(ids, positions, attend, decode=False)
+        masks: dict[int | None, torch.Tensor] = {None: attend}
+        self.key_positions = None
+        if self.windows:  # a sliding layer's keys: at most window - 1 positions before the query's
+            self.key_positions = torch.zeros(u, width, dtype=torch.long, device=ids.device)
+            self.key_positions[:, :p] = positions
+            back = positions[:, :, None] - positions[:, None, :]
+            for window in self.windows:
+                masks[window] = (attend & (back < window)[:, None]) | eye
+        return self._forward(ids, positions, masks, decode=False)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -209,11 +268,17 @@ class LeanDecoder:
             assert self.fed is not None  # set with live
             tokens = self.fed = self.fed.index_copy(0, self.live, tokens)
         self.valid[:, self.length] = True
-        attend = self.valid[:, None, None, : self.length + 1]
-        if self.dtype == torch.float32:  # one additive mask for every layer: 0 where a key is attended, -inf elsewhere
-            attend = torch.zeros(attend.shape, device=attend.device).masked_fill_(~attend, float("-inf"))
         assert self.positions is not None, "prefill first"
-        logits = self._forward(tokens.unsqueeze(-1), self.positions, attend, decode=True)
+        masks: dict[int | None, torch.Tensor] = {None: self.valid[:, None, None, : self.length + 1]}
+        if self.windows:
+            assert self.key_positions is not None  # set by the prompt pass
+            self.key_positions[:, self.length] = self.positions[:, 0]
+            back = self.positions - self.key_positions[:, : self.length + 1]
+            for window in self.windows:
+                masks[window] = masks[None] & (back < window)[:, None, None]
+        if self.dtype == torch.float32:  # one additive mask a kind of layer: 0 where a key is attended, -inf elsewhere
+            masks = {k: torch.zeros(m.shape, device=m.device).masked_fill_(~m, float("-inf")) for k, m in masks.items()}
+        logits = self._forward(tokens.unsqueeze(-1), self.positions, masks, decode=True)
         self.positions = self.positions + 1
         if self.live is not None and len(self.live) < self.slots:
             logits = logits.index_select(0, self.live)
@@ -244,6 +309,8 @@ class LeanDecoder:
             for i in range(len(cache)):
                 cache[i] = cache[i].index_select(0, rows)
         self.valid = self.valid.index_select(0, rows)
+        if self.key_positions is not None:
+            self.key_positions = self.key_positions.index_select(0, rows)
         if self.positions is not None:
             self.positions = self.positions.index_select(0, rows)
 
@@ -251,6 +318,8 @@ class LeanDecoder:
         """`min(GROW, wanted)` more key/value columns, layer by layer (each old buffer freed as it is copied)."""
         more = min(GROW, wanted)
         self.valid = F.pad(self.valid, (0, more))
+        if self.key_positions is not None:
+            self.key_positions = F.pad(self.key_positions, (0, more))
         for cache in (self.keys, self.values):
             for i in range(len(cache)):
                 cache[i] = F.pad(cache[i], (0, 0, 0, more))
@@ -292,8 +361,10 @@ class LeanDecoder:
         same = len(self.eps) == 1 and len({layer["intermediate"] for layer in self.layers}) == 1
         head_norms = [layer["qk_norm"] for layer in self.layers if layer["qk_norm"] is not None]
         # the C step takes query/key norms of the layers' epsilon, in float32, held contiguous
-        same = same and all(eps in self.eps and t.dtype == torch.float32 and t.is_contiguous() for t, eps in head_norms)
-        if FUSED and same and all(n.dtype == torch.float32 for n in self._norm_weights()):
+        same = same and all(
+            eps in self.eps and t.dtype == torch.float32 and t.is_contiguous() for t, eps, _ in head_norms
+        )
+        if FUSED and same and not self.gemma and all(n.dtype == torch.float32 for n in self._norm_weights()):
             sizes = panels.Sizes(
                 self.hidden,
                 self.heads,
@@ -332,15 +403,26 @@ class LeanDecoder:
         self.unpacked = self.in_panels = False
         self.fused, self.live, self.fed, self.slots = None, None, None, 0
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, decode: bool) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, masks: dict[int | None, torch.Tensor], decode: bool
+    ) -> torch.Tensor:
+        """The layers over `ids` at `positions`, their keys and values written at the next columns; `masks` the
+        attention mask of the full layers (None) and of each sliding window's layers. Returns the last token's
+        logits."""
         assert self.head is not None  # made by prefill (`_panels` or `_unpack`)
         b, t = ids.shape
         start, end = self.length, self.length + t
-        x = F.embedding(ids, self.embed).float()
-        cos, sin = self.rotary(x, positions)
-        cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+        x = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:  # Gemma: times sqrt(hidden) in the weight's dtype
+            x = x * self.embed_scale.to(x.dtype)
+        x = x.float()
+        rotations = {
+            kind: self._rotation(x, positions, kind) for kind in {layer["rotary_type"] for layer in self.layers}
+        }
+        attend = masks[None]
         if decode and self.fused is not None:  # every layer in one call (not a one-token prompt's pass)
             table, sizes = self.fused
+            cos, sin = rotations[None]
             x = x[:, 0].contiguous()
             mask = attend.reshape(b, end).contiguous()
             cos, sin = cos[:, 0, 0].contiguous(), sin[:, 0, 0].contiguous()
@@ -349,6 +431,8 @@ class LeanDecoder:
             return self.head(self.norm(x)).float()
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
+            cos, sin = rotations[layer["rotary_type"]]
+            attend = masks[layer["window"]]
             qkv = layer["qkv"](layer["norm1"](x))
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
             # queries and keys rotated in one pass (the same arithmetic, element by element, as one each)
@@ -369,11 +453,27 @@ class LeanDecoder:
                 out = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=attend, scale=self.scale, enable_gqa=keys.shape[1] != self.heads
                 )
-            x = x + layer["o"](out.transpose(1, 2).reshape(b, t, q_size))
+            attended = layer["o"](out.transpose(1, 2).reshape(b, t, q_size))
+            x = x + (attended if layer["post_attn"] is None else layer["post_attn"](attended))
             gate, up = layer["gate_up"](layer["norm2"](x)).split(layer["intermediate"], dim=-1)
-            x = x + layer["down"](F.silu(gate) * up)
+            if self.gemma:
+                mixed = layer["down"](F.gelu(gate, approximate="tanh") * up)
+                x = x + layer["post_mlp"](mixed)
+            else:
+                x = x + layer["down"](F.silu(gate) * up)
         self.length = end
-        return self.head(self.norm(x[:, -1])).float()
+        logits = self.head(self.norm(x[:, -1])).float()
+        if self.softcap is not None:  # Gemma's final soft-capping, where configured
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def _rotation(
+        self, x: torch.Tensor, positions: torch.Tensor, kind: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) at `positions`, (rows, 1, tokens, head_dim) in float32, of the layers of rotary `kind` (Gemma
+        3 rotates its sliding layers at another base: its rotary module takes the layer type)."""
+        cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
+        return cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
 
 
 def _stacked_bias(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:
@@ -383,8 +483,27 @@ def _stacked_bias(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> to
     return torch.cat([bias if bias is not None else weight.new_zeros(weight.shape[0]) for weight, bias in linears])
 
 
-def _layer_norms(layer: Any) -> tuple[Any, Any]:
-    return layer.input_layernorm, layer.post_attention_layernorm
+def _layer_norms(layer: Any, gemma: bool = False) -> tuple[Any, Any]:
+    """The norms before attention and before the MLP (Gemma's post_attention_layernorm follows attention)."""
+    return layer.input_layernorm, layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+
+
+def _eps(norm: Any) -> float:
+    """An RMSNorm's epsilon (Llama's `variance_epsilon`, Gemma's `eps`; NaN without one)."""
+    value = getattr(norm, "variance_epsilon", None)
+    value = value if value is not None else getattr(norm, "eps", None)
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def _gemma_norm(module: Any) -> Linear:
+    """Gemma's RMSNorm, as transformers computes it: float32 statistics, times (1 + weight) in float32, then back to
+    the input's dtype."""
+    weight, eps = module.weight, module.eps
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return (_normed(x.float(), eps) * (1.0 + weight.float())).to(x.dtype)
+
+    return norm
 
 
 def _listed(linear: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -400,21 +519,29 @@ def _rms_norm(module: Any) -> Linear:  # a Llama-family RMSNorm: weight, varianc
 
 def rotated(qk: torch.Tensor, layer: dict[str, Any], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Queries and keys (rows, heads + kv_heads, tokens, head_dim) rotated, each head RMS-normed first where the
-    layer has query/key norms (Qwen3)."""
+    layer has query/key norms: Qwen3's (rounded to the input's dtype, then times the weight) or Gemma's (times 1 +
+    weight in float32, then rounded)."""
     if layer["qk_norm"] is not None:
-        weight, eps = layer["qk_norm"]
-        qk = weight * _normed(qk.float(), eps).to(qk.dtype)
+        weight, eps, gemma = layer["qk_norm"]
+        if gemma:
+            qk = (_normed(qk.float(), eps) * weight).to(qk.dtype)
+        else:
+            qk = weight * _normed(qk.float(), eps).to(qk.dtype)
     return _rope(qk, cos, sin)
 
 
-def _head_norms(attn: Any, heads: int, kv_heads: int) -> tuple[torch.Tensor, float] | None:
-    """Qwen3's per-head query and key RMSNorms as one (heads + kv_heads, 1, head_dim) weight table (the query
-    norm's weight for each query head, the key norm's for each key head) and their epsilon; None without them."""
+def _head_norms(attn: Any, heads: int, kv_heads: int, gemma: bool = False) -> tuple[torch.Tensor, float, bool] | None:
+    """The per-head query and key RMSNorms as one (heads + kv_heads, 1, head_dim) weight table (the query norm's
+    weight for each query head, the key norm's for each key head; Gemma's: 1 + weight, in float32), their epsilon,
+    and whether they are Gemma's; None without them."""
     q_norm, k_norm = active_module(getattr(attn, "q_norm", None)), active_module(getattr(attn, "k_norm", None))
     if q_norm is None:
         return None
-    table = torch.cat([q_norm.weight.detach().expand(heads, -1), k_norm.weight.detach().expand(kv_heads, -1)])
-    return table.unsqueeze(1), q_norm.variance_epsilon
+    q, k = q_norm.weight.detach(), k_norm.weight.detach()
+    if gemma:
+        q, k = 1.0 + q.float(), 1.0 + k.float()
+    table = torch.cat([q.expand(heads, -1), k.expand(kv_heads, -1)])
+    return table.unsqueeze(1), _eps(q_norm), gemma
 
 
 def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:

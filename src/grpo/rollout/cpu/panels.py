@@ -302,7 +302,7 @@ def layer_table(layers: Sequence[dict[str, Any]]) -> ctypes.Array:
     table = (Layer * len(layers))()
     for entry, layer in zip(table, layers):
         entry.norm1, entry.norm2 = layer["norm1_weight"].data_ptr(), layer["norm2_weight"].data_ptr()
-        qk_norm = layer.get("qk_norm")  # (a float32 contiguous (heads + kv_heads, 1, head_dim) table, eps) or None
+        qk_norm = layer.get("qk_norm")  # (a float32 contiguous (heads + kv_heads, 1, head_dim) table, eps, _) or None
         entry.qk_norm = qk_norm[0].data_ptr() if qk_norm is not None else None
         for name in ("qkv", "o", "gate_up", "down"):
             setattr(entry, name, layer[name].panels.data_ptr())
