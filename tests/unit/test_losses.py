@@ -873,3 +873,12 @@ def test_fully_masked_rows(loss_type, level):
         assert loss.item() == 0.0
         assert not torch.isnan(loss)
         assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_the_configs_loss_types_are_the_loss_table():
+    """`GRPOConfig` (config, below algo in the layers) names the loss types it accepts; the math's table
+    (`algo.losses.LOSS_TYPES`) is what runs them: the two lists must be one."""
+    from grpo.algo.losses import LOSS_TYPES as TABLE
+    from grpo.config.grpo_fields import LOSS_TYPES as NAMES
+
+    assert tuple(TABLE) == NAMES

@@ -256,6 +256,9 @@ class LossType:
     aggregate: Aggregation
     normalization: str
     paper: str
+    # the objective weighs each token by the sampling-mismatch ratio rho itself (vespo), rather than the loss
+    # being multiplied by it afterwards
+    folds_is_ratio: bool = False
 
 
 LOSS_TYPES: dict[str, LossType] = {
@@ -266,7 +269,7 @@ LOSS_TYPES: dict[str, LossType] = {
     "cispo": LossType(cispo, token_sum, "tokens", "MiniMax-M1, arXiv:2506.13585"),
     "sapo": LossType(sapo, sequence_mean, "accumulation", "SAPO, arXiv:2511.20347"),
     "luspo": LossType(clipped_surrogate, length_weighted, "accumulation", "LUSPO, arXiv:2602.05261"),
-    "vespo": LossType(vespo, token_sum, "tokens", "VESPO, arXiv:2602.10693"),
+    "vespo": LossType(vespo, token_sum, "tokens", "VESPO, arXiv:2602.10693", folds_is_ratio=True),
 }
 
 
@@ -340,14 +343,14 @@ def policy_loss(
     ratio = torch.exp(importance_log_weights(log_ratio, mask, p.importance_sampling_level))
     if is_ratio is not None:
         is_ratio = is_ratio.detach()
-    terms = PolicyTerms(logps, log_ratio, ratio, advantages, mask, is_ratio if p.loss_type == "vespo" else None)
+    terms = PolicyTerms(logps, log_ratio, ratio, advantages, mask, is_ratio if loss_type.folds_is_ratio else None)
     per_token_loss, stats = loss_type.objective(terms, p)
     if p.off_policy_mask_threshold is not None:
         sampler = old if sampler_logps is None else sampler_logps
         per_token_loss = per_token_loss * off_policy_mask(advantages, logps, sampler, mask, p.off_policy_mask_threshold)
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask
-    if is_ratio is not None and p.loss_type != "vespo":
+    if is_ratio is not None and not loss_type.folds_is_ratio:
         per_token_loss = per_token_loss * is_ratio
     if p.beta != 0.0:
         if ref_logps is None:

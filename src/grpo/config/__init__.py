@@ -43,7 +43,7 @@ from grpo.config.training import (
 )
 from grpo.config.validation import check_numbers, require, validate
 
-__all__ = ["GRPOConfig", "LOSS_TYPES", "ResolvedConfig", "reject_later_features", "warn_odd_combinations"]
+__all__ = ["GRPOConfig", "LOSS_TYPES", "ResolvedConfig", "warn_odd_combinations"]
 
 JSON_FIELDS = (
     "generation_kwargs",
@@ -225,15 +225,6 @@ def warn_odd_combinations(a: GRPOConfig) -> None:
         warnings.warn(
             f"delta={a.delta} is not above 1 + epsilon_high; it will also cap the clipped branch.", stacklevel=3
         )
-
-
-def reject_later_features(args: GRPOConfig, eval_dataset: Any, callbacks: Any) -> None:
-    """Trainer arguments of features that later issues bring: a warning that says so (ignoring them is harmless).
-    Config fields of those features are refused by the config itself (`compat`)."""
-    if eval_dataset is not None:
-        warnings.warn("eval_dataset is ignored: evaluation during training is not available yet in grpo.", stacklevel=3)
-    if callbacks:
-        warnings.warn("callbacks are ignored: grpo does not run transformers callbacks.", stacklevel=3)
 
 
 if TYPE_CHECKING:

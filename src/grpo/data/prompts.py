@@ -459,7 +459,9 @@ def generation_prompt_indices(
     return order[block * unique_per_generation : (block + 1) * unique_per_generation]
 
 
-def local_rows(position: int, num_rows: int | None, args: Any, process_index: int, num_processes: int) -> list[int]:
+def generation_rows(
+    position: int, num_rows: int | None, args: Any, process_index: int, num_processes: int
+) -> list[int]:
     """Dataset rows a process generates for at data position `position`: each prompt repeated G times, this
     process's contiguous share of the generation batch (shared spec §5.1-5.2). A stream (num_rows None) is read in
     order: position k takes its next generation_batch_size / G rows."""

@@ -27,7 +27,7 @@ from grpo.algo.advantages import Advantages, nanstd
 from grpo.config.validation import check_path_name
 from grpo.models.vision import image_name
 
-if TYPE_CHECKING:  # grpo.distributed.accelerator imports this module, and grpo.rounds.groups imports it back
+if TYPE_CHECKING:  # rounds is a layer above observe (tests/unit/test_boundaries.py): for the annotation only
     from grpo.rounds.groups import GenerationBatch
 
 SHOWN = ("reward", "loss", "completions/mean_length", "kl")

@@ -82,9 +82,9 @@ class Producer:
             self.version = version
 
     def rows(self, position: int) -> list[int]:
-        """This process's share of data position `position`'s rows (`data.local_rows`)."""
+        """This process's share of data position `position`'s rows (`data.generation_rows`)."""
         size = datasets.dataset_size(self.dataset)
-        return data.local_rows(position, size, self.args, self.process_index, self.num_processes)
+        return data.generation_rows(position, size, self.args, self.process_index, self.num_processes)
 
     def generate(
         self, rows: Sequence[int], examples: Sequence[dict] | None = None, source: Any = None, engine: Any = None

@@ -45,22 +45,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from grpo.models.modeling import cpu_flags
 from grpo.perf.kernels import Linear
 
 logger = logging.getLogger("grpo")
 EXTENSION = "grpo.rollout.cpu._panel_gemm"  # panel_gemm.c, built by setup.py
 MAX_ROWS = 256  # more rows (a long prefill) take the plain matmul on the weight itself
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 # ELF64 little-endian (x86-64) headers: the file header (e_ident, e_type, e_machine, e_version, e_entry, e_phoff,
