@@ -161,10 +161,52 @@ def test_gemma3_settings_the_lean_decoder_does_not_run_are_named():
     assert lean_decoder.fixed_shape_reason(make_model(tok)) is None
 
 
-def test_qwen3_with_sliding_window_layers_is_named():
-    model = _qwen3()
-    model.config.layer_types = ["sliding_attention", "full_attention"]
-    assert "other attention types (full_attention, sliding_attention)" in unsupported_reason(model)
+def _windowed(kind):
+    """A 2-layer model of `kind` with a sliding window of 4 tokens (rows of 2 to 13 tokens cross it): Mistral's on
+    every layer, Qwen2's past max_window_layers, Qwen3's by layer type; SmolLM3 with a layer without rotary
+    embeddings (and no window)."""
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    sizes = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    if kind == "mistral":
+        return MistralForCausalLM(MistralConfig(**sizes, sliding_window=4)).eval()
+    if kind == "qwen2":
+        config = Qwen2Config(**sizes, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+        return Qwen2ForCausalLM(config).eval()
+    if kind == "qwen3":
+        layers = ["sliding_attention", "full_attention"]
+        config = Qwen3Config(**sizes, use_sliding_window=True, sliding_window=4, layer_types=layers)
+        return Qwen3ForCausalLM(config).eval()
+    return SmolLM3ForCausalLM(SmolLM3Config(**sizes, no_rope_layers=[1, 0], pad_token_id=0)).eval()
+
+
+@on_device.mark
+@on_device.dtypes
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "smollm3"])
+def test_sliding_windows_and_layers_without_rope_match(kind, dtype):
+    """Sliding-window layers (keys at most 3 positions back, by position: rows are left-padded) beside full ones,
+    and SmolLM3's layer without rotary embeddings, against the transformers forward; they take the per-step loop."""
+    model = _windowed(kind)
+    assert unsupported_reason(model) is None
+    dec = check(model.to(on_device.device()), dtype)
+    assert dec.windows == ([] if kind == "smollm3" else [4]) and dec.fused is None
+    assert lean_decoder.fixed_shape_reason(model) is not None
+    if kind == "qwen2":
+        assert [layer["window"] for layer in dec.layers] == [None, 4]  # only past max_window_layers
 
 
 @on_device.mark

@@ -1,4 +1,4 @@
-"""A lean forward pass for sampling from Llama-family models (Llama, Mistral, Qwen2, Qwen3, SmolLM) and Gemma 3.
+"""A lean forward pass for sampling from Llama-family models (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3) and Gemma 3.
 
 Decoding a 135M model on a CPU spends most of each token in framework overhead: a transformers forward runs
 ~500 small operators per token (module calls, per-projection matmuls, a growing KV cache concatenated each
@@ -29,7 +29,9 @@ tests compare next-token distributions against the transformers forward.
 Gemma 3's text model runs the same loop with its own layer: embeddings times sqrt(hidden), RMSNorms of (1 + weight)
 before and after each sublayer, queries scaled by `query_pre_attn_scalar`, the tanh GELU, sliding layers (keys at
 most `sliding_window` - 1 positions back, by position, not column: rows are left-padded) rotated at their own base
-beside full ones, and the final soft-capping where configured. It takes the per-operator path (the fused C step
+beside full ones, and the final soft-capping where configured. Sliding windows of the Llama family (Mistral's on
+every layer, Qwen2's past `max_window_layers`, Qwen3's and SmolLM3's by layer type) are masked the same way, and
+SmolLM3's layers without rotary embeddings are not rotated. These take the per-operator path (the fused C step
 and the fixed-shape loop run the Llama layer: `fixed_shape_reason`).
 
 A LoRA policy (PEFT) runs here too: each rollout's weights are the merged copies (`lora.merged_linear`: base +
@@ -53,7 +55,7 @@ from grpo.models.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear, rms_norm
 from grpo.rollout.cpu import packed, panels
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text")
 GEMMA = ("gemma3_text",)  # sandwich norms of 1 + weight, scaled embeddings, GELU, sliding-window layers
 # the linears packed for MKL (with the head): packing qkv and o too costs several times their weights' memory for a
 # few percent of a step (`bench/RESULTS.md`)
@@ -91,10 +93,8 @@ def unsupported_reason(model: Any) -> str | None:
     else:
         if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
             return "the model uses a non-default activation or tensor-parallel split"
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            return "the model uses sliding-window attention"
         layer_types = set(getattr(config, "layer_types", None) or ())
-        if layer_types - {"full_attention"}:
+        if layer_types - {"full_attention", "sliding_attention"}:
             return f"the model has layers of other attention types ({', '.join(sorted(layer_types))})"
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -131,9 +131,25 @@ def _gemma_reason(config: Any) -> str | None:
 
 def fixed_shape_reason(model: Any) -> str | None:
     """Why the fixed-shape loop (`graphed.StaticDecode`) cannot run this model's lean decoder (None when it can):
-    it runs the Llama layer only."""
-    kind = getattr(getattr(unwrap(model), "config", None), "model_type", None)
-    return "Gemma 3's layers (sandwich norms, sliding windows) take the per-step loop" if kind in GEMMA else None
+    it runs the Llama layer only, every layer rotated, over every key."""
+    model = unwrap(model)
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in GEMMA:
+        return "Gemma 3's layers (sandwich norms, sliding windows) take the per-step loop"
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    if any(_window(layer.self_attn, config) for layer in layers):
+        return "sliding-window layers take the per-step loop"
+    if not all(getattr(layer.self_attn, "use_rope", True) for layer in layers):
+        return "layers without rotary embeddings take the per-step loop"
+    return None
+
+
+def _window(attn: Any, config: Any) -> int | None:
+    """A layer's sliding window (None: it attends every key before the query): the attention module's own
+    (Qwen2, Qwen3, SmolLM3, Gemma 3 set it per layer type) or, for Mistral, the config's, which every layer takes."""
+    if getattr(config, "model_type", None) == "mistral":
+        return getattr(config, "sliding_window", None) or None
+    return getattr(attn, "sliding_window", None) or None
 
 
 class LeanDecoder:
@@ -188,7 +204,8 @@ class LeanDecoder:
                     post_attn=_gemma_norm(active_module(layer.post_attention_layernorm)) if self.gemma else None,
                     post_mlp=_gemma_norm(active_module(layer.post_feedforward_layernorm)) if self.gemma else None,
                     # a sliding layer's window: keys at most window - 1 positions before the query
-                    window=getattr(a, "sliding_window", None) if self.gemma else None,
+                    window=_window(a, config),
+                    rope=bool(getattr(a, "use_rope", True)),  # SmolLM3's layers without rotary embeddings
                     rotary_type=getattr(a, "layer_type", None) if self.gemma else None,
                     intermediate=wg.shape[0],
                 )
@@ -364,7 +381,8 @@ class LeanDecoder:
         same = same and all(
             eps in self.eps and t.dtype == torch.float32 and t.is_contiguous() for t, eps, _ in head_norms
         )
-        if FUSED and same and not self.gemma and all(n.dtype == torch.float32 for n in self._norm_weights()):
+        llama = not self.gemma and not self.windows and all(layer["rope"] for layer in self.layers)
+        if FUSED and same and llama and all(n.dtype == torch.float32 for n in self._norm_weights()):
             sizes = panels.Sizes(
                 self.hidden,
                 self.heads,
@@ -518,16 +536,16 @@ def _rms_norm(module: Any) -> Linear:  # a Llama-family RMSNorm: weight, varianc
 
 
 def rotated(qk: torch.Tensor, layer: dict[str, Any], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Queries and keys (rows, heads + kv_heads, tokens, head_dim) rotated, each head RMS-normed first where the
-    layer has query/key norms: Qwen3's (rounded to the input's dtype, then times the weight) or Gemma's (times 1 +
-    weight in float32, then rounded)."""
+    """Queries and keys (rows, heads + kv_heads, tokens, head_dim) rotated (not in a layer without rotary
+    embeddings: SmolLM3's), each head RMS-normed first where the layer has query/key norms: Qwen3's (rounded to the
+    input's dtype, then times the weight) or Gemma's (times 1 + weight in float32, then rounded)."""
     if layer["qk_norm"] is not None:
         weight, eps, gemma = layer["qk_norm"]
         if gemma:
             qk = (_normed(qk.float(), eps) * weight).to(qk.dtype)
         else:
             qk = weight * _normed(qk.float(), eps).to(qk.dtype)
-    return _rope(qk, cos, sin)
+    return _rope(qk, cos, sin) if layer.get("rope", True) else qk
 
 
 def _head_norms(attn: Any, heads: int, kv_heads: int, gemma: bool = False) -> tuple[torch.Tensor, float, bool] | None:
