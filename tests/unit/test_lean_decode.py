@@ -161,6 +161,50 @@ def test_gemma3_settings_the_lean_decoder_does_not_run_are_named():
     assert lean_decoder.fixed_shape_reason(make_model(tok)) is None
 
 
+def _phi3(partial=1.0, **config):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    settings = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        partial_rotary_factor=partial,
+        pad_token_id=0,
+        **config,
+    )
+    return Phi3ForCausalLM(Phi3Config(**settings)).eval()
+
+
+@on_device.mark
+@on_device.dtypes
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_phi3_with_fused_projections_and_partial_rotation_matches(dtype, partial):
+    """Phi-3 (and Phi-4-mini: a partial rotation of each head's first dimensions): q/k/v in one linear, gate and up
+    in one, as the lean decoder's own stacked parts; a sliding window over every layer where configured."""
+    model = _phi3(partial)
+    assert unsupported_reason(model) is None
+    dec = check(model.to(on_device.device()), dtype, max_new=30)
+    assert (dec.fused is not None) == (partial == 1.0 and dtype == torch.float32 and panels.available(torch.zeros(1)))
+    check(_phi3(partial, sliding_window=4).to(on_device.device()), dtype)
+
+
+def test_rotary_embeddings_that_change_with_the_length_are_named():
+    for kind in ("dynamic", "longrope"):
+        rope = {"rope_type": kind, "factor": 2.0, "rope_theta": 10000.0}
+        if kind == "longrope":
+            rope.update(short_factor=[1.0] * 4, long_factor=[2.0] * 4, original_max_position_embeddings=64)
+        config = LlamaConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, rope_parameters=rope
+        )
+        reason = unsupported_reason(LlamaForCausalLM(config))
+        assert f"rotary embedding ({kind}) changes with the sequence's length" in reason
+
+
 def _windowed(kind):
     """A 2-layer model of `kind` with a sliding window of 4 tokens (rows of 2 to 13 tokens cross it): Mistral's on
     every layer, Qwen2's past max_window_layers, Qwen3's by layer type; SmolLM3 with a layer without rotary

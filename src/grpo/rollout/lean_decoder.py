@@ -1,4 +1,5 @@
-"""A lean forward pass for sampling from Llama-family models (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3) and Gemma 3.
+"""A lean forward pass for sampling from Llama-family models (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3, Phi-3)
+and Gemma 3.
 
 Decoding a 135M model on a CPU spends most of each token in framework overhead: a transformers forward runs
 ~500 small operators per token (module calls, per-projection matmuls, a growing KV cache concatenated each
@@ -31,7 +32,9 @@ before and after each sublayer, queries scaled by `query_pre_attn_scalar`, the t
 most `sliding_window` - 1 positions back, by position, not column: rows are left-padded) rotated at their own base
 beside full ones, and the final soft-capping where configured. Sliding windows of the Llama family (Mistral's on
 every layer, Qwen2's past `max_window_layers`, Qwen3's and SmolLM3's by layer type) are masked the same way, and
-SmolLM3's layers without rotary embeddings are not rotated. These take the per-operator path (the fused C step
+SmolLM3's layers without rotary embeddings are not rotated. Phi-3's fused q/k/v and gate/up linears are the
+decoder's own stacked parts, and its partial rotation turns each head's first dimensions. These take the
+per-operator path (the fused C step
 and the fixed-shape loop run the Llama layer: `fixed_shape_reason`).
 
 A LoRA policy (PEFT) runs here too: each rollout's weights are the merged copies (`lora.merged_linear`: base +
@@ -55,7 +58,10 @@ from grpo.models.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear, rms_norm
 from grpo.rollout.cpu import packed, panels
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3_text")
+# the rotary types whose numbers are a function of each token's position alone (longrope and the dynamic kinds change
+# with the length of the sequence: one forward and a token-by-token decode would rotate differently)
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 GEMMA = ("gemma3_text",)  # sandwich norms of 1 + weight, scaled embeddings, GELU, sliding-window layers
 # the linears packed for MKL (with the head): packing qkv and o too costs several times their weights' memory for a
 # few percent of a step (`bench/RESULTS.md`)
@@ -96,9 +102,12 @@ def unsupported_reason(model: Any) -> str | None:
         layer_types = set(getattr(config, "layer_types", None) or ())
         if layer_types - {"full_attention", "sliding_attention"}:
             return f"the model has layers of other attention types ({', '.join(sorted(layer_types))})"
+    rope = _rope_type(config)
+    if rope not in STATIC_ROPE:
+        return f"the model's rotary embedding ({rope}) changes with the sequence's length"
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        for proj in _projections(attn, mlp):
             problem = lora.lean_problem(proj)
             if problem is not None:
                 return problem
@@ -144,10 +153,30 @@ def fixed_shape_reason(model: Any) -> str | None:
     return None
 
 
+def _projections(attn: Any, mlp: Any) -> list[Any]:
+    """A layer's linears (Phi-3's fused q/k/v and gate/up, or the Llama layer's seven)."""
+    qkv = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+    gate_up = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+    return [*qkv, attn.o_proj, *gate_up, mlp.down_proj]
+
+
+def _rope_type(config: Any) -> str:
+    """The config's rotary type (transformers 5's `rope_parameters`, or an older `rope_scaling`)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, name, None)
+        if isinstance(value, dict) and value:
+            if all(isinstance(v, dict) for v in value.values()):  # Gemma 3: per layer type
+                kinds = {v.get("rope_type", v.get("type", "default")) for v in value.values()}
+                return ",".join(sorted(k for k in kinds if k != "default")) or "default"
+            return str(value.get("rope_type", value.get("type", "default")))
+    return "default"
+
+
 def _window(attn: Any, config: Any) -> int | None:
     """A layer's sliding window (None: it attends every key before the query): the attention module's own
-    (Qwen2, Qwen3, SmolLM3, Gemma 3 set it per layer type) or, for Mistral, the config's, which every layer takes."""
-    if getattr(config, "model_type", None) == "mistral":
+    (Qwen2, Qwen3, SmolLM3, Gemma 3 set it per layer type) or, for Mistral and Phi-3, the config's, which every layer
+    takes."""
+    if getattr(config, "model_type", None) in ("mistral", "phi3"):
         return getattr(config, "sliding_window", None) or None
     return getattr(attn, "sliding_window", None) or None
 
@@ -173,6 +202,7 @@ class LeanDecoder:
         self.scale = (scalar or self.head_dim) ** -0.5
         self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(inner.layers))
         self.softcap = getattr(config, "final_logit_softcapping", None) if self.gemma else None
+        self.partial_rotary = getattr(config, "partial_rotary_factor", None) not in (None, 1.0)  # Phi-3's
         self.layers = []
         # per layer, each linear's weight parts and bias: q/k/v and gate/up are one matmul each, their weights
         # stacked by rows (by the panel kernel's packing, or concatenated once the plain path needs them). A LoRA
@@ -180,14 +210,21 @@ class LeanDecoder:
         self.parts: list[dict[str, tuple[list[torch.Tensor], torch.Tensor | None]]] = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
-            (wq, bq), (wk, bk), (wv, bv) = (lora.merged_linear(p) for p in (a.q_proj, a.k_proj, a.v_proj))
-            (wg, bg), (wu, bu) = lora.merged_linear(m.gate_proj), lora.merged_linear(m.up_proj)
-            qkv_bias, up_bias = _stacked_bias([(wq, bq), (wk, bk), (wv, bv)]), _stacked_bias([(wg, bg), (wu, bu)])
+            if hasattr(a, "qkv_proj"):  # Phi-3: q, k and v already one linear
+                qkv = _listed(lora.merged_linear(a.qkv_proj))
+            else:
+                (wq, bq), (wk, bk), (wv, bv) = (lora.merged_linear(p) for p in (a.q_proj, a.k_proj, a.v_proj))
+                qkv = ([wq, wk, wv], _stacked_bias([(wq, bq), (wk, bk), (wv, bv)]))
+            if hasattr(m, "gate_up_proj"):  # Phi-3: gate and up one linear (gate first)
+                gate_up = _listed(lora.merged_linear(m.gate_up_proj))
+            else:
+                (wg, bg), (wu, bu) = lora.merged_linear(m.gate_proj), lora.merged_linear(m.up_proj)
+                gate_up = ([wg, wu], _stacked_bias([(wg, bg), (wu, bu)]))
             self.parts.append(
                 dict(
-                    qkv=([wq, wk, wv], qkv_bias),
+                    qkv=qkv,
                     o=_listed(lora.merged_linear(a.o_proj)),
-                    gate_up=([wg, wu], up_bias),
+                    gate_up=gate_up,
                     down=_listed(lora.merged_linear(m.down_proj)),
                 )
             )
@@ -207,7 +244,7 @@ class LeanDecoder:
                     window=_window(a, config),
                     rope=bool(getattr(a, "use_rope", True)),  # SmolLM3's layers without rotary embeddings
                     rotary_type=getattr(a, "layer_type", None) if self.gemma else None,
-                    intermediate=wg.shape[0],
+                    intermediate=sum(w.shape[0] for w in gate_up[0]) // 2,
                 )
             )
         self.eps = {_eps(active_module(n)) for layer in inner.layers for n in _layer_norms(layer, self.gemma)}
@@ -382,6 +419,7 @@ class LeanDecoder:
             eps in self.eps and t.dtype == torch.float32 and t.is_contiguous() for t, eps, _ in head_norms
         )
         llama = not self.gemma and not self.windows and all(layer["rope"] for layer in self.layers)
+        llama = llama and not self.partial_rotary  # the C step rotates whole heads
         if FUSED and same and llama and all(n.dtype == torch.float32 for n in self._norm_weights()):
             sizes = panels.Sizes(
                 self.hidden,
@@ -569,7 +607,11 @@ def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, without building rotate_half(x): the same products and sums (a + (-b) * c is
-    a - b * c exactly in floating point)."""
+    a - b * c exactly in floating point). A partial rotation (Phi-3's `partial_rotary_factor`: cos and sin narrower
+    than the head) rotates the head's first dimensions and passes the rest as they are."""
+    if cos.shape[-1] < x.shape[-1]:
+        rotary = cos.shape[-1]
+        return torch.cat([_rope(x[..., :rotary], cos, sin), x[..., rotary:].to(torch.result_type(x, cos))], dim=-1)
     half = x.shape[-1] // 2
     out = x * cos
     out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
