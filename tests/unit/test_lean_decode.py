@@ -193,6 +193,34 @@ def test_phi3_with_fused_projections_and_partial_rotation_matches(dtype, partial
     check(_phi3(partial, sliding_window=4).to(on_device.device()), dtype)
 
 
+@on_device.mark
+@on_device.dtypes
+def test_olmo2_with_norms_after_each_sublayer_matches(dtype):
+    """OLMo 2: no norm before attention or the MLP, one after each (weights drawn away from 1), and RMS norms over
+    the whole query and key projections before the heads are split; it takes the per-step loop."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Olmo2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
+    model = Olmo2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.3, 2.5)
+    assert unsupported_reason(model) is None and lean_decoder.fixed_shape_reason(model) is not None
+    dec = check(model.to(on_device.device()), dtype, max_new=30)
+    assert dec.fused is None
+
+
 def test_rotary_embeddings_that_change_with_the_length_are_named():
     for kind in ("dynamic", "longrope"):
         rope = {"rope_type": kind, "factor": 2.0, "rope_theta": 10000.0}

@@ -1,5 +1,5 @@
-"""A lean forward pass for sampling from Llama-family models (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3, Phi-3)
-and Gemma 3.
+"""A lean forward pass for sampling from Llama-family models (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3, Phi-3,
+OLMo 2) and Gemma 3.
 
 Decoding a 135M model on a CPU spends most of each token in framework overhead: a transformers forward runs
 ~500 small operators per token (module calls, per-projection matmuls, a growing KV cache concatenated each
@@ -33,9 +33,10 @@ most `sliding_window` - 1 positions back, by position, not column: rows are left
 beside full ones, and the final soft-capping where configured. Sliding windows of the Llama family (Mistral's on
 every layer, Qwen2's past `max_window_layers`, Qwen3's and SmolLM3's by layer type) are masked the same way, and
 SmolLM3's layers without rotary embeddings are not rotated. Phi-3's fused q/k/v and gate/up linears are the
-decoder's own stacked parts, and its partial rotation turns each head's first dimensions. These take the
-per-operator path (the fused C step
-and the fixed-shape loop run the Llama layer: `fixed_shape_reason`).
+decoder's own stacked parts, and its partial rotation turns each head's first dimensions (Phi-3 without either
+takes the fused step like Llama). OLMo 2 norms each sublayer's output instead of its input, and its query and key
+projections whole. Gemma 3, OLMo 2, windows, layers without RoPE and partial rotations take the per-operator
+path (the fused C step and the fixed-shape loop run the Llama layer: `fixed_shape_reason`).
 
 A LoRA policy (PEFT) runs here too: each rollout's weights are the merged copies (`lora.merged_linear`: base +
 scaling * B A of the active adapters, summed in float32 and rounded once by the cast above; `modules_to_save`
@@ -58,7 +59,8 @@ from grpo.models.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear, rms_norm
 from grpo.rollout.cpu import packed, panels
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "olmo2", "gemma3_text")
+OLMO = ("olmo2",)  # norms after each sublayer (none before), query/key norms over the whole projection
 # the rotary types whose numbers are a function of each token's position alone (longrope and the dynamic kinds change
 # with the length of the sequence: one forward and a token-by-token decode would rotate differently)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -117,11 +119,21 @@ def unsupported_reason(model: Any) -> str | None:
             and (
                 not all(not math.isnan(_eps(n)) and hasattr(n, "weight") for n in norms)
                 or _eps(norms[0]) != _eps(norms[1])
-                or any(tuple(n.weight.shape) != (attn.head_dim,) for n in norms)  # per head (OLMo: per projection)
+                or [tuple(n.weight.shape) for n in norms] != _norm_shapes(attn, config, kind in OLMO)
             )
         ):
             return "the model's query/key norms are not the RMSNorm pair (of one epsilon) the lean decoder knows"
     return None
+
+
+def _norm_shapes(attn: Any, config: Any, olmo: bool) -> list[tuple[int]]:
+    """The query and key norms' weight shapes the lean decoder runs: per head (Qwen3, Gemma 3) or, for OLMo 2, over
+    the whole query and key projections."""
+    head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if not olmo:
+        return [(head_dim,), (head_dim,)]
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return [(config.num_attention_heads * head_dim,), (kv_heads * head_dim,)]
 
 
 def _gemma_reason(config: Any) -> str | None:
@@ -145,6 +157,8 @@ def fixed_shape_reason(model: Any) -> str | None:
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) in GEMMA:
         return "Gemma 3's layers (sandwich norms, sliding windows) take the per-step loop"
+    if getattr(config, "model_type", None) in OLMO:
+        return "OLMo 2's layers (norms after each sublayer) take the per-step loop"
     layers = getattr(getattr(model, "model", None), "layers", None) or []
     if any(_window(layer.self_attn, config) for layer in layers):
         return "sliding-window layers take the per-step loop"
@@ -189,6 +203,7 @@ class LeanDecoder:
         config, inner = model.config, model.model
         self.dtype = dtype
         self.gemma = config.model_type in GEMMA
+        self.olmo = config.model_type in OLMO
         embed = active_module(inner.embed_tokens)
         self.embed = embed.weight
         # Gemma scales its embeddings (by sqrt(hidden), in the weight's dtype): None for the others
@@ -228,18 +243,32 @@ class LeanDecoder:
                     down=_listed(lora.merged_linear(m.down_proj)),
                 )
             )
-            norm1, norm2 = (active_module(n) for n in _layer_norms(layer, self.gemma))
-            norm = _gemma_norm if self.gemma else _rms_norm
+            after: tuple[Any, Any, Any] | None
+            if self.olmo:  # no norm before a sublayer: its output is normed
+                before: dict[str, Any] = dict(norm1=_same, norm2=_same, norm1_weight=None, norm2_weight=None)
+                after = (_olmo_norm, layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+            else:
+                norm1, norm2 = (active_module(n) for n in _layer_norms(layer, self.gemma))
+                norm = _gemma_norm if self.gemma else _rms_norm
+                before = dict(
+                    norm1=norm(norm1), norm2=norm(norm2), norm1_weight=norm1.weight, norm2_weight=norm2.weight
+                )
+                after = (
+                    (_gemma_norm, layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+                    if self.gemma
+                    else None
+                )
             self.layers.append(
                 dict(
-                    qk_norm=_head_norms(a, self.heads, self.kv_heads, self.gemma),
-                    norm1=norm(norm1),
-                    norm2=norm(norm2),
-                    norm1_weight=norm1.weight,
-                    norm2_weight=norm2.weight,
-                    # Gemma: each sublayer's output RMS-normed before it joins the residual stream
-                    post_attn=_gemma_norm(active_module(layer.post_attention_layernorm)) if self.gemma else None,
-                    post_mlp=_gemma_norm(active_module(layer.post_feedforward_layernorm)) if self.gemma else None,
+                    qk_norm=None if self.olmo else _head_norms(a, self.heads, self.kv_heads, self.gemma),
+                    # OLMo 2: the query and key projections each RMS-normed whole, before the heads are split
+                    projection_norms=(_olmo_norm(active_module(a.q_norm)), _olmo_norm(active_module(a.k_norm)))
+                    if self.olmo
+                    else None,
+                    **before,
+                    # Gemma and OLMo 2: each sublayer's output RMS-normed before it joins the residual stream
+                    post_attn=after[0](active_module(after[1])) if after else None,
+                    post_mlp=after[0](active_module(after[2])) if after else None,
                     # a sliding layer's window: keys at most window - 1 positions before the query
                     window=_window(a, config),
                     rope=bool(getattr(a, "use_rope", True)),  # SmolLM3's layers without rotary embeddings
@@ -247,7 +276,9 @@ class LeanDecoder:
                     intermediate=sum(w.shape[0] for w in gate_up[0]) // 2,
                 )
             )
-        self.eps = {_eps(active_module(n)) for layer in inner.layers for n in _layer_norms(layer, self.gemma)}
+        self.eps = {
+            _eps(active_module(n)) for layer in inner.layers for n in _layer_norms(layer, self.gemma, self.olmo)
+        }
         self.norm = (_gemma_norm if self.gemma else _rms_norm)(active_module(inner.norm))
         self.windows = sorted({layer["window"] for layer in self.layers if layer["window"]})
         self.key_positions: torch.Tensor | None = None  # with windows: each key column's position (rows, width)
@@ -418,7 +449,7 @@ class LeanDecoder:
         same = same and all(
             eps in self.eps and t.dtype == torch.float32 and t.is_contiguous() for t, eps, _ in head_norms
         )
-        llama = not self.gemma and not self.windows and all(layer["rope"] for layer in self.layers)
+        llama = not (self.gemma or self.olmo or self.windows) and all(layer["rope"] for layer in self.layers)
         llama = llama and not self.partial_rotary  # the C step rotates whole heads
         if FUSED and same and llama and all(n.dtype == torch.float32 for n in self._norm_weights()):
             sizes = panels.Sizes(
@@ -491,6 +522,9 @@ class LeanDecoder:
             attend = masks[layer["window"]]
             qkv = layer["qkv"](layer["norm1"](x))
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+            if layer["projection_norms"] is not None:
+                q_norm, k_norm = layer["projection_norms"]
+                qk = torch.cat([q_norm(qk[..., :q_size]), k_norm(qk[..., q_size:])], dim=-1)
             # queries and keys rotated in one pass (the same arithmetic, element by element, as one each)
             qk = rotated(qk.view(b, t, self.heads + self.kv_heads, self.head_dim).transpose(1, 2), layer, cos, sin)
             q, k = qk.split([self.heads, self.kv_heads], dim=1)
@@ -512,11 +546,8 @@ class LeanDecoder:
             attended = layer["o"](out.transpose(1, 2).reshape(b, t, q_size))
             x = x + (attended if layer["post_attn"] is None else layer["post_attn"](attended))
             gate, up = layer["gate_up"](layer["norm2"](x)).split(layer["intermediate"], dim=-1)
-            if self.gemma:
-                mixed = layer["down"](F.gelu(gate, approximate="tanh") * up)
-                x = x + layer["post_mlp"](mixed)
-            else:
-                x = x + layer["down"](F.silu(gate) * up)
+            mixed = layer["down"]((F.gelu(gate, approximate="tanh") if self.gemma else F.silu(gate)) * up)
+            x = x + (mixed if layer["post_mlp"] is None else layer["post_mlp"](mixed))
         self.length = end
         logits = self.head(self.norm(x[:, -1])).float()
         if self.softcap is not None:  # Gemma's final soft-capping, where configured
@@ -539,9 +570,27 @@ def _stacked_bias(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> to
     return torch.cat([bias if bias is not None else weight.new_zeros(weight.shape[0]) for weight, bias in linears])
 
 
-def _layer_norms(layer: Any, gemma: bool = False) -> tuple[Any, Any]:
-    """The norms before attention and before the MLP (Gemma's post_attention_layernorm follows attention)."""
+def _layer_norms(layer: Any, gemma: bool = False, olmo: bool = False) -> tuple[Any, Any]:
+    """The norms before attention and before the MLP (Gemma's post_attention_layernorm follows attention); OLMo 2's
+    after them (it has none before)."""
+    if olmo:
+        return layer.post_attention_layernorm, layer.post_feedforward_layernorm
     return layer.input_layernorm, layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _olmo_norm(module: Any) -> Linear:
+    """OLMo 2's RMSNorm, as transformers computes it: float32 statistics, times the weight, then back to the input's
+    dtype."""
+    weight, eps = module.weight, module.variance_epsilon
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return (weight * _normed(x.float(), eps)).to(x.dtype)
+
+    return norm
 
 
 def _eps(norm: Any) -> float:
