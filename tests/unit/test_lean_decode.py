@@ -404,6 +404,21 @@ def _as_close_as_autocast(model, got, rows):
     assert worst < max(on_device.BFLOAT16_NATS, 2 * amp), (worst, amp)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_bfloat16_rollout_holds_no_float32_copy_of_a_weight(lora):
+    """The GPU audit: q/k/v and gate/up were concatenated in float32 and then cast, the float32 concatenation held
+    for the whole rollout (~30 GB at 7B), as were LoRA's merged float32 copies. Each part is now cast first: every
+    weight the decoder made for itself is bfloat16 (the policy's own parameters are only referenced)."""
+    model = LORA_MODELS["llama, every linear"]() if lora else make_model(make_tokenizer(), hidden=64).eval()
+    own = {p.data_ptr() for p in model.parameters()}
+    dec = LeanDecoder(model, torch.bfloat16)
+    ids, mask = left_pad([[5, 9, 11, 13, 7]], 0)
+    dec.prefill(ids, mask, torch.tensor([0, 0]), max_new=4)
+    made = [w for layer in dec.parts for ws, _ in layer.values() for w in ws if w.data_ptr() not in own]
+    made += [w for layer in dec.stacked for w, _ in layer.values() if w.data_ptr() not in own]
+    assert made and all(w.dtype == torch.bfloat16 for w in made), {w.dtype for w in made}
+
+
 def test_lora_deltas_matter_and_a_disabled_adapter_decodes_the_base():
     """The merged copy is what makes the log-probs match: the base weights alone are far off; with the adapters
     disabled (the reference policy), the decoder reads the base weights."""

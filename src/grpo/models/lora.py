@@ -156,10 +156,11 @@ def _is_lora_linear(module: Any) -> bool:
     return isinstance(module, LoraLinear)
 
 
-def merged_linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def merged_linear(module: Any, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, bias) of a linear as its forward applies them now: a plain Linear's own; a LoRA Linear's base
-    weight plus scaling * B A of each active adapter, summed in float32 into a new tensor (detached: the module,
-    its adapters and the optimizer's state are untouched). Check `lean_problem` first."""
+    weight plus scaling * B A of each active adapter, summed in float32 into a new tensor and rounded once to
+    `dtype` (the decoder's compute dtype; None: float32), detached: the module, its adapters and the optimizer's
+    state are untouched. Check `lean_problem` first."""
     module = active_module(module)
     if type(module) is torch.nn.Linear:
         return module.weight, module.bias
@@ -171,7 +172,7 @@ def merged_linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     for adapter in adapters:
         delta = module.lora_B[adapter].weight.detach().float() @ module.lora_A[adapter].weight.detach().float()
         weight.add_(delta.T if module.fan_in_fan_out else delta, alpha=module.scaling[adapter])
-    return weight, base.bias
+    return (weight if dtype is None else weight.to(dtype)), base.bias
 
 
 def load_adapter(model: Any, path: str) -> list[str]:

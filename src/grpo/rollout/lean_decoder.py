@@ -226,21 +226,21 @@ class LeanDecoder:
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             if hasattr(a, "qkv_proj"):  # Phi-3: q, k and v already one linear
-                qkv = _listed(lora.merged_linear(a.qkv_proj))
+                qkv = _listed(lora.merged_linear(a.qkv_proj, dtype))
             else:
-                (wq, bq), (wk, bk), (wv, bv) = (lora.merged_linear(p) for p in (a.q_proj, a.k_proj, a.v_proj))
+                (wq, bq), (wk, bk), (wv, bv) = (lora.merged_linear(p, dtype) for p in (a.q_proj, a.k_proj, a.v_proj))
                 qkv = ([wq, wk, wv], _stacked_bias([(wq, bq), (wk, bk), (wv, bv)]))
             if hasattr(m, "gate_up_proj"):  # Phi-3: gate and up one linear (gate first)
-                gate_up = _listed(lora.merged_linear(m.gate_up_proj))
+                gate_up = _listed(lora.merged_linear(m.gate_up_proj, dtype))
             else:
-                (wg, bg), (wu, bu) = lora.merged_linear(m.gate_proj), lora.merged_linear(m.up_proj)
+                (wg, bg), (wu, bu) = lora.merged_linear(m.gate_proj, dtype), lora.merged_linear(m.up_proj, dtype)
                 gate_up = ([wg, wu], _stacked_bias([(wg, bg), (wu, bu)]))
             self.parts.append(
                 dict(
                     qkv=qkv,
-                    o=_listed(lora.merged_linear(a.o_proj)),
+                    o=_listed(lora.merged_linear(a.o_proj, dtype)),
                     gate_up=gate_up,
-                    down=_listed(lora.merged_linear(m.down_proj)),
+                    down=_listed(lora.merged_linear(m.down_proj, dtype)),
                 )
             )
             after: tuple[Any, Any, Any] | None
@@ -284,7 +284,7 @@ class LeanDecoder:
         self.key_positions: torch.Tensor | None = None  # with windows: each key column's position (rows, width)
         head = active_module(model.lm_head)
         self.head_dtype = torch.float32 if is_fp32_head(head) else dtype  # cast_lm_head_to_fp32
-        self.head_weights = lora.merged_linear(head)
+        self.head_weights = lora.merged_linear(head, self.head_dtype)
         self.head: Linear | None = None
         self.plain: tuple[list[dict[str, Linear]], Linear] | None = None  # the plain linears (`_unpack`), once made
         self.stacked: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] | None = None  # `_plain_weights`
@@ -467,12 +467,12 @@ class LeanDecoder:
         return [layer[k] for layer in self.layers for k in ("norm1_weight", "norm2_weight")]
 
     def _plain_weights(self) -> list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
-        """Each layer's linears as (weight, bias), q/k/v and gate/up concatenated (made when the plain or MKL path
-        needs them, once)."""
+        """Each layer's linears as (weight, bias) in the compute dtype, q/k/v and gate/up concatenated (made when the
+        plain or MKL path needs them, once). Each part is cast before the concatenation: a bfloat16 rollout never
+        holds a float32 copy of a weight (a 7B model's would be ~30 GB)."""
         if self.stacked is None:
             self.stacked = [
-                {k: (torch.cat(ws) if len(ws) > 1 else ws[0], bias) for k, (ws, bias) in layer.items()}
-                for layer in self.parts
+                {k: (_cast_cat(ws, self.dtype), bias) for k, (ws, bias) in layer.items()} for layer in self.parts
             ]
         return self.stacked
 
@@ -561,6 +561,12 @@ class LeanDecoder:
         3 rotates its sliding layers at another base: its rotary module takes the layer type)."""
         cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
         return cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+
+
+def _cast_cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The parts stacked by rows in `dtype`, each cast first (one part: itself, cast)."""
+    cast = [w.detach().to(dtype) for w in parts]
+    return torch.cat(cast) if len(cast) > 1 else cast[0]
 
 
 def _stacked_bias(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:
