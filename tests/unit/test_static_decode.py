@@ -162,7 +162,7 @@ def test_the_cache_grows_with_the_tokens_rows_need():
         dec.step(token)
     assert dec.keys[0].shape[2] == ids.shape[1] + 2 * GROW
     decode = StaticDecode(
-        LeanDecoder(model, torch.float32), logits_processors(args), torch.tensor(stop), sample_from, False, False
+        LeanDecoder(model, torch.float32), logits_processors(args), torch.tensor(stop), sample_from, False, None
     )
     budgets = torch.full((3,), 500)
     decode.run(ids, mask, torch.zeros(3, dtype=torch.long), budgets, 500, None, True)
@@ -235,10 +235,64 @@ def test_spare_slots_copy_a_real_row():
     """The slots past the rows (a batch of `bucket(rows)`) repeat the first row: finite logits, never read."""
     tok, model, args, stop, requests = setup("cpu", budgets=(5, 5, 5))
     decode = StaticDecode(
-        LeanDecoder(model, torch.float32), logits_processors(args), torch.tensor(stop), sample_from, False, False
+        LeanDecoder(model, torch.float32), logits_processors(args), torch.tensor(stop), sample_from, False, None
     )
     ids = torch.tensor([requests[0].prompt.ids])
     decode.prefill(ids, torch.ones_like(ids), torch.zeros(3, dtype=torch.long), torch.full((3,), 5), 5)
     assert len(decode.row) == 4 and decode.row.tolist() == [0, 1, 2, 3]
     assert decode.going.tolist() == [True, True, True, False]
     assert torch.isfinite(decode.logits).all()
+
+
+class _FailingGraph:
+    """A stand-in for torch.cuda.CUDAGraph whose capture fails, as a real one does on an op that cannot be captured
+    (the CPU emulation of a CUDA-only path): it counts the captures tried and the pools they asked for."""
+
+    tried: list = []
+
+    def capture_begin(self, pool=None, capture_error_mode=None):
+        _FailingGraph.tried.append(pool)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    def capture_end(self):
+        pass
+
+
+class _Stream:
+    made = 0
+
+    def __init__(self):
+        _Stream.made += 1
+
+    def wait_stream(self, other):
+        pass
+
+
+def test_a_failed_capture_is_remembered_by_the_engine_one_warning_and_eager_from_then_on(monkeypatch, caplog):
+    """The GPU audit: the fallback flag lived on a per-rollout object, so every rollout tried (and failed) a capture
+    again, a fresh side stream each time. Now the engine's `Graphs` keeps the failure: one capture tried in the run,
+    one warning, one side stream, and the same tokens as eager decoding in every rollout."""
+    import contextlib
+
+    _FailingGraph.tried, _Stream.made = [], 0
+    monkeypatch.setattr(graphed, "graphs_here", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FailingGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    current = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", 1))
+    tok, model, args, stop, requests = setup("cpu", budgets=(20, 20, 20))
+    engine = FastEngine(model, tok, args, stop, static=True)
+    with caplog.at_level("WARNING", logger="grpo"):
+        rollouts = []
+        for seed in (0, 1, 2):
+            torch.manual_seed(seed)
+            rollouts.append(engine.generate(requests))
+    warnings = [r for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert len(warnings) == 1 and _FailingGraph.tried == [("pool", 1)]  # one capture in three rollouts
+    assert engine.graphs.failed and _Stream.made == 2  # the current stream and the one side stream
+    monkeypatch.setattr(graphed, "graphs_here", lambda device: False)
+    for seed, rollout in zip((0, 1, 2), rollouts):
+        torch.manual_seed(seed)
+        assert_same(FastEngine(model, tok, args, stop, static=True).generate(requests), rollout)

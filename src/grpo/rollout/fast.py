@@ -232,6 +232,7 @@ class FastEngine:
         self.share_prefix = share_prefix
         self.sampler = sampler  # None: `sample_from` on uniform numbers drawn per row and step (`draw_uniforms`)
         self.static = static  # decode on fixed shapes (`graphed.StaticDecode`); None: on CUDA, with the lean decoder
+        self.graphs = graphed.Graphs()  # on CUDA: one graph pool and side stream for the run, and a failure kept
         self.lean_reason = lean_decoder.unsupported_reason(model) if lean else "turned off"
         # the fixed-shape loop runs the Llama layer only: other lean models take the per-step loop
         self.fixed_reason = lean_decoder.fixed_shape_reason(model) if self.lean_reason is None else self.lean_reason
@@ -286,7 +287,8 @@ class FastEngine:
         static = self.static if self.static is not None else device.type == "cuda"
         if static and self.fixed_reason is None:
             decoder = self._stepper()
-            stop_ids, graphs = self.stop_ids.to(device), device.type == "cuda"
+            stop_ids = self.stop_ids.to(device)
+            graphs = self.graphs if graphed.graphs_here(device) else None
             run = graphed.StaticDecode(decoder, self.processors, stop_ids, self._draw, self.needs_history, graphs)
             tokens, logps, lengths = run.run(ids, mask, owner, budgets, longest, generator, self.sampler is None)
         else:

@@ -17,7 +17,9 @@ never held twice. Rows that finished in between keep their slots until then, the
 On CUDA each (rows, width) segment's step is captured once as a CUDA graph (`torch.cuda.CUDAGraph`, after one
 warm-up step on a side stream) and replayed: one launch a step. Graphs live for one rollout (the buffers they
 read do), so a rollout captures one graph per segment: a few, since widths grow by GROW columns and row counts
-halve. Elsewhere the same step runs eagerly; the tests
+halve. What outlives a rollout is the engine's `Graphs`: one memory pool that every capture of the run shares,
+one side stream, and whether capturing failed (then one warning, and every later rollout decodes eagerly: no
+capture is tried again, and none leaves a stale entry behind). Elsewhere the same step runs eagerly; the tests
 compile it with `fullgraph=True` to show that nothing in it waits for the host.
 """
 
@@ -36,6 +38,40 @@ from grpo.rollout.lean_decoder import GROW, LeanDecoder, grouped_attention, rota
 logger = logging.getLogger("grpo")
 
 CHECK_EVERY = 16  # decode steps between the host's looks at the rows (and between draws of uniform numbers)
+
+
+class Graphs:
+    """The CUDA graph state of one engine for the whole run (see the module's docstring): created lazily, so that
+    building it touches no device."""
+
+    def __init__(self) -> None:
+        self.failed = False  # a capture failed: eager decoding from then on
+        self._stream: Any = None
+        self._pool: Any = None
+
+    def stream(self) -> Any:
+        """The one side stream of warm-ups and captures."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def pool(self) -> Any:
+        """The one memory pool of every graph the engine captures."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def fail(self, err: BaseException) -> None:
+        if not self.failed:
+            logger.warning(
+                "Decoding without CUDA graphs for the rest of the run: the decode step could not be captured (%s).", err
+            )
+        self.failed = True
+
+
+def graphs_here(device: torch.device) -> bool:
+    """Whether decode steps are captured as CUDA graphs on `device` (CUDA only)."""
+    return device.type == "cuda"
 
 
 def bucket(rows: int) -> int:
@@ -59,13 +95,13 @@ class StaticDecode:
         stop_ids: torch.Tensor,
         draw: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         with_history: bool,
-        graphs: bool,
+        graphs: Graphs | None,
     ) -> None:
         self.decoder = decoder
         self.processors = processors
         self.draw = draw  # (logprobs, uniforms) -> tokens
         self.with_history = with_history  # the processors read every row's tokens so far (repetition penalty)
-        self.graphs = graphs
+        self.graphs = graphs  # the engine's CUDA graph state; None: eager steps (not on CUDA)
         self.stop_ids = stop_ids
         self.graph: Any = None  # the captured step of the current segment
         self.warm = False  # a step ran eagerly (CUDA graphs capture after one)
@@ -146,16 +182,17 @@ class StaticDecode:
     def advance(self) -> None:
         """One decode step: the segment's captured graph replayed, or (on CUDA) captured first, or an eager step
         (on CUDA: the run's first step, a warm-up on a side stream before any capture)."""
+        graphs = self.graphs if self.graphs is not None and not self.graphs.failed else None
         if self.graph is not None:
             self.graph.replay()
-        elif self.graphs and self.warm:
-            self._capture()
+        elif graphs is not None and self.warm:
+            self._capture(graphs)
             if self.graph is not None:
                 self.graph.replay()  # capturing recorded the step without running it
             else:
                 self.step_fn()
-        elif self.graphs:  # warm-up on a side stream, as CUDA graph capture wants
-            current, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        elif graphs is not None:  # warm-up on a side stream, as CUDA graph capture wants
+            current, side = torch.cuda.current_stream(), graphs.stream()
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 self.step_fn()
@@ -164,24 +201,23 @@ class StaticDecode:
         else:
             self.step_fn()
 
-    def _capture(self) -> None:
+    def _capture(self, graphs: Graphs) -> None:
         """Record the step as the segment's CUDA graph (nothing runs). Not `torch.cuda.graph()`: it synchronizes
         the device, collects Python's garbage and empties the allocator's cache before every capture (vLLM skips
         those too). Thread-local: in an asynchronous run the learner's thread uses the device meanwhile. A step
-        that cannot be captured runs eagerly from then on, with one warning."""
+        that cannot be captured runs eagerly from then on, for the rest of the run (`Graphs.fail`: one warning)."""
         graph = torch.cuda.CUDAGraph()
-        current, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        current, side = torch.cuda.current_stream(), graphs.stream()
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):
-                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin(pool=graphs.pool(), capture_error_mode="thread_local")
                 try:
                     self._step()
                 finally:
                     graph.capture_end()
         except RuntimeError as err:
-            logger.warning("Decoding without CUDA graphs: the decode step could not be captured (%s).", err)
-            self.graphs = False
+            graphs.fail(err)
             return
         finally:
             current.wait_stream(side)
