@@ -135,6 +135,61 @@ def test_the_step_compiles_whole_with_no_host_sync():
     assert_same(eager, compiled)
 
 
+# ops that wait for the device inside their kernels (or read a value on the host), which a CUDA graph cannot hold
+# and which would stall every eager step: none may run in the decode step
+SYNCING = {
+    "aten.nonzero.default",
+    "aten.nonzero_static.default",
+    "aten._local_scalar_dense.default",
+    "aten.masked_select.default",
+    "aten.item.default",
+    "aten.unique_consecutive.default",
+    "aten._unique2.default",
+    "aten.repeat_interleave.Tensor",
+    "aten.index.Tensor",  # boolean indexing (integer indexing goes through index_select in the step)
+    "aten.index_put_.default accumulate",  # a sort, and a range check that may wait for the host
+    "aten._assert_async.msg",
+}
+
+
+@pytest.mark.parametrize("sampling", SAMPLING)
+def test_the_decode_step_runs_no_op_that_syncs_with_the_host(sampling):
+    """A CPU emulation of what a CUDA graph capture refuses: every op of the step, recorded in a dispatch mode,
+    is outside the denylist of ops that sync inside their kernels (the GPU audit's `index_put_(accumulate)`
+    included), across growth, compaction and the history the repetition penalty reads."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 else False)
+            seen.add(str(func) + (" accumulate" if "index_put" in str(func) and accumulate else ""))
+            return func(*args, **kwargs)
+
+    tok, model, args, stop, requests = setup("cpu", budgets=(40, 20, 7), **SAMPLING[sampling])
+    original = StaticDecode.__init__
+
+    def recorded_init(self, *a, **kw):
+        original(self, *a, **kw)
+        step = self._step
+
+        def recorded():
+            with Record():
+                step()
+
+        self.step_fn = recorded
+
+    try:
+        StaticDecode.__init__ = recorded_init
+        torch.manual_seed(0)
+        FastEngine(model, tok, args, stop, static=True).generate(requests)
+    finally:
+        StaticDecode.__init__ = original
+    assert seen and not (seen & SYNCING), sorted(seen & SYNCING)
+
+
 def test_row_buckets_and_uniform_numbers():
     assert [bucket(n) for n in (1, 2, 3, 8, 9, 255, 256, 257)] == [1, 2, 4, 8, 16, 256, 256, 512]
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)

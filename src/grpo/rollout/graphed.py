@@ -235,7 +235,8 @@ class StaticDecode:
         at = t.expand(rows)
         self.tokens.index_put_((self.row, at), chosen)
         self.logps.index_put_((self.row, at), logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
-        self.lengths.index_put_((self.row,), self.going.long(), accumulate=True)
+        # index_add_, not index_put_(accumulate=True): that one sorts its indices and checks their range on the host
+        self.lengths.index_add_(0, self.row, self.going.long())
         stopped = (chosen.unsqueeze(-1) == self.stop_ids).any(-1)
         self.going.logical_and_(~stopped & (self.budget > t + 1))
         column = (t + self.prompt).view(1)
