@@ -178,7 +178,7 @@ def decode(sizes: dict) -> None:
     from grpo import GRPOConfig
     from grpo.rollout.base import Prompt, group_requests
     from grpo.rollout.fast import FastEngine, logits_processors, sample_from
-    from grpo.rollout.graphed import StaticDecode
+    from grpo.rollout.graphed import Graphs, StaticDecode
     from grpo.rollout.lean_decoder import LeanDecoder
 
     model = random_model.make_model(sizes["shape"], str(DEVICE))
@@ -199,7 +199,12 @@ def decode(sizes: dict) -> None:
         del dec
         # the fixed-shape step with its sampling, replayed from a CUDA graph (on the CPU: run eagerly)
         fixed = StaticDecode(
-            LeanDecoder(model, torch.bfloat16), logits_processors(args), stop, sample_from, False, CUDA
+            LeanDecoder(model, torch.bfloat16),
+            logits_processors(args),
+            stop,
+            sample_from,
+            False,
+            Graphs() if CUDA else None,
         )
         fixed.prefill(ids, mask, owner, torch.full((rows,), 128, device=DEVICE), 128)
         step_s = median_s(fixed.advance, repeats=steps)  # the warm-up runs it, then captures it
