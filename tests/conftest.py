@@ -10,8 +10,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-import on_device  # noqa: E402
-from tiny import save_tiny  # noqa: E402
+from support import on_device  # noqa: E402
+from support.tiny import save_tiny  # noqa: E402
 
 
 def pytest_addoption(parser):

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
-from scripted import FixedEngine
-from support import cfg, chat_dataset
+from support.runs import cfg, chat_dataset
+from support.scripted import FixedEngine
 
 
 def length_reward(completion_ids, **kwargs):

@@ -11,14 +11,13 @@ import pytest
 import torch
 from datasets import Dataset
 
-from field_effects import BASE
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.algo.losses import policy_loss
 from grpo.learner.batch import collate
-from scripted import TurnScript
-from support import generate
-from tiny import make_model, make_tokenizer
+from support.runs import BASE, generate
+from support.scripted import TurnScript
+from support.tiny import make_model, make_tokenizer
 
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
 CALLED = {"name": "multiply", "arguments": {"a": 2, "b": 3}}

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from support import side_by_side
+from support.launch import side_by_side
 
 JOB = """
 import resource, sys, torch
@@ -55,7 +55,7 @@ def test_freed_blocks_are_reused_without_faulting_again():
 def test_the_trainer_applies_the_policy_unless_turned_off(tiny_model_dir, tmp_path, monkeypatch):
     import grpo.trainer
     from grpo import GRPOTrainer
-    from support import cfg, chat_dataset
+    from support.runs import cfg, chat_dataset
     from test_accumulation import length_reward
 
     calls = []

@@ -10,7 +10,8 @@ from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, Traini
 from transformers.trainer_callback import ExportableState
 
 from grpo import GRPOTrainer
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 EVENTS = [
     "on_init_end",

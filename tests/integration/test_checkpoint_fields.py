@@ -18,7 +18,8 @@ from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError, strategy
 from grpo.data.prompts import generation_prompt_indices
 from grpo.learner.loop import epoch_start
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 
 def stepped(bases):

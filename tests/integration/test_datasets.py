@@ -11,7 +11,8 @@ from datasets import Dataset, IterableDataset
 
 from grpo import GRPOTrainer
 from grpo.data.datasets import StreamRows
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 
 def rows(n=12):

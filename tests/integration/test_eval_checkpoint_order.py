@@ -16,7 +16,8 @@ from transformers import TrainerCallback
 
 from grpo import GRPOTrainer
 from grpo.rewards.calling import RewardFunctionError
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 
 def eval_dataset(n=4):
@@ -256,7 +257,7 @@ def test_an_eval_prompt_past_the_context_names_the_eval_dataset(tiny_model_dir, 
 
 
 def test_an_eval_rows_missing_image_names_the_eval_dataset(tmp_path):
-    from tiny_vlm import BUILDERS, image
+    from support.vision import BUILDERS, image
 
     model, processor = BUILDERS[sorted(BUILDERS)[0]](0)
     chat = [{"role": "user", "content": "Look."}]

@@ -7,8 +7,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-from scripted import ScriptedEngine
-from support import cfg, chat_dataset, length_reward, text_of
+from support.rewards import length_reward, text_of
+from support.runs import cfg, chat_dataset
+from support.scripted import ScriptedEngine
 
 
 def trainer_for(model_dir, tmp_path, eval_dataset=None, reward=length_reward, **kw):

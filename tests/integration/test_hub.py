@@ -12,7 +12,8 @@ import pytest
 from huggingface_hub.utils import filter_repo_objects
 
 from grpo import GRPOTrainer
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 
 class FakeApi:

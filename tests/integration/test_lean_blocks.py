@@ -130,7 +130,7 @@ def test_trainer_chooses_lean_blocks(tiny_model_dir, tmp_path, monkeypatch):
     the context); the training pass enters the context only when on."""
     import grpo.perf.blocks
     from grpo import GRPOTrainer
-    from support import cfg, chat_dataset
+    from support.runs import cfg, chat_dataset
     from test_accumulation import length_reward
 
     entered = []

@@ -73,7 +73,7 @@ def test_trainer_uses_lean_linears_when_asked(tiny_model_dir, tmp_path, monkeypa
     the tests above); without it, it does not."""
     import grpo.perf.linears
     from grpo import GRPOTrainer
-    from support import cfg, chat_dataset
+    from support.runs import cfg, chat_dataset
     from test_accumulation import length_reward
 
     entered = []

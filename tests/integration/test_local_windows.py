@@ -19,8 +19,9 @@ from grpo.learner import tree
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.rollout import Rollout
-from support import cfg, chat_dataset, length_reward
-from tiny import make_tokenizer
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
+from support.tiny import make_tokenizer
 
 
 def gpt_neo(window: int, seed: int = 0) -> transformers.GPTNeoForCausalLM:

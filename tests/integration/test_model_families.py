@@ -9,8 +9,9 @@ import torch
 import transformers
 
 from grpo import GRPOTrainer
-from support import cfg, chat_dataset, length_reward, params
-from tiny import NEMOTRON_H, make_tokenizer
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset, params
+from support.tiny import NEMOTRON_H, make_tokenizer
 
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 QWEN_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)  # Qwen3-MoE's and Qwen3-Next's

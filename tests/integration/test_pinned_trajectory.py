@@ -19,8 +19,8 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config.grpo_fields import LOSS_TYPES
-from scripted import ScriptedEngine
-from tiny import make_model, make_tokenizer
+from support.scripted import ScriptedEngine
+from support.tiny import make_model, make_tokenizer
 
 COMMON = dict(
     bf16=False,

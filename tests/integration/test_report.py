@@ -15,7 +15,8 @@ import pytest
 from grpo import GRPOTrainer, cli
 from grpo.observe import diagnostics, report, run_dir
 from grpo.observe.report import charts, record
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 EVERY_CHART = (
     "Reward",

@@ -13,7 +13,8 @@ from grpo.base.secrets import PLACEHOLDER, is_secret_key, redact, redact_text
 from grpo.models import modeling
 from grpo.observe import report
 from grpo.observe.report import record
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 from test_hub import FakeApi
 from test_report import full_history, write_run
 

@@ -27,9 +27,11 @@ from grpo.data import prompts as data
 from grpo.learner.batch import collate
 from grpo.models.vision import Pixels, language_model
 from grpo.rollout.base import Rollout, assemble
-from support import cfg, generate, length_reward, params, torchrun
-from tiny import make_model, make_tokenizer
-from tiny_vlm import BUILDERS, MODELS, image
+from support.launch import job_script, torchrun
+from support.rewards import length_reward
+from support.runs import cfg, generate, params
+from support.tiny import make_model, make_tokenizer
+from support.vision import BUILDERS, MODELS, image
 
 ARCHITECTURES = sorted(MODELS)  # Qwen3.5's too: padded rows
 # grpo's tool template, with a user turn's image blocks written as Qwen2.5-VL writes them
@@ -448,7 +450,7 @@ def test_a_tools_image_for_a_text_only_model_is_refused(tmp_path):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_two_processes_with_images_on_one_only(arch, tmp_path):
     """DDP with the vision tower unused on one process: both end with the same, changed, parameters."""
-    torchrun(2, os.path.join(os.path.dirname(os.path.dirname(__file__)), "vision_job.py"), tmp_path, arch, timeout=600)
+    torchrun(2, job_script("vision_job.py"), tmp_path, arch, timeout=600)
     first, second = (torch.load(tmp_path / f"params_{rank}.pt") for rank in (0, 1))
     assert first["rows"] == [0, 0, 1, 1] and second["rows"] == [2, 2, 3, 3]
     initial = dict(MODELS[arch](0)[0].named_parameters())

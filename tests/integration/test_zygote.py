@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-import zygote
+from support import zygote
 
 SCRIPT = """
 import json, os, random, sys

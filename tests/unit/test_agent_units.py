@@ -12,7 +12,7 @@ from grpo.agent import CHATML_TOOLS
 from grpo.agent.parsing import parse_turn
 from grpo.agent.template import check_tool_template, tool_suffix_ids
 from grpo.agent.tools import ToolSet, run_calls
-from tiny import make_tokenizer
+from support.tiny import make_tokenizer
 
 
 def multiply(a: int, b: int) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import on_device
 from grpo import GRPOConfig
 from grpo.data.prompts import end_of_turn_ids, tokenize_prompts
 from grpo.learner.batch import collate
@@ -16,8 +15,9 @@ from grpo.learner.forward import token_logps
 from grpo.rollout import fast
 from grpo.rollout.fast import FastEngine, low_precision_linears, sample_from
 from grpo.rollout.plain import TransformersEngine
-from scripted import as_requests
-from tiny import make_gemma3, make_model, make_qwen3, make_tokenizer, with_lora
+from support import on_device
+from support.scripted import as_requests
+from support.tiny import make_gemma3, make_model, make_qwen3, make_tokenizer, with_lora
 
 MODELS = {
     "llama": lambda tok: make_model(tok, hidden=64),

@@ -23,8 +23,8 @@ from PIL import Image, ImageFile
 
 from grpo.data import prompts as data
 from grpo.models import vision
+from support.vision import BUILDERS, image
 from test_vision import build
-from tiny_vlm import BUILDERS, image
 
 CHAT = [{"role": "user", "content": "Look."}]
 

@@ -9,13 +9,13 @@ from collections import Counter
 import pytest
 import torch
 
-import on_device
 from grpo.learner import tree_attention
 from grpo.learner.forward import token_logps
 from grpo.learner.tree_images import ImageInputs
 from grpo.models.vision import Pixels
+from support import on_device
+from support.vision import BUILDERS, image_batch, turn_pictures_batch
 from test_turn_layouts import gathered
-from tiny_vlm import BUILDERS, image_batch, turn_pictures_batch
 
 GRAD_ATOL = 5e-6  # as test_tree_packing: the attention sums over other widths than the padded pass's
 

@@ -8,13 +8,13 @@ import os
 import pytest
 import torch
 
-import on_device
 from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 from grpo.data.prompts import tokenize_prompts
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.rollout import Rollout
-from tiny import make_model, make_tokenizer
+from support import on_device
+from support.tiny import make_model, make_tokenizer
 
 
 def batch_and_model(texts=("hi", "what is two plus two?", "ok"), lengths=(1, 9), seed=0):

@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import on_device
 from grpo import GRPOConfig
 from grpo.algo.losses import policy_loss
 from grpo.config.grpo_fields import LOSS_TYPES
 from grpo.learner import tree, tree_attention
 from grpo.learner.forward import token_logps
+from support import on_device
+from support.tiny import make_model, make_tokenizer
 from test_shared_prefix_training import assert_same_pass, batch_and_model, logps_and_grads
-from tiny import make_model, make_tokenizer
 
 # gradients at atol 5e-6: the attention's sums run over other widths than the padded pass's, so their rounding
 # differs (gradients here are of order 0.1)

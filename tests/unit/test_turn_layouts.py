@@ -14,9 +14,9 @@ from grpo.learner import tree
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.rollout.base import Rollout
+from support.tiny import make_model, make_tokenizer
 from test_shared_prefix_training import assert_same_pass, logps_and_grads
 from test_tree_packing import GRAD_ATOL, assert_loss_types_gradients_agree
-from tiny import make_model, make_tokenizer
 
 
 def turns_batch(seed=0):

@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from support import torchrun
+from support.launch import torchrun
 from test_server_mode import JOB
 from test_vllm_engine import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
 

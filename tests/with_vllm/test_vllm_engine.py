@@ -5,7 +5,6 @@ settings get one clear error."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,11 +13,12 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from field_effects import BASE, chat_dataset, length_reward
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.rollout.base import Request
 from grpo.rollout.fast import logits_processors
-from support import generate
+from support.launch import job_script
+from support.rewards import length_reward
+from support.runs import BASE, chat_dataset, generate
 
 FP32_TOL = 1e-3  # max |logp difference| per token, float32 engine vs float32 policy
 BF16_MEAN_TOL = 0.05  # bfloat16 engine vs bfloat16 (autocast) policy: mean |difference| per token ...
@@ -30,7 +30,7 @@ def make_trainer(model, tmp_path, dataset=None, peft_config=None, **cfg):
     return GRPOTrainer(
         model=model,
         reward_funcs=length_reward,
-        train_dataset=dataset if dataset is not None else chat_dataset(),
+        train_dataset=dataset if dataset is not None else chat_dataset(tasks=False),
         args=args,
         peft_config=peft_config,
     )
@@ -121,7 +121,7 @@ def test_a_gemma4s_layer_scalars_reach_the_engine(tmp_path):
     values, per-layer inputs and sliding layer, through vLLM's transformers backend."""
     import transformers
 
-    import tiny
+    from support import tiny
 
     tokenizer = tiny.make_tokenizer()
     config = transformers.Gemma4TextConfig(
@@ -160,7 +160,7 @@ def test_a_mixture_of_experts_reaches_the_engine(tmp_path):
     log-probs 0.69 off here. A tiny Qwen3-MoE whose experts change after the engine is built (moe_job.py, in a
     process of its own: a mixture-of-experts engine needs vLLM's expert-parallel group, which an earlier engine's
     process lacks)."""
-    job = os.path.join(os.path.dirname(__file__), "moe_job.py")
+    job = job_script("moe_job.py")
     done = subprocess.run([sys.executable, job, str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     diff = json.loads((tmp_path / "diff.json").read_text())

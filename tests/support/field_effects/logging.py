@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from field_effects import Setting, effect
+from support.field_effects import Setting, effect
 
 
 def _steps(trainer) -> list[int]:
@@ -153,7 +153,7 @@ def _log_multimodal(s: Setting):
 
     import pandas as pd
 
-    from tiny_vlm import idefics3, image
+    from support.vision import idefics3, image
 
     model, processor = idefics3()
     rows = [{"prompt": [{"role": "user", "content": f"What is {i}?"}], "image": image(i)} for i in range(2)]

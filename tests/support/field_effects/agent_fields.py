@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from field_effects import Setting, effect
-from support import generate
+from support.field_effects import Setting, effect
+from support.runs import generate
 
 CALL = '<tool_call>{"name": "%s", "arguments": {"x": 1}}</tool_call>'
 
@@ -16,8 +16,8 @@ def _tool_trainer(s: Setting, tool, **more):
 
     from grpo import GRPOTrainer
     from grpo.agent import CHATML_TOOLS
-    from scripted import TurnScript
-    from tiny import make_model, make_tokenizer
+    from support.scripted import TurnScript
+    from support.tiny import make_model, make_tokenizer
 
     tok = make_tokenizer()
     tok.chat_template = CHATML_TOOLS

@@ -17,10 +17,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: support.*
 
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from tiny_vlm import MODELS, image  # noqa: E402
+from support.vision import MODELS, image  # noqa: E402
 
 
 def length_reward(completions, **kwargs):

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from field_effects import Setting, chat_dataset, effect
+from support.field_effects import Setting, effect
+from support.runs import chat_dataset
 
 
 def stepped(bases):
@@ -28,7 +29,7 @@ def saved(s: Setting) -> list[int]:
 
 @effect("save_strategy", "epoch")
 def _save_strategy(s: Setting):
-    trainer = s.train(dataset=chat_dataset(4), max_steps=3)  # 4 prompts, 2 per generation: 2 steps an epoch
+    trainer = s.train(dataset=chat_dataset(4, tasks=False), max_steps=3)  # 4 prompts, 2 a generation: 2 steps an epoch
     assert trainer.steps_per_epoch == 2 and saved(s) == [2, 3]  # each epoch's end, and the last step
 
 

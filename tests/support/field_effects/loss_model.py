@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from field_effects import Setting, chat_dataset, effect, length_reward
+from support.field_effects import Setting, effect
+from support.rewards import length_reward
+from support.runs import chat_dataset
 
 F64 = torch.float64
 # test_losses.py's hand-worked batch: B=2, T=3 (the last token of row 1 is padding), off-policy ratios and a
@@ -159,7 +161,7 @@ def _scale_rewards(s: Setting):
 
 def _scripted(trainer):
     """Completions by a fixed rule (tests/scripted.py), so runs with and without a field see the same ones."""
-    from scripted import ScriptedEngine
+    from support.scripted import ScriptedEngine
 
     trainer.engine = ScriptedEngine(trainer.processing_class)
     return trainer
@@ -336,7 +338,9 @@ def _disable_dropout(s: Setting):
 
     assert s.trainer(model=with_dropout()).unwrapped_model.model.probe.p == 0.0
     kept = with_dropout()
-    GRPOTrainer(model=kept, reward_funcs=length_reward, train_dataset=chat_dataset(), args=s.default_config())
+    GRPOTrainer(
+        model=kept, reward_funcs=length_reward, train_dataset=chat_dataset(tasks=False), args=s.default_config()
+    )
     assert kept.model.probe.p == 0.3  # the default leaves dropout alone
 
 
@@ -351,7 +355,7 @@ def _cast_lm_head_to_fp32(s: Setting):
 
 @effect("router_aux_loss_coef", 0.5)
 def _router_aux_loss_coef(s: Setting):
-    from tiny import save_tiny_moe
+    from support.tiny import save_tiny_moe
 
     with pytest.raises(ValueError, match="router_aux_loss_coef is 0.5, but LlamaForCausalLM is not a mixture"):
         s.trainer()

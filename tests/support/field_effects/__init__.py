@@ -15,6 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from support.rewards import length_reward
+from support.runs import BASE, chat_dataset
+
 EFFECTS: dict[str, Effect] = {}
 
 
@@ -33,33 +36,6 @@ def effect(field: str, value: Any) -> Callable:
         return check
 
     return register
-
-
-BASE = dict(
-    per_device_train_batch_size=8,
-    num_generations=4,
-    max_completion_length=8,
-    max_steps=1,
-    logging_steps=1,
-    learning_rate=1e-2,
-    disable_tqdm=True,
-    save_strategy="no",
-    bf16=False,
-    seed=0,
-)
-
-
-def length_reward(completions, **kwargs):
-    """A reward with spread within groups: longer completions score more."""
-    return [len(c if isinstance(c, str) else c[0]["content"]) / 8.0 for c in completions]
-
-
-def chat_dataset(n: int = 8):
-    from datasets import Dataset
-
-    return Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": f"Solve {i}+1"}], "solution": str(i + 1)} for i in range(n)]
-    )
 
 
 @dataclasses.dataclass
@@ -89,7 +65,7 @@ class Setting:
         return GRPOTrainer(
             model=model if model is not None else self.model_dir,
             reward_funcs=reward_funcs or length_reward,
-            train_dataset=dataset if dataset is not None else chat_dataset(),
+            train_dataset=dataset if dataset is not None else chat_dataset(tasks=False),
             args=self.config(**more),
             processing_class=processor,
         )
@@ -113,6 +89,6 @@ class Setting:
         return GRPOTrainer(
             model=self.model_dir,
             reward_funcs=reward_funcs or length_reward,
-            train_dataset=dataset if dataset is not None else chat_dataset(),
+            train_dataset=dataset if dataset is not None else chat_dataset(tasks=False),
             args=self.default_config(**more),
         )

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from field_effects import Setting, effect
+from support.field_effects import Setting, effect
 
 
 @effect("output_dir", "elsewhere")

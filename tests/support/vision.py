@@ -46,7 +46,7 @@ from transformers.processing_utils import ProcessingKwargs
 
 from grpo.learner.batch import collate
 from grpo.rollout.base import Prompt, Rollout
-from tiny import make_tokenizer
+from support.tiny import make_tokenizer
 
 _BLOCKS = (
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"

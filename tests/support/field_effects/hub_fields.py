@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from unittest import mock
 
-from field_effects import Setting, effect
+from support.field_effects import Setting, effect
 
 
 def _run(s: Setting, **more):

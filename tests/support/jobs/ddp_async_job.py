@@ -25,9 +25,9 @@ import time
 
 import torch
 from datasets import Dataset
+from distributed_job import use_deepspeed, use_fsdp, whole
 
 import grpo.checkpoint as ckpt
-from distributed_job import use_deepspeed, use_fsdp, whole
 from grpo import GRPOConfig, GRPOTrainer
 
 SEEN: list[dict] = []

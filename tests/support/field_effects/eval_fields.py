@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from field_effects import Setting, chat_dataset, effect, length_reward
+from support.field_effects import Setting, effect
+from support.rewards import length_reward
+from support.runs import chat_dataset
 
 
 def _trainer(s: Setting, **more):
@@ -13,8 +15,8 @@ def _trainer(s: Setting, **more):
     return GRPOTrainer(
         model=s.model_dir,
         reward_funcs=length_reward,
-        train_dataset=chat_dataset(),
-        eval_dataset=chat_dataset(4),
+        train_dataset=chat_dataset(tasks=False),
+        eval_dataset=chat_dataset(4, tasks=False),
         args=s.config(**more),
     )
 

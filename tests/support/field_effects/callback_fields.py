@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from field_effects import Setting, chat_dataset, effect, length_reward
+from support.field_effects import Setting, effect
+from support.rewards import length_reward
+from support.runs import chat_dataset
 
 
 @effect("restore_callback_states_from_checkpoint", True)
@@ -13,7 +15,7 @@ def _(s: Setting) -> None:
     resumed = GRPOTrainer(
         model=s.model_dir,
         reward_funcs=length_reward,
-        train_dataset=chat_dataset(),
+        train_dataset=chat_dataset(tasks=False),
         args=s.config(max_steps=2, save_strategy="no", output_dir=str(s.tmp_path / "b")),
         callbacks=[Counting(start=100)],
     )

@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from field_effects import Setting, effect
+from support.field_effects import Setting, effect
 
 SHIFT = 0.1  # the stand-in sampler's log-probs are the policy's minus this, per token
 

@@ -14,7 +14,8 @@ from unittest import mock
 import pytest
 import torch
 
-from field_effects import Setting, chat_dataset, effect
+from support.field_effects import Setting, effect
+from support.runs import chat_dataset
 
 
 class Recorder:
@@ -540,7 +541,7 @@ def _generation_kwargs(s: Setting):
 @effect("chat_template_kwargs", {"hint": "THINK"})
 def _chat_template_kwargs(s: Setting):
     from grpo import GRPOTrainer
-    from tiny import make_tokenizer
+    from support.tiny import make_tokenizer
 
     tokenizer = make_tokenizer()
     tokenizer.chat_template = "{% if hint %}{{ hint }}{% endif %}" + tokenizer.chat_template
@@ -549,7 +550,7 @@ def _chat_template_kwargs(s: Setting):
         trainer = GRPOTrainer(
             model=s.model_dir,
             reward_funcs=Recorder(),
-            train_dataset=chat_dataset(),
+            train_dataset=chat_dataset(tasks=False),
             args=config,
             processing_class=tokenizer,
         )

@@ -14,7 +14,7 @@ a job given other values is refused (`fork` raises), and such a test starts a fr
 subject is the launcher itself (torchrun's signal forwarding, the `grpo` command under torchrun) keep starting real
 ones.
 
-    python tests/zygote.py SOCKET    # the zygote (what `fork` starts)
+    python tests/support/zygote.py SOCKET    # the zygote (what `fork` starts)
 """
 
 from __future__ import annotations

@@ -13,12 +13,13 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: support.*
 
 from safetensors.torch import save_file  # noqa: E402
 
-from field_effects import BASE, chat_dataset, length_reward  # noqa: E402
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from support.rewards import length_reward  # noqa: E402
+from support.runs import BASE, chat_dataset  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +37,9 @@ def main() -> None:
             "log_completions": True,
         }
     )
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    trainer = GRPOTrainer(
+        model=model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(tasks=False), args=args
+    )
     completions = []
     generate = trainer.engine.generate
 

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 from grpo import checkpoint
 from grpo.distributed import sharding
-from tiny import make_model, make_tokenizer
+from support.tiny import make_model, make_tokenizer
 
 
 def sharded_model_and_optimizer():

@@ -25,15 +25,16 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from transformers import TrainerCallback  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: support.*
+sys.path.insert(0, os.path.join(sys.path[0], "with_vllm"))
 
 from distributed_job import use_deepspeed, use_fsdp  # noqa: E402
-from field_effects import BASE, chat_dataset, length_reward  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.rollout import Request  # noqa: E402
+from support.rewards import length_reward  # noqa: E402
+from support.runs import BASE, chat_dataset  # noqa: E402
 from test_vllm_engine import engine_logps, fixed_completion, policy_logps  # noqa: E402
 
 
@@ -81,9 +82,9 @@ def main() -> None:
     trainer = GRPOTrainer(
         model=model_dir,
         reward_funcs=length_reward,
-        train_dataset=chat_dataset(),
+        train_dataset=chat_dataset(tasks=False),
         args=args,
-        eval_dataset=chat_dataset(4) if asynchronous else None,
+        eval_dataset=chat_dataset(4, tasks=False) if asynchronous else None,
         peft_config=peft_config,
         callbacks=[MoveTheRandomStream()] if parallel and not asynchronous else None,
     )

@@ -33,8 +33,8 @@ from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
 from grpo.models.modeling import unwrap
-from scripted import FixedEngine, as_requests
-from support import cfg, chat_dataset
+from support.runs import cfg, chat_dataset
+from support.scripted import FixedEngine, as_requests
 from test_accumulation import length_reward
 
 

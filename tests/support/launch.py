@@ -1,6 +1,6 @@
-"""What many tests share: the small run's config, datasets, a reward with spread, a parameter snapshot, the launcher
-for tests of several processes (torchrun's workers, forked from the session's zygote), and `ahead`, which runs the
-processes of several tests two at a time."""
+"""Tests of several processes: the launcher of torchrun's workers (forked from the session's zygote), job scripts
+(`jobs/`, `job_script`) and their environment, free ports, and `ahead` and `side_by_side`, which run the processes
+of several tests or calls two at a time."""
 
 from __future__ import annotations
 
@@ -18,56 +18,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
-from datasets import Dataset
 
-import zygote
-from field_effects import BASE
-from grpo import GRPOConfig
+from support import zygote
 
-JOB = os.path.join(os.path.dirname(__file__), "distributed_job.py")
+JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed not installed")
 
 
-def cfg(tmp_path, **kw):
-    """The small run most tests train (field_effects.BASE: 8 completions of at most 8 tokens, one step)."""
-    return GRPOConfig(**{**BASE, "output_dir": str(tmp_path / "out"), **kw})
-
-
-def chat_dataset(n=8):
-    return Dataset.from_list(
-        [
-            {
-                "prompt": [{"role": "user", "content": f"Solve {i}+1"}],
-                "solution": str(i + 1),
-                "task": "math" if i % 2 == 0 else "format",
-            }
-            for i in range(n)
-        ]
-    )
-
-
-def text_dataset(n=8):
-    return Dataset.from_list([{"prompt": f"Solve the equation x = {i}.", "ground_truth": str(i)} for i in range(n)])
-
-
-def text_of(completion):
-    return completion if isinstance(completion, str) else completion[0]["content"]
-
-
-def length_reward(completions, **kwargs):
-    """A reward with spread within groups: longer completions score more."""
-    return [len(text_of(c)) / 8.0 for c in completions]
-
-
-def generate(trainer, rows):
-    """Completions of dataset rows `rows` (tool rounds included) from the trainer's current policy: its producer,
-    synced to the policy's weights first, as a training round does."""
-    trainer.producer.sync(trainer.unwrapped_model, trainer.policy_version)
-    return trainer.producer.generate(rows)
-
-
-def params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+def job_script(name: str) -> str:
+    """The path of job script `name` (tests/support/jobs/): run as `python PATH`, forked by the zygote or under
+    torchrun; it imports `support.*` from tests/, which `job_env` puts on its PYTHONPATH."""
+    return os.path.join(JOBS, name)
 
 
 def free_port() -> int:
@@ -196,7 +157,7 @@ def terminated(script, out, *args, ready, delay, fresh=False, **env):
 
 
 def launch(nproc, out, model_dir, loss_type, *mode):
-    torchrun(nproc, JOB, out, model_dir, loss_type, *mode)
+    torchrun(nproc, job_script("distributed_job.py"), out, model_dir, loss_type, *mode)
     with open(os.path.join(out, "row.json")) as f:
         return torch.load(os.path.join(out, "update.pt")), json.load(f)
 
@@ -205,7 +166,7 @@ def launch_runs(nproc, out, model_dir, runs):
     """Several replicated runs, `runs` as (loss_type, mode), one after another in one launch of nproc processes (a
     trainer each): {(loss_type, mode): (update, logged row)}, as `launch` would give each."""
     specs = [f"{loss_type}:{mode}" for loss_type, mode in runs]
-    torchrun(nproc, JOB, out, model_dir, "--runs", *specs)
+    torchrun(nproc, job_script("distributed_job.py"), out, model_dir, "--runs", *specs)
     results = {}
     for run, spec in zip(runs, specs):
         with open(os.path.join(out, spec, "row.json")) as f:

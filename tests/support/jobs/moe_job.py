@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import transformers
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: support.*
+sys.path.insert(0, os.path.join(sys.path[0], "with_vllm"))
 
-import tiny  # noqa: E402
+from support import tiny  # noqa: E402
 from test_vllm_engine import engine_logps, fixed_completion, make_trainer, policy_logps  # noqa: E402
 
 

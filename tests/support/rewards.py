@@ -1,0 +1,12 @@
+"""Reward functions the tests share, each defined once."""
+
+from __future__ import annotations
+
+
+def text_of(completion):
+    return completion if isinstance(completion, str) else completion[0]["content"]
+
+
+def length_reward(completions, **kwargs):
+    """A reward with spread within groups: longer completions score more."""
+    return [len(text_of(c)) / 8.0 for c in completions]
