@@ -3,8 +3,7 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(__file__)
-sys.path[:0] = [HERE] + [os.path.join(HERE, tier) for tier in ("unit", "integration", "distributed")]
+sys.path.insert(0, os.path.dirname(__file__))  # tests/ only, not its tiers: helpers are imported from support.*
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from support.launch import job_script, needs_deepspeed, terminated, torchrun
-from test_async import untimed
+from support.runs import untimed
 
 JOB = job_script("ddp_async_job.py")
 STEPS = 4

@@ -31,12 +31,10 @@ from grpo.learner.forward import token_logps
 from grpo.models.vision import Pixels
 from grpo.rollout.base import Prompt
 from support.launch import job_script, torchrun
-from support.runs import generate, params
+from support.layouts import allowed_pairs, assert_same_pass, dense_twin, gathered, image_pass
+from support.runs import cfg, generate, params
 from support.vision import BUILDERS, PADDED_ONLY, collated, completion_pictures_batch, image, turn_pictures_batch
-from test_image_trees_on_device import image_pass
-from test_shared_prefix_training import assert_same_pass
-from test_turn_layouts import gathered
-from test_vision import QWEN_STRIPPING, CallFirst, cfg, image_rows, picture, picture_trainer, trainer_for
+from support.vision_runs import QWEN_STRIPPING, CallFirst, image_rows, picture, picture_trainer, trainer_for
 
 ARCHITECTURES = sorted(BUILDERS)
 # where each architecture's image tokens attend each other both ways (the others: causally)
@@ -181,9 +179,7 @@ def test_gemma4s_block_masks_per_layer_type_train_as_the_padded_pass(monkeypatch
     """The "flex" kernel's plumbing for Gemma 4, forward and backward, on the CPU: each layer type gets its own block
     mask (the sliding layer the image runs', the global ones the plain tree's), also in the forward gradient
     checkpointing re-runs; log-probs, entropies and gradients are the padded pass's. FlexAttention has no backward
-    on the CPU, so `test_tree_packing.dense_twin` stands in for it (the block mask's own rule, attended by SDPA)."""
-    from test_tree_packing import allowed_pairs, dense_twin
-
+    on the CPU, so `support.layouts.dense_twin` stands in for it (the block mask's own rule, attended by SDPA)."""
     masks = []
 
     def twin(module, query, key, value, attention_mask, **kwargs):

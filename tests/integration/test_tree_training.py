@@ -13,11 +13,10 @@ import transformers
 from grpo import AsyncGRPOConfig, GRPOTrainer
 from grpo.learner import tree, tree_attention
 from grpo.learner.forward import token_logps
+from support.layouts import batch_and_model, turns_batch
 from support.rewards import length_reward
 from support.runs import BASE, cfg, chat_dataset, params
 from support.tiny import NEMOTRON_H, make_tokenizer
-from test_shared_prefix_training import batch_and_model
-from test_turn_layouts import turns_batch
 
 MAX_WIDTH = tree.MAX_WIDTH
 

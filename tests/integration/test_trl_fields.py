@@ -7,24 +7,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
-import pkgutil
 import typing
 import warnings
 
 import pytest
 
 from grpo import GRPOConfig
-from grpo.config import compat
-from support import field_effects
-from support.field_effects import EFFECTS, Setting
-
-for _module in pkgutil.iter_modules(field_effects.__path__):
-    importlib.import_module(f"support.field_effects.{_module.name}")
-
-LIST = compat.field_list()
-FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-HONOURED = ("works", "differs on purpose")
+from support.field_effects import EFFECTS, FIELDS, HONOURED, LIST, Setting
 
 
 def default_of(name):

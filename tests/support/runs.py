@@ -1,9 +1,11 @@
-"""The small run most tests train: its config, datasets, a generation from a trainer, parameter snapshots, and the
-logged rows a resumed or repeated run reproduces."""
+"""The small run most tests train: its config, datasets, a generation from a trainer, parameter snapshots, the
+logged rows a resumed or repeated run reproduces, and a callback whose state checkpoints keep."""
 
 from __future__ import annotations
 
 from datasets import Dataset
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from grpo import GRPOConfig
 
@@ -54,3 +56,29 @@ def generate(trainer, rows):
 
 def params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+SESSION = ("train_loss",)  # the summary row's loss averages the steps this process trained (the HF Trainer's)
+
+
+def timed(key):
+    return "timing/" in key or key.endswith(("runtime", "_per_second", "step_time"))
+
+
+def untimed(rows, resumed=False):
+    """The logged rows without what measures time (the one thing a run may not reproduce) and, for a resumed run,
+    the session's own summary."""
+    return [{k: v for k, v in row.items() if not timed(k) and not (resumed and k in SESSION)} for row in rows]
+
+
+class Counting(TrainerCallback, ExportableState):
+    """Counts steps; its state is exported to checkpoints (as transformers' stateful callbacks are)."""
+
+    def __init__(self, start=0):
+        self.start, self.steps = start, start
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+    def state(self):
+        return {"args": {"start": self.start}, "attributes": {"steps": self.steps}}

@@ -548,7 +548,7 @@ def turn_pictures_batch(processor, side=28):
     prompt's and the tool's pictures kept. Group 0 has a prompt picture: "ab" + picture A then "cd" after it;
     "ab" + A then "ef" (the same history); "ab" + picture B (A's size) then "cd"; and a row of one turn. Group 1,
     a text prompt: "q" + A then "r"; and one turn. Also each turn as a row of its own, with the pictures its tokens
-    hold, and where each of the batch's positions sits among them (`test_turn_layouts.turns_batch`'s reference)."""
+    hold, and where each of the batch's positions sits among them (`support.layouts.turns_batch`'s reference)."""
     tok = processor.tokenizer
     shown, first, other = image(1, side, side), image(2, side, side), image(3, side, side)
     prompts = look_prompts(processor, shown)

@@ -11,8 +11,7 @@ from transformers import HfArgumentParser
 
 from grpo import GRPOConfig
 from grpo.config import compat
-from support.field_effects import Setting
-from test_trl_fields import EFFECTS, FIELDS, HONOURED, LIST
+from support.field_effects import EFFECTS, FIELDS, HONOURED, LIST, Setting
 
 
 def flag_words(name, value):

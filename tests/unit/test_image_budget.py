@@ -24,7 +24,7 @@ from PIL import Image, ImageFile
 from grpo.data import prompts as data
 from grpo.models import vision
 from support.vision import BUILDERS, image
-from test_vision import build
+from support.vision_runs import build
 
 CHAT = [{"role": "user", "content": "Look."}]
 

@@ -21,7 +21,7 @@ from grpo.rollout.remote import ServerError
 from support import served as served_
 from support.launch import job_script, torchrun
 from support.served import KEY, request
-from test_vllm_engine import (
+from support.vllm_runs import (
     BF16_MAX_TOL,
     BF16_MEAN_TOL,
     FP32_TOL,

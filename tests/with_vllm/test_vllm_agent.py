@@ -14,7 +14,7 @@ from grpo.agent import CHATML_TOOLS
 from grpo.data.prompts import make_prompt
 from support import tiny
 from support.runs import BASE, chat_dataset
-from test_vllm_engine import FP32_TOL, policy_logps
+from support.vllm_runs import FP32_TOL, policy_logps
 
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
 

@@ -13,7 +13,7 @@ import torch
 
 from support.launch import job_script, torchrun
 from support.runs import chat_dataset, generate
-from test_vllm_engine import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
+from support.vllm_runs import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
 
 JOB = job_script("vllm_job.py")
 

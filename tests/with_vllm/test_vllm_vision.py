@@ -16,7 +16,7 @@ from support.rewards import length_reward
 from support.runs import generate, params
 from support.served import Server
 from support.vision import idefics3, image
-from test_vision import CallFirst, image_rows, picture
+from support.vision_runs import CallFirst, image_rows, picture
 
 ROWS = [0, 0, 1, 1, 2, 2, 3, 3]
 
@@ -108,7 +108,7 @@ IDEFICS_TOOLS = CHATML_TOOLS.replace(
 )
 
 
-# IDEFICS_TOOLS with every assistant turn rendered without its reasoning block (test_rendered_turns.STRIPPING)
+# IDEFICS_TOOLS with every assistant turn rendered without its reasoning block (support.agent.STRIPPING)
 IDEFICS_STRIPPING = IDEFICS_TOOLS.replace(
     "<|im_start|>assistant\n{{ message['content'] or '' }}",
     "<|im_start|>assistant\n{{ (message['content'] or '').split('</think>')[-1] | trim }}",

@@ -6,15 +6,22 @@ A check is registered with `@effect(field, value)` in one of the theme modules b
 on the tiny local model with that config; `s.train(**more)` the same, trained (one step unless `max_steps` is
 given). The check asserts an observable effect of the value (for a field that works), or the one clear error or
 warning that names the field (for one grpo does not honour). Fields whose status is *not applicable* or *later*
-in `trl_1_16_fields.md` need no registration: the test checks their refusal or warning generically."""
+in `trl_1_16_fields.md` need no registration: the test checks their refusal or warning generically.
+
+Importing the package registers every check (its theme modules are imported with it); `LIST` is that field table,
+`FIELDS` GRPOConfig's fields, and `HONOURED` the statuses of the fields that must have a registered check."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from grpo import GRPOConfig
+from grpo.config import compat
 from support.rewards import length_reward
 from support.runs import BASE, chat_dataset
 
@@ -92,3 +99,11 @@ class Setting:
             train_dataset=dataset if dataset is not None else chat_dataset(tasks=False),
             args=self.default_config(**more),
         )
+
+
+LIST = compat.field_list()
+FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+HONOURED = ("works", "differs on purpose")
+
+for _module in pkgutil.iter_modules(__path__):  # each theme module registers its checks when imported
+    importlib.import_module(f"{__name__}.{_module.name}")

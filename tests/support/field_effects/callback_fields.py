@@ -10,7 +10,7 @@ from support.runs import chat_dataset
 @effect("restore_callback_states_from_checkpoint", True)
 def _(s: Setting) -> None:
     from grpo import GRPOTrainer
-    from test_callbacks import Counting
+    from support.runs import Counting
 
     resumed = GRPOTrainer(
         model=s.model_dir,

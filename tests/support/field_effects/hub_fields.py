@@ -8,7 +8,7 @@ from support.field_effects import Setting, effect
 
 
 def _run(s: Setting, **more):
-    from test_hub import FakeApi
+    from support.hub import FakeApi
 
     FakeApi.calls, FakeApi.fail = [], False
     settings = dict(push_to_hub=True, max_steps=2, save_strategy="steps", save_steps=1)
@@ -54,7 +54,7 @@ def _(s: Setting) -> None:
 def _(s: Setting) -> None:
     import concurrent.futures
 
-    from test_hub import FakeApi
+    from support.hub import FakeApi
 
     never = concurrent.futures.Future()  # a push that never finishes: without hub_always_push the next is skipped
     original = FakeApi.upload_folder
@@ -64,7 +64,7 @@ def _(s: Setting) -> None:
 
 @effect("hub_revision", "dev")
 def _(s: Setting) -> None:
-    from test_hub import FakeApi
+    from support.hub import FakeApi
 
     seen = []
     original = FakeApi.upload_folder
@@ -80,7 +80,7 @@ def _(s: Setting) -> None:
 
 @effect("log_completions_hub_repo", "me/completions")
 def _(s: Setting) -> None:
-    from test_hub import FakeApi, FakeScheduler
+    from support.hub import FakeApi, FakeScheduler
 
     FakeApi.calls, FakeScheduler.made = [], []
     with (

@@ -160,7 +160,7 @@ def _scale_rewards(s: Setting):
 
 
 def _scripted(trainer):
-    """Completions by a fixed rule (tests/scripted.py), so runs with and without a field see the same ones."""
+    """Completions by a fixed rule (support/scripted.py), so runs with and without a field see the same ones."""
     from support.scripted import ScriptedEngine
 
     trainer.engine = ScriptedEngine(trainer.processing_class)

@@ -22,13 +22,12 @@ import time
 import torch
 import torch.distributed as dist
 from datasets import Dataset
-from distributed_job import use_fsdp, whole
 
 from grpo import GRPOConfig, GRPOTrainer
+from support.agent import CALL, STRIPPING, multiply, tool_tokenizer
 from support.scripted import TurnScript
+from support.sharded import use_fsdp, whole
 from support.tiny import make_model
-from test_agent import CALL, multiply, tool_tokenizer
-from test_rendered_turns import STRIPPING
 
 
 class CollectiveScript(TurnScript):

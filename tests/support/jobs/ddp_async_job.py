@@ -25,10 +25,10 @@ import time
 
 import torch
 from datasets import Dataset
-from distributed_job import use_deepspeed, use_fsdp, whole
 
 import grpo.checkpoint as ckpt
 from grpo import GRPOConfig, GRPOTrainer
+from support.sharded import use_deepspeed, use_fsdp, whole
 
 SEEN: list[dict] = []
 

@@ -33,50 +33,10 @@ from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
 from grpo.models.modeling import unwrap
+from support.rewards import token_count_reward
 from support.runs import cfg, chat_dataset
 from support.scripted import FixedEngine, as_requests
-from test_accumulation import length_reward
-
-
-def use_fsdp() -> None:
-    """What `accelerate launch` with an FSDP2 config sets (ACCELERATE_USE_FSDP, FSDP_VERSION=2), and one gate lifted:
-    accelerate's AcceleratorState takes an FSDP plugin on accelerators only; on CPU, take it as well."""
-    import accelerate.state as state
-
-    os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
-
-    original = state.AcceleratorState.__init__
-
-    def init(self, *args, fsdp_plugin=None, **kwargs):
-        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == state.DistributedType.MULTI_CPU:
-            self.distributed_type = state.DistributedType.FSDP
-            self.fsdp_plugin = fsdp_plugin
-
-    state.AcceleratorState.__init__ = init
-
-
-def use_deepspeed(stage: int | str) -> None:
-    """What `accelerate launch --use_deepspeed --zero_stage N` sets, less one of DeepSpeed's CPU kernels: its
-    shared-memory all-reduce, which DeepSpeed would compile from C++ at the first launch on a machine (about 25 s
-    on 2 cores). That kernel serves DeepSpeed's inference all-reduce only (ZeRO training reduces through
-    torch.distributed, gloo here as NCCL on a GPU) and has no GPU counterpart, so nothing the tests check uses it."""
-    import deepspeed.ops
-
-    os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(stage))
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def whole(model):
-    """Every parameter, gathered whole when sharded (a collective: every process calls it)."""
-    from torch.distributed.tensor import DTensor
-
-    from grpo.distributed import zero
-
-    if zero.is_partitioned(model):
-        with zero.gathered(model):
-            return {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+from support.sharded import use_deepspeed, use_fsdp, whole
 
 
 def main() -> None:
@@ -132,7 +92,7 @@ def run(out: str, model_dir: str, loss_type: str, mode_spec: str) -> None:
         )
     sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     trainer = GRPOTrainer(
-        model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args, optimizers=(sgd, None)
+        model=model, reward_funcs=token_count_reward, train_dataset=chat_dataset(), args=args, optimizers=(sgd, None)
     )
     extra = {"tree": trainer.training_pass.tree}  # packing="tree" taken (not fallen back from)
     if mode != "ddp":

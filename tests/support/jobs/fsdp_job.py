@@ -23,7 +23,7 @@ from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.perf.blocks import lean_blocks
 from grpo.rollout.fast import FastEngine
-from test_fast_generation import greedy, setup
+from support.decode import greedy, setup
 
 
 def sample(model, tok, args, stop, requests):

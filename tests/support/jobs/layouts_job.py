@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from grpo.learner import tree
 from grpo.learner.forward import forward_is_collective, token_logps
-from test_tree_packing import batch_and_model, long_completions_batch
+from support.layouts import batch_and_model, long_completions_batch
 
 
 def main(out: str) -> None:

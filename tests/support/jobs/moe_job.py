@@ -18,10 +18,9 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: support.*
-sys.path.insert(0, os.path.join(sys.path[0], "with_vllm"))
 
 from support import tiny  # noqa: E402
-from test_vllm_engine import engine_logps, fixed_completion, make_trainer, policy_logps  # noqa: E402
+from support.vllm_runs import engine_logps, fixed_completion, make_trainer, policy_logps  # noqa: E402
 
 
 def main(out: Path) -> None:

@@ -56,7 +56,7 @@ def main() -> None:
     global HANG_AT
     HANG_AT = o.hang_reward_at
     if o.zero:
-        from distributed_job import use_deepspeed
+        from support.sharded import use_deepspeed
 
         use_deepspeed(o.zero)
     torch.set_num_threads(1)

@@ -26,16 +26,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: support.*
-sys.path.insert(0, os.path.join(sys.path[0], "with_vllm"))
 
-from distributed_job import use_deepspeed, use_fsdp  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo.rollout import Request  # noqa: E402
 from support.rewards import length_reward  # noqa: E402
 from support.runs import BASE, chat_dataset  # noqa: E402
-from test_vllm_engine import engine_logps, fixed_completion, policy_logps  # noqa: E402
+from support.sharded import use_deepspeed, use_fsdp  # noqa: E402
+from support.vllm_runs import engine_logps, fixed_completion, policy_logps  # noqa: E402
 
 
 class MoveTheRandomStream(TrainerCallback):
