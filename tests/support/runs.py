@@ -1,7 +1,11 @@
-"""The small run most tests train: its config, datasets, a generation from a trainer, parameter snapshots, the
-logged rows a resumed or repeated run reproduces, and a callback whose state checkpoints keep."""
+"""The small run most tests train: its config, datasets, a generation from a trainer, parameter snapshots, a
+checkpoint's trainer state, the logged rows a resumed or repeated run reproduces, and a callback whose state
+checkpoints keep."""
 
 from __future__ import annotations
+
+import json
+import os
 
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -56,6 +60,17 @@ def generate(trainer, rows):
 
 def params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def weights(trainer):
+    """The trainer's policy's parameters (unwrapped), copied."""
+    return {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
+
+
+def state_of(path):
+    """A checkpoint's trainer_state.json."""
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)
 
 
 SESSION = ("train_loss",)  # the summary row's loss averages the steps this process trained (the HF Trainer's)

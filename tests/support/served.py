@@ -12,20 +12,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from support.launch import free_port
+
 KEY = "secret"  # the keyed server's
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env(**extra: str) -> dict:

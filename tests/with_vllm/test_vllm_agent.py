@@ -13,20 +13,9 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.data.prompts import make_prompt
 from support import tiny
+from support.agent import CALL, multiply
 from support.runs import BASE, chat_dataset
 from support.vllm_runs import FP32_TOL, policy_logps
-
-CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiplies.
-
-    Args:
-        a: x
-        b: y
-    """
-    return a * b
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from support.field_effects import Setting, effect
+from support.rewards import stepped
 from support.runs import chat_dataset
-
-
-def stepped(bases):
-    """A reward whose logged mean at step k (1-based) is bases[k-1] + 0.15 (completion i: base + 0.1 * (i % 4))."""
-
-    def stepped(completions, trainer_state, **kwargs):
-        return [bases[trainer_state.global_step] + 0.1 * (i % 4) for i in range(len(completions))]
-
-    return stepped
 
 
 def saved(s: Setting) -> list[int]:

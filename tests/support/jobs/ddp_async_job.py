@@ -28,19 +28,21 @@ from datasets import Dataset
 
 import grpo.checkpoint as ckpt
 from grpo import GRPOConfig, GRPOTrainer
+from support.rewards import length_reward
 from support.sharded import use_deepspeed, use_fsdp, whole
 
 SEEN: list[dict] = []
 
 
-def length_reward(completions, trainer_state, split=None, **kwargs):
+def recorded_length_reward(completions, trainer_state, split=None, **kwargs):
+    """support.rewards.length_reward, recorded in SEEN; slowed by JOB_REWARD_SLEEP, hung by JOB_HANG_CALL."""
     time.sleep(float(os.environ.get("JOB_REWARD_SLEEP", "0")))  # a kill test's: kills land mid-round
     hang = os.environ.get("JOB_HANG_CALL")
     due = hang == "eval" and "eval" in (split or "") or hang == str(len(SEEN))
     if os.environ.get("RANK") == os.environ.get("JOB_HANG_RANK") and due:
         open(os.path.join(sys.argv[1], "hung"), "w").close()  # this process's reward hangs, the other's does not
         time.sleep(600)
-    rewards = [len(c[0]["content"]) / 8.0 for c in completions]
+    rewards = length_reward(completions)
     SEEN.append(
         dict(step=trainer_state.global_step, completions=[c[0]["content"] for c in completions], rewards=rewards)
     )
@@ -101,7 +103,7 @@ def run(out: str, model_dir: str, mode: str, resume: str | None = None) -> None:
     data = Dataset.from_list(rows)
     trainer = GRPOTrainer(
         model=model_dir,
-        reward_funcs=length_reward,
+        reward_funcs=recorded_length_reward,
         train_dataset=data,
         eval_dataset=Dataset.from_list([{**row, "split": "eval"} for row in rows[:2]]) if evaluating else None,
         args=args,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
+from support.rewards import length_reward
 
 DDP_FIELDS = dict(
     ddp_find_unused_parameters=True,
@@ -24,10 +25,6 @@ DDP_FIELDS = dict(
     ddp_backend="gloo",
     ddp_timeout=123,
 )
-
-
-def length_reward(completions, **kwargs):
-    return [len(c[0]["content"]) / 8.0 for c in completions]
 
 
 def main() -> None:

@@ -24,14 +24,16 @@ from datasets import Dataset
 
 import grpo.checkpoint as ckpt
 from grpo import GRPOConfig, GRPOTrainer
+from support.rewards import length_reward
 
 HANG_AT = 0
 
 
-def length_reward(completions, trainer_state, **kwargs):
+def hanging_length_reward(completions, trainer_state, **kwargs):
+    """support.rewards.length_reward, which never returns in step HANG_AT (--hang-reward-at)."""
     if trainer_state.global_step + 1 == HANG_AT:
         hang("HUNG")
-    return [len(c if isinstance(c, str) else c[0]["content"]) / 8.0 for c in completions]
+    return length_reward(completions)
 
 
 def hang(message: str) -> None:
@@ -97,7 +99,7 @@ def main() -> None:
                 hang("WRITING")
 
         ckpt.save_pretrained = write_then_block
-    trainer = GRPOTrainer(model=o.model, reward_funcs=length_reward, train_dataset=data, args=args)
+    trainer = GRPOTrainer(model=o.model, reward_funcs=hanging_length_reward, train_dataset=data, args=args)
     if o.term_at:
         step = trainer._step
 

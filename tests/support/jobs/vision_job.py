@@ -20,11 +20,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: support.*
 
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from support.rewards import length_reward  # noqa: E402
 from support.vision import MODELS, image  # noqa: E402
-
-
-def length_reward(completions, **kwargs):
-    return [len(c[0]["content"]) / 8.0 for c in completions]
 
 
 def main() -> None:
