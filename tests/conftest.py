@@ -8,8 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from PIL import ImageFile  # noqa: E402
 
 from support import on_device  # noqa: E402
+from support.images import bomb_png  # noqa: E402
 from support.tiny import save_tiny  # noqa: E402
 
 
@@ -57,3 +59,26 @@ def restores_determinism():
             os.environ[name] = value
     torch.use_deterministic_algorithms(flags[0])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[1], flags[2]
+
+
+@pytest.fixture(scope="module")
+def bombs(tmp_path_factory):
+    """Paths of a 20000x20000 PNG (past PIL's error limit) and a 12000x12000 one (PIL only warns, then decodes)."""
+    folder = tmp_path_factory.mktemp("bombs")
+    paths = {}
+    for side in (20000, 12000):
+        paths[side] = str(folder / f"bomb{side}.png")
+        with open(paths[side], "wb") as f:
+            f.write(bomb_png(side, side))
+    assert os.path.getsize(paths[20000]) < 500_000
+    return paths
+
+
+@pytest.fixture
+def never_decoded(monkeypatch):
+    """Fails the test if any image's pixels are read."""
+
+    def load(self):
+        raise AssertionError(f"decoded a {self.size} image")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
