@@ -13,6 +13,7 @@ And the tests' own walls:
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -307,6 +308,11 @@ def python_files() -> list[Path]:
     return sorted(p for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def top_imports(tree: ast.AST) -> list[tuple[str, int]]:
     """(module, line) of every absolute import in `tree`, at any depth (`from x import y`: x; `import x.y`: x.y)."""
     found = []
@@ -348,7 +354,7 @@ def test_test_modules_import_no_other_test_module():
     found = [
         f"{p.relative_to(TESTS).as_posix()}:{line} imports {module}"
         for p in python_files()
-        for module, line in top_imports(ast.parse(p.read_text()))
+        for module, line in top_imports(parsed(p))
         if module.split(".")[0] in local
     ]
     assert found == [], "\n".join(found)
@@ -360,7 +366,7 @@ def trainer_builders() -> set[tuple[str, str]]:
     uses: dict[tuple[str, str], set] = {}
     for path in SUPPORT.rglob("*.py"):
         module = ".".join(path.relative_to(TESTS).with_suffix("").parts).removesuffix(".__init__")
-        tree = ast.parse(path.read_text())
+        tree = parsed(path)
         imported = {
             alias.asname or alias.name: (node.module, alias.name)
             for node in ast.walk(tree)
@@ -383,7 +389,7 @@ def trainer_builders() -> set[tuple[str, str]]:
 def builds_a_trainer(path: Path, builders: set[tuple[str, str]]) -> list[str]:
     """Where module `path` names a trainer class, imports or calls a support function that builds a trainer, or
     imports the launchers of job processes."""
-    tree = ast.parse(path.read_text())
+    tree = parsed(path)
     found = []
     modules = {}  # local name: support module, for `from support import x` and `import support.x as y`
     for node in ast.walk(tree):
@@ -439,7 +445,7 @@ def test_shared_reward_functions_are_defined_once():
         f"{p.relative_to(TESTS).as_posix()}:{node.lineno} defines {node.name}"
         for p in python_files()
         if p != SUPPORT / "rewards.py"
-        for node in ast.walk(ast.parse(p.read_text()))
+        for node in ast.walk(parsed(p))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in shared
     ]
     assert again == [], "\n".join(again)
