@@ -55,9 +55,9 @@ SHAPES = {
 
 def make_tokenizer(vocab_size: int):
     """ChatML, character-level, `vocab_size` entries (filler tokens past the characters): the tests' tiny
-    tokenizer (tests/tiny.py, loaded from its file: tests/ itself never goes on sys.path here)."""
+    tokenizer (tests/support/tiny.py, loaded from its file: tests/ itself never goes on sys.path here)."""
     spec = importlib.util.spec_from_file_location(
-        "tiny", os.path.join(os.path.dirname(__file__), "..", "tests", "tiny.py")
+        "tiny", os.path.join(os.path.dirname(__file__), "..", "tests", "support", "tiny.py")
     )
     tiny = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tiny)

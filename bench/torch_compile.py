@@ -23,8 +23,9 @@ sys.path[:0] = [os.path.join(HERE, "..", "src"), os.path.join(HERE, "..", "tests
 
 
 def build(model_dir: str, out: str, steps: int, compile_: bool, checkpointing: bool) -> tuple:
-    from field_effects import chat_dataset, length_reward
     from grpo import GRPOConfig, GRPOTrainer
+    from support.rewards import length_reward
+    from support.runs import chat_dataset
 
     args = GRPOConfig(
         output_dir=out,
@@ -41,7 +42,9 @@ def build(model_dir: str, out: str, steps: int, compile_: bool, checkpointing: b
         gradient_checkpointing=checkpointing,
         torch_compile=compile_,
     )
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(64), args=args)
+    trainer = GRPOTrainer(
+        model=model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(64, tasks=False), args=args
+    )
     passes: list[float] = []
     original = trainer._loss_and_backward
 

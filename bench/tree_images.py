@@ -1,6 +1,6 @@
 """Image rows as token trees against padded rows: python bench/tree_images.py [repeats] [side] [architecture]
 
-A random-weight Qwen2.5-VL (tests/tiny_vlm.py's, at hidden 256 and 4 layers in both the language model and the vision
+A random-weight Qwen2.5-VL (tests/support/vision.py's, at hidden 256 and 4 layers in the language model and the vision
 tower; `architecture` "gemma3": a Gemma 3 of that size, its images pooled into 64 tokens that attend each other both
 ways; "gemma4": a Gemma 4 of that size, its images resized to 384x384 (patches of 16) and pooled into 64 tokens that
 attend each other both ways in its sliding layers, whatever `side`; "qwen3-vl": a Qwen3-VL of that size, patches of 16
@@ -32,7 +32,7 @@ from grpo.learner import tree  # noqa: E402
 from grpo.learner.forward import TrainingPass  # noqa: E402
 from grpo.learner.tree_images import row_images  # noqa: E402
 from grpo.models.vision import Pixels  # noqa: E402
-from tiny_vlm import gemma3, gemma4, image_batch, qwen3_vl, qwen_vl  # noqa: E402  (the tests' tiny models, built locally)
+from support.vision import gemma3, gemma4, image_batch, qwen3_vl, qwen_vl  # noqa: E402  (the tests' tiny models)
 
 PROMPTS, G = 2, 8
 

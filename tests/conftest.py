@@ -3,15 +3,15 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(__file__)
-sys.path[:0] = [HERE] + [os.path.join(HERE, tier) for tier in ("unit", "integration", "distributed")]
+sys.path.insert(0, os.path.dirname(__file__))  # tests/ only, not its tiers: helpers are imported from support.*
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-import on_device  # noqa: E402
-from tiny import save_tiny  # noqa: E402
+from support import on_device  # noqa: E402
+from support.images import bomb_png  # noqa: E402
+from support.tiny import save_tiny  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -58,3 +58,27 @@ def restores_determinism():
             os.environ[name] = value
     torch.use_deterministic_algorithms(flags[0])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[1], flags[2]
+
+
+@pytest.fixture(scope="module")
+def bombs(tmp_path_factory):
+    """Paths of a 20000x20000 PNG (past PIL's error limit) and a 12000x12000 one (PIL only warns, then decodes)."""
+    folder = tmp_path_factory.mktemp("bombs")
+    paths = {}
+    for side in (20000, 12000):
+        paths[side] = str(folder / f"bomb{side}.png")
+        with open(paths[side], "wb") as f:
+            f.write(bomb_png(side, side))
+    assert os.path.getsize(paths[20000]) < 500_000
+    return paths
+
+
+@pytest.fixture
+def never_decoded(monkeypatch):
+    """Fails the test if any image's pixels are read."""
+    from PIL import ImageFile  # here: the GPU check's equivalence tests run where Pillow may be missing
+
+    def load(self):
+        raise AssertionError(f"decoded a {self.size} image")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)

@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-from support import side_by_side, terminated, torchrun
+from support.launch import job_script, side_by_side, terminated, torchrun
 
-JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "agent_job.py")
+JOB = job_script("agent_job.py")
 
 
 def launch(nproc, out, *mode):

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from support import launch, launch_runs, needs_deepspeed, torchrun
+from support.launch import job_script, launch, launch_runs, needs_deepspeed, torchrun
 
 # the one-process runs that two-process runs are compared with (the sharded modes with gradient accumulation, or
 # with LoRA, share theirs)
@@ -127,7 +127,7 @@ def test_auto_takes_one_layout_in_every_process_where_forwards_are_collectives(t
     packing="auto" alone would lay out trees in one process (one forward) and padded rows sharing the prompt in the
     other (two), both take one layout (the padded rows here: together they cost less) instead of hanging, and
     score as the padded pass does."""
-    torchrun(2, os.path.join(os.path.dirname(__file__), "..", "layouts_job.py"), tmp_path, timeout=120)
+    torchrun(2, job_script("layouts_job.py"), tmp_path, timeout=120)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["alone_trees"] for r in ranks] == [True, False]  # alone, the processes would disagree
     # the gradient pass and the pass without gradients: each as padded rows in both processes

@@ -12,10 +12,10 @@ import shutil
 import pytest
 import torch
 
-from support import needs_deepspeed, terminated, torchrun
-from test_async import untimed
+from support.launch import job_script, needs_deepspeed, terminated, torchrun
+from support.runs import untimed
 
-JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "ddp_async_job.py")
+JOB = job_script("ddp_async_job.py")
 STEPS = 4
 
 

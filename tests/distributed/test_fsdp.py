@@ -6,14 +6,13 @@ log-probs and gradients (float32, rtol 1e-5)."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-from support import torchrun
+from support.launch import job_script, torchrun
 
-JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fsdp_job.py")
+JOB = job_script("fsdp_job.py")
 
 
 def test_sampling_from_a_sharded_model_equals_the_whole_model(tmp_path):
@@ -39,7 +38,7 @@ def run_resume_job(out, mode):
     return torch.load(out / f"{mode}.pt")
 
 
-RESUME_JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fsdp_resume_job.py")
+RESUME_JOB = job_script("fsdp_resume_job.py")
 
 
 def test_sharded_checkpoint_resumes_bit_identically(tmp_path):

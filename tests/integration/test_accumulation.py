@@ -11,12 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
-from scripted import FixedEngine
-from support import cfg, chat_dataset
-
-
-def length_reward(completion_ids, **kwargs):
-    return [float(len(c)) for c in completion_ids]
+from support.rewards import token_count_reward
+from support.runs import cfg, chat_dataset
+from support.scripted import FixedEngine
 
 
 def updated_params(tiny_model_dir, tmp_path, **kw):
@@ -24,7 +21,7 @@ def updated_params(tiny_model_dir, tmp_path, **kw):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     sgd = torch.optim.SGD(model.parameters(), lr=1e-2)  # an update linear in the gradient: compares gradients
     trainer = GRPOTrainer(
-        model=model, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args, optimizers=(sgd, None)
+        model=model, reward_funcs=token_count_reward, train_dataset=chat_dataset(), args=args, optimizers=(sgd, None)
     )
     trainer.engine = FixedEngine(trainer.processing_class)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

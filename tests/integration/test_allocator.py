@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from support import side_by_side
+from support.launch import side_by_side
 
 JOB = """
 import resource, sys, torch
@@ -55,16 +55,16 @@ def test_freed_blocks_are_reused_without_faulting_again():
 def test_the_trainer_applies_the_policy_unless_turned_off(tiny_model_dir, tmp_path, monkeypatch):
     import grpo.trainer
     from grpo import GRPOTrainer
-    from support import cfg, chat_dataset
-    from test_accumulation import length_reward
+    from support.rewards import token_count_reward
+    from support.runs import cfg, chat_dataset
 
     calls = []
     monkeypatch.setattr(grpo.trainer.allocator, "keep_freed_memory", lambda: calls.append(1) or True)
-    GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=cfg(tmp_path))
+    GRPOTrainer(model=tiny_model_dir, reward_funcs=token_count_reward, train_dataset=chat_dataset(), args=cfg(tmp_path))
     assert calls == [1]
     GRPOTrainer(
         model=tiny_model_dir,
-        reward_funcs=length_reward,
+        reward_funcs=token_count_reward,
         train_dataset=chat_dataset(),
         args=cfg(tmp_path, cpu_keep_freed_memory=False),
     )

@@ -18,19 +18,16 @@ import time
 import pytest
 import torch
 
-import zygote
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError
 from grpo.config.grpo_fields import LOSS_TYPES
 from grpo.learner.optimization import TrainingError
-from support import ahead, cfg, chat_dataset, job_env, length_reward, params, text_of
+from support import zygote
+from support.launch import ahead, job_env, job_script
+from support.rewards import length_reward, text_of
+from support.runs import cfg, chat_dataset, params, untimed
 
-JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "async_job.py")
-SESSION = ("train_loss",)  # the summary row's loss averages the steps this process trained (the HF Trainer's)
-
-
-def timed(key):
-    return "timing/" in key or key.endswith(("runtime", "_per_second", "step_time"))
+JOB = job_script("async_job.py")
 
 
 def run(tmp_path, name, reward=length_reward, dataset=None, prepare=None, **kw):
@@ -48,12 +45,6 @@ MODEL: list[str] = []
 @pytest.fixture(autouse=True)
 def _model(tiny_model_dir):
     MODEL[:] = [tiny_model_dir]
-
-
-def untimed(rows, resumed=False):
-    """The logged rows without what measures time (the one thing a run may not reproduce) and, for a resumed run,
-    the session's own summary."""
-    return [{k: v for k, v in row.items() if not timed(k) and not (resumed and k in SESSION)} for row in rows]
 
 
 def assert_same_run(a, b, resumed=False):
@@ -408,9 +399,9 @@ def test_every_feature_trains_async_and_reproducibly(tmp_path, feature):
 
 
 def test_tools_and_environments_run_in_the_producer(tmp_path):
-    from scripted import TurnScript
-    from test_agent import Counter, dataset, multiply, tool_tokenizer
-    from tiny import make_model
+    from support.agent import Counter, dataset, multiply, tool_tokenizer
+    from support.scripted import TurnScript
+    from support.tiny import make_model
 
     def script(text, turn, j):
         return '<tool_call>{"name": "add", "arguments": {"n": ' + str(j) + "}}</tool_call>" if turn == 0 else "done"
@@ -441,8 +432,8 @@ def test_tools_and_environments_run_in_the_producer(tmp_path):
 
 
 def test_image_prompts_train_async_on_the_plain_engine(tmp_path):
-    from test_vision import image_rows
-    from tiny_vlm import BUILDERS
+    from support.vision import BUILDERS
+    from support.vision_runs import image_rows
 
     def make(name, prepare=None):
         model, processor = BUILDERS["qwen2.5-vl"](0)
@@ -517,7 +508,7 @@ def test_async_grpo_trainer_takes_trls_arguments_and_trains(tmp_path):
     from grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     assert list(inspect.signature(AsyncGRPOTrainer.__init__).parameters)[1:] == TRL_ASYNC_TRAINER_ARGS
-    from field_effects import BASE
+    from support.runs import BASE
 
     args = AsyncGRPOConfig(**{**BASE, "output_dir": str(tmp_path / "out"), "max_steps": 3, "max_staleness": 1})
     trainer = AsyncGRPOTrainer(MODEL[0], length_reward, args=args, train_dataset=chat_dataset())

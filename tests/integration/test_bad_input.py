@@ -15,7 +15,8 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.models.modeling import ModelLoadError
 from grpo.rewards.calling import RewardFunctionError
 from grpo.trainer import TrainingError
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 
 def test_unknown_config_field_names_the_nearest():

@@ -7,10 +7,10 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_callback import ExportableState
 
 from grpo import GRPOTrainer
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import Counting, cfg, chat_dataset
 
 EVENTS = [
     "on_init_end",
@@ -159,19 +159,6 @@ def test_early_stopping_stops_a_run(tiny_model_dir, tmp_path):
     trainer.train()
     assert trainer.state.global_step == 2
     assert trainer.state.best_metric == 1.0 and trainer.state.best_global_step == 1
-
-
-class Counting(TrainerCallback, ExportableState):
-    """Counts steps; its state is exported to checkpoints (as transformers' stateful callbacks are)."""
-
-    def __init__(self, start=0):
-        self.start, self.steps = start, start
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.steps += 1
-
-    def state(self):
-        return {"args": {"start": self.start}, "attributes": {"steps": self.steps}}
 
 
 @pytest.mark.parametrize("restore", [True, False])

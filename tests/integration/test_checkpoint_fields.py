@@ -5,7 +5,6 @@ full_determinism, and enable_jit_checkpoint (SIGTERM saves)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,18 +17,8 @@ from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError, strategy
 from grpo.data.prompts import generation_prompt_indices
 from grpo.learner.loop import epoch_start
-from support import cfg, chat_dataset, length_reward
-
-
-def stepped(bases):
-    """A reward whose logged mean at step k (1-based) is bases[k-1] + 0.15: completion i scores
-    base + 0.1 * (i % 4), and (0 + 0.1 + 0.2 + 0.3) / 4 = 0.15."""
-
-    def stepped(completions, trainer_state, **kwargs):
-        base = bases[trainer_state.global_step]
-        return [base + 0.1 * (i % 4) for i in range(len(completions))]
-
-    return stepped
+from support.rewards import length_reward, stepped
+from support.runs import cfg, chat_dataset, state_of
 
 
 def run(tiny_model_dir, tmp_path, reward=length_reward, dataset=None, resume=None, **kw):
@@ -43,11 +32,6 @@ def run(tiny_model_dir, tmp_path, reward=length_reward, dataset=None, resume=Non
 def saved(tmp_path):
     out = tmp_path / "out"
     return sorted((p for p in os.listdir(out) if p.startswith("checkpoint-")), key=lambda p: int(p.split("-")[1]))
-
-
-def state_of(path):
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
 
 
 # ---- the decisions ---------------------------------------------------------------------------------------------

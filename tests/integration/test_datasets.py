@@ -11,7 +11,8 @@ from datasets import Dataset, IterableDataset
 
 from grpo import GRPOTrainer
 from grpo.data.datasets import StreamRows
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset, weights
 
 
 def rows(n=12):
@@ -21,10 +22,6 @@ def rows(n=12):
 def stream(n=12):
     data = rows(n)
     return IterableDataset.from_generator(lambda: iter(data))
-
-
-def weights(trainer):
-    return {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
 
 
 def test_a_stream_trains_in_order_and_resumes_exactly(tiny_model_dir, tmp_path):

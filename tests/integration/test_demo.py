@@ -12,7 +12,7 @@ import pytest
 from grpo.apps import demo
 from grpo.data.prompts import tokenize_prompts
 from grpo.rollout.cpu import packed, panels
-from tiny import make_model, make_tokenizer
+from support.tiny import make_model, make_tokenizer
 
 PACKED_LINEAR = packed.packed_linear
 PANEL_LINEAR = panels.panel_linear

@@ -12,7 +12,7 @@ import pytest
 from grpo.agent import CHATML_TOOLS
 from grpo.apps import demo_agent
 from grpo.models.bundled import BundledModelUnavailable, bundled_model_path
-from tiny import make_model, make_tokenizer
+from support.tiny import make_model, make_tokenizer
 
 
 def test_reward_reads_the_final_assistant_turn():

@@ -9,7 +9,7 @@ import pytest
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.observe import diagnostics
-from support import cfg, chat_dataset
+from support.runs import cfg, chat_dataset
 
 ARGS = GRPOConfig(output_dir="/tmp/unused-diagnostics")
 

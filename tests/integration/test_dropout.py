@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
 from grpo.models.modeling import active_dropout
-from support import cfg, chat_dataset, length_reward
-from test_model_families import FAMILIES
-from tiny import make_tokenizer
+from support.families import FAMILIES
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
+from support.tiny import make_tokenizer
 
 
 def trainer_with_dropout(tiny_model_dir, tmp_path, disable):

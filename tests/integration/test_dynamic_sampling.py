@@ -13,7 +13,8 @@ from datasets import Dataset
 from grpo import GRPOTrainer
 from grpo.distributed.collectives import local_rows
 from grpo.rounds.groups import groups_with_spread, rows_of_groups
-from support import cfg, params, text_of
+from support.rewards import text_of
+from support.runs import cfg, params
 
 
 def test_groups_with_spread_hand_computed():

@@ -5,7 +5,6 @@ checkpoint's trainer_state.json ends holding the evaluation's row. Eval dataset 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -16,7 +15,8 @@ from transformers import TrainerCallback
 
 from grpo import GRPOTrainer
 from grpo.rewards.calling import RewardFunctionError
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset, state_of, weights
 
 
 def eval_dataset(n=4):
@@ -36,15 +36,6 @@ def run(tmp_path, model_dir, reward=length_reward, callbacks=None, **kw):
         callbacks=callbacks,
         args=cfg(tmp_path, per_device_eval_batch_size=4, **kw),
     )
-
-
-def weights(trainer):
-    return {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
-
-
-def state_of(path):
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +247,7 @@ def test_an_eval_prompt_past_the_context_names_the_eval_dataset(tiny_model_dir, 
 
 
 def test_an_eval_rows_missing_image_names_the_eval_dataset(tmp_path):
-    from tiny_vlm import BUILDERS, image
+    from support.vision import BUILDERS, image
 
     model, processor = BUILDERS[sorted(BUILDERS)[0]](0)
     chat = [{"role": "user", "content": "Look."}]

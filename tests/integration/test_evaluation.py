@@ -7,8 +7,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-from scripted import ScriptedEngine
-from support import cfg, chat_dataset, length_reward, text_of
+from support.rewards import length_reward, text_of
+from support.runs import cfg, chat_dataset, weights
+from support.scripted import ScriptedEngine
 
 
 def trainer_for(model_dir, tmp_path, eval_dataset=None, reward=length_reward, **kw):
@@ -21,10 +22,6 @@ def trainer_for(model_dir, tmp_path, eval_dataset=None, reward=length_reward, **
         eval_dataset=eval_dataset if eval_dataset is not None else chat_dataset(4),
         args=cfg(tmp_path, **kw),
     )
-
-
-def weights(trainer):
-    return {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}
 
 
 def test_evaluate_returns_the_eval_metrics_and_moves_nothing(tiny_model_dir, tmp_path):

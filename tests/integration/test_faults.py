@@ -21,9 +21,10 @@ from grpo.checkpoint import CheckpointError, CheckpointWriteError
 from grpo.models.modeling import ModelLoadError
 from grpo.observe.run_dir import OutputDirError, RunDirectoryBusy, RunLock
 from grpo.rewards.calling import RewardFunctionError
-from scripted import ScriptedEngine
-from support import cfg, chat_dataset, length_reward
-from tiny import make_model, make_tokenizer
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
+from support.scripted import ScriptedEngine
+from support.tiny import make_model, make_tokenizer
 
 
 def trainer(tiny_model_dir, tmp_path, reward=length_reward, dataset=None, **kw):
@@ -366,7 +367,7 @@ def test_completions_are_capped_at_the_positions_a_prompt_leaves(tmp_path, caplo
     past it; a RoPE model was never trained there), said once; training goes on."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tiny import make_model, make_tokenizer
+    from support.tiny import make_model, make_tokenizer
 
     tok = make_tokenizer()
     if positions == "learned":

@@ -9,7 +9,8 @@ import math
 import torch
 
 from grpo import GRPOTrainer
-from support import cfg, chat_dataset, length_reward, params
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset, params
 
 
 def test_training_with_beam_search_generation_kwargs(tiny_model_dir, tmp_path):

@@ -12,7 +12,8 @@ from grpo import GRPOTrainer
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.rollout import Rollout
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 
 def hinted(prompts, trainer):

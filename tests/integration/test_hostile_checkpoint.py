@@ -12,7 +12,8 @@ import pytest
 
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointError
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 HANG_GUARD_S = 120  # a resume still waiting on the FIFO after this is unblocked (and then fails its assertion)
 

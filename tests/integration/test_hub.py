@@ -3,52 +3,15 @@ locally in the output directory and every checkpoint."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
-from huggingface_hub.utils import filter_repo_objects
 
 from grpo import GRPOTrainer
-from support import cfg, chat_dataset, length_reward
-
-
-class FakeApi:
-    calls: list = []
-    fail = False
-
-    def __init__(self, token=None):
-        self.token = token
-
-    def create_repo(self, name, private=None, exist_ok=False, repo_type=None):
-        FakeApi.calls.append(("create_repo", name, private, self.token) + ((repo_type,) if repo_type else ()))
-        return SimpleNamespace(repo_id=name if "/" in name else f"me/{name}")
-
-    def upload_folder(
-        self,
-        repo_id,
-        folder_path,
-        path_in_repo=None,
-        commit_message=None,
-        revision=None,
-        allow_patterns=None,
-        ignore_patterns=None,
-        run_as_future=False,
-    ):
-        if FakeApi.fail:
-            raise OSError("no network")
-        every = [
-            os.path.relpath(os.path.join(root, name), folder_path)
-            for root, _, names in os.walk(folder_path)
-            for name in names
-        ]  # what huggingface_hub's upload_folder would send: every file, filtered by both pattern lists
-        files = sorted(filter_repo_objects(every, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
-        FakeApi.calls.append(("upload", repo_id, os.path.basename(folder_path), path_in_repo, commit_message, files))
-        future = concurrent.futures.Future()
-        future.set_result("commit")
-        return future if run_as_future else "commit"
+from support.hub import FakeApi, FakeScheduler
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 
 @pytest.fixture
@@ -116,20 +79,6 @@ def test_the_model_card_is_written_locally_without_the_hub(tiny_model_dir, tmp_p
         assert card.startswith("---\n") and "library_name: transformers" in card and "- grpo" in card
         assert "| `length_reward` | 1 |" in card and '"learning_rate": 0.003' in card
         assert "2 optimizer steps" in card and "| `reward` |" in card and "transformers 5." in card
-
-
-class FakeScheduler:
-    made: list = []
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.triggered = kwargs, 0
-        FakeScheduler.made.append(self)
-
-    def trigger(self):
-        self.triggered += 1
-        done = concurrent.futures.Future()
-        done.set_result(None)
-        return done
 
 
 def test_completions_go_to_a_dataset_repository(hub, tiny_model_dir, tmp_path):

@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from grpo.perf.blocks import _RMSNorm, _SiluMul, lean_blocks
-from test_lean_linears import saved_bytes
-from test_shared_prefix_training import assert_same_pass, batch_and_model, logps_and_grads
+from support.layouts import assert_same_pass, batch_and_model, logps_and_grads, saved_bytes
 
 
 def pass_with(model, batch, lean, bf16=False, share=True):
@@ -130,8 +129,8 @@ def test_trainer_chooses_lean_blocks(tiny_model_dir, tmp_path, monkeypatch):
     the context); the training pass enters the context only when on."""
     import grpo.perf.blocks
     from grpo import GRPOTrainer
-    from support import cfg, chat_dataset
-    from test_accumulation import length_reward
+    from support.rewards import token_count_reward
+    from support.runs import cfg, chat_dataset
 
     entered = []
     original = grpo.perf.blocks.lean_blocks
@@ -139,7 +138,9 @@ def test_trainer_chooses_lean_blocks(tiny_model_dir, tmp_path, monkeypatch):
 
     def trainer(**kwargs):
         args = cfg(tmp_path, **kwargs)
-        return GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+        return GRPOTrainer(
+            model=tiny_model_dir, reward_funcs=token_count_reward, train_dataset=chat_dataset(), args=args
+        )
 
     on = trainer(gradient_checkpointing=False)
     on.train()

@@ -10,7 +10,7 @@ import torch
 
 from grpo.learner.forward import token_logps
 from grpo.perf.linears import lean_linears
-from test_shared_prefix_training import batch_and_model
+from support.layouts import batch_and_model, saved_bytes
 
 
 def run(model, batch, lean, share=True):
@@ -43,23 +43,6 @@ def test_lean_linears_match_autocast(share):
             torch.testing.assert_close(lean[2][name], grad, rtol=0, atol=0)
 
 
-def saved_bytes(model, batch, context, autocast=True):
-    """Bytes of the distinct tensors (parameters aside) the training pass keeps for backward inside `context`."""
-    seen = {}
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), context:
-            token_logps(model, batch, 0.9, share_prefix=True, chunked_head=True)
-    return sum(seen.values())
-
-
 def test_lean_linears_keep_less_for_backward():
     batch, model = batch_and_model()
     weights = sum(m.weight.numel() * 2 for m in model.modules() if type(m) is torch.nn.Linear)
@@ -73,8 +56,8 @@ def test_trainer_uses_lean_linears_when_asked(tiny_model_dir, tmp_path, monkeypa
     the tests above); without it, it does not."""
     import grpo.perf.linears
     from grpo import GRPOTrainer
-    from support import cfg, chat_dataset
-    from test_accumulation import length_reward
+    from support.rewards import token_count_reward
+    from support.runs import cfg, chat_dataset
 
     entered = []
     original = grpo.perf.linears.lean_linears
@@ -85,10 +68,14 @@ def test_trainer_uses_lean_linears_when_asked(tiny_model_dir, tmp_path, monkeypa
 
     monkeypatch.setattr(grpo.perf.linears, "lean_linears", counting)
     args = cfg(tmp_path, bf16=True, gradient_checkpointing=False, lean_linears=True)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=token_count_reward, train_dataset=chat_dataset(), args=args
+    )
     trainer.train()
     assert entered == [torch.bfloat16] and trainer.training_pass.lean_dtype == torch.bfloat16
     args = cfg(tmp_path, bf16=True, gradient_checkpointing=False)
-    trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=token_count_reward, train_dataset=chat_dataset(), args=args
+    )
     trainer.train()
     assert entered == [torch.bfloat16] and trainer.training_pass.lean_dtype is None

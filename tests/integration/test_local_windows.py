@@ -19,8 +19,9 @@ from grpo.learner import tree
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.rollout import Rollout
-from support import cfg, chat_dataset, length_reward
-from tiny import make_tokenizer
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
+from support.tiny import make_tokenizer
 
 
 def gpt_neo(window: int, seed: int = 0) -> transformers.GPTNeoForCausalLM:
@@ -157,7 +158,7 @@ def test_each_window_spelling_bounds_rows_and_trees_where_it_may_act_over_column
 
 
 def _chat_batch():
-    from test_shared_prefix_training import batch_and_model
+    from support.layouts import batch_and_model
 
     return batch_and_model()
 
@@ -165,7 +166,7 @@ def _chat_batch():
 def test_a_row_with_turns_wider_than_the_cap_as_a_tree_keeps_padded_rows():
     """A row's turns merge into one trie: where a stripped reasoning branch sits between turns, the row alone is
     wider than its longest sequence; past a window applied over columns it runs as forked padded rows."""
-    from test_turn_layouts import turns_batch
+    from support.layouts import turns_batch
 
     batch, *_, model = turns_batch()
     widest = max(len(tree.layout(batch.select(torch.tensor([i]))).input_ids[0]) for i in range(len(batch)))

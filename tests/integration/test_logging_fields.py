@@ -26,7 +26,8 @@ from grpo.observe import reporting
 from grpo.observe.metrics import CompletionLog, MetricsLogger, start_trackers, tensorboard_run_dir, tracker_init_kwargs
 from grpo.perf import allocator
 from grpo.rollout.base import Rollout
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 
 def trained(tmp_path, model_dir, **kw):

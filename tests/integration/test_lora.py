@@ -15,7 +15,8 @@ from grpo import GRPOTrainer
 from grpo.learner.forward import token_logps
 from grpo.rollout.fast import FastEngine
 from grpo.rollout.plain import TransformersEngine
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 
 def lora_config():
@@ -87,7 +88,7 @@ def test_save_writes_the_adapter(tiny_model_dir, tmp_path):
 
 def test_a_peft_model_as_model(tiny_model_dir, tmp_path):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora_config())
-    from tiny import make_tokenizer
+    from support.tiny import make_tokenizer
 
     trainer = GRPOTrainer(
         model=model,

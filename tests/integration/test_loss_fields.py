@@ -25,9 +25,10 @@ from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.models.fp32_head import Float32Head, cast_lm_head_to_fp32
 from grpo.rollout import Rollout
-from scripted import ScriptedEngine
-from support import cfg, chat_dataset, length_reward
-from tiny import make_model, make_tokenizer, save_tiny_moe
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
+from support.scripted import ScriptedEngine
+from support.tiny import make_model, make_tokenizer, save_tiny_moe
 
 # ---- the entropy controller, step by step -------------------------------------------------------------------
 
@@ -491,7 +492,7 @@ def test_pad_to_multiple_of_in_training(tmp_path):
 def test_sync_ref_model_under_zero3(tiny_model_dir, tmp_path):
     """Two steps of sync_ref_model (every step) at 2 processes under DeepSpeed ZeRO-3, which partitions the
     reference too (distributed_job.py +sync): the mixed reference and the KL against it equal one process's."""
-    from support import launch, side_by_side
+    from support.launch import launch, side_by_side
 
     (one, row1), (two, row2) = side_by_side(
         lambda: launch(1, tmp_path / "one", tiny_model_dir, "dapo", "ddp+sync"),

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from support import ahead
+from support.launch import ahead, job_script
 
-JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "memory_job.py")
+JOB = job_script("memory_job.py")
 
 
 def peak(rows, length, vocab, chunked):

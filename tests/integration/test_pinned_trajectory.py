@@ -19,8 +19,8 @@ from datasets import Dataset
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.config.grpo_fields import LOSS_TYPES
-from scripted import ScriptedEngine
-from tiny import make_model, make_tokenizer
+from support.scripted import ScriptedEngine
+from support.tiny import make_model, make_tokenizer
 
 COMMON = dict(
     bf16=False,
@@ -280,7 +280,7 @@ PINNED = {
 }
 
 
-def length_reward(completion_ids, **kwargs):
+def token_length_reward(completion_ids, **kwargs):
     return [len(ids) / 8.0 for ids in completion_ids]
 
 
@@ -296,7 +296,7 @@ def trajectory(name: str, output_dir: str) -> dict:
     args = GRPOConfig(output_dir=output_dir, **{**COMMON, **RUNS[name]})
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[length_reward, variety_reward],
+        reward_funcs=[token_length_reward, variety_reward],
         train_dataset=dataset,
         args=args,
         processing_class=tokenizer,

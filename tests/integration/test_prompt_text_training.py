@@ -10,7 +10,8 @@ import os
 import pytest
 
 from grpo import GRPOTrainer
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 LONE = json.loads('"ab\\ud800c"')
 

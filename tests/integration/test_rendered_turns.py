@@ -18,16 +18,11 @@ from grpo.agent import CHATML_TOOLS
 from grpo.agent.template import rerendering
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from scripted import ScoredTurnScript, TurnScript
-from support import generate, params
-from test_agent import CALL, GROUPS, cfg, dataset, multiply, tool_tokenizer
-from tiny import make_model
+from support.agent import CALL, GROUPS, STRIPPING, cfg, dataset, multiply, tool_tokenizer
+from support.runs import generate, params
+from support.scripted import ScoredTurnScript, TurnScript
+from support.tiny import make_model
 
-# every assistant turn rendered without its reasoning block, as DeepSeek-R1's and QwQ's templates do
-STRIPPING = CHATML_TOOLS.replace(
-    "<|im_start|>assistant\n{{ message['content'] or '' }}",
-    "<|im_start|>assistant\n{{ (message['content'] or '').split('</think>')[-1] | trim }}",
-)
 THINK = "<think>first I multiply</think>"
 
 

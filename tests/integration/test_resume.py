@@ -15,13 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import zygote
 from grpo import GRPOTrainer
 from grpo.checkpoint import CheckpointMismatchError
-from support import ahead, cfg, chat_dataset, job_env, length_reward, needs_deepspeed, torchrun
-from tiny import make_model, make_tokenizer
+from support import zygote
+from support.launch import ahead, job_env, job_script, needs_deepspeed, torchrun
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
+from support.tiny import make_model, make_tokenizer
 
-JOB = os.path.join(os.path.dirname(os.path.dirname(__file__)), "resume_job.py")
+JOB = job_script("resume_job.py")
 
 
 def job(out, model, spg, resume, *extra, wait_for=None, send=signal.SIGKILL, status=0):

@@ -11,8 +11,9 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from grpo import GRPOTrainer
 from grpo.rewards.models import RewardModel
-from support import cfg, chat_dataset, length_reward, text_dataset
-from tiny import make_tokenizer
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset, text_dataset
+from support.tiny import make_tokenizer
 
 
 def tiny_classifier(tok, seed=0):

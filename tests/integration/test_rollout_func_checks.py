@@ -9,7 +9,8 @@ import os
 import pytest
 
 from grpo import GRPOTrainer
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 
 def output(trainer, n, **change):

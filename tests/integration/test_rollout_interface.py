@@ -12,9 +12,10 @@ from grpo.rollout import Request, Rollout, build_engine
 from grpo.rollout.fast import FastEngine
 from grpo.rollout.plain import TransformersEngine
 from grpo.serve.launcher import thread_binding
-from scripted import ScriptedEngine
-from support import cfg, chat_dataset, length_reward
-from tiny import make_model, make_tokenizer
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
+from support.scripted import ScriptedEngine
+from support.tiny import make_model, make_tokenizer
 
 
 def engines(**kw):

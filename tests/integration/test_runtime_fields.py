@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import types
 from datetime import timedelta
 
@@ -23,9 +22,8 @@ from grpo.models.modeling import enable_checkpointing, recomputes_activations
 from grpo.perf import compilation
 from grpo.rewards.calling import RewardFunctionError, RewardFunctions
 from grpo.rollout.base import Rollout
-from support import cfg, chat_dataset, length_reward
-
-HERE = os.path.dirname(os.path.dirname(__file__))
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 
 def trained(model_dir, tmp_path, name, **kw):
@@ -224,9 +222,9 @@ def test_two_processes_use_the_ddp_fields_and_their_own_token_counts(tiny_model_
     """torchrun, 2 CPU processes: DDP is built with the fields' values, the process group with gloo and the
     timeout, and with average_tokens_across_devices=False each process's loss divides by its own token count
     (num_items_in_batch = its tokens x 2 processes, which LossScale divides by 2)."""
-    from support import torchrun
+    from support.launch import job_script, torchrun
 
-    torchrun(2, os.path.join(HERE, "ddp_fields_job.py"), tmp_path, tiny_model_dir)
+    torchrun(2, job_script("ddp_fields_job.py"), tmp_path, tiny_model_dir)
     rows = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     for row in rows:
         assert (row["world"], row["wrapper"], row["steps"]) == (2, "DistributedDataParallel", 1)

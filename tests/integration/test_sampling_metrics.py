@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import torch
 
-from field_effects import BASE, chat_dataset, length_reward
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.learner.batch import collate
-from support import generate
+from support.rewards import length_reward
+from support.runs import BASE, chat_dataset, generate
 
 
 def trainer(model_dir, tmp_path, **cfg):
     args = GRPOConfig(output_dir=str(tmp_path), **{**BASE, "bf16": False, **cfg})
-    return GRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    return GRPOTrainer(model=model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(tasks=False), args=args)
 
 
 def mismatch(t, perturbation: float) -> dict[str, float]:

@@ -13,9 +13,10 @@ from grpo.base.secrets import PLACEHOLDER, is_secret_key, redact, redact_text
 from grpo.models import modeling
 from grpo.observe import report
 from grpo.observe.report import record
-from support import cfg, chat_dataset, length_reward
-from test_hub import FakeApi
-from test_report import full_history, write_run
+from support.hub import FakeApi
+from support.reports import full_history, write_run
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
 
 HF_TOKEN = "hf_" + "abcdefghijklmnopqrstuvwxyzABCDEFGH"  # "hf_" and 34 letters: a Hugging Face token's shape
 HUB_TOKEN = "hf_" + "ZYXWVUTSRQPONMLKJIHGFEDCBAzyxwvuts"

@@ -15,9 +15,9 @@ from transformers import PreTrainedTokenizerFast
 from grpo.agent import CHATML_TOOLS
 from grpo.agent.budget import COMPOSED, Span, token_span
 from grpo.agent.template import cannot_fit, tool_suffix_ids
-from support import generate
-from test_agent import GROUPS, make_trainer
-from tiny import SPECIALS, make_tokenizer
+from support.agent import GROUPS, make_trainer
+from support.runs import generate
+from support.tiny import SPECIALS, make_tokenizer
 
 WORDS = ["alpha", "beta", "gamma", "delta", "x" * 40, "  ", "\n", "é", "e\u0301", "日本", "<|im_end|>"]
 U_DIAERESIS_MACRON = "\u01d6"  # one character of 2 bytes, which NFC composes from 3 characters

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from grpo import train_cli
-from support import torchrun
+from support.launch import torchrun
 
 REWARDS = """
 def length_reward(completions, **kwargs):

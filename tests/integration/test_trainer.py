@@ -14,9 +14,10 @@ import torch
 
 from grpo import GRPOTrainer
 from grpo.rollout.base import assemble, expand
-from scripted import ScriptedEngine
-from support import cfg, chat_dataset, length_reward, params, text_dataset, text_of
-from tiny import make_tokenizer
+from support.rewards import length_reward, text_of
+from support.runs import cfg, chat_dataset, params, text_dataset
+from support.scripted import ScriptedEngine
+from support.tiny import make_tokenizer
 
 
 @pytest.mark.parametrize("bf16", [False, True])

@@ -13,7 +13,6 @@ images touch, and models whose masks open attention in a way grpo does not lay o
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections import Counter
 from types import SimpleNamespace
 
@@ -31,12 +30,11 @@ from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.models.vision import Pixels
 from grpo.rollout.base import Prompt
-from support import generate, params, torchrun
-from test_image_trees_on_device import image_pass
-from test_shared_prefix_training import assert_same_pass
-from test_turn_layouts import gathered
-from test_vision import QWEN_STRIPPING, CallFirst, cfg, image_rows, picture, picture_trainer, trainer_for
-from tiny_vlm import BUILDERS, PADDED_ONLY, collated, completion_pictures_batch, image, turn_pictures_batch
+from support.launch import job_script, torchrun
+from support.layouts import allowed_pairs, assert_same_pass, dense_twin, gathered, image_pass
+from support.runs import cfg, generate, params
+from support.vision import BUILDERS, PADDED_ONLY, collated, completion_pictures_batch, image, turn_pictures_batch
+from support.vision_runs import QWEN_STRIPPING, CallFirst, image_rows, picture, picture_trainer, trainer_for
 
 ARCHITECTURES = sorted(BUILDERS)
 # where each architecture's image tokens attend each other both ways (the others: causally)
@@ -181,9 +179,7 @@ def test_gemma4s_block_masks_per_layer_type_train_as_the_padded_pass(monkeypatch
     """The "flex" kernel's plumbing for Gemma 4, forward and backward, on the CPU: each layer type gets its own block
     mask (the sliding layer the image runs', the global ones the plain tree's), also in the forward gradient
     checkpointing re-runs; log-probs, entropies and gradients are the padded pass's. FlexAttention has no backward
-    on the CPU, so `test_tree_packing.dense_twin` stands in for it (the block mask's own rule, attended by SDPA)."""
-    from test_tree_packing import allowed_pairs, dense_twin
-
+    on the CPU, so `support.layouts.dense_twin` stands in for it (the block mask's own rule, attended by SDPA)."""
     masks = []
 
     def twin(module, query, key, value, attention_mask, **kwargs):
@@ -415,7 +411,7 @@ def test_a_run_over_rendered_turns_with_pictures_trains_like_forked_rows(tmp_pat
 def test_two_processes_as_trees_train_like_padded_rows(tmp_path):
     """DDP, images on one process only (the other's vision tower unused), a KL term: the tree run ends with the
     padded run's parameters on both processes, both of which laid their pieces out as trees."""
-    job = os.path.join(os.path.dirname(os.path.dirname(__file__)), "vision_job.py")
+    job = job_script("vision_job.py")
     ends = {}
     for packing in ("padded", "tree"):
         torchrun(2, job, tmp_path / packing, "qwen2.5-vl", packing, timeout=600)

@@ -10,14 +10,13 @@ import pytest
 import torch
 import transformers
 
-from field_effects import BASE
 from grpo import AsyncGRPOConfig, GRPOTrainer
 from grpo.learner import tree, tree_attention
 from grpo.learner.forward import token_logps
-from support import cfg, chat_dataset, length_reward, params
-from test_shared_prefix_training import batch_and_model
-from test_turn_layouts import turns_batch
-from tiny import NEMOTRON_H, make_tokenizer
+from support.layouts import batch_and_model, turns_batch
+from support.rewards import length_reward
+from support.runs import BASE, cfg, chat_dataset, params
+from support.tiny import NEMOTRON_H, make_tokenizer
 
 MAX_WIDTH = tree.MAX_WIDTH
 

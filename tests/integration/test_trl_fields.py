@@ -1,30 +1,19 @@
 """Every field of TRL 1.16's GRPOConfig is a grpo field with TRL's default (`grpo/config/trl_1_16_fields.md`, checked
 against TRL itself by `scripts/trl_fields.py`), and setting any of them to another value has an effect a test
-sees: the registered check of `tests/field_effects/` for a field that works, or one error or warning naming the
+sees: the registered check of `tests/support/field_effects/` for a field that works, or one error or warning naming the
 field for one grpo does not honour. No value a user changes is silently ignored."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
-import pkgutil
 import typing
 import warnings
 
 import pytest
 
-import field_effects
-from field_effects import EFFECTS, Setting
 from grpo import GRPOConfig
-from grpo.config import compat
-
-for _module in pkgutil.iter_modules(field_effects.__path__):
-    importlib.import_module(f"field_effects.{_module.name}")
-
-LIST = compat.field_list()
-FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-HONOURED = ("works", "differs on purpose")
+from support.field_effects import EFFECTS, FIELDS, HONOURED, LIST, Setting
 
 
 def default_of(name):

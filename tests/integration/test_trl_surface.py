@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scripted import ScriptedEngine
-from support import cfg, chat_dataset, length_reward
+from support.rewards import length_reward
+from support.runs import cfg, chat_dataset
+from support.scripted import ScriptedEngine
 
 
 def trainer_for(model_dir, tmp_path, reward=length_reward, **kw):
@@ -90,7 +91,7 @@ def test_crafted_total_flos_in_a_checkpoint_is_refused(tiny_model_dir, tmp_path)
 
 
 def test_aux_loss_enabled_and_entropy_coef(tiny_model_dir, tmp_path):
-    from tiny import save_tiny_moe
+    from support.tiny import save_tiny_moe
 
     plain = trainer_for(tiny_model_dir, tmp_path / "plain")
     assert plain.aux_loss_enabled is False and plain.entropy_coef == 0.0
@@ -283,7 +284,7 @@ def test_a_hybrid_mamba_model_generates_and_trains(tmp_path):
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     from grpo import GRPOTrainer
-    from tiny import NEMOTRON_H, make_tokenizer
+    from support.tiny import NEMOTRON_H, make_tokenizer
 
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
@@ -314,7 +315,7 @@ def test_reward_processing_classes_one_per_function(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from grpo import GRPOTrainer
-    from tiny import make_tokenizer
+    from support.tiny import make_tokenizer
 
     reward_model = str(tmp_path / "rm")
     from transformers import LlamaConfig, LlamaForSequenceClassification
@@ -442,7 +443,7 @@ def test_log_metric_refuses_the_trainers_own_names(tiny_model_dir, tmp_path):
 def test_reward_funcs_and_tools_as_trl_lists_them(tiny_model_dir, tmp_path):
     from grpo import GRPOTrainer
     from grpo.agent import CHATML_TOOLS
-    from tiny import make_model, make_tokenizer
+    from support.tiny import make_model, make_tokenizer
 
     class Scored:
         def reset(self, **kwargs):

@@ -1,4 +1,4 @@
-"""Image prompts (issue 20) on two tiny vision-language architectures (`tiny_vlm`): Qwen2.5-VL (multimodal RoPE,
+"""Image prompts (issue 20) on two tiny vision-language architectures (`support.vision`): Qwen2.5-VL (multimodal RoPE,
 image patches flattened over the batch) and Idefics3/SmolVLM (tiled images batched per row).
 
 The image really reaches the model: the training pass's log-probs of the sampled tokens equal the sampler's, and
@@ -21,53 +21,29 @@ import torch
 from datasets import Dataset
 from PIL import Image
 
-from grpo import GRPOConfig, GRPOTrainer
+from grpo import GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.data import prompts as data
 from grpo.learner.batch import collate
 from grpo.models.vision import Pixels, language_model
-from grpo.rollout.base import Rollout, assemble
-from support import cfg, generate, length_reward, params, torchrun
-from tiny import make_model, make_tokenizer
-from tiny_vlm import BUILDERS, MODELS, image
-
-ARCHITECTURES = sorted(MODELS)  # Qwen3.5's too: padded rows
-# grpo's tool template, with a user turn's image blocks written as Qwen2.5-VL writes them
-QWEN_TOOLS = CHATML_TOOLS.replace(
-    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>",
-    "{% else %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
-    "<|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>",
+from grpo.rollout.base import Rollout
+from support.launch import job_script, torchrun
+from support.rewards import length_reward
+from support.runs import cfg, generate, params
+from support.tiny import make_model, make_tokenizer
+from support.vision import BUILDERS, MODELS, image
+from support.vision_runs import (
+    QWEN_STRIPPING,
+    QWEN_TOOLS,
+    CallFirst,
+    build,
+    image_rows,
+    picture,
+    picture_trainer,
+    trainer_for,
 )
 
-
-def image_rows(n=4, with_images=None, sizes=True):
-    """Conversational rows, each with its own image (of its own size with `sizes`); rows not in `with_images`
-    (None: all) have none."""
-    rows = []
-    for i in range(n):
-        has = with_images is None or i in with_images
-        size = (24 + 10 * i, 28 + 6 * (i % 3)) if sizes else (40, 32)
-        rows.append(
-            {
-                "prompt": [{"role": "user", "content": f"What is in picture {i}?"}],
-                "image": image(i, *size) if has else None,
-            }
-        )
-    return rows
-
-
-def trainer_for(arch, tmp_path, rows=None, seed=0, peft_config=None, **kw):
-    model, processor = MODELS[arch](seed)
-    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=4, **kw)
-    return GRPOTrainer(
-        model=model,
-        processing_class=processor,
-        reward_funcs=length_reward,
-        train_dataset=rows or image_rows(),
-        args=args,
-        peft_config=peft_config,
-    )
+ARCHITECTURES = sorted(MODELS)  # Qwen3.5's too: padded rows
 
 
 def sampled_batch(trainer, rows):
@@ -194,14 +170,6 @@ def test_image_paths_and_lists_of_images(tmp_path):
     assert names <= {"photo0.png, photo1.png", "photo2.png", "photo0.png", ""} and "photo0.png, photo1.png" in names
 
 
-def build(tmp_path, rows, arch="qwen2.5-vl"):
-    model, processor = BUILDERS[arch](0)
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4)
-    return GRPOTrainer(
-        model=model, processing_class=processor, reward_funcs=length_reward, train_dataset=rows, args=args
-    )
-
-
 def test_bad_image_input_is_named_before_training(tmp_path):
     chat = [{"role": "user", "content": "Look."}]
     missing = str(tmp_path / "nowhere.png")
@@ -261,30 +229,6 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-class CallFirst:
-    """The first turn of every row is a scripted tool call; every later turn is sampled by `engine` (the real one,
-    which needs the row's image on every turn)."""
-
-    name = "call-first"
-
-    def __init__(self, engine, tokenizer):
-        self.engine, self.tok = engine, tokenizer
-        self.call = tokenizer('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>')["input_ids"]
-        self.call += [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        self.follow_ups = []
-
-    def sync_weights(self, model):
-        self.engine.sync_weights(model)
-
-    def generate(self, requests):
-        if any("<|im_start|>tool" in self.tok.decode(list(r.prompt.ids)) for r in requests):
-            self.follow_ups.append(list(requests))
-            return self.engine.generate(requests)
-        rows = [r for r in requests for _ in range(r.num_samples)]
-        ids = [list(self.call) for _ in rows]
-        return assemble(rows, ids, [[0.0] * len(c) for c in ids], {self.call[-1]}, self.tok)
-
-
 def test_tool_turns_see_the_prompts_image(tmp_path):
     """With tools, each next turn is sampled with the row's image, and the training pass agrees on its tokens."""
     model, processor = BUILDERS["qwen2.5-vl"](0)
@@ -302,33 +246,6 @@ def test_tool_turns_see_the_prompts_image(tmp_path):
     assert sampled.sum() > 0
     logps = trainer.training_pass.logps(trainer.model, batch, 2)
     torch.testing.assert_close(logps[sampled], batch.sampling_logps[sampled], rtol=1e-5, atol=1e-6)
-
-
-def picture(name: str) -> list:
-    """Show a picture.
-
-    Args:
-        name: Which picture.
-    """
-    return [{"type": "image", "image": image(len(name), 28 + 8 * len(name), 30)}, {"type": "text", "text": name}]
-
-
-def picture_trainer(tmp_path, rows, name="x"):
-    model, processor = BUILDERS["qwen2.5-vl"](0)
-    processor.chat_template = processor.tokenizer.chat_template = QWEN_TOOLS
-    args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=200)
-    trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[picture])
-    trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
-    call = f'<tool_call>{{"name": "picture", "arguments": {{"name": "{name}"}}}}</tool_call>'
-    trainer.engine.call = trainer.tokenizer(call)["input_ids"] + [trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    return trainer
-
-
-# QWEN_TOOLS with every assistant turn rendered without its reasoning block (test_rendered_turns.STRIPPING)
-QWEN_STRIPPING = QWEN_TOOLS.replace(
-    "<|im_start|>assistant\n{{ message['content'] or '' }}",
-    "<|im_start|>assistant\n{{ (message['content'] or '').split('</think>')[-1] | trim }}",
-)
 
 
 def test_rendered_turns_hold_the_pictures_and_score_as_sampled(tmp_path):
@@ -448,7 +365,7 @@ def test_a_tools_image_for_a_text_only_model_is_refused(tmp_path):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_two_processes_with_images_on_one_only(arch, tmp_path):
     """DDP with the vision tower unused on one process: both end with the same, changed, parameters."""
-    torchrun(2, os.path.join(os.path.dirname(os.path.dirname(__file__)), "vision_job.py"), tmp_path, arch, timeout=600)
+    torchrun(2, job_script("vision_job.py"), tmp_path, arch, timeout=600)
     first, second = (torch.load(tmp_path / f"params_{rank}.pt") for rank in (0, 1))
     assert first["rows"] == [0, 0, 1, 1] and second["rows"] == [2, 2, 3, 3]
     initial = dict(MODELS[arch](0)[0].named_parameters())

@@ -1,4 +1,4 @@
-"""The zygote the job tests fork from (tests/zygote.py) gives each job what a fresh `python script args` gets: its
+"""The zygote the job tests fork from (support/zygote.py) gives each job what a fresh `python script args` gets: its
 argv, environment, working directory and streams, its own exit status (an exception's 1, SystemExit's code, -N when
 killed by signal N), freshly seeded random generators and torch's thread count from its OMP_NUM_THREADS; and it
 refuses a job whose environment differs in a variable the preloaded libraries read at import."""
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-import zygote
+from support import zygote
 
 SCRIPT = """
 import json, os, random, sys

@@ -12,7 +12,8 @@ from grpo.agent import CHATML_TOOLS
 from grpo.agent.parsing import parse_turn
 from grpo.agent.template import check_tool_template, tool_suffix_ids
 from grpo.agent.tools import ToolSet, run_calls
-from tiny import make_tokenizer
+from support.agent import tool_tokenizer
+from support.tiny import make_tokenizer
 
 
 def multiply(a: int, b: int) -> int:
@@ -27,12 +28,6 @@ def multiply(a: int, b: int) -> int:
 
 def call(name, **arguments):
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def tool_tokenizer():
-    tok = make_tokenizer()
-    tok.chat_template = CHATML_TOOLS
-    return tok
 
 
 # ---- tools --------------------------------------------------------------------------------------------------

@@ -4,11 +4,16 @@
 - experiment trackers are imported in `grpo/observe/metrics.py` only;
 - nothing imports `grpo.*` inside a function (function-level imports are for optional dependencies);
 - grpo sets no environment variable of its own making: `os.environ` is written only by `grpo/base/process_env.py`.
+And the tests' own walls:
+- helpers live in tests/support/, and no test module imports another test module (only `support.*`);
+- nothing in tests/unit builds a trainer (a test that does is an integration test);
+- a reward function of support.rewards is defined there once.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -250,14 +255,17 @@ def test_checkpoints_read_no_dataset():
 
 
 def test_no_test_folder_shadows_a_package():
-    """tests/ goes on sys.path (conftest, scripts): a folder there named like a package grpo or the tests import
-    would be imported in its place wherever that package is not installed (tests/vllm did so on a machine without
-    vLLM: `import vllm` succeeded and the suite stopped at collection)."""
+    """tests/ goes on sys.path (conftest, scripts), and so do support/ (the zygote's script folder) and support/jobs/
+    (each job's): a folder in tests/, or a module in those two, named like a package grpo or the tests import would
+    be imported in its place wherever that package is not installed (tests/vllm did so on a machine without vLLM:
+    `import vllm` succeeded and the suite stopped at collection)."""
     tests = Path(__file__).parents[1]
     packages = {"vllm", "trl", "datasets", "transformers", "accelerate", "peft", "deepspeed", "math_verify", "torch"}
-    packages |= {"tokenizers", "safetensors", "rich", "grpo", "tiny", "scripted"}
-    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
-    assert not folders & packages
+    packages |= {"tokenizers", "safetensors", "rich", "grpo", "numpy", "pandas", "PIL", "pytest", "huggingface_hub"}
+    names = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    names |= {p.stem for folder in (tests / "support", tests / "support" / "jobs") for p in folder.glob("*.py")}
+    assert "support" in names and "tiny" in names
+    assert not names & packages
 
 
 def test_the_documented_layout_table_matches_the_tree():
@@ -283,3 +291,161 @@ def test_the_trainer_constructor_stays_short():
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer")
     init = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     assert init.end_lineno - init.lineno + 1 <= 60
+
+
+# ---- the tests' own walls -------------------------------------------------------------------------------------
+# Only tests/ is on sys.path: what tests share is in its package `support` (tests/support/), and a test module
+# imports helpers from there, never from another test module. The unit tier builds no trainer: a test that does is
+# an integration test.
+TESTS = Path(__file__).resolve().parents[1]
+SUPPORT = TESTS / "support"
+TIERS = sorted(p for p in TESTS.iterdir() if p.is_dir() and p != SUPPORT and not p.name.startswith((".", "__")))
+TRAINERS = {"GRPOTrainer", "AsyncGRPOTrainer"}
+LAUNCHERS = {"support.launch", "support.zygote"}  # they start job processes (support/jobs/), which build trainers
+
+
+def python_files() -> list[Path]:
+    return sorted(p for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def top_imports(tree: ast.AST) -> list[tuple[str, int]]:
+    """(module, line) of every absolute import in `tree`, at any depth (`from x import y`: x; `import x.y`: x.y)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, node.lineno))
+    return found
+
+
+def local_names() -> set[str]:
+    """What a bare `import x` of a file under tests/ could reach: the modules and packages in the folders that go on
+    sys.path (tests/ itself; a tier's folder, which pytest's import mode prepends for its test modules; support/,
+    the zygote's script folder; support/jobs/, each job's)."""
+    roots = [TESTS, *TIERS, SUPPORT, SUPPORT / "jobs"]
+    names = {p.stem for root in roots for p in root.glob("*.py")}
+    return names | {p.name for root in roots for p in root.iterdir() if (p / "__init__.py").exists()}
+
+
+def test_tests_and_tiers_hold_test_modules_and_conftests_only():
+    """Helpers live in support/, not beside the tests: tests/ and each tier's folder hold test modules and
+    conftest.py alone."""
+    loose = [
+        p.relative_to(TESTS).as_posix()
+        for folder in (TESTS, *TIERS)
+        for p in folder.glob("*.py")
+        if not (p.name.startswith("test_") or p.name == "conftest.py")
+    ]
+    assert loose == []
+    assert {t.name for t in TIERS} >= {"unit", "integration", "distributed", "with_vllm"}
+
+
+def test_test_modules_import_no_other_test_module():
+    """Every import of a module under tests/ goes through the package support: a test module never imports another
+    test module (nor conftest.py: its fixtures come by name), and no helper or job script imports one either."""
+    local = local_names() - {"support"}
+    assert {"test_boundaries", "conftest", "tiny", "launch", "distributed_job"} <= local, "the rule checks nothing"
+    found = [
+        f"{p.relative_to(TESTS).as_posix()}:{line} imports {module}"
+        for p in python_files()
+        for module, line in top_imports(parsed(p))
+        if module.split(".")[0] in local
+    ]
+    assert found == [], "\n".join(found)
+
+
+def trainer_builders() -> set[tuple[str, str]]:
+    """(support module, function) for every top-level function of support that builds a trainer: its body names
+    GRPOTrainer or AsyncGRPOTrainer, or calls another such function (of its module, or imported from support)."""
+    uses: dict[tuple[str, str], set] = {}
+    for path in SUPPORT.rglob("*.py"):
+        module = ".".join(path.relative_to(TESTS).with_suffix("").parts).removesuffix(".__init__")
+        tree = parsed(path)
+        imported = {
+            alias.asname or alias.name: (node.module, alias.name)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("support.")
+            for alias in node.names
+        }
+        for fn in tree.body:
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                named = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+                named |= {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
+                uses[(module, fn.name)] = {imported.get(n, (module, n)) for n in named} | (named & TRAINERS)
+    builders: set[tuple[str, str]] = set()
+    while True:
+        more = {fn for fn, used in uses.items() if used & TRAINERS or used & builders} - builders
+        if not more:
+            return builders
+        builders |= more
+
+
+def builds_a_trainer(path: Path, builders: set[tuple[str, str]]) -> list[str]:
+    """Where module `path` names a trainer class, imports or calls a support function that builds a trainer, or
+    imports the launchers of job processes."""
+    tree = parsed(path)
+    found = []
+    modules = {}  # local name: support module, for `from support import x` and `import support.x as y`
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if alias.name in TRAINERS or (node.module, alias.name) in builders:
+                    found.append(f"{node.lineno}: imports {full}")
+                if node.module == "support":
+                    modules[alias.asname or alias.name] = full
+                if node.module in LAUNCHERS or full in LAUNCHERS:
+                    found.append(f"{node.lineno}: imports {full} (it launches jobs)")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("support."):
+                    modules[alias.asname or alias.name] = alias.name
+                if alias.name in LAUNCHERS:
+                    found.append(f"{node.lineno}: imports {alias.name} (it launches jobs)")
+        elif isinstance(node, ast.Name) and node.id in TRAINERS:
+            found.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.Attribute):
+            owner = ast.unparse(node.value)
+            if node.attr in TRAINERS or (modules.get(owner), node.attr) in builders:
+                found.append(f"{node.lineno}: {owner}.{node.attr}")
+    return found
+
+
+def test_the_unit_tier_builds_no_trainer():
+    """Nothing in tests/unit names GRPOTrainer or AsyncGRPOTrainer, uses a support helper that builds one (found
+    here by reading support: `support.agent.make_trainer`, `support.vision_runs.build`, ...), or launches job
+    processes: a test that trains, or builds a trainer to see what its constructor checks, is an integration test."""
+    builders = trainer_builders()
+    expected = {
+        ("support.agent", "make_trainer"),
+        ("support.vision_runs", "build"),
+        ("support.vllm_runs", "make_trainer"),
+    }
+    assert expected <= builders, "the rule checks nothing"
+    found = [
+        f"{p.relative_to(TESTS).as_posix()}:{where}"
+        for p in sorted((TESTS / "unit").glob("*.py"))
+        for where in builds_a_trainer(p, builders)
+    ]
+    assert found == [], "\n".join(found)
+
+
+def test_shared_reward_functions_are_defined_once():
+    """A reward function of support.rewards (`length_reward`, ...) is defined there only: no test module, helper or
+    job defines a function of the same name with other behaviour."""
+    shared = {n.name for n in ast.parse((SUPPORT / "rewards.py").read_text()).body if isinstance(n, ast.FunctionDef)}
+    assert "length_reward" in shared
+    again = [
+        f"{p.relative_to(TESTS).as_posix()}:{node.lineno} defines {node.name}"
+        for p in python_files()
+        if p != SUPPORT / "rewards.py"
+        for node in ast.walk(parsed(p))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in shared
+    ]
+    assert again == [], "\n".join(again)

@@ -21,8 +21,8 @@ from grpo import GRPOConfig, cli
 from grpo.observe.report import charts
 from grpo.rewards.models import RewardModel
 from grpo.train_cli import parse
-from test_report import charts_in, full_history, write_run
-from tiny import make_tokenizer
+from support.reports import charts_in, full_history, write_run
+from support.tiny import make_tokenizer
 
 # ---- (a) grpo train: the config file --------------------------------------------------------------------------
 

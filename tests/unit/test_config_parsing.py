@@ -9,10 +9,9 @@ import warnings
 import pytest
 from transformers import HfArgumentParser
 
-from field_effects import Setting
 from grpo import GRPOConfig
 from grpo.config import compat
-from test_trl_fields import EFFECTS, FIELDS, HONOURED, LIST
+from support.field_effects import EFFECTS, FIELDS, HONOURED, LIST, Setting
 
 
 def flag_words(name, value):

@@ -8,44 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import on_device
 from grpo import GRPOConfig
-from grpo.data.prompts import end_of_turn_ids, tokenize_prompts
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.rollout import fast
 from grpo.rollout.fast import FastEngine, low_precision_linears, sample_from
 from grpo.rollout.plain import TransformersEngine
-from scripted import as_requests
-from tiny import make_gemma3, make_model, make_qwen3, make_tokenizer, with_lora
+from support import on_device
+from support.decode import MODELS, greedy, setup
 
-MODELS = {
-    "llama": lambda tok: make_model(tok, hidden=64),
-    "qwen3": make_qwen3,
-    "gemma3": make_gemma3,
-    "lora": lambda tok: with_lora(make_model(tok, hidden=64), modules_to_save=["lm_head"]),
-}
 models = pytest.mark.parametrize("family", list(MODELS))
-
-
-def setup(device="cpu", family="llama", **kw):
-    tok = make_tokenizer()
-    model = MODELS[family](tok).eval().to(device)
-    args = GRPOConfig(
-        output_dir="x",
-        max_completion_length=kw.pop("max_completion_length", 16),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        **kw,
-    )
-    stop = end_of_turn_ids(tok, model.generation_config.eos_token_id)
-    chats = [[{"role": "user", "content": text}] for text in ("hi", "what is two plus two?")]
-    rows = as_requests([ids for ids in tokenize_prompts(chats, tok) for _ in range(4)])
-    return tok, model, args, stop, rows
-
-
-def greedy(logprobs):
-    return logprobs.argmax(-1)
 
 
 @on_device.mark

@@ -12,7 +12,7 @@ from grpo.learner.forward import token_logps
 from grpo.rollout import Request
 from grpo.rollout.base import cut_at_stop
 from grpo.rollout.plain import TransformersEngine
-from tiny import make_model, make_tokenizer
+from support.tiny import make_model, make_tokenizer
 
 
 def engine_for(model, tok, **kw):

@@ -11,7 +11,7 @@ from grpo import GRPOConfig
 from grpo.data.prompts import end_of_turn_ids, make_prompt
 from grpo.rollout import Request
 from grpo.rollout.plain import TransformersEngine, _SampledLogps
-from tiny import make_model, make_tokenizer
+from support.tiny import make_model, make_tokenizer
 
 # TRL's own test_train_with_generation_kwargs
 TRL_KWARGS = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1}

@@ -3,66 +3,25 @@
 base64 images are held to `grpo.models.vision.MAX_IMAGE_PIXELS`; PIL's decompression-bomb warning and error become the
 same one error; every row's images are checked when the trainer is built (the size from the header before any pixel
 is decoded, then each image decoded once and dropped: a truncated file is found before step 1), each problem named
-by row and path."""
+by row and path (those tests build a trainer: tests/integration/test_image_budget_at_build.py)."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
-import os
-import struct
 import subprocess
 import sys
-import zlib
 
 import pytest
 from datasets import Dataset
 from datasets import Image as ImageFeature
-from PIL import Image, ImageFile
+from PIL import Image
 
 from grpo.data import prompts as data
 from grpo.models import vision
-from test_vision import build
-from tiny_vlm import BUILDERS, image
-
-CHAT = [{"role": "user", "content": "Look."}]
-
-
-def _chunk(kind: bytes, body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-
-def bomb_png(width: int, height: int) -> bytes:
-    """A valid one-colour greyscale PNG of width x height pixels, written row by row (never held decoded): 20000 x
-    20000 is 0.4 MB."""
-    compress, row = zlib.compressobj(9), b"\0" * (width + 1)
-    pixels = b"".join([*(compress.compress(row) for _ in range(height)), compress.flush()])
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", pixels) + _chunk(b"IEND", b"")
-
-
-@pytest.fixture(scope="module")
-def bombs(tmp_path_factory):
-    """Paths of a 20000x20000 PNG (past PIL's error limit) and a 12000x12000 one (PIL only warns, then decodes)."""
-    folder = tmp_path_factory.mktemp("bombs")
-    paths = {}
-    for side in (20000, 12000):
-        paths[side] = str(folder / f"bomb{side}.png")
-        with open(paths[side], "wb") as f:
-            f.write(bomb_png(side, side))
-    assert os.path.getsize(paths[20000]) < 500_000
-    return paths
-
-
-@pytest.fixture
-def never_decoded(monkeypatch):
-    """Fails the test if any image's pixels are read."""
-
-    def load(self):
-        raise AssertionError(f"decoded a {self.size} image")
-
-    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+from support.images import CHAT
+from support.vision import BUILDERS, image
 
 
 @pytest.mark.parametrize("side", [20000, 12000])
@@ -129,32 +88,6 @@ def test_refusing_a_bomb_costs_no_memory(bombs):
     assert result["grown_kb"] < 50_000, result
 
 
-def test_every_rows_images_are_checked_when_the_trainer_is_built(tmp_path, bombs, never_decoded):
-    """A missing file, an unreadable file, undecodable bytes, an image past the budget (as a path, as bytes, as a
-    PIL image) and an 'images' value that is not a list: each is one error naming the row, before training, with no
-    image decoded (the good rows' images are PIL images already, their files' headers only are read)."""
-    good = [{"prompt": CHAT, "image": image(i)} for i in range(3)]
-    missing = str(tmp_path / "nowhere.png")
-    broken = tmp_path / "broken.png"
-    broken.write_bytes(b"not an image at all")
-    cases = {
-        f"row 3: the image file {missing} does not exist": {"prompt": CHAT, "image": {"path": missing, "bytes": None}},
-        f"row 3: cannot read the image {broken}": {"prompt": CHAT, "image": str(broken)},
-        f"row 3: the image {bombs[12000]} is 12000x12000 pixels": {"prompt": CHAT, "image": bombs[12000]},
-        "row 3: the image <image 9000x8000> is 9000x8000 pixels": {
-            "prompt": CHAT,
-            "image": Image.new("L", (9000, 8000)),
-        },
-        "row 3: the 'images' column holds a str": {"prompt": CHAT, "images": bombs[20000]},
-        "row 3: an image is a PIL image or a file path; got int": {"prompt": CHAT, "image": 7},
-    }
-    for message, row in cases.items():
-        column = "images" if "images" in row else "image"
-        rows = [{"prompt": r["prompt"], column: [r["image"]] if column == "images" else r["image"]} for r in good]
-        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            build(tmp_path, [*rows, row])
-
-
 def test_a_datasets_image_column_of_bytes_is_checked_when_the_trainer_is_built(tmp_path, bombs):
     """A datasets.Image column holds undecoded bytes: each row's image is read when the trainer is built (a bomb
     refused from its header)."""
@@ -175,28 +108,6 @@ def test_a_datasets_image_column_of_bytes_is_checked_when_the_trainer_is_built(t
         assert type(dataset.features["image"]).__name__ == "Image"
         with pytest.raises(ValueError, match=message):
             data.check_images(dataset, BUILDERS["qwen2.5-vl"](0)[1])
-
-
-def truncated_png(path, size=(64, 48)):
-    """A PNG whose header is valid and whose pixel data is cut in half: it opens, and fails only when decoded."""
-    buffer = io.BytesIO()
-    image(3, *size).save(buffer, format="PNG")
-    raw = buffer.getvalue()
-    with open(path, "wb") as f:
-        f.write(raw[: len(raw) // 2])
-    return str(path)
-
-
-def test_a_truncated_image_is_named_before_training(tmp_path):
-    """A truncated PNG (valid header, data cut): as a path, and as a PIL image opened from it and not yet read, one
-    error naming the row when the trainer is built, not at the step that first uses the row."""
-    cut = truncated_png(tmp_path / "cut.png")
-    with Image.open(cut) as opened:
-        assert opened.size == (64, 48)  # the header reads
-        for value in (cut, opened):
-            rows = [{"prompt": CHAT, "image": image(i)} for i in range(3)] + [{"prompt": CHAT, "image": value}]
-            with pytest.raises(ValueError, match=f"row 3: cannot read the image {cut}: image file is truncated"):
-                build(tmp_path, rows)
 
 
 def test_checking_every_image_holds_one_at_a_time(tmp_path):

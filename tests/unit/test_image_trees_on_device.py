@@ -4,33 +4,15 @@ imports (datasets, the trainer's tests) the GPU machine's image may lack."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
-import on_device
 from grpo.learner import tree_attention
-from grpo.learner.forward import token_logps
 from grpo.learner.tree_images import ImageInputs
 from grpo.models.vision import Pixels
-from test_turn_layouts import gathered
-from tiny_vlm import BUILDERS, image_batch, turn_pictures_batch
-
-GRAD_ATOL = 5e-6  # as test_tree_packing: the attention sums over other widths than the padded pass's
-
-
-def image_pass(model, batch, images, as_trees, chunk_size=None):
-    """The training pass over image rows (`images`: their `ImageInputs`): the log-probs, entropies and every
-    parameter's gradient of the log-probs' sum; and how the pieces were laid out."""
-    model.zero_grad()
-    laid_out = Counter()
-    logps, ent = token_logps(
-        model, batch, 0.9, chunk_size=chunk_size, images=images, as_trees=as_trees, laid_out=laid_out
-    )
-    (logps * batch.mask).sum().backward()
-    grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
-    return (logps.detach(), ent.detach(), grads), laid_out
+from support import on_device
+from support.layouts import GRAD_ATOL, gathered, image_pass
+from support.vision import BUILDERS, image_batch, turn_pictures_batch
 
 
 @on_device.mark
@@ -54,7 +36,7 @@ def test_image_trees_are_the_padded_pass_on_the_tests_device(arch):
     m = batch.mask.bool()
     torch.testing.assert_close(trees[0][m], padded[0][m], **tolerance)
     torch.testing.assert_close(trees[1][m], padded[1][m], **tolerance)
-    for name, grad in padded[2].items():  # atol scaled as test_shared_prefix_training.assert_same_pass's
+    for name, grad in padded[2].items():  # atol scaled as support.layouts.assert_same_pass's
         scale = max(1.0, float(grad.abs().max()))
         scaled = dict(grad_tolerance, atol=grad_tolerance["atol"] * scale)
         torch.testing.assert_close(trees[2][name], grad, **scaled, msg=name)

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-import on_device
 from grpo.rollout import lean_decoder
 from grpo.rollout.base import left_pad
 from grpo.rollout.cpu import packed, panels
 from grpo.rollout.lean_decoder import LeanDecoder, unsupported_reason
-from tiny import make_gemma3, make_model, make_tokenizer, with_lora
+from support import on_device
+from support.tiny import make_gemma3, make_model, make_tokenizer, with_lora
 
 PACKED_LINEAR = packed.packed_linear
 

@@ -23,8 +23,8 @@ import torch
 from grpo.algo.losses import LOSS_TYPES as TABLE
 from grpo.algo.losses import LossParams, LossScale, entropy_bonus, high_entropy_mask, kl_k3, policy_loss
 from grpo.config import LOSS_TYPES, GRPOConfig
+from support.float64 import F64, t64
 
-F64 = torch.float64
 LN2 = math.log(2.0)
 
 LOGPS = [[-1.0, -2.0, -0.5], [-1.0, -1.0, -7.0]]
@@ -47,10 +47,6 @@ CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 def make_cfg(loss_type: str = "dapo", **kw) -> GRPOConfig:
     kw.setdefault("max_completion_length", 4)
     return GRPOConfig(output_dir="unused", loss_type=loss_type, per_device_train_batch_size=4, num_generations=2, **kw)
-
-
-def t64(x) -> torch.Tensor:
-    return torch.tensor(x, dtype=F64)
 
 
 def run(

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from grpo.data.prompts import PromptSource, check_dataset, make_prompt
-from tiny import make_tokenizer
+from support.tiny import make_tokenizer
 
 LONE = json.loads('"ab\\ud800c"')  # what json.loads gives for the valid JSON string "ab\ud800c"
 

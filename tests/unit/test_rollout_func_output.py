@@ -12,7 +12,7 @@ import torch
 from grpo import GRPOConfig
 from grpo.agent.rollouts import Rollouts
 from grpo.data.prompts import RESERVED_COLUMNS, PromptSource, end_of_turn_ids
-from tiny import make_model, make_tokenizer
+from support.tiny import make_model, make_tokenizer
 
 N = 4  # rows per call
 

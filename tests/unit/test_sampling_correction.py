@@ -23,8 +23,8 @@ import torch
 
 from grpo.algo.losses import LOSS_TYPES, LossParams, Stat, policy_loss
 from grpo.algo.sampling_correction import MODES, off_policy_mask, sampling_ratio, sampling_stats
+from support.float64 import F64, t64
 
-F64 = torch.float64
 NAN = float("nan")
 E = math.exp
 
@@ -32,10 +32,6 @@ TRAINER = [[-1.0, -2.0, -0.5], [-1.0, -1.5, -3.0]]
 SAMPLING = [[-1.8, -2.3, -0.7], [-0.1, NAN, -8.0]]
 MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
 CLIPS = [(None, None), (None, 3.0), (0.5, 2.0)]
-
-
-def t64(x) -> torch.Tensor:
-    return torch.tensor(x, dtype=F64)
 
 
 def hand_ratio(mode, clip_min=None, clip_max=3.0):

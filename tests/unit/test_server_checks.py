@@ -24,12 +24,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import tiny
 from grpo.rollout.base import Prompt, Request
 from grpo.rollout.remote import ServerEngine, ServerError, server_urls
 from grpo.rollout.server_client import token_counters
 from grpo.serve import gloo, launcher
 from grpo.serve.guard import Access, Guard, host_name, lone_surrogate, past_the_context
+from support import tiny
 
 # ---- the guard --------------------------------------------------------------------------------------------------
 

@@ -8,60 +8,11 @@ import os
 import pytest
 import torch
 
-import on_device
 from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
-from grpo.data.prompts import tokenize_prompts
-from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Rollout
-from tiny import make_model, make_tokenizer
-
-
-def batch_and_model(texts=("hi", "what is two plus two?", "ok"), lengths=(1, 9), seed=0):
-    """Groups of 4 random completions (`lengths`: their lengths' range) of the chat prompts `texts`, the rows
-    shuffled, and a tiny model."""
-    tok = make_tokenizer()
-    model = make_model(tok, hidden=64)
-    chats = [[{"role": "user", "content": t}] for t in texts]
-    prompts = tokenize_prompts(chats, tok)
-    g = torch.Generator().manual_seed(seed)
-    rows, completions, group = [], [], []
-    for k, p in enumerate(prompts):
-        for _ in range(4):
-            rows.append(p)
-            group.append(k)
-            completions.append(
-                torch.randint(10, len(tok), (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist()
-            )
-    rollout = Rollout(
-        prompt_ids=rows,
-        completion_ids=completions,
-        sampling_logps=[[0.0] * len(c) for c in completions],
-        truncated=[False] * len(rows),
-    )
-    batch = collate(rollout, torch.zeros(len(rows)), tok.pad_token_id, mask_truncated=False, group=torch.tensor(group))
-    order = torch.randperm(len(rows), generator=g)
-    return batch.select(order), model
-
-
-def logps_and_grads(model, batch, **kwargs):
-    """The training pass at temperature 0.9: log-probs, entropies and every parameter's gradient of their sum."""
-    model.zero_grad()
-    logps, ent = token_logps(model, batch, temperature=0.9, **kwargs)
-    (logps * batch.mask).sum().backward()
-    return logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def assert_same_pass(a, b, batch, grad_atol=1e-6):
-    """float32: log-probs at rtol 1e-5 / atol 1e-6, entropies at atol 1e-5, gradients at rtol 1e-5 / atol
-    `grad_atol` times the parameter's largest gradient where that is above 1 (a float32 sum's rounding grows with
-    its terms: Gemma 4's scaled embeddings have gradients near 100)."""
-    m = batch.mask.bool()
-    torch.testing.assert_close(a[0][m], b[0][m], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(a[1][m], b[1][m], rtol=1e-5, atol=1e-5)
-    for name, grad in b[2].items():
-        scale = max(1.0, float(grad.abs().max()))
-        torch.testing.assert_close(a[2][name], grad, rtol=1e-5, atol=grad_atol * scale)
+from support import on_device
+from support.layouts import assert_same_pass, batch_and_model, logps_and_grads, turns_batch
+from support.tiny import make_model, make_tokenizer
 
 
 def test_shared_prefix_logps_and_gradients_match_plain():
@@ -102,8 +53,6 @@ def test_copies_of_a_shared_position_add_their_gradients_in_a_fixed_order(layout
     through no advanced-indexing backward (`IndexBackward0`), which on a multi-threaded CPU adds with atomic adds in
     thread order: the same batch gave gradients a rounding apart from run to run (resumes were not bit-identical).
     And repeated passes over prompts long enough for torch's threaded path give bit-identical gradients."""
-    from test_turn_layouts import turns_batch
-
     layout = dict(layout)
     batch, model = turns_batch()[::4] if layout.pop("turns", False) else batch_and_model()
     logps, _ = token_logps(model, batch, temperature=0.9, **layout)

@@ -15,15 +15,15 @@ import textwrap
 import pytest
 import torch
 
-import on_device
 from grpo import GRPOConfig
 from grpo.data.prompts import tokenize_prompts
 from grpo.rollout import graphed
 from grpo.rollout.fast import FastEngine, logits_processors, sample_from
 from grpo.rollout.graphed import StaticDecode, bucket
 from grpo.rollout.lean_decoder import GROW, LeanDecoder
-from scripted import as_requests
-from tiny import make_model, make_qwen3, make_tokenizer
+from support import on_device
+from support.scripted import as_requests
+from support.tiny import make_model, make_qwen3, make_tokenizer
 
 
 def setup(device, budgets=(150, 40, 7), family="llama", **kw):

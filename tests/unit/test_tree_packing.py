@@ -12,18 +12,22 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import on_device
-from grpo import GRPOConfig
-from grpo.algo.losses import policy_loss
 from grpo.config.grpo_fields import LOSS_TYPES
 from grpo.learner import tree, tree_attention
 from grpo.learner.forward import token_logps
-from test_shared_prefix_training import assert_same_pass, batch_and_model, logps_and_grads
-from tiny import make_model, make_tokenizer
-
-# gradients at atol 5e-6: the attention's sums run over other widths than the padded pass's, so their rounding
-# differs (gradients here are of order 0.1)
-GRAD_ATOL = 5e-6
+from support import on_device
+from support.layouts import (
+    GRAD_ATOL,
+    allowed_pairs,
+    assert_loss_types_gradients_agree,
+    assert_same_pass,
+    batch_and_model,
+    dense_twin,
+    logps_and_grads,
+    long_completions_batch,
+    turns_batch,
+)
+from support.tiny import make_model, make_tokenizer
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -104,11 +108,6 @@ def test_small_trees_share_a_row(monkeypatch):
     padded = logps_and_grads(model, batch)
     packed = logps_and_grads(model, batch, as_trees=True)
     assert_same_pass(packed, padded, batch, GRAD_ATOL)
-
-
-def long_completions_batch():
-    """Groups of 4 completions of 30-40 tokens after a short prompt: a group's tree is wide, its prompt short."""
-    return batch_and_model(texts=("hi", "ok", "go"), lengths=(30, 41), seed=1)
 
 
 def test_the_cost_model_cuts_groups_where_width_costs_more_than_repeated_prompts(monkeypatch):
@@ -261,57 +260,12 @@ def test_float64_tree_pass_is_exact_to_rounding():
     torch.testing.assert_close(trees[m], padded[m], rtol=1e-12, atol=1e-12)
 
 
-def assert_loss_types_gradients_agree(model, batch, loss_type, group, seed=1):
-    """`loss_type`'s gradient (old log-probs moved off the policy, a KL term against a reference) through the tree
-    pass equals the padded pass's (forked rows, for a batch with turns)."""
-    g = torch.Generator().manual_seed(seed)
-    advantages = torch.randn(len(batch), generator=g)
-    with torch.no_grad():
-        base, _ = token_logps(model, batch, 0.9, with_entropy=False)
-    old = base + 0.05 * torch.randn(base.shape, generator=g)
-    ref = base + 0.1 * torch.randn(base.shape, generator=g)
-    args = GRPOConfig(
-        output_dir="unused", loss_type=loss_type, beta=0.04, per_device_train_batch_size=group, num_generations=group
-    )
-
-    def gradient(as_trees):
-        model.zero_grad()
-        logps, _ = token_logps(model, batch, 0.9, as_trees=as_trees)
-        loss, _ = policy_loss(logps, old, advantages, batch.mask, args, ref_logps=ref, num_items_in_batch=50.0)
-        loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    padded, trees = gradient(False), gradient(True)
-    assert any(g.abs().sum() > 0 for g in padded.values())
-    for name, grad in padded.items():
-        torch.testing.assert_close(trees[name], grad, rtol=1e-5, atol=GRAD_ATOL)
-
-
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_every_loss_types_gradient_is_the_padded_one(loss_type):
     """Each loss type's gradient through the tree pass equals the padded pass's: off-policy (old log-probs moved
     away), a KL term against a reference, the entropies the losses read."""
     batch, model = batch_and_model()
     assert_loss_types_gradients_agree(model, batch, loss_type, group=4)
-
-
-def allowed_pairs(block_mask, rows, width):
-    """Where a FlexAttention block mask's rule lets each query attend each key, over `rows` rows of `width`: (R, T,
-    T)."""
-    b, q, k = torch.arange(rows).view(-1, 1, 1), torch.arange(width).view(1, -1, 1), torch.arange(width).view(1, 1, -1)
-    return block_mask.mask_mod(b, 0, q, k)
-
-
-def dense_twin(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
-    """A stand-in for FlexAttention with a backward on the CPU: its block mask's own rule (`allowed_pairs`),
-    attended by SDPA (no score softcap: the tiny models have none)."""
-    assert softcap is None
-    rows, _, width, _ = query.shape
-    allowed = allowed_pairs(attention_mask, rows, width).unsqueeze(1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True
-    )
-    return out.transpose(1, 2).contiguous(), None
 
 
 def block_mask_pairs(trees):
@@ -323,8 +277,6 @@ def test_the_flex_block_mask_attends_as_the_dense_mask_and_its_blocks_are_counte
     """FlexAttention's block mask (the "flex" kernel) allows exactly the dense mask's (query, key) pairs, for one
     tree per group, groups cut into trees side by side, and rendered turns (hidden branches); and `flex_blocks`
     counts the blocks it computes (blocks of 16 here, so these rows have several)."""
-    from test_turn_layouts import turns_batch  # it imports this module
-
     monkeypatch.setattr(tree_attention, "FLEX_BLOCK", 16)
     batch, _ = batch_and_model()
     turns, *_ = turns_batch()

@@ -11,72 +11,15 @@ import torch
 
 from grpo.config.grpo_fields import LOSS_TYPES
 from grpo.learner import tree
-from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout.base import Rollout
-from test_shared_prefix_training import assert_same_pass, logps_and_grads
-from test_tree_packing import GRAD_ATOL, assert_loss_types_gradients_agree
-from tiny import make_model, make_tokenizer
-
-
-def turns_batch(seed=0):
-    """Two groups of three rows, each row up to three turns. A later turn's context is the earlier one's with its
-    first sampled tokens dropped (a stripped reasoning block) and tool tokens after (a rendered tool turn), or the
-    earlier context and tokens continued as they are; one row is a single turn. Also the turns as separate
-    single-turn rows (prompt = context), and where each of the batch's positions sits among them."""
-    tok = make_tokenizer()
-    g = torch.Generator().manual_seed(seed)
-
-    def tokens(n):
-        return torch.randint(10, len(tok), (n,), generator=g).tolist()
-
-    prompts = [tokens(6), tokens(9)]
-    rows, completions, turns, group = [], [], [], []
-    for k, prompt in enumerate(prompts):
-        for r in range(3):
-            spans = [tokens(int(torch.randint(2, 7, (1,), generator=g))) for _ in range(1 if r == 2 else 3)]
-            context, start, done = list(prompt), 0, []
-            for t, span in enumerate(spans):
-                done.append((start, start + len(span), tuple(context)))
-                start += len(span)
-                # the next turn's history: this turn stripped of its first two tokens, or kept (r == 1, t == 0)
-                kept = span if (r == 1 and t == 0) else span[2:]
-                context = context + kept + tokens(3)
-            rows.append(prompt)
-            completions.append([x for span in spans for x in span])
-            turns.append(tuple(done) if len(done) > 1 else None)
-            group.append(k)
-    rollout = Rollout(
-        prompt_ids=rows,
-        completion_ids=completions,
-        sampling_logps=[[0.0] * len(c) for c in completions],
-        truncated=[False] * len(rows),
-        turns=turns,
-    )
-    batch = collate(rollout, torch.zeros(len(rows)), tok.pad_token_id, mask_truncated=False, group=torch.tensor(group))
-    # the reference: each turn a row of its own
-    forks, where = [], []
-    for i in range(len(rows)):
-        for start, end, context in turns[i] or ((0, len(completions[i]), tuple(rows[i])),):
-            where.append((i, start, end, len(forks)))
-            forks.append((list(context), completions[i][start:end]))
-    single = Rollout(
-        prompt_ids=[c for c, _ in forks],
-        completion_ids=[s for _, s in forks],
-        sampling_logps=[[0.0] * len(s) for _, s in forks],
-        truncated=[False] * len(forks),
-    )
-    singles = collate(single, torch.zeros(len(forks)), tok.pad_token_id, mask_truncated=False)
-    order = torch.randperm(len(rows), generator=g)
-    return batch, singles, where, order, make_model(tok, hidden=64)
-
-
-def gathered(values, where, shape):
-    """The single-turn rows' per-token values at the batch's positions."""
-    out = torch.zeros(shape, dtype=values.dtype)
-    for i, start, end, f in where:
-        out[i, start:end] = values[f, : end - start]
-    return out
+from support.layouts import (
+    GRAD_ATOL,
+    assert_loss_types_gradients_agree,
+    assert_same_pass,
+    gathered,
+    logps_and_grads,
+    turns_batch,
+)
 
 
 def reference(model, batch, singles, where, dtype=torch.float32):

@@ -14,8 +14,8 @@ from grpo.learner import tree
 from grpo.learner.batch import collate
 from grpo.learner.prefix import shared_prompts
 from grpo.rollout import Rollout
-from test_shared_prefix_training import assert_same_pass, logps_and_grads
-from tiny import make_model, make_tokenizer
+from support.layouts import assert_same_pass, logps_and_grads
+from support.tiny import make_model, make_tokenizer
 
 
 def hinted_batch(seed: int = 0):

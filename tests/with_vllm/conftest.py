@@ -19,8 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'grpo[vllm]')")
 
-import served  # noqa: E402
-import tiny  # noqa: E402
+from support import served, tiny  # noqa: E402
 
 _REAL_LLM = vllm.LLM
 _ENGINES: dict[tuple, object] = {}

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo.rollout.server_client import ServerClient, token_counters
-from served import KEY, request, server_env
+from support.served import KEY, request, server_env
 
 FP32_TOL = 1e-3
 PROMPTS = [[4, 10, 11, 12], [4, 20, 21]]

@@ -16,12 +16,12 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-import served as served_
 from grpo.rollout.base import Request
 from grpo.rollout.remote import ServerError
-from served import KEY, request
-from support import torchrun
-from test_vllm_engine import (
+from support import served as served_
+from support.launch import job_script, torchrun
+from support.served import KEY, request
+from support.vllm_runs import (
     BF16_MAX_TOL,
     BF16_MEAN_TOL,
     FP32_TOL,
@@ -31,7 +31,7 @@ from test_vllm_engine import (
     policy_logps,
 )
 
-JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")
+JOB = job_script("vllm_job.py")
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_a_run_whose_server_another_run_took_over_is_refused_by_name(server, vll
 def test_a_server_of_another_model_is_one_error_naming_it_and_keeps_serving(server, vllm_model_dir, tmp_path):
     """The policy has 3 layers, the server's model 2 (same tokenizer: the probe text passes): the first push is
     refused when the run connects, naming what differs, before anything is sent; the server serves the next run."""
-    import tiny
+    from support import tiny
 
     deeper = tmp_path / "deeper"
     tokenizer = tiny.make_tokenizer()

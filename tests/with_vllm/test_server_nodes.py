@@ -12,9 +12,9 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from support import free_port, job_env, side_by_side
+from support.launch import free_port, job_env, job_script, side_by_side
 
-JOB = __file__.rsplit("/", 1)[0] + "/nodes_job.py"
+JOB = job_script("nodes_job.py")
 
 
 def accelerate(*flags: str) -> list[str]:

@@ -9,24 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tiny
-from field_effects import BASE, chat_dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.data.prompts import make_prompt
-from test_vllm_engine import FP32_TOL, policy_logps
-
-CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiplies.
-
-    Args:
-        a: x
-        b: y
-    """
-    return a * b
+from support import tiny
+from support.agent import CALL, multiply
+from support.runs import BASE, chat_dataset
+from support.vllm_runs import FP32_TOL, policy_logps
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +52,7 @@ def test_follow_up_turns_are_sampled_by_vllm(tools_model_dir, tmp_path, mode, se
         model=tools_model_dir,
         processing_class=tok,
         reward_funcs=lambda completions, **kw: [float(len(c[-1]["content"])) for c in completions],
-        train_dataset=chat_dataset(),
+        train_dataset=chat_dataset(tasks=False),
         args=args,
         tools=[multiply],
         rollout_func=first_turns,

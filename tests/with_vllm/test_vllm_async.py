@@ -9,9 +9,10 @@ import json
 
 import torch
 
-from support import torchrun
-from test_server_mode import JOB
-from test_vllm_engine import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
+from support.launch import job_script, torchrun
+from support.vllm_runs import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
+
+JOB = job_script("vllm_job.py")
 
 
 def check_rounds(trainer, steps):

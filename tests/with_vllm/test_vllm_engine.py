@@ -5,70 +5,27 @@ settings get one clear error."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
 import torch
-from vllm import SamplingParams
 
-from field_effects import BASE, chat_dataset, length_reward
-from grpo import GRPOConfig, GRPOTrainer
 from grpo.rollout.base import Request
 from grpo.rollout.fast import logits_processors
-from support import generate
-
-FP32_TOL = 1e-3  # max |logp difference| per token, float32 engine vs float32 policy
-BF16_MEAN_TOL = 0.05  # bfloat16 engine vs bfloat16 (autocast) policy: mean |difference| per token ...
-BF16_MAX_TOL = 0.5  # ... and the largest one
-
-
-def make_trainer(model, tmp_path, dataset=None, peft_config=None, **cfg):
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), **{**BASE, "use_vllm": True, **cfg})
-    return GRPOTrainer(
-        model=model,
-        reward_funcs=length_reward,
-        train_dataset=dataset if dataset is not None else chat_dataset(),
-        args=args,
-        peft_config=peft_config,
-    )
-
-
-def engine_logps(engine, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """vLLM's log-probs of a fixed completion (its prompt log-probs of prompt + completion)."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-    out = engine.llm.generate([{"prompt_token_ids": prompt + completion}], params, use_tqdm=False)[0]
-    entries = out.prompt_logprobs[len(prompt) :]
-    return torch.tensor([entry[token].logprob for entry, token in zip(entries, completion)])
-
-
-@torch.no_grad()
-def policy_logps(trainer, prompt: list[int], completion: list[int], processors=None) -> torch.Tensor:
-    """The policy's log-probs of the completion (after `processors`, as the in-process engines apply them)."""
-    model = trainer.unwrapped_model
-    ids = torch.tensor([prompt + completion])
-    with trainer.accelerator.autocast():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    out = []
-    for t, token in enumerate(completion):
-        scores = logits[t : t + 1]
-        if processors is not None:
-            scores = processors(ids[:, : len(prompt) + t], scores)
-        out.append(torch.log_softmax(scores, -1)[0, token])
-    return torch.stack(out)
-
-
-def fixed_completion(trainer) -> tuple[list[int], list[int]]:
-    prompt = list(trainer.prompts[0].ids)
-    return prompt, [trainer.processing_class.convert_tokens_to_ids(c) for c in "The answer is 42."]
-
-
-def perturb(model) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+from support.launch import job_script
+from support.runs import generate
+from support.vllm_runs import (
+    BF16_MAX_TOL,
+    BF16_MEAN_TOL,
+    FP32_TOL,
+    engine_logps,
+    fixed_completion,
+    make_trainer,
+    perturb,
+    policy_logps,
+)
 
 
 def test_after_a_sync_the_engine_scores_as_the_policy_and_without_one_it_does_not(vllm_model_dir, tmp_path):
@@ -121,7 +78,7 @@ def test_a_gemma4s_layer_scalars_reach_the_engine(tmp_path):
     values, per-layer inputs and sliding layer, through vLLM's transformers backend."""
     import transformers
 
-    import tiny
+    from support import tiny
 
     tokenizer = tiny.make_tokenizer()
     config = transformers.Gemma4TextConfig(
@@ -160,7 +117,7 @@ def test_a_mixture_of_experts_reaches_the_engine(tmp_path):
     log-probs 0.69 off here. A tiny Qwen3-MoE whose experts change after the engine is built (moe_job.py, in a
     process of its own: a mixture-of-experts engine needs vLLM's expert-parallel group, which an earlier engine's
     process lacks)."""
-    job = os.path.join(os.path.dirname(__file__), "moe_job.py")
+    job = job_script("moe_job.py")
     done = subprocess.run([sys.executable, job, str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     diff = json.loads((tmp_path / "diff.json").read_text())

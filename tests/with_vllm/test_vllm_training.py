@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from field_effects import chat_dataset
-from support import generate, torchrun
-from test_vllm_engine import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
+from support.launch import job_script, torchrun
+from support.runs import chat_dataset, generate
+from support.vllm_runs import FP32_TOL, engine_logps, fixed_completion, make_trainer, policy_logps
 
-JOB = os.path.join(os.path.dirname(__file__), "vllm_job.py")
+JOB = job_script("vllm_job.py")
 
 
 def test_training_with_vllm_moves_every_parameter_and_logs_the_sampling_metrics(vllm_model_dir, tmp_path):
@@ -152,7 +152,7 @@ def test_the_engine_is_not_used_for_an_unknown_dataset_shape(vllm_model_dir, tmp
 
 
 def test_chat_dataset_rows_reach_vllm_as_the_rendered_prompt(vllm_model_dir, tmp_path):
-    trainer = make_trainer(vllm_model_dir, tmp_path, dataset=chat_dataset())
+    trainer = make_trainer(vllm_model_dir, tmp_path, dataset=chat_dataset(tasks=False))
     rollout = generate(trainer, [0, 0, 1, 1]).rollout
     text = trainer.processing_class.decode(rollout.prompt_ids[0])
     assert text.startswith("<|im_start|>user\nSolve 0+1<|im_end|>") and text.endswith("<|im_start|>assistant\n")

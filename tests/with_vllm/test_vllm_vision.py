@@ -5,8 +5,6 @@ sees the images (tests/integration/test_vision.py: those change when an image do
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -14,12 +12,11 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.learner.batch import collate
 from grpo.models.vision import language_model
-from served import Server
-from support import generate, length_reward, params
-from test_vision import CallFirst, image_rows, picture
-
-sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from tiny_vlm import idefics3, image  # noqa: E402
+from support.rewards import length_reward
+from support.runs import generate, params
+from support.served import Server
+from support.vision import idefics3, image
+from support.vision_runs import CallFirst, image_rows, picture
 
 ROWS = [0, 0, 1, 1, 2, 2, 3, 3]
 
@@ -111,7 +108,7 @@ IDEFICS_TOOLS = CHATML_TOOLS.replace(
 )
 
 
-# IDEFICS_TOOLS with every assistant turn rendered without its reasoning block (test_rendered_turns.STRIPPING)
+# IDEFICS_TOOLS with every assistant turn rendered without its reasoning block (support.agent.STRIPPING)
 IDEFICS_STRIPPING = IDEFICS_TOOLS.replace(
     "<|im_start|>assistant\n{{ message['content'] or '' }}",
     "<|im_start|>assistant\n{{ (message['content'] or '').split('</think>')[-1] | trim }}",
