@@ -162,7 +162,7 @@ def merged_linear(module: Any, dtype: torch.dtype | None = None) -> tuple[torch.
     `dtype` (the decoder's compute dtype; None: float32), detached: the module, its adapters and the optimizer's
     state are untouched. Check `lean_problem` first."""
     module = active_module(module)
-    if type(module) is torch.nn.Linear:
+    if not _is_lora_linear(module):  # a plain Linear, or a subclass of one (the float32 head)
         return module.weight, module.bias
     base = module.get_base_layer()
     adapters = _lora_adapters(module)
