@@ -14,8 +14,8 @@ a model the lean decoder does not take). Each prints one line:
 Families: `qwen3`, a random Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16 query and 8 key/value heads of
 128, per-head query/key norms, tied 151,936-entry head); `lora`, the bundled SmolLM2-135M-Instruct with LoRA
 adapters (r=16 on every linear, lora_B drawn at random), and `bundled`, the same model without them (the
-reference for `lora`); `gemma3`, a random Gemma-3-1B-shaped model, printed as
-not run with the lean decoder's reason while it does not take Gemma 3.
+reference for `lora`); `gemma3`, a random Gemma-3-1B-shaped model (sliding layers of 512 beside full ones). A
+family the lean decoder does not take prints its reason instead.
 """
 
 from __future__ import annotations
