@@ -177,9 +177,9 @@ def test_two_servers_share_a_runs_requests_and_pushes_and_one_killed_in_a_push_i
     for client in trainer.engine.servers:
         original = client.while_alive
 
-        def counted(method, path, body=None, client=client, original=original):
+        def counted(method, path, body=None, client=client, original=original, **options):
             calls[client.url] += path == "/v1/completions"
-            return original(method, path, body)
+            return original(method, path, body, **options)
 
         client.while_alive = counted
     held = []

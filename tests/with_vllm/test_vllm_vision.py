@@ -86,9 +86,9 @@ def test_server_mode_sends_the_images(vlm_dir, tmp_path):
         client = t.engine.servers[0]
         original = client.while_alive
 
-        def recorded(method, path, body=None):
+        def recorded(method, path, body=None, **options):
             routes.append(path)
-            return original(method, path, body)
+            return original(method, path, body, **options)
 
         client.while_alive = recorded
         t.train()
