@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 
 import bounds  # noqa: E402
 
-from grpo.rollout import lean_decoder  # noqa: E402
+from grpo.rollout import lean_decoder, lean_families  # noqa: E402
 from grpo.rollout.fast import _TransformersStepper  # noqa: E402
 
 ROWS, PROMPT, WARMUP, STEPS = 16, 32, 4, 24
@@ -135,7 +135,7 @@ def decode_s(stepper, vocab: int) -> float:
 
 def run(family: str, small: bool) -> str:
     model = FAMILIES[family](small).eval()
-    reason = lean_decoder.unsupported_reason(model)
+    reason = lean_families.unsupported_reason(model)
     if reason is not None:
         return f"{family}: not run on the lean decoder ({reason})"
     vocab = model.config.vocab_size if hasattr(model, "config") else 1024

@@ -11,10 +11,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from grpo.rollout import lean_decoder
+from grpo.rollout import lean_decoder, lean_families
 from grpo.rollout.base import left_pad
 from grpo.rollout.cpu import packed, panels
-from grpo.rollout.lean_decoder import LeanDecoder, unsupported_reason
+from grpo.rollout.lean_decoder import LeanDecoder
+from grpo.rollout.lean_families import unsupported_reason
 from support import on_device
 from support.tiny import make_gemma3, make_model, make_tokenizer, with_lora
 
@@ -157,8 +158,8 @@ def test_gemma3_settings_the_lean_decoder_does_not_run_are_named():
     assert "attn_logit_softcapping" in unsupported_reason(make_gemma3(tok, attn_logit_softcapping=50.0))
     assert "both ways" in unsupported_reason(make_gemma3(tok, use_bidirectional_attention=True))
     assert "'gelu' is not Gemma's tanh GELU" in unsupported_reason(make_gemma3(tok, hidden_activation="gelu"))
-    assert lean_decoder.fixed_shape_reason(make_gemma3(tok)) is not None
-    assert lean_decoder.fixed_shape_reason(make_model(tok)) is None
+    assert lean_families.fixed_shape_reason(make_gemma3(tok)) is not None
+    assert lean_families.fixed_shape_reason(make_model(tok)) is None
 
 
 def _phi3(partial=1.0, **config):
@@ -216,7 +217,7 @@ def test_olmo2_with_norms_after_each_sublayer_matches(dtype):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.3, 2.5)
-    assert unsupported_reason(model) is None and lean_decoder.fixed_shape_reason(model) is not None
+    assert unsupported_reason(model) is None and lean_families.fixed_shape_reason(model) is not None
     dec = check(model.to(on_device.device()), dtype, max_new=30)
     assert dec.fused is None
 
@@ -276,7 +277,7 @@ def test_sliding_windows_and_layers_without_rope_match(kind, dtype):
     assert unsupported_reason(model) is None
     dec = check(model.to(on_device.device()), dtype)
     assert dec.windows == ([] if kind == "smollm3" else [4]) and dec.fused is None
-    assert lean_decoder.fixed_shape_reason(model) is not None
+    assert lean_families.fixed_shape_reason(model) is not None
     if kind == "qwen2":
         assert [layer["window"] for layer in dec.layers] == [None, 4]  # only past max_window_layers
 

@@ -52,7 +52,7 @@ from grpo.base import sigterm
 from grpo.distributed.sharding import full_parameters
 from grpo.models.modeling import accepts_logits_to_keep, cache_argument, swapped_forwards
 from grpo.perf.kernels import fixed_linear
-from grpo.rollout import graphed, lean_decoder
+from grpo.rollout import graphed, lean_decoder, lean_families
 from grpo.rollout.base import Request, Rollout, assemble, expand, left_pad
 from grpo.rollout.plain import TransformersEngine
 
@@ -233,9 +233,9 @@ class FastEngine:
         self.sampler = sampler  # None: `sample_from` on uniform numbers drawn per row and step (`draw_uniforms`)
         self.static = static  # decode on fixed shapes (`graphed.StaticDecode`); None: on CUDA, with the lean decoder
         self.graphs = graphed.Graphs()  # on CUDA: one graph pool and side stream for the run, and a failure kept
-        self.lean_reason = lean_decoder.unsupported_reason(model) if lean else "turned off"
+        self.lean_reason = lean_families.unsupported_reason(model) if lean else "turned off"
         # the fixed-shape loop runs the Llama layer only: other lean models take the per-step loop
-        self.fixed_reason = lean_decoder.fixed_shape_reason(model) if self.lean_reason is None else self.lean_reason
+        self.fixed_reason = lean_families.fixed_shape_reason(model) if self.lean_reason is None else self.lean_reason
         if self.lean_reason is not None:
             logger.info("Sampling with the transformers forward: %s.", self.lean_reason)
 

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from grpo.base import sigterm
-from grpo.rollout.lean_decoder import GROW, LeanDecoder, grouped_attention, rotated
+from grpo.rollout.lean_decoder import GROW, LeanDecoder
+from grpo.rollout.lean_ops import grouped_attention, rotated
 
 logger = logging.getLogger("grpo")
 

@@ -36,17 +36,17 @@ SmolLM3's layers without rotary embeddings are not rotated. Phi-3's fused q/k/v 
 decoder's own stacked parts, and its partial rotation turns each head's first dimensions (Phi-3 without either
 takes the fused step like Llama). OLMo 2 norms each sublayer's output instead of its input, and its query and key
 projections whole. Gemma 3, OLMo 2, windows, layers without RoPE and partial rotations take the per-operator
-path (the fused C step and the fixed-shape loop run the Llama layer: `fixed_shape_reason`).
+path (the fused C step and the fixed-shape loop run the Llama layer: `lean_families.fixed_shape_reason`).
 
 A LoRA policy (PEFT) runs here too: each rollout's weights are the merged copies (`lora.merged_linear`: base +
 scaling * B A of the active adapters, summed in float32 and rounded once by the cast above; `modules_to_save`
 copies in place of their originals), never merged into the policy. Models it does not recognise, or that carry
-other wrapped projections (DoRA, quantized layers), keep the transformers forward (`unsupported_reason` says why).
+other wrapped projections (DoRA, quantized layers), keep the transformers forward (`lean_families.unsupported_reason`
+says why). The layers' arithmetic, family by family, is in `lean_ops`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -56,143 +56,18 @@ from grpo.models import lora
 from grpo.models.fp32_head import is_fp32_head
 from grpo.models.lora import active_module
 from grpo.models.modeling import unwrap
-from grpo.perf.kernels import Linear, fixed_linear, rms_norm
+from grpo.perf.kernels import Linear, fixed_linear
+from grpo.rollout import lean_families
 from grpo.rollout.cpu import packed, panels
+from grpo.rollout.lean_families import norm_eps
+from grpo.rollout.lean_ops import gemma_norm, grouped_attention, head_norms, llama_norm, olmo_norm, rotated, same
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "olmo2", "gemma3_text")
-OLMO = ("olmo2",)  # norms after each sublayer (none before), query/key norms over the whole projection
-# the rotary types whose numbers are a function of each token's position alone (longrope and the dynamic kinds change
-# with the length of the sequence: one forward and a token-by-token decode would rotate differently)
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-GEMMA = ("gemma3_text",)  # sandwich norms of 1 + weight, scaled embeddings, GELU, sliding-window layers
 # the linears packed for MKL (with the head): packing qkv and o too costs several times their weights' memory for a
 # few percent of a step (`bench/RESULTS.md`)
 PACKED = ("gate_up", "down")
 PANELS = ("qkv", "o", "gate_up", "down")  # the panel kernel's layout is the weight's own size: all of them
 GROW = 128  # key/value columns added at a time: the cache grows with the tokens the rows have
 FUSED = True  # a float32 decode step on the panel kernel runs every layer in one call (`panels.decode_layers`)
-
-
-def unsupported_reason(model: Any) -> str | None:
-    """Why `LeanDecoder` cannot run this model (None when it can)."""
-    model = unwrap(model)
-    config = getattr(model, "config", None)
-    kind = getattr(config, "model_type", None)
-    if kind not in SUPPORTED:
-        return f"model type {kind!r} is not one the lean decoder knows ({', '.join(SUPPORTED)})"
-    inner = getattr(model, "model", None)
-    head = active_module(getattr(model, "lm_head", None))
-    if (
-        inner is None
-        or not hasattr(inner, "rotary_emb")
-        or not (isinstance(head, torch.nn.Linear) or lora.lean_problem(head) is None)
-    ):
-        return "the model does not have the usual Llama layout"
-    embedding = type(active_module(inner.embed_tokens))
-    if embedding is not torch.nn.Embedding and not (
-        kind in GEMMA and embedding.__name__ == "Gemma3TextScaledWordEmbedding"
-    ):
-        kind = type(active_module(inner.embed_tokens)).__qualname__
-        return f"its input embedding is a {kind}, not a plain torch Embedding (a LoRA adapter on it?)"
-    if kind in GEMMA:
-        reason = _gemma_reason(config)
-        if reason is not None:
-            return reason
-    else:
-        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
-            return "the model uses a non-default activation or tensor-parallel split"
-        layer_types = set(getattr(config, "layer_types", None) or ())
-        if layer_types - {"full_attention", "sliding_attention"}:
-            return f"the model has layers of other attention types ({', '.join(sorted(layer_types))})"
-    rope = _rope_type(config)
-    if rope not in STATIC_ROPE:
-        return f"the model's rotary embedding ({rope}) changes with the sequence's length"
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for proj in _projections(attn, mlp):
-            problem = lora.lean_problem(proj)
-            if problem is not None:
-                return problem
-        norms = [active_module(getattr(attn, name, None)) for name in ("q_norm", "k_norm")]
-        if (norms[0] is None) != (norms[1] is None) or (
-            norms[0] is not None
-            and (
-                not all(not math.isnan(_eps(n)) and hasattr(n, "weight") for n in norms)
-                or _eps(norms[0]) != _eps(norms[1])
-                or [tuple(n.weight.shape) for n in norms] != _norm_shapes(attn, config, kind in OLMO)
-            )
-        ):
-            return "the model's query/key norms are not the RMSNorm pair (of one epsilon) the lean decoder knows"
-    return None
-
-
-def _norm_shapes(attn: Any, config: Any, olmo: bool) -> list[tuple[int]]:
-    """The query and key norms' weight shapes the lean decoder runs: per head (Qwen3, Gemma 3) or, for OLMo 2, over
-    the whole query and key projections."""
-    head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if not olmo:
-        return [(head_dim,), (head_dim,)]
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return [(config.num_attention_heads * head_dim,), (kv_heads * head_dim,)]
-
-
-def _gemma_reason(config: Any) -> str | None:
-    """Why a Gemma 3 text model's settings are not the ones the lean decoder runs (None: they are)."""
-    if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
-        return f"the model's activation {getattr(config, 'hidden_activation', None)!r} is not Gemma's tanh GELU"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "the model soft-caps its attention scores (attn_logit_softcapping)"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "the model attends both ways (use_bidirectional_attention)"
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    if layer_types - {"full_attention", "sliding_attention"}:
-        return f"the model has layers of other attention types ({', '.join(sorted(layer_types))})"
-    return None
-
-
-def fixed_shape_reason(model: Any) -> str | None:
-    """Why the fixed-shape loop (`graphed.StaticDecode`) cannot run this model's lean decoder (None when it can):
-    it runs the Llama layer only, every layer rotated, over every key."""
-    model = unwrap(model)
-    config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) in GEMMA:
-        return "Gemma 3's layers (sandwich norms, sliding windows) take the per-step loop"
-    if getattr(config, "model_type", None) in OLMO:
-        return "OLMo 2's layers (norms after each sublayer) take the per-step loop"
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
-    if any(_window(layer.self_attn, config) for layer in layers):
-        return "sliding-window layers take the per-step loop"
-    if not all(getattr(layer.self_attn, "use_rope", True) for layer in layers):
-        return "layers without rotary embeddings take the per-step loop"
-    return None
-
-
-def _projections(attn: Any, mlp: Any) -> list[Any]:
-    """A layer's linears (Phi-3's fused q/k/v and gate/up, or the Llama layer's seven)."""
-    qkv = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
-    gate_up = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
-    return [*qkv, attn.o_proj, *gate_up, mlp.down_proj]
-
-
-def _rope_type(config: Any) -> str:
-    """The config's rotary type (transformers 5's `rope_parameters`, or an older `rope_scaling`)."""
-    for name in ("rope_parameters", "rope_scaling"):
-        value = getattr(config, name, None)
-        if isinstance(value, dict) and value:
-            if all(isinstance(v, dict) for v in value.values()):  # Gemma 3: per layer type
-                kinds = {v.get("rope_type", v.get("type", "default")) for v in value.values()}
-                return ",".join(sorted(k for k in kinds if k != "default")) or "default"
-            return str(value.get("rope_type", value.get("type", "default")))
-    return "default"
-
-
-def _window(attn: Any, config: Any) -> int | None:
-    """A layer's sliding window (None: it attends every key before the query): the attention module's own
-    (Qwen2, Qwen3, SmolLM3, Gemma 3 set it per layer type) or, for Mistral and Phi-3, the config's, which every layer
-    takes."""
-    if getattr(config, "model_type", None) in ("mistral", "phi3"):
-        return getattr(config, "sliding_window", None) or None
-    return getattr(attn, "sliding_window", None) or None
 
 
 class LeanDecoder:
@@ -202,8 +77,8 @@ class LeanDecoder:
         model = unwrap(model)
         config, inner = model.config, model.model
         self.dtype = dtype
-        self.gemma = config.model_type in GEMMA
-        self.olmo = config.model_type in OLMO
+        self.gemma = config.model_type in lean_families.GEMMA
+        self.olmo = config.model_type in lean_families.OLMO
         embed = active_module(inner.embed_tokens)
         self.embed = embed.weight
         # Gemma scales its embeddings (by sqrt(hidden), in the weight's dtype): None for the others
@@ -245,24 +120,24 @@ class LeanDecoder:
             )
             after: tuple[Any, Any, Any] | None
             if self.olmo:  # no norm before a sublayer: its output is normed
-                before: dict[str, Any] = dict(norm1=_same, norm2=_same, norm1_weight=None, norm2_weight=None)
-                after = (_olmo_norm, layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+                before: dict[str, Any] = dict(norm1=same, norm2=same, norm1_weight=None, norm2_weight=None)
+                after = (olmo_norm, layer.post_attention_layernorm, layer.post_feedforward_layernorm)
             else:
                 norm1, norm2 = (active_module(n) for n in _layer_norms(layer, self.gemma))
-                norm = _gemma_norm if self.gemma else _rms_norm
+                norm = gemma_norm if self.gemma else llama_norm
                 before = dict(
                     norm1=norm(norm1), norm2=norm(norm2), norm1_weight=norm1.weight, norm2_weight=norm2.weight
                 )
                 after = (
-                    (_gemma_norm, layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+                    (gemma_norm, layer.post_attention_layernorm, layer.post_feedforward_layernorm)
                     if self.gemma
                     else None
                 )
             self.layers.append(
                 dict(
-                    qk_norm=None if self.olmo else _head_norms(a, self.heads, self.kv_heads, self.gemma),
+                    qk_norm=None if self.olmo else head_norms(a, self.heads, self.kv_heads, self.gemma),
                     # OLMo 2: the query and key projections each RMS-normed whole, before the heads are split
-                    projection_norms=(_olmo_norm(active_module(a.q_norm)), _olmo_norm(active_module(a.k_norm)))
+                    projection_norms=(olmo_norm(active_module(a.q_norm)), olmo_norm(active_module(a.k_norm)))
                     if self.olmo
                     else None,
                     **before,
@@ -270,16 +145,16 @@ class LeanDecoder:
                     post_attn=after[0](active_module(after[1])) if after else None,
                     post_mlp=after[0](active_module(after[2])) if after else None,
                     # a sliding layer's window: keys at most window - 1 positions before the query
-                    window=_window(a, config),
+                    window=lean_families.window(a, config),
                     rope=bool(getattr(a, "use_rope", True)),  # SmolLM3's layers without rotary embeddings
                     rotary_type=getattr(a, "layer_type", None) if self.gemma else None,
                     intermediate=sum(w.shape[0] for w in gate_up[0]) // 2,
                 )
             )
         self.eps = {
-            _eps(active_module(n)) for layer in inner.layers for n in _layer_norms(layer, self.gemma, self.olmo)
+            norm_eps(active_module(n)) for layer in inner.layers for n in _layer_norms(layer, self.gemma, self.olmo)
         }
-        self.norm = (_gemma_norm if self.gemma else _rms_norm)(active_module(inner.norm))
+        self.norm = (gemma_norm if self.gemma else llama_norm)(active_module(inner.norm))
         self.windows = sorted({layer["window"] for layer in self.layers if layer["window"]})
         self.key_positions: torch.Tensor | None = None  # with windows: each key column's position (rows, width)
         head = active_module(model.lm_head)
@@ -584,106 +459,5 @@ def _layer_norms(layer: Any, gemma: bool = False, olmo: bool = False) -> tuple[A
     return layer.input_layernorm, layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
 
 
-def _same(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def _olmo_norm(module: Any) -> Linear:
-    """OLMo 2's RMSNorm, as transformers computes it: float32 statistics, times the weight, then back to the input's
-    dtype."""
-    weight, eps = module.weight, module.variance_epsilon
-
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        return (weight * _normed(x.float(), eps)).to(x.dtype)
-
-    return norm
-
-
-def _eps(norm: Any) -> float:
-    """An RMSNorm's epsilon (Llama's `variance_epsilon`, Gemma's `eps`; NaN without one)."""
-    value = getattr(norm, "variance_epsilon", None)
-    value = value if value is not None else getattr(norm, "eps", None)
-    return float(value) if isinstance(value, (int, float)) else math.nan
-
-
-def _gemma_norm(module: Any) -> Linear:
-    """Gemma's RMSNorm, as transformers computes it: float32 statistics, times (1 + weight) in float32, then back to
-    the input's dtype."""
-    weight, eps = module.weight, module.eps
-
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        return (_normed(x.float(), eps) * (1.0 + weight.float())).to(x.dtype)
-
-    return norm
-
-
 def _listed(linear: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     return [linear[0]], linear[1]
-
-
-def _rms_norm(module: Any) -> Linear:  # a Llama-family RMSNorm: weight, variance_epsilon
-    """The RMSNorm module's arithmetic on its weight as it is now (the module's forward is not called: under FSDP
-    that would run its sharding hooks outside the model's forward). Float32 input, as in the lean forward."""
-    weight, eps = module.weight, module.variance_epsilon
-    return lambda x: rms_norm(x, weight, eps)[0]
-
-
-def rotated(qk: torch.Tensor, layer: dict[str, Any], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Queries and keys (rows, heads + kv_heads, tokens, head_dim) rotated (not in a layer without rotary
-    embeddings: SmolLM3's), each head RMS-normed first where the layer has query/key norms: Qwen3's (rounded to the
-    input's dtype, then times the weight) or Gemma's (times 1 + weight in float32, then rounded)."""
-    if layer["qk_norm"] is not None:
-        weight, eps, gemma = layer["qk_norm"]
-        if gemma:
-            qk = (_normed(qk.float(), eps) * weight).to(qk.dtype)
-        else:
-            qk = weight * _normed(qk.float(), eps).to(qk.dtype)
-    return _rope(qk, cos, sin) if layer.get("rope", True) else qk
-
-
-def _head_norms(attn: Any, heads: int, kv_heads: int, gemma: bool = False) -> tuple[torch.Tensor, float, bool] | None:
-    """The per-head query and key RMSNorms as one (heads + kv_heads, 1, head_dim) weight table (the query norm's
-    weight for each query head, the key norm's for each key head; Gemma's: 1 + weight, in float32), their epsilon,
-    and whether they are Gemma's; None without them."""
-    q_norm, k_norm = active_module(getattr(attn, "q_norm", None)), active_module(getattr(attn, "k_norm", None))
-    if q_norm is None:
-        return None
-    q, k = q_norm.weight.detach(), k_norm.weight.detach()
-    if gemma:
-        q, k = 1.0 + q.float(), 1.0 + k.float()
-    table = torch.cat([q.expand(heads, -1), k.expand(kv_heads, -1)])
-    return table.unsqueeze(1), _eps(q_norm), gemma
-
-
-def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dimension, as transformers' RMSNorm computes it before its weight (float32 in)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, without building rotate_half(x): the same products and sums (a + (-b) * c is
-    a - b * c exactly in floating point). A partial rotation (Phi-3's `partial_rotary_factor`: cos and sin narrower
-    than the head) rotates the head's first dimensions and passes the rest as they are."""
-    if cos.shape[-1] < x.shape[-1]:
-        rotary = cos.shape[-1]
-        return torch.cat([_rope(x[..., :rotary], cos, sin), x[..., rotary:].to(torch.result_type(x, cos))], dim=-1)
-    half = x.shape[-1] // 2
-    out = x * cos
-    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
-    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
-    return out
-
-
-def grouped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention of one query per row (a decode step) as two batched matmuls: q (b, heads, 1, d) against keys and
-    values (b, kv_heads, width, d), a query head reading its group's key head (the cache read once, no head
-    repeated), `bias` (b, 1, 1, width) added to the scores; scores and softmax in float32 from the product in the
-    keys' dtype (as transformers' eager attention computes them). Float32 on a CPU: measured faster than
-    scaled_dot_product_attention's kernel at decode shapes (`bench/RESULTS.md`)."""
-    b, heads, _, d = q.shape
-    kv_heads = keys.shape[1]
-    grouped = q.reshape(b, kv_heads, heads // kv_heads, d)  # query heads of one key head: rows of one matmul
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float().mul_(scale).add_(bias)
-    return torch.matmul(scores.softmax(-1).to(values.dtype), values).reshape(b, heads, 1, d)
