@@ -4,7 +4,7 @@ a whole sibling branch away from its prompt. Trees laid out past such a window t
 padded rows (0.22 off the sampler's log-probs in a review's run, 0.015 in the runs below, under packing="tree" and
 the CPU's default "auto"), and the probe's
 few-token trees fit inside the window, so it saw nothing. Now no tree is wider than a window the config names, of any
-spelling (`grpo.learner.tree.window_cap`), and a piece with a row longer than it keeps padded rows."""
+spelling (`grpo.learner.model_windows.window_cap`), and a piece with a row longer than it keeps padded rows."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import transformers
 
 from grpo import GRPOTrainer
 from grpo.learner import tree
+from grpo.learner import windows as model_windows
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.rollout import Rollout
@@ -65,13 +66,13 @@ def test_trees_stay_within_a_window_the_model_applies_over_columns():
     the trees give the padded numbers."""
     model = gpt_neo(24)
     batch = one_group(6, [12, 5, 9, 12, 4, 11, 7, 12])
-    assert tree.window_cap(model) == 24 and tree.fits_window(model, batch)
+    assert model_windows.window_cap(model) == 24 and tree.fits_window(model, batch)
     counts: Counter[str] = Counter()
     with torch.no_grad():
         padded, _ = token_logps(model, batch, 1.0, with_entropy=False)
         trees, _ = token_logps(model, batch, 1.0, with_entropy=False, as_trees=True, laid_out=counts)
     assert counts == Counter({"trees": 1})
-    laid = tree.layout(batch, max_width=tree.window_cap(model))
+    laid = tree.layout(batch, max_width=model_windows.window_cap(model))
     assert laid.input_ids.shape[1] <= 24
     m = batch.mask.bool()
     torch.testing.assert_close(trees[m], padded[m], rtol=1e-5, atol=1e-6)
@@ -80,7 +81,7 @@ def test_trees_stay_within_a_window_the_model_applies_over_columns():
 def test_without_local_layers_the_window_bounds_nothing():
     model = gpt_neo(24)
     model.config.attention_layers = ["global", "global"]
-    assert tree.window_cap(model) is None
+    assert model_windows.window_cap(model) is None
 
 
 def save(path, window: int) -> str:
@@ -131,7 +132,7 @@ def test_each_window_spelling_bounds_rows_and_trees_where_it_may_act_over_column
     """transformers' own sliding and chunked windows (applied through the mask, which a tree's replaces) bound the
     rows only; any other spelling, or any window of a model with code of its own, bounds the trees too."""
     mistral = tiny(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=64)
-    assert tree.windows(mistral) == {"sliding_window": 64} and tree.window_cap(mistral) is None
+    assert model_windows.windows(mistral) == {"sliding_window": 64} and model_windows.window_cap(mistral) is None
     llama4 = tiny(
         transformers.Llama4TextConfig,
         transformers.Llama4ForCausalLM,
@@ -140,21 +141,23 @@ def test_each_window_spelling_bounds_rows_and_trees_where_it_may_act_over_column
         num_local_experts=2,
         attention_chunk_size=32,
     )
-    assert tree.windows(llama4) == {"attention_chunk_size": 32} and tree.window_cap(llama4) is None
+    assert model_windows.windows(llama4) == {"attention_chunk_size": 32} and model_windows.window_cap(llama4) is None
     remote = RemoteMistral(mistral.config)
-    assert tree.window_cap(remote) == 64 and "sliding_window=64" in tree.window_cap_reason(remote)
+    assert model_windows.window_cap(remote) == 64 and "sliding_window=64" in model_windows.window_cap_reason(remote)
     batch, _ = _chat_batch()
     assert tree.fits_window(mistral, batch)
     for name in ("window_size", "attention_window", "local_window", "local_attention", "keep_window_size"):
         model = tiny(transformers.LlamaConfig, transformers.LlamaForCausalLM)
         setattr(model.config, name, 12)
-        assert tree.windows(model) == {name: 12} and tree.window_cap(model) == 12, name
+        assert model_windows.windows(model) == {name: 12} and model_windows.window_cap(model) == 12, name
         assert not tree.fits_window(model, batch)  # rows of 20 tokens and more
     longformer = tiny(transformers.LlamaConfig, transformers.LlamaForCausalLM)
     longformer.config.attention_window = [64, 16]  # one per layer
-    assert tree.window_cap(longformer) == 16
+    assert model_windows.window_cap(longformer) == 16
     neo = gpt_neo(24)
-    assert tree.windows(neo) == {"window_size": 24} and "window_size=24" in tree.window_cap_reason(neo)
+    assert model_windows.windows(neo) == {"window_size": 24} and "window_size=24" in model_windows.window_cap_reason(
+        neo
+    )
 
 
 def _chat_batch():

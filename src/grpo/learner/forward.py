@@ -11,7 +11,7 @@
 - `torch_compile`: the policy's decoder stack compiled (`grpo.perf.compilation`), in both kinds of pass;
 - the layout (`packing`; None: "auto" on the CPU, "padded" elsewhere, `grpo.learner.tree.default_packing`): padded
   rows, or token trees (`grpo.learner.tree`) for every piece or where a cost model puts them below the padded rows,
-  none wider than a window the model may apply over the columns of its input (`tree.window_cap`, named once);
+  none wider than a window the model may apply over the columns of its input (`windows.window_cap`, named once);
   where each forward is a collective across processes, every process takes the same layout for each piece.
 Position ids follow the attention mask, as in generation, so left padding never shifts a token's position.
 """
@@ -35,6 +35,7 @@ from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 from grpo.algo.loss_terms import router_aux_coef
 from grpo.distributed.zero import is_partitioned
 from grpo.learner import tree, tree_attention, tree_images, tree_probe
+from grpo.learner import windows as model_windows
 from grpo.learner.batch import TrainBatch
 from grpo.learner.prefix import prefix_sharing_unsupported_reason, select_cache_rows, shared_prompts, take_rows
 from grpo.learner.tree_images import ImageInputs
@@ -85,9 +86,9 @@ class TrainingPass:
         elif reason is not None:
             logger.info("packing='auto' lays out padded rows: %s.", reason)
         self.tree = self.packing != "padded" and reason is None
-        reason = tree.window_cap_reason(model) if self.tree else None
+        reason = model_windows.window_cap_reason(model) if self.tree else None
         if reason is not None:  # trees past the window would train other numbers, silently
-            narrow = f"lays out trees of at most {tree.window_cap(model)} tokens: {reason}"
+            narrow = f"lays out trees of at most {model_windows.window_cap(model)} tokens: {reason}"
             if self.packing == "tree":
                 warnings.warn(
                     f"packing='tree' {narrow}; a piece with a longer row trains as padded rows.", stacklevel=3
@@ -212,8 +213,8 @@ def token_logps(
     suppressed tokens' logits are SUPPRESSED. With `as_trees` (`packing="tree"`), each piece runs as token trees of
     its prompt groups (`grpo.learner.tree`: no padding inside a tree, each prompt once per tree), unless a row is
     longer than one of the model's windows (a tree is never wider than a window the model may apply over the
-    columns of its input: `tree.window_cap`); with `where_cheaper` too, a piece without turns runs as trees only where
-    the layout's cost model puts them below the padded rows (`tree.cheaper`); where each forward of the model is a
+    columns of its input: `windows.window_cap`); with `where_cheaper` too, a piece without turns runs as trees only
+    where the layout's cost model puts them below the padded rows (`tree.cheaper`); where each forward of the model is a
     collective across processes, all of them decide each piece's layout together (`_as_trees`). `laid_out` counts
     the pieces that ran as "trees" and as "padded" rows."""
     plain: Callable[..., torch.Tensor] = _forward_shared if share_prefix and aux_losses is None else _forward
@@ -266,7 +267,7 @@ def _as_trees(
 ) -> tree.Tree | None:
     """The piece as token trees (`tree.layout` at pair cost `cost`, for `kernel`), or None for padded rows: trees
     where every row fits the model's windows (`tree.fits_window`), none wider than a window the model may apply
-    over columns (`tree.window_cap`), and, with `images`, where its image tokens are `marked`
+    over columns (`model_windows.window_cap`), and, with `images`, where its image tokens are `marked`
     (`ImageInputs.marks`); with `where_cheaper` (a piece without turns) where they cost less than the padded rows
     (`shared`: the padded pass shares each prompt). Where each forward of the model
     is a collective (`collective`, `forward_is_collective`), every process takes the same layout, as the padded pass
@@ -275,7 +276,7 @@ def _as_trees(
     fits = tree.fits_window(model, part) and (images is None or marked is not None)
     marks = marked.marks if marked is not None else None
     runs = marked.run_layers if marked is not None else ()
-    cap = tree.window_cap(model)  # a window the model may apply over columns: no tree wider
+    cap = model_windows.window_cap(model)  # a window the model may apply over columns: no tree wider
     trees = tree.layout(part, cap, pair_cost=cost, kernel=kernel, marks=marks, run_layers=runs) if fits else None
     if trees is not None and cap is not None and trees.input_ids.shape[1] > cap:
         trees = None  # a row alone wider (a row's turns after a stripped branch): padded rows

@@ -12,8 +12,8 @@ or the tree pass fails; the padded rows train then. It costs two forwards of abo
 Its trees are about 20 tokens wide, so it cannot see a window the model applies over the columns of its input (GPT-Neo's
 local layers attend a band of `window_size` columns, whatever mask they are handed): a window of more columns than
 the probe's trees masks nothing in them, and the run's wider trees would cross it. Windows are read from the config
-instead, in every spelling transformers uses (`grpo.learner.tree.windows`), and no tree the run lays out is wider
-than one the model may apply over columns (`tree.window_cap`); a window the config does not name is found here only
+instead, in every spelling transformers uses (`grpo.learner.windows`), and no tree the run lays out is wider than
+one the model may apply over columns (`windows.window_cap`); a window the config does not name is found here only
 where it is narrower than the probe's trees.
 """
 
