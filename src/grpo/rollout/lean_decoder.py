@@ -90,7 +90,6 @@ class LeanDecoder:
         self.hidden = config.hidden_size
         scalar = getattr(config, "query_pre_attn_scalar", None) if self.gemma else None
         self.scale = (scalar or self.head_dim) ** -0.5
-        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(inner.layers))
         self.softcap = getattr(config, "final_logit_softcapping", None) if self.gemma else None
         self.partial_rotary = getattr(config, "partial_rotary_factor", None) not in (None, 1.0)  # Phi-3's
         self.layers = []
