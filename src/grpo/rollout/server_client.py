@@ -84,6 +84,15 @@ class ServerClient:
 
     def request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
         """The decoded JSON answer of one request (`body` sent as JSON); a refusal is a ServerError naming it."""
+        raw = self._send(method, path, body, timeout)
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError as err:
+            raise ServerError(f"The vLLM server at {self.url} answered {path} with something that is not JSON") from err
+
+    def _send(self, method: str, path: str, body: Any, timeout: float | None, limit: int = -1) -> bytes:
+        """The raw answer (at most `limit` bytes; -1: all) of one request, with the key; a refusal or an unreachable
+        server is a ServerError naming it."""
         data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
         request = urllib.request.Request(self.url + path, data=data, method=method)
         if body is not None:
@@ -92,7 +101,7 @@ class ServerClient:
             request.add_header("Authorization", f"Bearer {self.key}")
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
-                raw = response.read()
+                return response.read(limit)
         except urllib.error.HTTPError as err:
             raise self._refused(path, err) from err
         except OSError as err:  # refused, reset, timed out: the server is not there (any more)
@@ -101,10 +110,6 @@ class ServerClient:
                 f"The vLLM server at {self.url} cannot be reached ({path}: {reason}). If it stopped, the checkpoints "
                 "in output_dir are intact: start it again and continue with trainer.train(resume_from_checkpoint=True)."
             ) from err
-        try:
-            return json.loads(raw) if raw else None
-        except ValueError as err:
-            raise ServerError(f"The vLLM server at {self.url} answered {path} with something that is not JSON") from err
 
     def _refused(self, path: str, err: urllib.error.HTTPError) -> ServerError:
         detail = err.read().decode(errors="replace")[:600]
@@ -151,15 +156,8 @@ class ServerClient:
         return token_counters(text)
 
     def request_text(self, path: str, timeout: float) -> str:
-        """The body of a GET as text (/metrics is Prometheus' text format, not JSON)."""
-        request = urllib.request.Request(self.url + path, method="GET")
-        if self.key:
-            request.add_header("Authorization", f"Bearer {self.key}")
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return response.read(_METRICS_MAX + 1)[:_METRICS_MAX].decode("utf-8", errors="replace")
-        except urllib.error.HTTPError as err:
-            raise self._refused(path, err) from err
+        """The body of a GET as text (/metrics is Prometheus' text format, not JSON), at most _METRICS_MAX bytes."""
+        return self._send("GET", path, None, timeout, _METRICS_MAX).decode("utf-8", errors="replace")
 
     def wait_until_up(self) -> None:
         deadline = time.monotonic() + self.timeout
