@@ -22,14 +22,17 @@ packing="tree" against the padded layout on the micro-batches of a short run (tr
 `multi_turn_tree_vs_forked_tokens`, `multi_turn_tree_vs_appended_tokens` and `multi_turn_tree_speedup`: multi-turn
 tool rollouts under a reasoning-stripping template, the tree against forked rows and append-only rows
 (multi_turn_tree.py). `tree_images_positions_ratio`, `tree_images_vision_ratio` and `tree_images_speedup`: image rows
-of a random Qwen2.5-VL, a random Qwen3-VL, a random Gemma 3 (image tokens that attend each other both ways) and a random Gemma 4 (both
-ways in its sliding layers), as trees against padded rows, positions, images through the vision tower, and the
-training pass's time (tree_images.py). Where vLLM is installed, server mode (push.py): per model (the bundled one
-and a random Qwen2.5-0.5B), a line `push_<model>: copy_bound_gb_s http_body_gb_s gloo_wire_gb_s gloo_vllm_gb_s
-gloo_vs_http gloo_vs_copy_bound` (the weight push in bytes/s), and `server_vs_colocate`, the workload end to end.
+of a random Qwen2.5-VL, a random Qwen3-VL, a random Gemma 3 (image tokens that attend each other both ways) and a
+random Gemma 4 (both ways in its sliding layers), as trees against padded rows, positions, images through the vision
+tower, and the training pass's time (tree_images.py). Where vLLM is installed, server mode (push.py): per model (the
+bundled one and a random Qwen2.5-0.5B), a line `push_<model>: copy_bound_gb_s http_body_gb_s gloo_wire_gb_s
+gloo_vllm_gb_s gloo_vs_http gloo_vs_copy_bound` (the weight push in bytes/s), and `server_vs_colocate`, the workload
+end to end.
 Per family the lean decoder is meant for (families.py: a random Qwen3-0.6B, a random Gemma 3, the bundled model with
 LoRA adapters and without), a line `<family>: decode_tokens_s stepper_tokens_s decode_vs_bound vs_stepper`, the lean
-decoder against the transformers forward it replaces, in float32.
+decoder against the transformers forward it replaces, in float32; then `lora_end_to_end`: the workload with a LoRA
+policy (r=16 on every linear layer), tokens/s end to end and the generation's tokens/s, the lean decoder against the
+transformers forward (run_grpo.py's `lean: false`).
 """
 
 from __future__ import annotations
@@ -259,6 +262,20 @@ def main() -> None:
             if line.split(":")[0] in ("qwen3", "gemma3", "lora", "bundled")
         ]
         print("\n".join(lines) if families.returncode == 0 else f"families failed: {families.stderr[-2000:]}")
+        # a LoRA policy end to end (the workload, r=16 on every linear): the lean decoder's merged copy against the
+        # transformers forward through PEFT's layers, each run in a fresh process
+        lora = {}
+        for name, lean in (("lean", True), ("stepper", False)):
+            console.print(f"running grpo {first} with a LoRA policy, decoding through the {name} path ...")
+            lora[name] = run("grpo", first, {"lora": 16, "learning_rate": 1e-4, "lean": lean})
+        print(
+            f"lora_end_to_end: tokens_s={lora['lean']['tokens_per_s']:.1f} "
+            f"stepper_tokens_s={lora['stepper']['tokens_per_s']:.1f} "
+            f"vs_stepper={lora['lean']['tokens_per_s'] / lora['stepper']['tokens_per_s']:.2f} "
+            f"generation_vs_stepper="
+            f"{lora['lean']['generation_tokens_per_s'] / lora['stepper']['generation_tokens_per_s']:.2f} "
+            f"({first}, the workload with LoRA r=16 on every linear layer, warm-up step included)"
+        )
     if not opts.only and vllm_available():
         # server mode: the weight push (gloo engine, HTTP body, copy bound) and the workload against colocate
         console.print("running server mode's weight push and workload (push.py) ...")

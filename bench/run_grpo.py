@@ -1,6 +1,7 @@
 """One grpo run of the workload, in its own process: python bench/run_grpo.py {bf16|fp32} [json overrides].
-Overrides are GRPOConfig fields, and `dataset` (workload.dataset's names) and `model` (a model directory; default
-the bundled SmolLM2-135M-Instruct)."""
+Overrides are GRPOConfig fields, and `dataset` (workload.dataset's names), `model` (a model directory; default
+the bundled SmolLM2-135M-Instruct), `lora` (a rank: LoRA adapters on every linear layer, alpha twice the rank, no
+dropout) and `lean` (false: the fast engine decodes through the transformers forward, the baseline of lora_run.py)."""
 
 from __future__ import annotations
 
@@ -38,11 +39,21 @@ def main() -> None:
     overrides = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     prompts, reward = dataset(overrides.pop("dataset", "demo"))
     model = overrides.pop("model", None) or bundled_model_path()
+    rank = overrides.pop("lora", 0)
+    peft_config = None
+    if rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
+    if not overrides.pop("lean", True):
+        from grpo.rollout import lean_families
+
+        lean_families.unsupported_reason = lambda model: "turned off (the benchmark's baseline)"
     args = GRPOConfig(
         output_dir="/tmp/grpo-bench", bf16=precision == "bf16", disable_tqdm=True, **{**WORKLOAD, **overrides}
     )
     counter = StepCounter(reward, args.num_generations)
-    trainer = GRPOTrainer(model=model, reward_funcs=counter, train_dataset=prompts, args=args)
+    trainer = GRPOTrainer(model=model, reward_funcs=counter, train_dataset=prompts, args=args, peft_config=peft_config)
     counter.tokenizer = trainer.tokenizer
     # vLLM starts in the constructor (as TRL's does): its start-up counts with the run, its warm-up is in train()
     seconds = timed(trainer.train) + getattr(trainer.engine, "startup_s", 0.0)

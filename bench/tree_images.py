@@ -4,12 +4,11 @@ A random-weight Qwen2.5-VL (tests/support/vision.py's, at hidden 256 and 4 layer
 tower; `architecture` "gemma3": a Gemma 3 of that size, its images pooled into 64 tokens that attend each other both
 ways; "gemma4": a Gemma 4 of that size, its images resized to 384x384 (patches of 16) and pooled into 64 tokens that
 attend each other both ways in its sliding layers, whatever `side`; "qwen3-vl": a Qwen3-VL of that size, patches of 16
-pixels, 49 image tokens at 224), 2 prompts each with one image of `side` x `side` pixels (224: 64 image tokens), 8 completions per prompt of
-16-96 random tokens. The training pass (forward, the loss's sum, backward; float32) over that micro-batch in each
-layout, alternately, median of `repeats` (3). Padded rows run each row's prompt and image (the pixel inputs go
-with each row); a tree holds a group's prompt and image once, so the vision tower computes each prompt image once
-instead of once per completion. Prints:
-
+pixels, 49 image tokens at 224), 2 prompts each with one image of `side` x `side` pixels (224: 64 image tokens), 8
+completions per prompt of 16-96 random tokens. The training pass (forward, the loss's sum, backward; float32) over
+that micro-batch in each layout, alternately, median of `repeats` (3). Padded rows run each row's prompt and image
+(the pixel inputs go with each row); a tree holds a group's prompt and image once, so the vision tower computes each
+prompt image once instead of once per completion. Prints:
     tree_images_positions_ratio=<tree / padded positions> tree_images_vision_ratio=<images the vision tower
     computes, tree / padded> tree_images_speedup=<padded pass seconds / tree pass seconds>
 
