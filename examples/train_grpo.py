@@ -4,7 +4,9 @@
     accelerate launch --config_file examples/accelerate/ddp.yaml examples/train_grpo.py  # every GPU: DDP
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/train_grpo.py
     accelerate launch --config_file examples/accelerate/zero3.yaml examples/train_grpo.py
-    LORA=1 python examples/train_grpo.py                                                 # LoRA adapters only
+    LORA=1 python examples/train_grpo.py                      # LoRA adapters only (the peft extra)
+    VLLM=colocate python examples/train_grpo.py               # generate with vLLM in each training process
+    VLLM=server python examples/train_grpo.py                 # generate on `grpo vllm-serve` (GRPO_SERVER_URL)
 
 MODEL and OUTPUT_DIR choose the model and where the run goes; any GRPOConfig field can be changed below.
 """
@@ -16,6 +18,7 @@ from datasets import load_dataset
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.rewards import accuracy_reward
 
+vllm = os.environ.get("VLLM")  # None, "colocate" or "server"
 args = GRPOConfig(
     output_dir=os.environ.get("OUTPUT_DIR", "runs/deepmath"),
     per_device_train_batch_size=8,
@@ -24,6 +27,9 @@ args = GRPOConfig(
     learning_rate=1e-6,
     logging_steps=1,
     save_steps=100,
+    use_vllm=vllm is not None,
+    vllm_mode=vllm or "colocate",
+    vllm_server_base_url=os.environ.get("GRPO_SERVER_URL", "http://127.0.0.1:8000"),
 )
 peft_config = None
 if os.environ.get("LORA") == "1":
