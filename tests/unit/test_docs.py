@@ -93,7 +93,9 @@ def test_the_readme_is_a_front_door():
 
 def test_the_site_builds_strictly_with_every_page_and_the_api(site):
     home = (site / "index.html").read_text()
-    assert "Writing reward functions" in home and 'href="vllm/"' in home  # the README, its links into the site
+    assert "make demo" in home and 'href="recipes/"' in home  # the README, its links into the site
+    results = (site / "results" / "index.html").read_text()  # bench/RESULTS.md, its anchors the pages link to
+    assert "Measured results" in results and 'id="demo"' in results
     api = (site / "api" / "index.html").read_text()
     assert "accuracy_reward" in api and "GRPOTrainer" in api
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
