@@ -159,11 +159,17 @@ differs. Set fields in Python, in a YAML recipe for `grpo train`, or as flags:
 ```python
 from grpo import GRPOConfig
 
-args = GRPOConfig(output_dir="runs/math", num_generations=8, max_completion_length=256, learning_rate=1e-6)
+args = GRPOConfig(
+    output_dir="runs/math",
+    num_generations=8,
+    max_completion_length=256,
+    learning_rate=1e-6,
+)
 ```
 
 ```bash
-grpo train --config recipe.yaml --learning_rate 3e-6   # the same names as YAML keys and flags
+# the same names as YAML keys and as flags
+grpo train --config recipe.yaml --learning_rate 3e-6
 ```
 
 An unknown name is an error that names the nearest field; a value out of range is an error that names the field and

@@ -117,6 +117,20 @@ def test_no_line_of_prose_starts_with_a_quote_marker():
     assert not found, "these lines render as block quotes; rewrap them so no line starts with '>':\n" + "\n".join(found)
 
 
+def test_code_lines_fit_the_page():
+    """A code block's line past 80 characters scrolls sideways, its end under the copy button, on a 1280-pixel
+    screen (the site's content column beside the navigation and the table of contents)."""
+    long = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        fenced = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif fenced and len(line) > 80:
+                long.append(f"{path.relative_to(ROOT)}:{number}: {len(line)} characters")
+    assert not long, "code lines longer than 80 characters:\n" + "\n".join(long)
+
+
 def test_the_built_pages_have_no_rendering_accidents(site):
     problems = []
     for name, article in pages(site).items():
