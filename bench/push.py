@@ -1,4 +1,4 @@
-"""Server mode's weight push, measured (`make bench` runs it; docs/vllm.md and bench/RESULTS.md quote it):
+"""Server mode's weight push, measured (`make bench` runs it; figures in bench/RESULTS.md):
 
     python bench/push.py [--models bundled,qwen2.5-0.5b] [--dtype bfloat16] [--workload]
 

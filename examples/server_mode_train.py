@@ -5,7 +5,7 @@
     accelerate launch --multi_gpu --num_processes 8 examples/server_mode_train.py
     GRPO_SERVER_URL=http://a:8000,http://b:8000 python examples/server_mode_train.py   # several servers
 
-On a cluster, examples/server_mode.sbatch starts a server node and the trainer nodes (docs/vllm.md).
+On a cluster, examples/server_mode.sbatch starts a server node and the trainer nodes (docs/server.md).
 """
 
 import os

@@ -1,4 +1,4 @@
-"""Several machines (docs/vllm.md's recipe), as two "machines" on loopback: two `accelerate launch` commands with
+"""Several machines (docs/server.md's recipe), as two "machines" on loopback: two `accelerate launch` commands with
 machine ranks 0 and 1, one training process each, against one `grpo vllm-serve` server, train three steps and end
 with the same weights, logs and completions as the same two processes launched once. (Each request carries a seed
 drawn from the run's seed, process, generation and request, so the server samples both runs alike.)"""

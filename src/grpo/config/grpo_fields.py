@@ -241,14 +241,14 @@ class GrpoOnlyFields:
     )
     lean_linears: bool = _help(
         "bf16 training pass: linear layers keep their float32 weights for backward instead of "
-        "bfloat16 copies (autocast's numbers; measured -0.22 GB peak, ~10 percent slower training "
-        "pass on the benchmark), so off by default.",
+        "bfloat16 copies (autocast's numbers): a lower peak for a slower training pass "
+        "(bench/RESULTS.md), so off by default.",
         False,
     )
     cpu_keep_freed_memory: bool = _help(
         "CPU runs: have glibc keep freed memory for reuse instead of returning it to "
-        "the kernel (process-wide; measured ~1-4 s less page-faulting per training "
-        "pass on the benchmark, same peak). False keeps the system's policy.",
+        "the kernel (process-wide; far less page-faulting per training pass, the same "
+        "peak: bench/RESULTS.md). False keeps the system's policy.",
         True,
     )
     vllm_kv_cache_gib: Optional[float] = _help(
@@ -262,6 +262,6 @@ class GrpoOnlyFields:
     )
     vllm_enforce_eager: Optional[bool] = _help(
         "use_vllm: run vLLM's model eagerly (True) or compiled (False: CUDA graphs on GPUs, torch.compile on CPUs). "
-        "None: eager on a CPU (measured here: compiling costs 75-100 s at start-up for ~1.5x faster decoding, a "
-        "gain only for long runs), vLLM's default on GPUs.",
+        "None: eager on a CPU (compiling there costs over a minute at start-up for faster decoding, a gain only for "
+        "long runs: bench/RESULTS.md), vLLM's default on GPUs.",
     )

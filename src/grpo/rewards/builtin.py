@@ -117,7 +117,7 @@ def reasoning_accuracy_reward(
 
 
 def think_format_reward(completions: list, **kwargs: Any) -> list[float]:
-    """1.0 when the completion starts with "<think>", closes it with "</think>" and contains no second "<think>"
+    """1.0 when the completion starts with `<think>`, closes it with `</think>` and contains no second `<think>`
     anywhere (an empty think block is fine), else 0.0."""
     return [1.0 if _THINK_FORMAT.match(_content(c)) else 0.0 for c in completions]
 
