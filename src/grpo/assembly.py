@@ -85,7 +85,7 @@ class Assembly(TrlSurface):
         self.model, self.optimizer, self.ref_model, snapshot = models.prepare(
             acc, args, self.model, self.optimizer, self.ref_model
         )
-        seeding.distinct_per_process(args, acc)  # a group split over processes: distinct samples
+        seeding.distinct_per_process(args.seed, acc.process_index)  # a group split over processes: distinct samples
         ref_sync.check(self)  # sync_ref_model needs a reference model of its own
         checkpoint.strategy.check(self)  # the best checkpoint must be knowable and loadable
         return snapshot, built.processor

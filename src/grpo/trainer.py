@@ -114,7 +114,7 @@ class GRPOTrainer(Assembly):
         self.rewards = RewardFunctions.build(
             reward_funcs, args, reward_processing_classes, self.accelerator.device, env_rewards
         )
-        seeding.seed_run(args)  # full_determinism: deterministic algorithms too
+        seeding.seed_run(args.seed, args.full_determinism)  # full_determinism: deterministic algorithms too
         snapshot, processor = self._build_policy(model, processing_class, peft_config, optimizers)
         self._build_rounds(tools, rollout_func, processor, snapshot)
         self._build_bookkeeping(eval_dataset, callbacks)

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import huggingface_hub
 
 from grpo.base import secrets
+from grpo.config import ResolvedConfig
 from grpo.observe.report import record
 
 logger = logging.getLogger("grpo")
@@ -62,7 +63,7 @@ SKIPPED = ["_*", ".*", "checkpoint-*", ".tmp-checkpoint-*"]
 class PublishedRun(Protocol):
     """What the Hub pushes and the model card read of a run (the trainer is one)."""
 
-    args: Any  # the GRPOConfig
+    args: ResolvedConfig
     accelerator: Any
     processing_class: Any
     state: Any  # the HF TrainerState: step, log history
@@ -76,7 +77,7 @@ class PublishedRun(Protocol):
 
 
 class Hub:
-    def __init__(self, args: Any, is_main_process: bool) -> None:
+    def __init__(self, args: ResolvedConfig, is_main_process: bool) -> None:
         self.args = args
         self.active = bool(args.push_to_hub) and is_main_process
         self.repo_id: str | None = None

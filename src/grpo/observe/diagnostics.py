@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from grpo.config import ResolvedConfig
+
 logger = logging.getLogger("grpo")
 WINDOW = 3  # logged rows a persistent condition must hold for
 
@@ -70,7 +72,7 @@ def _persistent(rows: Sequence[dict], key: str, holds: Callable[[float], bool]) 
     return values[-1] if len(values) == WINDOW and all(holds(v) for v in values) else None
 
 
-def no_reward_spread(rows: Sequence[dict], args: Any) -> Finding | None:
+def no_reward_spread(rows: Sequence[dict], args: ResolvedConfig) -> Finding | None:
     value = _persistent(rows, "frac_reward_zero_std", lambda v: v >= 0.5)
     if value is None:
         return None
@@ -89,7 +91,7 @@ def _latest(rows: Sequence[dict], key: str) -> float | None:
     return values[-1] if values else None
 
 
-def truncated(rows: Sequence[dict], args: Any) -> Finding | None:
+def truncated(rows: Sequence[dict], args: ResolvedConfig) -> Finding | None:
     value = _persistent(rows, "completions/clipped_ratio", lambda v: v >= 0.5)
     if value is None:
         return None
@@ -101,7 +103,7 @@ def truncated(rows: Sequence[dict], args: Any) -> Finding | None:
     )
 
 
-def sampling_mismatch(rows: Sequence[dict], args: Any) -> Finding | None:
+def sampling_mismatch(rows: Sequence[dict], args: ResolvedConfig) -> Finding | None:
     latest = _training_rows(rows)[-1:] or [{}]
     mean = latest[0].get("sampling/importance_sampling_ratio/mean")
     peak = latest[0].get("sampling/importance_sampling_ratio/max")
@@ -120,7 +122,7 @@ def sampling_mismatch(rows: Sequence[dict], args: Any) -> Finding | None:
     )
 
 
-def entropy_collapse(rows: Sequence[dict], args: Any) -> Finding | None:
+def entropy_collapse(rows: Sequence[dict], args: ResolvedConfig) -> Finding | None:
     values = _values(_training_rows(rows), "entropy")
     if len(values) < 2 or not (values[-1] < 0.05 and values[-1] < values[0] / 5):
         return None
@@ -133,7 +135,7 @@ def entropy_collapse(rows: Sequence[dict], args: Any) -> Finding | None:
     )
 
 
-def reward_up_eval_down(rows: Sequence[dict], args: Any) -> Finding | None:
+def reward_up_eval_down(rows: Sequence[dict], args: ResolvedConfig) -> Finding | None:
     evals = [r for r in rows if isinstance(r.get("eval_reward"), (int, float))][-WINDOW:]
     if len(evals) < WINDOW:
         return None
@@ -156,7 +158,7 @@ def reward_up_eval_down(rows: Sequence[dict], args: Any) -> Finding | None:
     )
 
 
-def constant_rewards(rows: Sequence[dict], args: Any) -> list[Finding]:
+def constant_rewards(rows: Sequence[dict], args: ResolvedConfig) -> list[Finding]:
     train = _training_rows(rows)
     names = sorted(
         {
@@ -182,7 +184,7 @@ def constant_rewards(rows: Sequence[dict], args: Any) -> list[Finding]:
     return found
 
 
-def exploding_gradients(rows: Sequence[dict], args: Any) -> Finding | None:
+def exploding_gradients(rows: Sequence[dict], args: ResolvedConfig) -> Finding | None:
     norms = _values(_training_rows(rows), "grad_norm")
     if len(norms) < 6:
         return None
@@ -204,7 +206,7 @@ def _g(value: Any) -> str:
 CHECKS = (no_reward_spread, truncated, sampling_mismatch, entropy_collapse, reward_up_eval_down, exploding_gradients)
 
 
-def diagnose(rows: Sequence[dict], args: Any) -> list[Finding]:
+def diagnose(rows: Sequence[dict], args: ResolvedConfig) -> list[Finding]:
     """Every diagnostic that fires on the logged rows."""
     if not rows:
         return []
@@ -218,7 +220,9 @@ class Diagnosis:
     def __init__(self) -> None:
         self.seen: dict[str, Finding] = {}
 
-    def update(self, rows: Sequence[dict], args: Any, is_main_process: bool = True, quiet: bool = False) -> list:
+    def update(
+        self, rows: Sequence[dict], args: ResolvedConfig, is_main_process: bool = True, quiet: bool = False
+    ) -> list:
         new = [f for f in diagnose(rows, args) if f.name not in self.seen]
         for finding in new:
             self.seen[finding.name] = finding
@@ -226,7 +230,7 @@ class Diagnosis:
                 logger.warning("Step %d: %s", finding.step, finding.message)
         return new
 
-    def replay(self, rows: Sequence[dict], args: Any) -> Diagnosis:
+    def replay(self, rows: Sequence[dict], args: ResolvedConfig) -> Diagnosis:
         """Find, without warning, what the checks found as the rows were logged one by one (a resumed run's
         earlier findings, a report rebuilt from metrics.jsonl): each finding at the step it first appeared."""
         for end in range(1, len(rows) + 1):

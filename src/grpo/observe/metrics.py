@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from grpo.algo.advantages import Advantages, nanstd
+from grpo.config import ResolvedConfig
 from grpo.config.validation import check_path_name
 from grpo.models.vision import image_name
 
@@ -159,7 +160,7 @@ def tensorboard_run_dir(project: str, run_name: str | None) -> str:
     return os.path.join(project, run_name or datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname())
 
 
-def _own_tracker(tracker: Any, args: Any, logging_dir: str) -> Any:
+def _own_tracker(tracker: Any, args: ResolvedConfig, logging_dir: str) -> Any:
     """The tracker accelerate would make, or grpo's where accelerate's defaults differ from transformers': a
     TensorBoard run directory per run, and wandb's WANDB_PROJECT while `project` is left at its default."""
     if str(tracker) == "tensorboard":
@@ -186,7 +187,7 @@ def check_trackers_installed(report_to: Any) -> None:
         )
 
 
-def start_trackers(accelerator: Any, args: Any) -> None:
+def start_trackers(accelerator: Any, args: ResolvedConfig) -> None:
     """Start the trackers of `report_to` (the accelerator's `log_with`) for the run `args.run_name` in the project
     `args.project`, with the config as the run's hyperparameters."""
     accelerator.log_with = [_own_tracker(t, args, accelerator.logging_dir) for t in accelerator.log_with]
@@ -281,7 +282,7 @@ class CompletionLog:
     `log_unique_prompts` the table shows each prompt once, on its first row (as TRL's table does); the parquet
     file keeps every row."""
 
-    def __init__(self, args: Any, reward_names: list[str]) -> None:
+    def __init__(self, args: ResolvedConfig, reward_names: list[str]) -> None:
         self.output_dir = args.output_dir
         self.num_to_print = args.num_completions_to_print
         self.unique_prompts = args.log_unique_prompts

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from grpo.config import ResolvedConfig
 from grpo.models.modeling import model_name
 from grpo.observe import diagnostics, run_dir
 from grpo.observe.report import record
@@ -127,7 +128,7 @@ def rebuild(output_dir: str, path: str | None = None) -> str:
 class ReportedRun(Protocol):
     """What the report's facts are read from (the trainer is one)."""
 
-    args: Any  # the GRPOConfig: output_dir, run_report
+    args: ResolvedConfig  # the GRPOConfig: output_dir, run_report
     accelerator: Any
     rewards: Any  # `grpo.rewards.calling.RewardFunctions`: names
     rollouts: Any  # `grpo.agent.Rollouts`: tool_names
@@ -143,7 +144,7 @@ class RunReport:
 
     def __init__(
         self,
-        args: Any,
+        args: ResolvedConfig,
         facts: dict[str, Any],
         diagnosis: diagnostics.Diagnosis,
         is_main_process: bool,

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from grpo.base import secrets
-from grpo.config import GRPOConfig
+from grpo.config import GRPOConfig, ResolvedConfig
 
 RUN_INFO = "run_info.json"
 METRICS = "metrics.jsonl"
@@ -52,7 +52,7 @@ def versions() -> dict[str, str]:
     return found
 
 
-def non_default(args: Any) -> dict[str, Any]:
+def non_default(args: ResolvedConfig) -> dict[str, Any]:
     """The settings of `args` that differ from GRPOConfig's defaults (output and logging directories aside)."""
     defaults = GRPOConfig(output_dir=args.output_dir).to_dict()
     return {k: v for k, v in args.to_dict().items() if defaults.get(k) != v and k not in ("output_dir", "logging_dir")}
@@ -77,7 +77,9 @@ def write_atomically(path: str, text: str) -> None:
         raise
 
 
-def record_start(output_dir: str, args: Any, facts: dict[str, Any], step: int, resumed_from: str | None) -> None:
+def record_start(
+    output_dir: str, args: ResolvedConfig, facts: dict[str, Any], step: int, resumed_from: str | None
+) -> None:
     """At train(): run_info.json with this start added (the earlier starts of the run kept)."""
     info = read_info(output_dir)
     starts = info.get("starts")
