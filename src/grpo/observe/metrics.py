@@ -282,14 +282,37 @@ class CompletionLog:
     `log_unique_prompts` the table shows each prompt once, on its first row (as TRL's table does); the parquet
     file keeps every row."""
 
-    def __init__(self, args: ResolvedConfig, reward_names: list[str]) -> None:
-        self.output_dir = args.output_dir
-        self.num_to_print = args.num_completions_to_print
-        self.unique_prompts = args.log_unique_prompts
+    def __init__(
+        self,
+        output_dir: str,
+        reward_names: list[str],
+        rows: int,
+        seed: int,
+        num_to_print: int | None = None,
+        unique_prompts: bool = False,
+        log_images: bool = True,
+    ) -> None:
+        """`rows`: the generation batch's (the latest batch is kept); `seed`: the sample printed; `num_to_print`,
+        `unique_prompts`, `log_images`: num_completions_to_print, log_unique_prompts, log_multimodal."""
+        self.output_dir = output_dir
+        self.num_to_print = num_to_print
+        self.unique_prompts = unique_prompts
         self.reward_names = reward_names
-        self.rows: deque[dict[str, Any]] = deque(maxlen=args.generation_batch_size)
-        self.rng = random.Random(args.seed)
-        self.log_images = getattr(args, "log_multimodal", True)  # name each row's images in an "image" column
+        self.rows: deque[dict[str, Any]] = deque(maxlen=rows)
+        self.rng = random.Random(seed)
+        self.log_images = log_images  # name each row's images in an "image" column
+
+    @classmethod
+    def of(cls, config: ResolvedConfig, reward_names: list[str]) -> CompletionLog:
+        return cls(
+            config.output_dir,
+            reward_names,
+            config.generation_batch_size,
+            config.seed,
+            config.num_completions_to_print,
+            config.log_unique_prompts,
+            config.log_multimodal,
+        )
 
     def record(self, scored: Any, advantages: Any, tokenizer: Any) -> None:
         rollout = scored.rollout
