@@ -242,7 +242,9 @@ if TYPE_CHECKING:
         epsilon_high: float
         debug: str
         disable_tqdm: bool
-        accelerator_config: AcceleratorConfig
+        # __post_init__ makes the command line's dict or JSON text transformers' object; the field's own type is the
+        # command line's (HfArgumentParser parses by it)
+        accelerator_config: AcceleratorConfig  # type: ignore[assignment]
         generation_kwargs: dict | None
         chat_template_kwargs: dict | None
         model_init_kwargs: dict | None

@@ -91,7 +91,7 @@ class Learner:
     training_pass: Any  # `grpo.learner.forward.TrainingPass`
     pad_id: int
     loop: Any  # `grpo.learner.loop.LoopState`
-    engine_on: Callable[[torch.nn.Module, Any], Any]  # (model, settings) -> an engine of the configured kind
+    engine_on: Callable[[torch.nn.Module, ResolvedConfig], Any]  # (model, settings) -> an engine of the configured kind
 
 
 def round_seed(seed: int, kind: str, position: int) -> int:

@@ -58,7 +58,7 @@ def random_state_kept() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def greedy(engine: Any, args: ResolvedConfig, rebuild: Any) -> Any:
+def greedy(engine: Any, args: ResolvedConfig, rebuild: Callable[[ResolvedConfig], Any]) -> Any:
     """The engine sampling greedily: vLLM engines (colocate, server) with temperature 0 on a copy sharing the engine;
     grpo's own engines rebuilt with top_k=1 (they sample from the training model, so that is cheap)."""
     import copy
@@ -198,7 +198,7 @@ class Evaluator:
     rounds: Any  # `grpo.rounds.sequential.Rounds`
     prompts: data.PromptSource
     loss: Callable[[Scored, int], float | None]  # (every process's batch, group size) -> eval loss; None: none
-    engine_with: Callable[[Any], Any]  # settings -> an engine on the policy (eval_greedy's top_k=1 copy)
+    engine_with: Callable[[ResolvedConfig], Any]  # settings -> an engine on the policy (eval_greedy's top_k=1 copy)
 
     def due(self, runs: dict[str | None, Evaluation], step: int, max_steps: int, steps_per_epoch: int) -> bool:
         """Whether an eval dataset's strategy evaluates after optimizer step `step`."""
