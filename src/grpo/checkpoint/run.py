@@ -35,7 +35,7 @@ class CheckpointedRun(Protocol):
     parts that save themselves, and the settings and lengths that decide when and where to save."""
 
     accelerator: Accelerator
-    args: ResolvedConfig  # the GRPOConfig (output_dir, save_* settings, metric_for_best_model, ...)
+    args: ResolvedConfig  # output_dir, save_* settings, metric_for_best_model, ...
     model: torch.nn.Module  # as prepared: wrapped, sharded or DeepSpeed's engine
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any

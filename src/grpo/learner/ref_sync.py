@@ -31,7 +31,7 @@ REFERENCE = os.path.join("reference", "model.safetensors")
 class ReferencedRun(Protocol):
     """What the reference's syncing reads of a run (the trainer is one)."""
 
-    args: ResolvedConfig  # the GRPOConfig: sync_ref_model, ref_model_sync_steps, ref_model_mixup_alpha
+    args: ResolvedConfig  # sync_ref_model, ref_model_sync_steps, ref_model_mixup_alpha
     model: torch.nn.Module  # the policy, as prepared
     ref_model: torch.nn.Module | None
     ref_from_adapters: bool  # the reference is the policy with its adapters disabled (LoRA)
