@@ -175,7 +175,7 @@ def _decoder_inputs(vocab: int, rows: int, context: int):
 
 
 def decode(sizes: dict) -> None:
-    from grpo import GRPOConfig
+    from grpo.algo.sampling import SamplingSettings
     from grpo.rollout.base import Prompt, group_requests
     from grpo.rollout.fast import FastEngine, logits_processors, sample_from
     from grpo.rollout.graphed import Graphs, StaticDecode
@@ -186,7 +186,7 @@ def decode(sizes: dict) -> None:
     floor = Floors(sizes)
     tok = random_model.make_tokenizer(measures["vocab"])
     steps, context, loop_tokens = sizes["decode_steps"], sizes["context"], sizes["loop_tokens"]
-    args = GRPOConfig(output_dir="/tmp/gpu-check-engine", max_completion_length=loop_tokens, temperature=1.0)
+    args = SamplingSettings(max_completion_length=loop_tokens, temperature=1.0)
     stop = torch.tensor([1], device=DEVICE)
     for rows in sizes["decode_rows"]:
         ids, mask, owner = _decoder_inputs(measures["vocab"], rows, context)

@@ -134,25 +134,17 @@ def _json_meta(meta):
 
 
 def gloo_vllm(model, tokenizer, model_dir: str, dtype: torch.dtype) -> float:
-    from grpo.rollout.remote import ServerEngine
+    from grpo.algo.sampling import SamplingSettings
+    from grpo.rollout.remote import ServerEngine, ServerSettings
 
     port = free_port()
     server = start_server(model_dir, port, str(dtype).removeprefix("torch."), 0.2)
     try:
-        args = SimpleNamespace(
-            vllm_server_base_url=f"http://127.0.0.1:{port}",
-            vllm_server_timeout=600.0,
-            vllm_server_api_key=None,
-            vllm_group_port=free_port(),
-            max_completion_length=8,
-            run_name="bench",
-            output_dir="/tmp/grpo-bench-push",
-            seed=0,
-            generation_kwargs=None,
-        )
+        sampling = SamplingSettings(max_completion_length=8, seed=0)
+        servers = ServerSettings((f"http://127.0.0.1:{port}",), 600.0, group_port=free_port(), run_name="bench")
         accelerator = SimpleNamespace(is_main_process=True, num_processes=1, process_index=0)
         config = model.config.get_text_config()
-        engine = ServerEngine(tokenizer, args, [], accelerator, {}, model.config, config.vocab_size)
+        engine = ServerEngine(tokenizer, sampling, servers, [], accelerator, model.config, config.vocab_size)
         engine.sync_weights(model)  # connects
         nbytes = sum(gloo.nbytes(m) for m in metadata(wire_pairs(model), dtype))
         return best_rate(nbytes, lambda: engine.sync_weights(model))

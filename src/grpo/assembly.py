@@ -19,8 +19,8 @@ from grpo.algo.losses import LossParams
 from grpo.algo.sampling_correction import SamplingCorrection
 from grpo.base import seeding
 from grpo.checkpoint import components, hub
-from grpo.checkpoint.hub import Hub
-from grpo.config import GRPOConfig
+from grpo.checkpoint.hub import Hub, HubSettings
+from grpo.config import ResolvedConfig
 from grpo.data import datasets
 from grpo.data import prompts as data
 from grpo.distributed import collectives
@@ -32,7 +32,7 @@ from grpo.models import vision
 from grpo.models.modeling import generation_eos
 from grpo.observe import reporting
 from grpo.observe.callbacks import Callbacks
-from grpo.observe.diagnostics import Diagnosis
+from grpo.observe.diagnostics import Diagnosis, Limits
 from grpo.observe.metrics import CompletionLog, MetricsLogger
 from grpo.observe.report import RunReport
 from grpo.perf import attention
@@ -85,7 +85,7 @@ class Assembly(TrlSurface):
         self.model, self.optimizer, self.ref_model, snapshot = models.prepare(
             acc, args, self.model, self.optimizer, self.ref_model
         )
-        seeding.distinct_per_process(args, acc)  # a group split over processes: distinct samples
+        seeding.distinct_per_process(args.seed, acc.process_index)  # a group split over processes: distinct samples
         ref_sync.check(self)  # sync_ref_model needs a reference model of its own
         checkpoint.strategy.check(self)  # the best checkpoint must be knowable and loadable
         return snapshot, built.processor
@@ -134,7 +134,7 @@ class Assembly(TrlSurface):
         self.gradient_check = optimization.GradientCheck(args.max_grad_norm)  # clip; non-finite norms
         self.step_applied = False  # whether the current step's optimizer step has been applied
         self.metrics: MetricsLogger | None = None  # made by train()
-        self.completion_log = CompletionLog(args, self.rewards.names) if args.log_completions else None
+        self.completion_log = CompletionLog.of(args, self.rewards.names) if args.log_completions else None
         self.latest_batch: tuple[Scored, torch.Tensor] | None = None  # the last generation batch and its advantages
         self.eval_dataset = eval_dataset
         self.evaluations = evaluation.build(eval_dataset, args, self.prompts, self.accelerator.num_processes)
@@ -146,9 +146,9 @@ class Assembly(TrlSurface):
             functools.partial(self._engine, self.unwrapped_model),
         )
         self.evaluator = evaluation.Evaluator(args, self.accelerator, *parts)  # what evaluate() runs on
-        self.diagnosis = Diagnosis()  # what the logged metrics say is going wrong: one warning each
+        self.diagnosis = Diagnosis(Limits.of(args))  # what the logged metrics say is going wrong: one warning each
         self.run_report = RunReport.of(self)  # <output_dir>/report.html
-        self.hub = Hub(args, self.accelerator.is_main_process)
+        self.hub = Hub(HubSettings.of(args), self.accelerator.is_main_process)
         self.write_model_card = functools.partial(hub.write_model_card, self)  # README.md of a saved model
         self.hub.create_repo()  # with push_to_hub, as the HF Trainer: at construction
         handles = self.model, self.processing_class, self.optimizer, self.lr_scheduler
@@ -162,7 +162,7 @@ class Assembly(TrlSurface):
             lr_scheduler = optimization.default_scheduler(optimizer, self.args, self.max_steps)
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
 
-    def _engine(self, model: torch.nn.Module, settings: GRPOConfig) -> Any:
+    def _engine(self, model: torch.nn.Module, settings: ResolvedConfig) -> Any:
         """An engine of the configured kind sampling `model` (the policy, or an async producer's snapshot), with
         `settings` (the run's, or eval_greedy's)."""
         return build_engine(model, self.tokenizer, settings, self.stop_ids, self.accelerator, self.pixels)

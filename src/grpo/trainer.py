@@ -114,7 +114,7 @@ class GRPOTrainer(Assembly):
         self.rewards = RewardFunctions.build(
             reward_funcs, args, reward_processing_classes, self.accelerator.device, env_rewards
         )
-        seeding.seed_run(args)  # full_determinism: deterministic algorithms too
+        seeding.seed_run(args.seed, args.full_determinism)  # full_determinism: deterministic algorithms too
         snapshot, processor = self._build_policy(model, processing_class, peft_config, optimizers)
         self._build_rounds(tools, rollout_func, processor, snapshot)
         self._build_bookkeeping(eval_dataset, callbacks)
@@ -143,14 +143,15 @@ class GRPOTrainer(Assembly):
             if path:
                 checkpoint.load(self, path)
                 self.metrics.resume(self.state.global_step)
-                self.diagnosis.replay(self.state.log_history, a)  # the findings before the resume, not warned again
+                self.diagnosis.replay(self.state.log_history)  # the findings before the resume, not warned again
                 self.policy_version += 1  # the loaded weights
                 logger.info("Resumed from %s at step %d.", path, self.state.global_step)
             self.model.train()
             total_loss, first = 0.0, self.state.global_step
             self._fire("train_begin")
             self.hub.start_completions_upload(self.accelerator.is_main_process)
-            report, rounds = self.run_report.running(self.state, path), self.rounds.running(self.loop.data_position)
+            report = self.run_report.running(self.state, path, self.args.to_dict())  # run_info.json: this config
+            rounds = self.rounds.running(self.loop.data_position)
             with self.metrics, report, preemption_guard() as preempted, rounds:
                 step_start = None  # preempted in eval_on_start: as between steps (evaluating changes nothing)
                 try:
@@ -345,7 +346,7 @@ class GRPOTrainer(Assembly):
             if self.completion_log is not None and self.accelerator.is_main_process:
                 self.completion_log.flush(step, self._window.console)
             self._fire("log", logs=self.state.log_history[-1])
-            self.diagnosis.update(self.state.log_history, self.args, self.accelerator.is_main_process)
+            self.diagnosis.update(self.state.log_history, self.accelerator.is_main_process)
             self.run_report.refresh()  # report.html, when due
         elif self.args.logging_strategy == "no":
             self._window.discard()  # no row will ever average this window

@@ -14,6 +14,7 @@ import torch
 
 from grpo import checkpoint
 from grpo.algo.losses import entropy_cut_mask, off_policy_mask
+from grpo.config import ResolvedConfig
 from grpo.data.datasets import is_stream
 from grpo.distributed import collectives
 from grpo.distributed.accelerator import end_run
@@ -33,7 +34,7 @@ logger = logging.getLogger("grpo")
 
 class TrlSurface:
     # what GRPOTrainer, the class this mixes into, sets
-    args: Any  # the GRPOConfig
+    args: ResolvedConfig
     accelerator: Any
     rewards: RewardFunctions
     rollouts: Rollouts
@@ -136,7 +137,7 @@ class TrlSurface:
             checkpoint.save_pretrained(run, output_dir, state_dict)
 
 
-def stream_settings(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
+def stream_settings(args: ResolvedConfig, train_dataset: Any, eval_dataset: Any) -> None:
     """TRL 1.16's settings for streaming datasets, kept in the config users read: `accelerator_config`'s
     dispatch_batches must not be True and becomes False, and a streaming train dataset sets dataloader_num_workers
     to 0 (with a warning). grpo reads rows itself, so neither shapes its reading; they say what the run did."""

@@ -11,7 +11,7 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.observe import diagnostics
 from support.runs import cfg, chat_dataset
 
-ARGS = GRPOConfig(output_dir="/tmp/unused-diagnostics")
+LIMITS = diagnostics.Limits.of(GRPOConfig(output_dir="/tmp/unused-diagnostics"))
 
 
 def history(n=6, **series):
@@ -65,16 +65,16 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_each_diagnostic_fires_on_its_history_and_not_on_the_other(name):
     fires, quiet = CASES[name]
-    assert [f.name for f in diagnostics.diagnose(history(**fires), ARGS)] == [name]
-    assert diagnostics.diagnose(history(**quiet), ARGS) == []
-    assert diagnostics.diagnose(history(), ARGS) == []  # the healthy baseline
+    assert [f.name for f in diagnostics.diagnose(history(**fires), LIMITS)] == [name]
+    assert diagnostics.diagnose(history(**quiet), LIMITS) == []
+    assert diagnostics.diagnose(history(), LIMITS) == []  # the healthy baseline
 
 
 def test_the_sampling_cap_and_a_nan_free_history():
     rows = history(**{"sampling/importance_sampling_ratio/max": [1, 1, 1, 1, 1, 3.5]})
-    assert [f.name for f in diagnostics.diagnose(rows, ARGS)] == ["sampling_mismatch"]
+    assert [f.name for f in diagnostics.diagnose(rows, LIMITS)] == ["sampling_mismatch"]
     rows = history(grad_norm=[1, 1, 1, 1, 1, math.nan])  # an fp16-skipped step is not an explosion
-    assert diagnostics.diagnose(rows, ARGS) == []
+    assert diagnostics.diagnose(rows, LIMITS) == []
 
 
 def with_evals(train_rewards, eval_rewards):
@@ -87,9 +87,9 @@ def with_evals(train_rewards, eval_rewards):
 
 def test_reward_rising_while_the_evaluation_falls():
     fires = with_evals([0.2, 0.5, 0.8], [0.6, 0.5, 0.3])
-    assert [f.name for f in diagnostics.diagnose(fires, ARGS)] == ["reward_up_eval_down"]
-    assert diagnostics.diagnose(with_evals([0.2, 0.5, 0.8], [0.3, 0.5, 0.6]), ARGS) == []  # both rise
-    assert diagnostics.diagnose(with_evals([0.5, 0.5, 0.5], [0.6, 0.5, 0.3]), ARGS) == []  # reward flat
+    assert [f.name for f in diagnostics.diagnose(fires, LIMITS)] == ["reward_up_eval_down"]
+    assert diagnostics.diagnose(with_evals([0.2, 0.5, 0.8], [0.3, 0.5, 0.6]), LIMITS) == []  # both rise
+    assert diagnostics.diagnose(with_evals([0.5, 0.5, 0.5], [0.6, 0.5, 0.3]), LIMITS) == []  # reward flat
 
 
 def test_the_trainer_warns_once_when_a_diagnostic_first_fires(tiny_model_dir, tmp_path, caplog):

@@ -364,11 +364,8 @@ class Grab:
         self.table = table
 
 
-def completion_log(tmp_path, **kw):
-    args = SimpleNamespace(
-        output_dir=str(tmp_path), num_completions_to_print=None, generation_batch_size=8, seed=0, **kw
-    )
-    log = CompletionLog(args, ["r"])
+def completion_log(tmp_path, unique_prompts):
+    log = CompletionLog(str(tmp_path), ["r"], rows=8, seed=0, unique_prompts=unique_prompts)
     prompts = [[1, 2]] * 4 + [[3, 4]] * 4  # two groups of 4
     scored = SimpleNamespace(
         rollout=SimpleNamespace(prompt_ids=prompts, texts=[f"c{i}" for i in range(8)], vision=[]),
@@ -385,7 +382,7 @@ def test_log_unique_prompts_shows_each_prompt_once(tmp_path, unique, shown):
     import pandas as pd
 
     console = Grab()
-    path = completion_log(tmp_path, log_unique_prompts=unique).flush(3, console)
+    path = completion_log(tmp_path, unique).flush(3, console)
     assert console.table.row_count == shown
     completions = console.table.columns[1]._cells
     assert completions == (["c0", "c4"] if unique else [f"c{i}" for i in range(8)])  # each group's first row
@@ -393,7 +390,7 @@ def test_log_unique_prompts_shows_each_prompt_once(tmp_path, unique, shown):
 
 
 def test_unique_prompts_then_sampled(tmp_path):
-    log = completion_log(tmp_path, log_unique_prompts=True)
+    log = completion_log(tmp_path, True)
     log.num_to_print = 1
     console = Grab()
     log.flush(1, console)

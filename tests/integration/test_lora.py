@@ -12,6 +12,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from grpo import GRPOTrainer
+from grpo.algo.sampling import SamplingSettings
 from grpo.learner.forward import token_logps
 from grpo.rollout.fast import FastEngine
 from grpo.rollout.plain import TransformersEngine
@@ -124,9 +125,10 @@ def test_fast_engine_on_the_adapted_model_matches_plain_generate(tiny_model_dir,
                 p.normal_(std=0.5)
     prompts = trainer.prompts.requests([0, 0, 1, 1])
     tok = trainer.processing_class
-    fast = FastEngine(model, tok, trainer.args, trainer.stop_ids, sampler=lambda logprobs: logprobs.argmax(-1))
-    greedy_args = cfg(tmp_path, generation_kwargs={"do_sample": False})
-    plain = TransformersEngine(model, tok, greedy_args, trainer.stop_ids)
+    sampling = SamplingSettings.of(trainer.args)
+    fast = FastEngine(model, tok, sampling, trainer.stop_ids, sampler=lambda logprobs: logprobs.argmax(-1))
+    greedy = SamplingSettings.of(cfg(tmp_path, generation_kwargs={"do_sample": False}))
+    plain = TransformersEngine(model, tok, greedy, trainer.stop_ids)
     expected = plain.generate(prompts).completion_ids
     assert fast.generate(prompts).completion_ids == expected
     with model.disable_adapter():  # and the adapters do change what is generated

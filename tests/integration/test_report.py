@@ -56,7 +56,7 @@ def test_a_recorded_history_gives_every_chart_the_findings_completions_and_setti
         "tools": ["multiply"],
         "max_steps": 8,
         "config": args.to_dict(),
-        "non_default": record.non_default(args),
+        "non_default": record.non_default(args.to_dict()),
         "versions": record.versions(),
         "starts": [{"time": "t0", "step": 0, "resumed_from": None}],
         "status": "finished",
@@ -196,8 +196,8 @@ def test_a_crafted_run_info_is_read_for_what_it_can_give(tmp_path):
 
 def test_only_the_main_process_writes_a_report(tmp_path):
     (tmp_path / "out").mkdir()
-    other = report.RunReport(cfg(tmp_path), {}, diagnostics.Diagnosis(), False)
-    with other.running(FakeState(), None):
+    other = report.RunReport(str(tmp_path / "out"), True, {}, diagnosis(tmp_path), False)
+    with other.running(FakeState(), None, cfg(tmp_path).to_dict()):
         assert not other.refresh(force=True)
     assert os.listdir(tmp_path / "out") == []
 
@@ -229,6 +229,10 @@ def test_a_run_killed_while_running_is_reported_as_stopped_and_a_held_one_as_run
     assert not run_dir.is_held(out)
 
 
+def diagnosis(tmp_path):
+    return diagnostics.Diagnosis(diagnostics.Limits.of(cfg(tmp_path)))
+
+
 class FakeState:
     def __init__(self):
         self.global_step, self.max_steps, self.log_history = 0, 10, []
@@ -245,8 +249,8 @@ def test_refresh_costs_at_most_its_share_of_the_run(tmp_path, monkeypatch):
     monkeypatch.setattr(report.RunReport, "_write", build)
     monkeypatch.setattr(report, "FIRST_ESTIMATE", 1.0)
     (tmp_path / "out").mkdir()
-    live = report.RunReport(cfg(tmp_path), {}, diagnostics.Diagnosis(), True, clock=lambda: now[0])
-    with live.running(FakeState(), None):  # training starts at t=100
+    live = report.RunReport(str(tmp_path / "out"), True, {}, diagnosis(tmp_path), True, clock=lambda: now[0])
+    with live.running(FakeState(), None, cfg(tmp_path).to_dict()):  # training starts at t=100
         now[0] = 120.0
         assert not live.refresh()  # 2% of 20 s cannot pay for the first build (estimated 1 s)
         now[0] = 150.0
@@ -346,10 +350,10 @@ def test_a_resumed_run_reports_its_whole_history_once(tmp_path, tiny_model_dir):
 
 
 def test_the_live_findings_equal_the_replayed_ones(tmp_path):
-    rows, live = full_history(), diagnostics.Diagnosis()
+    rows, live = full_history(), diagnosis(tmp_path)
     for end in range(1, len(rows) + 1):
-        live.update(rows[:end], cfg(tmp_path), quiet=True)
-    replayed = diagnostics.Diagnosis().replay(rows, cfg(tmp_path))
+        live.update(rows[:end], quiet=True)
+    replayed = diagnosis(tmp_path).replay(rows)
     assert live.findings == replayed.findings and [f.name for f in live.findings] == ["no_reward_spread"]
 
 

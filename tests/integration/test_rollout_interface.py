@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.algo.sampling import SamplingSettings
 from grpo.data.prompts import PromptSource, end_of_turn_ids, make_prompt
 from grpo.rollout import Request, Rollout, build_engine
 from grpo.rollout.fast import FastEngine
@@ -24,7 +25,9 @@ def engines(**kw):
     args = GRPOConfig(output_dir="x", max_completion_length=12, per_device_train_batch_size=4, num_generations=2, **kw)
     stop = end_of_turn_ids(tok, model.generation_config.eos_token_id)
     # the fast engine on the transformers forward, so that a hook on the output head reaches both
-    return tok, model, [FastEngine(model, tok, args, stop, lean=False), TransformersEngine(model, tok, args, stop)]
+    sampling = SamplingSettings.of(args)
+    both = [FastEngine(model, tok, sampling, stop, lean=False), TransformersEngine(model, tok, sampling, stop)]
+    return tok, model, both
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["fast", "plain"])

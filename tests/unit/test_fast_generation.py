@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo import GRPOConfig
+from grpo.algo.sampling import SamplingSettings
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.rollout import fast
@@ -42,13 +42,7 @@ def test_greedy_tokens_equal_plain_generate(share, family):
     plain = TransformersEngine(
         model,
         tok,
-        GRPOConfig(
-            output_dir="x",
-            max_completion_length=16,
-            per_device_train_batch_size=8,
-            num_generations=4,
-            generation_kwargs={"do_sample": False},
-        ),
+        SamplingSettings(max_completion_length=16, generation_kwargs={"do_sample": False}),
         stop,
     )
     a = fast.generate(rows)
@@ -160,13 +154,8 @@ def test_blockwise_inversion_never_draws_a_zero_probability_token():
 def test_repetition_penalty_matches_plain_path_greedily():
     tok, model, args, stop, rows = setup(on_device.device(), repetition_penalty=1.3)
     fast = FastEngine(model, tok, args, stop, sampler=greedy).generate(rows)
-    plain_args = GRPOConfig(
-        output_dir="x",
-        max_completion_length=16,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        repetition_penalty=1.3,
-        generation_kwargs={"do_sample": False},
+    plain_args = SamplingSettings(
+        max_completion_length=16, repetition_penalty=1.3, generation_kwargs={"do_sample": False}
     )
     plain = TransformersEngine(model, tok, plain_args, stop).generate(rows)
     assert fast.completion_ids == plain.completion_ids
@@ -177,8 +166,8 @@ def test_settings_the_fast_path_does_not_cover_fall_back():
 
     tok, model, args, stop, rows = setup()
     assert supports(model, args) is None
-    assert "generation_kwargs" in supports(model, GRPOConfig(output_dir="x", generation_kwargs={"top_k": 3}))
-    assert "cache_implementation" in supports(model, GRPOConfig(output_dir="x", cache_implementation="static"))
+    assert "generation_kwargs" in supports(model, SamplingSettings(generation_kwargs={"top_k": 3}))
+    assert "cache_implementation" in supports(model, SamplingSettings(cache_implementation="static"))
 
 
 RECURRENT = ["Mamba", "Mamba2", "Jamba", "Bamba", "FalconH1", "NemotronH", "Qwen3Next", "Zamba2", "RecurrentGemma"]
@@ -205,7 +194,7 @@ def test_models_with_recurrent_state_keep_the_plain_engine_without_transformers_
         model = cls(config)
     if not stateful_marker:  # as on transformers 5.25
         monkeypatch.setattr(cls, "_is_stateful", False, raising=False)
-    reason = supports(model, GRPOConfig(output_dir="x"))
+    reason = supports(model, SamplingSettings())
     if kind in RECURRENT:
         assert reason is not None and "recurrent state" in reason
     else:

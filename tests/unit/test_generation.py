@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from grpo import GRPOConfig
+from grpo.algo.sampling import SamplingSettings
 from grpo.data.prompts import end_of_turn_ids, generation_prompt_indices, make_prompt
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
@@ -24,7 +25,7 @@ def engine_for(model, tok, **kw):
         **kw,
     )
     stop = end_of_turn_ids(tok, model.generation_config.eos_token_id)
-    return TransformersEngine(model, tok, args, stop), args
+    return TransformersEngine(model, tok, SamplingSettings.of(args), stop), args
 
 
 def prompts(tok, n=4):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpo import GRPOConfig
+from grpo.algo.sampling import SamplingSettings
 from grpo.data.prompts import end_of_turn_ids, make_prompt
 from grpo.rollout import Request
 from grpo.rollout.plain import TransformersEngine, _SampledLogps
@@ -29,7 +30,7 @@ def build(generation_kwargs=None, model=None, **kw):
         **kw,
     )
     stop = end_of_turn_ids(tok, model.generation_config.eos_token_id)
-    return tok, model, TransformersEngine(model, tok, args, stop)
+    return tok, model, TransformersEngine(model, tok, SamplingSettings.of(args), stop)
 
 
 def requests(tok):

@@ -24,8 +24,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grpo.algo.sampling import SamplingSettings
 from grpo.rollout.base import Prompt, Request
-from grpo.rollout.remote import ServerEngine, ServerError, server_urls
+from grpo.rollout.remote import ServerEngine, ServerError, ServerSettings, server_urls
 from grpo.rollout.server_client import token_counters
 from grpo.serve import gloo, launcher
 from grpo.serve.guard import Access, Guard, host_name, lone_surrogate, past_the_context
@@ -324,7 +325,7 @@ def good_choices(body):
 
 
 @pytest.fixture
-def fake(tmp_path):
+def fake():
     tokenizer = tiny.make_tokenizer()
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
     httpd.daemon_threads, httpd.asked, httpd.versions = True, [], ["default"]
@@ -333,27 +334,17 @@ def fake(tmp_path):
     httpd.answers_after, httpd.tokens = 0, lambda: 0
     httpd.tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
-    args = SimpleNamespace(
-        vllm_server_base_url=f"http://127.0.0.1:{httpd.server_address[1]}",
-        vllm_server_host="0.0.0.0",
-        vllm_server_port=8000,
-        vllm_server_timeout=5.0,
-        vllm_server_api_key=None,
-        vllm_group_port=51216,
-        max_completion_length=4,
-        run_name=None,
-        output_dir=str(tmp_path / "my-run"),
-        seed=0,
-        generation_kwargs=None,
-    )
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    sampling = SamplingSettings(max_completion_length=4, seed=0)
     accelerator = SimpleNamespace(is_main_process=True, num_processes=1, process_index=0)
     model = tiny.make_model(tokenizer, 0)
 
-    def engine(**changed):
-        a = SimpleNamespace(**{**vars(args), **changed})
-        return ServerEngine(tokenizer, a, [tokenizer.eos_token_id], accelerator, {"temperature": 1.0}, model.config, 64)
+    def engine(url=url, timeout=5.0):
+        settings = ServerSettings(urls=(url,), timeout=timeout, run_name="my-run")
+        stop = [tokenizer.eos_token_id]
+        return ServerEngine(tokenizer, sampling, settings, stop, accelerator, model.config, 64)
 
-    yield SimpleNamespace(httpd=httpd, engine=engine, model=model, url=args.vllm_server_base_url)
+    yield SimpleNamespace(httpd=httpd, engine=engine, model=model, url=url)
     httpd.shutdown()
     httpd.server_close()
 
@@ -449,11 +440,11 @@ def test_a_backend_grpo_does_not_drive_here_is_an_error_naming_it_before_anythin
 
 def test_no_server_at_the_url_is_an_error_naming_it_and_the_command_that_starts_one(fake):
     with pytest.raises(ServerError, match=r"No vLLM server answered at http://127.0.0.1:1 within .*grpo vllm-serve"):
-        fake.engine(vllm_server_base_url="http://127.0.0.1:1", vllm_server_timeout=0.3)
+        fake.engine(url="http://127.0.0.1:1", timeout=0.3)
 
 
 def test_a_server_lost_in_a_generation_is_an_error_naming_it_within_the_timeout(fake):
-    engine = fake.engine(vllm_server_timeout=1.0)
+    engine = fake.engine(timeout=1.0)
     fake.httpd.dies = True
     with pytest.raises(ServerError, match=rf"{fake.url} stopped answering during /v1/completions.*resume_from"):
         engine.generate(REQUESTS)
@@ -462,21 +453,21 @@ def test_a_server_lost_in_a_generation_is_an_error_naming_it_within_the_timeout(
 def test_a_generation_on_an_engine_that_makes_no_progress_is_an_error_though_health_answers(fake):
     """A wedged engine (one hostile request once did that) keeps /health answering: its token counters on /metrics
     standing still for vllm_server_timeout make the generation an error naming the server."""
-    engine = fake.engine(vllm_server_timeout=1.0)
+    engine = fake.engine(timeout=1.0)
     fake.httpd.answers_after = 60
     with pytest.raises(ServerError, match=rf"{fake.url} answers /health, but its engine has produced no token"):
         engine.generate(REQUESTS)
 
 
 def test_a_slow_generation_whose_engine_makes_progress_is_waited_for(fake):
-    engine = fake.engine(vllm_server_timeout=1.0)
+    engine = fake.engine(timeout=1.0)
     fake.httpd.answers_after = 3  # three timeouts, while the counters move
     fake.httpd.tokens = time.monotonic_ns
     assert len(engine.generate(REQUESTS)) == 3
 
 
 def test_without_counters_only_health_is_read(fake):
-    engine = fake.engine(vllm_server_timeout=1.0)
+    engine = fake.engine(timeout=1.0)
     fake.httpd.answers_after, fake.httpd.tokens = 2.5, None  # statistics off: a long wait is not a stall
     assert len(engine.generate(REQUESTS)) == 3
 
@@ -490,7 +481,7 @@ def test_token_counters_are_summed_over_their_labels():
 
 def test_several_servers_come_as_a_list_or_comma_separated():
     def urls(given):
-        return server_urls(SimpleNamespace(vllm_server_base_url=given, vllm_server_host="h", vllm_server_port=1))
+        return server_urls(given, "h", 1)
 
     assert urls(None) == ["http://h:1"]
     assert urls("http://a:1/, http://b:2") == urls(["http://a:1", "http://b:2"]) == ["http://a:1", "http://b:2"]

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from grpo import GRPOConfig
+from grpo.algo.sampling import SamplingSettings
 from grpo.data.prompts import tokenize_prompts
 from grpo.rollout import graphed
 from grpo.rollout.fast import FastEngine, logits_processors, sample_from
@@ -31,9 +31,7 @@ def setup(device, budgets=(150, 40, 7), family="llama", **kw):
     its own budget; one token stops a row (~1% a step here), so rows finish all along the rollout."""
     tok = make_tokenizer()
     model = (make_qwen3(tok) if family == "qwen3" else make_model(tok, hidden=64)).eval().to(device)
-    args = GRPOConfig(
-        output_dir="x", max_completion_length=max(budgets), num_generations=5, per_device_train_batch_size=15, **kw
-    )
+    args = SamplingSettings(max_completion_length=max(budgets), **kw)
     stop = [7]  # one token of the tiny vocabulary's 102
     chats = [[{"role": "user", "content": text}] for text in ("hi", "what is two plus two?", "count: one two three")]
     requests = as_requests([ids for ids in tokenize_prompts(chats, tok) for _ in range(5)])

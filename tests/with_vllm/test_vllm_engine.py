@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from grpo.algo.sampling import SamplingSettings
 from grpo.rollout.base import Request
 from grpo.rollout.fast import logits_processors
 from support.launch import job_script
@@ -65,7 +66,7 @@ def test_sampled_log_probs_are_the_policys_processed_ones(vllm_model_dir, tmp_pa
     ):
         trainer = make_trainer(vllm_model_dir, tmp_path, max_completion_length=12, **settings)
         rollout = generate(trainer, list(range(4))).rollout
-        processors = logits_processors(trainer.args)
+        processors = logits_processors(SamplingSettings.of(trainer.args))
         for prompt, completion, logps in zip(rollout.prompt_ids, rollout.completion_ids, rollout.sampling_logps):
             expected = policy_logps(trainer, prompt, completion, processors)
             assert torch.allclose(torch.tensor(logps), expected, atol=FP32_TOL), settings

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from grpo.agent.tools import Tool, ToolSet, make_tool
+from grpo.config import ResolvedConfig
 
 EMPTY_PROMPT = ({"role": "user", "content": ""},)
 
@@ -143,7 +144,7 @@ def _reward_of(cls: Any) -> Callable:  # an environment class: its get_reward me
     return reward
 
 
-def placeholder_dataset(dataset: Any, args: Any, environment_factory: Any) -> Any:
+def placeholder_dataset(dataset: Any, args: ResolvedConfig, environment_factory: Any) -> Any:
     """The dataset; without one, an environment that makes its own prompts (a single environment_factory, with
     max_steps) trains on generation_batch_size / num_generations empty user prompts, as TRL 1.16."""
     if dataset is not None:

@@ -23,6 +23,7 @@ from grpo.agent.rollout_output import MASK_KEY, ROLLOUT_KEYS, checked, policy_vo
 from grpo.agent.template import check_tool_template, rerendering
 from grpo.agent.tools import ToolSet
 from grpo.base.sigterm import Preempted
+from grpo.config import ResolvedConfig
 from grpo.data import prompts as data
 from grpo.rollout.base import Engine, Rollout, expand, group_requests
 
@@ -41,7 +42,7 @@ class Rollouts:
         self,
         engine: Engine,
         source: data.PromptSource,
-        args: Any,
+        args: ResolvedConfig,
         stop_ids: Sequence[int],
         any_process: Callable[[bool], bool],
         tools: Sequence[Callable] | None = None,

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from grpo.config import ResolvedConfig
+
 
 @dataclass
 class EntropyController:
@@ -28,7 +30,7 @@ class EntropyController:
     last_world_entropy: float = math.inf
 
     @classmethod
-    def of(cls, args: Any) -> EntropyController | None:
+    def of(cls, args: ResolvedConfig) -> EntropyController | None:
         """The config's controller; None when the bonus is off (entropy_coef 0 and not adaptive)."""
         if args.entropy_coef == 0.0 and not args.use_adaptive_entropy:
             return None

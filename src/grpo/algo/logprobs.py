@@ -99,9 +99,9 @@ class _HeadLogps(torch.autograd.Function):
                 inside, at = _in_block(ids[rows], cols)
                 g.scatter_add_(1, at[:, None], torch.where(inside, g_picked[rows], 0.0)[:, None])
                 g = g.to(dtype)
-                if want_h:
+                if grad_h is not None:
                     grad_h[rows] += g @ w
-                if want_w:
+                if grad_w is not None:
                     grad_w[cols] += g.T @ h[rows]
                 if grad_b is not None:
                     grad_b[cols] += g.sum(0)

@@ -22,9 +22,10 @@ import torch
 
 from grpo.algo.entropy_control import EntropyController
 from grpo.algo.losses import Stat, entropy_bonus
+from grpo.config import ResolvedConfig
 
 
-def router_aux_coef(model: Any, args: Any) -> float:
+def router_aux_coef(model: Any, args: ResolvedConfig) -> float:
     """The weight of the router's load-balancing loss for this model (0.0: off). A non-zero
     `router_aux_loss_coef` on a model that returns no router logits is an error, as in TRL 1.16."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -69,7 +70,7 @@ def _takes_router_logits(model: Any) -> bool:
 class LossTerms:
     """The entropy bonus and the router loss of one run; `add` per micro-batch, `end_step` per optimizer step."""
 
-    def __init__(self, args: Any, aux_coef: float) -> None:
+    def __init__(self, args: ResolvedConfig, aux_coef: float) -> None:
         self.accumulation_steps = args.gradient_accumulation_steps
         self.entropy = EntropyController.of(args)
         self.aux_coef = aux_coef

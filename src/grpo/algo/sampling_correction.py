@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from grpo.algo.losses import Stat, _nan_extreme, off_policy_mask
+from grpo.config import ResolvedConfig
 from grpo.config.grpo_fields import IS_MODES
 
 __all__ = ["MODES", "SamplingCorrection", "off_policy_mask", "sampling_ratio", "sampling_stats"]
@@ -128,7 +129,7 @@ class SamplingCorrection:
     apply: bool = False
 
     @classmethod
-    def of(cls, args: Any, engine: Any) -> SamplingCorrection:
+    def of(cls, args: ResolvedConfig, engine: Any) -> SamplingCorrection:
         external = bool(getattr(engine, "samples_elsewhere", False))
         return cls(
             mode=args.vllm_importance_sampling_mode,

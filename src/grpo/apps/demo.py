@@ -24,7 +24,6 @@ import re
 import shutil
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any, TextIO
 
 import torch
@@ -32,6 +31,7 @@ from datasets import Dataset
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from grpo.algo.sampling import SamplingSettings
 from grpo.base.process_env import set_for_dependency
 from grpo.config import GRPOConfig
 from grpo.data.prompts import tokenize_prompts
@@ -71,16 +71,6 @@ def train_dataset(seed: int, size: int = 2048) -> Dataset:
     return Dataset.from_list(rows)
 
 
-# greedy decoding's settings, as the fast engine reads a config; completions stop where model.generate stops
-GREEDY = SimpleNamespace(
-    generation_kwargs=None,
-    cache_implementation=None,
-    repetition_penalty=1.0,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-)
 EVAL_CHUNK = 81  # prompts decoded together: a phrasing's 81 pairs (27 at a time took 1.3x longer)
 
 
@@ -103,10 +93,12 @@ def greedy_completions(
     grpo's fast engine (the plain `model.generate` where it does not apply), EVAL_CHUNK prompts at a time."""
     eos = generation_eos(model)
     stop = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    args = SimpleNamespace(**vars(GREEDY), max_completion_length=max_new_tokens)
+    # no processor changes the distribution, and the sampler takes its argmax: greedy decoding, stopping where
+    # model.generate stops
+    sampling = SamplingSettings(max_completion_length=max_new_tokens)
     engine = None
-    if unsupported_reason(model, args) is None:
-        engine = FastEngine(model, tokenizer, args, stop, sampler=lambda logprobs: logprobs.argmax(-1))
+    if unsupported_reason(model, sampling) is None:
+        engine = FastEngine(model, tokenizer, sampling, stop, sampler=lambda logprobs: logprobs.argmax(-1))
     device = next(model.parameters()).device
     texts: list[str] = []
     with torch.autocast(device.type, enabled=False):

@@ -29,6 +29,7 @@ from datasets import Dataset
 from grpo.agent import CHATML_TOOLS
 from grpo.agent.loop import ToolLoop
 from grpo.agent.tools import ToolSet
+from grpo.algo.sampling import SamplingSettings
 from grpo.apps.demo import demo_config as addition_config
 from grpo.apps.demo import fresh_output_dir, last_integer, report_path
 from grpo.config import GRPOConfig
@@ -117,9 +118,9 @@ class Measured:
 @torch.no_grad()
 def measure(model: Any, tokenizer: Any, pairs: list[tuple[int, int]], max_completion_length: int) -> Measured:
     """Greedy multi-turn exchanges (top_k=1, float32) with the real tool, through grpo's own tool loop."""
-    args = GRPOConfig(output_dir="/tmp/unused", top_k=1, max_completion_length=max_completion_length, bf16=False)
+    sampling = SamplingSettings(top_k=1, max_completion_length=max_completion_length)
     stop_ids = end_of_turn_ids(tokenizer, generation_eos(model))
-    engine = FastEngine(model, tokenizer, args, stop_ids)
+    engine = FastEngine(model, tokenizer, sampling, stop_ids)
     tools = ToolSet.of([multiply])
     loop = ToolLoop(tokenizer, stop_ids, max_completion_length, 3, None, 10.0, None, lambda flag: flag)
     with torch.autocast("cpu", enabled=False):

@@ -5,28 +5,26 @@ refuse to run)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from accelerate.utils import set_seed
 from transformers import enable_full_determinism
 
 
-def seed_run(args: Any) -> None:
-    if args.full_determinism:
-        enable_full_determinism(args.seed)
+def seed_run(seed: int, full_determinism: bool) -> None:
+    if full_determinism:
+        enable_full_determinism(seed)
     else:
-        set_seed(args.seed)
+        set_seed(seed)
 
 
-def distinct_per_process(args: Any, accelerator: Any) -> None:
+def distinct_per_process(seed: int, process_index: int) -> None:
     """After the model is built (the same initialisation everywhere): process i > 0 reseeds every generator with
     seed + i, as TRL's device-specific seed, so that a group whose completions are split over processes gets
     distinct samples instead of the same draws on every process. Process 0 keeps its stream (one process: no
     change)."""
-    if accelerator.process_index > 0:
-        set_seed(args.seed + accelerator.process_index)
+    if process_index > 0:
+        set_seed(seed + process_index)
 
 
-def prompt_order_seed(args: Any) -> int:
+def prompt_order_seed(seed: int, data_seed: int | None) -> int:
     """The seed of the prompt order (`grpo.data.prompts.generation_prompt_indices`)."""
-    return args.seed if args.data_seed is None else args.data_seed
+    return seed if data_seed is None else data_seed

@@ -31,12 +31,14 @@ import logging
 import math
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import huggingface_hub
 
 from grpo.base import secrets
+from grpo.config import ResolvedConfig
 from grpo.observe.report import record
 
 logger = logging.getLogger("grpo")
@@ -62,7 +64,7 @@ SKIPPED = ["_*", ".*", "checkpoint-*", ".tmp-checkpoint-*"]
 class PublishedRun(Protocol):
     """What the Hub pushes and the model card read of a run (the trainer is one)."""
 
-    args: Any  # the GRPOConfig
+    args: ResolvedConfig
     accelerator: Any
     processing_class: Any
     state: Any  # the HF TrainerState: step, log history
@@ -75,26 +77,60 @@ class PublishedRun(Protocol):
     def save_model(self, output_dir: str | None = None) -> None: ...
 
 
+@dataclass(frozen=True)
+class HubSettings:
+    """What the Hub reads of the config: its hub_* fields, push_to_hub, the output directory it pushes from, and the
+    completions upload (log_completions, log_completions_hub_repo)."""
+
+    output_dir: str
+    push_to_hub: bool = False
+    hub_model_id: str | None = None
+    hub_strategy: str = "every_save"
+    hub_token: str | None = field(default=None, repr=False)
+    hub_private_repo: bool | None = None
+    hub_always_push: bool = False
+    hub_revision: str | None = None
+    hub_upload_run_files: bool = False
+    log_completions: bool = False
+    log_completions_hub_repo: str | None = None
+
+    @classmethod
+    def of(cls, config: ResolvedConfig) -> HubSettings:
+        return cls(
+            output_dir=config.output_dir,
+            push_to_hub=config.push_to_hub,
+            hub_model_id=config.hub_model_id,
+            hub_strategy=config.hub_strategy,
+            hub_token=config.hub_token,
+            hub_private_repo=config.hub_private_repo,
+            hub_always_push=config.hub_always_push,
+            hub_revision=config.hub_revision,
+            hub_upload_run_files=config.hub_upload_run_files,
+            log_completions=config.log_completions,
+            log_completions_hub_repo=config.log_completions_hub_repo,
+        )
+
+
 class Hub:
-    def __init__(self, args: Any, is_main_process: bool) -> None:
-        self.args = args
-        self.active = bool(args.push_to_hub) and is_main_process
+    def __init__(self, settings: HubSettings, is_main_process: bool) -> None:
+        self.settings = settings
+        self.active = bool(settings.push_to_hub) and is_main_process
         self.repo_id: str | None = None
         self.jobs: list = []
 
     def api(self) -> huggingface_hub.HfApi:
-        return huggingface_hub.HfApi(token=self.args.hub_token)
+        return huggingface_hub.HfApi(token=self.settings.hub_token)
 
     def create_repo(self) -> None:
         if not self.active or self.repo_id is not None:
             return
-        name = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
-        self.repo_id = self.api().create_repo(name, private=self.args.hub_private_repo, exist_ok=True).repo_id
+        name = self.settings.hub_model_id or Path(self.settings.output_dir).absolute().name
+        self.repo_id = self.api().create_repo(name, private=self.settings.hub_private_repo, exist_ok=True).repo_id
 
     def start_completions_upload(self, is_main_process: bool) -> None:
         """log_completions_hub_repo (TRL 1.16): the completions parquet files go to that dataset repository, committed
         every 2 minutes in the background by huggingface_hub's CommitScheduler (and once more at the end)."""
-        a = self.args
+        a = self.settings
         self.completions_scheduler = None
         if not a.log_completions_hub_repo or not is_main_process:
             return
@@ -131,12 +167,12 @@ class Hub:
                 scheduler.trigger().result()
             except Exception as err:
                 logger.warning(
-                    "Uploading the last completions to %s failed: %s", self.args.log_completions_hub_repo, err
+                    "Uploading the last completions to %s failed: %s", self.settings.log_completions_hub_repo, err
                 )
 
     def after_checkpoint(self, trainer: PublishedRun, checkpoint_dir: str) -> None:
         """hub_strategy's background pushes after a checkpoint was written."""
-        a = self.args
+        a = self.settings
         if not self.active or a.hub_strategy == "end":
             return
         if not a.hub_always_push and any(not job.done() for job in self.jobs):
@@ -171,13 +207,13 @@ class Hub:
             except Exception as err:
                 logger.warning("A background push to the Hub had failed: %s", err)
         self.jobs = []
-        write_model_card(trainer, self.args.output_dir, **card)
-        return self._upload(self.args.output_dir, commit_message, future=not blocking)
+        write_model_card(trainer, self.settings.output_dir, **card)
+        return self._upload(self.settings.output_dir, commit_message, future=not blocking)
 
     def _upload(self, folder: str, message: str, future: bool, path_in_repo: str | None = None) -> Any:
         """`folder` to the repository: a checkpoint whole (path_in_repo), the output directory's model and card
         (PUSHED) unless hub_upload_run_files."""
-        whole = path_in_repo is not None or self.args.hub_upload_run_files
+        whole = path_in_repo is not None or self.settings.hub_upload_run_files
         assert self.repo_id is not None  # create_repo() ran
         # run_as_future is a bool here: huggingface_hub overloads upload_folder on its True and False literals
         return self.api().upload_folder(  # type: ignore[call-overload]
@@ -185,7 +221,7 @@ class Hub:
             folder_path=folder,
             path_in_repo=path_in_repo,
             commit_message=message,
-            revision=self.args.hub_revision,
+            revision=self.settings.hub_revision,
             allow_patterns=None if whole else [glob.escape(name) for name in _matching(folder, PUSHED)],
             ignore_patterns=SKIPPED,
             run_as_future=future,
@@ -236,7 +272,7 @@ Optimization, [DeepSeekMath, arXiv:2402.03300](https://arxiv.org/abs/2402.03300)
 ## Settings that differ from TRL 1.16's defaults
 
 ```json
-{json.dumps(record.non_default(trainer.args), indent=1, default=str)}
+{json.dumps(record.non_default(trainer.args.to_dict()), indent=1, default=str)}
 ```
 
 ## Last logged metrics

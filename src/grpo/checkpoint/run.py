@@ -9,6 +9,8 @@ import torch
 from accelerate import Accelerator
 from transformers import TrainerState
 
+from grpo.config import ResolvedConfig
+
 
 class StateComponent(Protocol):
     """A part of a run's state that saves and loads itself (torchtitan's Stateful, in two phases): `save` writes
@@ -33,7 +35,7 @@ class CheckpointedRun(Protocol):
     parts that save themselves, and the settings and lengths that decide when and where to save."""
 
     accelerator: Accelerator
-    args: Any  # the GRPOConfig (output_dir, save_* settings, metric_for_best_model, ...)
+    args: ResolvedConfig  # output_dir, save_* settings, metric_for_best_model, ...
     model: torch.nn.Module  # as prepared: wrapped, sharded or DeepSpeed's engine
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any

@@ -48,8 +48,9 @@ def save_due(strategy: str, step: int, save_every: int, steps_per_epoch: int, ma
     return False
 
 
-def improves(value: float | None, best: float | None, greater_is_better: bool) -> bool:
-    """Whether a logged value beats the best so far (a missing or non-finite value never does)."""
+def improves(value: float | None, best: float | None, greater_is_better: bool | None) -> bool:
+    """Whether a logged value beats the best so far (a missing or non-finite value never does; greater_is_better
+    None, as without metric_for_best_model: the lower the better)."""
     if value is None:
         return False
     if best is None:

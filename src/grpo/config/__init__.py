@@ -228,6 +228,7 @@ def warn_odd_combinations(a: GRPOConfig) -> None:
 
 
 if TYPE_CHECKING:
+    from transformers.trainer_pt_utils import AcceleratorConfig
 
     class ResolvedConfig(GRPOConfig):
         """A GRPOConfig after `__post_init__` and `resolve_args`, as the type checker should see it: the fields
@@ -238,7 +239,19 @@ if TYPE_CHECKING:
         steps_per_generation: int
         max_completion_length: int
         pad_to_multiple_of: int | None
+        epsilon_high: float
+        debug: str
+        disable_tqdm: bool
+        # __post_init__ makes the command line's dict or JSON text transformers' object; the field's own type is the
+        # command line's (HfArgumentParser parses by it)
+        accelerator_config: AcceleratorConfig  # type: ignore[assignment]
+        generation_kwargs: dict | None
         chat_template_kwargs: dict | None
+        model_init_kwargs: dict | None
+        lr_scheduler_kwargs: dict | None
+        gradient_checkpointing_kwargs: dict | None
+        activation_checkpointing_kwargs: dict | None
+        transformers_continuous_batching_config: dict | None
 else:
     ResolvedConfig = GRPOConfig
 

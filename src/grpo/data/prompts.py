@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from grpo.base import seeding
+from grpo.config import ResolvedConfig
 from grpo.data.datasets import is_stream
 from grpo.distributed import collectives
 from grpo.models import vision
@@ -460,7 +461,7 @@ def generation_prompt_indices(
 
 
 def generation_rows(
-    position: int, num_rows: int | None, args: Any, process_index: int, num_processes: int
+    position: int, num_rows: int | None, args: ResolvedConfig, process_index: int, num_processes: int
 ) -> list[int]:
     """Dataset rows a process generates for at data position `position`: each prompt repeated G times, this
     process's contiguous share of the generation batch (shared spec §5.1-5.2). A stream (num_rows None) is read in
@@ -470,7 +471,11 @@ def generation_rows(
         unique = list(range(position * per_generation, (position + 1) * per_generation))
     else:
         unique = generation_prompt_indices(
-            position, num_rows, per_generation, seeding.prompt_order_seed(args), args.shuffle_dataset
+            position,
+            num_rows,
+            per_generation,
+            seeding.prompt_order_seed(args.seed, args.data_seed),
+            args.shuffle_dataset,
         )
     repeated = [i for i in unique for _ in range(args.num_generations)]
     return [repeated[i] for i in collectives.local_rows(len(repeated), process_index, num_processes)]

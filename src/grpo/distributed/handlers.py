@@ -12,6 +12,8 @@ from typing import Any
 
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, KwargsHandler
 
+from grpo.config import ResolvedConfig
+
 # GRPOConfig field -> DistributedDataParallel argument
 DDP_FIELDS = {
     "ddp_find_unused_parameters": "find_unused_parameters",
@@ -21,7 +23,7 @@ DDP_FIELDS = {
 }
 
 
-def kwargs_handlers(args: Any, cpu_deepspeed: bool = False) -> list[KwargsHandler]:
+def kwargs_handlers(args: ResolvedConfig, cpu_deepspeed: bool = False) -> list[KwargsHandler]:
     """The handlers for `Accelerator(kwargs_handlers=...)`. A DDP field left at None keeps DDP's own default
     (`find_unused_parameters=False`: grpo's loss reaches every trainable parameter). The timeout is always
     passed (1800 s unless set, as the HF Trainer does; torch's own default for NCCL is 600 s). `cpu_deepspeed`:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from grpo.config import ResolvedConfig
+
 STATE_DIR = "deepspeed"  # inside a checkpoint: DeepSpeed's engine checkpoint
 _TAG = "state"
 
@@ -39,7 +41,7 @@ def engine(accelerator: Any) -> Any:
     return accelerator.deepspeed_engine_wrapped.engine
 
 
-def configure(accelerator: Any, args: Any) -> None:
+def configure(accelerator: Any, args: ResolvedConfig) -> None:
     """Fill the DeepSpeed config's "auto" (or missing) batch, accumulation and clipping values from GRPOConfig,
     before `accelerator.prepare`; explicit values that differ raise a ValueError naming each."""
     ds = plugin(accelerator)

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
+from grpo.config import ResolvedConfig
 from grpo.distributed.handlers import kwargs_handlers
 from grpo.models.modeling import fast_bf16_available
 from grpo.observe.metrics import check_trackers_installed, start_trackers
 from grpo.perf.compilation import set_tf32
 
 
-def make_accelerator(args: Any) -> Accelerator:
+def make_accelerator(args: ResolvedConfig) -> Accelerator:
     """CUDA unless use_cpu or none is present; bf16=None resolved to "on where bfloat16 is fast"."""
     cpu = args.use_cpu or not torch.cuda.is_available()
     device = torch.device("cpu" if cpu else "cuda")
@@ -49,12 +49,12 @@ def make_accelerator(args: Any) -> Accelerator:
     return accelerator
 
 
-def _deepspeed(args: Any) -> bool:
+def _deepspeed(args: ResolvedConfig) -> bool:
     """Whether `accelerate launch` set DeepSpeed up for this run (use_cpu turns it off)."""
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not args.use_cpu
 
 
-def _precision(args: Any, cpu: bool) -> str:
+def _precision(args: ResolvedConfig, cpu: bool) -> str:
     """accelerate's mixed_precision. fp16 on a CPU (DeepSpeed aside, which casts itself): accelerate has no
     float16 autocast there, so the training pass would run in float32 while the engine sampled in float16; both
     run in float32 instead, with a warning (as with the HF Trainer, training is float32 there)."""

@@ -33,6 +33,7 @@ from transformers import DynamicCache
 
 from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 from grpo.algo.loss_terms import router_aux_coef
+from grpo.config import ResolvedConfig
 from grpo.distributed.zero import is_partitioned
 from grpo.learner import tree, tree_attention, tree_images, tree_probe
 from grpo.learner import windows as model_windows
@@ -52,7 +53,9 @@ class TrainingPass:
     """How this run scores completions; `logps` for the no-gradient passes (old policy, reference), `train` for the
     pass that is backpropagated."""
 
-    def __init__(self, model: Any, args: Any, autocast: Any, mixed_precision: str, pixels: Any = None) -> None:
+    def __init__(
+        self, model: Any, args: ResolvedConfig, autocast: Any, mixed_precision: str, pixels: Any = None
+    ) -> None:
         self.temperature = args.temperature
         self.pixels = pixels  # a vision-language model's image inputs (`grpo.models.vision.Pixels`)
         # its pixel inputs, and the tokens generation never samples (image placeholders): the same distribution

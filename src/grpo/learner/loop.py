@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from grpo.config import ResolvedConfig
 from grpo.data import datasets
 from grpo.data import prompts as data
 from grpo.learner.batch import TrainBatch
@@ -39,7 +40,7 @@ def epoch_start(position: int, blocks_per_epoch: int) -> int:
     return position - position % blocks_per_epoch
 
 
-def position_after_resume(args: Any, dataset: Any, position: int) -> int:
+def position_after_resume(args: ResolvedConfig, dataset: Any, position: int) -> int:
     """The data position a resumed run draws its next prompts from: the checkpoint's, or with ignore_data_skip
     the start of its epoch (the HF Trainer restarts the epoch's dataloader without fast-forwarding it)."""
     if not args.ignore_data_skip:
@@ -102,7 +103,7 @@ class Update:
     learning_rate: float
 
 
-def schedule_length(train_dataset: Any, args: Any) -> tuple[int, int]:
+def schedule_length(train_dataset: Any, args: ResolvedConfig) -> tuple[int, int]:
     """(max_steps, optimizer steps per epoch) of a run on `train_dataset`."""
     a = args
     if datasets.is_stream(train_dataset):  # no length: max_steps is the run, and its only "epoch"

@@ -13,6 +13,7 @@ import torch
 from accelerate import Accelerator
 from transformers import Trainer, get_scheduler
 
+from grpo.config import ResolvedConfig
 from grpo.distributed import zero
 
 logger = logging.getLogger("grpo")
@@ -22,7 +23,7 @@ class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss or gradient); the message names the step and what to try."""
 
 
-def default_optimizer(model: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
+def default_optimizer(model: torch.nn.Module, args: ResolvedConfig) -> torch.optim.Optimizer:
     """The optimizer `args.optim` names, resolved as the HF Trainer resolves it (`optim_args` included), over the
     trainable parameters, with no weight decay on biases and norms. `adamw_torch_fused` (the default) falls back
     to the per-tensor AdamW (the same update) where the parameters cannot be fused."""
@@ -67,7 +68,7 @@ def _unconsumed_optim_args(cls: type[torch.optim.Optimizer], kwargs: dict, optim
     return extra
 
 
-def default_scheduler(optimizer: torch.optim.Optimizer, args: Any, max_steps: int) -> Any:
+def default_scheduler(optimizer: torch.optim.Optimizer, args: ResolvedConfig, max_steps: int) -> Any:
     """The config's schedule; `warmup_steps` below 1 is a fraction of the steps (transformers 5: ceil(ratio x
     steps))."""
     w = args.warmup_steps

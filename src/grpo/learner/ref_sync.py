@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo.checkpoint import files
+from grpo.config import ResolvedConfig
 from grpo.distributed import sharding, zero
 from grpo.models.modeling import unwrap
 
@@ -30,7 +31,7 @@ REFERENCE = os.path.join("reference", "model.safetensors")
 class ReferencedRun(Protocol):
     """What the reference's syncing reads of a run (the trainer is one)."""
 
-    args: Any  # the GRPOConfig: sync_ref_model, ref_model_sync_steps, ref_model_mixup_alpha
+    args: ResolvedConfig  # sync_ref_model, ref_model_sync_steps, ref_model_mixup_alpha
     model: torch.nn.Module  # the policy, as prepared
     ref_model: torch.nn.Module | None
     ref_from_adapters: bool  # the reference is the policy with its adapters disabled (LoRA)
@@ -99,7 +100,7 @@ class MixedReference:
         self.is_main_process = is_main_process
 
     @classmethod
-    def of(cls, args: Any, ref_model: torch.nn.Module | None, accelerator: Any) -> list[MixedReference]:
+    def of(cls, args: ResolvedConfig, ref_model: torch.nn.Module | None, accelerator: Any) -> list[MixedReference]:
         """The component when sync_ref_model mixes a reference model of its own, else none."""
         if not args.sync_ref_model or ref_model is None:
             return []

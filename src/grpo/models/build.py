@@ -9,6 +9,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
+from grpo.config import ResolvedConfig
 from grpo.distributed import zero
 from grpo.models import fp32_head, lora, vision
 from grpo.models.modeling import (
@@ -39,7 +40,7 @@ class Models:
         return self.processing_class if vision.is_processor(self.processing_class) else None
 
 
-def default_unused_parameters(args: Any, model: Any) -> None:
+def default_unused_parameters(args: ResolvedConfig, model: Any) -> None:
     """A vision-language model's text-only rows leave its vision tower without gradients, so DDP looks for unused
     parameters by default (as TRL 1.16; not with reentrant checkpointing, which fails with it)."""
     if args.ddp_find_unused_parameters is not None or (args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
@@ -55,7 +56,9 @@ def default_unused_parameters(args: Any, model: Any) -> None:
         args.ddp_find_unused_parameters = True
 
 
-def build(model: Any, processing_class: Any, peft_config: Any, args: Any, fsdp_plugin: Any, device: Any) -> Models:
+def build(
+    model: Any, processing_class: Any, peft_config: Any, args: ResolvedConfig, fsdp_plugin: Any, device: Any
+) -> Models:
     """The policy and its tokenizer, loaded for a run on `device`; the frozen reference when beta > 0 (with LoRA:
     the policy with its adapters disabled, no copy; beta == 0: never loaded, shared spec §1.2); checkpointing and
     LoRA."""
@@ -108,7 +111,9 @@ def _drop_autocast_wrapper(model: Any) -> None:
         model.forward = original
 
 
-def prepare(accelerator: Any, args: Any, model: Any, optimizer: Any, ref_model: Any) -> tuple[Any, Any, Any, Any]:
+def prepare(
+    accelerator: Any, args: ResolvedConfig, model: Any, optimizer: Any, ref_model: Any
+) -> tuple[Any, Any, Any, Any]:
     """accelerate's placement and wrapping of the policy, its optimizer and the reference; with async_generation
     also, when FSDP or DeepSpeed is to wrap it, a whole copy of the policy made before they shard it (the async
     producer's snapshot, frozen; else None: `grpo.rounds.asynchronous` copies the prepared policy).

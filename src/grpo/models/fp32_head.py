@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from grpo.config import ResolvedConfig
 from grpo.models import lora
 from grpo.models.modeling import unwrap
 
@@ -32,7 +33,7 @@ def is_fp32_head(module: Any) -> bool:
     return isinstance(module, Float32Head)
 
 
-def apply(args: Any, *models: Any) -> None:
+def apply(args: ResolvedConfig, *models: Any) -> None:
     """With `cast_lm_head_to_fp32`, make each given model's (policy, reference; None skipped) head float32."""
     if not args.cast_lm_head_to_fp32:
         return

@@ -25,6 +25,8 @@ from transformers import (
 )
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
+from grpo.config import ResolvedConfig
+
 
 class ModelLoadError(OSError):
     """A model or tokenizer could not be loaded; the message names the id and what to do."""
@@ -339,7 +341,7 @@ def unwrap(model: Any, keep_peft: bool = False) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def enable_checkpointing(model: Any, args: Any, fsdp_plugin: Any = None) -> None:
+def enable_checkpointing(model: Any, args: ResolvedConfig, fsdp_plugin: Any = None) -> None:
     """`gradient_checkpointing` (`activation_checkpointing`, which the config resolved into it) with its kwargs,
     as transformers 5.24's Trainer applies them: `every_n_layers` and `offload` are options of the model's
     method, every other key goes to torch.utils.checkpoint.checkpoint (default: use_reentrant=False). Under

@@ -26,6 +26,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState, TrainerControl
 from transformers.utils import logging as hf_logging
 
+from grpo.config import ResolvedConfig
+
 
 class Callbacks:
     def __init__(self, callbacks: Any, model: Any, processing_class: Any, optimizer: Any, lr_scheduler: Any) -> None:
@@ -41,7 +43,7 @@ class Callbacks:
             quiet.setLevel(level)
         self.control = TrainerControl()
 
-    def fire(self, event: str, args: Any, state: Any, **kwargs: Any) -> TrainerControl:
+    def fire(self, event: str, args: ResolvedConfig, state: Any, **kwargs: Any) -> TrainerControl:
         """Call every callback's `on_<event>`; returns the control, updated."""
         self.control = getattr(self.handler, f"on_{event}")(args, state, self.control, **kwargs)
         return self.control

@@ -1,19 +1,23 @@
 """Diagnostics: what the logged metrics say is going wrong in a run, in words, with what to try.
 
 Each check is a pure function of the logged rows (`trainer.state.log_history`: training rows and evaluation rows)
-and the run's settings, and returns a `Finding` or None. The trainer runs them at every logging step and prints a
-finding as one warning line the first time it appears; the run report (`grpo.observe.report`) states them at its top.
+and the few settings it compares them with (`Limits`), and returns a `Finding` or None. The trainer runs them at
+every logging step and prints a finding as one warning line the first time it appears; the run report
+(`grpo.observe.report`) states them at its top.
 Each check's threshold is in `THRESHOLDS` (stated in the report and in docs/report.md too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from grpo.config import GRPOConfig
 
 logger = logging.getLogger("grpo")
 WINDOW = 3  # logged rows a persistent condition must hold for
@@ -45,6 +49,30 @@ class Finding:
     message: str
 
 
+@dataclass(frozen=True)
+class Limits:
+    """The run's settings the checks compare the logged metrics with (the config's fields of the same names)."""
+
+    max_completion_length: int | None
+    epsilon: float
+    epsilon_high: float | None  # None: epsilon
+    vllm_importance_sampling_clip_max: float | None
+
+    @classmethod
+    def of(cls, config: GRPOConfig) -> Limits:
+        return cls(
+            config.max_completion_length,
+            config.epsilon,
+            config.epsilon_high,
+            config.vllm_importance_sampling_clip_max,
+        )
+
+    @classmethod
+    def saved(cls, values: Mapping[str, Any]) -> Limits:
+        """From a saved configuration's values (run_info.json's, over the defaults: `grpo report`)."""
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+
+
 def _training_rows(rows: Sequence[dict]) -> list[dict]:
     return [r for r in rows if "loss" in r or "reward" in r]
 
@@ -70,7 +98,7 @@ def _persistent(rows: Sequence[dict], key: str, holds: Callable[[float], bool]) 
     return values[-1] if len(values) == WINDOW and all(holds(v) for v in values) else None
 
 
-def no_reward_spread(rows: Sequence[dict], args: Any) -> Finding | None:
+def no_reward_spread(rows: Sequence[dict], limits: Limits) -> Finding | None:
     value = _persistent(rows, "frac_reward_zero_std", lambda v: v >= 0.5)
     if value is None:
         return None
@@ -89,24 +117,24 @@ def _latest(rows: Sequence[dict], key: str) -> float | None:
     return values[-1] if values else None
 
 
-def truncated(rows: Sequence[dict], args: Any) -> Finding | None:
+def truncated(rows: Sequence[dict], limits: Limits) -> Finding | None:
     value = _persistent(rows, "completions/clipped_ratio", lambda v: v >= 0.5)
     if value is None:
         return None
     return Finding(
         "truncated",
         rows[-1]["step"],
-        f"{value:.0%} of completions hit max_completion_length ({args.max_completion_length}) before ending: raise "
+        f"{value:.0%} of completions hit max_completion_length ({limits.max_completion_length}) before ending: raise "
         "max_completion_length, or set mask_truncated_completions=True to leave them out of the loss.",
     )
 
 
-def sampling_mismatch(rows: Sequence[dict], args: Any) -> Finding | None:
+def sampling_mismatch(rows: Sequence[dict], limits: Limits) -> Finding | None:
     latest = _training_rows(rows)[-1:] or [{}]
     mean = latest[0].get("sampling/importance_sampling_ratio/mean")
     peak = latest[0].get("sampling/importance_sampling_ratio/max")
-    low, high = 1 - args.epsilon, 1 + (args.epsilon_high if args.epsilon_high is not None else args.epsilon)
-    cap = args.vllm_importance_sampling_clip_max
+    low, high = 1 - limits.epsilon, 1 + (limits.epsilon_high if limits.epsilon_high is not None else limits.epsilon)
+    cap = limits.vllm_importance_sampling_clip_max
     off = isinstance(mean, (int, float)) and not low <= mean <= high
     spiky = isinstance(peak, (int, float)) and cap is not None and peak > cap
     if not (off or spiky):
@@ -120,7 +148,7 @@ def sampling_mismatch(rows: Sequence[dict], args: Any) -> Finding | None:
     )
 
 
-def entropy_collapse(rows: Sequence[dict], args: Any) -> Finding | None:
+def entropy_collapse(rows: Sequence[dict], limits: Limits) -> Finding | None:
     values = _values(_training_rows(rows), "entropy")
     if len(values) < 2 or not (values[-1] < 0.05 and values[-1] < values[0] / 5):
         return None
@@ -133,7 +161,7 @@ def entropy_collapse(rows: Sequence[dict], args: Any) -> Finding | None:
     )
 
 
-def reward_up_eval_down(rows: Sequence[dict], args: Any) -> Finding | None:
+def reward_up_eval_down(rows: Sequence[dict], limits: Limits) -> Finding | None:
     evals = [r for r in rows if isinstance(r.get("eval_reward"), (int, float))][-WINDOW:]
     if len(evals) < WINDOW:
         return None
@@ -156,7 +184,7 @@ def reward_up_eval_down(rows: Sequence[dict], args: Any) -> Finding | None:
     )
 
 
-def constant_rewards(rows: Sequence[dict], args: Any) -> list[Finding]:
+def constant_rewards(rows: Sequence[dict], limits: Limits) -> list[Finding]:
     train = _training_rows(rows)
     names = sorted(
         {
@@ -182,7 +210,7 @@ def constant_rewards(rows: Sequence[dict], args: Any) -> list[Finding]:
     return found
 
 
-def exploding_gradients(rows: Sequence[dict], args: Any) -> Finding | None:
+def exploding_gradients(rows: Sequence[dict], limits: Limits) -> Finding | None:
     norms = _values(_training_rows(rows), "grad_norm")
     if len(norms) < 6:
         return None
@@ -204,33 +232,34 @@ def _g(value: Any) -> str:
 CHECKS = (no_reward_spread, truncated, sampling_mismatch, entropy_collapse, reward_up_eval_down, exploding_gradients)
 
 
-def diagnose(rows: Sequence[dict], args: Any) -> list[Finding]:
+def diagnose(rows: Sequence[dict], limits: Limits) -> list[Finding]:
     """Every diagnostic that fires on the logged rows."""
     if not rows:
         return []
-    found = [f for check in CHECKS if (f := check(rows, args)) is not None]
-    return found + constant_rewards(rows, args)
+    found = [f for check in CHECKS if (f := check(rows, limits)) is not None]
+    return found + constant_rewards(rows, limits)
 
 
 class Diagnosis:
     """The run's findings; `update` warns once per diagnostic, the first time it fires."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
         self.seen: dict[str, Finding] = {}
 
-    def update(self, rows: Sequence[dict], args: Any, is_main_process: bool = True, quiet: bool = False) -> list:
-        new = [f for f in diagnose(rows, args) if f.name not in self.seen]
+    def update(self, rows: Sequence[dict], is_main_process: bool = True, quiet: bool = False) -> list:
+        new = [f for f in diagnose(rows, self.limits) if f.name not in self.seen]
         for finding in new:
             self.seen[finding.name] = finding
             if is_main_process and not quiet:
                 logger.warning("Step %d: %s", finding.step, finding.message)
         return new
 
-    def replay(self, rows: Sequence[dict], args: Any) -> Diagnosis:
+    def replay(self, rows: Sequence[dict]) -> Diagnosis:
         """Find, without warning, what the checks found as the rows were logged one by one (a resumed run's
         earlier findings, a report rebuilt from metrics.jsonl): each finding at the step it first appeared."""
         for end in range(1, len(rows) + 1):
-            self.update(rows[:end], args, quiet=True)
+            self.update(rows[:end], quiet=True)
         return self
 
     @property

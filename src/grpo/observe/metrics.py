@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from grpo.algo.advantages import Advantages, nanstd
+from grpo.config import ResolvedConfig
 from grpo.config.validation import check_path_name
 from grpo.models.vision import image_name
 
@@ -159,7 +160,7 @@ def tensorboard_run_dir(project: str, run_name: str | None) -> str:
     return os.path.join(project, run_name or datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname())
 
 
-def _own_tracker(tracker: Any, args: Any, logging_dir: str) -> Any:
+def _own_tracker(tracker: Any, args: ResolvedConfig, logging_dir: str) -> Any:
     """The tracker accelerate would make, or grpo's where accelerate's defaults differ from transformers': a
     TensorBoard run directory per run, and wandb's WANDB_PROJECT while `project` is left at its default."""
     if str(tracker) == "tensorboard":
@@ -186,7 +187,7 @@ def check_trackers_installed(report_to: Any) -> None:
         )
 
 
-def start_trackers(accelerator: Any, args: Any) -> None:
+def start_trackers(accelerator: Any, args: ResolvedConfig) -> None:
     """Start the trackers of `report_to` (the accelerator's `log_with`) for the run `args.run_name` in the project
     `args.project`, with the config as the run's hyperparameters."""
     accelerator.log_with = [_own_tracker(t, args, accelerator.logging_dir) for t in accelerator.log_with]
@@ -281,14 +282,37 @@ class CompletionLog:
     `log_unique_prompts` the table shows each prompt once, on its first row (as TRL's table does); the parquet
     file keeps every row."""
 
-    def __init__(self, args: Any, reward_names: list[str]) -> None:
-        self.output_dir = args.output_dir
-        self.num_to_print = args.num_completions_to_print
-        self.unique_prompts = args.log_unique_prompts
+    def __init__(
+        self,
+        output_dir: str,
+        reward_names: list[str],
+        rows: int,
+        seed: int,
+        num_to_print: int | None = None,
+        unique_prompts: bool = False,
+        log_images: bool = True,
+    ) -> None:
+        """`rows`: the generation batch's (the latest batch is kept); `seed`: the sample printed; `num_to_print`,
+        `unique_prompts`, `log_images`: num_completions_to_print, log_unique_prompts, log_multimodal."""
+        self.output_dir = output_dir
+        self.num_to_print = num_to_print
+        self.unique_prompts = unique_prompts
         self.reward_names = reward_names
-        self.rows: deque[dict[str, Any]] = deque(maxlen=args.generation_batch_size)
-        self.rng = random.Random(args.seed)
-        self.log_images = getattr(args, "log_multimodal", True)  # name each row's images in an "image" column
+        self.rows: deque[dict[str, Any]] = deque(maxlen=rows)
+        self.rng = random.Random(seed)
+        self.log_images = log_images  # name each row's images in an "image" column
+
+    @classmethod
+    def of(cls, config: ResolvedConfig, reward_names: list[str]) -> CompletionLog:
+        return cls(
+            config.output_dir,
+            reward_names,
+            config.generation_batch_size,
+            config.seed,
+            config.num_completions_to_print,
+            config.log_unique_prompts,
+            config.log_multimodal,
+        )
 
     def record(self, scored: Any, advantages: Any, tokenizer: Any) -> None:
         rollout = scored.rollout

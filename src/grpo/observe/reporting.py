@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import transformers
 
-from grpo.config import validation
+from grpo.config import ResolvedConfig, validation
 from grpo.perf import allocator
 
 logger = logging.getLogger("grpo")
@@ -38,7 +38,7 @@ LOG_LEVELS = {name: None if name == "passive" else logging.getLevelName(name.upp
 TOKENS_SEEN = "num_input_tokens_seen"  # the HF Trainer's name for the row's count
 
 
-def should_log(args: Any, step: int, max_steps: int, steps_per_epoch: int) -> bool:
+def should_log(args: ResolvedConfig, step: int, max_steps: int, steps_per_epoch: int) -> bool:
     """Whether optimizer step `step` (1-based) writes a metrics row."""
     if step == 1 and args.logging_first_step:
         return True
@@ -62,18 +62,18 @@ def is_logging_main(accelerator: Any, log_on_each_node: bool) -> bool:
     return accelerator.is_local_main_process if log_on_each_node else accelerator.is_main_process
 
 
-def process_log_level(args: Any, logging_main: bool) -> int | None:
+def process_log_level(args: ResolvedConfig, logging_main: bool) -> int | None:
     """This process's log level; None: leave it as it is ("passive")."""
     return LOG_LEVELS[args.log_level if logging_main else args.log_level_replica]
 
 
-def configure_logging(args: Any, accelerator: Any) -> None:
+def configure_logging(args: ResolvedConfig, accelerator: Any) -> None:
     """At the trainer's start: this process's log levels, and a warning for what logging settings would hide."""
     set_log_levels(args, accelerator)
     warn_unlogged(args)
 
 
-def set_log_levels(args: Any, accelerator: Any) -> int | None:
+def set_log_levels(args: ResolvedConfig, accelerator: Any) -> int | None:
     """Apply this process's log level to the "grpo" logger and to transformers' logging (as the HF Trainer
     does at its start); returns the level set, None when passive."""
     level = process_log_level(args, is_logging_main(accelerator, args.log_on_each_node))
@@ -88,7 +88,7 @@ def set_log_levels(args: Any, accelerator: Any) -> int | None:
     return level
 
 
-def warn_unlogged(args: Any) -> None:
+def warn_unlogged(args: ResolvedConfig) -> None:
     """Settings that show only at a logging step, when no step will ever log."""
     if args.logging_strategy == "no" and not args.logging_first_step and args.log_completions:
         warnings.warn(
@@ -113,7 +113,7 @@ def count_tokens(state: Any, metrics: Any, rollout: Any, batch: Any, accelerator
         metrics.set_total(TOKENS_SEEN, metrics.totals.get(TOKENS_SEEN, 0) + padded)
 
 
-def release_cached_memory(args: Any, step: int, device: Any) -> bool:
+def release_cached_memory(args: ResolvedConfig, step: int, device: Any) -> bool:
     """Every `torch_empty_cache_steps` optimizer steps, hand the allocator's cached free memory back; returns
     whether it did."""
     every = args.torch_empty_cache_steps
@@ -123,7 +123,9 @@ def release_cached_memory(args: Any, step: int, device: Any) -> bool:
     return True
 
 
-def train_summary(args: Any, state: Any, seconds: float, first_step: int, training_loss: float) -> dict[str, float]:
+def train_summary(
+    args: ResolvedConfig, state: Any, seconds: float, first_step: int, training_loss: float
+) -> dict[str, float]:
     """The HF Trainer's end-of-training metrics for `train()`'s output: `train_runtime` (s),
     `train_samples_per_second` (completions trained on: per_device_train_batch_size x gradient_accumulation_steps x
     processes a step), `train_steps_per_second`, `train_loss` and `epoch`, over the steps this call ran (from

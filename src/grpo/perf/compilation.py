@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from grpo.config import ResolvedConfig
 from grpo.models.modeling import swapped_forwards, unwrap
 
 logger = logging.getLogger("grpo")
@@ -38,7 +39,7 @@ class CompiledForward:
         return swapped_forwards([(self.module, self.forward)])
 
 
-def compiled_forward(model: Any, args: Any, device: torch.device) -> CompiledForward | None:
+def compiled_forward(model: Any, args: ResolvedConfig, device: torch.device) -> CompiledForward | None:
     """The run's compiled stack when `args.torch_compile` is set (None otherwise); a backend or mode torch
     cannot use here is an error naming the field."""
     if not args.torch_compile:
@@ -133,7 +134,7 @@ def tf32_decision(
     return None, None
 
 
-def set_tf32(args: Any, device: torch.device) -> None:
+def set_tf32(args: ResolvedConfig, device: torch.device) -> None:
     """Apply `tf32_decision` to torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
     value, warning = tf32_decision(

@@ -23,6 +23,7 @@ import torch
 
 from grpo.base import sigterm
 from grpo.base.background import BackgroundLoop, DaemonCall
+from grpo.config import ResolvedConfig
 from grpo.data.prompts import RESERVED_COLUMNS
 from grpo.rewards.models import load_reward_model
 from grpo.rollout.base import Rollout
@@ -309,7 +310,12 @@ class RewardFunctions:
 
     @classmethod
     def build(
-        cls, reward_funcs: Any, args: Any, processing_classes: Any, device: torch.device, extra: Sequence[Callable] = ()
+        cls,
+        reward_funcs: Any,
+        args: ResolvedConfig,
+        processing_classes: Any,
+        device: torch.device,
+        extra: Sequence[Callable] = (),
     ) -> RewardFunctions:
         """From GRPOTrainer's arguments; reward models (ids, paths, modules) are loaded now, on `device`. `extra`:
         functions that come after them with weight 1 (environments' get_reward); with those, reward_funcs may be

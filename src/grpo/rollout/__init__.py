@@ -9,7 +9,8 @@ log-probs out.
 - `remote.ServerEngine`: generation on vLLM servers (`vllm_mode="server"`: vLLM's own server, as `grpo vllm-serve`
   starts it), weights pushed through vLLM's weight-transfer engine.
 
-`build_engine` picks one from the config and logs why.
+`build_engine` picks one from the config and logs why; it hands the engine the config's `SamplingSettings` (and a
+vLLM engine its `VLLMSettings` or `ServerSettings`), built once, never the config itself.
 """
 
 from __future__ import annotations
@@ -19,66 +20,72 @@ from typing import Any
 
 import torch
 
+from grpo.algo.sampling import SamplingSettings
+from grpo.config import ResolvedConfig
 from grpo.rollout import fast, remote
 from grpo.rollout.base import Engine, Prompt, Request, Rollout
-from grpo.rollout.plain import SUPPRESSED, TransformersEngine, suppressed_tokens
-from grpo.rollout.vllm import VLLMEngine, sampling_kwargs
+from grpo.rollout.plain import TransformersEngine, suppressed_tokens
+from grpo.rollout.vllm import VLLMEngine, VLLMSettings
 
 logger = logging.getLogger("grpo")
 __all__ = ["Engine", "Prompt", "Request", "Rollout", "build_engine"]
 
 
 def build_engine(
-    model: Any, tokenizer: Any, args: Any, stop_ids: list[int], accelerator: Any, pixels: Any = None
+    model: Any, tokenizer: Any, args: ResolvedConfig, stop_ids: list[int], accelerator: Any, pixels: Any = None
 ) -> Engine:
     """vLLM with use_vllm; else the fast engine where it applies, else the plain `model.generate` engine; the log
     says which and why. `pixels` (`grpo.models.vision.Pixels`): a vision-language model's image inputs."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    sampling = SamplingSettings.of(args)
     if args.use_vllm and args.vllm_mode == "server":
-        logger.info("Generating on the vLLM server(s) at %s.", ", ".join(remote.server_urls(args)))
+        servers = remote.ServerSettings.of(args)
+        logger.info("Generating on the vLLM server(s) at %s.", ", ".join(servers.urls))
         if args.vllm_tensor_parallel_size > 1:  # as in 1.16, a colocate setting
             logger.warning(
                 "vllm_tensor_parallel_size=%d is for colocate mode; a server's shards are set where it starts: grpo "
                 "vllm-serve --tensor-parallel-size.",
                 args.vllm_tensor_parallel_size,
             )
-        sampling = sampling_kwargs(args, stop_ids, False)
-        if pixels is not None:  # never sample an image placeholder (as the training pass scores it)
-            sampling["logit_bias"] = dict.fromkeys(suppressed_tokens(model), SUPPRESSED)
+        suppressed = suppressed_tokens(model) if pixels is not None else []
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         vocab_size = int(getattr(config, "vocab_size", None) or len(tokenizer))
-        return remote.ServerEngine(tokenizer, args, stop_ids, accelerator, sampling, model.config, vocab_size)
+        return remote.ServerEngine(
+            tokenizer, sampling, servers, stop_ids, accelerator, model.config, vocab_size, suppressed
+        )
     if args.use_vllm:
-        return _vllm_engine(model, tokenizer, args, stop_ids, accelerator, dtype, pixels)
-    reason = fast.unsupported_reason(model, args)
+        return _vllm_engine(model, tokenizer, args, sampling, stop_ids, accelerator, dtype, pixels)
+    reason = fast.unsupported_reason(model, sampling)
     if reason is None and pixels is not None:
         reason = "the model takes image inputs (the fast engine decodes text only)"
     if reason is None:
         engine: Engine = fast.FastEngine(
-            model, tokenizer, args, stop_ids, autocast=accelerator.autocast, compute_dtype=dtype
+            model, tokenizer, sampling, stop_ids, autocast=accelerator.autocast, compute_dtype=dtype
         )
         logger.info("Generating with grpo's fast engine.")
         return engine
     logger.info("Generating with the plain transformers engine: %s.", reason)
-    return TransformersEngine(model, tokenizer, args, stop_ids, autocast=accelerator.autocast, pixels=pixels)
+    return TransformersEngine(model, tokenizer, sampling, stop_ids, autocast=accelerator.autocast, pixels=pixels)
 
 
 def _vllm_engine(
     model: Any,
     tokenizer: Any,
-    args: Any,
+    args: ResolvedConfig,
+    sampling: SamplingSettings,
     stop_ids: list[int],
     accelerator: Any,
     dtype: torch.dtype | None,
     pixels: Any = None,
 ) -> Engine:
     device = accelerator.device.type
-    if args.vllm_enable_sleep_mode and device == "cpu":
+    settings = VLLMSettings.of(args)
+    if settings.enable_sleep_mode and device == "cpu":
         raise ValueError(
             "vllm_enable_sleep_mode=True frees GPU memory between generations; vLLM's CPU build has no sleep mode. "
             "Set vllm_enable_sleep_mode=False on a CPU."
         )
-    parallel, processes = args.vllm_tensor_parallel_size, accelerator.num_processes
+    parallel, processes = settings.tensor_parallel_size, accelerator.num_processes
     if processes % parallel:
         raise ValueError(
             f"vllm_tensor_parallel_size={parallel} splits one vLLM engine across that many training processes, but "
@@ -89,7 +96,8 @@ def _vllm_engine(
     return VLLMEngine(
         model,
         tokenizer,
-        args,
+        sampling,
+        settings,
         stop_ids,
         dtype=dtype or next(model.parameters()).dtype,
         device=device,

@@ -48,6 +48,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from grpo.algo.sampling import SamplingSettings
 from grpo.base import sigterm
 from grpo.distributed.sharding import full_parameters
 from grpo.models.modeling import accepts_logits_to_keep, cache_argument, swapped_forwards
@@ -61,19 +62,19 @@ logger = logging.getLogger("grpo")
 Sampler = Callable[[torch.Tensor], torch.Tensor]
 
 
-def logits_processors(args: Any) -> LogitsProcessorList:
-    """The plain path's processors for GRPOConfig's sampling parameters, in transformers' order."""
+def logits_processors(sampling: SamplingSettings) -> LogitsProcessorList:
+    """The plain path's processors for the sampling parameters, in transformers' order."""
     procs = LogitsProcessorList()
-    if args.repetition_penalty != 1.0:
-        procs.append(RepetitionPenaltyLogitsProcessor(args.repetition_penalty))
-    if args.temperature != 1.0:
-        procs.append(TemperatureLogitsWarper(args.temperature))
-    if args.top_k:
-        procs.append(TopKLogitsWarper(args.top_k))
-    if args.top_p < 1.0:
-        procs.append(TopPLogitsWarper(args.top_p))
-    if args.min_p:
-        procs.append(MinPLogitsWarper(args.min_p))
+    if sampling.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+    if sampling.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k:
+        procs.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        procs.append(TopPLogitsWarper(sampling.top_p))
+    if sampling.min_p:
+        procs.append(MinPLogitsWarper(sampling.min_p))
     return procs
 
 
@@ -150,12 +151,12 @@ class low_precision_linears:  # noqa: N801 (a context manager used like a functi
         self.patched, self.swap = [], nullcontext()
 
 
-def unsupported_reason(model: Any, args: Any) -> str | None:
-    """Why the fast engine cannot run this model/config (None when it can)."""
-    if args.generation_kwargs:
+def unsupported_reason(model: Any, sampling: SamplingSettings) -> str | None:
+    """Why the fast engine cannot run this model with these settings (None when it can)."""
+    if sampling.generation_kwargs:
         return "generation_kwargs are set (only the plain path applies arbitrary generation parameters)"
-    if args.cache_implementation:
-        return f"cache_implementation={args.cache_implementation!r} is set (the fast path uses a dynamic cache)"
+    if sampling.cache_implementation:
+        return f"cache_implementation={sampling.cache_implementation!r} is set (the fast path uses a dynamic cache)"
     if not getattr(model, "_supports_cache_class", True) or getattr(model.config, "is_encoder_decoder", False):
         return "the model does not use transformers' dynamic KV cache"
     if keeps_recurrent_state(model):  # NemotronH, Jamba, Qwen3-Next, Mamba...
@@ -210,7 +211,7 @@ class FastEngine:
         self,
         model: Any,
         tokenizer: Any,
-        args: Any,
+        sampling: SamplingSettings,
         stop_ids: list[int],
         autocast: Any = None,
         share_prefix: bool = True,
@@ -221,13 +222,13 @@ class FastEngine:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.args = args
+        self.settings = sampling
         self._plain: TransformersEngine | None = None  # for a model whose generate is replaced (`generate`)
         self.compute_dtype = compute_dtype  # autocast's dtype, if any: linears then use weights cast once
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
-        self.max_new_tokens = args.max_completion_length
-        self.processors = logits_processors(args)
-        self.needs_history = args.repetition_penalty != 1.0
+        self.max_new_tokens = sampling.max_completion_length
+        self.processors = logits_processors(sampling)
+        self.needs_history = sampling.repetition_penalty != 1.0
         self.autocast = autocast
         self.share_prefix = share_prefix
         self.sampler = sampler  # None: `sample_from` on uniform numbers drawn per row and step (`draw_uniforms`)
@@ -247,7 +248,7 @@ class FastEngine:
         if generate_replaced(self.model):  # a wrapper or a test's patch of generate: sample through it
             if self._plain is None:
                 self._plain = TransformersEngine(
-                    self.model, self.tokenizer, self.args, self.stop_ids.tolist(), autocast=self.autocast
+                    self.model, self.tokenizer, self.settings, self.stop_ids.tolist(), autocast=self.autocast
                 )
             return self._plain.generate(requests)
         was_training = self.model.training

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
+from grpo.algo.sampling import SamplingSettings
 from grpo.base import sigterm
 from grpo.rollout.base import Request, Rollout, assemble, cut_at_stop, expand, left_pad
 
@@ -54,31 +55,31 @@ HUB_MODES = (
 BEAM_MODES = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 
 
-def sampling_config(args: Any, stop_ids: list[int], pad_id: int) -> GenerationConfig:
-    """The generation parameters of GRPOConfig, with `generation_kwargs` applied over them (options the engine
+def sampling_config(sampling: SamplingSettings, stop_ids: list[int], pad_id: int) -> GenerationConfig:
+    """The generation parameters of the run, with `generation_kwargs` applied over them (options the engine
     cannot run refused first, by name)."""
     for name in GENERATE_ARGUMENTS:
-        if name in (args.generation_kwargs or {}):
-            _refuse(args.generation_kwargs, GenerationMode.ASSISTED_GENERATION)
+        if name in sampling.generation_kwargs:
+            _refuse(sampling.generation_kwargs, GenerationMode.ASSISTED_GENERATION)
     params = dict(
-        max_new_tokens=args.max_completion_length,
+        max_new_tokens=sampling.max_completion_length,
         do_sample=True,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
         eos_token_id=stop_ids,
         pad_token_id=pad_id,
-        cache_implementation=args.cache_implementation,
+        cache_implementation=sampling.cache_implementation,
         output_scores=True,
         return_dict_in_generate=True,
     )
-    params.update(args.generation_kwargs or {})
+    params.update(sampling.generation_kwargs)
     return GenerationConfig(**params)
 
 
-def decoding_mode(config: GenerationConfig, model: Any, given: dict | None) -> GenerationMode:
+def decoding_mode(config: GenerationConfig, model: Any, given: Mapping[str, Any] | None) -> GenerationMode:
     """The decoding mode `model.generate` runs under `config`: the model's own generation_config fills the
     fields `config` leaves unset, as `generate` merges them (a model may ask for beams there). A mode the engine
     cannot run, or one that returns another number of rows than it is given, is refused, naming the option
@@ -101,7 +102,7 @@ def decoding_mode(config: GenerationConfig, model: Any, given: dict | None) -> G
     return mode
 
 
-def _refuse(given: dict, mode: GenerationMode) -> None:
+def _refuse(given: Mapping[str, Any], mode: GenerationMode) -> None:
     options, what = UNSUPPORTED_MODES[mode]
     named = [repr(name) for name in options if name in given]
     where = f"generation_kwargs {', '.join(named)}" if named else "The model's generation_config"
@@ -126,10 +127,10 @@ def suppressed_tokens(model: Any) -> list[int]:
     ]
 
 
-def _check_beam_behaviour(args: Any) -> None:
+def _check_beam_behaviour(sampling: SamplingSettings) -> None:
     """Beams leave no sampler log-probs: the behaviour policy of async_generation cannot be taken from them."""
-    if getattr(args, "async_generation", False) and getattr(args, "async_behaviour_logps", None) == "sampler":
-        beams = (args.generation_kwargs or {}).get("num_beams", "from the model's generation_config")
+    if sampling.sampler_logps:
+        beams = sampling.generation_kwargs.get("num_beams", "from the model's generation_config")
         raise ValueError(
             f"generation_kwargs num_beams={beams} searches beams, which gives no sampler log-probs, and "
             "async_behaviour_logps='sampler' takes the behaviour policy's log-probs from them. Set "
@@ -196,7 +197,7 @@ class TransformersEngine:
         self,
         model: Any,
         tokenizer: Any,
-        args: Any,
+        sampling: SamplingSettings,
         stop_ids: list[int],
         autocast: Any = None,
         batch_size: int | None = None,
@@ -205,12 +206,12 @@ class TransformersEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
-        self.config = sampling_config(args, stop_ids, tokenizer.pad_token_id)
+        self.config = sampling_config(sampling, stop_ids, tokenizer.pad_token_id)
         self.max_new_tokens = self.config.max_new_tokens  # generation_kwargs may set it
-        self.beams = decoding_mode(self.config, model, args.generation_kwargs) in BEAM_MODES
+        self.beams = decoding_mode(self.config, model, sampling.generation_kwargs) in BEAM_MODES
         if self.beams:
             self.config.output_scores = False  # (rows x beams, vocabulary) per step, and no sampler log-prob in them
-            _check_beam_behaviour(args)
+            _check_beam_behaviour(sampling)
             logger.info(
                 "generate searches beams (num_beams=%s): completions are the best beams, not draws from the "
                 "policy, so the engine records no sampler log-probs (the sampling/* metrics compare none: ratio 1).",

@@ -35,34 +35,38 @@ import math
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import torch
 from accelerate.utils import broadcast_object_list
 
+from grpo.algo.sampling import SamplingSettings
 from grpo.base import sigterm
+from grpo.config import ResolvedConfig
 from grpo.rollout import server_vision
 from grpo.rollout.base import Request, Rollout, assemble, expand
+from grpo.rollout.plain import SUPPRESSED
 from grpo.rollout.server_client import ServerClient, ServerError
+from grpo.rollout.vllm import sampling_kwargs
 from grpo.rollout.weights import checkpoint_weights
 from grpo.serve import vllm_plugin
 from grpo.serve.gloo import free_port, local_address
 
 logger = logging.getLogger("grpo")
 API_KEY_ENV = "GRPO_VLLM_API_KEY"
-__all__ = ["API_KEY_ENV", "ServerEngine", "ServerError", "server_urls"]
+__all__ = ["API_KEY_ENV", "ServerEngine", "ServerError", "ServerSettings", "server_urls"]
 _SEED_SPACE = 2**31
 _CONCURRENCY = 64  # requests in flight at once per process (vLLM batches them)
 
 
-def server_urls(args: Any) -> list[str]:
-    """The servers' URLs: vllm_server_base_url (one URL, several separated by commas, or a list), else
+def server_urls(given: str | Sequence[str] | None, host: str, port: int) -> list[str]:
+    """The servers' URLs: vllm_server_base_url (`given`: one URL, several separated by commas, or a list), else
     http://vllm_server_host:vllm_server_port."""
-    given = args.vllm_server_base_url
     if not given:
-        return [f"http://{args.vllm_server_host}:{args.vllm_server_port}"]
+        return [f"http://{host}:{port}"]
     urls = given.split(",") if isinstance(given, str) else list(given)
     urls = [str(url).strip().rstrip("/") for url in urls if str(url).strip()]
     if not urls or len(set(urls)) != len(urls):
@@ -70,8 +74,33 @@ def server_urls(args: Any) -> list[str]:
     return urls
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the server engine reads of the config besides sampling: the servers (`server_urls`), how long to wait
+    for them (vllm_server_timeout), their key (vllm_server_api_key, else GRPO_VLLM_API_KEY), the first port of the
+    weight transfer (vllm_group_port) and the run's name in the weight versions it pushes (run_name, else the
+    output directory's name)."""
+
+    urls: tuple[str, ...]
+    timeout: float = 240.0
+    api_key: str | None = field(default=None, repr=False)
+    group_port: int = 51216
+    run_name: str = "grpo"
+
+    @classmethod
+    def of(cls, config: ResolvedConfig) -> ServerSettings:
+        return cls(
+            urls=tuple(server_urls(config.vllm_server_base_url, config.vllm_server_host, config.vllm_server_port)),
+            timeout=float(config.vllm_server_timeout),
+            api_key=config.vllm_server_api_key or os.environ.get(API_KEY_ENV),
+            group_port=int(config.vllm_group_port),
+            run_name=config.run_name or os.path.basename(str(config.output_dir).rstrip("/\\")) or "grpo",
+        )
+
+
 class ServerEngine:
-    """Samples on vLLM servers (see the module docstring)."""
+    """Samples on vLLM servers (see the module docstring); `suppressed`: tokens never sampled (a vision-language
+    model's image placeholders)."""
 
     name = "vllm-server"
     samples_elsewhere = True
@@ -79,31 +108,33 @@ class ServerEngine:
     def __init__(
         self,
         tokenizer: Any,
-        args: Any,
+        sampling: SamplingSettings,
+        settings: ServerSettings,
         stop_ids: list[int],
         accelerator: Any,
-        sampling: dict,
         model_config: Any,
         vocab_size: int,
+        suppressed: Sequence[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.accelerator = accelerator
-        self.sampling = {k: v for k, v in sampling.items() if k not in ("max_tokens", "logprobs", "detokenize")}
-        _check_generation_kwargs(args.generation_kwargs or {})
-        self.max_tokens = args.max_completion_length
+        params = sampling_kwargs(sampling, stop_ids, validate=False)  # checked as a completions request below
+        if suppressed:  # never sample an image placeholder (as the training pass scores it)
+            params["logit_bias"] = dict.fromkeys(suppressed, SUPPRESSED)
+        self.sampling = {k: v for k, v in params.items() if k not in ("max_tokens", "logprobs", "detokenize")}
+        _check_generation_kwargs(sampling.generation_kwargs)
+        self.max_tokens = sampling.max_completion_length
         self.vocab_size = vocab_size
-        self.seed, self.calls = int(args.seed), 0
-        key = args.vllm_server_api_key or os.environ.get(API_KEY_ENV)
-        timeout = float(args.vllm_server_timeout)
-        self.servers = [ServerClient(url, timeout, key) for url in server_urls(args)]
+        self.seed, self.calls = int(sampling.seed), 0
+        self.servers = [ServerClient(url, settings.timeout, settings.api_key) for url in settings.urls]
         self.facts = [server.describe(tokenizer) for server in self.servers]
         self.version: str | None = None  # the weight version every server holds (None: none pushed yet)
         self.pushes = 0
-        label = (args.run_name or os.path.basename(str(args.output_dir).rstrip("/\\")) or "grpo")[:100]
+        label = settings.run_name[:100]
         run = f"{label} ({socket.gethostname()[:60]} pid {os.getpid()})"
         self.run = "".join(c if c.isprintable() else "?" for c in run)
-        self.group_port = int(args.vllm_group_port)
+        self.group_port = settings.group_port
         self.model_facts = vllm_plugin.model_facts(model_config)
         # the main process's trainer-side engine and source per server, connected at its first push
         self.transfers: list[tuple[Any, Any] | None] = [None] * len(self.servers)
@@ -329,7 +360,7 @@ class ServerEngine:
         return out
 
 
-def _check_generation_kwargs(extra: dict) -> None:
+def _check_generation_kwargs(extra: Mapping[str, Any]) -> None:
     """generation_kwargs travel in each /v1/completions request: a key the route does not take would be dropped by
     the server with a log line, so it is an error here (as is one grpo sets itself)."""
     own = {"n", "logprobs", "max_tokens", "prompt", "model", "stream", "echo", "prompt_logprobs"}

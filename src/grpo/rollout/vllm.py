@@ -36,12 +36,15 @@ import tempfile
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from grpo.algo.sampling import SamplingSettings
 from grpo.base import process_env, sigterm
+from grpo.config import ResolvedConfig
 from grpo.distributed.accelerator import before_teardown
 from grpo.distributed.engine_group import EngineGroup
 from grpo.models.modeling import attention_shapes, layer_configs
@@ -56,6 +59,34 @@ logger = logging.getLogger("grpo")
 _OWN_KEYS = ("n", "logprobs", "detokenize", "output_kind", "prompt_logprobs", "stop_token_ids")
 # prompts longer than this are not expected: the CPU KV-cache default leaves room for them plus the completion
 _PROMPT_ROOM = 512
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """What the colocated engine reads of the config besides sampling: its `vllm_*` fields (without the prefix)
+    and trust_remote_code."""
+
+    max_model_length: int | None = None  # None: the model's context
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.3
+    model_impl: str = "vllm"
+    enable_sleep_mode: bool = False
+    enforce_eager: bool | None = None  # None: eager on a CPU, vLLM's default on GPUs
+    kv_cache_gib: float | None = None  # None: sized for one generation (CPUs)
+    trust_remote_code: bool = False
+
+    @classmethod
+    def of(cls, config: ResolvedConfig) -> VLLMSettings:
+        return cls(
+            max_model_length=config.vllm_max_model_length,
+            tensor_parallel_size=config.vllm_tensor_parallel_size,
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+            model_impl=config.vllm_model_impl,
+            enable_sleep_mode=config.vllm_enable_sleep_mode,
+            enforce_eager=config.vllm_enforce_eager,
+            kv_cache_gib=config.vllm_kv_cache_gib,
+            trust_remote_code=config.trust_remote_code,
+        )
 
 
 def in_process_environment() -> str | None:
@@ -112,62 +143,72 @@ def kv_cache_bytes(
     return per_token * max(4 * sequences * tokens, max_model_len + 16 * 16)
 
 
-def engine_kwargs(args: Any, model: Any, dtype: torch.dtype, device: str, process_index: int, rows: int) -> dict:
-    """The keyword arguments of `vllm.LLM` for this run (without the model path), a pure function of the config:
+def engine_kwargs(
+    settings: VLLMSettings,
+    sampling: SamplingSettings,
+    model: Any,
+    dtype: torch.dtype,
+    device: str,
+    process_index: int,
+    rows: int,
+) -> dict:
+    """The keyword arguments of `vllm.LLM` for this run (without the model path), a pure function of the settings:
     `rows` is the number of completions one generation asks this process for (a tensor-parallel engine generates
     its whole group's)."""
     config = model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM: its language model
     context = getattr(config, "max_position_embeddings", None) or 4096
-    max_model_len = args.vllm_max_model_length or context
-    parallel = args.vllm_tensor_parallel_size
+    max_model_len = settings.max_model_length or context
+    parallel = settings.tensor_parallel_size
     rows = max(rows, 1) * parallel
     kwargs = dict(
         dtype=str(dtype).removeprefix("torch."),
         max_model_len=max_model_len,
         tensor_parallel_size=parallel,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
         max_num_seqs=rows,
         max_num_batched_tokens=max(4096, max_model_len) if device == "cpu" else 4096,
-        model_impl=args.vllm_model_impl,
+        model_impl=settings.model_impl,
         logprobs_mode="processed_logprobs",
-        seed=args.seed + process_index // parallel,  # one seed per engine (a group's processes share one)
-        enable_sleep_mode=args.vllm_enable_sleep_mode,
-        trust_remote_code=args.trust_remote_code,
+        seed=sampling.seed + process_index // parallel,  # one seed per engine (a group's processes share one)
+        enable_sleep_mode=settings.enable_sleep_mode,
+        trust_remote_code=settings.trust_remote_code,
     )
     if parallel > 1:  # the group's processes are already launched (torchrun): each hosts one shard
         kwargs["distributed_executor_backend"] = "external_launcher"
-    eager = args.vllm_enforce_eager
+    eager = settings.enforce_eager
     if eager is None and device == "cpu":
         eager = True  # torch.compile would cost 75-100 s at start-up (measured on the bundled model)
     if eager is not None:
         kwargs["enforce_eager"] = eager
     if device == "cpu":
-        gib = args.vllm_kv_cache_gib
+        gib = settings.kv_cache_gib
         kwargs["kv_cache_memory_bytes"] = (
             int(gib * 2**30)
             if gib is not None
-            else kv_cache_bytes(config, dtype, rows, _PROMPT_ROOM + args.max_completion_length, max_model_len, parallel)
+            else kv_cache_bytes(
+                config, dtype, rows, _PROMPT_ROOM + sampling.max_completion_length, max_model_len, parallel
+            )
         )
     return kwargs
 
 
-def sampling_kwargs(args: Any, stop_ids: Sequence[int], validate: bool = True) -> dict:
-    """The keyword arguments of `vllm.SamplingParams` for the config, generation_kwargs applied over them (checked
+def sampling_kwargs(sampling: SamplingSettings, stop_ids: Sequence[int], validate: bool = True) -> dict:
+    """The keyword arguments of `vllm.SamplingParams` for the settings, generation_kwargs applied over them (checked
     against vLLM's SamplingParams unless `validate` is False: server mode checks them against its completions
     request instead, `grpo.rollout.remote`)."""
     params = dict(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k if args.top_k else -1,
-        min_p=args.min_p or 0.0,
-        repetition_penalty=args.repetition_penalty,
-        max_tokens=args.max_completion_length,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k else -1,
+        min_p=sampling.min_p or 0.0,
+        repetition_penalty=sampling.repetition_penalty,
+        max_tokens=sampling.max_completion_length,
         stop_token_ids=list(stop_ids),
         logprobs=0,
         detokenize=False,
     )
-    extra = dict(args.generation_kwargs or {})
+    extra = dict(sampling.generation_kwargs)
     if extra and validate:
         from vllm import SamplingParams
 
@@ -183,11 +224,12 @@ def sampling_kwargs(args: Any, stop_ids: Sequence[int], validate: bool = True) -
                     f"generation_kwargs has {key!r}, which is not a parameter of vLLM's SamplingParams (use_vllm "
                     f"samples with vLLM). Its parameters: {', '.join(sorted(known))}."
                 )
-    if args.vllm_structured_outputs_regex is not None and "structured_outputs" in extra:
+    regex = sampling.structured_outputs_regex
+    if regex is not None and "structured_outputs" in extra:
         logger.warning("vllm_structured_outputs_regex is set: it replaces generation_kwargs['structured_outputs'].")
     params.update(extra)
-    if args.vllm_structured_outputs_regex is not None:
-        params["structured_outputs"] = {"regex": args.vllm_structured_outputs_regex}
+    if regex is not None:
+        params["structured_outputs"] = {"regex": regex}
     return params
 
 
@@ -215,7 +257,8 @@ class VLLMEngine:
         self,
         model: Any,
         tokenizer: Any,
-        args: Any,
+        sampling: SamplingSettings,
+        settings: VLLMSettings,
         stop_ids: list[int],
         *,
         dtype: torch.dtype,
@@ -231,18 +274,18 @@ class VLLMEngine:
 
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
-        self.sampling = sampling_kwargs(args, stop_ids)
+        self.sampling = sampling_kwargs(sampling, stop_ids)
         self.processor = pixels.processor if pixels is not None else None  # image prompts: vLLM's multimodal inputs
         if pixels is not None:  # never sample an image placeholder (as the training pass scores it)
             self.sampling["logit_bias"] = dict.fromkeys(suppressed_tokens(model), SUPPRESSED)
         self.sleeping = False  # sleep mode: the engine's weights are discarded
         self.policy: torch.nn.Module | None = None  # the model last synced (sleep mode reloads from it)
-        parallel = args.vllm_tensor_parallel_size
-        self.group = EngineGroup(parallel, args.seed, device) if parallel > 1 else None
+        parallel = settings.tensor_parallel_size
+        self.group = EngineGroup(parallel, sampling.seed, device) if parallel > 1 else None
         if self.group is not None and device == "cpu":
             _unique_shared_memory_names(self.group.token)
-        kwargs = engine_kwargs(args, model, dtype, device, process_index, rows)
-        path, load_format = self._model_directory(model, tokenizer, args)
+        kwargs = engine_kwargs(settings, sampling, model, dtype, device, process_index, rows)
+        path, load_format = self._model_directory(model, tokenizer, settings.trust_remote_code)
         logger.info("Starting vLLM %s (%s, %s) for generation.", vllm.__version__, kwargs["dtype"], device)
         start = time.perf_counter()
         self.describe = f"{type(model).__name__}, {kwargs['dtype']}, {device}"
@@ -254,7 +297,7 @@ class VLLMEngine:
         if dist.is_initialized() and dist.get_world_size() > 1:  # its groups go before the trainer's
             before_teardown(self.close)
         self.max_model_len = kwargs["max_model_len"]
-        self.sleep_mode = args.vllm_enable_sleep_mode
+        self.sleep_mode = settings.enable_sleep_mode
         if self.sleep_mode:
             self.llm.sleep(level=2)  # weights discarded: sync_weights brings the policy's
             self.sleeping = True
@@ -266,10 +309,10 @@ class VLLMEngine:
         if core is not None:
             core.shutdown()
 
-    def _model_directory(self, model: Any, tokenizer: Any, args: Any) -> tuple[str, str]:
+    def _model_directory(self, model: Any, tokenizer: Any, trust_remote_code: bool) -> tuple[str, str]:
         """(path, load_format): the policy's config and tokenizer in a temporary directory, with dummy weights
         (`sync_weights` loads the real ones), or a remote-code model's own directory."""
-        if args.trust_remote_code:
+        if trust_remote_code:
             return model.config._name_or_path, "auto"
         directory = tempfile.mkdtemp(prefix="grpo-vllm-")
         weakref.finalize(self, shutil.rmtree, directory, True)

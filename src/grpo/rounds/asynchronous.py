@@ -62,6 +62,7 @@ from grpo.algo.losses import Stat, masked_mean_stat
 from grpo.base import sigterm
 from grpo.checkpoint import inflight
 from grpo.checkpoint.inflight import Publication
+from grpo.config import ResolvedConfig
 from grpo.distributed import sharding
 from grpo.learner.batch import collate
 from grpo.learner.optimization import TrainingError
@@ -83,14 +84,14 @@ class Learner:
     reset around pauses), the policy as prepared, the training pass (the behaviour policy's log-probs), the pad id,
     the loop position a checkpoint saves from, and a builder of an engine on another model (the snapshot)."""
 
-    args: Any  # the GRPOConfig
+    args: ResolvedConfig
     accelerator: Any
     producer: Producer
     policy: torch.nn.Module  # as prepared (DDP, FSDP2, DeepSpeed); unwrapped by the accelerator
     training_pass: Any  # `grpo.learner.forward.TrainingPass`
     pad_id: int
     loop: Any  # `grpo.learner.loop.LoopState`
-    engine_on: Callable[[torch.nn.Module, Any], Any]  # (model, settings) -> an engine of the configured kind
+    engine_on: Callable[[torch.nn.Module, ResolvedConfig], Any]  # (model, settings) -> an engine of the configured kind
 
 
 def round_seed(seed: int, kind: str, position: int) -> int:

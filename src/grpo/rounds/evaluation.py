@@ -34,6 +34,7 @@ import torch
 
 from grpo.algo.advantages import nanstd, weighted_sum
 from grpo.base.sigterm import agreed_or_none
+from grpo.config import ResolvedConfig
 from grpo.data import datasets
 from grpo.data import prompts as data
 from grpo.distributed import collectives
@@ -57,7 +58,7 @@ def random_state_kept() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def greedy(engine: Any, args: Any, rebuild: Any) -> Any:
+def greedy(engine: Any, args: ResolvedConfig, rebuild: Callable[[ResolvedConfig], Any]) -> Any:
     """The engine sampling greedily: vLLM engines (colocate, server) with temperature 0 on a copy sharing the engine;
     grpo's own engines rebuilt with top_k=1 (they sample from the training model, so that is cheap)."""
     import copy
@@ -71,7 +72,9 @@ def greedy(engine: Any, args: Any, rebuild: Any) -> Any:
     return rebuild(greedy_args)
 
 
-def build(dataset: Any, args: Any, source: data.PromptSource, num_processes: int) -> dict[str | None, Evaluation]:
+def build(
+    dataset: Any, args: ResolvedConfig, source: data.PromptSource, num_processes: int
+) -> dict[str | None, Evaluation]:
     """One Evaluation per eval dataset: {None: ...} for one dataset, {name: ...} for a dict of them (metrics then
     prefixed eval_<name>_, as the HF Trainer does); {} without one (eval_strategy then must be "no")."""
     if dataset is None:
@@ -105,7 +108,7 @@ def build(dataset: Any, args: Any, source: data.PromptSource, num_processes: int
 
 
 class Evaluation:
-    def __init__(self, dataset: Any, args: Any, source: data.PromptSource, num_processes: int) -> None:
+    def __init__(self, dataset: Any, args: ResolvedConfig, source: data.PromptSource, num_processes: int) -> None:
         self.dataset = dataset
         self.args = args
         self.source = source
@@ -189,13 +192,13 @@ class Evaluator:
     evaluating), the training prompts' settings (for an `eval_dataset` given to `evaluate`), the policy loss of
     an evaluation batch (`eval_loss`: the learner's) and a builder of an engine from other settings (eval_greedy)."""
 
-    args: Any
+    args: ResolvedConfig
     accelerator: Any
     producer: Producer
     rounds: Any  # `grpo.rounds.sequential.Rounds`
     prompts: data.PromptSource
     loss: Callable[[Scored, int], float | None]  # (every process's batch, group size) -> eval loss; None: none
-    engine_with: Callable[[Any], Any]  # settings -> an engine on the policy (eval_greedy's top_k=1 copy)
+    engine_with: Callable[[ResolvedConfig], Any]  # settings -> an engine on the policy (eval_greedy's top_k=1 copy)
 
     def due(self, runs: dict[str | None, Evaluation], step: int, max_steps: int, steps_per_epoch: int) -> bool:
         """Whether an eval dataset's strategy evaluates after optimizer step `step`."""

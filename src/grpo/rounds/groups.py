@@ -19,6 +19,7 @@ from accelerate.utils import gather_object
 
 from grpo.algo.advantages import nanstd, weighted_sum
 from grpo.base.sigterm import Preempted
+from grpo.config import ResolvedConfig
 from grpo.rollout.base import Rollout
 
 logger = logging.getLogger("grpo")
@@ -117,7 +118,7 @@ def rows_of_groups(groups: torch.Tensor, num_generations: int) -> list[int]:
     return [g * num_generations + j for g in groups.nonzero().squeeze(-1).tolist() for j in range(num_generations)]
 
 
-def rows_with_spread(scored: Scored, weights: torch.Tensor, args: Any) -> list[int]:
+def rows_with_spread(scored: Scored, weights: torch.Tensor, args: ResolvedConfig) -> list[int]:
     """The rows of the groups whose rewards differ (DAPO dynamic sampling keeps only those)."""
     spread = groups_with_spread(scored.rewards, weights, args.num_generations, args.dynamic_sampling_std_threshold)
     return rows_of_groups(spread, args.num_generations)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from grpo.agent import Generated, Rollouts
+from grpo.config import ResolvedConfig
 from grpo.data import datasets
 from grpo.data import prompts as data
 from grpo.rewards.calling import RewardFunctions
@@ -54,7 +55,7 @@ class Producer:
         rollouts: Rollouts,
         rewards: RewardFunctions,
         dataset: Any,
-        args: Any,
+        args: ResolvedConfig,
         process_index: int,
         num_processes: int,
         trainer_state: Any,

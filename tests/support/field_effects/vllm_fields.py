@@ -26,13 +26,13 @@ class RecordingVLLM:
     samples_elsewhere = True
     built: list[dict] = []
 
-    def __init__(self, model, tokenizer, args, stop_ids, **kwargs):
+    def __init__(self, model, tokenizer, sampling, settings, stop_ids, **kwargs):
         from grpo.rollout.fast import FastEngine
 
-        self.inner = FastEngine(model, tokenizer, args, stop_ids)
+        self.inner = FastEngine(model, tokenizer, sampling, stop_ids)
         self.syncs = 0
         self.generated_after_sync = []
-        RecordingVLLM.built.append(dict(kwargs, args=args))
+        RecordingVLLM.built.append(dict(kwargs, sampling=sampling, settings=settings))
 
     def sync_weights(self, model):
         self.syncs += 1
@@ -51,13 +51,15 @@ def with_recording_vllm():
 
 def _engine_kwargs(s: Setting, device: str = "cpu", default: bool = False):
     """vllm.LLM's keyword arguments for the setting's config (or, with `default`, the field at its default)."""
-    from grpo.rollout.vllm import engine_kwargs
+    from grpo.algo.sampling import SamplingSettings
+    from grpo.rollout.vllm import VLLMSettings, engine_kwargs
 
     config = SimpleNamespace(
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, max_position_embeddings=512
     )
     args = s.default_config() if default else s.config()
-    return engine_kwargs(args, SimpleNamespace(config=config), torch.float32, device, 0, 8)
+    settings, sampling = VLLMSettings.of(args), SamplingSettings.of(args)
+    return engine_kwargs(settings, sampling, SimpleNamespace(config=config), torch.float32, device, 0, 8)
 
 
 def _correction(config):
@@ -122,9 +124,10 @@ def _tensor_parallel(s: Setting):
 
 @effect("vllm_structured_outputs_regex", "[0-9]+")
 def _regex(s: Setting):
+    from grpo.algo.sampling import SamplingSettings
     from grpo.rollout.vllm import sampling_kwargs
 
-    assert sampling_kwargs(s.config(), [1, 5])["structured_outputs"] == {"regex": "[0-9]+"}
+    assert sampling_kwargs(SamplingSettings.of(s.config()), [1, 5])["structured_outputs"] == {"regex": "[0-9]+"}
 
 
 @effect("vllm_gpu_memory_utilization", 0.5)

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from grpo.config import ResolvedConfig
 from grpo.models.modeling import model_name
 from grpo.observe import diagnostics, run_dir
 from grpo.observe.report import record
@@ -118,8 +119,8 @@ def rebuild(output_dir: str, path: str | None = None) -> str:
             f"{output_dir} holds no metrics.jsonl rows and no run_info.json: it is not a grpo run's output_dir "
             "(or the run has not logged a step yet)."
         )
-    args = record.saved_args(info, output_dir)
-    found = diagnostics.Diagnosis().replay(metrics.rows, args).findings
+    limits = diagnostics.Limits.saved(record.saved_config(info, output_dir))
+    found = diagnostics.Diagnosis(limits).replay(metrics.rows).findings
     run = gather(output_dir, metrics.rows, found, saved_status(output_dir, info), metrics.skipped)
     return write(output_dir, run, path)
 
@@ -127,7 +128,7 @@ def rebuild(output_dir: str, path: str | None = None) -> str:
 class ReportedRun(Protocol):
     """What the report's facts are read from (the trainer is one)."""
 
-    args: Any  # the GRPOConfig: output_dir, run_report
+    args: ResolvedConfig  # output_dir, run_report
     accelerator: Any
     rewards: Any  # `grpo.rewards.calling.RewardFunctions`: names
     rollouts: Any  # `grpo.agent.Rollouts`: tool_names
@@ -139,19 +140,22 @@ class ReportedRun(Protocol):
 
 
 class RunReport:
-    """The live report of one trainer: `running` around train(), `refresh` at each logging step."""
+    """The live report of one trainer: `running` around train(), `refresh` at each logging step. It writes in
+    `output_dir`; `enabled`: run_report (the page; run_info.json is written either way); `facts`: what
+    run_info.json says of the run besides its configuration, starts and end (`of`)."""
 
     def __init__(
         self,
-        args: Any,
+        output_dir: str,
+        enabled: bool,
         facts: dict[str, Any],
         diagnosis: diagnostics.Diagnosis,
         is_main_process: bool,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.args, self.facts, self.diagnosis, self.clock = args, facts, diagnosis, clock
+        self.output_dir, self.facts, self.diagnosis, self.clock = output_dir, facts, diagnosis, clock
         self.main = is_main_process  # run_info.json is written whatever run_report says: `grpo report` reads it
-        self.enabled = bool(args.run_report) and is_main_process
+        self.enabled = enabled and is_main_process
         self.started = clock()
         self.spent = 0.0  # seconds spent building the page so far
         self.estimate = FIRST_ESTIMATE  # the next build's cost: the last one's
@@ -169,13 +173,17 @@ class RunReport:
             "max_steps": trainer.max_steps,
             "processes": trainer.accelerator.num_processes,
         }
-        return cls(trainer.args, facts, trainer.diagnosis, trainer.accelerator.is_main_process)
+        args = trainer.args
+        return cls(
+            args.output_dir, bool(args.run_report), facts, trainer.diagnosis, trainer.accelerator.is_main_process
+        )
 
     @contextlib.contextmanager
-    def running(self, state: Any, resumed_from: str | None) -> Iterator[None]:
-        """run_info.json at the start; at the end (any end) its outcome and the last page."""
+    def running(self, state: Any, resumed_from: str | None, config: dict[str, Any]) -> Iterator[None]:
+        """run_info.json at the start (with `config`, the run's configuration as `GRPOConfig.to_dict` gives it); at
+        the end (any end) its outcome and the last page."""
         self.state, self.started = state, self.clock()
-        self._safely(record.record_start, self.args.output_dir, self.args, self.facts, state.global_step, resumed_from)
+        self._safely(record.record_start, self.output_dir, config, self.facts, state.global_step, resumed_from)
         try:
             yield
         except BaseException as err:
@@ -185,7 +193,7 @@ class RunReport:
 
     def _end(self, error: BaseException | None) -> None:
         ended = record.ending(self.state.global_step, error)
-        self._safely(record.record_end, self.args.output_dir, ended)
+        self._safely(record.record_end, self.output_dir, ended)
         self.refresh(force=True, status=ended_status("finished" if error is None else "stopped", ended))
 
     def refresh(self, force: bool = False, status: tuple[str, str] | None = None) -> bool:
@@ -205,7 +213,7 @@ class RunReport:
         return ok
 
     def _write(self, rows: list[dict[str, Any]], status: tuple[str, str]) -> None:
-        output_dir = self.args.output_dir
+        output_dir = self.output_dir
         write(output_dir, gather(output_dir, rows, self.diagnosis.findings, status, cache=self.cache))
 
     def _safely(self, fn: Callable, *args: Any) -> bool:
@@ -218,9 +226,9 @@ class RunReport:
             if not self.failed:
                 self.failed = True
                 warnings.warn(
-                    f"The run report ({os.path.join(self.args.output_dir, REPORT)}) could not be written "
+                    f"The run report ({os.path.join(self.output_dir, REPORT)}) could not be written "
                     f"({type(err).__name__}: {str(err)[:300]}); training goes on. Rebuild it later with `grpo report "
-                    f"{self.args.output_dir}`, or set run_report=False.",
+                    f"{self.output_dir}`, or set run_report=False.",
                     stacklevel=2,
                 )
             return False

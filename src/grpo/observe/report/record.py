@@ -24,7 +24,6 @@ import platform
 import re
 import tempfile
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from grpo.base import secrets
@@ -52,10 +51,11 @@ def versions() -> dict[str, str]:
     return found
 
 
-def non_default(args: Any) -> dict[str, Any]:
-    """The settings of `args` that differ from GRPOConfig's defaults (output and logging directories aside)."""
-    defaults = GRPOConfig(output_dir=args.output_dir).to_dict()
-    return {k: v for k, v in args.to_dict().items() if defaults.get(k) != v and k not in ("output_dir", "logging_dir")}
+def non_default(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a configuration (as `GRPOConfig.to_dict` gives it) that differ from GRPOConfig's defaults
+    (output and logging directories aside)."""
+    defaults = GRPOConfig(output_dir=config["output_dir"]).to_dict()
+    return {k: v for k, v in config.items() if defaults.get(k) != v and k not in ("output_dir", "logging_dir")}
 
 
 def now() -> str:
@@ -77,8 +77,11 @@ def write_atomically(path: str, text: str) -> None:
         raise
 
 
-def record_start(output_dir: str, args: Any, facts: dict[str, Any], step: int, resumed_from: str | None) -> None:
-    """At train(): run_info.json with this start added (the earlier starts of the run kept)."""
+def record_start(
+    output_dir: str, config: dict[str, Any], facts: dict[str, Any], step: int, resumed_from: str | None
+) -> None:
+    """At train(): run_info.json with the configuration (`GRPOConfig.to_dict`) and this start added (the earlier
+    starts of the run kept)."""
     info = read_info(output_dir)
     starts = info.get("starts")
     if not isinstance(starts, list):
@@ -88,8 +91,8 @@ def record_start(output_dir: str, args: Any, facts: dict[str, Any], step: int, r
     starts.append({"time": now(), "step": step, "resumed_from": resumed_from})
     info = {
         **facts,
-        "config": args.to_dict(),
-        "non_default": non_default(args),
+        "config": config,
+        "non_default": non_default(config),
         "versions": versions(),
         "starts": starts,
         "status": "running",
@@ -153,13 +156,13 @@ def read_info(output_dir: str) -> dict[str, Any]:
     return secrets.redact({k: v for k, v in info.items() if k in INFO_TYPES and isinstance(v, INFO_TYPES[k])})
 
 
-def saved_args(info: dict[str, Any], output_dir: str) -> SimpleNamespace:
-    """The run's settings as attributes (what the diagnostics read): the saved configuration over the defaults."""
+def saved_config(info: dict[str, Any], output_dir: str) -> dict[str, Any]:
+    """The run's settings (what the diagnostics read): the saved configuration over the defaults."""
     values = GRPOConfig(output_dir=output_dir).to_dict()
     config = info.get("config")
     if isinstance(config, dict):
         values.update({k: v for k, v in config.items() if k in values})
-    return SimpleNamespace(**values)
+    return values
 
 
 @dataclass
