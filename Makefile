@@ -53,12 +53,13 @@ test: $(STAMP) $(CHROMIUM)
 	# the vLLM tests in a process of their own (an in-process vLLM engine sets process-wide state)
 	$(PY) -m pytest -q -m "not slow" tests/with_vllm
 
-# the unit tier: no trainer is built, about a minute on 2 cores
+# the unit tier: no trainer is built, about a minute on 2 cores (the fast paths' equivalence tests are tests/equivalence)
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
 # The compatibility job (CI's second): the newest transformers release, without vLLM (whose CPU build caps
-# transformers), on the pinned torch: the unit tier and a training smoke per model family (train, resume exactly).
+# transformers), on the pinned torch: the unit and equivalence tiers and a training smoke per model family (train,
+# resume exactly).
 # pyproject.toml's lower bounds are what `make test` pins; this job tests the top of the ranges.
 NEWEST := .venv-newest
 $(NEWEST)/.installed: pyproject.toml setup.py src/grpo/rollout/cpu/panel_gemm.c
@@ -70,7 +71,7 @@ $(NEWEST)/.installed: pyproject.toml setup.py src/grpo/rollout/cpu/panel_gemm.c
 
 test-newest: $(NEWEST)/.installed
 	$(NEWEST)/bin/python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-	$(NEWEST)/bin/python -m pytest -q tests/unit tests/integration/test_model_families.py
+	$(NEWEST)/bin/python -m pytest -q tests/unit tests/equivalence tests/integration/test_model_families.py
 
 # the tests marked slow (minutes each: real learning runs on the bundled model); not part of `make test`
 test-slow: $(STAMP)

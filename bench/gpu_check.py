@@ -55,12 +55,12 @@ SIZES = {
         default_tflop_per_s=790.0,
         device="cuda",
         equivalence=[
-            "tests/unit/test_lean_decode.py",
-            "tests/unit/test_fast_generation.py",
-            "tests/unit/test_shared_prefix_training.py",
-            "tests/unit/test_static_decode.py",
-            "tests/unit/test_tree_packing.py",
-            "tests/unit/test_image_trees_on_device.py",
+            "tests/equivalence/test_lean_decode.py",
+            "tests/equivalence/test_fast_generation.py",
+            "tests/equivalence/test_shared_prefix_training.py",
+            "tests/equivalence/test_static_decode.py",
+            "tests/equivalence/test_tree_packing.py",
+            "tests/equivalence/test_image_trees_on_device.py",
         ],
     ),
     "dry": dict(
@@ -84,7 +84,7 @@ SIZES = {
         default_tflop_per_s=0.5,
         device="cpu",
         equivalence=[
-            "tests/unit/test_shared_prefix_training.py::test_chunked_logps_in_bfloat16_are_within_the_stated_tolerance"
+            "tests/equivalence/test_shared_prefix_training.py::test_chunked_logps_in_bfloat16_are_within_the_stated_tolerance"
         ],
     ),
 }

@@ -1,4 +1,4 @@
-"""The fast engine's tests' setting (tests/unit/test_fast_generation.py, and the sharded job support/jobs/fsdp_job.py):
+"""The fast engine's tests' setting (tests/equivalence/test_fast_generation.py, and the sharded job support/jobs/fsdp_job.py):
 a tiny model of each family the lean decoder takes, the sampling settings, stop tokens and requests (two chat
 prompts, four samples each), and greedy sampling."""
 

@@ -295,8 +295,8 @@ def test_the_trainer_constructor_stays_short():
 
 # ---- the tests' own walls -------------------------------------------------------------------------------------
 # Only tests/ is on sys.path: what tests share is in its package `support` (tests/support/), and a test module
-# imports helpers from there, never from another test module. The unit tier builds no trainer: a test that does is
-# an integration test.
+# imports helpers from there, never from another test module. The unit and equivalence tiers build no trainer: a test
+# that does is an integration test.
 TESTS = Path(__file__).resolve().parents[1]
 SUPPORT = TESTS / "support"
 TIERS = sorted(p for p in TESTS.iterdir() if p.is_dir() and p != SUPPORT and not p.name.startswith((".", "__")))
@@ -343,7 +343,7 @@ def test_tests_and_tiers_hold_test_modules_and_conftests_only():
         if not (p.name.startswith("test_") or p.name == "conftest.py")
     ]
     assert loose == []
-    assert {t.name for t in TIERS} >= {"unit", "integration", "distributed", "with_vllm"}
+    assert {t.name for t in TIERS} >= {"unit", "equivalence", "integration", "distributed", "with_vllm"}
 
 
 def test_test_modules_import_no_other_test_module():
@@ -417,8 +417,8 @@ def builds_a_trainer(path: Path, builders: set[tuple[str, str]]) -> list[str]:
     return found
 
 
-def test_the_unit_tier_builds_no_trainer():
-    """Nothing in tests/unit names GRPOTrainer or AsyncGRPOTrainer, uses a support helper that builds one (found
+def test_the_unit_and_equivalence_tiers_build_no_trainer():
+    """Nothing in tests/unit or tests/equivalence names GRPOTrainer or AsyncGRPOTrainer, uses a support helper that builds one (found
     here by reading support: `support.agent.make_trainer`, `support.vision_runs.build`, ...), or launches job
     processes: a test that trains, or builds a trainer to see what its constructor checks, is an integration test."""
     builders = trainer_builders()
@@ -430,7 +430,8 @@ def test_the_unit_tier_builds_no_trainer():
     assert expected <= builders, "the rule checks nothing"
     found = [
         f"{p.relative_to(TESTS).as_posix()}:{where}"
-        for p in sorted((TESTS / "unit").glob("*.py"))
+        for tier in ("unit", "equivalence")
+        for p in sorted((TESTS / tier).glob("*.py"))
         for where in builds_a_trainer(p, builders)
     ]
     assert found == [], "\n".join(found)
