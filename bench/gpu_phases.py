@@ -176,7 +176,7 @@ def _decoder_inputs(vocab: int, rows: int, context: int):
 
 def decode(sizes: dict) -> None:
     from grpo import GRPOConfig
-    from grpo.rollout.base import Prompt, group_requests
+    from grpo.base.records import Prompt, group_requests
     from grpo.rollout.fast import FastEngine, logits_processors, sample_from
     from grpo.rollout.graphed import Graphs, StaticDecode
     from grpo.rollout.lean_decoder import LeanDecoder
@@ -296,8 +296,8 @@ def head(sizes: dict) -> None:
 
 def _batch(prompts: list[list[int]], group: int, lengths: list[int], vocab: int, g: torch.Generator, truncated: bool):
     """A training batch on the device: `group` rows per prompt, random completions of `lengths`."""
+    from grpo.base.records import Rollout
     from grpo.learner.batch import collate
-    from grpo.rollout.base import Rollout
 
     rollout = Rollout(
         prompt_ids=[p for p in prompts for _ in range(group)],

@@ -30,11 +30,12 @@ from workload import WORKLOAD
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.apps.demo_agent import multiply
+from grpo.base.records import expand
 from grpo.learner import tree
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.models.bundled import bundled_model_path
-from grpo.rollout.base import assemble, expand
+from grpo.rollout.base import assemble
 
 STRIPPING = CHATML_TOOLS.replace(
     "<|im_start|>assistant\n{{ message['content'] or '' }}",

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from grpo import GRPOTrainer
+from grpo.base.records import Rollout
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Rollout
 from support.rewards import length_reward
 from support.runs import cfg, chat_dataset
 

@@ -15,11 +15,11 @@ import torch
 import transformers
 
 from grpo import GRPOTrainer
+from grpo.base.records import Rollout
 from grpo.learner import tree
 from grpo.learner import windows as model_windows
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Rollout
 from support.rewards import length_reward
 from support.runs import cfg, chat_dataset
 from support.tiny import make_tokenizer

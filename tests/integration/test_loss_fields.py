@@ -20,11 +20,11 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.algo.entropy_control import EntropyController
 from grpo.algo.loss_terms import LossTerms, router_aux_coef
 from grpo.algo.losses import policy_loss
+from grpo.base.records import Rollout
 from grpo.data.prompts import tokenize_prompts
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.models.fp32_head import Float32Head, cast_lm_head_to_fp32
-from grpo.rollout import Rollout
 from support.rewards import length_reward
 from support.runs import cfg, chat_dataset
 from support.scripted import ScriptedEngine

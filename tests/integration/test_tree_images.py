@@ -25,11 +25,11 @@ from transformers import (
 )
 
 from grpo import GRPOTrainer
+from grpo.base.records import Prompt
 from grpo.learner import tree, tree_attention, tree_images
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
 from grpo.models.vision import Pixels
-from grpo.rollout.base import Prompt
 from support.launch import job_script, torchrun
 from support.layouts import allowed_pairs, assert_same_pass, dense_twin, gathered, image_pass
 from support.runs import cfg, generate, params

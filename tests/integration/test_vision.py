@@ -23,10 +23,10 @@ from PIL import Image
 
 from grpo import GRPOTrainer
 from grpo.agent import CHATML_TOOLS
+from grpo.base.records import Rollout
 from grpo.data import prompts as data
 from grpo.learner.batch import collate
 from grpo.models.vision import Pixels, language_model
-from grpo.rollout.base import Rollout
 from support.launch import job_script, torchrun
 from support.rewards import length_reward
 from support.runs import cfg, generate, params

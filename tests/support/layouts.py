@@ -10,10 +10,10 @@ import torch
 
 from grpo import GRPOConfig
 from grpo.algo.losses import policy_loss
+from grpo.base.records import Rollout
 from grpo.data.prompts import tokenize_prompts
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Rollout
 from support.tiny import make_model, make_tokenizer
 
 # gradients at atol 5e-6: the attention's sums run over other widths than the padded pass's, so their rounding

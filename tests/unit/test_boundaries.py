@@ -132,14 +132,14 @@ def test_only_process_env_writes_the_environment():
 # imports have no cycle: an engine, a tool or a reward function's caller can be read, tested and replaced without
 # the trainer, its checkpoints or its SIGTERM handling.
 LAYERS = [
-    {"base"},  # the leaves: SIGTERM, secrets, the environment set for dependencies, background threads, seeds
+    {"base"},  # the leaves: the plain records (prompts, requests, rollouts), SIGTERM, secrets, the environment set for
+    # dependencies, background threads, seeds
     {"config"},  # GRPOConfig and the TRL field tables
     {"algo"},  # the math: losses, advantages, log-probs, the sampling correction (pure functions of tensors)
     {"distributed", "serve"},  # collectives, sharding, ZeRO, the accelerator's teardown; vLLM's side of server mode
     {"models"},  # loading and preparing the policy, LoRA, the float32 head, image prompts
     {"perf"},  # speed and memory patches (they look at distributed's wrappers)
-    {"rollout"},  # generation engines
-    {"data"},  # datasets into prompts
+    {"rollout", "data"},  # generation engines; datasets into prompts (peers: both speak in base's plain records)
     {"agent", "rewards"},  # the tool loop above the engines; reward functions
     {"observe"},  # metrics, console, diagnostics, callbacks, the run directory and its report
     {"checkpoint"},  # saving and loading a run (above everything it saves); in-flight rounds; the Hub

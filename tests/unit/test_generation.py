@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from grpo import GRPOConfig
+from grpo.base.records import Request
 from grpo.data.prompts import end_of_turn_ids, generation_prompt_indices, make_prompt
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Request
 from grpo.rollout.base import cut_at_stop
 from grpo.rollout.plain import TransformersEngine
 from support.tiny import make_model, make_tokenizer

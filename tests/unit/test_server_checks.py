@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.rollout.base import Prompt, Request
+from grpo.base.records import Prompt, Request
 from grpo.rollout.remote import ServerEngine, ServerError, server_urls
 from grpo.rollout.server_client import token_counters
 from grpo.serve import gloo, launcher

@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 import torch
 
+from grpo.base.records import Rollout
 from grpo.learner import tree
 from grpo.learner.batch import collate
 from grpo.learner.prefix import shared_prompts
-from grpo.rollout import Rollout
 from support.layouts import assert_same_pass, logps_and_grads
 from support.tiny import make_model, make_tokenizer
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from grpo.rollout.base import Request
+from grpo.base.records import Request
 from grpo.rollout.fast import logits_processors
 from support.launch import job_script
 from support.runs import generate

@@ -41,9 +41,8 @@ from grpo.learner.prefix import prefix_sharing_unsupported_reason, select_cache_
 from grpo.learner.tree_images import ImageInputs
 from grpo.models.fp32_head import is_fp32_head
 from grpo.models.modeling import accepts_logits_to_keep, cache_argument, unwrap
-from grpo.models.vision import computes_own_positions
+from grpo.models.vision import SUPPRESSED, computes_own_positions, suppressed_tokens
 from grpo.perf import blocks, compilation, linears
-from grpo.rollout.plain import SUPPRESSED, suppressed_tokens
 
 logger = logging.getLogger("grpo")
 

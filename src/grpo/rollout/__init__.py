@@ -1,5 +1,5 @@
-"""Generation engines behind one interface (`grpo.rollout.base`): prompts in, completions with their sampling
-log-probs out.
+"""Generation engines behind one interface (`grpo.rollout.base`): requests in (`grpo.base.records`), completions with
+their sampling log-probs out.
 
 - `plain.TransformersEngine`: `model.generate`, every `generation_kwargs` key transformers knows;
 - `fast.FastEngine`: our own decode loop (prefix sharing, shrinking batch), on `lean_decoder.LeanDecoder` for
@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
+from grpo.models.vision import SUPPRESSED, suppressed_tokens
 from grpo.rollout import fast, remote
-from grpo.rollout.base import Engine, Prompt, Request, Rollout
-from grpo.rollout.plain import SUPPRESSED, TransformersEngine, suppressed_tokens
+from grpo.rollout.base import Engine
+from grpo.rollout.plain import TransformersEngine
 from grpo.rollout.vllm import VLLMEngine, sampling_kwargs
 
 logger = logging.getLogger("grpo")
-__all__ = ["Engine", "Prompt", "Request", "Rollout", "build_engine"]
+__all__ = ["Engine", "build_engine"]
 
 
 def build_engine(

@@ -43,8 +43,9 @@ import torch
 from accelerate.utils import broadcast_object_list
 
 from grpo.base import sigterm
+from grpo.base.records import Request, Rollout, expand
 from grpo.rollout import server_vision
-from grpo.rollout.base import Request, Rollout, assemble, expand
+from grpo.rollout.base import assemble
 from grpo.rollout.server_client import ServerClient, ServerError
 from grpo.rollout.weights import checkpoint_weights
 from grpo.serve import vllm_plugin

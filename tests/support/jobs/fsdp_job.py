@@ -36,7 +36,7 @@ def sample(model, tok, args, stop, requests):
 def train_pass(model, rollout_ids, requests, pad_id):
     """Log-probs of the sampled completions and the gradients of their sum (whole tensors), inside `lean_blocks`
     as the trainer runs it (its own equivalence to the plain blocks: test_lean_blocks.py)."""
-    from grpo.rollout import Rollout
+    from grpo.base.records import Rollout
 
     rows = [list(r.prompt.ids) for r in requests for _ in range(r.num_samples)]
     rollout = Rollout(

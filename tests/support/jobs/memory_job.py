@@ -15,9 +15,9 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from grpo.base.records import Rollout
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Rollout
 
 
 def rss_bytes() -> int:
