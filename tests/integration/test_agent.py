@@ -224,6 +224,7 @@ def test_multi_turn_rollouts_as_token_trees_train_like_padded_rows(tmp_path):
     """packing="tree" with tools: each row's sampled turns and tool turns stay one completion (append-only), laid
     out in its prompt's tree; log-probs and gradients equal the padded rows'."""
     from grpo.learner.forward import token_logps
+    from grpo.learner.layouts import PassSettings
 
     trainer = make_trainer(tmp_path, call_then_answer, args={"packing": "tree"})
     assert trainer.training_pass.tree
@@ -234,7 +235,9 @@ def test_multi_turn_rollouts_as_token_trees_train_like_padded_rows(tmp_path):
 
     def pass_(as_trees):
         trainer.model.zero_grad()
-        logps, _ = token_logps(trainer.model, batch, 1.0, with_entropy=False, as_trees=as_trees)
+        logps = token_logps(
+            trainer.model, batch, PassSettings(1.0, with_entropy=False, layouts=("trees" if as_trees else "padded",))
+        ).logps
         (logps * batch.mask * batch.advantages.unsqueeze(1)).sum().backward()
         return logps.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
 
