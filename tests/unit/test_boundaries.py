@@ -254,6 +254,16 @@ def test_checkpoints_read_no_dataset():
     assert [f"{name(p)}:{line}" for p in modules for u, line in grpo_imports(p) if u == "data"] == []
 
 
+def test_only_the_engines_callers_import_them():
+    """The training pass, the data and the reward functions read plain records (`grpo.base.records`) and model facts
+    (`grpo.models`), never a generation engine's module: `data` and `rollout` are peers, and the learner's layouts
+    do not change when an engine does."""
+    readers = [p for unit in ("learner", "data", "rewards") for p in (SRC / unit).glob("*.py")]
+    assert readers, "the rule checks nothing"
+    found = [f"{name(p)}:{line}" for p in readers for u, line in grpo_imports(p) if u == "rollout"]
+    assert found == []
+
+
 def test_no_test_folder_shadows_a_package():
     """tests/ goes on sys.path (conftest, scripts), and so do support/ (the zygote's script folder) and support/jobs/
     (each job's): a folder in tests/, or a module in those two, named like a package grpo or the tests import would
