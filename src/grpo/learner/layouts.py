@@ -119,7 +119,7 @@ class Layout:
     forward: Callable[[Any, Piece], Outputs]
 
 
-# ---- the forwards -------------------------------------------------------------------------------------------------
+# ---- the forwards ----------------------------------------------------------------------------------------------------
 
 
 def _outputs(model: Any, chunked_head: bool, router_aux: bool, **inputs: Any) -> Outputs:
@@ -276,7 +276,7 @@ def _trees(model: Any, piece: Piece) -> Outputs:
     return take_rows(out.flatten(0, 1), trees.row * out.shape[1] + trees.column), None
 
 
-# ---- why a run cannot take a layout, and its cost -----------------------------------------------------------------
+# ---- why a run cannot take a layout, and its cost --------------------------------------------------------------------
 
 WHOLE_ROWS = "the router's load-balancing loss is computed over whole sequences"
 
@@ -324,7 +324,7 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
-# ---- the run's layouts, and each piece's ----------------------------------------------------------------------
+# ---- the run's layouts, and each piece's -----------------------------------------------------------------------------
 
 
 def settle(model: Any, packing: str, run: RunFacts) -> tuple[str, ...]:
