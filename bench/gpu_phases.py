@@ -176,7 +176,7 @@ def _decoder_inputs(vocab: int, rows: int, context: int):
 
 def decode(sizes: dict) -> None:
     from grpo.algo.sampling import SamplingSettings
-    from grpo.rollout.base import Prompt, group_requests
+    from grpo.base.records import Prompt, group_requests
     from grpo.rollout.fast import FastEngine, logits_processors, sample_from
     from grpo.rollout.graphed import Graphs, StaticDecode
     from grpo.rollout.lean_decoder import LeanDecoder
@@ -296,8 +296,8 @@ def head(sizes: dict) -> None:
 
 def _batch(prompts: list[list[int]], group: int, lengths: list[int], vocab: int, g: torch.Generator, truncated: bool):
     """A training batch on the device: `group` rows per prompt, random completions of `lengths`."""
+    from grpo.base.records import Rollout
     from grpo.learner.batch import collate
-    from grpo.rollout.base import Rollout
 
     rollout = Rollout(
         prompt_ids=[p for p in prompts for _ in range(group)],
@@ -310,6 +310,7 @@ def _batch(prompts: list[list[int]], group: int, lengths: list[int], vocab: int,
 
 def train(sizes: dict) -> None:
     from grpo.learner.forward import token_logps
+    from grpo.learner.layouts import PassSettings
 
     model = random_model.make_model(sizes["shape"], str(DEVICE)).train()
     measures = random_model.sizes_of(model)
@@ -320,7 +321,9 @@ def train(sizes: dict) -> None:
 
     def run():
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            lp, _ = token_logps(model, batch, 1.0, with_entropy=True, share_prefix=True, chunked_head=True)
+            lp = token_logps(
+                model, batch, PassSettings(1.0, with_entropy=True, chunked_head=True, layouts=("shared_prefix",))
+            ).logps
         (lp * batch.mask).sum().backward()
 
     seconds = median_s(run, repeats=3, warmup=1)
@@ -348,6 +351,7 @@ def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) ->
 
     from grpo.learner import tree, tree_attention
     from grpo.learner.forward import token_logps
+    from grpo.learner.layouts import PassSettings
 
     reason = tree.unsupported_reason(model)
     if reason is not None:
@@ -363,25 +367,18 @@ def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) ->
         kernel = tree_attention.attention_kernel(model, DEVICE)  # "flex" where FlexAttention compiles here
     for name, kwargs, force in (
         ("padded", {}, None),
-        ("tree", dict(as_trees=True), None),
-        ("auto", dict(as_trees=True, where_cheaper=True), None),
-        ("tree_dense", dict(as_trees=True), "dense"),  # the same trees under the dense mask, to SDPA
+        ("tree", dict(layouts=("shared_prefix", "trees")), None),
+        ("auto", dict(layouts=("shared_prefix", "trees"), by_cost=True), None),
+        ("tree_dense", dict(layouts=("shared_prefix", "trees")), "dense"),  # the same trees under the dense mask
     ):
         tree_attention.FORCE_KERNEL = force
+        settings = PassSettings(1.0, with_entropy=True, chunked_head=True, **{"layouts": ("shared_prefix",), **kwargs})
 
-        def run(kwargs=kwargs):
+        def run(settings=settings):
             with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-                lp, _ = token_logps(
-                    model,
-                    batch,
-                    1.0,
-                    with_entropy=True,
-                    share_prefix=True,
-                    chunked_head=True,
-                    laid_out=counts,
-                    **kwargs,
-                )
-            (lp * batch.mask).sum().backward()
+                scored = token_logps(model, batch, settings)
+            counts.update(scored.layouts)
+            (scored.logps * batch.mask).sum().backward()
 
         counts.clear()
         try:

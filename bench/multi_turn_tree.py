@@ -30,11 +30,13 @@ from workload import WORKLOAD
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.agent import CHATML_TOOLS
 from grpo.apps.demo_agent import multiply
+from grpo.base.records import expand
 from grpo.learner import tree
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from grpo.models.bundled import bundled_model_path
-from grpo.rollout.base import assemble, expand
+from grpo.rollout.base import assemble
 
 STRIPPING = CHATML_TOOLS.replace(
     "<|im_start|>assistant\n{{ message['content'] or '' }}",
@@ -129,15 +131,10 @@ def main() -> None:
     for _ in range(REPEATS):
         for as_trees in (False, True):
             start = time.perf_counter()
-            logps, _ = token_logps(
-                model,
-                rendered,
-                1.0,
-                with_entropy=False,
-                share_prefix=passes.share_prefix,
-                chunked_head=passes.chunked_head,
-                as_trees=as_trees,
-            )
+            rows = "shared_prefix" if passes.share_prefix else "padded"
+            layouts = (rows, "trees") if as_trees else (rows,)
+            settings = PassSettings(1.0, with_entropy=False, chunked_head=passes.chunked_head, layouts=layouts)
+            logps = token_logps(model, rendered, settings).logps
             (logps * rendered.mask).sum().backward()
             seconds[as_trees].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)

@@ -52,25 +52,26 @@ def main() -> None:
     args = GRPOConfig(output_dir="/tmp/grpo-bench-tree-images", packing="tree", report_to="none")
     passes = TrainingPass(model, args, contextlib.nullcontext, "no", pixels=Pixels.of(processor, model))
     assert passes.tree, "image rows should take trees here"
-    images = passes._images()
+    images = passes.images
     assert images is not None
     marked = images.marks(batch)
     assert marked is not None
     trees = tree.layout(batch, pair_cost=tree.pair_cost(model), marks=marked.marks, run_layers=marked.run_layers)
     tree_images = sum(len(row) for row in row_images(images.pixels.token_types[0], trees, marked))
     seconds: dict[bool, list[float]] = {False: [], True: []}
+    layouts = {True: passes.layouts, False: tuple(name for name in passes.layouts if name != "trees")}
     for _ in range(repeats):
         for as_trees in (False, True):
-            passes.tree = as_trees
+            passes.layouts = layouts[as_trees]
             start = time.perf_counter()
-            logps, _ = passes.train(model, batch, entropy_grad=False)
+            logps = passes.train(model, batch, entropy_grad=False).logps
             (logps * batch.mask).sum().backward()
             seconds[as_trees].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
     padded_s, tree_s = statistics.median(seconds[False]), statistics.median(seconds[True])
     scored = {}
     for as_trees in (False, True):  # the same numbers in both layouts (the tests' check, at this size)
-        passes.tree = as_trees
+        passes.layouts = layouts[as_trees]
         scored[as_trees] = passes.logps(model, batch)
     real = batch.completion_attention.bool()
     differ = float((scored[True] - scored[False])[real].abs().max())

@@ -104,7 +104,7 @@ def main() -> None:
     )
 
 
-# each layout as TrainingPass's (tree, where_cheaper)
+# each packing as TrainingPass's (trees among its layouts, by_cost)
 LAYOUTS = {"padded": (False, False), "tree": (True, False), "auto": (True, True)}
 
 
@@ -112,13 +112,14 @@ def timed_passes(model, passes, kept, repeats: int) -> dict[str, float]:
     """Median seconds of the training pass over the kept micro-batches, per layout (`LAYOUTS`), alternating; the
     auto layout's pieces are counted in `passes.laid_out` (its last repeat's)."""
     seconds: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+    rows = tuple(name for name in passes.layouts if name != "trees")  # the run's own, without trees
     for _ in range(repeats):
-        for layout, (as_trees, where_cheaper) in LAYOUTS.items():
-            passes.tree, passes.where_cheaper = as_trees, where_cheaper
+        for layout, (as_trees, by_cost) in LAYOUTS.items():
+            passes.layouts, passes.by_cost = rows + ("trees",) * as_trees, by_cost
             passes.laid_out.clear()
             start = time.perf_counter()
             for batch in kept:
-                logps, _ = passes.train(model, batch, entropy_grad=False)
+                logps = passes.train(model, batch, entropy_grad=False).logps
                 (logps * batch.mask).sum().backward()
             seconds[layout].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)

@@ -265,7 +265,9 @@ class GRPOTrainer(Assembly):
         """The micro-batch's share of the step's loss, backpropagated; returns its value."""
         a, acc = self.args, self.accelerator
         t0 = time.perf_counter()
-        logps, entropies = self.training_pass.train(self.model, batch, entropy_grad=self.loss_terms.entropy_grad)
+        trained = self.training_pass.train(self.model, batch, entropy_grad=self.loss_terms.entropy_grad)
+        logps, entropies = trained.logps, trained.entropies
+        assert entropies is not None  # the gradient pass scores them
         self.state.total_flos += reporting.micro_batch_flos(self.flop_parameters, batch)
         entropy_mask = None
         if a.top_entropy_quantile < 1.0:
@@ -288,7 +290,7 @@ class GRPOTrainer(Assembly):
             is_ratio=is_ratio,
         )
         bonus_mask = batch.mask if entropy_mask is None else batch.mask * entropy_mask
-        loss, extra = self.loss_terms.add(loss, entropies, bonus_mask, self.training_pass.aux_loss)
+        loss, extra = self.loss_terms.add(loss, entropies, bonus_mask, trained.aux_loss)
         # the loss and the token count in one host sync (with reduce_stats' below, two per micro-step)
         loss_value, tokens = torch.stack([loss.detach().float(), batch.mask.sum().float()]).tolist()
         if not math.isfinite(loss_value):
@@ -300,8 +302,7 @@ class GRPOTrainer(Assembly):
         self._window.add_many(collectives.reduce_stats(stats, acc))
         self._window.add("timing/training_tokens_per_s", tokens / max(time.perf_counter() - t0, 1e-9))
         if self.training_pass.tree:  # packing "tree" or "auto": the share of the pass's pieces laid out as trees
-            laid_out = self.training_pass.trained_as
-            self._window.add("packing/trees", laid_out["trees"] / max(sum(laid_out.values()), 1))
+            self._window.add("packing/trees", trained.layouts.count("trees") / max(len(trained.layouts), 1))
         return loss_value
 
     def _update(self, losses: list[float]) -> Update:

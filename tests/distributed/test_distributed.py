@@ -130,8 +130,8 @@ def test_auto_takes_one_layout_in_every_process_where_forwards_are_collectives(t
     torchrun(2, job_script("layouts_job.py"), tmp_path, timeout=120)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["alone_trees"] for r in ranks] == [True, False]  # alone, the processes would disagree
-    # the gradient pass and the pass without gradients: each as padded rows in both processes
-    assert ranks[0]["laid_out"] == ranks[1]["laid_out"] == {"padded": 2}
+    # the gradient pass and the pass without gradients: each as padded rows sharing the prompt in both processes
+    assert ranks[0]["laid_out"] == ranks[1]["laid_out"] == {"shared_prefix": 2}
     for r in ranks:
         for got, expected in zip(r["auto"], r["padded"]):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ import torch
 from grpo.algo.sampling import SamplingSettings
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from grpo.rollout import fast
 from grpo.rollout.fast import FastEngine, low_precision_linears, sample_from
 from grpo.rollout.plain import TransformersEngine
@@ -96,9 +97,9 @@ def test_sampling_logps_equal_training_logps(dtype, family):
         return
     batch = collate(rollout, torch.zeros(len(rollout)), tok.pad_token_id, mask_truncated=False).to(model.device)
     with torch.no_grad():
-        exact, _ = token_logps(model, batch, args.temperature, with_entropy=False)
+        exact = token_logps(model, batch, PassSettings(args.temperature, with_entropy=False)).logps
         with on_device.autocast(dtype):
-            rounded, _ = token_logps(model, batch, args.temperature, with_entropy=False)
+            rounded = token_logps(model, batch, PassSettings(args.temperature, with_entropy=False)).logps
     m = batch.mask.bool()
     sampler = (batch.sampling_logps[m] - exact[m]).abs().mean()
     assert sampler < on_device.BFLOAT16_MEAN_NATS and sampler <= (rounded[m] - exact[m]).abs().mean()

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from grpo.base.records import left_pad
 from grpo.rollout import lean_decoder, lean_families
-from grpo.rollout.base import left_pad
 from grpo.rollout.cpu import packed, panels
 from grpo.rollout.lean_decoder import LeanDecoder
 from grpo.rollout.lean_families import unsupported_reason

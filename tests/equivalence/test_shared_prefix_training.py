@@ -10,6 +10,7 @@ import torch
 
 from grpo.algo.logprobs import chunked_logps_and_entropy, logps_and_entropy
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from support import on_device
 from support.layouts import assert_same_pass, batch_and_model, logps_and_grads, turns_batch
 from support.tiny import make_model, make_tokenizer
@@ -17,7 +18,7 @@ from support.tiny import make_model, make_tokenizer
 
 def test_shared_prefix_logps_and_gradients_match_plain():
     batch, model = batch_and_model()
-    results = {share: logps_and_grads(model, batch, share_prefix=share) for share in (False, True)}
+    results = {share: logps_and_grads(model, batch, "shared_prefix" if share else "padded") for share in (False, True)}
     assert_same_pass(results[True], results[False], batch)
     assert any(g.abs().sum() > 0 for g in results[True][2].values())
 
@@ -25,8 +26,8 @@ def test_shared_prefix_logps_and_gradients_match_plain():
 def test_shared_prefix_bf16_within_tolerance():
     batch, model = batch_and_model()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plain, _ = token_logps(model, batch, 1.0, with_entropy=False)
-        shared, _ = token_logps(model, batch, 1.0, with_entropy=False, share_prefix=True)
+        plain = token_logps(model, batch, PassSettings(1.0, with_entropy=False)).logps
+        shared = token_logps(model, batch, PassSettings(1.0, with_entropy=False, layouts=("shared_prefix",))).logps
     m = batch.mask.bool()
     # bfloat16 has an 8-bit mantissa: the two paths round differently; log-probs agree to 0.05 nats
     assert (plain[m] - shared[m]).abs().max() < 0.05
@@ -43,26 +44,25 @@ def backward_kinds(t):
     return {type(node).__name__ for node in seen}
 
 
-LAYOUTS = [dict(share_prefix=True), dict(as_trees=True), dict(as_trees=True, turns=True), dict(turns=True)]
+LAYOUTS = [("shared_prefix", False), ("trees", False), ("trees", True), ("padded", True)]  # (layout, rows with turns)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_copies_of_a_shared_position_add_their_gradients_in_a_fixed_order(layout):
+@pytest.mark.parametrize("layout, turns", LAYOUTS)
+def test_copies_of_a_shared_position_add_their_gradients_in_a_fixed_order(layout, turns):
     """Where rows share positions (each row's copy of its prompt's cache and last output; a tree's positions, a
     prompt's last one every row's first; a turn's own row where turns are forked), the copies' gradients add back
     through no advanced-indexing backward (`IndexBackward0`), which on a multi-threaded CPU adds with atomic adds in
     thread order: the same batch gave gradients a rounding apart from run to run (resumes were not bit-identical).
     And repeated passes over prompts long enough for torch's threaded path give bit-identical gradients."""
-    layout = dict(layout)
-    batch, model = turns_batch()[::4] if layout.pop("turns", False) else batch_and_model()
-    logps, _ = token_logps(model, batch, temperature=0.9, **layout)
+    batch, model = turns_batch()[::4] if turns else batch_and_model()
+    logps = token_logps(model, batch, PassSettings(0.9, layouts=(layout,))).logps
     assert "IndexBackward0" not in backward_kinds(logps)
     long = " ".join(["what is two plus two and then three?"] * 6)
     batch, _ = batch_and_model(texts=(long, long + " ok"), lengths=(4, 12))
     model = make_model(make_tokenizer(), hidden=128)
-    first = logps_and_grads(model, batch, **layout)[2]
+    first = logps_and_grads(model, batch, layout)[2]
     for _ in range(3):
-        grads = logps_and_grads(model, batch, **layout)[2]
+        grads = logps_and_grads(model, batch, layout)[2]
         assert all(torch.equal(grads[n], g) for n, g in first.items())
 
 
@@ -77,7 +77,12 @@ def test_chunked_head_matches_full_logits(share, dtype):
     results = {}
     for chunked in (False, True):
         model.zero_grad()
-        logps, ent = token_logps(model, batch, temperature=0.7, share_prefix=share, chunked_head=chunked)
+        scored = token_logps(
+            model,
+            batch,
+            PassSettings(temperature=0.7, chunked_head=chunked, layouts=("shared_prefix" if share else "padded",)),
+        )
+        logps, ent = scored.logps, scored.entropies
         (logps * batch.mask).sum().backward()
         results[chunked] = (logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()})
     m = batch.mask.bool()
@@ -206,7 +211,8 @@ def test_length_sorted_trimmed_pieces_match_one_padded_pass(chunk_size, monkeypa
     (ref_lp * batch.mask).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    lp, ent = token_logps(model, batch, 0.9, chunk_size=chunk_size, share_prefix=True)
+    scored = token_logps(model, batch, PassSettings(0.9, chunk_size=chunk_size, layouts=("shared_prefix",)))
+    lp, ent = scored.logps, scored.entropies
     (lp * batch.mask).sum().backward()
     m = batch.mask.bool()
     torch.testing.assert_close(lp[m], ref_lp[m], rtol=1e-5, atol=1e-6)
@@ -238,7 +244,7 @@ def test_grouped_kv_attention_matches_repeated_heads(share, monkeypatch):
             monkeypatch.setenv(SWITCH, "1")
         else:  # the plain path: transformers repeats the key/value heads
             monkeypatch.delenv(SWITCH, raising=False)
-        results[grouped] = logps_and_grads(model, batch, share_prefix=share, chunked_head=True)
+        results[grouped] = logps_and_grads(model, batch, "shared_prefix" if share else "padded", chunked_head=True)
     assert_same_pass(results[True], results[False], batch)
 
 

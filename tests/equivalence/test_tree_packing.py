@@ -5,7 +5,6 @@ it computes fewer positions."""
 
 from __future__ import annotations
 
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +14,7 @@ from transformers import LlamaConfig
 from grpo.config.grpo_fields import LOSS_TYPES
 from grpo.learner import tree, tree_attention
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from support import on_device
 from support.layouts import (
     GRAD_ATOL,
@@ -36,7 +36,7 @@ def test_tree_pass_matches_the_padded_pass(attention, chunked_head):
     batch, model = batch_and_model()
     model.config._attn_implementation = attention
     padded = logps_and_grads(model, batch, chunked_head=chunked_head)
-    trees = logps_and_grads(model, batch, chunked_head=chunked_head, as_trees=True)
+    trees = logps_and_grads(model, batch, "trees", chunked_head=chunked_head)
     assert_same_pass(trees, padded, batch, GRAD_ATOL)
     assert any(g.abs().sum() > 0 for g in trees[2].values())
 
@@ -45,8 +45,8 @@ def test_tree_pass_in_pieces_and_with_an_empty_completion():
     batch, model = batch_and_model()
     batch.completion_attention[3] = 0  # a row masked whole (a truncated completion under mask_truncated_completions)
     batch.mask[3] = 0
-    padded = logps_and_grads(model, batch, share_prefix=True)
-    trees = logps_and_grads(model, batch, as_trees=True, chunk_size=5)  # pieces split groups
+    padded = logps_and_grads(model, batch, "shared_prefix")
+    trees = logps_and_grads(model, batch, "trees", chunk_size=5)  # pieces split groups
     assert_same_pass(trees, padded, batch, GRAD_ATOL)
 
 
@@ -81,10 +81,10 @@ def test_a_group_longer_than_the_widest_tree_is_cut_into_trees():
     assert trees.input_ids.shape[1] == widest and groups < len(trees.input_ids) < len(batch)
     assert len(tree.layout(batch, max_width=10**6).input_ids) == groups
     with torch.no_grad():
-        padded, _ = token_logps(model, batch, 1.0, with_entropy=False)
+        padded = token_logps(model, batch, PassSettings(1.0, with_entropy=False)).logps
         tree.MAX_WIDTH, kept = widest + 3, tree.MAX_WIDTH  # trees of one or two completions
         try:
-            trees_lp, _ = token_logps(model, batch, 1.0, with_entropy=False, as_trees=True)
+            trees_lp = token_logps(model, batch, PassSettings(1.0, with_entropy=False, layouts=("trees",))).logps
         finally:
             tree.MAX_WIDTH = kept
     m = batch.mask.bool()
@@ -106,7 +106,7 @@ def test_small_trees_share_a_row(monkeypatch):
     )
     monkeypatch.setattr(tree, "pair_cost", lambda model: 0.0)  # the training pass lays out these rows
     padded = logps_and_grads(model, batch)
-    packed = logps_and_grads(model, batch, as_trees=True)
+    packed = logps_and_grads(model, batch, "trees")
     assert_same_pass(packed, padded, batch, GRAD_ATOL)
 
 
@@ -125,12 +125,12 @@ def test_the_cost_model_cuts_groups_where_width_costs_more_than_repeated_prompts
     assert cost(wide, 0.0) < cost(narrow, 0.0) and cost(narrow, 1.0) < cost(wide, 1.0)
     monkeypatch.setattr(tree, "pair_cost", lambda model: 1.0)
     padded = logps_and_grads(model, batch)
-    trees = logps_and_grads(model, batch, as_trees=True)
+    trees = logps_and_grads(model, batch, "trees")
     assert_same_pass(trees, padded, batch, GRAD_ATOL)
 
 
-def test_where_cheaper_takes_trees_only_where_they_cost_less_than_padded_rows():
-    """`packing="auto"`'s choice per piece (`where_cheaper`): ragged completions after long prompts run as trees;
+def test_by_cost_takes_trees_only_where_they_cost_less_than_padded_rows():
+    """`packing="auto"`'s choice per piece (`by_cost`): ragged completions after long prompts run as trees;
     four completions of 30-40 tokens after a short prompt cost less as padded rows sharing the prompt (each padded
     row attends over its own ~60 positions, a tree over ~200), and as trees where the prompt is not shared (rows of
     prompt and completion each). Either way the padded pass's numbers."""
@@ -140,11 +140,11 @@ def test_where_cheaper_takes_trees_only_where_they_cost_less_than_padded_rows():
     assert tree.cheaper(tree.layout(ragged, pair_cost=cost), ragged, True, cost)
     assert not tree.cheaper(tree.layout(long, pair_cost=cost), long, True, cost)
     assert tree.cheaper(tree.layout(long, pair_cost=cost), long, False, cost)
-    for batch, shared, laid in ((ragged, True, "trees"), (long, True, "padded"), (long, False, "trees")):
-        counts: Counter[str] = Counter()
-        padded = logps_and_grads(model, batch, share_prefix=shared)
-        chosen = logps_and_grads(model, batch, share_prefix=shared, as_trees=True, where_cheaper=True, laid_out=counts)
-        assert counts == Counter({laid: 1}), (shared, counts)
+    for batch, shared, laid in ((ragged, True, "trees"), (long, True, "shared_prefix"), (long, False, "trees")):
+        rows = "shared_prefix" if shared else "padded"
+        padded = logps_and_grads(model, batch, rows)
+        chosen = logps_and_grads(model, batch, rows, "trees", by_cost=True)
+        assert chosen.layouts == (laid,), (shared, chosen.layouts)
         assert_same_pass(chosen, padded, batch, GRAD_ATOL)
 
 
@@ -161,20 +161,20 @@ def test_tree_and_auto_passes_are_the_padded_pass_on_the_tests_device(make, monk
     tolerance = on_device.float32_tolerance()
     grad_tolerance = dict(rtol=tolerance["rtol"], atol=max(GRAD_ATOL, tolerance["atol"]))
 
-    padded = logps_and_grads(model, batch, share_prefix=True)
+    padded = logps_and_grads(model, batch, "shared_prefix")
     kernel = tree_attention.attention_kernel(model, device)
     assert kernel == ("flex" if device.type == "cuda" else "dense")
     runs = {
-        "tree": logps_and_grads(model, batch, as_trees=True),
-        "auto": logps_and_grads(model, batch, as_trees=True, where_cheaper=True, share_prefix=True),
+        "tree": logps_and_grads(model, batch, "trees"),
+        "auto": logps_and_grads(model, batch, "trees", "shared_prefix", by_cost=True),
     }
     if kernel == "flex":
         monkeypatch.setattr(tree_attention, "FORCE_KERNEL", "dense")
-        runs["tree, dense mask"] = logps_and_grads(model, batch, as_trees=True)
+        runs["tree, dense mask"] = logps_and_grads(model, batch, "trees")
     monkeypatch.setattr(tree, "pair_cost", lambda model: 1.0)
-    runs["narrow"] = logps_and_grads(model, batch, as_trees=True)  # the dense mask's cut: the narrowest trees
+    runs["narrow"] = logps_and_grads(model, batch, "trees")  # the dense mask's cut: the narrowest trees
     m = batch.mask.bool()
-    for name, (logps, entropies, grads) in runs.items():
+    for name, (logps, entropies, grads, _) in runs.items():
         torch.testing.assert_close(logps[m], padded[0][m], **tolerance, msg=name)
         torch.testing.assert_close(entropies[m], padded[1][m], **tolerance, msg=name)
         for parameter, grad in padded[2].items():
@@ -254,8 +254,8 @@ def test_float64_tree_pass_is_exact_to_rounding():
     batch, model = batch_and_model()
     model = model.double()
     with torch.no_grad():
-        padded, _ = token_logps(model, batch, 1.0, with_entropy=False)
-        trees, _ = token_logps(model, batch, 1.0, with_entropy=False, as_trees=True)
+        padded = token_logps(model, batch, PassSettings(1.0, with_entropy=False)).logps
+        trees = token_logps(model, batch, PassSettings(1.0, with_entropy=False, layouts=("trees",))).logps
     m = batch.mask.bool()
     torch.testing.assert_close(trees[m], padded[m], rtol=1e-12, atol=1e-12)
 
@@ -406,14 +406,14 @@ def test_routing_block_masks_leaves_sdpa_as_it_was():
     """With block masks routed to FlexAttention, every other SDPA call is the same: the padded pass's numbers
     are unchanged, bit for bit."""
     batch, model = batch_and_model()
-    before = logps_and_grads(model, batch, share_prefix=True)
+    before = logps_and_grads(model, batch, "shared_prefix")
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     tree_attention._route_block_masks()
     routed = ALL_ATTENTION_FUNCTIONS["sdpa"]
     tree_attention._route_block_masks()  # once per process: a second call changes nothing
     assert routed.routes_block_masks and ALL_ATTENTION_FUNCTIONS["sdpa"] is routed
-    after = logps_and_grads(model, batch, share_prefix=True)
+    after = logps_and_grads(model, batch, "shared_prefix")
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
     assert all(torch.equal(after[2][name], grad) for name, grad in before[2].items())
 
@@ -451,7 +451,7 @@ def test_block_masks_reach_the_attention_in_forward_and_in_recomputation(monkeyp
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     padded = logps_and_grads(model, batch)
-    flex = logps_and_grads(model, batch, as_trees=True)
+    flex = logps_and_grads(model, batch, "trees")
     assert_same_pass(flex, padded, batch, GRAD_ATOL)
     layers = model.config.num_hidden_layers
     # each layer attends once in the forward, and once more in backward where checkpointing re-runs it

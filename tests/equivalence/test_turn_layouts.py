@@ -12,6 +12,7 @@ import torch
 from grpo.config.grpo_fields import LOSS_TYPES
 from grpo.learner import tree
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from support.layouts import (
     GRAD_ATOL,
     assert_loss_types_gradients_agree,
@@ -23,7 +24,7 @@ from support.layouts import (
 
 
 def reference(model, batch, singles, where, dtype=torch.float32):
-    lp, ent, grads = logps_and_grads(model, singles)
+    lp, ent, grads, _ = logps_and_grads(model, singles)
     return gathered(lp, where, batch.mask.shape), gathered(ent.detach(), where, batch.mask.shape), grads
 
 
@@ -32,11 +33,11 @@ def reference(model, batch, singles, where, dtype=torch.float32):
 def test_turns_score_like_separate_rows_as_trees_and_as_forked_rows(as_trees, chunked_head):
     batch, singles, where, order, model = turns_batch()
     expected = reference(model, batch, singles, where)
-    got = logps_and_grads(model, batch, chunked_head=chunked_head, as_trees=as_trees)
+    got = logps_and_grads(model, batch, "trees" if as_trees else "padded", chunked_head=chunked_head)
     assert_same_pass(got, expected, batch, GRAD_ATOL)
     # the same in another row order and cut into pieces (pieces split groups)
     shuffled = batch.select(order)
-    got = logps_and_grads(model, shuffled, as_trees=as_trees, chunk_size=4, share_prefix=not as_trees)
+    got = logps_and_grads(model, shuffled, "trees" if as_trees else "shared_prefix", chunk_size=4)
     assert_same_pass(got, tuple(x[order] for x in expected[:2]) + (expected[2],), shuffled, GRAD_ATOL)
 
 
@@ -44,9 +45,9 @@ def test_float64_turns_are_exact_to_rounding():
     batch, singles, where, _, model = turns_batch(seed=1)
     model = model.double()
     with torch.no_grad():
-        single, _ = token_logps(model, singles, 1.0, with_entropy=False)
-        trees, _ = token_logps(model, batch, 1.0, with_entropy=False, as_trees=True)
-        forks, _ = token_logps(model, batch, 1.0, with_entropy=False)
+        single = token_logps(model, singles, PassSettings(1.0, with_entropy=False)).logps
+        trees = token_logps(model, batch, PassSettings(1.0, with_entropy=False, layouts=("trees",))).logps
+        forks = token_logps(model, batch, PassSettings(1.0, with_entropy=False)).logps
     expected, m = gathered(single, where, batch.mask.shape), batch.mask.bool()
     torch.testing.assert_close(trees[m], expected[m], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(forks[m], expected[m], rtol=1e-12, atol=1e-12)
@@ -76,12 +77,12 @@ def test_the_tree_holds_each_distinct_history_once():
 def test_a_group_wider_than_a_tree_is_cut_and_scores_the_same():
     batch, singles, where, _, model = turns_batch()
     with torch.no_grad():
-        single, _ = token_logps(model, singles, 1.0, with_entropy=False)
+        single = token_logps(model, singles, PassSettings(1.0, with_entropy=False)).logps
         widest = tree.longest(batch)
         assert len(tree.layout(batch, max_width=widest).input_ids) > len(batch.group.unique())
         tree.MAX_WIDTH, kept = widest, tree.MAX_WIDTH
         try:
-            trees, _ = token_logps(model, batch, 1.0, with_entropy=False, as_trees=True)
+            trees = token_logps(model, batch, PassSettings(1.0, with_entropy=False, layouts=("trees",))).logps
         finally:
             tree.MAX_WIDTH = kept
     m = batch.mask.bool()
@@ -98,7 +99,7 @@ def test_a_truncated_row_masked_whole_and_a_window_count_the_turns():
     batch.mask[0] = 0
     expected = logps_and_grads(model, batch)  # forked rows (the window keeps the padded layout)
     model.config.sliding_window = None
-    got = logps_and_grads(model, batch, as_trees=True)
+    got = logps_and_grads(model, batch, "trees")
     assert_same_pass(got, expected, batch, GRAD_ATOL)
 
 

@@ -5,15 +5,13 @@ group's first prompt for every row, 0.21 off the policy's own log-probs, under p
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
+from grpo.base.records import Rollout
 from grpo.learner import tree
 from grpo.learner.batch import collate
 from grpo.learner.prefix import shared_prompts
-from grpo.rollout import Rollout
 from support.layouts import assert_same_pass, logps_and_grads
 from support.tiny import make_model, make_tokenizer
 
@@ -65,20 +63,17 @@ def test_the_shared_prompt_pass_scores_each_row_after_its_own_prompt():
     entropies and gradients are the plain pass's."""
     batch, model = hinted_batch()
     plain = logps_and_grads(model, batch)
-    shared = logps_and_grads(model, batch, share_prefix=True)
+    shared = logps_and_grads(model, batch, "shared_prefix")
     assert_same_pass(shared, plain, batch)
 
 
-@pytest.mark.parametrize("where_cheaper", [False, True])
-def test_trees_merge_only_equal_prompt_tokens(where_cheaper):
+@pytest.mark.parametrize("by_cost", [False, True])
+def test_trees_merge_only_equal_prompt_tokens(by_cost):
     """packing="tree" (and "auto", each piece as the cheaper layout) builds each group's trie from the tokens: the
     samples' different prompts branch where they differ, and every row is scored after its own prompt."""
     batch, model = hinted_batch()
     plain = logps_and_grads(model, batch)
-    counts: Counter[str] = Counter()
-    trees = logps_and_grads(
-        model, batch, as_trees=True, where_cheaper=where_cheaper, share_prefix=True, laid_out=counts
-    )
+    trees = logps_and_grads(model, batch, "trees", "shared_prefix", by_cost=by_cost)
     assert_same_pass(trees, plain, batch)
-    if not where_cheaper:
-        assert counts == Counter({"trees": 1})
+    if not by_cost:
+        assert trees.layouts == ("trees",)

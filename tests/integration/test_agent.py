@@ -201,7 +201,7 @@ def test_tool_tokens_give_exactly_zero_gradient_but_are_attended(tmp_path):
     trainer = make_trainer(tmp_path, call_then_answer)
     rollout = generate(trainer, GROUPS).rollout
     batch = collate(rollout, torch.linspace(-1, 1, 8), trainer.processing_class.pad_token_id, False)
-    logps, _ = trainer.training_pass.train(trainer.model, batch, entropy_grad=False)
+    logps = trainer.training_pass.train(trainer.model, batch, entropy_grad=False).logps
     loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, trainer.loss_params)
     (grad,) = torch.autograd.grad(loss, logps)
     tool = (batch.completion_attention == 1) & (batch.mask == 0)
@@ -214,8 +214,8 @@ def test_tool_tokens_give_exactly_zero_gradient_but_are_attended(tmp_path):
     changed.completion_ids[i][first_zero + 10] = trainer.processing_class.convert_tokens_to_ids("9")
     other = collate(changed, torch.zeros(8), trainer.processing_class.pad_token_id, False)
     with torch.no_grad():
-        a, _ = trainer.training_pass.train(trainer.model, batch, entropy_grad=False)
-        b, _ = trainer.training_pass.train(trainer.model, other, entropy_grad=False)
+        a = trainer.training_pass.train(trainer.model, batch, entropy_grad=False).logps
+        b = trainer.training_pass.train(trainer.model, other, entropy_grad=False).logps
     answer = [k for k, m in enumerate(rollout.loss_mask[i]) if m == 1 and k > first_zero]
     assert not torch.equal(a[i, answer], b[i, answer])
 
@@ -224,6 +224,7 @@ def test_multi_turn_rollouts_as_token_trees_train_like_padded_rows(tmp_path):
     """packing="tree" with tools: each row's sampled turns and tool turns stay one completion (append-only), laid
     out in its prompt's tree; log-probs and gradients equal the padded rows'."""
     from grpo.learner.forward import token_logps
+    from grpo.learner.layouts import PassSettings
 
     trainer = make_trainer(tmp_path, call_then_answer, args={"packing": "tree"})
     assert trainer.training_pass.tree
@@ -234,7 +235,9 @@ def test_multi_turn_rollouts_as_token_trees_train_like_padded_rows(tmp_path):
 
     def pass_(as_trees):
         trainer.model.zero_grad()
-        logps, _ = token_logps(trainer.model, batch, 1.0, with_entropy=False, as_trees=as_trees)
+        logps = token_logps(
+            trainer.model, batch, PassSettings(1.0, with_entropy=False, layouts=("trees" if as_trees else "padded",))
+        ).logps
         (logps * batch.mask * batch.advantages.unsqueeze(1)).sum().backward()
         return logps.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
 
@@ -488,8 +491,8 @@ def test_rollouts_of_one_row_with_different_resets_are_not_prefix_shared(tmp_pat
     groups = prompt_groups(scored.rows, scored.rollout.prompt_ids, by_tokens=True)
     assert len(set(map(tuple, generated.rollout.prompt_ids))) == 8 and len(set(groups.tolist())) == 8
     batch = trainer._collate(scored, type("A", (), {"advantages": torch.linspace(-1, 1, 8)})())
-    shared, _ = trainer.training_pass.train(trainer.model, batch, entropy_grad=False)
-    apart, _ = trainer.training_pass.train(
+    shared = trainer.training_pass.train(trainer.model, batch, entropy_grad=False).logps
+    apart = trainer.training_pass.train(
         trainer.model, dataclasses.replace(batch, group=torch.arange(8)), entropy_grad=False
-    )
+    ).logps
     torch.testing.assert_close(shared, apart)

@@ -498,8 +498,8 @@ def test_sigterm_ends_a_long_generation_at_the_next_token(which):
     makes either engine raise `Preempted` at the next token, not at the end of a 4000-token rollout."""
     import signal
 
+    from grpo.base.records import Request
     from grpo.data.prompts import end_of_turn_ids, make_prompt
-    from grpo.rollout import Request
     from grpo.rollout.fast import FastEngine
     from grpo.rollout.plain import TransformersEngine
     from grpo.rounds.preemption import Preempted, preemption_guard

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from grpo import GRPOTrainer
+from grpo.base.records import Rollout
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Rollout
+from grpo.learner.layouts import PassSettings
 from support.rewards import length_reward
 from support.runs import cfg, chat_dataset
 
@@ -33,7 +34,7 @@ def hinted(prompts, trainer):
         for p, c in zip(prompt_ids, completion_ids):  # one row at a time: no padding, no sharing
             rollout = Rollout(prompt_ids=[p], completion_ids=[c], sampling_logps=[[0.0] * len(c)], truncated=[False])
             batch = collate(rollout, torch.zeros(1), tok.pad_token_id, mask_truncated=False)
-            logps, _ = token_logps(model, batch, trainer.args.temperature, with_entropy=False)
+            logps = token_logps(model, batch, PassSettings(trainer.args.temperature, with_entropy=False)).logps
             logprobs.append(logps[0].tolist())
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 

@@ -17,7 +17,7 @@ from support.layouts import assert_same_pass, batch_and_model, logps_and_grads, 
 def pass_with(model, batch, lean, bf16=False, share=True):
     context = lean_blocks(model) if lean else contextlib.nullcontext()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), context:
-        return logps_and_grads(model, batch, share_prefix=share, chunked_head=True)
+        return logps_and_grads(model, batch, "shared_prefix" if share else "padded", chunked_head=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from grpo.perf.linears import lean_linears
 from support.layouts import batch_and_model, saved_bytes
 
@@ -18,7 +19,10 @@ def run(model, batch, lean, share=True):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         context = lean_linears(model, torch.bfloat16) if lean else torch.autocast("cpu", dtype=torch.bfloat16)
         with context:
-            logps, ent = token_logps(model, batch, 0.9, share_prefix=share, chunked_head=True)
+            scored = token_logps(
+                model, batch, PassSettings(0.9, chunked_head=True, layouts=("shared_prefix" if share else "padded",))
+            )
+            logps, ent = scored.logps, scored.entropies
     (logps * batch.mask).sum().backward()
     return logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -8,18 +8,17 @@ spelling (`grpo.learner.model_windows.window_cap`), and a piece with a row longe
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 import transformers
 
 from grpo import GRPOTrainer
+from grpo.base.records import Rollout
 from grpo.learner import tree
 from grpo.learner import windows as model_windows
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Rollout
+from grpo.learner.layouts import PassSettings
 from support.rewards import length_reward
 from support.runs import cfg, chat_dataset
 from support.tiny import make_tokenizer
@@ -67,11 +66,11 @@ def test_trees_stay_within_a_window_the_model_applies_over_columns():
     model = gpt_neo(24)
     batch = one_group(6, [12, 5, 9, 12, 4, 11, 7, 12])
     assert model_windows.window_cap(model) == 24 and tree.fits_window(model, batch)
-    counts: Counter[str] = Counter()
     with torch.no_grad():
-        padded, _ = token_logps(model, batch, 1.0, with_entropy=False)
-        trees, _ = token_logps(model, batch, 1.0, with_entropy=False, as_trees=True, laid_out=counts)
-    assert counts == Counter({"trees": 1})
+        padded = token_logps(model, batch, PassSettings(1.0, with_entropy=False)).logps
+        scored = token_logps(model, batch, PassSettings(1.0, with_entropy=False, layouts=("trees",)))
+    trees = scored.logps
+    assert scored.layouts == ("trees",)
     laid = tree.layout(batch, max_width=model_windows.window_cap(model))
     assert laid.input_ids.shape[1] <= 24
     m = batch.mask.bool()
@@ -113,7 +112,7 @@ def test_a_local_window_model_trains_the_sampled_numbers(tmp_path, window, packi
     assert row["sampling/sampling_logp_difference/max"] < 1e-3
     assert trainer.training_pass.tree  # the layout is decided piece by piece
     if window == 24:  # no row fits
-        assert set(trainer.training_pass.laid_out) == {"padded"}
+        assert trainer.training_pass.laid_out and "trees" not in trainer.training_pass.laid_out
     elif packing == "tree":  # rows fit, each tree within the window
         assert trainer.training_pass.laid_out["trees"] > 0
 
@@ -177,10 +176,10 @@ def test_a_row_with_turns_wider_than_the_cap_as_a_tree_keeps_padded_rows():
     if widest == longest:
         pytest.skip("no row's turns branch here")
     model.config.window_size = longest  # every sequence fits, the widest row's tree does not
-    counts: Counter[str] = Counter()
     with torch.no_grad():
-        padded, _ = token_logps(model, batch, 1.0, with_entropy=False)
-        trees, _ = token_logps(model, batch, 1.0, with_entropy=False, as_trees=True, laid_out=counts)
-    assert counts == Counter({"padded": 1})
+        padded = token_logps(model, batch, PassSettings(1.0, with_entropy=False)).logps
+        scored = token_logps(model, batch, PassSettings(1.0, with_entropy=False, layouts=("trees",)))
+    trees = scored.logps
+    assert scored.layouts == ("forked",)  # the rows' turns, one row per turn
     m = batch.mask.bool()
     torch.testing.assert_close(trees[m], padded[m], rtol=1e-5, atol=1e-6)

@@ -21,11 +21,11 @@ import torch
 import transformers
 
 from grpo import GRPOConfig, GRPOTrainer
+from grpo.base.records import Rollout
 from grpo.learner.batch import collate
 from grpo.observe import reporting
 from grpo.observe.metrics import CompletionLog, MetricsLogger, start_trackers, tensorboard_run_dir, tracker_init_kwargs
 from grpo.perf import allocator
-from grpo.rollout.base import Rollout
 from support.rewards import length_reward
 from support.runs import cfg, chat_dataset
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from grpo import GRPOTrainer
 from grpo.algo.sampling import SamplingSettings
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from grpo.rollout.fast import FastEngine
 from grpo.rollout.plain import TransformersEngine
 from support.rewards import length_reward
@@ -66,7 +67,7 @@ def test_reference_is_the_base_model_with_adapters_disabled(tiny_model_dir, tmp_
     trainer.train()
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with torch.no_grad():
-        expected, _ = token_logps(base, seen[-1], 1.0, with_entropy=False)
+        expected = token_logps(base, seen[-1], PassSettings(1.0, with_entropy=False)).logps
     mask = seen[-1].mask.bool()
     torch.testing.assert_close(seen[-1].ref_logps[mask], expected[mask], rtol=1e-5, atol=1e-6)
     kl = trainer.state.log_history[-1]["kl"]

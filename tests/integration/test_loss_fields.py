@@ -20,11 +20,12 @@ from grpo import GRPOConfig, GRPOTrainer
 from grpo.algo.entropy_control import EntropyController
 from grpo.algo.loss_terms import LossTerms, router_aux_coef
 from grpo.algo.losses import policy_loss
+from grpo.base.records import Rollout
 from grpo.data.prompts import tokenize_prompts
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from grpo.models.fp32_head import Float32Head, cast_lm_head_to_fp32
-from grpo.rollout import Rollout
 from support.rewards import length_reward
 from support.runs import cfg, chat_dataset
 from support.scripted import ScriptedEngine
@@ -255,7 +256,9 @@ def _hand_logps(model, batch, temperature):
     seen = []
     handle = model.lm_head.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
     try:
-        token_logps(model, batch, temperature, with_entropy=False)  # the plain pass: the head sees every position
+        token_logps(
+            model, batch, PassSettings(temperature, with_entropy=False)
+        )  # the plain pass: the head sees every position
     finally:
         handle.remove()
     hidden = seen[-1].float()  # (B, C + 1, H): position t predicts completion token t
@@ -277,7 +280,7 @@ def test_fp32_head_projects_in_float32_under_bf16_autocast(chunked_head):
             assert isinstance(model.lm_head, Float32Head) and model.lm_head.weight.dtype == torch.float32
             assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # only the head
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            logps, _ = token_logps(model, batch, 0.7, with_entropy=False, chunked_head=chunked_head)
+            logps = token_logps(model, batch, PassSettings(0.7, with_entropy=False, chunked_head=chunked_head)).logps
             hand = _hand_logps(model, batch, 0.7)
         assert logps.dtype == torch.float32
         errors[cast] = (logps[mask] - hand[mask]).abs().max().item()
@@ -446,8 +449,9 @@ def test_padding_to_a_multiple_changes_shapes_not_numbers(share_prefix):
     for batch in (plain, padded):
         for chunked in (False, True):
             model.zero_grad()
-            kw = dict(share_prefix=share_prefix, chunked_head=chunked)
-            logps, ent = token_logps(model, batch, 0.9, **kw)
+            layouts = ("shared_prefix" if share_prefix else "padded",)
+            scored = token_logps(model, batch, PassSettings(0.9, chunked_head=chunked, layouts=layouts))
+            logps, ent = scored.logps, scored.entropies
             loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, _loss_args())
             loss.backward()
             grads = [p.grad.clone() for p in model.parameters()]

@@ -88,6 +88,7 @@ def test_each_family_takes_token_trees_with_the_padded_numbers(family_dirs, fami
     family is named unsupported and keeps the padded layout."""
     from grpo.learner import tree
     from grpo.learner.forward import token_logps
+    from grpo.learner.layouts import PassSettings
     from support.layouts import batch_and_model
 
     batch, _ = batch_and_model()
@@ -100,7 +101,9 @@ def test_each_family_takes_token_trees_with_the_padded_numbers(family_dirs, fami
 
     def pass_(as_trees):
         model.zero_grad()
-        logps, _ = token_logps(model, batch, 0.9, with_entropy=False, as_trees=as_trees)
+        logps = token_logps(
+            model, batch, PassSettings(0.9, with_entropy=False, layouts=("trees" if as_trees else "padded",))
+        ).logps
         (logps * batch.mask).sum().backward()
         # (a parameter only routing reads has no gradient: Ernie 4.5's expert score correction)
         return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -138,9 +141,9 @@ def test_chunked_attention_takes_trees_only_within_its_first_chunk(chunk):
     """Llama 4's chunked layers attend within fixed chunks of positions, which a tree's mask does not hold: rows
     longer than a chunk keep the padded layout (as past a sliding window; trees were 0.055 off there), shorter ones
     run as trees; either way the padded numbers."""
-    from collections import Counter
 
     from grpo.learner.forward import token_logps
+    from grpo.learner.layouts import PassSettings
     from support.layouts import batch_and_model
 
     batch, _ = batch_and_model()  # rows of about 20 to 40 tokens
@@ -153,9 +156,9 @@ def test_chunked_attention_takes_trees_only_within_its_first_chunk(chunk):
         no_rope_layers=[1, 0],
     )
     model = transformers.Llama4ForCausalLM(config)
-    laid_out: Counter[str] = Counter()
-    padded, _ = token_logps(model, batch, 0.9, with_entropy=False)
-    trees, _ = token_logps(model, batch, 0.9, with_entropy=False, as_trees=True, laid_out=laid_out)
-    assert laid_out == Counter({"padded" if chunk == 8 else "trees": 1})
+    padded = token_logps(model, batch, PassSettings(0.9, with_entropy=False)).logps
+    scored = token_logps(model, batch, PassSettings(0.9, with_entropy=False, layouts=("trees",)))
+    trees = scored.logps
+    assert scored.layouts == ("padded" if chunk == 8 else "trees",)
     m = batch.mask.bool()
     torch.testing.assert_close(trees[m], padded[m], rtol=1e-5, atol=1e-6)

@@ -18,6 +18,7 @@ from grpo.agent import CHATML_TOOLS
 from grpo.agent.template import rerendering
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from support.agent import CALL, GROUPS, STRIPPING, cfg, dataset, multiply, tool_tokenizer
 from support.runs import generate, params
 from support.scripted import ScoredTurnScript, TurnScript
@@ -148,7 +149,11 @@ def test_each_turn_is_sampled_after_the_rendered_history_and_scored_after_it(tmp
     sampled = batch.sampling_logps[m]
     for as_trees in (True, False):
         with torch.no_grad():
-            logps, _ = token_logps(trainer.model, batch, 0.9, with_entropy=False, as_trees=as_trees)
+            logps = token_logps(
+                trainer.model,
+                batch,
+                PassSettings(0.9, with_entropy=False, layouts=("trees" if as_trees else "padded",)),
+            ).logps
         torch.testing.assert_close(logps[m], sampled, rtol=1e-5, atol=1e-5)
 
 
@@ -219,7 +224,9 @@ def test_a_lora_policys_turns_score_alike_as_trees_and_forked_rows(tmp_path):
 
     def pass_(as_trees):
         trainer.model.zero_grad()
-        logps, _ = token_logps(trainer.model, batch, 0.9, with_entropy=False, as_trees=as_trees)
+        logps = token_logps(
+            trainer.model, batch, PassSettings(0.9, with_entropy=False, layouts=("trees" if as_trees else "padded",))
+        ).logps
         (logps * batch.mask).sum().backward()
         return logps.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 

@@ -8,8 +8,9 @@ import torch
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.algo.sampling import SamplingSettings
+from grpo.base.records import Request, Rollout
 from grpo.data.prompts import PromptSource, end_of_turn_ids, make_prompt
-from grpo.rollout import Request, Rollout, build_engine
+from grpo.rollout import build_engine
 from grpo.rollout.fast import FastEngine
 from grpo.rollout.plain import TransformersEngine
 from grpo.serve.launcher import thread_binding

@@ -17,11 +17,11 @@ from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwar
 
 from grpo import GRPOConfig, GRPOTrainer
 from grpo.algo.losses import LossScale
+from grpo.base.records import Rollout
 from grpo.distributed.handlers import kwargs_handlers
 from grpo.models.modeling import enable_checkpointing, recomputes_activations
 from grpo.perf import compilation
 from grpo.rewards.calling import RewardFunctionError, RewardFunctions
-from grpo.rollout.base import Rollout
 from support.rewards import length_reward
 from support.runs import cfg, chat_dataset
 

@@ -24,7 +24,7 @@ def mismatch(t, perturbation: float) -> dict[str, float]:
     with torch.no_grad():
         for p in t.unwrapped_model.parameters():
             p.add_(torch.randn_like(p) * perturbation)
-    logps, _ = t.training_pass.train(t.model, batch, entropy_grad=False)
+    logps = t.training_pass.train(t.model, batch, entropy_grad=False).logps
     rho, sampler, stats = t.correction(logps, batch.old_logps, batch.sampling_logps, batch.mask)
     assert rho is None and sampler is None  # in-process engines: metrics only
     return {name: stat.local() for name, stat in stats.items()}

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from grpo import GRPOTrainer
-from grpo.rollout.base import assemble, expand
+from grpo.base.records import expand
+from grpo.rollout.base import assemble
 from support.rewards import length_reward, text_of
 from support.runs import cfg, chat_dataset, params, text_dataset
 from support.scripted import ScriptedEngine

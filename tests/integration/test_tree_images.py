@@ -13,7 +13,6 @@ images touch, and models whose masks open attention in a way grpo does not lay o
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -25,11 +24,12 @@ from transformers import (
 )
 
 from grpo import GRPOTrainer
+from grpo.base.records import Prompt
 from grpo.learner import tree, tree_attention, tree_images
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from grpo.models.vision import Pixels
-from grpo.rollout.base import Prompt
 from support.launch import job_script, torchrun
 from support.layouts import allowed_pairs, assert_same_pass, dense_twin, gathered, image_pass
 from support.runs import cfg, generate, params
@@ -45,7 +45,7 @@ GRAD_ATOL = 5e-6  # as test_tree_packing: the attention sums over other widths t
 def run(trainer, batch, as_trees, chunk_size=None):
     """The trainer's pass's log-probs, entropies and every parameter's gradient of their sum; and how pieces were
     laid out."""
-    return image_pass(trainer.model, batch, trainer.training_pass._images(), as_trees, chunk_size)
+    return image_pass(trainer.model, batch, trainer.training_pass.images, as_trees, chunk_size)
 
 
 def sampled_batch(trainer, rows):
@@ -78,7 +78,7 @@ def test_image_trees_score_and_backpropagate_as_padded_rows(arch, tmp_path):
 def test_a_groups_prompt_image_is_computed_once_per_tree(arch, tmp_path):
     trainer = trainer_for(arch, tmp_path, image_rows(4, with_images={0, 1, 3}), max_completion_length=12)
     batch = sampled_batch(trainer, [0, 0, 1, 1, 2, 2, 3, 3])
-    images = trainer.training_pass._images()
+    images = trainer.training_pass.images
     marked = images.marks(batch)
     trees = tree.layout(batch, marks=marked.marks)
     padded_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
@@ -104,7 +104,7 @@ def test_a_tools_image_in_the_completions(tmp_path):
     trees, laid_out = run(trainer, batch, as_trees=True)
     assert laid_out == {"trees": 1}
     assert_same_pass(trees, padded, batch, GRAD_ATOL)
-    images = trainer.training_pass._images()
+    images = trainer.training_pass.images
     shared = tree.layout(batch, marks=images.marks(batch).marks)
     shown = picture("x")[0]["image"]
     other = dataclasses.replace(batch.vision[1], images=(*batch.vision[1].images[:-1], image(50, *shown.size)))
@@ -165,12 +165,11 @@ def test_flex_attention_scores_image_trees_as_the_padded_pass(monkeypatch, arch,
     images = tree_images.ImageInputs.of(model, Pixels.of(processor, model))
     batch = completion_pictures_batch(processor) if rows == "completion pictures" else turn_pictures_batch(processor)[0]
     with torch.no_grad():
-        padded = token_logps(model, batch, 0.9, images=images)
-        laid_out = Counter()
-        flex = token_logps(model, batch, 0.9, images=images, as_trees=True, laid_out=laid_out)
-    assert laid_out == {"trees": 1}
+        padded = token_logps(model, batch, PassSettings(0.9, images=images))
+        flex = token_logps(model, batch, PassSettings(0.9, images=images, layouts=("trees",)))
+    assert flex.layouts == ("trees",)
     m = batch.mask.bool()
-    for got, expected in zip(flex, padded):
+    for got, expected in ((flex.logps, padded.logps), (flex.entropies, padded.entropies)):
         torch.testing.assert_close(got[m], expected[m], rtol=1e-5, atol=1e-6)
 
 
@@ -277,7 +276,7 @@ def test_touching_images_and_rows_past_the_window_keep_the_padded_layout():
 def test_rows_whose_image_tokens_do_not_add_up_keep_the_padded_layout(tmp_path):
     trainer = trainer_for("qwen2.5-vl", tmp_path, image_rows(2), max_completion_length=8)
     batch = sampled_batch(trainer, [0, 0, 1, 1])
-    images = trainer.training_pass._images()
+    images = trainer.training_pass.images
     assert images.marks(batch) is not None
     extra = dataclasses.replace(batch.vision[0], images=(*batch.vision[0].images, image(7)))  # no tokens for it
     assert images.marks(dataclasses.replace(batch, vision=[extra, *batch.vision[1:]])) is None
@@ -356,7 +355,7 @@ def test_an_image_run_as_trees_trains_like_a_padded_one(arch, lora, tmp_path):
         return trainer
 
     padded, trees = trained("padded"), trained("tree")
-    assert trees.training_pass.laid_out["trees"] > 0 and not padded.training_pass.laid_out
+    assert trees.training_pass.laid_out["trees"] > 0 and "trees" not in padded.training_pass.laid_out
     tree_params = params(trees.model)
     moved = 0
     for name, value in params(padded.model).items():
@@ -400,7 +399,7 @@ def test_a_run_over_rendered_turns_with_pictures_trains_like_forked_rows(tmp_pat
         return trainer, initial
 
     (padded, initial), (trees, _) = trained("padded"), trained("tree")
-    assert trees.training_pass.laid_out["trees"] > 0 and not padded.training_pass.laid_out
+    assert trees.training_pass.laid_out["trees"] > 0 and "trees" not in padded.training_pass.laid_out
     assert trees.rollouts.loop.rendered and padded.engine.follow_ups  # turns were sampled after rendered histories
     tree_params = params(trees.model)
     assert any(not torch.equal(initial[n], v) for n, v in tree_params.items())
@@ -417,7 +416,7 @@ def test_two_processes_as_trees_train_like_padded_rows(tmp_path):
         torchrun(2, job, tmp_path / packing, "qwen2.5-vl", packing, timeout=600)
         ends[packing] = [torch.load(tmp_path / packing / f"params_{rank}.pt") for rank in (0, 1)]
     assert all(end["laid_out"].get("trees", 0) > 0 for end in ends["tree"])
-    assert all(not end["laid_out"] for end in ends["padded"])
+    assert all("trees" not in end["laid_out"] for end in ends["padded"])
     for rank in (0, 1):
         for name, value in ends["padded"][rank]["params"].items():
             torch.testing.assert_close(ends["tree"][rank]["params"][name], value, rtol=1e-4, atol=1e-6)

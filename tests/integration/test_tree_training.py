@@ -4,8 +4,6 @@ keeps the padded layout with one warning."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 import transformers
@@ -13,6 +11,7 @@ import transformers
 from grpo import AsyncGRPOConfig, GRPOTrainer
 from grpo.learner import tree, tree_attention
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from support.layouts import batch_and_model, turns_batch
 from support.rewards import length_reward
 from support.runs import BASE, cfg, chat_dataset, params
@@ -38,7 +37,7 @@ def test_a_tree_run_trains_like_a_padded_one(tiny_model_dir, tmp_path, checkpoin
     padded = trained(tiny_model_dir, tmp_path / "padded", gradient_checkpointing=checkpointing, packing="padded")
     trees = trained(tiny_model_dir, tmp_path / "tree", gradient_checkpointing=checkpointing, packing="tree")
     assert trees.training_pass.tree and not padded.training_pass.tree
-    assert trees.training_pass.laid_out["trees"] > 0 and not padded.training_pass.laid_out
+    assert trees.training_pass.laid_out["trees"] > 0 and "trees" not in padded.training_pass.laid_out
     assert padded.training_pass.share_prefix is not checkpointing  # the cache sharing gradient checkpointing stops
     tree_params = params(trees.model)
     for name, value in params(padded.model).items():
@@ -60,8 +59,8 @@ def test_auto_lays_out_each_piece_as_the_cheaper_and_trains_like_padded(tiny_mod
     padded = trained(tiny_model_dir, tmp_path / "padded", gradient_checkpointing=checkpointing, packing="padded")
     auto = trained(tiny_model_dir, tmp_path / "auto", gradient_checkpointing=checkpointing, packing="auto")
     laid_out = auto.training_pass.laid_out
-    assert auto.training_pass.tree and auto.training_pass.where_cheaper and not padded.training_pass.tree
-    assert set(laid_out) == ({"trees"} if checkpointing else {"padded"}), laid_out
+    assert auto.training_pass.tree and auto.training_pass.by_cost and not padded.training_pass.tree
+    assert set(laid_out) == ({"trees"} if checkpointing else {"shared_prefix"}), laid_out
     rows = [row for row in auto.state.log_history if "loss" in row]
     assert len(rows) == 2 and all(row["packing/trees"] == float(checkpointing) for row in rows)  # what auto took
     auto_params = params(auto.model)
@@ -82,7 +81,7 @@ def test_async_trains_as_trees(tiny_model_dir, tmp_path):
 def test_the_default_packing_on_the_cpu_is_auto(tiny_model_dir, tmp_path):
     trainer = trained(tiny_model_dir, tmp_path)
     assert trainer.args.packing is None  # the field keeps what the user gave; the pass resolves it
-    assert trainer.training_pass.packing == "auto" and trainer.training_pass.where_cheaper
+    assert trainer.training_pass.packing == "auto" and trainer.training_pass.by_cost
     assert trainer.training_pass.laid_out["trees"] > 0
 
 
@@ -123,12 +122,11 @@ def test_flex_attention_scores_the_trees_as_the_padded_pass(monkeypatch):
     with torch.no_grad():
         for batch, scorer, width in ((groups, model, None), (groups, model, widest), (turns, turns_model, None)):
             monkeypatch.setattr(tree, "MAX_WIDTH", width or MAX_WIDTH)
-            counts: Counter[str] = Counter()
-            padded = token_logps(scorer, batch, 0.9, share_prefix=True)
-            flex = token_logps(scorer, batch, 0.9, as_trees=True, laid_out=counts)
-            assert counts == Counter({"trees": 1})
+            padded = token_logps(scorer, batch, PassSettings(0.9, layouts=("shared_prefix",)))
+            flex = token_logps(scorer, batch, PassSettings(0.9, layouts=("trees",)))
+            assert flex.layouts == ("trees",)
             m = batch.mask.bool()
-            for got, expected in zip(flex, padded):
+            for got, expected in ((flex.logps, padded.logps), (flex.entropies, padded.entropies)):
                 torch.testing.assert_close(got[m], expected[m], rtol=1e-5, atol=1e-6)
 
 
@@ -161,10 +159,14 @@ def test_a_model_whose_trees_are_not_its_padded_rows_trains_padded_rows(family, 
     tokenizer.save_pretrained(tmp_path / "model")
     from grpo.learner import tree_probe
     from grpo.learner.forward import token_logps as score
+    from grpo.learner.layouts import PassSettings
 
     first = next(model.children())
     first.eval()  # a module the run keeps in eval mode stays there
-    found = tree_probe.mismatch(model, lambda b, t: score(model, b, 1.0, with_entropy=False, as_trees=t)[0])
+    found = tree_probe.mismatch(
+        model,
+        lambda b, t: score(model, b, PassSettings(with_entropy=False, layouts=("trees" if t else "padded",))).logps,
+    )
     expected = "a tree pass failed here" if family == "Bloom" else "its log-probs as token trees differ"
     assert found is not None and found.startswith(expected), found
     # the probe ran in eval mode (no dropout) and gave each module its own mode back

@@ -23,10 +23,10 @@ from PIL import Image
 
 from grpo import GRPOTrainer
 from grpo.agent import CHATML_TOOLS
+from grpo.base.records import Rollout
 from grpo.data import prompts as data
 from grpo.learner.batch import collate
 from grpo.models.vision import Pixels, language_model
-from grpo.rollout.base import Rollout
 from support.launch import job_script, torchrun
 from support.rewards import length_reward
 from support.runs import cfg, generate, params
@@ -281,10 +281,10 @@ def test_rendered_turns_hold_the_pictures_and_score_as_sampled(tmp_path):
     sampled = batch.mask.bool() & (batch.sampling_logps != 0)  # the second turns (the first is scripted)
     assert sampled.sum(-1).min() > 0
     for packing in ("tree", "padded"):
-        trainer.training_pass.tree = packing == "tree"
+        trainer.training_pass.layouts = ("padded", "forked", "trees") if packing == "tree" else ("padded", "forked")
         trainer.training_pass.laid_out.clear()
         logps = trainer.training_pass.logps(trainer.model, batch, 2)
-        assert trainer.training_pass.laid_out == ({"trees": 2} if packing == "tree" else {})
+        assert trainer.training_pass.laid_out == ({"trees": 2} if packing == "tree" else {"forked": 2})
         torch.testing.assert_close(logps[sampled], batch.sampling_logps[sampled], rtol=1e-5, atol=1e-6)
 
 

@@ -1,6 +1,6 @@
-"""The fast engine's tests' setting (tests/equivalence/test_fast_generation.py, and the sharded job support/jobs/fsdp_job.py):
-a tiny model of each family the lean decoder takes, the sampling settings, stop tokens and requests (two chat
-prompts, four samples each), and greedy sampling."""
+"""The fast engine's tests' setting (tests/equivalence/test_fast_generation.py, and the sharded job
+support/jobs/fsdp_job.py): a tiny model of each family the lean decoder takes, the sampling settings, stop tokens and
+requests (two chat prompts, four samples each), and greedy sampling."""
 
 from __future__ import annotations
 

@@ -5,15 +5,17 @@ pass against prefix sharing, token trees and forked turns, and FlexAttention's b
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 
 from grpo import GRPOConfig
 from grpo.algo.losses import policy_loss
+from grpo.base.records import Rollout
 from grpo.data.prompts import tokenize_prompts
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Rollout
+from grpo.learner.layouts import PassSettings
 from support.tiny import make_model, make_tokenizer
 
 # gradients at atol 5e-6: the attention's sums run over other widths than the padded pass's, so their rounding
@@ -48,12 +50,22 @@ def batch_and_model(texts=("hi", "what is two plus two?", "ok"), lengths=(1, 9),
     return batch.select(order), model
 
 
-def logps_and_grads(model, batch, **kwargs):
-    """The training pass at temperature 0.9: log-probs, entropies and every parameter's gradient of their sum."""
+class Scored(NamedTuple):
+    logps: torch.Tensor
+    entropies: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    layouts: tuple[str, ...]  # each piece's
+
+
+def logps_and_grads(model, batch, *layouts, **settings):
+    """The training pass at temperature 0.9, its pieces laid out as `layouts` allow (names in `LAYOUTS`; none:
+    padded rows, or forked ones for rows with turns), with other `PassSettings` fields from `settings`: log-probs,
+    entropies, every parameter's gradient of the log-probs' sum, and each piece's layout."""
     model.zero_grad()
-    logps, ent = token_logps(model, batch, temperature=0.9, **kwargs)
-    (logps * batch.mask).sum().backward()
-    return logps.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
+    scored = token_logps(model, batch, PassSettings(0.9, layouts=layouts, **settings))
+    (scored.logps * batch.mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return Scored(scored.logps.detach(), scored.entropies, grads, scored.layouts)
 
 
 def assert_same_pass(a, b, batch, grad_atol=1e-6):
@@ -139,7 +151,7 @@ def assert_loss_types_gradients_agree(model, batch, loss_type, group, seed=1):
     g = torch.Generator().manual_seed(seed)
     advantages = torch.randn(len(batch), generator=g)
     with torch.no_grad():
-        base, _ = token_logps(model, batch, 0.9, with_entropy=False)
+        base = token_logps(model, batch, PassSettings(0.9, with_entropy=False)).logps
     old = base + 0.05 * torch.randn(base.shape, generator=g)
     ref = base + 0.1 * torch.randn(base.shape, generator=g)
     args = GRPOConfig(
@@ -148,7 +160,7 @@ def assert_loss_types_gradients_agree(model, batch, loss_type, group, seed=1):
 
     def gradient(as_trees):
         model.zero_grad()
-        logps, _ = token_logps(model, batch, 0.9, as_trees=as_trees)
+        logps = token_logps(model, batch, PassSettings(0.9, layouts=("trees" if as_trees else "padded",))).logps
         loss, _ = policy_loss(logps, old, advantages, batch.mask, args, ref_logps=ref, num_items_in_batch=50.0)
         loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -180,15 +192,13 @@ def dense_twin(module, query, key, value, attention_mask, scaling=None, softcap=
 
 def image_pass(model, batch, images, as_trees, chunk_size=None):
     """The training pass over image rows (`images`: their `ImageInputs`): the log-probs, entropies and every
-    parameter's gradient of the log-probs' sum; and how the pieces were laid out."""
+    parameter's gradient of the log-probs' sum; and how many pieces took each layout."""
     model.zero_grad()
-    laid_out = Counter()
-    logps, ent = token_logps(
-        model, batch, 0.9, chunk_size=chunk_size, images=images, as_trees=as_trees, laid_out=laid_out
-    )
-    (logps * batch.mask).sum().backward()
+    layouts = ("trees" if as_trees else "padded",)
+    scored = token_logps(model, batch, PassSettings(0.9, chunk_size=chunk_size, images=images, layouts=layouts))
+    (scored.logps * batch.mask).sum().backward()
     grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
-    return (logps.detach(), ent.detach(), grads), laid_out
+    return (scored.logps.detach(), scored.entropies.detach(), grads), Counter(scored.layouts)
 
 
 def saved_bytes(model, batch, context, autocast=True):
@@ -204,5 +214,5 @@ def saved_bytes(model, batch, context, autocast=True):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), context:
-            token_logps(model, batch, 0.9, share_prefix=True, chunked_head=True)
+            token_logps(model, batch, PassSettings(0.9, chunked_head=True, layouts=("shared_prefix",)))
     return sum(seen.values())

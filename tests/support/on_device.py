@@ -23,6 +23,7 @@ import torch
 
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 
 FLOAT32 = {"cpu": dict(rtol=1e-5, atol=1e-5), "cuda": dict(rtol=1e-4, atol=1e-4)}
 BFLOAT16_NATS = 0.05  # the largest difference in any next-token log-prob
@@ -75,7 +76,7 @@ def assert_sampling_logps_match_training(model, pad_token_id, rollout, temperatu
     within BFLOAT16_MEAN_NATS on average."""
     batch = collate(rollout, torch.zeros(len(rollout)), pad_token_id, mask_truncated=False).to(model.device)
     with torch.no_grad(), autocast(dtype):
-        logps, _ = token_logps(model, batch, temperature, with_entropy=False)
+        logps = token_logps(model, batch, PassSettings(temperature, with_entropy=False)).logps
     m = batch.mask.bool()
     if dtype == torch.bfloat16:
         assert (logps[m] - batch.sampling_logps[m]).abs().mean() < BFLOAT16_MEAN_NATS

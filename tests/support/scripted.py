@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from grpo.rollout.base import Prompt, assemble, expand, group_requests
+from grpo.base.records import Prompt, expand, group_requests
+from grpo.rollout.base import assemble
 
 
 def as_requests(prompt_ids, conversational=False):

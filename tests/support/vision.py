@@ -44,8 +44,8 @@ from transformers import (
 )
 from transformers.processing_utils import ProcessingKwargs
 
+from grpo.base.records import Prompt, Rollout
 from grpo.learner.batch import collate
-from grpo.rollout.base import Prompt, Rollout
 from support.tiny import make_tokenizer
 
 _BLOCKS = (

@@ -132,14 +132,14 @@ def test_only_process_env_writes_the_environment():
 # imports have no cycle: an engine, a tool or a reward function's caller can be read, tested and replaced without
 # the trainer, its checkpoints or its SIGTERM handling.
 LAYERS = [
-    {"base"},  # the leaves: SIGTERM, secrets, the environment set for dependencies, background threads, seeds
+    {"base"},  # the leaves: the plain records (prompts, requests, rollouts), SIGTERM, secrets, the environment set for
+    # dependencies, background threads, seeds
     {"config"},  # GRPOConfig and the TRL field tables
     {"algo"},  # the math: losses, advantages, log-probs, the sampling correction (pure functions of tensors)
     {"distributed", "serve"},  # collectives, sharding, ZeRO, the accelerator's teardown; vLLM's side of server mode
     {"models"},  # loading and preparing the policy, LoRA, the float32 head, image prompts
     {"perf"},  # speed and memory patches (they look at distributed's wrappers)
-    {"rollout"},  # generation engines
-    {"data"},  # datasets into prompts
+    {"rollout", "data"},  # generation engines; datasets into prompts (peers: both speak in base's plain records)
     {"agent", "rewards"},  # the tool loop above the engines; reward functions
     {"observe"},  # metrics, console, diagnostics, callbacks, the run directory and its report
     {"checkpoint"},  # saving and loading a run (above everything it saves); in-flight rounds; the Hub
@@ -252,6 +252,16 @@ def test_checkpoints_read_no_dataset():
     (`components.TrainingRecord`) is given the dataset's size, so checkpoints never import the data module."""
     modules = (SRC / "checkpoint").glob("*.py")
     assert [f"{name(p)}:{line}" for p in modules for u, line in grpo_imports(p) if u == "data"] == []
+
+
+def test_only_the_engines_callers_import_them():
+    """The training pass, the data and the reward functions read plain records (`grpo.base.records`) and model facts
+    (`grpo.models`), never a generation engine's module: `data` and `rollout` are peers, and the learner's layouts
+    do not change when an engine does."""
+    readers = [p for unit in ("learner", "data", "rewards") for p in (SRC / unit).glob("*.py")]
+    assert readers, "the rule checks nothing"
+    found = [f"{name(p)}:{line}" for p in readers for u, line in grpo_imports(p) if u == "rollout"]
+    assert found == []
 
 
 def test_no_test_folder_shadows_a_package():
@@ -418,9 +428,10 @@ def builds_a_trainer(path: Path, builders: set[tuple[str, str]]) -> list[str]:
 
 
 def test_the_unit_and_equivalence_tiers_build_no_trainer():
-    """Nothing in tests/unit or tests/equivalence names GRPOTrainer or AsyncGRPOTrainer, uses a support helper that builds one (found
-    here by reading support: `support.agent.make_trainer`, `support.vision_runs.build`, ...), or launches job
-    processes: a test that trains, or builds a trainer to see what its constructor checks, is an integration test."""
+    """Nothing in tests/unit or tests/equivalence names GRPOTrainer or AsyncGRPOTrainer, uses a support helper that
+    builds one (found here by reading support: `support.agent.make_trainer`, `support.vision_runs.build`, ...), or
+    launches job processes: a test that trains, or builds a trainer to see what its constructor checks, is an
+    integration test."""
     builders = trainer_builders()
     expected = {
         ("support.agent", "make_trainer"),

@@ -7,10 +7,11 @@ import torch
 
 from grpo import GRPOConfig
 from grpo.algo.sampling import SamplingSettings
+from grpo.base.records import Request
 from grpo.data.prompts import end_of_turn_ids, generation_prompt_indices, make_prompt
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Request
+from grpo.learner.layouts import PassSettings
 from grpo.rollout.base import cut_at_stop
 from grpo.rollout.plain import TransformersEngine
 from support.tiny import make_model, make_tokenizer
@@ -82,7 +83,7 @@ def sample_and_score(**sampling):
     engine, args = engine_for(model, tok, **sampling)
     batch = collate(engine.generate(prompts(tok)), torch.zeros(4), tok.pad_token_id, mask_truncated=False)
     with torch.no_grad():
-        logps, _ = token_logps(model, batch, args.temperature, with_entropy=False)
+        logps = token_logps(model, batch, PassSettings(args.temperature, with_entropy=False)).logps
     return model, batch, logps
 
 
@@ -155,7 +156,7 @@ def test_the_plain_engine_holds_one_steps_scores_at_a_time():
     assert max(live) <= 3, live  # before: one more at every step ([10, 18, 26])
     batch = collate(rollout, torch.zeros(4), tok.pad_token_id, mask_truncated=False)
     with torch.no_grad():
-        logps, _ = token_logps(model, batch, args.temperature, with_entropy=False)
+        logps = token_logps(model, batch, PassSettings(args.temperature, with_entropy=False)).logps
     m = batch.mask.bool()
     torch.testing.assert_close(logps[m], batch.sampling_logps[m], rtol=1e-5, atol=1e-5)
 

@@ -9,8 +9,8 @@ import torch
 
 from grpo import GRPOConfig
 from grpo.algo.sampling import SamplingSettings
+from grpo.base.records import Request
 from grpo.data.prompts import end_of_turn_ids, make_prompt
-from grpo.rollout import Request
 from grpo.rollout.plain import TransformersEngine, _SampledLogps
 from support.tiny import make_model, make_tokenizer
 

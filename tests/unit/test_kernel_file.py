@@ -98,7 +98,7 @@ DECODE = r"""
 import json, logging, sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from grpo.rollout.base import left_pad
+from grpo.base.records import left_pad
 from grpo.rollout.lean_decoder import LeanDecoder
 
 

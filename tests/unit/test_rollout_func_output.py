@@ -126,8 +126,8 @@ def test_an_extra_field_named_like_the_trainers_own_keyword_is_refused(name):
 def test_the_reserved_names_are_every_keyword_the_trainer_passes_reward_functions():
     """The list the checks use is what RewardFunctions passes besides the dataset columns (nothing more, nothing
     less), so neither a dataset column nor a rollout_func field can shadow one unnoticed."""
+    from grpo.base.records import Rollout
     from grpo.rewards.calling import RewardFunctions
-    from grpo.rollout.base import Rollout
 
     seen = {}
 
@@ -146,8 +146,8 @@ def test_reward_keywords_are_never_shadowed_where_they_are_built(where):
     """The last word, where the keywords are assembled: a live column (rollout_func's fields) or a dataset column
     (a stream's later row, which the construction-time check does not read) named like the trainer's keyword is
     an error naming it, never a silent replacement or `dict() got multiple values`."""
+    from grpo.base.records import Rollout
     from grpo.rewards.calling import RewardFunctions
-    from grpo.rollout.base import Rollout
 
     rollout = Rollout([[1]], [[2]], [[-0.1]], [False], ["b"])
     state = SimpleNamespace(log_history=[])

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.rollout.base import Rollout
+from grpo.base.records import Rollout
 from grpo.rounds.groups import GenerationBatch, Scored
 from grpo.rounds.producer import Produced
 from grpo.rounds.sequential import Sequential

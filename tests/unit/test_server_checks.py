@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from grpo.algo.sampling import SamplingSettings
-from grpo.rollout.base import Prompt, Request
+from grpo.base.records import Prompt, Request
 from grpo.rollout.remote import ServerEngine, ServerError, ServerSettings, server_urls
 from grpo.rollout.server_client import token_counters
 from grpo.serve import gloo, launcher

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from grpo.rollout.base import Request
+from grpo.base.records import Request
 from grpo.rollout.remote import ServerError
 from support import served as served_
 from support.launch import job_script, torchrun

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from grpo.algo.sampling import SamplingSettings
-from grpo.rollout.base import Request
+from grpo.base.records import Request
 from grpo.rollout.fast import logits_processors
 from support.launch import job_script
 from support.runs import generate

@@ -147,6 +147,6 @@ def test_a_tools_image_reaches_vllms_next_turn(tmp_path, turn_context):
     sampled = batch.mask.bool() & (batch.sampling_logps != 0)  # vLLM's turn (the script's log-probs are 0)
     assert sampled.sum(-1).min() > 0
     for packing in ("tree", "padded"):
-        trainer.training_pass.tree = packing == "tree"
+        trainer.training_pass.layouts = ("padded", "forked", "trees") if packing == "tree" else ("padded", "forked")
         logps = trainer.training_pass.logps(trainer.model, batch, 2)
         assert (logps[sampled] - batch.sampling_logps[sampled]).abs().max() < 1e-4

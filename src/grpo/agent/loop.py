@@ -38,9 +38,10 @@ from grpo.agent.budget import token_span
 from grpo.agent.parsing import parse_turn
 from grpo.agent.template import cannot_fit, tool_suffix_ids
 from grpo.agent.tools import ToolSet, run_calls
+from grpo.base.records import Prompt, Request, Rollout
 from grpo.base.sigterm import Preempted
 from grpo.data.prompts import render_images, tokenize_prompts
-from grpo.rollout.base import Engine, Prompt, Request, Rollout
+from grpo.rollout.base import Engine
 
 
 @dataclass

@@ -22,10 +22,11 @@ from grpo.agent.loop import ToolLoop
 from grpo.agent.rollout_output import MASK_KEY, ROLLOUT_KEYS, checked, policy_vocab_size
 from grpo.agent.template import check_tool_template, rerendering
 from grpo.agent.tools import ToolSet
+from grpo.base.records import Rollout, expand, group_requests
 from grpo.base.sigterm import Preempted
 from grpo.config import ResolvedConfig
 from grpo.data import prompts as data
-from grpo.rollout.base import Engine, Rollout, expand, group_requests
+from grpo.rollout.base import Engine
 
 logger = logging.getLogger("grpo")
 

@@ -33,12 +33,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from grpo.algo.sampling import SamplingSettings
 from grpo.base.process_env import set_for_dependency
+from grpo.base.records import Prompt, Request, left_pad
 from grpo.config import GRPOConfig
 from grpo.data.prompts import tokenize_prompts
 from grpo.models.bundled import bundled_model_path
 from grpo.models.modeling import generation_eos
 from grpo.observe.report import REPORT
-from grpo.rollout.base import Prompt, Request, left_pad
 from grpo.rollout.fast import FastEngine, unsupported_reason
 from grpo.trainer import GRPOTrainer
 

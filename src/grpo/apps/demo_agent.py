@@ -32,11 +32,11 @@ from grpo.agent.tools import ToolSet
 from grpo.algo.sampling import SamplingSettings
 from grpo.apps.demo import demo_config as addition_config
 from grpo.apps.demo import fresh_output_dir, last_integer, report_path
+from grpo.base.records import Request
 from grpo.config import GRPOConfig
 from grpo.data.prompts import end_of_turn_ids, make_prompt
 from grpo.models.bundled import bundled_model_path
 from grpo.models.modeling import generation_eos
-from grpo.rollout.base import Request
 from grpo.rollout.fast import FastEngine
 from grpo.trainer import GRPOTrainer
 

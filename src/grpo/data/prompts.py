@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from grpo.base import seeding
+from grpo.base.records import Prompt, Request, group_requests
 from grpo.config import ResolvedConfig
 from grpo.data.datasets import is_stream
 from grpo.distributed import collectives
 from grpo.models import vision
-from grpo.rollout.base import Prompt, Request, group_requests
 
 logger = logging.getLogger("grpo")
 IMAGE_PROMPTS_KEPT = 512  # image prompts PromptSource keeps decoded (text prompts: all)

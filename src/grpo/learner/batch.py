@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from grpo.rollout.base import Prompt, Rollout, Turns, left_pad, right_pad
+from grpo.base.records import Prompt, Rollout, Turns, left_pad, right_pad
 
 # completion-position tensors: trimmed together when padding columns are dropped
 _COMPLETION_FIELDS = ("completion_ids", "completion_attention", "mask", "sampling_logps", "old_logps", "ref_logps")

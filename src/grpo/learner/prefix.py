@@ -20,8 +20,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from grpo.learner.batch import TrainBatch
-from grpo.models.modeling import recomputes_activations, unwrap
-from grpo.rollout.fast import keeps_recurrent_state
+from grpo.models.modeling import keeps_recurrent_state, recomputes_activations, unwrap
 
 
 def prefix_sharing_unsupported_reason(model: Any) -> str | None:

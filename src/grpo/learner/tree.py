@@ -37,13 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpo.base.records import left_pad, right_pad
 from grpo.learner import tree_attention
 from grpo.learner import windows as model_windows
 from grpo.learner.batch import TrainBatch
 from grpo.learner.prefix import shared_prompts
-from grpo.models.modeling import attention_shapes, layer_configs, unwrap
-from grpo.rollout.base import left_pad, right_pad
-from grpo.rollout.fast import keeps_recurrent_state
+from grpo.models.modeling import attention_shapes, keeps_recurrent_state, layer_configs, unwrap
 
 # the attention implementations that read a prepared 4D mask as it is given (a boolean one for SDPA, an additive one
 # for eager attention)

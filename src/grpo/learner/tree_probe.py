@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
+from grpo.base.records import Rollout
 from grpo.learner import tree_attention
 from grpo.learner.batch import TrainBatch, collate
 from grpo.learner.tree_attention import text_config
 from grpo.models.modeling import unwrap
-from grpo.rollout.base import Rollout
 
 # the log-prob difference past which trees are taken to compute other numbers: float32 rounding is ~1e-6 here, a
 # model that places tokens otherwise is off by 1e-2 or more; 16-bit weights round to ~1e-2 themselves

@@ -390,6 +390,19 @@ class Pixels:
         return text + self.placeholder * later
 
 
+# a suppressed token's logit where the engine cannot leave it out: its probability underflows to exactly 0 in
+# float32, and (unlike -inf) its entropy term stays 0
+SUPPRESSED = -1e4
+
+
+def suppressed_tokens(model: Any) -> list[int]:
+    """A vision-language model's image placeholder token(s): never sampled (shared spec §5.4)."""
+    config = getattr(model, "config", None)
+    return [
+        i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)) if i is not None
+    ]
+
+
 def lora_target_modules(model: torch.nn.Module) -> list[str] | None:
     """The linear layers of a vision-language model's language model (its head excluded), for LoRA's default
     target: None for a text-only model (peft's own default applies)."""

@@ -23,10 +23,10 @@ import torch
 
 from grpo.base import sigterm
 from grpo.base.background import BackgroundLoop, DaemonCall
+from grpo.base.records import Rollout
 from grpo.config import ResolvedConfig
 from grpo.data.prompts import RESERVED_COLUMNS
 from grpo.rewards.models import load_reward_model
-from grpo.rollout.base import Rollout
 
 FLOAT32_MAX = 3.4028234663852886e38
 

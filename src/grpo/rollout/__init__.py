@@ -1,5 +1,5 @@
-"""Generation engines behind one interface (`grpo.rollout.base`): prompts in, completions with their sampling
-log-probs out.
+"""Generation engines behind one interface (`grpo.rollout.base`): requests in (`grpo.base.records`), completions with
+their sampling log-probs out.
 
 - `plain.TransformersEngine`: `model.generate`, every `generation_kwargs` key transformers knows;
 - `fast.FastEngine`: our own decode loop (prefix sharing, shrinking batch), on `lean_decoder.LeanDecoder` for
@@ -21,14 +21,16 @@ from typing import Any
 import torch
 
 from grpo.algo.sampling import SamplingSettings
+from grpo.base.records import Prompt, Request, Rollout
 from grpo.config import ResolvedConfig
+from grpo.models.vision import suppressed_tokens
 from grpo.rollout import fast, remote
-from grpo.rollout.base import Engine, Prompt, Request, Rollout
-from grpo.rollout.plain import TransformersEngine, suppressed_tokens
+from grpo.rollout.base import Engine
+from grpo.rollout.plain import TransformersEngine
 from grpo.rollout.vllm import VLLMEngine, VLLMSettings
 
 logger = logging.getLogger("grpo")
-__all__ = ["Engine", "Prompt", "Request", "Rollout", "build_engine"]
+__all__ = ["Engine", "Prompt", "Request", "Rollout", "build_engine"]  # the records re-exported from grpo.base
 
 
 def build_engine(

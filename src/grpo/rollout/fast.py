@@ -50,11 +50,12 @@ from transformers import (
 
 from grpo.algo.sampling import SamplingSettings
 from grpo.base import sigterm
+from grpo.base.records import Request, Rollout, expand, left_pad
 from grpo.distributed.sharding import full_parameters
-from grpo.models.modeling import accepts_logits_to_keep, cache_argument, swapped_forwards
+from grpo.models.modeling import accepts_logits_to_keep, cache_argument, keeps_recurrent_state, swapped_forwards
 from grpo.perf.kernels import fixed_linear
 from grpo.rollout import graphed, lean_decoder, lean_families
-from grpo.rollout.base import Request, Rollout, assemble, expand, left_pad
+from grpo.rollout.base import assemble
 from grpo.rollout.plain import TransformersEngine
 
 logger = logging.getLogger("grpo")
@@ -165,29 +166,6 @@ def unsupported_reason(model: Any, sampling: SamplingSettings) -> str | None:
             "shared-prefix KV cache does not hold"
         )
     return None
-
-
-# Layer kinds (config.layer_types, or Jamba's layers_block_type) that carry state across tokens besides keys and
-# values, and the parameters of state-space and RNN layers (Mamba's A_log, RWKV's time_decay, Griffin's
-# recurrent_param). transformers marks such models with a private `_is_stateful`, which 5.25 removed: all three
-# signals are read, so none depends on it.
-RECURRENT_LAYERS = {"linear_attention", "recurrent", "mamba", "conv", "hybrid"}
-RECURRENT_PARAMETERS = {"A_log", "time_decay", "recurrent_param"}
-RECURRENT_MODULES = ("Mamba", "xLSTM", "Rwkv", "GatedDeltaNet")
-
-
-def keeps_recurrent_state(model: Any) -> bool:
-    """Whether some layer of `model` keeps state across tokens besides its keys and values (Mamba, linear
-    attention, RWKV, xLSTM, Griffin's recurrent blocks)."""
-    if getattr(model, "_is_stateful", False):
-        return True
-    config = getattr(model, "config", None)
-    kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
-    if isinstance(kinds, (list, tuple)) and RECURRENT_LAYERS & {str(k) for k in kinds}:
-        return True
-    if any(name.rsplit(".", 1)[-1] in RECURRENT_PARAMETERS for name, _ in model.named_parameters()):
-        return True
-    return any(any(part in type(m).__name__ for part in RECURRENT_MODULES) for m in model.modules())
 
 
 _TRANSFORMERS_GENERATE = GenerationMixin.__dict__["generate"]  # transformers' own, as grpo was imported

@@ -26,7 +26,9 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from grpo.algo.sampling import SamplingSettings
 from grpo.base import sigterm
-from grpo.rollout.base import Request, Rollout, assemble, cut_at_stop, expand, left_pad
+from grpo.base.records import Request, Rollout, expand, left_pad
+from grpo.models.vision import suppressed_tokens
+from grpo.rollout.base import assemble, cut_at_stop
 
 logger = logging.getLogger("grpo")
 
@@ -112,19 +114,6 @@ def _refuse(given: Mapping[str, Any], mode: GenerationMode) -> None:
         f"own decoding: remove {' / '.join(options)} from generation_kwargs (and from the model's "
         "generation_config)."
     )
-
-
-# a suppressed token's logit where the engine cannot leave it out: its probability underflows to exactly 0 in
-# float32, and (unlike -inf) its entropy term stays 0
-SUPPRESSED = -1e4
-
-
-def suppressed_tokens(model: Any) -> list[int]:
-    """A vision-language model's image placeholder token(s): never sampled (shared spec §5.4)."""
-    config = getattr(model, "config", None)
-    return [
-        i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)) if i is not None
-    ]
 
 
 def _check_beam_behaviour(sampling: SamplingSettings) -> None:

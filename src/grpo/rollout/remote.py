@@ -45,10 +45,11 @@ from accelerate.utils import broadcast_object_list
 
 from grpo.algo.sampling import SamplingSettings
 from grpo.base import sigterm
+from grpo.base.records import Request, Rollout, expand
 from grpo.config import ResolvedConfig
+from grpo.models.vision import SUPPRESSED
 from grpo.rollout import server_vision
-from grpo.rollout.base import Request, Rollout, assemble, expand
-from grpo.rollout.plain import SUPPRESSED
+from grpo.rollout.base import assemble
 from grpo.rollout.server_client import ServerClient, ServerError
 from grpo.rollout.vllm import sampling_kwargs
 from grpo.rollout.weights import checkpoint_weights

@@ -15,8 +15,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from grpo.base.records import Prompt
 from grpo.models.vision import encode_image
-from grpo.rollout.base import Prompt
 from grpo.rollout.server_client import ServerClient, ServerError
 from grpo.rollout.vllm import check_expanded
 

@@ -44,12 +44,13 @@ import torch.distributed as dist
 
 from grpo.algo.sampling import SamplingSettings
 from grpo.base import process_env, sigterm
+from grpo.base.records import Request, Rollout, expand
 from grpo.config import ResolvedConfig
 from grpo.distributed.accelerator import before_teardown
 from grpo.distributed.engine_group import EngineGroup
 from grpo.models.modeling import attention_shapes, layer_configs
-from grpo.rollout.base import Request, Rollout, assemble, expand
-from grpo.rollout.plain import SUPPRESSED, suppressed_tokens
+from grpo.models.vision import SUPPRESSED, suppressed_tokens
+from grpo.rollout.base import assemble
 from grpo.rollout.weights import checkpoint_weights
 from grpo.serve.vllm_reload import load_weights, quiet_expected_reload_warnings
 

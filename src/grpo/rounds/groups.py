@@ -18,9 +18,9 @@ import torch
 from accelerate.utils import gather_object
 
 from grpo.algo.advantages import nanstd, weighted_sum
+from grpo.base.records import Rollout
 from grpo.base.sigterm import Preempted
 from grpo.config import ResolvedConfig
-from grpo.rollout.base import Rollout
 
 logger = logging.getLogger("grpo")
 

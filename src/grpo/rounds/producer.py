@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from grpo.agent import Generated, Rollouts
+from grpo.base.records import Rollout
 from grpo.config import ResolvedConfig
 from grpo.data import datasets
 from grpo.data import prompts as data
 from grpo.rewards.calling import RewardFunctions
-from grpo.rollout.base import Rollout
 from grpo.rounds.groups import Scored
 
 

@@ -202,7 +202,8 @@ def _use_cache(s: Setting):
     def caches_kept(trainer) -> list[bool]:
         """Whether the decoder stack returned a KV cache, in each training forward of one row at a time (the pass
         that shares a prompt across its rows keeps a cache whatever use_cache says)."""
-        trainer.training_pass.share_prefix = False
+        passes = trainer.training_pass
+        passes.layouts = tuple(name for name in passes.layouts if name != "shared_prefix")
         kept: list[bool] = []
         hook = unwrap(trainer.model).base_model.register_forward_hook(
             lambda m, i, out: kept.append(out.past_key_values is not None)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings
 from grpo.perf.blocks import lean_blocks
 from grpo.rollout.fast import FastEngine
 from support.decode import greedy, setup
@@ -36,7 +37,7 @@ def sample(model, tok, args, stop, requests):
 def train_pass(model, rollout_ids, requests, pad_id):
     """Log-probs of the sampled completions and the gradients of their sum (whole tensors), inside `lean_blocks`
     as the trainer runs it (its own equivalence to the plain blocks: test_lean_blocks.py)."""
-    from grpo.rollout import Rollout
+    from grpo.base.records import Rollout
 
     rows = [list(r.prompt.ids) for r in requests for _ in range(r.num_samples)]
     rollout = Rollout(
@@ -54,7 +55,7 @@ def train_pass(model, rollout_ids, requests, pad_id):
     )
     model.zero_grad()
     with lean_blocks(model):
-        logps, _ = token_logps(model, batch, 0.9, share_prefix=True, chunked_head=True)
+        logps = token_logps(model, batch, PassSettings(0.9, chunked_head=True, layouts=("shared_prefix",))).logps
     (logps * batch.mask).sum().backward()
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
     return (logps * batch.mask).tolist(), grads

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from grpo.learner import tree
-from grpo.learner.forward import forward_is_collective, token_logps
+from grpo.learner.forward import token_logps
+from grpo.learner.layouts import PassSettings, forward_is_collective
 from support.layouts import batch_and_model, long_completions_batch
 
 
@@ -34,18 +35,21 @@ def main(out: str) -> None:
     wrapped = DistributedDataParallel(model)
     assert forward_is_collective(wrapped) and not forward_is_collective(model)
 
-    def scored(scorer, **kwargs):
-        model.zero_grad()
-        logps, entropies = token_logps(scorer, batch, 0.9, share_prefix=True, **kwargs)
-        (logps * batch.mask).sum().backward()
-        m = batch.mask.bool()
-        return logps[m].tolist(), entropies[m].tolist()
-
+    auto_settings = PassSettings(0.9, layouts=("shared_prefix", "trees"), by_cost=True)
     counts: Counter[str] = Counter()
-    auto = scored(wrapped, as_trees=True, where_cheaper=True, laid_out=counts)
+
+    def scored(scorer, settings):
+        model.zero_grad()
+        out = token_logps(scorer, batch, settings)
+        counts.update(out.layouts if settings.by_cost else ())
+        (out.logps * batch.mask).sum().backward()
+        m = batch.mask.bool()
+        return out.logps[m].tolist(), out.entropies[m].tolist()
+
+    auto = scored(wrapped, auto_settings)
     with torch.no_grad():  # the no-gradient passes agree as well
-        token_logps(wrapped, batch, 0.9, share_prefix=True, as_trees=True, where_cheaper=True, laid_out=counts)
-    padded = scored(model)
+        counts.update(token_logps(wrapped, batch, auto_settings).layouts)
+    padded = scored(model, PassSettings(0.9, layouts=("shared_prefix",)))
     result = {"alone_trees": alone, "laid_out": dict(counts), "auto": auto, "padded": padded}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)

@@ -15,9 +15,10 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from grpo.base.records import Rollout
 from grpo.learner.batch import collate
 from grpo.learner.forward import token_logps
-from grpo.rollout import Rollout
+from grpo.learner.layouts import PassSettings
 
 
 def rss_bytes() -> int:
@@ -54,7 +55,8 @@ def main() -> None:
     )
     batch = collate(rollout, torch.ones(rows), 0, mask_truncated=False)
     before = rss_bytes()
-    logps, entropies = token_logps(model, batch, 1.0, with_entropy=True, chunked_head=bool(chunked))
+    scored = token_logps(model, batch, PassSettings(1.0, with_entropy=True, chunked_head=bool(chunked)))
+    logps, entropies = scored.logps, scored.entropies
     (logps.sum() + entropies.sum()).backward()
     peak = peak_rss_bytes()
     print(f"logits_bytes={rows * length * vocab * 4} peak_increase={peak - before}")

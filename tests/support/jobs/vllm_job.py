@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from transformers import TrainerCallback  # noqa: E402
 
 from grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from grpo.rollout import Request  # noqa: E402
+from grpo.base.records import Request  # noqa: E402
 from support.rewards import length_reward  # noqa: E402
 from support.runs import BASE, chat_dataset  # noqa: E402
 from support.sharded import use_deepspeed, use_fsdp  # noqa: E402
