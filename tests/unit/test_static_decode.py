@@ -204,8 +204,10 @@ def test_row_buckets_and_uniform_numbers():
 
 
 def test_the_cache_grows_with_the_tokens_rows_need():
-    """A 500-token budget whose rows stop within a few tokens: the buffers stay one `GROW` past the prompt, in
-    both loops, and grow by `GROW` columns when the tokens reach them."""
+    """A 500-token budget whose rows stop within a few tokens: the eager loop's buffers stay one `GROW` past the
+    prompt and grow by `GROW` columns when the tokens reach them; the fixed-shape loop's steps attend over the first
+    multiple of `GROW` that holds the prompt and the tokens to come (its buffers are laid out for the budget, kept
+    for the run)."""
     tok, model, args, stop, requests = setup("cpu", budgets=(500, 500, 500))
     ids = torch.tensor([requests[0].prompt.ids])
     mask = torch.ones_like(ids)
@@ -220,21 +222,24 @@ def test_the_cache_grows_with_the_tokens_rows_need():
         LeanDecoder(model, torch.float32), logits_processors(args), torch.tensor(stop), sample_from, False, None
     )
     budgets = torch.full((3,), 500)
-    decode.run(ids, mask, torch.zeros(3, dtype=torch.long), budgets, 500, None, True)
-    assert int(decode.lengths.max()) < GROW - graphed.CHECK_EVERY  # every row stopped early
-    assert decode.decoder.keys[0].shape[2] == ids.shape[1] + GROW
+    _, _, lengths = decode.run(ids, mask, torch.zeros(3, dtype=torch.long), budgets, 500, None, True)
+    assert int(lengths.max()) < GROW - graphed.CHECK_EVERY  # every row stopped early
+    assert (
+        decode.width == graphed.columns(ids.shape[1] + graphed.CHECK_EVERY) and decode.keys[0].shape[2] == decode.width
+    )
+    assert decode.buffers.width == graphed.columns(ids.shape[1] + 500)
 
 
 def test_finished_rows_never_hold_the_cache_twice():
     """Peak resident memory while finished rows leave a 320 MB cache (8 layers of 2 x 20 MB buffers): at most one
     layer's copy above the cache, in the shrinking batch (`LeanDecoder._keep`) and in the fixed-shape batch
-    (`StaticDecode._compact`). Measured in a fresh process from VmHWM, reset just before."""
+    (`StaticDecode._compact`, in place in the buffers the engine keeps). Measured in a fresh process from VmHWM,
+    reset just before."""
     script = textwrap.dedent(
         """
         import sys, torch
-        from types import SimpleNamespace
         from grpo.rollout.lean_decoder import LeanDecoder
-        from grpo.rollout.graphed import StaticDecode
+        from grpo.rollout.graphed import Buffers, StaticDecode
 
         def status(key):
             with open("/proc/self/status") as f:
@@ -256,13 +261,16 @@ def test_finished_rows_never_hold_the_cache_twice():
         print("shrinking", (status("VmHWM:") - before) / layer)
 
         static = StaticDecode.__new__(StaticDecode)
-        static.decoder = SimpleNamespace()
-        static.decoder.keys, static.decoder.values = caches()
+        static.buffers, static.with_history = Buffers(), False
+        held = static.buffers
+        held.keys, held.values = caches()
         going = torch.zeros(64, dtype=torch.bool)
         going[keep] = True
-        static.going, static.row, static.lengths = going, torch.arange(64), torch.zeros(65, dtype=torch.long)
-        static.valid, static.logits = torch.ones(64, 320, dtype=torch.bool), torch.zeros(64, 100)
-        static.positions, static.budget, static.history = torch.zeros(64, 1, dtype=torch.long), torch.ones(64), None
+        held.rows, held.going, held.row = 64, going, torch.arange(64)
+        held.valid, held.logits = torch.ones(64, 320, dtype=torch.bool), torch.zeros(64, 100)
+        held.positions, held.budget = torch.zeros(64, 1, dtype=torch.long), torch.ones(64)
+        held.tokens = held.logps = held.lengths = held.uniforms = held.t = held.start = held.stop_ids = torch.zeros(1)
+        static._segment(64, 320)
         before = status("VmRSS:")
         open("/proc/self/clear_refs", "w").write("5")
         static._compact(32)
@@ -287,14 +295,15 @@ def test_a_one_token_prompt_decodes():
 
 
 def test_spare_slots_copy_a_real_row():
-    """The slots past the rows (a batch of `bucket(rows)`) repeat the first row: finite logits, never read."""
+    """The slots past the rows (a batch of `bucket(rows)`) repeat the first row: finite logits, never read (they write
+    into the buffers' last row)."""
     tok, model, args, stop, requests = setup("cpu", budgets=(5, 5, 5))
     decode = StaticDecode(
         LeanDecoder(model, torch.float32), logits_processors(args), torch.tensor(stop), sample_from, False, None
     )
     ids = torch.tensor([requests[0].prompt.ids])
     decode.prefill(ids, torch.ones_like(ids), torch.zeros(3, dtype=torch.long), torch.full((3,), 5), 5)
-    assert len(decode.row) == 4 and decode.row.tolist() == [0, 1, 2, 3]
+    assert len(decode.row) == 4 and decode.row.tolist() == [0, 1, 2, decode.buffers.rows] and decode.buffers.rows == 4
     assert decode.going.tolist() == [True, True, True, False]
     assert torch.isfinite(decode.logits).all()
 
