@@ -229,7 +229,8 @@ class StaticDecode:
         self.graphs = graphs  # the engine's CUDA graph state; None: eager steps (not on CUDA)
         self.buffers = buffers if buffers is not None else Buffers()
         self.stop_ids = stop_ids
-        self.step_fn: Callable[[], None] = self._step  # what runs a step eagerly (the tests compile it)
+        # what runs a step, eagerly and in a capture (the tests and the GPU check compile it)
+        self.step_fn: Callable[[], None] = self._step
 
     @torch.no_grad()
     def run(
@@ -333,7 +334,7 @@ class StaticDecode:
             graphs.warm_up(self.step_fn)
             return
         if graph is None:
-            graph = graphs.capture(key, self._step)
+            graph = graphs.capture(key, self.step_fn)
         if graph is not None:
             graph.replay()  # capturing recorded the step without running it
         else:
