@@ -44,9 +44,10 @@ replayed in every later rollout.
 
 A LoRA policy (PEFT) runs here too: each rollout's weights are the merged copies (`lora.merged_linear`: base +
 scaling * B A of the active adapters, summed in float32 and rounded once by the cast above; `modules_to_save`
-copies in place of their originals), never merged into the policy. Models it does not recognise, or that carry
-other wrapped projections (DoRA, quantized layers), keep the transformers forward (`lean_families.unsupported_reason`
-says why). The layers' arithmetic, family by family, is in `lean_ops`.
+copies in place of their originals), never merged into the policy. Models it does not recognise, or only half (other
+wrapped projections: DoRA, quantized layers; a quantization config, a rotary type it does not know, other norms, a
+parameter it would not read), keep the transformers forward (`lean_families.unsupported_reason` says why). The
+layers' arithmetic, family by family, is in `lean_ops`.
 """
 
 from __future__ import annotations
