@@ -34,9 +34,9 @@ def test_the_dry_run_goes_through_every_phase_and_writes_its_results(tmp_path):
     trl = "ok" if importlib.util.find_spec("trl") else "skipped"  # TRL comes with the bench extra only
     expected = {phase: "ok" for phase, _ in gpu_check.PHASES}
     assert statuses == dict(expected, trl=trl), (tmp_path / "logs.txt").read_text()[-4000:]
-    # started in the order of their value (two at a time here: each no earlier than the one before it)
-    started = [next(r["started"] for r in records if r.get("status") and r["phase"] == p) for p, _ in gpu_check.PHASES]
-    assert started == sorted(started)
+    # taken up in the order of their value (two at a time here: each no earlier than the one before it)
+    taken = [next(r["taken"] for r in records if r.get("status") and r["phase"] == p) for p, _ in gpu_check.PHASES]
+    assert taken == sorted(taken)
     names = {r.get("name") for r in records}
     for name in ("packages", "device", "ceilings", "sdpa_decode", "sdpa_prefill", "decode_2_rows", "decode_8_rows"):
         assert name in names

@@ -394,9 +394,12 @@ class StaticDecode:
         rows, width, b = bucket(live), self.width, self.buffers
         slot = torch.cat([keep, keep[:1].expand(rows - live)])
         real = torch.arange(rows, device=slot.device) < live
+        kept = b.keys[0].new_empty((rows, b.keys[0].shape[1], width, b.keys[0].shape[3]))  # one layer's kept rows
         for cache in (b.keys, b.values):
             for k in cache:  # the columns past the segment's are clear in every slot: nothing there to move
-                k[:rows, :, :width].copy_(k[: self.rows, :, :width].index_select(0, slot))
+                torch.index_select(k[: self.rows, :, :width], 0, slot, out=kept)
+                k[:rows, :, :width].copy_(kept)
+        del kept
         moved = [b.valid, b.logits, b.positions, b.budget] + ([b.history] if self.with_history else [])
         for buffer in moved:  # whole rows: the columns past the segment's are the row's own too
             buffer[:rows].copy_(buffer[: self.rows].index_select(0, slot))

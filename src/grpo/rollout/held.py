@@ -42,9 +42,8 @@ class HeldWeights:
             self.version += 1  # a parameter moved, or the weight changed shape
         if as_is and kept is None:
             tensor, own = parts[0].detach(), False
-        else:  # each part cast before it is stacked: a bfloat16 rollout never holds a float32 copy
-            cast = [p.detach().to(dtype) for p in parts]
-            tensor, own = (torch.cat(cast) if len(cast) > 1 else cast[0].clone()), True
+        else:
+            tensor, own = cast_stacked(parts, dtype, copy=True), True
         self.kept[name] = (tensor, own)
         return tensor
 
@@ -56,6 +55,14 @@ class HeldWeights:
             if kept is not None:
                 self.version += 1
             self.kept[name] = (tensor, False)
+
+
+def cast_stacked(parts: list[torch.Tensor], dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
+    """The parts stacked by rows in `dtype`, each cast first: a bfloat16 rollout never holds a float32 copy of a
+    weight (one part: itself cast, a copy of its own with `copy`)."""
+    if len(parts) == 1:
+        return parts[0].detach().to(dtype, copy=copy)
+    return torch.cat([w.detach().to(dtype) for w in parts])
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -64,7 +64,7 @@ from grpo.models.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear
 from grpo.rollout import lean_families
 from grpo.rollout.cpu import packed, panels
-from grpo.rollout.held import HeldWeights
+from grpo.rollout.held import HeldWeights, cast_stacked
 from grpo.rollout.lean_families import norm_eps
 from grpo.rollout.lean_ops import gemma_norm, grouped_attention, head_norms, llama_norm, olmo_norm, rotated, same
 
@@ -73,7 +73,6 @@ from grpo.rollout.lean_ops import gemma_norm, grouped_attention, head_norms, lla
 PACKED = ("gate_up", "down")
 PANELS = ("qkv", "o", "gate_up", "down")  # the panel kernel's layout is the weight's own size: all of them
 GROW = 128  # key/value columns added at a time: the cache grows with the tokens the rows have
-NORMS = ("norm1", "norm2")
 FUSED = True  # a float32 decode step on the panel kernel runs every layer in one call (`panels.decode_layers`)
 
 
@@ -84,8 +83,7 @@ class LeanDecoder:
         model = unwrap(model)
         config, inner = model.config, model.model
         self.dtype = dtype
-        # the fixed-shape loop's weights, kept for the run (`held`); None: this rollout's own
-        self.held = held
+        self.held = held  # the fixed-shape loop's weights, kept for the run; None: this rollout's own
         self.gemma = config.model_type in lean_families.GEMMA
         self.olmo = config.model_type in lean_families.OLMO
         embed = active_module(inner.embed_tokens)
@@ -94,7 +92,7 @@ class LeanDecoder:
         self.embed_scale = getattr(embed, "embed_scale", None) if self.gemma else None
         self.rotary = inner.rotary_emb
         if held is not None and isinstance(getattr(self.rotary, "inv_freq", None), torch.Tensor):
-            held.watch("rotary.inv_freq", self.rotary.inv_freq)
+            held.watch("rotary.inv_freq", self.rotary.inv_freq)  # read by the model's module: its address is watched
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -138,7 +136,8 @@ class LeanDecoder:
                     before = dict(norm1=gemma_norm(norm1), norm2=gemma_norm(norm2))
                 else:
                     w1, w2 = (
-                        self._held(f"{index}.{k}", [n.weight], n.weight.dtype) for k, n in zip(NORMS, (norm1, norm2))
+                        self._held(f"{index}.{k}", [n.weight], n.weight.dtype)
+                        for k, n in (("norm1", norm1), ("norm2", norm2))
                     )
                     before = dict(norm1=llama_norm(norm1, w1), norm2=llama_norm(norm2, w2))
                 before.update(norm1_weight=norm1.weight, norm2_weight=norm2.weight)
@@ -308,7 +307,10 @@ class LeanDecoder:
         or the parts cast and stacked."""
         if self.held is not None:
             return self.held.take(name, parts, dtype)
-        return parts[0] if len(parts) == 1 and parts[0].dtype == dtype else _cast_cat(parts, dtype)
+        return parts[0] if len(parts) == 1 and parts[0].dtype == dtype else cast_stacked(parts, dtype)
+
+    def _held_bias(self, name: str, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        return bias if bias is None or self.held is None else self.held.take(f"{name}.bias", [bias], dtype)
 
     def _held_norms(self, index: int, attn: Any) -> tuple[torch.Tensor, float, bool] | None:
         norms = head_norms(attn, self.heads, self.kv_heads, self.gemma)
@@ -381,17 +383,12 @@ class LeanDecoder:
         if self.stacked is None:
             self.stacked = [
                 {
-                    k: (self._held(f"{i}.{k}", ws, self.dtype), self._held_bias(f"{i}.{k}", bias))
+                    k: (self._held(f"{i}.{k}", ws, self.dtype), self._held_bias(f"{i}.{k}", bias, self.dtype))
                     for k, (ws, bias) in layer.items()
                 }
                 for i, layer in enumerate(self.parts)
             ]
         return self.stacked
-
-    def _held_bias(self, name: str, bias: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        if bias is None or self.held is None:
-            return bias
-        return self.held.take(f"{name}.bias", [bias], dtype or self.dtype)
 
     def _unpack(self) -> None:
         """The plain linears (weights cast once for the rollout: `fixed_linear`), made on first use."""
@@ -400,6 +397,7 @@ class LeanDecoder:
             head, bias = self.head_weights
             if self.held is not None:
                 head, bias = self._held("head", [head], self.head_dtype), self._held_bias("head", bias, self.head_dtype)
+                self.head_weights = (head, bias)
             self.plain = (
                 [
                     {k: fixed_linear(w, b, self.dtype, pack=pack) for k, (w, b) in layer.items()}
@@ -407,6 +405,8 @@ class LeanDecoder:
                 ],
                 fixed_linear(head, bias, self.head_dtype, pack=pack),
             )
+            if self.held is not None:  # the held weights are all the step reads: LoRA's merged parts go now
+                self.parts = []
         if self.unpacked or self.head is None:
             linears, self.head = self.plain
             for layer, plain in zip(self.layers, linears):
@@ -485,12 +485,6 @@ class LeanDecoder:
         3 rotates its sliding layers at another base: its rotary module takes the layer type)."""
         cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
         return cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
-
-
-def _cast_cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The parts stacked by rows in `dtype`, each cast first (one part: itself, cast)."""
-    cast = [w.detach().to(dtype) for w in parts]
-    return torch.cat(cast) if len(cast) > 1 else cast[0]
 
 
 def _stacked_bias(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:
