@@ -447,8 +447,9 @@ def test_traced_graphs_replayed_across_segments_and_rollouts_sample_what_eager_d
 
 
 def _perturb(model, change):
-    """The policy's weights between two rollouts: an optimizer's in-place update, a LoRA policy's adapters updated
-    in place, or every parameter given a new tensor (an asynchronous run's snapshot takes each publication's)."""
+    """The policy's weights between two rollouts: an optimizer's in-place update (of float32 or bfloat16 weights and
+    a float32 head), a LoRA policy's adapters updated in place, or every parameter given a new tensor (an
+    asynchronous run's snapshot takes each publication's)."""
     torch.manual_seed(7)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -463,8 +464,14 @@ def _perturb(model, change):
 
 @pytest.mark.parametrize(
     "change,dtype",
-    [("in place", torch.bfloat16), ("in place", torch.float32), ("lora", torch.float32), ("moved", torch.float32)],
-    ids=["in place, bf16 compute", "in place", "lora", "moved"],
+    [
+        ("in place", torch.bfloat16),
+        ("in place", torch.float32),
+        ("fp32 head", torch.bfloat16),
+        ("lora", torch.float32),
+        ("moved", torch.float32),
+    ],
+    ids=["in place, bf16 compute", "in place", "bf16 weights, fp32 head", "lora", "moved"],
 )
 def test_replayed_graphs_read_the_policy_weights_of_now(change, dtype, monkeypatch):
     """Graphs captured in one rollout and replayed in the next read the weights the policy has then: the held copies
@@ -475,6 +482,11 @@ def test_replayed_graphs_read_the_policy_weights_of_now(change, dtype, monkeypat
     tok, model, args, stop, requests = setup("cpu", budgets=(40, 20, 7))
     if change == "lora":
         model = with_lora(model, target_modules=["q_proj", "o_proj", "down_proj"]).eval()
+    if change == "fp32 head":  # bfloat16 weights read as they are (o, down, norms), the float32 head's too
+        from grpo.models.fp32_head import cast_lm_head_to_fp32
+
+        model = model.to(torch.bfloat16)
+        cast_lm_head_to_fp32(model)
     low = dtype if dtype == torch.bfloat16 else None
     engine = traced_engine(model, tok, args, stop, monkeypatch, compute_dtype=low)
     torch.manual_seed(0)
