@@ -113,11 +113,13 @@ bench-full: $(STAMP)
 	$(PIP) install -q -c constraints.txt -e ".[bench]"
 	$(PY) bench/harness.py --full
 
-# What scripts/gpu_check.sh needs that a lent H200's image (python 3.12, torch 2.11, transformers 5.17, accelerate
+# What scripts/gpu_check.sh needs that a lent GPU's image (python 3.12, torch 2.11, transformers 5.17, accelerate
 # 1.15, pyarrow, pandas, psutil, rich, pytest) lacks: pure-Python wheels at exact versions, into .whl/ (git-ignored;
-# a device run carries it: ~2 MB). datasets' and TRL's other needs are on the image.
+# a device run carries it: ~15 MB). The transformers that constraints.txt pins replaces the image's 5.17 there
+# (5.19 needs huggingface-hub >= 1.31; its other needs, tokenizers included, are 5.17's). datasets' and TRL's other
+# needs are on the image.
 GPU_WHEELS := datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
-	antlr4-python3-runtime==4.13.2 trl==1.16.0
+	antlr4-python3-runtime==4.13.2 trl==1.16.0 $(shell grep -E '^transformers==' constraints.txt) huggingface-hub==1.33.0
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform any -d .whl $(GPU_WHEELS)

@@ -1,18 +1,25 @@
 """The GPU check's phases, run one after another, each in a process of its own under a time limit, inside one
-deadline: python bench/gpu_check.py --out DIR [--dry-run]. scripts/gpu_check.sh is the command that runs it.
+deadline of at most 6 minutes (a lease's 15 device minutes then leave room to rerun): python bench/gpu_check.py
+--out DIR [--dry-run]. scripts/gpu_check.sh is the command that runs it.
 
 A phase that fails, crashes or runs out of time is recorded as such and the next one runs; a phase that would
 start with too little time left is recorded as skipped. Everything lands in DIR:
-- `results.jsonl`: one JSON object per line: each phase's status and time, and each measurement;
+- `results.jsonl`: one JSON object per line: each phase's status, start and time, and each measurement;
 - `summary.md`: a short table of the phases and the headline figures (printed last, too);
-- `logs.txt`: the end of each phase's output.
+- `logs.txt`: the end of each phase's output; `equivalence.log` and `trees.log`: the tests' whole output.
 
-Phases (bench/gpu_phases.py says what each measures): versions, ceilings, equivalence (the tests marked `device`
-on CUDA: pytest --device cuda), sdpa, decode, head, train, model, then end to end: grpo and TRL 1.16 on the same
-random model of Qwen2.5-0.5B's shape (64 rows x 256 tokens, bf16, 4 steps, the first one a warm-up), and grpo
-with async_generation (max_staleness 1) on the same workload for `async_speedup`; last, decode and train again at
-Qwen2.5-1.5B's shape (64 and 256 rows) with the time left. With --dry-run the same phases
-run on the CPU at tiny sizes (a test runs it, so the script cannot rot between GPU loans).
+The phases, most valuable first (bench/gpu_phases.py says what each measures):
+1. `basics` (versions, ceilings, sdpa: one process, one import of torch) and `equivalence`: CUDA correctness of
+   decoding and log-probs, the tests marked `device` without FlexAttention (pytest --device cuda);
+2. `decode`: the graphed step against the eager one, and the engine's loop across rollouts (captures, memory);
+3. `model`, `grpo`, `trl`: grpo and TRL 1.16 end to end on the same random model of Qwen2.5-0.5B's shape (64 rows
+   x 256 tokens, bf16, 3 steps, the first one a warm-up);
+4. `train`: the tiled head and the training pass (one process);
+5. `trees`: token trees on FlexAttention, one shape (its compilation is the cost);
+6. `async`: grpo with async_generation (max_staleness 1) on the end-to-end workload, for `async_speedup`;
+then `decode_inductor`, with what time is left: the graphed step compiled by Inductor before its capture against
+the uncompiled one. The larger shapes and the layouts' timings (`layouts`) run only when asked (--phases). With
+--dry-run the same phases run on the CPU at tiny sizes (a test runs it, so the script cannot rot between GPU loans).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ SIZES = {
         large_decode_rows=[64, 256],
         copy_bytes=4 * GIB,
         matmul_n=8192,
-        decode_rows=[8, 64, 256],
+        decode_rows=[64, 256],
         context=384,
         decode_steps=32,
         loop_tokens=256,
@@ -49,19 +56,22 @@ SIZES = {
         group=8,
         prompt=80,
         completion=256,
-        steps=4,
+        steps=3,
         precision="bf16",
         default_copy_gb_per_s=4300.0,
         default_tflop_per_s=790.0,
         device="cuda",
-        equivalence=[
+        compile_backend="inductor",
+        equivalence=[  # no FlexAttention: its compilation takes its own phase (trees)
             "tests/equivalence/test_lean_decode.py",
             "tests/equivalence/test_fast_generation.py",
             "tests/equivalence/test_shared_prefix_training.py",
             "tests/equivalence/test_static_decode.py",
-            "tests/equivalence/test_tree_packing.py",
-            "tests/equivalence/test_image_trees_on_device.py",
         ],
+        trees=[
+            "tests/equivalence/test_tree_packing.py::test_tree_and_auto_passes_are_the_padded_pass_on_the_tests_device[ragged]"
+        ],
+        limit_scale=1.0,
     ),
     "dry": dict(
         shape="tiny",
@@ -83,57 +93,65 @@ SIZES = {
         default_copy_gb_per_s=20.0,
         default_tflop_per_s=0.5,
         device="cpu",
+        compile_backend="eager",  # the plumbing, not Inductor's C++ compilation on a small CPU
         equivalence=[
             "tests/equivalence/test_shared_prefix_training.py::test_chunked_logps_in_bfloat16_are_within_the_stated_tolerance"
         ],
+        trees=[
+            "tests/equivalence/test_tree_packing.py::test_tree_and_auto_passes_are_the_padded_pass_on_the_tests_device[ragged]"
+        ],
+        limit_scale=10.0,  # a small shared CPU, two phases at a time: the same order, the deadline for a limit
     ),
 }
-# (phase, seconds it may take at most); the deadline may leave it less
+# (phase, seconds it may take at most), most valuable first; with pip and nvidia-smi the whole check stays within 6
+# minutes (DEADLINE_S; scripts/gpu_check.sh). The deadline may leave a phase less.
 PHASES = [
-    ("versions", 60),
-    ("ceilings", 40),
-    ("equivalence", 120),
-    ("sdpa", 30),
-    ("decode", 75),
-    ("head", 45),
-    ("train", 45),
-    ("model", 75),
-    ("grpo", 100),
-    ("trl", 130),
-    ("async", 100),
-    # the larger shape's decode and training pass, last: what time is left after the end-to-end runs
-    ("decode_large", 70),
-    ("train_large", 45),
+    ("basics", 20),  # versions, ceilings, sdpa: one process
+    ("equivalence", 60),
+    ("decode", 45),
+    ("model", 15),
+    ("grpo", 35),
+    ("trl", 50),
+    ("train", 25),  # the head and the training pass: one process
+    ("trees", 35),
+    ("async", 30),
+    ("decode_inductor", 20),
 ]
+OPTIONAL = [("layouts", 90), ("decode_large", 70), ("train_large", 45)]  # only with --phases
+DEADLINE_S = 335
 # the phases a phase waits for: those whose results it needs (the bounds it is measured against, the model it
 # trains), and for the end-to-end runs each other (they share the bench's output directory)
 AFTER = {
-    **{p: ("ceilings",) for p in ("sdpa", "decode", "head", "train", "decode_large", "train_large")},
+    **{p: ("basics",) for p in ("decode", "train", "decode_inductor", "decode_large", "train_large", "layouts")},
     "grpo": ("model",),
     "trl": ("model", "grpo"),
     "async": ("model", "grpo", "trl"),
 }
+SUBPHASES = {"basics": "versions,ceilings,sdpa", "train": "head,train"}  # gpu_phases.py's, in one process
+TESTS = {"equivalence": "equivalence", "trees": "trees"}  # pytest phases: the sizes' list of tests, a log of their own
 MIN_START_S = 15  # a phase needs at least this much time left to start
+LOG_CHARS = 100_000  # the end of each phase's output kept in logs.txt
 PREFIXES = ("GPU_RESULT ", "BENCH_RESULT ")
 
 
 def command(phase: str, sizes: dict) -> list[str] | str:
     """The phase's command line, or why it is skipped."""
     py = sys.executable
-    if phase == "equivalence":
+    if phase in TESTS:
         return [
             py,
             "-m",
             "pytest",
             "-v",  # each test's outcome on its own line: what passed is known even if the phase runs out of time
             "-rf",
+            "--tb=short",
             "-p",
             "no:cacheprovider",
             "-m",
             "device",
             "--device",
             sizes["device"],
-            *sizes["equivalence"],
+            *sizes[TESTS[phase]],
         ]
     if phase in ("grpo", "trl", "async"):
         if phase == "trl" and importlib.util.find_spec("trl") is None:
@@ -158,7 +176,7 @@ def command(phase: str, sizes: dict) -> list[str] | str:
             return "no larger shape here (the dry run's one shape ran in decode and train)"
         large = dict(sizes, shape=sizes["large_shape"], decode_rows=sizes["large_decode_rows"])
         return [py, os.path.join(HERE, "gpu_phases.py"), phase.removesuffix("_large"), json.dumps(large)]
-    return [py, os.path.join(HERE, "gpu_phases.py"), phase, json.dumps(sizes)]
+    return [py, os.path.join(HERE, "gpu_phases.py"), SUBPHASES.get(phase, phase), json.dumps(sizes)]
 
 
 def run_phase(phase: str, limit: float, sizes: dict) -> tuple[dict, list[dict], str]:
@@ -180,8 +198,8 @@ def run_phase(phase: str, limit: float, sizes: dict) -> tuple[dict, list[dict], 
         for prefix in PREFIXES:
             if line.startswith(prefix):
                 records.append({"phase": phase, **json.loads(line[len(prefix) :])})
-    if phase == "equivalence":
-        records.append({"phase": phase, **pytest_counts(output)})
+    if phase in TESTS:
+        records.append({"phase": phase, **pytest_counts(output), "name": phase})
     record = {"phase": phase, "status": status, "seconds": round(time.monotonic() - start, 1), "exit": code}
     if status != "ok":
         record["error"] = last_error(output)
@@ -224,13 +242,14 @@ def last_error(output: str) -> str:
 def headline(records: list[dict], sizes: dict) -> dict:
     """grpo against TRL, each phase against its floor, async_speedup: what the check is for."""
     by = {(r["phase"], r.get("name")): r for r in records}
+    named = {r.get("name"): r for r in records}
     runs = {p: r for (p, name), r in by.items() if name is None and p in ("grpo", "trl", "async") and "tokens" in r}
     rate = {p: r["tokens"] / r["seconds"] for p, r in runs.items()}  # end-to-end tokens/s
     out = {}
     grpo, trl, overlapped = runs.get("grpo"), runs.get("trl"), runs.get("async")
     if grpo:
         out["grpo_tokens_per_s"] = rate["grpo"]
-        out.update(against_floors(grpo, by.get(("model", "model")), by.get(("ceilings", "ceilings")), sizes))
+        out.update(against_floors(grpo, named.get("model"), named.get("ceilings"), sizes))
     if grpo and trl:
         out["trl_tokens_per_s"] = rate["trl"]
         out["speedup_vs_trl"] = rate["grpo"] / rate["trl"]
@@ -239,9 +258,13 @@ def headline(records: list[dict], sizes: dict) -> dict:
         out["peak_gb"] = {"grpo": grpo[key], "trl": trl[key], "measure": key}
     if grpo and overlapped:
         out["async_speedup"] = rate["async"] / rate["grpo"]
-    equivalence = by.get(("equivalence", "equivalence"))
-    if equivalence:
-        out["equivalence"] = f"{equivalence.get('passed', 0)} passed, {equivalence.get('failed', 0)} failed"
+    for phase in TESTS:
+        tests = by.get((phase, phase))
+        if tests:
+            out[phase] = f"{tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed"
+    packages = named.get("packages")
+    if packages and packages.get("transformers") != packages.get("transformers_pinned"):
+        out["transformers"] = f"{packages.get('transformers')}, not the pinned {packages.get('transformers_pinned')}"
     return out
 
 
@@ -303,7 +326,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--dry-run", action="store_true", help="the same phases on the CPU, tiny sizes")
-    parser.add_argument("--deadline", type=float, default=450.0, help="seconds for every phase together")
+    parser.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds for every phase together")
     parser.add_argument("--phases", default=None, help="comma-separated subset of the phases")
     parser.add_argument(
         "--jobs", type=int, default=1, help="phases run at a time (the dry run's 2: timings on a GPU run alone)"
@@ -314,14 +337,16 @@ def main() -> None:
     if not opts.dry_run:
         sizes["model_dir"] = "/tmp/gpu-check-model"  # 2 GB: kept out of the folder that comes back
     wanted = opts.phases.split(",") if opts.phases else [p for p, _ in PHASES]
+    phases = [(p, limit * sizes["limit_scale"]) for p, limit in PHASES + OPTIONAL if p in wanted]
     start = time.monotonic()
     statuses, records = [], []
     results = open(os.path.join(opts.out, "results.jsonl"), "w")
     logs = open(os.path.join(opts.out, "logs.txt"), "w")
     lock = threading.Lock()
-    done: dict[str, threading.Event] = {phase: threading.Event() for phase, _ in PHASES}
+    done: dict[str, threading.Event] = {phase: threading.Event() for phase, _ in PHASES + OPTIONAL}
 
     def run(phase: str, limit: float) -> None:
+        taken = time.monotonic() - start  # when a worker took the phase up, in PHASES' order
         for before in AFTER.get(phase, ()):
             if before in wanted:
                 done[before].wait()
@@ -330,24 +355,29 @@ def main() -> None:
             status, found, output = {"phase": phase, "status": "skipped", "why": "out of time"}, [], ""
         else:
             status, found, output = run_phase(phase, min(limit, left), dict(sizes))
+        status["taken"] = round(taken, 2)
         with lock:
-            if phase == "ceilings" and found:
-                sizes["ceilings"] = found[0]
+            ceilings = [r for r in found if r.get("name") == "ceilings"]
+            if ceilings:
+                sizes["ceilings"] = ceilings[0]
             print(f"{phase}: {status['status']} ({status.get('seconds', 0)} s) {status.get('error', '')}", flush=True)
             statuses.append(status)
             records.extend(found)
             for record in [status, *found]:
                 results.write(json.dumps(record, default=str) + "\n")
             results.flush()
-            logs.write(f"===== {phase}: {status['status']}\n{output[-4000:]}\n")
+            logs.write(f"===== {phase}: {status['status']}\n{output[-LOG_CHARS:]}\n")
             logs.flush()
+            if phase in TESTS:  # the tests' whole output, tracebacks included
+                with open(os.path.join(opts.out, f"{phase}.log"), "w") as f:
+                    f.write(output)
         done[phase].set()
 
     # the phases in order, `jobs` at a time (a phase waits for the one it needs, which was started before it)
     with ThreadPoolExecutor(opts.jobs) as pool:
-        for future in [pool.submit(run, phase, limit) for phase, limit in PHASES if phase in wanted]:
+        for future in [pool.submit(run, phase, limit) for phase, limit in phases]:
             future.result()
-    order = [phase for phase, _ in PHASES]
+    order = [phase for phase, _ in PHASES + OPTIONAL]
     statuses.sort(key=lambda status: order.index(status["phase"]))
     lead = headline(records, sizes)
     results.write(json.dumps({"phase": "headline", **lead}, default=str) + "\n")

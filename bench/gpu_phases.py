@@ -1,18 +1,27 @@
-"""The measuring phases of the GPU check, one per process: python bench/gpu_phases.py PHASE SIZES_JSON.
+"""The measuring phases of the GPU check: python bench/gpu_phases.py PHASE[,PHASE...] SIZES_JSON (several phases
+run in one process, one after another, sharing its imports; one that fails does not stop the next).
 
 Each prints its results as `GPU_RESULT {json}` lines (bench/gpu_check.py collects them):
-- `versions`: the GPU, the packages, which scaled_dot_product_attention backends are on, native bfloat16;
+- `versions`: the GPU, the packages (transformers against the version constraints.txt pins), which
+  scaled_dot_product_attention backends are on, native bfloat16;
 - `ceilings`: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate on random data;
 - `sdpa`: which attention kernels accept the eager lean step's call (bfloat16, boolean mask, grouped key/value
   heads) and a prefill's, with grouped heads and repeated (the lean prompt pass on CUDA, transformers' training
   forward): "No available kernel" for the efficient kernel means the math fallback;
 - `decode`: at several row counts (context ~ a prompt plus half a completion), against the step's floor, with
-  kernel launches and host syncs per step: the fixed-shape step with its sampling (`grpo.rollout.graphed`, replayed
-  from a CUDA graph), the eager lean step it replaces, and the fast engine's whole loop per token (prefill,
-  captures, row checks and read-back included) over `loop_tokens`-token completions;
+  kernel launches (graph launches apart) and host syncs per step: the fixed-shape step with its sampling
+  (`grpo.rollout.graphed`, replayed from a CUDA graph; timed before any profiler runs, and run once with CUDA's
+  sync debug mode set to error), the eager lean step it replaces, and the fast engine's whole loop per token
+  (prefill, captures, row checks and read-back included) over `loop_tokens`-token completions, three rollouts on
+  one engine: the graphs each captures (none after the first: they are kept for the run) and the memory reserved
+  after each (it must not grow);
+- `decode_inductor`: the fixed-shape step compiled by Inductor before its capture against the uncompiled one, on
+  one segment (the largest row count), with the compilation's time;
 - `head`: the tiled output head (`grpo.algo.logprobs`), forward and backward, at the device's tile and the CPU's;
 - `train`: one training pass (grpo's forward with the shared prompt and tiled head, then backward) over a batch of
   the end-to-end run's shape, against 6 x weights x tokens at the measured matmul rate;
+- `layouts` (asked for only: FlexAttention compiles for a minute): the training pass as padded rows, trees and
+  packing="auto";
 - `model`: builds and saves the end-to-end run's random model (bench/random_model.py).
 Times are medians of CUDA-event (or, on the CPU, wall-clock) measurements after a warm-up.
 """
@@ -34,6 +43,7 @@ import torch  # noqa: E402
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
@@ -79,6 +89,7 @@ def counted(fn, calls: int = 1) -> dict:
     if CUDA:
         return {
             "launches": sum(e.name in LAUNCHES for e in events) / calls,
+            "graph_launches": sum(e.name in GRAPH_LAUNCHES for e in events) / calls,
             "host_syncs": sum(e.name in SYNCS for e in events) / calls,
         }
     top = [e for e in events if e.name.startswith("aten::") and not (e.cpu_parent and "aten::" in e.cpu_parent.name)]
@@ -94,7 +105,9 @@ def versions(sizes: dict) -> None:
             packages[name] = md.version(name)
         except md.PackageNotFoundError:
             packages[name] = None
-    emit("packages", python=sys.version.split()[0], **packages)
+    with open(os.path.join(HERE, "..", "constraints.txt")) as f:
+        pins = dict(line.strip().split("==", 1) for line in f if "==" in line and not line.startswith("#"))
+    emit("packages", python=sys.version.split()[0], **packages, transformers_pinned=pins.get("transformers"))
     from grpo.models.modeling import fast_bf16_available
 
     info = {"device": str(DEVICE), "bf16_native": fast_bf16_available(DEVICE)}
@@ -174,11 +187,47 @@ def _decoder_inputs(vocab: int, rows: int, context: int):
     return ids, torch.ones_like(ids), torch.arange(rows, device=DEVICE)
 
 
+def _fixed(model, args, rows: int, ids, mask, owner, stop, compiled: str | None = None):
+    """A fixed-shape rollout's loop, prefilled, graphed on CUDA (its own Graphs: the first advance warms up, the
+    second captures), its step compiled with `compiled` (a torch.compile backend) before any capture."""
+    from grpo.rollout.fast import logits_processors, sample_from
+    from grpo.rollout.graphed import Graphs, StaticDecode
+    from grpo.rollout.lean_decoder import LeanDecoder
+
+    fixed = StaticDecode(
+        LeanDecoder(model, torch.bfloat16),
+        logits_processors(args),
+        stop,
+        sample_from,
+        False,
+        Graphs() if CUDA else None,
+    )
+    if compiled is not None:
+        fixed.step_fn = torch.compile(fixed._step, backend=compiled, fullgraph=True, dynamic=False)
+    fixed.prefill(ids, mask, owner, torch.full((rows,), 128, device=DEVICE), 128)
+    return fixed
+
+
+def _sync_free(step) -> bool | str:
+    """Whether `step` runs with CUDA's sync debug mode set to error (a host sync inside it raises); on the CPU: True."""
+    if not CUDA:
+        step()
+        return True
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        sync()
+        return True
+    except RuntimeError as err:
+        return str(err).split("\n")[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def decode(sizes: dict) -> None:
     from grpo.algo.sampling import SamplingSettings
     from grpo.base.records import Prompt, group_requests
-    from grpo.rollout.fast import FastEngine, logits_processors, sample_from
-    from grpo.rollout.graphed import Graphs, StaticDecode
+    from grpo.rollout.fast import FastEngine
     from grpo.rollout.lean_decoder import LeanDecoder
 
     model = random_model.make_model(sizes["shape"], str(DEVICE))
@@ -190,37 +239,37 @@ def decode(sizes: dict) -> None:
     stop = torch.tensor([1], device=DEVICE)
     for rows in sizes["decode_rows"]:
         ids, mask, owner = _decoder_inputs(measures["vocab"], rows, context)
-        # the eager step (the CPU's shrinking-batch loop), before CUDA graphs
+        # the fixed-shape step with its sampling, replayed from a CUDA graph (on the CPU: run eagerly), timed before
+        # any profiler runs; then an eager step of it under the sync debug mode, and its launches counted
+        fixed = _fixed(model, args, rows, ids, mask, owner, stop)
+        step_s = median_s(fixed.advance, repeats=steps)  # the warm-up runs it, then captures it
+        sync_free = _sync_free(fixed.step_fn)
+        counts = counted(fixed.advance, calls=3)
+        captured = fixed.graphs.captures if fixed.graphs is not None else 0
+        del fixed
+        # the eager step (the CPU's shrinking-batch loop)
         dec = LeanDecoder(model, torch.bfloat16)
         dec.prefill(ids, mask, owner, max_new=4 * steps + 8)
         tokens = torch.randint(10, measures["vocab"], (rows,), device=DEVICE)
         eager_s = median_s(lambda dec=dec, tokens=tokens: dec.step(tokens), repeats=steps)
         eager_counts = counted(lambda dec=dec, tokens=tokens: dec.step(tokens), calls=3)
         del dec
-        # the fixed-shape step with its sampling, replayed from a CUDA graph (on the CPU: run eagerly)
-        fixed = StaticDecode(
-            LeanDecoder(model, torch.bfloat16),
-            logits_processors(args),
-            stop,
-            sample_from,
-            False,
-            Graphs() if CUDA else None,
-        )
-        fixed.prefill(ids, mask, owner, torch.full((rows,), 128, device=DEVICE), 128)
-        step_s = median_s(fixed.advance, repeats=steps)  # the warm-up runs it, then captures it
-        counts = counted(fixed.advance, calls=3)
-        del fixed
         bound = floor.decode(measures, rows, context + steps)
-        # the engine's whole loop per token: prefill, graph captures, row checks and the read-back included
+        # the engine's whole loop per token (prefill, graph captures, row checks and the read-back included), three
+        # rollouts on one engine: graphs are kept for the run (captures after the first: none), memory must not grow
         engine = FastEngine(model, tok, args, [1], compute_dtype=torch.bfloat16)
         prompts = [Prompt(tuple(row)) for row in ids[: max(rows // 8, 1)].tolist()]
         requests = group_requests([p for p in prompts for _ in range(rows // len(prompts))])
-        engine.generate(requests)  # warm-up
-        sync()
-        t0 = time.perf_counter()
-        rollout = engine.generate(requests)
-        sync()
-        loop_s = (time.perf_counter() - t0) / max(max(len(c) for c in rollout.completion_ids), 1)
+        captures, reserved, seconds = [], [], []
+        for _ in range(3):
+            sync()
+            t0 = time.perf_counter()
+            rollout = engine.generate(requests)
+            sync()
+            seconds.append(time.perf_counter() - t0)
+            captures.append(engine.graphs.captures - sum(captures))
+            reserved.append(torch.cuda.memory_reserved() / 2**30 if CUDA else 0.0)
+        loop_s = min(seconds[1:]) / max(max(len(c) for c in rollout.completion_ids), 1)
         loop_bound = floor.decode(measures, rows, context + loop_tokens // 2)
         emit(
             f"decode_{rows}_rows",
@@ -229,16 +278,59 @@ def decode(sizes: dict) -> None:
             step_ms=1e3 * step_s,
             floor_ms=1e3 * bound,
             step_vs_floor=step_s / bound,
+            step_sync_free=sync_free,
+            step_captures=captured,
             eager_step_ms=1e3 * eager_s,
             eager_vs_floor=eager_s / bound,
+            graph_speedup=eager_s / step_s,
             loop_tokens=loop_tokens,
             loop_ms_per_token=1e3 * loop_s,
             loop_vs_floor=loop_s / loop_bound,
             loop_tokens_per_s=rows / loop_s,
+            loop_captures=captures,  # per rollout: the first's, then none
+            loop_reserved_gb=reserved,  # after each rollout: flat once the first has run
+            loop_graphs_failed=engine.graphs.failed,
             **counts,
             **{f"eager_{k}": v for k, v in eager_counts.items()},
         )
         del engine
+
+
+def decode_inductor(sizes: dict) -> None:
+    """The graphed step compiled by Inductor before its capture, against the uncompiled graphed step: one segment at
+    the largest row count (a compilation per (rows, width) in a run; here one)."""
+    from grpo import GRPOConfig
+
+    model = random_model.make_model(sizes["shape"], str(DEVICE))
+    measures = random_model.sizes_of(model)
+    rows, steps, context = sizes["decode_rows"][-1], sizes["decode_steps"], sizes["context"]
+    args = GRPOConfig(output_dir="/tmp/gpu-check-engine", max_completion_length=128, temperature=1.0)
+    stop = torch.tensor([1], device=DEVICE)
+    ids, mask, owner = _decoder_inputs(measures["vocab"], rows, context)
+    found = {}
+    for name, backend in (("uncompiled", None), ("compiled", sizes["compile_backend"])):
+        fixed = _fixed(model, args, rows, ids, mask, owner, stop, compiled=backend)
+        sync()
+        t0 = time.perf_counter()
+        fixed.advance()  # the warm-up: the compilation, outside any capture (autotuning synchronizes)
+        sync()
+        first_s = time.perf_counter() - t0
+        found[name] = median_s(fixed.advance, repeats=steps, warmup=1)  # the capture, then replays
+        found[f"{name}_first_s"] = first_s
+        found[f"{name}_graphs_failed"] = fixed.graphs.failed if fixed.graphs is not None else None
+        del fixed
+    emit(
+        "decode_inductor",
+        rows=rows,
+        context=context,
+        backend=sizes["compile_backend"],
+        step_ms=1e3 * found["uncompiled"],
+        compiled_step_ms=1e3 * found["compiled"],
+        compiled_speedup=found["uncompiled"] / found["compiled"],
+        compile_s=found["compiled_first_s"],
+        graphs_failed=found["uncompiled_graphs_failed"],
+        compiled_graphs_failed=found["compiled_graphs_failed"],
+    )
 
 
 class Floors:
@@ -339,10 +431,9 @@ def train(sizes: dict) -> None:
         tokens_per_s=tokens / seconds,
         **counted(run),
     )
-    layouts(model, sizes, prompts, g)
 
 
-def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) -> None:
+def layouts(sizes: dict) -> None:
     """The training pass over completions of a quarter to all of the cap (ragged, as a run's are) as padded rows,
     as token trees (packing="tree", with the kernel `tree_attention.attention_kernel` picks: FlexAttention where it
     compiles), as packing="auto" chooses per piece, and as the same trees under the dense mask: what decides
@@ -353,12 +444,17 @@ def layouts(model, sizes: dict, prompts: list[list[int]], g: torch.Generator) ->
     from grpo.learner.forward import token_logps
     from grpo.learner.layouts import PassSettings
 
+    model = random_model.make_model(sizes["shape"], str(DEVICE)).train()
+    g = torch.Generator().manual_seed(0)
+    vocab, prompt = random_model.sizes_of(model)["vocab"], sizes["prompt"]
+    prompts = [
+        torch.randint(10, vocab, (prompt,), generator=g).tolist() for _ in range(sizes["rows"] // sizes["group"])
+    ]
     reason = tree.unsupported_reason(model)
     if reason is not None:
         emit("train_layouts", skipped=reason)
         return
     rows, group, completion = sizes["rows"], sizes["group"], sizes["completion"]
-    vocab = random_model.sizes_of(model)["vocab"]
     lengths = torch.randint(max(completion // 4, 1), completion + 1, (rows,), generator=g).tolist()
     batch = _batch(prompts, group, lengths, vocab, g, truncated=False)
     counts: Counter[str] = Counter()
@@ -417,7 +513,24 @@ def model(sizes: dict) -> None:
     emit("model", path=sizes["model_dir"], **random_model.save(sizes["shape"], sizes["model_dir"], str(DEVICE)))
 
 
-PHASES = {f.__name__: f for f in (versions, ceilings, sdpa, decode, head, train, model)}
+PHASES = {f.__name__: f for f in (versions, ceilings, sdpa, decode, decode_inductor, head, train, layouts, model)}
+
+
+def main() -> None:
+    """The phases named (comma-separated) one after another in this process; each one's failure is printed and the
+    next one runs; the exit status says whether any failed."""
+    import traceback
+
+    sizes, failed = json.loads(sys.argv[2]), []
+    for name in sys.argv[1].split(","):
+        try:
+            PHASES[name](sizes)
+        except Exception:  # noqa: BLE001 (reported; the next phase runs)
+            traceback.print_exc()
+            print(f"RuntimeError: phase {name} failed", file=sys.stderr, flush=True)
+            failed.append(name)
+    sys.exit(1 if failed else 0)
+
 
 if __name__ == "__main__":
-    PHASES[sys.argv[1]](json.loads(sys.argv[2]))
+    main()

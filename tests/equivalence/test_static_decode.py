@@ -1,7 +1,9 @@
 """Decoding on fixed shapes (`grpo.rollout.graphed`, the fast engine's loop on CUDA) against the shrinking-batch loop
 the CPU runs: the same tokens from the same generator and log-probs within the device's tolerance, across sampling
 settings, budgets, stop tokens and rows that finish at every step; a step that compiles with `fullgraph=True` (no
-host sync inside it); and the key/value cache's memory: grown with the tokens, never held twice when rows leave.
+host sync inside it); the key/value cache's memory: never held twice when rows leave; and, emulated on the CPU, what
+CUDA graphs need: a step replayed from a trace per segment (`make_fx`) across rollouts as the policy's weights
+change, a failed capture remembered, no capture beside the learner's cache release or micro-step.
 
 The tests marked `device` run on `on_device.device()`; on CUDA the fixed-shape loop replays CUDA graphs."""
 
@@ -11,6 +13,7 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ from grpo.rollout.graphed import StaticDecode, bucket
 from grpo.rollout.lean_decoder import GROW, LeanDecoder
 from support import on_device
 from support.scripted import as_requests
-from support.tiny import make_model, make_qwen3, make_tokenizer
+from support.tiny import make_model, make_qwen3, make_tokenizer, with_lora
 
 
 def setup(device, budgets=(150, 40, 7), family="llama", **kw):
@@ -202,8 +205,10 @@ def test_row_buckets_and_uniform_numbers():
 
 
 def test_the_cache_grows_with_the_tokens_rows_need():
-    """A 500-token budget whose rows stop within a few tokens: the buffers stay one `GROW` past the prompt, in
-    both loops, and grow by `GROW` columns when the tokens reach them."""
+    """A 500-token budget whose rows stop within a few tokens: the eager loop's buffers stay one `GROW` past the
+    prompt and grow by `GROW` columns when the tokens reach them; the fixed-shape loop's steps attend over the first
+    multiple of `GROW` that holds the prompt and the tokens to come (its buffers are laid out for the budget, kept
+    for the run)."""
     tok, model, args, stop, requests = setup("cpu", budgets=(500, 500, 500))
     ids = torch.tensor([requests[0].prompt.ids])
     mask = torch.ones_like(ids)
@@ -218,21 +223,24 @@ def test_the_cache_grows_with_the_tokens_rows_need():
         LeanDecoder(model, torch.float32), logits_processors(args), torch.tensor(stop), sample_from, False, None
     )
     budgets = torch.full((3,), 500)
-    decode.run(ids, mask, torch.zeros(3, dtype=torch.long), budgets, 500, None, True)
-    assert int(decode.lengths.max()) < GROW - graphed.CHECK_EVERY  # every row stopped early
-    assert decode.decoder.keys[0].shape[2] == ids.shape[1] + GROW
+    _, _, lengths = decode.run(ids, mask, torch.zeros(3, dtype=torch.long), budgets, 500, None, True)
+    assert int(lengths.max()) < GROW - graphed.CHECK_EVERY  # every row stopped early
+    assert (
+        decode.width == graphed.columns(ids.shape[1] + graphed.CHECK_EVERY) and decode.keys[0].shape[2] == decode.width
+    )
+    assert decode.buffers.width == graphed.columns(ids.shape[1] + 500)
 
 
 def test_finished_rows_never_hold_the_cache_twice():
     """Peak resident memory while finished rows leave a 320 MB cache (8 layers of 2 x 20 MB buffers): at most one
     layer's copy above the cache, in the shrinking batch (`LeanDecoder._keep`) and in the fixed-shape batch
-    (`StaticDecode._compact`). Measured in a fresh process from VmHWM, reset just before."""
+    (`StaticDecode._compact`, in place in the buffers the engine keeps). Measured in a fresh process from VmHWM,
+    reset just before."""
     script = textwrap.dedent(
         """
         import sys, torch
-        from types import SimpleNamespace
         from grpo.rollout.lean_decoder import LeanDecoder
-        from grpo.rollout.graphed import StaticDecode
+        from grpo.rollout.graphed import Buffers, StaticDecode
 
         def status(key):
             with open("/proc/self/status") as f:
@@ -254,13 +262,16 @@ def test_finished_rows_never_hold_the_cache_twice():
         print("shrinking", (status("VmHWM:") - before) / layer)
 
         static = StaticDecode.__new__(StaticDecode)
-        static.decoder = SimpleNamespace()
-        static.decoder.keys, static.decoder.values = caches()
+        static.buffers, static.with_history = Buffers(), False
+        held = static.buffers
+        held.keys, held.values = caches()
         going = torch.zeros(64, dtype=torch.bool)
         going[keep] = True
-        static.going, static.row, static.lengths = going, torch.arange(64), torch.zeros(65, dtype=torch.long)
-        static.valid, static.logits = torch.ones(64, 320, dtype=torch.bool), torch.zeros(64, 100)
-        static.positions, static.budget, static.history = torch.zeros(64, 1, dtype=torch.long), torch.ones(64), None
+        held.rows, held.going, held.row = 64, going, torch.arange(64)
+        held.valid, held.logits = torch.ones(64, 320, dtype=torch.bool), torch.zeros(64, 100)
+        held.positions, held.budget = torch.zeros(64, 1, dtype=torch.long), torch.ones(64)
+        held.tokens = held.logps = held.lengths = held.uniforms = held.t = held.start = held.stop_ids = torch.zeros(1)
+        static._segment(64, 320)
         before = status("VmRSS:")
         open("/proc/self/clear_refs", "w").write("5")
         static._compact(32)
@@ -285,14 +296,15 @@ def test_a_one_token_prompt_decodes():
 
 
 def test_spare_slots_copy_a_real_row():
-    """The slots past the rows (a batch of `bucket(rows)`) repeat the first row: finite logits, never read."""
+    """The slots past the rows (a batch of `bucket(rows)`) repeat the first row: finite logits, never read (they write
+    into the buffers' last row)."""
     tok, model, args, stop, requests = setup("cpu", budgets=(5, 5, 5))
     decode = StaticDecode(
         LeanDecoder(model, torch.float32), logits_processors(args), torch.tensor(stop), sample_from, False, None
     )
     ids = torch.tensor([requests[0].prompt.ids])
     decode.prefill(ids, torch.ones_like(ids), torch.zeros(3, dtype=torch.long), torch.full((3,), 5), 5)
-    assert len(decode.row) == 4 and decode.row.tolist() == [0, 1, 2, 3]
+    assert len(decode.row) == 4 and decode.row.tolist() == [0, 1, 2, decode.buffers.rows] and decode.buffers.rows == 4
     assert decode.going.tolist() == [True, True, True, False]
     assert torch.isfinite(decode.logits).all()
 
@@ -349,3 +361,226 @@ def test_a_failed_capture_is_remembered_by_the_engine_one_warning_and_eager_from
     for seed, rollout in zip((0, 1, 2), rollouts):
         torch.manual_seed(seed)
         assert_same(FastEngine(model, tok, args, stop, static=True).generate(requests), rollout)
+
+
+class _TracedGraphs(graphed.Graphs):
+    """The CPU emulation of CUDA graphs: a segment's step traced with `make_fx` (every tensor it reads held by
+    identity as a constant of the trace, every Python value baked in, as a CUDA graph holds the addresses and launch
+    parameters it was captured with) and replayed for the rest of the segment and in every later rollout. Tracing
+    runs the step, so the buffers are put back after it: a capture, as on CUDA, changes nothing. It records each
+    capture's segment and the buffers' and weights' version it was captured on, and counts each graph's replays."""
+
+    def __init__(self, buffers):
+        super().__init__()
+        self.buffers = buffers
+        self.log: list = []  # (version, (rows, width)) of each capture
+        self.replays: dict = {}
+
+    def warm_up(self, step):
+        step()
+        self.warm = True
+
+    def capture(self, key, step):
+        self.segment = key
+        return super().capture(key, step)
+
+    def _record(self, step):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        saved = [t.clone() for t in self.buffers.tensors()]
+        traced = make_fx(lambda: step())()
+        for tensor, before in zip(self.buffers.tensors(), saved):
+            tensor.copy_(before)
+        self.log.append(((self.buffers.version, self.buffers.held.version), self.segment))
+        self.replays[len(self.log) - 1] = 0
+
+        def replay(capture=len(self.log) - 1):
+            self.replays[capture] += 1
+            traced()
+
+        return SimpleNamespace(replay=replay)
+
+
+def traced_engine(model, tok, args, stop, monkeypatch, **kw):
+    monkeypatch.setattr(graphed, "graphs_here", lambda device: True)
+    engine = FastEngine(model, tok, args, stop, static=True, **kw)
+    engine.graphs = _TracedGraphs(engine.buffers)
+    return engine
+
+
+def held_tensors(engine):
+    """The addresses of everything the step reads: the buffers and the held weights."""
+    return [t.data_ptr() for t in engine.buffers.tensors()] + [
+        t.data_ptr() for t, _ in engine.buffers.held.kept.values()
+    ]
+
+
+@pytest.mark.parametrize("sampling", ["plain", "repetition"])
+def test_traced_graphs_replayed_across_segments_and_rollouts_sample_what_eager_decoding_samples(sampling, monkeypatch):
+    """The CPU emulation of CUDA graphs (`_TracedGraphs`): each (rows, width) segment's step traced once, replayed
+    through the cache's growth (budgets past `GROW`), compaction (rows leaving: 16 slots, then 8, 4, ...) and the
+    history the repetition penalty reads, then in the next rollout: the same tokens and log-probs as the
+    shrinking-batch loop, no segment captured twice, none captured in the second rollout (the same requests and
+    seed: the same segments), and every buffer and weight the step reads at the address it had."""
+    tok, model, args, stop, requests = setup("cpu", budgets=(150, 40, 7), **SAMPLING[sampling])
+    engine = traced_engine(model, tok, args, stop, monkeypatch)
+    rollouts, addresses = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        rollouts.append(engine.generate(requests))
+        addresses.append(held_tensors(engine))
+    torch.manual_seed(0)
+    eager = FastEngine(model, tok, args, stop, static=False).generate(requests)
+    for rollout in rollouts:
+        assert_same(eager, rollout)
+    graphs = engine.graphs
+    segments = set(graphs.captured)
+    assert graphs.captures == len(graphs.log) == len(segments) > 3  # several segments, each captured once
+    assert {rows for rows, _ in segments} >= {16, 8} and all(width % GROW == 0 for _, width in segments)
+    if sampling == "plain":
+        assert {width for _, width in segments} >= {GROW, 2 * GROW}  # the cache grew past GROW columns
+    assert len({version for version, _ in graphs.log}) == 1  # nothing moved: one version of the buffers and weights
+    assert all(count > 0 for count in graphs.replays.values())
+    assert addresses[0] == addresses[1]
+
+
+def _perturb(model, change):
+    """The policy's weights between two rollouts: an optimizer's in-place update (of float32 or bfloat16 weights and
+    a float32 head), a LoRA policy's adapters updated in place, or every parameter given a new tensor (an
+    asynchronous run's snapshot takes each publication's)."""
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if change == "lora" and "lora_" not in name:
+                continue
+            new = param + 0.05 * torch.randn_like(param)
+            if change == "moved":
+                param.data = new
+            else:
+                param.copy_(new)
+
+
+@pytest.mark.parametrize(
+    "change,dtype",
+    [
+        ("in place", torch.bfloat16),
+        ("in place", torch.float32),
+        ("fp32 head", torch.bfloat16),
+        ("lora", torch.float32),
+        ("moved", torch.float32),
+    ],
+    ids=["in place, bf16 compute", "in place", "bf16 weights, fp32 head", "lora", "moved"],
+)
+def test_replayed_graphs_read_the_policy_weights_of_now(change, dtype, monkeypatch):
+    """Graphs captured in one rollout and replayed in the next read the weights the policy has then: the held copies
+    (bfloat16 casts, q/k/v and gate/up stacked, LoRA's merged weights) refreshed in place, the parameters read as
+    they are updated in place by the optimizer, and a parameter that moved copied from then on (its graphs captured
+    again once). Each rollout samples what a fresh engine samples from the weights of now (the fixed-shape loop
+    without graphs); a refresh skipped would leave the first rollout's weights in the replayed graphs."""
+    tok, model, args, stop, requests = setup("cpu", budgets=(40, 20, 7))
+    if change == "lora":
+        model = with_lora(model, target_modules=["q_proj", "o_proj", "down_proj"]).eval()
+    if change == "fp32 head":  # bfloat16 weights read as they are (o, down, norms), the float32 head's too
+        from grpo.models.fp32_head import cast_lm_head_to_fp32
+
+        model = model.to(torch.bfloat16)
+        cast_lm_head_to_fp32(model)
+    low = dtype if dtype == torch.bfloat16 else None
+    engine = traced_engine(model, tok, args, stop, monkeypatch, compute_dtype=low)
+    torch.manual_seed(0)
+    engine.generate(requests)
+    before = held_tensors(engine)
+    graphs = engine.graphs
+    captured = len(graphs.log)
+    _perturb(model, change)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        replayed = engine.generate(requests)
+        monkeypatch.setattr(graphed, "graphs_here", lambda device: False)
+        torch.manual_seed(seed)
+        fresh = FastEngine(model, tok, args, stop, static=True, compute_dtype=low).generate(requests)
+        monkeypatch.setattr(graphed, "graphs_here", lambda device: True)
+        assert_same(fresh, replayed)
+    assert len(set(graphs.log)) == len(graphs.log)  # no segment captured twice on the same buffers and weights
+    versions = [version for version, _ in graphs.log]
+    if change == "moved":  # the parameters read as they were moved: copied, the graphs captured again once
+        assert len(set(versions)) == 2 and versions[captured] != versions[0]
+    else:
+        assert set(versions) == {versions[0]} and held_tensors(engine) == before
+        assert any(graphs.replays[i] for i in range(captured))  # the first rollout's graphs, replayed
+
+
+def test_no_empty_cache_or_learner_micro_step_while_a_graph_is_captured(monkeypatch):
+    """In an asynchronous run the producer captures graphs in its own thread while the learner trains. Emptying the
+    allocator's cache (`torch_empty_cache_steps`) or a micro-step's compilation and autotuning (which synchronize the
+    device) during a capture would break it: both wait for the capture to end (`allocator.DEVICE_WIDE`). A stand-in
+    capture blocks until released; the learner's calls come after it ends."""
+    import threading
+    import time
+
+    from grpo.perf import allocator
+    from grpo.rounds.asynchronous import AsyncRounds
+
+    events, started, release = [], threading.Event(), threading.Event()
+
+    class Blocking(graphed.Graphs):
+        def _record(self, step):
+            events.append("capture begins")
+            started.set()
+            assert release.wait(10)
+            events.append("capture ends")
+            return SimpleNamespace(replay=lambda: None)
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    rounds = AsyncRounds.__new__(AsyncRounds)
+    rounds.rng_lock, rounds.seed = threading.Lock(), 0
+
+    def micro_step():
+        with rounds.learning(1):
+            events.append("micro-step")
+
+    for learner_call in (lambda: allocator.release_cached_memory("cuda"), micro_step):
+        events.clear()
+        started.clear()
+        release.clear()
+        producer = threading.Thread(target=lambda: Blocking().capture((1, GROW), lambda: None))
+        producer.start()
+        assert started.wait(10)
+        learner = threading.Thread(target=learner_call)
+        learner.start()
+        time.sleep(0.3)
+        assert events == ["capture begins"]  # the learner waits
+        release.set()
+        producer.join(10)
+        learner.join(10)
+        assert events[:2] == ["capture begins", "capture ends"] and events[2] in ("empty_cache", "micro-step")
+
+
+def test_decode_attention_scores_are_float32_as_in_training():
+    """The fixed-shape step's attention in bfloat16: its scores are the float32 sums of the exact products of the
+    bfloat16 queries and keys (as the training pass's attention kernels compute them), not products rounded to
+    bfloat16 (8 bits a score: the GPU audit's wider gap between sampling and training log-probs). Against float64
+    attention over the same bfloat16 numbers, the output is several times closer than with rounded scores."""
+    from grpo.rollout.lean_ops import grouped_attention, scores
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, width, d = 4, 8, 2, 64, 64
+    q = (torch.randn(b, heads, 1, d, generator=g) * 4).bfloat16()
+    keys, values = (torch.randn(b, kv_heads, width, d, generator=g).bfloat16() for _ in range(2))
+    bias = torch.zeros(b, 1, 1, width).masked_fill_(torch.rand(b, 1, 1, width, generator=g) < 0.2, float("-inf"))
+    grouped = q.reshape(b, kv_heads, heads // kv_heads, d)
+    exact = grouped.double() @ keys.double().transpose(-1, -2)
+    got = scores(grouped, keys)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-5)
+    scale = d**-0.5
+
+    def attention(s):  # the probabilities rounded to the values' dtype, as the step does
+        p = (s * scale + bias).softmax(-1).to(torch.bfloat16).double()
+        return (p @ values.double()).reshape(b, heads, 1, d)
+
+    truth = attention(exact)
+    rounded = attention(torch.matmul(grouped, keys.transpose(-1, -2)).double())  # bfloat16 products
+    fp32 = (grouped_attention(q, keys, values, bias, scale).double() - truth).abs().mean()
+    bf16 = (rounded - truth).abs().mean()
+    assert fp32 * 3 < bf16, (fp32, bf16)

@@ -136,6 +136,8 @@ def lean_problem(module: Any) -> str | None:
     if type(module) is torch.nn.Linear:
         return None
     kind = f"{type(module).__module__}.{type(module).__qualname__}"
+    if not _is_lora_linear(module) and is_adapter_layer(module):
+        return f"a projection carries a PEFT adapter of another kind ({kind}), whose merged weight is not base + B A"
     if not _is_lora_linear(module):
         return f"a projection is a {kind}, not a plain torch Linear or a LoRA adapter on one (quantization?)"
     if type(module.get_base_layer()) is not torch.nn.Linear:

@@ -1,15 +1,24 @@
-"""The CPU allocator policy for training (freed memory kept for reuse, glibc), and handing cached memory back."""
+"""The CPU allocator policy for training (freed memory kept for reuse, glibc), handing cached memory back, and the
+lock between CUDA graph captures and what acts on the whole device."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 import platform
+import threading
 from typing import Any
 
 import torch
 
 logger = logging.getLogger("grpo")
+
+# Held by a CUDA graph capture (`grpo.rollout.graphed`: an asynchronous run's producer captures in its own thread)
+# and by everything that acts on the whole device from another thread while it may: emptying the allocator's cache
+# (which asserts that no capture is under way), and the learner's micro-steps (a compiled pass synchronizes the
+# device when Inductor autotunes a kernel's first run; an allocation that fails retries after freeing cached blocks,
+# which a capture under way forbids). A capture is short and, with graphs kept for the run, rare.
+DEVICE_WIDE = threading.RLock()
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
@@ -46,7 +55,8 @@ def release_cached_memory(device: Any) -> bool:
     pages even when `keep_freed_memory` turned automatic trimming off). Returns whether anything was asked."""
     kind = torch.device(device).type
     if kind == "cuda":
-        torch.cuda.empty_cache()
+        with DEVICE_WIDE:  # never while a graph is being captured (another thread's)
+            torch.cuda.empty_cache()
         return True
     if kind == "mps":
         torch.mps.empty_cache()

@@ -12,12 +12,12 @@ import torch.nn.functional as F  # noqa: N812
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def fixed_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+def fixed_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool = True) -> Linear:
     """x -> x @ weight.T + bias computed in `dtype`, with the weight cast once now (and on CPUs with oneDNN,
-    pre-packed for bfloat16: the same kernel, without a per-call reorder). Output in `dtype`."""
+    pre-packed for bfloat16 unless `pack` is off: the same kernel, without a per-call reorder). Output in `dtype`."""
     weight = weight.detach().to(dtype)
     bias = bias.detach().to(dtype) if bias is not None else None
-    if weight.device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+    if pack and weight.device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
         except (RuntimeError, AttributeError):  # a torch build without the op: plain bfloat16 matmul

@@ -212,6 +212,7 @@ class FastEngine:
         self.sampler = sampler  # None: `sample_from` on uniform numbers drawn per row and step (`draw_uniforms`)
         self.static = static  # decode on fixed shapes (`graphed.StaticDecode`); None: on CUDA, with the lean decoder
         self.graphs = graphed.Graphs()  # on CUDA: one graph pool and side stream for the run, and a failure kept
+        self.buffers = graphed.Buffers()  # the fixed-shape loop's cache, state and weights, kept for the run
         self.lean_reason = lean_families.unsupported_reason(model) if lean else "turned off"
         # the fixed-shape loop runs the Llama layer only: other lean models take the per-step loop
         self.fixed_reason = lean_families.fixed_shape_reason(model) if self.lean_reason is None else self.lean_reason
@@ -265,10 +266,12 @@ class FastEngine:
         generator = getattr(_thread, "generator", None)
         static = self.static if self.static is not None else device.type == "cuda"
         if static and self.fixed_reason is None:
-            decoder = self._stepper()
-            stop_ids = self.stop_ids.to(device)
+            # the weights the graphs read, refreshed in place (the engine's held copies, or the parameters themselves)
+            decoder = lean_decoder.LeanDecoder(self.model, self._dtype(), held=self.buffers.held)
             graphs = self.graphs if graphed.graphs_here(device) else None
-            run = graphed.StaticDecode(decoder, self.processors, stop_ids, self._draw, self.needs_history, graphs)
+            run = graphed.StaticDecode(
+                decoder, self.processors, self.stop_ids, self._draw, self.needs_history, graphs, self.buffers
+            )
             tokens, logps, lengths = run.run(ids, mask, owner, budgets, longest, generator, self.sampler is None)
         else:
             # a GPU would wait for the host at every look at the rows: there, finished rows leave every
@@ -338,8 +341,11 @@ class FastEngine:
     def _stepper(self) -> Any:
         """The lean decoder where the model allows it, else the transformers forward with a dynamic cache."""
         if self.lean_reason is None:
-            return lean_decoder.LeanDecoder(self.model, self.compute_dtype or next(self.model.parameters()).dtype)
+            return lean_decoder.LeanDecoder(self.model, self._dtype())
         return _TransformersStepper(self.model)
+
+    def _dtype(self) -> torch.dtype:
+        return self.compute_dtype or next(self.model.parameters()).dtype
 
 
 class _TransformersStepper:

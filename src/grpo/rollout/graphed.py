@@ -3,8 +3,8 @@
 A GPU runs a small model's decode step in well under a millisecond when it is handed whole steps. Eager decoding
 hands it ~800 small kernels a token and waits for the host several times a token (reading the sampled tokens,
 asking which rows finished): launch- and sync-bound. `StaticDecode` makes a step a function of device buffers only:
-- every row's keys and values sit in buffers of a fixed width (grown by `lean_decoder.GROW` columns between steps,
-  as the tokens come), attended over that width with a mask;
+- every row's keys and values sit in buffers of a fixed width (widened by `lean_decoder.GROW` columns between
+  steps, as the tokens come), attended over that width with a mask;
 - sampling happens inside the step: transformers' logits processors, the log-softmax, and `sample_from` reading
   uniform numbers drawn beforehand, `CHECK_EVERY` steps at a time, one per row and step (the same numbers the
   eager loop reads, so both sample the same tokens from the same generator);
@@ -15,12 +15,22 @@ still going into a smaller batch when they fit one (row counts are powers of two
 never held twice. Rows that finished in between keep their slots until then, their tokens not counted.
 
 On CUDA each (rows, width) segment's step is captured once as a CUDA graph (`torch.cuda.CUDAGraph`, after one
-warm-up step on a side stream) and replayed: one launch a step. Graphs live for one rollout (the buffers they
-read do), so a rollout captures one graph per segment: a few, since widths grow by GROW columns and row counts
-halve. What outlives a rollout is the engine's `Graphs`: one memory pool that every capture of the run shares,
-one side stream, and whether capturing failed (then one warning, and every later rollout decodes eagerly: no
-capture is tried again, and none leaves a stale entry behind). Elsewhere the same step runs eagerly; the tests
-compile it with `fullgraph=True` to show that nothing in it waits for the host.
+warm-up step on a side stream) and replayed: one launch a step. Graphs are kept for the run and replayed in every
+later rollout, so every tensor a step reads stays where it is for the run, and is written in place:
+- the engine's `Buffers`: the key/value cache and the loop's state, laid out for the most slots, columns and tokens
+  a rollout has needed (larger ones are made, and the graphs dropped, only when a rollout needs more). A segment
+  reads their first `bucket(rows)` slots and first `width` columns, a multiple of `GROW` (whatever the prompts'
+  width: the first column decoded is a tensor of the step), so segments of every rollout share their graphs. Growth
+  moves nothing; rows that leave are moved into the first slots in place, layer by layer. The cache is held for the
+  whole budget of the rollouts' rows (as vLLM reserves its cache), where the eager loop grows it with the tokens;
+- the weights (`held.HeldWeights`): the model's own parameters, or copies refreshed in place at each rollout.
+So a run captures one graph per (rows, width) it meets, in its first rollouts, and none after. What else outlives
+a rollout is in the engine's `Graphs`: one memory pool that every capture shares, one side stream, and whether
+capturing failed (then one warning, and every later rollout decodes eagerly: no capture is tried again, and none
+leaves a stale entry behind). Captures hold `allocator.DEVICE_WIDE`, which the learner's thread takes before it
+empties the allocator's cache or runs a micro-step. Elsewhere the same step runs eagerly; the tests compile it
+with `fullgraph=True` to show that nothing in it waits for the host, and replay it traced per segment (`make_fx`)
+to show that it reads nothing a graph would not hold.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from grpo.base import sigterm
+from grpo.perf import allocator
+from grpo.rollout.held import HeldWeights
 from grpo.rollout.lean_decoder import GROW, LeanDecoder
 from grpo.rollout.lean_ops import grouped_attention, rotated
 
@@ -43,10 +55,14 @@ CHECK_EVERY = 16  # decode steps between the host's looks at the rows (and betwe
 
 class Graphs:
     """The CUDA graph state of one engine for the whole run (see the module's docstring): created lazily, so that
-    building it touches no device."""
+    building it touches no device. `capture` and `warm_up` are what a stand-in overrides to emulate CUDA on a CPU."""
 
     def __init__(self) -> None:
         self.failed = False  # a capture failed: eager decoding from then on
+        self.warm = False  # a step ran on the side stream (a capture follows one)
+        self.captured: dict[tuple[int, int], Any] = {}  # (rows, width) -> that segment's graph
+        self.captures = 0  # graphs captured in the run
+        self.version: tuple[int, int] | None = None  # the buffers' and weights' version the graphs were captured on
         self._stream: Any = None
         self._pool: Any = None
 
@@ -69,6 +85,106 @@ class Graphs:
             )
         self.failed = True
 
+    def graph(self, key: tuple[int, int], version: tuple[int, int]) -> Any:
+        """The graph captured for segment `key` on the buffers and weights of `version` (None: none yet). Graphs of
+        another version read addresses that are gone: all are dropped (their memory returns to the pool)."""
+        if version != self.version:
+            self.captured.clear()
+            self.version = version
+        return self.captured.get(key)
+
+    def warm_up(self, step: Callable[[], None]) -> None:
+        """The run's first step, eagerly on the side stream (as CUDA graph capture wants before a capture)."""
+        current, side = torch.cuda.current_stream(), self.stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            step()
+        current.wait_stream(side)
+        self.warm = True
+
+    def capture(self, key: tuple[int, int], step: Callable[[], None]) -> Any:
+        """Record `step` as segment `key`'s CUDA graph (nothing runs), or None where that fails (`fail`: eager from
+        then on). Not `torch.cuda.graph()`: it synchronizes the device, collects Python's garbage and empties the
+        allocator's cache before every capture (vLLM skips those too). Thread-local, in the one pool and on the one
+        side stream, under `allocator.DEVICE_WIDE`: in an asynchronous run the learner's thread uses the device
+        meanwhile, but never empties the cache or runs a micro-step (compilation, autotuning) while a capture is
+        under way."""
+        with allocator.DEVICE_WIDE:
+            try:
+                graph = self._record(step)
+            except RuntimeError as err:
+                self.fail(err)
+                return None
+        self.captured[key] = graph
+        self.captures += 1
+        return graph
+
+    def _record(self, step: Callable[[], None]) -> Any:
+        graph = torch.cuda.CUDAGraph()
+        current, side = torch.cuda.current_stream(), self.stream()
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self.pool(), capture_error_mode="thread_local")
+                try:
+                    step()
+                finally:
+                    graph.capture_end()
+        finally:
+            current.wait_stream(side)
+        return graph
+
+
+class Buffers:
+    """Every tensor the fixed-shape step reads or writes, kept by the engine for the run (see the module's
+    docstring), laid out for at most `rows` slots (and a row that spare slots write into), `width` key columns and
+    `longest` tokens a row. A rollout that needs more makes larger ones (`version` changes: the graphs captured on
+    the old ones are dropped); none is ever made smaller. A segment reads their first rows and columns."""
+
+    def __init__(self) -> None:
+        self.held = HeldWeights()  # the weights the step reads, refreshed in place at each rollout
+        self.rows = self.width = self.longest = 0
+        self.layout: tuple[Any, ...] = ()  # (layers, kv_heads, head_dim, dtype, vocab, device, stop ids)
+        self.version = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def fit(self, dec: LeanDecoder, rows: int, width: int, longest: int, vocab: int, stop_ids: torch.Tensor) -> None:
+        """Buffers for `rows` slots, `width` columns and `longest` tokens: the ones held where they are large
+        enough, else larger ones (the old ones freed first)."""
+        device = dec.embed.device
+        layout = (len(dec.layers), dec.kv_heads, dec.head_dim, dec.dtype, vocab, device, tuple(stop_ids.tolist()))
+        if layout == self.layout and rows <= self.rows and width <= self.width and longest <= self.longest:
+            return
+        if layout == self.layout:
+            rows, width, longest = max(rows, self.rows), max(width, self.width), max(longest, self.longest)
+        self.keys, self.values = [], []  # the old cache goes before the new one is made
+        self.rows, self.width, self.longest, self.layout = rows, width, longest, layout
+        self.version += 1
+        shape = (rows, dec.kv_heads, width, dec.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dec.dtype, device=device) for _ in dec.layers]
+        self.values = [torch.zeros(shape, dtype=dec.dtype, device=device) for _ in dec.layers]
+        self.valid = torch.zeros(rows, width, dtype=torch.bool, device=device)
+        self.history = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.logits = torch.zeros(rows, vocab, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.going = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.budget = torch.zeros(rows, dtype=torch.long, device=device)
+        self.row = torch.zeros(rows, dtype=torch.long, device=device)
+        # per row, and one more that spare slots write into (never read)
+        self.tokens = torch.zeros(rows + 1, longest, dtype=torch.long, device=device)
+        self.logps = torch.zeros(rows + 1, longest, dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(rows + 1, dtype=torch.long, device=device)
+        self.uniforms = torch.full((CHECK_EVERY, rows + 1), 0.5, dtype=torch.float64, device=device)
+        self.t = torch.zeros((), dtype=torch.long, device=device)  # the decode step
+        self.start = torch.zeros((), dtype=torch.long, device=device)  # the prompts' width: the first column decoded
+        self.stop_ids = stop_ids.to(device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer (the tests look at their addresses)."""
+        names = ("valid", "history", "logits", "positions", "going", "budget", "row", "tokens", "logps", "lengths")
+        return [*self.keys, *self.values, *(getattr(self, n) for n in names), self.uniforms, self.t, self.start]
+
 
 def graphs_here(device: torch.device) -> bool:
     """Whether decode steps are captured as CUDA graphs on `device` (CUDA only)."""
@@ -86,8 +202,15 @@ def draw_uniforms(rows: int, device: torch.device, generator: torch.Generator | 
     return torch.rand(CHECK_EVERY, rows, dtype=torch.float64, device=device, generator=generator)
 
 
+def columns(tokens: int) -> int:
+    """The key/value width that holds `tokens` columns: a multiple of GROW (few distinct widths, so few graphs, the
+    same whatever the prompts' width)."""
+    return -(-tokens // GROW) * GROW
+
+
 class StaticDecode:
-    """One rollout on the lean decoder's weights, on fixed shapes (see the module's docstring)."""
+    """One rollout on the lean decoder's weights, on fixed shapes (see the module's docstring), in the engine's
+    `buffers` (by default its own, for this rollout)."""
 
     def __init__(
         self,
@@ -97,16 +220,17 @@ class StaticDecode:
         draw: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         with_history: bool,
         graphs: Graphs | None,
+        buffers: Buffers | None = None,
     ) -> None:
         self.decoder = decoder
         self.processors = processors
         self.draw = draw  # (logprobs, uniforms) -> tokens
         self.with_history = with_history  # the processors read every row's tokens so far (repetition penalty)
         self.graphs = graphs  # the engine's CUDA graph state; None: eager steps (not on CUDA)
+        self.buffers = buffers if buffers is not None else Buffers()
         self.stop_ids = stop_ids
-        self.graph: Any = None  # the captured step of the current segment
-        self.warm = False  # a step ran eagerly (CUDA graphs capture after one)
-        self.step_fn: Callable[[], None] = self._step  # what runs a step eagerly (the tests compile it)
+        # what runs a step, eagerly and in a capture (the tests and the GPU check compile it)
+        self.step_fn: Callable[[], None] = self._step
 
     @torch.no_grad()
     def run(
@@ -129,9 +253,8 @@ class StaticDecode:
             if sample:  # outside the graph: any generator, and the same numbers as the eager loop reads
                 self.uniforms[:, :n].copy_(draw_uniforms(n, device, generator))
             steps = min(CHECK_EVERY, longest - done)
-            width = self.decoder.keys[0].shape[2]
-            if self.prompt + done + steps > width:
-                self._grow(min(self.prompt + longest, max(self.prompt + done + steps, width + GROW)))
+            if self.prompt + done + steps > self.width:
+                self._segment(self.rows, columns(self.prompt + done + steps))  # wider: the columns are there
             for _ in range(steps):
                 self.advance()
             done += steps
@@ -141,91 +264,81 @@ class StaticDecode:
             live = int(self.going.sum())  # the loop's one host sync per CHECK_EVERY steps
             if live == 0:
                 break
-            if bucket(live) < len(self.going):
+            if bucket(live) < self.rows:
                 self._compact(live)
-        return self.tokens[:n], self.logps[:n], self.lengths[:n]
+        return self.tokens[:n, :longest].clone(), self.logps[:n, :longest].clone(), self.lengths[:n].clone()
 
     def prefill(
         self, ids: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor, budgets: torch.Tensor, longest: int
     ) -> None:
-        """The prompts' pass, and every buffer of the loop laid out for `bucket(rows)` slots."""
-        dec = self.decoder
-        dec._unpack()  # the plain linears: weights cast once for the rollout
+        """The prompts' pass, and every buffer of the loop set for `bucket(rows)` slots: the prompts' keys and
+        values copied to their rows, the columns after them cleared."""
+        dec, b = self.decoder, self.buffers
+        dec._unpack()  # the plain linears: weights cast once (held weights: refreshed in place)
         logits = dec.prompt_pass(ids, mask, ids.shape[1])
         n, device = len(owner), ids.device
-        rows = bucket(n)
+        rows, prompt = bucket(n), ids.shape[1]
+        b.fit(dec, rows, columns(prompt + longest), longest, logits.shape[-1], self.stop_ids)
         slot = torch.arange(rows, device=device)
         real = slot < n
         slot = torch.where(real, slot, 0)  # a spare slot repeats the first row (finite numbers, never read)
         source = owner[slot]
-        self.prompt = ids.shape[1]
-        self.row = torch.where(real, slot, n)  # each slot's row; spare slots write into row n, never read
-        for cache in (dec.keys, dec.values):
-            for i in range(len(cache)):
-                cache[i] = cache[i].index_select(0, source)
-        self.valid = mask.bool()[source]
-        self.logits = logits.index_select(0, source)
-        self.positions = mask.sum(-1, keepdim=True)[source]
-        self.going = real.clone()
-        self.budget = budgets[slot]
-        self.t = torch.zeros((), dtype=torch.long, device=device)
-        self.tokens = torch.zeros(n + 1, longest, dtype=torch.long, device=device)
-        self.logps = torch.zeros(n + 1, longest, dtype=torch.float32, device=device)
-        self.lengths = torch.zeros(n + 1, dtype=torch.long, device=device)
-        self.uniforms = torch.full((CHECK_EVERY, n + 1), 0.5, dtype=torch.float64, device=device)
-        # the processors' view of each row's tokens: the prompt, then the sampled tokens written in as they come;
-        # columns not yet written repeat the prompt's last token (a token the row already has: no new penalty)
-        self.history = (
-            torch.cat([ids[source], ids[source][:, -1:].expand(rows, longest)], dim=1) if self.with_history else None
-        )
-        self._grow(self.prompt + min(longest, GROW))
+        for held, made in ((b.keys, dec.keys), (b.values, dec.values)):
+            for i in range(len(made)):  # layer by layer, each prompt buffer freed once copied
+                held[i][:rows, :, :prompt].copy_(made[i].index_select(0, source))
+                held[i][:rows, :, prompt:].zero_()
+                made[i] = made[i].new_empty(0)
+        b.valid[:rows].zero_()
+        b.valid[:rows, :prompt].copy_(mask.bool()[source])
+        b.logits[:rows].copy_(logits.index_select(0, source))
+        b.positions[:rows].copy_(mask.sum(-1, keepdim=True)[source])
+        b.going[:rows].copy_(real)
+        b.budget[:rows].copy_(budgets[slot])
+        b.row[:rows].copy_(torch.where(real, slot, b.rows))  # each slot's row; spare slots write into the last
+        b.t.zero_()
+        b.start.fill_(prompt)
+        b.tokens.zero_()
+        b.logps.zero_()
+        b.lengths.zero_()
+        b.uniforms.fill_(0.5)
+        if self.with_history:
+            # the processors' view of each row's tokens: the prompt, then the sampled tokens written in as they
+            # come; columns not yet written repeat the prompt's last token (a token the row has: no new penalty)
+            b.history[:rows, :prompt].copy_(ids[source])
+            b.history[:rows, prompt:].copy_(ids[source][:, -1:])
+        self.prompt = prompt
+        self._segment(rows, columns(prompt + min(longest, CHECK_EVERY)))
+
+    def _segment(self, rows: int, width: int) -> None:
+        """The step's views for `rows` slots and `width` key columns: the buffers' first ones."""
+        b = self.buffers
+        self.rows, self.width = rows, width
+        self.keys = [k[:rows, :, :width] for k in b.keys]
+        self.values = [v[:rows, :, :width] for v in b.values]
+        self.valid, self.logits, self.positions = b.valid[:rows, :width], b.logits[:rows], b.positions[:rows]
+        self.going, self.budget, self.row = b.going[:rows], b.budget[:rows], b.row[:rows]
+        self.history = b.history[:rows, :width] if self.with_history else None
+        self.tokens, self.logps, self.lengths, self.uniforms = b.tokens, b.logps, b.lengths, b.uniforms
+        self.t, self.start, self.stop_ids = b.t, b.start, b.stop_ids
 
     def advance(self) -> None:
-        """One decode step: the segment's captured graph replayed, or (on CUDA) captured first, or an eager step
-        (on CUDA: the run's first step, a warm-up on a side stream before any capture)."""
+        """One decode step: the segment's captured graph replayed (captured in this rollout or an earlier one), or
+        captured first, or an eager step (on CUDA: the run's first step, a warm-up on the side stream)."""
         graphs = self.graphs if self.graphs is not None and not self.graphs.failed else None
-        if self.graph is not None:
-            self.graph.replay()
-        elif graphs is not None and self.warm:
-            self._capture(graphs)
-            if self.graph is not None:
-                self.graph.replay()  # capturing recorded the step without running it
-            else:
-                self.step_fn()
-        elif graphs is not None:  # warm-up on a side stream, as CUDA graph capture wants
-            current, side = torch.cuda.current_stream(), graphs.stream()
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                self.step_fn()
-            current.wait_stream(side)
-            self.warm = True
+        if graphs is None:
+            self.step_fn()
+            return
+        key = (self.rows, self.width)
+        graph = graphs.graph(key, (self.buffers.version, self.buffers.held.version))
+        if graph is None and not graphs.warm:
+            graphs.warm_up(self.step_fn)
+            return
+        if graph is None:
+            graph = graphs.capture(key, self.step_fn)
+        if graph is not None:
+            graph.replay()  # capturing recorded the step without running it
         else:
             self.step_fn()
-
-    def _capture(self, graphs: Graphs) -> None:
-        """Record the step as the segment's CUDA graph (nothing runs). Not `torch.cuda.graph()`: it synchronizes
-        the device, collects Python's garbage and empties the allocator's cache before every capture (vLLM skips
-        those too). Thread-local: in an asynchronous run the learner's thread uses the device meanwhile. A step
-        that cannot be captured runs eagerly from then on, for the rest of the run (`Graphs.fail`: one warning)."""
-        graph = torch.cuda.CUDAGraph()
-        current, side = torch.cuda.current_stream(), graphs.stream()
-        side.wait_stream(current)
-        try:
-            with torch.cuda.stream(side):
-                graph.capture_begin(pool=graphs.pool(), capture_error_mode="thread_local")
-                try:
-                    self._step()
-                finally:
-                    graph.capture_end()
-        except RuntimeError as err:
-            graphs.fail(err)
-            return
-        finally:
-            current.wait_stream(side)
-        self.graph = graph
-
-    def _new_segment(self) -> None:
-        self.graph = None  # buffers moved: the next step is captured again
 
     def _step(self) -> None:
         """Sample each row's token from the logits, record it, feed it: in place on the buffers, no host sync."""
@@ -240,7 +353,7 @@ class StaticDecode:
         self.lengths.index_add_(0, self.row, self.going.long())
         stopped = (chosen.unsqueeze(-1) == self.stop_ids).any(-1)
         self.going.logical_and_(~stopped & (self.budget > t + 1))
-        column = (t + self.prompt).view(1)
+        column = (t + self.start).view(1)
         if self.history is not None:
             self.history.index_copy_(1, column, chosen.unsqueeze(-1))
         self.valid.index_fill_(1, column, True)
@@ -250,7 +363,7 @@ class StaticDecode:
 
     def _forward(self, tokens: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
         """The lean decoder's layers for one token per row, its keys and values written at `column`, attention
-        over the buffers' whole width (the columns not attended masked out)."""
+        over the segment's whole width (the columns not attended masked out)."""
         dec = self.decoder
         assert dec.head is not None  # made by the decoder's prefill
         b = len(tokens)
@@ -264,39 +377,32 @@ class StaticDecode:
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
             qk = rotated(qk.view(b, 1, dec.heads + dec.kv_heads, dec.head_dim).transpose(1, 2), layer, cos, sin)
             q, k = qk.split([dec.heads, dec.kv_heads], dim=1)
-            dec.keys[i].index_copy_(2, column, k.to(dec.dtype))
-            dec.values[i].index_copy_(2, column, v.view(b, 1, dec.kv_heads, dec.head_dim).transpose(1, 2).to(dec.dtype))
-            out = grouped_attention(q.to(dec.dtype), dec.keys[i], dec.values[i], bias, dec.scale)
+            self.keys[i].index_copy_(2, column, k.to(dec.dtype))
+            self.values[i].index_copy_(
+                2, column, v.view(b, 1, dec.kv_heads, dec.head_dim).transpose(1, 2).to(dec.dtype)
+            )
+            out = grouped_attention(q.to(dec.dtype), self.keys[i], self.values[i], bias, dec.scale)
             x = x + layer["o"](out.transpose(1, 2).reshape(b, 1, q_size))
             gate, up = layer["gate_up"](layer["norm2"](x)).split(layer["intermediate"], dim=-1)
             x = x + layer["down"](F.silu(gate) * up)
         return dec.head(dec.norm(x[:, -1])).float()
 
-    def _grow(self, width: int) -> None:
-        """Key/value buffers `width` columns wide, layer by layer (each old buffer freed as it is copied)."""
-        dec = self.decoder
-        more = width - dec.keys[0].shape[2]
-        if more <= 0:
-            return
-        for cache in (dec.keys, dec.values):
-            for i in range(len(cache)):
-                cache[i] = F.pad(cache[i], (0, 0, 0, more))
-        self.valid = F.pad(self.valid, (0, width - self.valid.shape[1]))
-        self._new_segment()
-
     def _compact(self, live: int) -> None:
-        """The rows still going into a batch of `bucket(live)` slots, layer by layer."""
+        """The rows still going into the first `bucket(live)` slots, in place, layer by layer (one layer's kept
+        rows copied at a time: the cache is never held twice)."""
         keep = self.going.nonzero().squeeze(-1)
-        rows = bucket(live)
+        rows, width, b = bucket(live), self.width, self.buffers
         slot = torch.cat([keep, keep[:1].expand(rows - live)])
         real = torch.arange(rows, device=slot.device) < live
-        dec = self.decoder
-        for cache in (dec.keys, dec.values):
-            for i in range(len(cache)):
-                cache[i] = cache[i].index_select(0, slot)
-        self.row = torch.where(real, self.row[slot], len(self.lengths) - 1)
-        self.going = self.going[slot] & real
-        self.valid, self.logits, self.positions = self.valid[slot], self.logits[slot], self.positions[slot]
-        self.budget = self.budget[slot]
-        self.history = self.history[slot] if self.history is not None else None
-        self._new_segment()
+        kept = b.keys[0].new_empty((rows, b.keys[0].shape[1], width, b.keys[0].shape[3]))  # one layer's kept rows
+        for cache in (b.keys, b.values):
+            for k in cache:  # the columns past the segment's are clear in every slot: nothing there to move
+                torch.index_select(k[: self.rows, :, :width], 0, slot, out=kept)
+                k[:rows, :, :width].copy_(kept)
+        del kept
+        moved = [b.valid, b.logits, b.positions, b.budget] + ([b.history] if self.with_history else [])
+        for buffer in moved:  # whole rows: the columns past the segment's are the row's own too
+            buffer[:rows].copy_(buffer[: self.rows].index_select(0, slot))
+        b.row[:rows].copy_(torch.where(real, self.row.index_select(0, slot), b.rows))
+        b.going[:rows].copy_(self.going.index_select(0, slot) & real)
+        self._segment(rows, width)

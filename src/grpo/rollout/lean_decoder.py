@@ -38,11 +38,16 @@ takes the fused step like Llama). OLMo 2 norms each sublayer's output instead of
 projections whole. Gemma 3, OLMo 2, windows, layers without RoPE and partial rotations take the per-operator
 path (the fused C step and the fixed-shape loop run the Llama layer: `lean_families.fixed_shape_reason`).
 
+For the fixed-shape loop the decoder takes every weight its step reads from the engine's `held.HeldWeights`: tensors
+at addresses that last the run, refreshed in place at each rollout, so that the CUDA graphs captured on them are
+replayed in every later rollout.
+
 A LoRA policy (PEFT) runs here too: each rollout's weights are the merged copies (`lora.merged_linear`: base +
 scaling * B A of the active adapters, summed in float32 and rounded once by the cast above; `modules_to_save`
-copies in place of their originals), never merged into the policy. Models it does not recognise, or that carry
-other wrapped projections (DoRA, quantized layers), keep the transformers forward (`lean_families.unsupported_reason`
-says why). The layers' arithmetic, family by family, is in `lean_ops`.
+copies in place of their originals), never merged into the policy. Models it does not recognise, or only half (other
+wrapped projections: DoRA, quantized layers; a quantization config, a rotary type it does not know, other norms, a
+parameter it would not read), keep the transformers forward (`lean_families.unsupported_reason` says why). The
+layers' arithmetic, family by family, is in `lean_ops`.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from grpo.models.modeling import unwrap
 from grpo.perf.kernels import Linear, fixed_linear
 from grpo.rollout import lean_families
 from grpo.rollout.cpu import packed, panels
+from grpo.rollout.held import HeldWeights, cast_stacked
 from grpo.rollout.lean_families import norm_eps
 from grpo.rollout.lean_ops import gemma_norm, grouped_attention, head_norms, llama_norm, olmo_norm, rotated, same
 
@@ -73,17 +79,20 @@ FUSED = True  # a float32 decode step on the panel kernel runs every layer in on
 class LeanDecoder:
     """The model's forward for sampling: `prefill` the prompts, then `step` one token at a time, `select` rows."""
 
-    def __init__(self, model: Any, dtype: torch.dtype) -> None:
+    def __init__(self, model: Any, dtype: torch.dtype, held: HeldWeights | None = None) -> None:
         model = unwrap(model)
         config, inner = model.config, model.model
         self.dtype = dtype
+        self.held = held  # the fixed-shape loop's weights, kept for the run; None: this rollout's own
         self.gemma = config.model_type in lean_families.GEMMA
         self.olmo = config.model_type in lean_families.OLMO
         embed = active_module(inner.embed_tokens)
-        self.embed = embed.weight
+        self.embed = self._held("embed", [embed.weight], embed.weight.dtype)
         # Gemma scales its embeddings (by sqrt(hidden), in the weight's dtype): None for the others
         self.embed_scale = getattr(embed, "embed_scale", None) if self.gemma else None
         self.rotary = inner.rotary_emb
+        if held is not None and isinstance(getattr(self.rotary, "inv_freq", None), torch.Tensor):
+            held.watch("rotary.inv_freq", self.rotary.inv_freq)  # read by the model's module: its address is watched
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -97,7 +106,7 @@ class LeanDecoder:
         # stacked by rows (by the panel kernel's packing, or concatenated once the plain path needs them). A LoRA
         # layer's weight is its merged copy (`lora.merged_linear`), made here for this rollout.
         self.parts: list[dict[str, tuple[list[torch.Tensor], torch.Tensor | None]]] = []
-        for layer in inner.layers:
+        for index, layer in enumerate(inner.layers):
             a, m = layer.self_attn, layer.mlp
             if hasattr(a, "qkv_proj"):  # Phi-3: q, k and v already one linear
                 qkv = _listed(lora.merged_linear(a.qkv_proj, dtype))
@@ -123,10 +132,15 @@ class LeanDecoder:
                 after = (olmo_norm, layer.post_attention_layernorm, layer.post_feedforward_layernorm)
             else:
                 norm1, norm2 = (active_module(n) for n in _layer_norms(layer, self.gemma))
-                norm = gemma_norm if self.gemma else llama_norm
-                before = dict(
-                    norm1=norm(norm1), norm2=norm(norm2), norm1_weight=norm1.weight, norm2_weight=norm2.weight
-                )
+                if self.gemma:
+                    before = dict(norm1=gemma_norm(norm1), norm2=gemma_norm(norm2))
+                else:
+                    w1, w2 = (
+                        self._held(f"{index}.{k}", [n.weight], n.weight.dtype)
+                        for k, n in (("norm1", norm1), ("norm2", norm2))
+                    )
+                    before = dict(norm1=llama_norm(norm1, w1), norm2=llama_norm(norm2, w2))
+                before.update(norm1_weight=norm1.weight, norm2_weight=norm2.weight)
                 after = (
                     (gemma_norm, layer.post_attention_layernorm, layer.post_feedforward_layernorm)
                     if self.gemma
@@ -134,7 +148,7 @@ class LeanDecoder:
                 )
             self.layers.append(
                 dict(
-                    qk_norm=None if self.olmo else head_norms(a, self.heads, self.kv_heads, self.gemma),
+                    qk_norm=None if self.olmo else self._held_norms(index, a),
                     # OLMo 2: the query and key projections each RMS-normed whole, before the heads are split
                     projection_norms=(olmo_norm(active_module(a.q_norm)), olmo_norm(active_module(a.k_norm)))
                     if self.olmo
@@ -153,7 +167,12 @@ class LeanDecoder:
         self.eps = {
             norm_eps(active_module(n)) for layer in inner.layers for n in _layer_norms(layer, self.gemma, self.olmo)
         }
-        self.norm = (gemma_norm if self.gemma else llama_norm)(active_module(inner.norm))
+        final = active_module(inner.norm)
+        self.norm = (
+            gemma_norm(final)
+            if self.gemma
+            else llama_norm(final, self._held("norm", [final.weight], final.weight.dtype))
+        )
         self.windows = sorted({layer["window"] for layer in self.layers if layer["window"]})
         self.key_positions: torch.Tensor | None = None  # with windows: each key column's position (rows, width)
         head = active_module(model.lm_head)
@@ -283,6 +302,23 @@ class LeanDecoder:
             for i in range(len(cache)):
                 cache[i] = F.pad(cache[i], (0, 0, 0, more))
 
+    def _held(self, name: str, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """A weight the step reads: the run's held tensor for the fixed-shape loop, else the weight itself (one part)
+        or the parts cast and stacked."""
+        if self.held is not None:
+            return self.held.take(name, parts, dtype)
+        return parts[0] if len(parts) == 1 and parts[0].dtype == dtype else cast_stacked(parts, dtype)
+
+    def _held_bias(self, name: str, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        return bias if bias is None or self.held is None else self.held.take(f"{name}.bias", [bias], dtype)
+
+    def _held_norms(self, index: int, attn: Any) -> tuple[torch.Tensor, float, bool] | None:
+        norms = head_norms(attn, self.heads, self.kv_heads, self.gemma)
+        if norms is None or self.held is None:
+            return norms
+        table, eps, gemma = norms
+        return self.held.take(f"{index}.qk_norm", [table], table.dtype), eps, gemma
+
     def _budget_left(self, steps: int) -> bool:
         return self.max_new - self.steps > steps
 
@@ -346,17 +382,31 @@ class LeanDecoder:
         holds a float32 copy of a weight (a 7B model's would be ~30 GB)."""
         if self.stacked is None:
             self.stacked = [
-                {k: (_cast_cat(ws, self.dtype), bias) for k, (ws, bias) in layer.items()} for layer in self.parts
+                {
+                    k: (self._held(f"{i}.{k}", ws, self.dtype), self._held_bias(f"{i}.{k}", bias, self.dtype))
+                    for k, (ws, bias) in layer.items()
+                }
+                for i, layer in enumerate(self.parts)
             ]
         return self.stacked
 
     def _unpack(self) -> None:
         """The plain linears (weights cast once for the rollout: `fixed_linear`), made on first use."""
         if self.plain is None:
+            pack = self.held is None  # a held weight is read where it is (a packed copy would be made anew)
+            head, bias = self.head_weights
+            if self.held is not None:
+                head, bias = self._held("head", [head], self.head_dtype), self._held_bias("head", bias, self.head_dtype)
+                self.head_weights = (head, bias)
             self.plain = (
-                [{k: fixed_linear(w, b, self.dtype) for k, (w, b) in layer.items()} for layer in self._plain_weights()],
-                fixed_linear(*self.head_weights, self.head_dtype),
+                [
+                    {k: fixed_linear(w, b, self.dtype, pack=pack) for k, (w, b) in layer.items()}
+                    for layer in self._plain_weights()
+                ],
+                fixed_linear(head, bias, self.head_dtype, pack=pack),
             )
+            if self.held is not None:  # the held weights are all the step reads: LoRA's merged parts go now
+                self.parts = []
         if self.unpacked or self.head is None:
             linears, self.head = self.plain
             for layer, plain in zip(self.layers, linears):
@@ -435,12 +485,6 @@ class LeanDecoder:
         3 rotates its sliding layers at another base: its rotary module takes the layer type)."""
         cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
         return cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
-
-
-def _cast_cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The parts stacked by rows in `dtype`, each cast first (one part: itself, cast)."""
-    cast = [w.detach().to(dtype) for w in parts]
-    return torch.cat(cast) if len(cast) > 1 else cast[0]
 
 
 def _stacked_bias(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor | None:

@@ -5,6 +5,7 @@ families it knows (`SUPPORTED`), why it cannot run a model (`unsupported_reason`
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -18,16 +19,24 @@ OLMO = ("olmo2",)  # norms after each sublayer (none before), query/key norms ov
 # the rotary types whose numbers are a function of each token's position alone (longrope and the dynamic kinds change
 # with the length of the sequence: one forward and a token-by-token decode would rotate differently)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+LENGTH_ROPE = ("dynamic", "longrope")
 GEMMA = ("gemma3_text",)  # sandwich norms of 1 + weight, scaled embeddings, GELU, sliding-window layers
 
 
 def unsupported_reason(model: Any) -> str | None:
-    """Why `LeanDecoder` cannot run this model (None when it can)."""
+    """Why `LeanDecoder` cannot run this model (None when it can): a family it does not know, settings of a known
+    family it does not run (quantized weights, a rotary type of another kind, other activations or attention types),
+    modules other than the ones it reads (a projection that is not a plain Linear or a LoRA adapter it merges, norms
+    that are not the family's RMSNorm) or a parameter it would not read (a custom bias): the model then keeps its own
+    forward, which computes all of these."""
     model = unwrap(model)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED:
         return f"model type {kind!r} is not one the lean decoder knows ({', '.join(SUPPORTED)})"
+    reason = _settings_reason(model, config, kind)
+    if reason is not None:
+        return reason
     inner = getattr(model, "model", None)
     head = active_module(getattr(model, "lm_head", None))
     if (
@@ -40,8 +49,25 @@ def unsupported_reason(model: Any) -> str | None:
     if embedding is not torch.nn.Embedding and not (
         kind in GEMMA and embedding.__name__ == "Gemma3TextScaledWordEmbedding"
     ):
-        kind = type(active_module(inner.embed_tokens)).__qualname__
-        return f"its input embedding is a {kind}, not a plain torch Embedding (a LoRA adapter on it?)"
+        return f"its input embedding is a {embedding.__qualname__}, not a plain torch Embedding (a LoRA adapter on it?)"
+    for layer in inner.layers:
+        reason = _layer_reason(layer, config, kind in OLMO)
+        if reason is not None:
+            return reason
+    final = active_module(inner.norm)
+    if not type(final).__name__.endswith("RMSNorm") or math.isnan(norm_eps(final)):
+        return f"a norm of the model is a {type(final).__qualname__}, not the RMSNorm the lean decoder knows"
+    return _unread_parameter(model)
+
+
+def _settings_reason(model: Any, config: Any, kind: str) -> str | None:
+    """Why the settings of a family the lean decoder knows are not ones it runs (None: they are)."""
+    quantized = getattr(config, "quantization_config", None) or getattr(model, "hf_quantizer", None)
+    if quantized:
+        method = (
+            quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+        )
+        return f"the model is quantized ({method or type(quantized).__name__}); the lean decoder reads plain weights"
     if kind in GEMMA:
         reason = _gemma_reason(config)
         if reason is not None:
@@ -53,24 +79,69 @@ def unsupported_reason(model: Any) -> str | None:
         if layer_types - {"full_attention", "sliding_attention"}:
             return f"the model has layers of other attention types ({', '.join(sorted(layer_types))})"
     rope = _rope_type(config)
-    if rope not in STATIC_ROPE:
+    if set(rope.split(",")) & set(LENGTH_ROPE):
         return f"the model's rotary embedding ({rope}) changes with the sequence's length"
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for proj in _projections(attn, mlp):
-            problem = lora.lean_problem(proj)
-            if problem is not None:
-                return problem
-        norms = [active_module(getattr(attn, name, None)) for name in ("q_norm", "k_norm")]
-        if (norms[0] is None) != (norms[1] is None) or (
-            norms[0] is not None
-            and (
-                not all(not math.isnan(norm_eps(n)) and hasattr(n, "weight") for n in norms)
-                or norm_eps(norms[0]) != norm_eps(norms[1])
-                or [tuple(n.weight.shape) for n in norms] != _norm_shapes(attn, config, kind in OLMO)
-            )
-        ):
-            return "the model's query/key norms are not the RMSNorm pair (of one epsilon) the lean decoder knows"
+    if not set(rope.split(",")) <= set(STATIC_ROPE):
+        return f"the model's rotary type {rope!r} is not one the lean decoder knows ({', '.join(STATIC_ROPE)})"
+    return None
+
+
+def _layer_reason(layer: Any, config: Any, olmo: bool) -> str | None:
+    """Why the lean decoder cannot run this decoder layer's modules (None: it can)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    for proj in _projections(attn, mlp):
+        problem = lora.lean_problem(proj)
+        if problem is not None:
+            return problem
+    norms = [active_module(getattr(attn, name, None)) for name in ("q_norm", "k_norm")]
+    if (norms[0] is None) != (norms[1] is None) or (
+        norms[0] is not None
+        and (
+            not all(not math.isnan(norm_eps(n)) and hasattr(n, "weight") for n in norms)
+            or norm_eps(norms[0]) != norm_eps(norms[1])
+            or [tuple(n.weight.shape) for n in norms] != _norm_shapes(attn, config, olmo)
+        )
+    ):
+        return "the model's query/key norms are not the RMSNorm pair (of one epsilon) the lean decoder knows"
+    for name in NORM_NAMES:
+        norm = active_module(getattr(layer, name, None))
+        if norm is not None and (not type(norm).__name__.endswith("RMSNorm") or math.isnan(norm_eps(norm))):
+            return f"a norm of the model is a {type(norm).__qualname__}, not the RMSNorm the lean decoder knows"
+    return None
+
+
+NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
+# the parameters the lean decoder reads, by name (a layer's number as N), PEFT's own segments dropped
+READ = re.compile(
+    "|".join(
+        [
+            r"model\.(embed_tokens|norm)\.weight",
+            rf"model\.layers\.N\.(self_attn|mlp)\.({'|'.join(LINEAR_NAMES)})\.(weight|bias)",
+            r"model\.layers\.N\.self_attn\.[qk]_norm\.weight",
+            rf"model\.layers\.N\.({'|'.join(NORM_NAMES)})\.weight",
+            r"lm_head\.(weight|bias)",
+        ]
+    )
+)
+PEFT_SEGMENTS = {"base_layer", "original_module"}  # dropped alone
+PEFT_NAMED = {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "modules_to_save"}  # dropped with the adapter
+
+
+def _unread_parameter(model: Any) -> str | None:
+    """A parameter that the lean decoder would not read, which the model's forward does (a custom bias, an
+    attention sink, a quantization scale): the model then keeps its own forward."""
+    for name, _ in model.named_parameters():
+        parts, skip = [], False
+        for part in name.split("."):
+            if skip:
+                skip = False
+            elif part in PEFT_NAMED:
+                skip = True
+            elif part not in PEFT_SEGMENTS:
+                parts.append("N" if part.isdigit() else part)
+        if not READ.fullmatch(".".join(parts)):
+            return f"the model has a parameter the lean decoder does not read ({name})"
     return None
 
 

@@ -39,10 +39,11 @@ def gemma_norm(module: Any) -> Linear:
     return norm
 
 
-def llama_norm(module: Any) -> Linear:  # a Llama-family RMSNorm: weight, variance_epsilon
+def llama_norm(module: Any, weight: torch.Tensor | None = None) -> Linear:  # a Llama-family RMSNorm
     """The RMSNorm module's arithmetic on its weight as it is now (the module's forward is not called: under FSDP
-    that would run its sharding hooks outside the model's forward). Float32 input, as in the lean forward."""
-    weight, eps = module.weight, module.variance_epsilon
+    that would run its sharding hooks outside the model's forward), or on `weight`, the fixed-shape loop's held
+    copy of it. Float32 input, as in the lean forward."""
+    weight, eps = module.weight if weight is None else weight, module.variance_epsilon
     return lambda x: rms_norm(x, weight, eps)[0]
 
 
@@ -97,11 +98,46 @@ def grouped_attention(
 ) -> torch.Tensor:
     """Attention of one query per row (a decode step) as two batched matmuls: q (b, heads, 1, d) against keys and
     values (b, kv_heads, width, d), a query head reading its group's key head (the cache read once, no head
-    repeated), `bias` (b, 1, 1, width) added to the scores; scores and softmax in float32 from the product in the
-    keys' dtype (as transformers' eager attention computes them). Float32 on a CPU: measured faster than
-    scaled_dot_product_attention's kernel at decode shapes (`bench/RESULTS.md`)."""
+    repeated), `bias` (b, 1, 1, width) added to the scores; scores and softmax in float32 (`scores`), the
+    probabilities rounded to the values' dtype for their product, as the training pass's attention kernels compute
+    them. Float32 on a CPU: measured faster than scaled_dot_product_attention's kernel at decode shapes
+    (`bench/RESULTS.md`)."""
     b, heads, _, d = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(b, kv_heads, heads // kv_heads, d)  # query heads of one key head: rows of one matmul
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float().mul_(scale).add_(bias)
-    return torch.matmul(scores.softmax(-1).to(values.dtype), values).reshape(b, heads, 1, d)
+    attended = scores(grouped, keys).mul_(scale).add_(bias)
+    return torch.matmul(attended.softmax(-1).to(values.dtype), values).reshape(b, heads, 1, d)
+
+
+def scores(grouped: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q . k for each query head of a group (b, kv_heads, group, d) and key (b, kv_heads, width, d), in float32. The
+    product of two bfloat16 numbers is exact in float32, so these are the scores the training pass's kernels (flash,
+    memory-efficient) sum in float32; a bfloat16 product would round each score to 8 bits, a wider gap between the
+    sampler's log-probs and the trainer's. On CUDA the GEMM writes float32 from bfloat16 inputs (`out_dtype`), where
+    the build has it; elsewhere the inputs are widened first."""
+    if keys.dtype == torch.float32:
+        return torch.matmul(grouped, keys.transpose(-1, -2))
+    b, kv_heads, group, d = grouped.shape
+    if keys.is_cuda and _float32_gemm(keys.device):
+        flat = torch.bmm(
+            grouped.reshape(b * kv_heads, group, d),
+            keys.reshape(b * kv_heads, -1, d).transpose(1, 2),
+            out_dtype=torch.float32,
+        )
+        return flat.view(b, kv_heads, group, -1)
+    return torch.matmul(grouped.float(), keys.float().transpose(-1, -2))
+
+
+_FLOAT32_GEMM: dict[torch.device, bool] = {}
+
+
+def _float32_gemm(device: torch.device) -> bool:
+    """Whether this torch build's bfloat16 batched matmul writes float32 on `device` (tried once, eagerly: the first
+    decode step runs before any capture)."""
+    if device not in _FLOAT32_GEMM:
+        try:
+            a = torch.zeros(1, 1, 8, dtype=torch.bfloat16, device=device)
+            _FLOAT32_GEMM[device] = torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FLOAT32_GEMM[device] = False
+    return _FLOAT32_GEMM[device]

@@ -66,6 +66,7 @@ from grpo.config import ResolvedConfig
 from grpo.distributed import sharding
 from grpo.learner.batch import collate
 from grpo.learner.optimization import TrainingError
+from grpo.perf import allocator
 from grpo.rewards.calling import copy_state
 from grpo.rollout.fast import own_generator
 from grpo.rounds.groups import GenerationBatch
@@ -242,8 +243,10 @@ class AsyncRounds(Rounds):
 
     @contextmanager
     def learning(self, micro_step: int) -> Iterator[None]:
-        """A micro-step's forward and backward: the global generator seeded from its position (dropout)."""
-        with self.rng_lock:
+        """A micro-step's forward and backward: the global generator seeded from its position (dropout); never while
+        the producer captures a CUDA graph (`allocator.DEVICE_WIDE`: a compiled pass's autotuning synchronizes the
+        device, and an allocation's retry frees cached blocks, either of which a capture under way forbids)."""
+        with self.rng_lock, allocator.DEVICE_WIDE:
             torch.manual_seed(round_seed(self.seed, "learn", micro_step))
             yield
 
