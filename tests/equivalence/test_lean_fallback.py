@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo import GRPOConfig
+from grpo.algo.sampling import SamplingSettings
+from grpo.base.records import left_pad
 from grpo.data.prompts import end_of_turn_ids, tokenize_prompts
-from grpo.rollout.base import left_pad
 from grpo.rollout.fast import FastEngine
 from grpo.rollout.lean_decoder import LeanDecoder
 from grpo.rollout.lean_families import unsupported_reason
@@ -98,7 +98,7 @@ HALF_UNDERSTOOD = {
 
 
 def _setting(model, tok):
-    args = GRPOConfig(output_dir="x", max_completion_length=12, per_device_train_batch_size=6, num_generations=3)
+    args = SamplingSettings(max_completion_length=12)
     stop = end_of_turn_ids(tok, model.generation_config.eos_token_id)
     chats = [[{"role": "user", "content": text}] for text in ("hi", "what is two plus two?")]
     return args, stop, as_requests([ids for ids in tokenize_prompts(chats, tok) for _ in range(3)])
