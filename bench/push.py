@@ -1,6 +1,6 @@
 """Server mode's weight push, measured (`make bench` runs it; docs/vllm.md and bench/RESULTS.md quote it):
 
-    python bench/push.py [--models bundled,qwen2.5-0.5b] [--dtype bfloat16] [--workload]
+    python bench/push.py [--models bundled,qwen2.5-0.5b] [--dtype bfloat16] [--workload] [--wire-only] [--variants]
 
 For each model, the float32 policy's weights going to a server in `--dtype`, in bytes of the wire (the server's
 dtype) per second, the best of 3:
@@ -8,13 +8,19 @@ dtype) per second, the best of 3:
   to another process must at least write every byte once);
 - `http_body`: the path grpo's private server took until 2026-12-06: the weights serialized as one safetensors body,
   POSTed over loopback HTTP to another process, which reads and parses it (vLLM's load not included);
-- `gloo_wire`: grpo's `gloo` weight-transfer engine's wire alone (`grpo.serve.gloo`): rank 0 here, a receiver
-  process allocating each tensor as a server's worker does;
+- `gloo_wire`: grpo's `gloo` weight-transfer engine's wire alone (`grpo.serve.gloo`), with the transport it picks
+  (here, one host: the shared-memory ring): rank 0 here, a receiver process that gets each tensor in memory of its
+  own, which it may keep, as a server's worker does;
+- `gloo_tcp_wire`: the same over TCP (`GRPO_WEIGHTS_TRANSPORT=tcp`: the transport between hosts);
 - `gloo_vllm`: the whole push into a real `grpo vllm-serve` (vLLM's own server, gloo backend) through
   `ServerEngine.sync_weights`: the weight version's requests, vLLM's start/update/finish round trip with its
   layerwise load and what grpo packs again on vLLM's CPU backend, the caches reset.
-The line per model: `push_<model>: copy_bound_gb_s=... http_body_gb_s=... gloo_wire_gb_s=... gloo_vllm_gb_s=...
-gloo_vs_http=<gloo_wire / http_body> gloo_vs_copy_bound=<copy_bound / gloo_wire>`.
+The line per model: `push_<model>: copy_bound_gb_s=... http_body_gb_s=... gloo_wire_gb_s=... gloo_tcp_wire_gb_s=...
+gloo_vllm_gb_s=... gloo_vs_http=<gloo_wire / http_body> gloo_vs_copy_bound=<copy_bound / gloo_wire>
+gloo_tcp_vs_copy_bound=<copy_bound / gloo_tcp_wire>`. `--wire-only`: copy_bound and the two wires alone.
+`--variants`: the ring's variants on top, each as `gloo_wire` (slots of 8-64 MiB, 2 or 4 of them, the sender's cast
+on 1 or 2 threads, and the receiver handed views of the ring instead of copies: only for a `load` that is done
+with them when it returns, which vLLM's is not).
 
 With `--workload`: the benchmark's workload (workload.py) on the bundled model in server mode against colocate
 mode (`use_vllm=True`), end to end, each run in a fresh process; the server's start-up is outside the server-mode
@@ -118,15 +124,38 @@ def http_body(pairs, dtype) -> float:
         sink.kill()
 
 
-def gloo_wire(pairs, dtype) -> float:
+def gloo_wire(pairs, dtype, transport: str = "auto", keep: bool = True, **settings) -> float:
+    """The wire's rate with `transport` ("auto": what the engine picks; "tcp"); `keep`: the receiver gets tensors
+    it may keep (else views of the ring, valid while its load runs); `settings`: gloo's constants on the sender
+    (the ring's geometry travels to the receiver in the handshake), restored after."""
     port = free_port()
     meta = metadata(pairs, dtype)
-    receiver = subprocess.Popen([sys.executable, __file__, "--receiver", str(port), json.dumps(_json_meta(meta))])
+    command = [sys.executable, __file__, "--receiver", str(port), json.dumps(_json_meta(meta)), transport, str(keep)]
+    receiver = subprocess.Popen(command)
+    saved = {name: getattr(gloo, name) for name in settings}
     try:
-        group, _ = gloo.connect("127.0.0.1", port, 0, 2, "bench", 300)
-        return best_rate(sum(gloo.nbytes(m) for m in meta), lambda: gloo.send(group, pairs, meta))
+        for name, value in settings.items():
+            setattr(gloo, name, value)
+        link = gloo.connect("127.0.0.1", port, 0, 2, "bench", 300, transport=transport)
+        expected = "TCP" if transport == "tcp" else "shared memory"
+        assert link.transport == expected, f"the link is {link.transport}, not {expected}"
+        rate = best_rate(sum(gloo.nbytes(m) for m in meta), lambda: gloo.send(link, pairs, meta))
+        link.shutdown()
+        return rate
     finally:
+        for name, value in saved.items():
+            setattr(gloo, name, value)
         receiver.wait(timeout=600)
+
+
+VARIANTS = {  # name: (keep, gloo's settings)
+    "slot8m": (True, dict(SLOT_BYTES=8 << 20)),
+    "slot16m": (True, dict(SLOT_BYTES=16 << 20)),
+    "slot64m": (True, dict(SLOT_BYTES=64 << 20)),
+    "2slots": (True, dict(SLOTS=2)),
+    "cast2threads": (True, dict(_CAST_THREADS=2)),
+    "views": (False, {}),
+}
 
 
 def _json_meta(meta):
@@ -203,23 +232,29 @@ def model_dir_of(name: str) -> str:
     return path
 
 
-def measure(name: str, dtype: torch.dtype) -> str:
+def measure(name: str, dtype: torch.dtype, wire_only: bool = False, variants: bool = False) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_dir_of(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     pairs = wire_pairs(model)
-    rates = {
-        "copy_bound": copy_bound(pairs, dtype),
-        "http_body": http_body(pairs, dtype),
-        "gloo_wire": gloo_wire(pairs, dtype),
-        "gloo_vllm": gloo_vllm(model, tokenizer, path, dtype),
-    }
+    rates = {"copy_bound": copy_bound(pairs, dtype)}
+    if not wire_only:
+        rates["http_body"] = http_body(pairs, dtype)
+    rates["gloo_wire"] = gloo_wire(pairs, dtype)
+    rates["gloo_tcp_wire"] = gloo_wire(pairs, dtype, "tcp")
+    if not wire_only:
+        rates["gloo_vllm"] = gloo_vllm(model, tokenizer, path, dtype)
+    if variants:
+        for variant, (keep, settings) in VARIANTS.items():
+            rates[f"gloo_wire_{variant}"] = gloo_wire(pairs, dtype, keep=keep, **settings)
     size = sum(gloo.nbytes(m) for m in metadata(pairs, dtype)) / 1e9
     line = f"push_{name}: " + " ".join(f"{k}_gb_s={v:.2f}" for k, v in rates.items())
-    line += f" gloo_vs_http={rates['gloo_wire'] / rates['http_body']:.2f}"
+    if "http_body" in rates:
+        line += f" gloo_vs_http={rates['gloo_wire'] / rates['http_body']:.2f}"
     line += f" gloo_vs_copy_bound={rates['copy_bound'] / rates['gloo_wire']:.2f}"
+    line += f" gloo_tcp_vs_copy_bound={rates['copy_bound'] / rates['gloo_tcp_wire']:.2f}"
     return line + f" ({size:.2f} GB in {str(dtype).removeprefix('torch.')} a push)"
 
 
@@ -250,7 +285,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--workload", choices=["bf16", "fp32"], help="also server mode against colocate")
     parser.add_argument("--sink", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--receiver", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--wire-only", action="store_true", help="the copy bound and the two wires alone")
+    parser.add_argument("--variants", action="store_true", help="also the shared-memory ring's variants")
+    parser.add_argument("--receiver", nargs=4, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.sink:
         ThreadingHTTPServer(("127.0.0.1", opts.sink), Sink).serve_forever()
@@ -258,14 +295,16 @@ def main() -> None:
     keep_freed_memory()  # as a trainer does (GRPOConfig.cpu_keep_freed_memory) and grpo vllm-serve's workers on CPUs
     if opts.receiver:
         port, meta = int(opts.receiver[0]), json.loads(opts.receiver[1])
+        transport, keep = opts.receiver[2], opts.receiver[3] == "True"
         meta = [(n, getattr(torch, d), tuple(s)) for n, d, s in meta]
-        group, _ = gloo.connect("127.0.0.1", port, 1, 2, "bench", 300)
+        link = gloo.connect("127.0.0.1", port, 1, 2, "bench", 300, transport=transport)
         for _ in range(REPEATS):
-            gloo.receive(group, meta, lambda done: None)
+            gloo.receive(link, meta, lambda done: None, keep=keep)
+        link.shutdown()
         return
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     for name in opts.models.split(","):
-        print(measure(name, getattr(torch, opts.dtype)), flush=True)
+        print(measure(name, getattr(torch, opts.dtype), opts.wire_only, opts.variants), flush=True)
     if opts.workload:
         print(workload(opts.workload), flush=True)
 

@@ -77,7 +77,10 @@ def _worker_classes() -> dict:
         WeightTransferInitInfo,
         WeightTransferUpdateInfo,
     )
+    from vllm.logger import init_logger
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    worker_logger = init_logger("vllm.grpo")  # vLLM's handlers: the line reaches the server's log
 
     @dataclasses.dataclass
     class GlooInitInfo(WeightTransferInitInfo):
@@ -131,7 +134,7 @@ def _worker_classes() -> dict:
                 init_info.timeout_s,
             )
             self.session, self.run = init_info.session, init_info.run
-            logger.info(
+            worker_logger.info(
                 "Weight transfer (gloo): connected to run %s as rank %d, weights through %s.",
                 init_info.run,
                 rank,
@@ -255,7 +258,7 @@ def _trainer_classes() -> dict:
             self.client.start_weight_update()
             answered = _background(self.client.update_weights, update)
             try:
-                _racing(answered, lambda: gloo.send(self.link, iter(source), metadata))
+                _racing(answered, lambda: gloo.send(self.link, source.uncast(), metadata))
             except BaseException:
                 self.shutdown()  # the server gave up on this push (or the broadcast failed): no receiver
                 raise
@@ -292,6 +295,11 @@ def _source_class() -> type:
         def __iter__(self):
             for name, tensor in self.pairs:
                 yield name, tensor.detach().to(self._wire(tensor))
+
+        def uncast(self):
+            """The pairs as they are (grpo's wire casts each straight into its place: no copy in between)."""
+            for name, tensor in self.pairs:
+                yield name, tensor.detach()
 
     return PushSource
 
