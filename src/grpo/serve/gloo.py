@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import json
 import mmap
 import os
@@ -258,30 +259,28 @@ def _boot_id() -> str:
 def _create_segment(slots: int, slot_bytes: int) -> tuple[str, mmap.mmap, int] | None:
     """Rank 0: a new segment in `SHM_DIR` (a random name, only this user may open it), its pages reserved (so a
     full /dev/shm is a refusal here, never a SIGBUS later; a smaller ring is tried down to `_MIN_SLOT_BYTES`
-    slots), mapped, with a random nonce at its start. None where this machine has no room or no /dev/shm."""
-    while slot_bytes >= _MIN_SLOT_BYTES:
+    slots), mapped: (its path, the mapping, the slots' size). None where this machine has no room, no /dev/shm
+    or no way to reserve pages: the link is then TCP."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    while fallocate is not None and slot_bytes >= _MIN_SLOT_BYTES:
         path = os.path.join(SHM_DIR, f"grpo-weights-{os.getpid()}-{secrets.token_hex(16)}")  # `_SEGMENT_NAME`
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError:
             return None
         try:
-            try:
-                os.posix_fallocate(fd, 0, slots * slot_bytes)
-            except OSError:  # no room: try a ring half the size
-                _unlink(path)
-                slot_bytes //= 2
-                continue
-            except AttributeError:  # no posix_fallocate on this platform
-                _unlink(path)
+            fallocate(fd, 0, slots * slot_bytes)
+            return path, mmap.mmap(fd, slots * slot_bytes), slot_bytes
+        except OSError as err:
+            _unlink(path)
+            if err.errno != errno.ENOSPC:
                 return None
-            memory = mmap.mmap(fd, slots * slot_bytes)
+            slot_bytes = slot_bytes // 2 // _ALIGN * _ALIGN  # no room: a ring half the size
         except BaseException:
             _unlink(path)
             raise
         finally:
             os.close(fd)
-        return path, memory, slot_bytes
     return None
 
 
