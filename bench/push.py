@@ -19,8 +19,8 @@ The line per model: `push_<model>: copy_bound_gb_s=... http_body_gb_s=... gloo_w
 gloo_vllm_gb_s=... gloo_vs_http=<gloo_wire / http_body> gloo_vs_copy_bound=<copy_bound / gloo_wire>
 gloo_tcp_vs_copy_bound=<copy_bound / gloo_tcp_wire>`. `--wire-only`: copy_bound and the two wires alone.
 `--variants`: the ring's variants on top, each as `gloo_wire` (slots of 8-64 MiB, 2 or 4 of them, the sender's cast
-on 1 or 2 threads, and the receiver handed views of the ring instead of copies: only for a `load` that is done
-with them when it returns, which vLLM's is not).
+on 1 or 2 threads, the receiver's copies on 1 thread, and the receiver handed views of the ring instead of copies:
+only for a `load` that is done with them when it returns, which vLLM's is not).
 
 With `--workload`: the benchmark's workload (workload.py) on the bundled model in server mode against colocate
 mode (`use_vllm=True`), end to end, each run in a fresh process; the server's start-up is outside the server-mode
@@ -124,13 +124,15 @@ def http_body(pairs, dtype) -> float:
         sink.kill()
 
 
-def gloo_wire(pairs, dtype, transport: str = "auto", keep: bool = True, **settings) -> float:
+def gloo_wire(pairs, dtype, transport: str = "auto", keep: bool = True, threads: int = 0, **settings) -> float:
     """The wire's rate with `transport` ("auto": what the engine picks; "tcp"); `keep`: the receiver gets tensors
-    it may keep (else views of the ring, valid while its load runs); `settings`: gloo's constants on the sender
-    (the ring's geometry travels to the receiver in the handshake), restored after."""
+    it may keep (else views of the ring, valid while its load runs); `threads`: the receiver's torch threads (0:
+    torch's default); `settings`: gloo's constants on the sender (the ring's geometry travels to the receiver in
+    the handshake), restored after."""
     port = free_port()
     meta = metadata(pairs, dtype)
     command = [sys.executable, __file__, "--receiver", str(port), json.dumps(_json_meta(meta)), transport, str(keep)]
+    command.append(str(threads))
     receiver = subprocess.Popen(command)
     saved = {name: getattr(gloo, name) for name in settings}
     try:
@@ -148,13 +150,14 @@ def gloo_wire(pairs, dtype, transport: str = "auto", keep: bool = True, **settin
         receiver.wait(timeout=600)
 
 
-VARIANTS = {  # name: (keep, gloo's settings)
-    "slot8m": (True, dict(SLOT_BYTES=8 << 20)),
-    "slot16m": (True, dict(SLOT_BYTES=16 << 20)),
-    "slot64m": (True, dict(SLOT_BYTES=64 << 20)),
-    "2slots": (True, dict(SLOTS=2)),
-    "cast2threads": (True, dict(_CAST_THREADS=2)),
-    "views": (False, {}),
+VARIANTS = {  # name: (keep, the receiver's threads, gloo's settings)
+    "slot8m": (True, 0, dict(SLOT_BYTES=8 << 20)),
+    "slot16m": (True, 0, dict(SLOT_BYTES=16 << 20)),
+    "slot64m": (True, 0, dict(SLOT_BYTES=64 << 20)),
+    "2slots": (True, 0, dict(SLOTS=2)),
+    "cast2threads": (True, 0, dict(_CAST_THREADS=2)),
+    "receiver1thread": (True, 1, {}),
+    "views": (False, 0, {}),
 }
 
 
@@ -247,8 +250,8 @@ def measure(name: str, dtype: torch.dtype, wire_only: bool = False, variants: bo
     if not wire_only:
         rates["gloo_vllm"] = gloo_vllm(model, tokenizer, path, dtype)
     if variants:
-        for variant, (keep, settings) in VARIANTS.items():
-            rates[f"gloo_wire_{variant}"] = gloo_wire(pairs, dtype, keep=keep, **settings)
+        for variant, (keep, threads, settings) in VARIANTS.items():
+            rates[f"gloo_wire_{variant}"] = gloo_wire(pairs, dtype, keep=keep, threads=threads, **settings)
     size = sum(gloo.nbytes(m) for m in metadata(pairs, dtype)) / 1e9
     line = f"push_{name}: " + " ".join(f"{k}_gb_s={v:.2f}" for k, v in rates.items())
     if "http_body" in rates:
@@ -287,7 +290,7 @@ def main() -> None:
     parser.add_argument("--sink", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--wire-only", action="store_true", help="the copy bound and the two wires alone")
     parser.add_argument("--variants", action="store_true", help="also the shared-memory ring's variants")
-    parser.add_argument("--receiver", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--receiver", nargs=5, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.sink:
         ThreadingHTTPServer(("127.0.0.1", opts.sink), Sink).serve_forever()
@@ -295,7 +298,9 @@ def main() -> None:
     keep_freed_memory()  # as a trainer does (GRPOConfig.cpu_keep_freed_memory) and grpo vllm-serve's workers on CPUs
     if opts.receiver:
         port, meta = int(opts.receiver[0]), json.loads(opts.receiver[1])
-        transport, keep = opts.receiver[2], opts.receiver[3] == "True"
+        transport, keep, threads = opts.receiver[2], opts.receiver[3] == "True", int(opts.receiver[4])
+        if threads:
+            torch.set_num_threads(threads)
         meta = [(n, getattr(torch, d), tuple(s)) for n, d, s in meta]
         link = gloo.connect("127.0.0.1", port, 1, 2, "bench", 300, transport=transport)
         for _ in range(REPEATS):

@@ -300,6 +300,21 @@ def test_a_full_dev_shm_gets_a_smaller_ring_or_tcp(monkeypatch):
     assert _leftovers() == []
 
 
+def test_a_ring_closed_while_a_slot_is_in_use_stays_mapped_until_it_is_done():
+    """A link shut down while its send still runs (the server's error came first): the slot the sending thread
+    writes stays mapped (no crash), and the mapping goes with the last view."""
+    memory = mmap.mmap(-1, 4096)
+    ring = gloo.Ring(memory, 2, 2048)
+    slot = ring.slot(1)
+    ring.close()
+    assert not memory.closed
+    slot.fill_(7)
+    assert memory[2048] == 7 and memory[0] == 0
+    del slot
+    ring.close()
+    assert memory.closed
+
+
 def test_the_transport_setting_is_checked(monkeypatch):
     monkeypatch.setenv(gloo.TRANSPORT_ENV, "TCP")
     assert gloo.transport_setting() == "tcp"

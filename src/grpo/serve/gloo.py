@@ -44,6 +44,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -87,7 +88,10 @@ class Ring:
 
     def __init__(self, memory: mmap.mmap, slots: int, slot_bytes: int) -> None:
         self.memory, self.slots, self.slot_bytes = memory, slots, slot_bytes
-        self.buffer: torch.Tensor | None = torch.frombuffer(memory, dtype=torch.uint8)
+        # through numpy: its array holds the mapping's buffer, and every view of the tensor holds the array, so the
+        # mapping cannot go (`close`, or the mmap collected) while a thread still writes or reads a slot
+        # (torch.frombuffer holds nothing: a view of it would outlive the mapping)
+        self.buffer: torch.Tensor | None = torch.from_numpy(np.frombuffer(memory, dtype=np.uint8))
 
     def slot(self, chunk: int) -> torch.Tensor:
         """The bytes of the slot that the `chunk`-th chunk of a push goes through."""
@@ -99,7 +103,7 @@ class Ring:
         self.buffer = None
         try:
             self.memory.close()
-        except BufferError:  # a view of it is still alive somewhere: unmapped when that goes
+        except BufferError:  # a view of it is still alive (a send or receive still running): unmapped after it
             pass
 
 
