@@ -26,8 +26,8 @@ of a random Qwen2.5-VL, a random Qwen3-VL, a random Gemma 3 (image tokens that a
 random Gemma 4 (both ways in its sliding layers), as trees against padded rows, positions, images through the vision
 tower, and the training pass's time (tree_images.py). Where vLLM is installed, server mode (push.py): per model (the
 bundled one and a random Qwen2.5-0.5B), a line `push_<model>: copy_bound_gb_s http_body_gb_s gloo_wire_gb_s
-gloo_vllm_gb_s gloo_vs_http gloo_vs_copy_bound` (the weight push in bytes/s), and `server_vs_colocate`, the workload
-end to end.
+gloo_tcp_wire_gb_s gloo_vllm_gb_s gloo_vs_http gloo_vs_copy_bound gloo_tcp_vs_copy_bound` (the weight push in bytes/s;
+the wire through shared memory on one host, and over TCP), and `server_vs_colocate`, the workload end to end.
 Per family the lean decoder is meant for (families.py: a random Qwen3-0.6B, a random Gemma 3, the bundled model with
 LoRA adapters and without), a line `<family>: decode_tokens_s stepper_tokens_s decode_vs_bound vs_stepper`, the lean
 decoder against the transformers forward it replaces, in float32; then `lora_end_to_end`: the workload with a LoRA

@@ -4,8 +4,6 @@
   route but /health needs it; without one, only loopback Host names (a DNS-rebinding page sends its own domain);
   never a web page's request (Origin). A refused request never reaches the app.
 - `grpo vllm-serve`'s command (`grpo.serve.launcher`): vLLM's module entry point with the trainer's flags.
-- The wire of the `gloo` weight-transfer engine (`grpo.serve.gloo`): every tensor arrives whole, in its wire dtype,
-  packed or in pieces, checked against what the receivers were told.
 - The client (`grpo.rollout.remote.ServerEngine`) against a scripted server that answers as vLLM does: every reply's
   counts, ids, lengths and log-probs are checked, as is the server's weight version before and after a generation,
   and a server without dev mode, without a weight-transfer engine, of another tokenizer or with a backend grpo does
@@ -22,13 +20,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from grpo.algo.sampling import SamplingSettings
 from grpo.base.records import Prompt, Request
 from grpo.rollout.remote import ServerEngine, ServerError, ServerSettings, server_urls
 from grpo.rollout.server_client import token_counters
-from grpo.serve import gloo, launcher
+from grpo.serve import launcher
 from grpo.serve.guard import Access, Guard, host_name, lone_surrogate, past_the_context
 from support import tiny
 
@@ -173,77 +170,6 @@ def test_binding_another_address_needs_a_key():
     assert "--api-key" in launcher.startup_refusal(public, None)
     assert launcher.startup_refusal(public, "k") is None
     assert launcher.thread_binding([0, 1, 2, 3, 4], 2) == "0,1,2|3,4" and launcher.thread_binding([0], 2) == "nobind"
-
-
-# ---- the gloo wire ------------------------------------------------------------------------------------------------
-
-
-def _tensors():
-    g = torch.Generator().manual_seed(0)
-    return {
-        "embed": torch.randn(300, 40, generator=g),  # direct, in pieces of MAX_MESSAGE_BYTES
-        "norm": torch.randn(40, generator=g),
-        "scalar": torch.tensor(3.0),
-        "ids": torch.arange(7),  # not floating-point: its own dtype
-        "empty": torch.zeros(0, 5),
-        "strided": torch.randn(50, 30, generator=g).t(),  # not contiguous
-        "bias": torch.randn(1000, generator=g),  # fills a pack buffer past PACK_BYTES
-        "last": torch.randn(3, generator=g),
-    }
-
-
-def _meta(tensors, dtype):
-    return [(n, dtype if t.is_floating_point() else t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_tensor_arrives_whole_in_its_wire_dtype(monkeypatch, dtype):
-    monkeypatch.setattr(gloo, "DIRECT_BYTES", 4000)  # small limits: packs, direct tensors and pieces on a few KB
-    monkeypatch.setattr(gloo, "PACK_BYTES", 3000)
-    monkeypatch.setattr(gloo, "MAX_MESSAGE_BYTES", 8000)
-    monkeypatch.setattr(gloo, "IN_FLIGHT_BYTES", 10000)
-    sent = _tensors()
-    metadata = _meta(sent, dtype)
-    kinds = {(m.direct, len(m.parts)) for m in gloo.plan(metadata)}
-    assert (True, 1) in kinds and any(not direct and parts > 1 for direct, parts in kinds)
-    received, loads = _round_trip(sent.items(), metadata)
-    assert loads > 1 and set(received) == set(sent)
-    for name, tensor in sent.items():
-        expected = tensor.to(dtype) if tensor.is_floating_point() else tensor
-        assert received[name].dtype == expected.dtype and torch.equal(received[name], expected), name
-
-
-def test_tensors_other_than_announced_are_an_error_before_they_are_sent():
-    sent = _tensors()
-    metadata = _meta(sent, torch.float32)
-    renamed = [("other" if n == "embed" else n, t) for n, t in sent.items()]
-    with pytest.raises(ValueError, match="tensor 0 is other .* receivers were told embed"):
-        gloo.send(None, renamed, metadata)  # no group: nothing was sent
-    reshaped = [(n, t.reshape(-1) if n == "embed" else t) for n, t in sent.items()]
-    with pytest.raises(ValueError, match=r"tensor 0 is embed \(12000,\)"):
-        gloo.send(None, reshaped, metadata)
-    assert gloo.free_port(gloo.free_port(40000)) >= 40000
-
-
-def _round_trip(pairs, metadata):
-    """Rank 0 sends `pairs`, rank 1 (a thread of this process) receives: (what arrived, how many loads)."""
-    port = gloo.free_port(41000)
-    received, loads, errors = {}, [], []
-
-    def receiver():
-        try:
-            group, _ = gloo.connect("127.0.0.1", port, 1, 2, "test", 30)
-            gloo.receive(group, metadata, lambda done: (loads.append(1), received.update(done)))
-        except BaseException as err:  # reported below
-            errors.append(err)
-
-    thread = threading.Thread(target=receiver)
-    thread.start()
-    group, _ = gloo.connect("127.0.0.1", port, 0, 2, "test", 30)
-    gloo.send(group, pairs, metadata)
-    thread.join(30)
-    assert not errors, errors
-    return received, len(loads)
 
 
 # ---- the client ---------------------------------------------------------------------------------------------------

@@ -82,9 +82,9 @@ def tiny_model_dir_h8(tmp_path_factory):
 def servers(vllm_model_dir, tmp_path_factory):
     """`grpo vllm-serve` servers of the head-size-32 tiny model, started at once (a start is ~30 s of imports in
     three processes; side by side they share it) and stopped at the end of the session: the ports of `open`
-    (float32, no key) and `keyed` (bfloat16, requires served.KEY), and `shards` (float32, in two shards: its
-    process; test_server_mode.py kills it). A run connecting to a server takes its weight transfer over, so tests
-    use them one run at a time."""
+    (float32, no key; its log: `open_log`) and `keyed` (bfloat16, requires served.KEY), and `shards` (float32, in
+    two shards: its process; test_server_mode.py kills it). A run connecting to a server takes its weight transfer
+    over, so tests use them one run at a time."""
     tmp = tmp_path_factory.mktemp("servers")
     keyed = ("--dtype", "bfloat16", "--api-key", served.KEY)
     procs = [
@@ -95,7 +95,7 @@ def servers(vllm_model_dir, tmp_path_factory):
     try:
         for proc in procs:
             served.wait(proc)
-        yield SimpleNamespace(open=procs[0].port, keyed=procs[1].port, shards=procs[2])
+        yield SimpleNamespace(open=procs[0].port, keyed=procs[1].port, shards=procs[2], open_log=procs[0].log)
     finally:
         for proc in procs:
             served.stop(proc)

@@ -37,7 +37,7 @@ JOB = job_script("vllm_job.py")
 @pytest.fixture(scope="module")
 def server(servers):
     """The session's open server (conftest.py)."""
-    return SimpleNamespace(port=servers.open, url=f"http://127.0.0.1:{servers.open}")
+    return SimpleNamespace(port=servers.open, url=f"http://127.0.0.1:{servers.open}", log=servers.open_log)
 
 
 def served(trainer, completion_len=12):
@@ -48,9 +48,24 @@ def served(trainer, completion_len=12):
     return torch.tensor(rollout.sampling_logps[0]), policy_logps(trainer, list(rollout.prompt_ids[0]), tokens)
 
 
-def test_the_server_samples_the_pushed_policy_and_a_skipped_push_shows(server, vllm_model_dir, tmp_path):
+def _transport_logged(log: str) -> str:
+    """The transport of the last connection in a server's log (grpo's worker logs each)."""
+    with open(log) as f:
+        return [line.rsplit("weights through ", 1)[1].strip(" .\n") for line in f if "weights through " in line][-1]
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_the_server_samples_the_pushed_policy_and_a_skipped_push_shows(
+    server, vllm_model_dir, tmp_path, monkeypatch, transport
+):
+    """On this host the weights go through shared memory; with GRPO_WEIGHTS_TRANSPORT=tcp on the trainer's side
+    (as between hosts), over TCP; the server holds the policy's weights either way."""
+    monkeypatch.setenv("GRPO_WEIGHTS_TRANSPORT", transport)
     trainer = make_trainer(vllm_model_dir, tmp_path, vllm_mode="server", vllm_server_port=server.port, max_steps=2)
     trainer.train()
+    expected = "TCP" if transport == "tcp" else "shared memory"
+    engine, _ = trainer.engine.transfers[0]
+    assert engine.link.transport == expected and _transport_logged(server.log) == expected
     assert trainer.engine.version.endswith(" #2")  # the policy at its start, then after the first step
     assert request(server.port, "GET", "/weight_info")[1]["weight_version"] == trainer.engine.version
     trainer.engine.sync_weights(trainer.unwrapped_model)

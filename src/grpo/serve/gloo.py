@@ -2,29 +2,49 @@
 (`grpo.serve.vllm_plugin`): the trainer's main process is rank 0 and sends, a vLLM server's workers are the other
 ranks and receive. Plain torch, no vLLM: both sides import it.
 
-    group = connect(address, port, rank, world_size, session, timeout_s)   # every rank; rank 0 hosts the store
-    send(group, pairs, metadata)            # rank 0: (name, tensor) pairs in `metadata` order
-    receive(group, metadata, load)          # the others: `load` gets (name, tensor) lists as they arrive
+    link = connect(address, port, rank, world_size, session, timeout_s)   # every rank; rank 0 hosts the store
+    send(link, pairs, metadata)            # rank 0: (name, tensor) pairs in `metadata` order
+    receive(link, metadata, load)          # the others: `load` gets (name, tensor) lists as they arrive
+    link.shutdown()
 
-What travels is fixed by `metadata` alone (names, dtypes, shapes), so both sides cut the stream the same way
-(`plan`): a tensor of `DIRECT_BYTES` or more goes as broadcasts of its own bytes (no copy on either side when it is
-already contiguous in its wire dtype; over `MAX_MESSAGE_BYTES` in several pieces), smaller ones are packed into
-buffers of up to `PACK_BYTES` (the sender casts each straight into its place; the receiver hands views of the
-buffer on, no copy). Few, large messages: each broadcast costs a round of gloo's protocol, and loopback TCP reached
-2.2 GB/s with 32 MiB messages against 3-3.7 GB/s with 128 MiB on a 2-core machine. Up to `IN_FLIGHT_BYTES` are in
-flight at once, over two connections (gloo devices), so casting, the wire and loading overlap.
+What travels is fixed by `metadata` alone (names, dtypes, shapes), so both sides cut the stream the same way.
+
+On one host (every rank sees the segment rank 0 made, `_agree_on_ring`), the bytes go through shared memory, as
+NCCL's intra-node transport does: a ring of `SLOTS` slots of `SLOT_BYTES` that every rank maps once, when it
+connects. The sender casts each tensor straight into its place in a slot (`stream_plan`: the tensors one after the
+other, cut at the slots' ends), the group carries only a tiny broadcast per slot ("slot filled") and an all-reduce
+("slot read by every receiver"), so casting, reading and loading overlap over the ring. A receiver copies each
+tensor out of the ring before the slot is handed back (`load` may keep what it gets: vLLM's layerwise reload keeps
+a layer's tensors until the layer is whole). The segment's name is gone from the file system as soon as every rank
+has it mapped (or has failed to): nothing is left behind by a push, a crash or a timeout.
+
+Across hosts (or containers with their own /dev/shm, or another user, or `GRPO_WEIGHTS_TRANSPORT=tcp` on either
+side), the bytes go over the group's TCP connections (`plan`): a tensor of `DIRECT_BYTES` or more goes as
+broadcasts of its own bytes (no copy on either side when it is already contiguous in its wire dtype; over
+`MAX_MESSAGE_BYTES` in several pieces), smaller ones are packed into buffers of up to `PACK_BYTES` (the sender
+casts each straight into its place; the receiver hands views of the buffer on, no copy). Few, large messages: each
+broadcast costs a round of gloo's protocol, and loopback TCP reached 2.2 GB/s with 32 MiB messages against 3-3.7
+GB/s with 128 MiB on a 2-core machine. Up to `IN_FLIGHT_BYTES` are in flight at once, over two connections (gloo
+devices), so casting, the wire and loading overlap.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
+import json
+import mmap
 import os
+import re
+import secrets
 import socket
+import stat
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,18 +58,74 @@ IN_FLIGHT_BYTES = 512 << 20  # broadcasts posted before the oldest is waited for
 _ALIGN = 16  # packed tensors start at multiples of this (every dtype's element size divides it)
 _CONNECTIONS = 2  # gloo devices: TCP connections (and threads) the broadcasts share
 
+# Shared memory, on one host
+TRANSPORT_ENV = "GRPO_WEIGHTS_TRANSPORT"  # "tcp": never shared memory (either side); "auto" (the default): on one host
+TRANSPORTS = ("auto", "tcp")
+SHM_DIR = "/dev/shm"
+SLOT_BYTES = 32 << 20  # a slot of the ring (halved, down to `_MIN_SLOT_BYTES`, where /dev/shm is smaller)
+SLOTS = 4
+_MIN_SLOT_BYTES = 1 << 20
+_OFFER_BYTES = 512  # rank 0's offer of a segment (JSON, zero-padded)
+_SEGMENT_NAME = re.compile(r"grpo-weights-[0-9]+-[0-9a-f]{32}")
+_PROTOCOL = "v2"  # in the store's prefix: a peer speaking another version never joins the group (a timeout)
+
 Meta = tuple[str, torch.dtype, tuple[int, ...]]  # (name, wire dtype, shape)
 
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """One broadcast: `size` bytes carrying byte ranges of tensors, `(index in metadata, first byte of the
-    tensor, first byte in the message, length)`; `direct`: the bytes of one tensor, sent from (and received into)
-    the tensor itself."""
+    """One broadcast (or one slot of the ring): `size` bytes carrying byte ranges of tensors, `(index in metadata,
+    first byte of the tensor, first byte in the message, length)`; `direct`: the bytes of one tensor, sent from (and
+    received into) the tensor itself."""
 
     size: int
     parts: tuple[tuple[int, int, int, int], ...]
     direct: bool
+
+
+class Ring:
+    """`slots` slots of `slot_bytes` in a shared-memory segment that every rank of a link has mapped."""
+
+    def __init__(self, memory: mmap.mmap, slots: int, slot_bytes: int) -> None:
+        self.memory, self.slots, self.slot_bytes = memory, slots, slot_bytes
+        # through numpy: its array holds the mapping's buffer, and every view of the tensor holds the array, so the
+        # mapping cannot go (`close`, or the mmap collected) while a thread still writes or reads a slot
+        # (torch.frombuffer holds nothing: a view of it would outlive the mapping)
+        self.buffer: torch.Tensor | None = torch.from_numpy(np.frombuffer(memory, dtype=np.uint8))
+
+    def slot(self, chunk: int) -> torch.Tensor:
+        """The bytes of the slot that the `chunk`-th chunk of a push goes through."""
+        assert self.buffer is not None, "the ring was closed"
+        start = (chunk % self.slots) * self.slot_bytes
+        return self.buffer[start : start + self.slot_bytes]
+
+    def close(self) -> None:
+        self.buffer = None
+        try:
+            self.memory.close()
+        except BufferError:  # a view of it is still alive (a send or receive still running): unmapped after it
+            pass
+
+
+@dataclasses.dataclass
+class Link:
+    """A connected group of rank 0 (the sender) and the receivers: the gloo group, its store (hosted by rank 0's),
+    and `ring` when every rank is on this host (the bytes then go through it; None: over TCP)."""
+
+    group: Any
+    store: Any = None
+    ring: Ring | None = None
+
+    @property
+    def transport(self) -> str:
+        return "shared memory" if self.ring is not None else "TCP"
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+        if self.ring is not None:
+            self.ring.close()
+        self.group = self.store = self.ring = None
 
 
 def nbytes(meta: Meta) -> int:
@@ -61,7 +137,7 @@ def nbytes(meta: Meta) -> int:
 
 
 def plan(metadata: Sequence[Meta]) -> list[Message]:
-    """The broadcasts that carry `metadata`'s tensors, in order (the same on both sides)."""
+    """The broadcasts that carry `metadata`'s tensors over TCP, in order (the same on both sides)."""
     messages: list[Message] = []
     packed: list[tuple[int, int, int, int]] = []
     used = 0
@@ -81,6 +157,31 @@ def plan(metadata: Sequence[Meta]) -> list[Message]:
     if packed:
         messages.append(Message(used, tuple(packed), False))
     return messages
+
+
+def stream_plan(metadata: Sequence[Meta], slot_bytes: int) -> list[Message]:
+    """The chunks that carry `metadata`'s tensors through a ring of `slot_bytes` slots, in order (the same on both
+    sides): the tensors one after the other, each from a multiple of `_ALIGN`, cut at the slots' ends (always at an
+    element's boundary: `slot_bytes` is a multiple of `_ALIGN`)."""
+    if slot_bytes <= 0 or slot_bytes % _ALIGN:
+        raise ValueError(f"a slot of {slot_bytes} bytes: not a positive multiple of {_ALIGN}")
+    chunks: list[list[tuple[int, int, int, int]]] = []
+    position = 0  # in the stream
+    for index, meta in enumerate(metadata):
+        size = nbytes(meta)
+        position = -(-position // _ALIGN) * _ALIGN
+        start = 0
+        while True:
+            chunk, offset = divmod(position, slot_bytes)
+            length = min(size - start, slot_bytes - offset)
+            while len(chunks) <= chunk:
+                chunks.append([])
+            chunks[chunk].append((index, start, offset, length))
+            start += length
+            position += length
+            if start >= size:
+                break
+    return [Message(max(o + n for _, _, o, n in parts), tuple(parts), False) for parts in chunks]
 
 
 def local_address(peer: str) -> str:
@@ -106,13 +207,30 @@ def free_port(first: int, tries: int = 64) -> int:
     raise OSError(f"no free port among {first}..{first + tries - 1}")
 
 
+def transport_setting(transport: str | None = None) -> str:
+    """`transport`, or `GRPO_WEIGHTS_TRANSPORT` (default "auto"), checked."""
+    value = (transport if transport is not None else os.environ.get(TRANSPORT_ENV) or "auto").strip().lower()
+    if value not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV}={value!r}: one of {', '.join(TRANSPORTS)}")
+    return value
+
+
 def connect(
-    address: str, port: int, rank: int, world_size: int, session: str, timeout_s: float, peer: str | None = None
-) -> tuple[dist.ProcessGroupGloo, dist.TCPStore]:
+    address: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    session: str,
+    timeout_s: float,
+    peer: str | None = None,
+    transport: str | None = None,
+) -> Link:
     """The group of rank 0 (which hosts its TCP store at `address:port`) and the receivers, each op of which fails
-    after `timeout_s`. Blocks until all `world_size` ranks have joined (or raises after `timeout_s`). `peer`: an
-    address of the other side, to bind this rank's gloo device to the interface that reaches it (default:
-    `address`)."""
+    after `timeout_s`. Blocks until all `world_size` ranks have joined and agreed on the transport (or raises after
+    `timeout_s`). `peer`: an address of the other side, to bind this rank's gloo device to the interface that
+    reaches it (default: `address`). `transport`: "auto" (shared memory when every rank can map rank 0's segment)
+    or "tcp" (default: `GRPO_WEIGHTS_TRANSPORT`, else "auto"); any rank's "tcp" makes the link TCP."""
+    transport = transport_setting(transport)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs lack the options class
@@ -120,34 +238,177 @@ def connect(
     address_here = local_address(peer or address)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_here) for _ in range(_CONNECTIONS)]
     options._threads = _CONNECTIONS
-    group = dist.ProcessGroupGloo(dist.PrefixStore(f"grpo-weights/{session}", store), rank, world_size, options)
-    return group, store
+    prefix = dist.PrefixStore(f"grpo-weights/{_PROTOCOL}/{session}", store)
+    group = dist.ProcessGroupGloo(prefix, rank, world_size, options)
+    try:
+        ring = _agree_on_ring(group, rank, transport)
+    except BaseException:
+        group.shutdown()
+        raise
+    return Link(group, store, ring)
 
 
-def send(group: dist.ProcessGroupGloo, pairs: Iterable[tuple[str, torch.Tensor]], metadata: Sequence[Meta]) -> int:
-    """Rank 0: broadcast `pairs`, which must be `metadata`'s tensors in its order (each cast to its wire dtype, and
+# ---- the ring's segment ----------------------------------------------------------------------------------------------
+
+
+def _boot_id() -> str:
+    """This kernel's boot id: the same for every process (and container) on one host, different on another."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _create_segment(slots: int, slot_bytes: int) -> tuple[str, mmap.mmap, int] | None:
+    """Rank 0: a new segment in `SHM_DIR` (a random name, only this user may open it), its pages reserved (so a
+    full /dev/shm is a refusal here, never a SIGBUS later; a smaller ring is tried down to `_MIN_SLOT_BYTES`
+    slots), mapped: (its path, the mapping, the slots' size). None where this machine has no room, no /dev/shm
+    or no way to reserve pages: the link is then TCP."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    while fallocate is not None and slot_bytes >= _MIN_SLOT_BYTES:
+        path = os.path.join(SHM_DIR, f"grpo-weights-{os.getpid()}-{secrets.token_hex(16)}")  # `_SEGMENT_NAME`
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
+        try:
+            fallocate(fd, 0, slots * slot_bytes)
+            return path, mmap.mmap(fd, slots * slot_bytes), slot_bytes
+        except OSError as err:
+            _unlink(path)
+            if err.errno != errno.ENOSPC:
+                return None
+            slot_bytes = slot_bytes // 2 // _ALIGN * _ALIGN  # no room: a ring half the size
+        except BaseException:
+            _unlink(path)
+            raise
+        finally:
+            os.close(fd)
+    return None
+
+
+def _open_segment(offer: dict) -> mmap.mmap | None:
+    """A receiver: rank 0's segment mapped, when this process is on rank 0's host (the same kernel) and sees the
+    very file rank 0 made (its nonce), else None (another host, another container's /dev/shm, another user)."""
+    if offer.get("boot") != _boot_id():
+        return None
+    size = offer["slots"] * offer["slot_bytes"]
+    try:
+        fd = os.open(_segment_path(offer["name"]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            return None
+        memory = mmap.mmap(fd, size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    nonce = bytes.fromhex(offer["nonce"])
+    if memory[: len(nonce)] != nonce:
+        memory.close()
+        return None
+    return memory
+
+
+def _segment_path(name: str) -> str:
+    if not _SEGMENT_NAME.fullmatch(name):
+        raise ValueError(f"rank 0 offered a shared-memory segment named {name!r}, not one grpo makes")
+    return os.path.join(SHM_DIR, name)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _agree_on_ring(group: Any, rank: int, transport: str) -> Ring | None:
+    """Every rank of `group`: the ring when all of them have mapped rank 0's new segment, else None (TCP), agreed
+    by all (a broadcast of rank 0's offer, an all-reduce of each rank's answer). The segment's name is removed by
+    every rank that knows it as soon as the answers are in, or when this fails (a peer lost, a timeout)."""
+    offer = torch.zeros(_OFFER_BYTES, dtype=torch.uint8)
+    path, memory = None, None
+    try:
+        if rank == 0:
+            created = _create_segment(SLOTS, SLOT_BYTES) if transport == "auto" else None
+            if created is not None:
+                path, memory, slot_bytes = created
+                nonce = secrets.token_bytes(16)
+                memory[: len(nonce)] = nonce
+                text = json.dumps(
+                    dict(
+                        name=os.path.basename(path),
+                        nonce=nonce.hex(),
+                        boot=_boot_id(),
+                        slots=SLOTS,
+                        slot_bytes=slot_bytes,
+                    )
+                ).encode()
+                offer[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        _broadcast(group, offer).wait()
+        text = bytes(offer.numpy()).rstrip(b"\0")
+        terms = json.loads(text) if text else None
+        if rank != 0 and terms is not None:
+            path = _segment_path(terms["name"])
+            memory = _open_segment(terms) if transport == "auto" else None
+        agreed = torch.tensor([1 if memory is not None else 0], dtype=torch.int32)
+        _all_reduce(group, agreed, dist.ReduceOp.MIN).wait()
+    finally:
+        if path is not None:
+            _unlink(path)
+    if not agreed.item():
+        if memory is not None:
+            memory.close()
+        return None
+    assert memory is not None and terms is not None
+    return Ring(memory, terms["slots"], terms["slot_bytes"])
+
+
+# ---- sending ---------------------------------------------------------------------------------------------------------
+
+
+def send(link: Link, pairs: Iterable[tuple[str, torch.Tensor]], metadata: Sequence[Meta]) -> int:
+    """Rank 0: send `pairs`, which must be `metadata`'s tensors in its order (each cast to its wire dtype, and
     brought to this machine's memory, on the way); returns the bytes sent. Casting runs on `_CAST_THREADS` threads
     (the calling thread's own setting, restored after: other threads keep theirs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(min(threads, _CAST_THREADS))
     try:
-        return _send(group, pairs, metadata)
+        if link.ring is not None:
+            return _send_ring(link.group, link.ring, pairs, metadata)
+        return _send(link.group, pairs, metadata)
     finally:
         torch.set_num_threads(threads)
 
 
-def _send(group: dist.ProcessGroupGloo, pairs: Iterable[tuple[str, torch.Tensor]], metadata: Sequence[Meta]) -> int:
-    tensors = enumerate(_checked(pairs, metadata))
-    fetched: dict[int, torch.Tensor] = {}  # tensors taken from `pairs` before the message that sends them
+class _Fetched:
+    """`metadata`'s tensors by index, taken from `pairs` (checked) as they are first asked for."""
 
-    def tensor(index: int) -> torch.Tensor:
-        while index not in fetched:
-            pair = next(tensors, None)
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]], metadata: Sequence[Meta]) -> None:
+        self.tensors = enumerate(_checked(pairs, metadata))
+        self.count = len(metadata)
+        self.fetched: dict[int, torch.Tensor] = {}  # tensors taken before the message that sends them
+
+    def __call__(self, index: int) -> torch.Tensor:
+        while index not in self.fetched:
+            pair = next(self.tensors, None)
             if pair is None:
-                raise ValueError(f"fewer tensors than the {len(metadata)} the receivers were told of")
-            fetched[pair[0]] = pair[1]
-        return fetched.pop(index)
+                raise ValueError(f"fewer tensors than the {self.count} the receivers were told of")
+            self.fetched[pair[0]] = pair[1]
+        return self.fetched.pop(index)
 
+    def check_exhausted(self) -> None:
+        if next(self.tensors, None) is not None:
+            raise ValueError(f"more tensors than the {self.count} the receivers were told of")
+
+
+def _send(group: Any, pairs: Iterable[tuple[str, torch.Tensor]], metadata: Sequence[Meta]) -> int:
+    tensor = _Fetched(pairs, metadata)
     window: deque[tuple[dist.Work, int, object]] = deque()
     in_flight = sent = 0
     current: tuple[int, torch.Tensor] | None = None  # (metadata index, flat bytes) of the tensor being sent
@@ -170,19 +431,60 @@ def _send(group: dist.ProcessGroupGloo, pairs: Iterable[tuple[str, torch.Tensor]
             in_flight -= size
     for work, _, _ in window:
         work.wait()
-    if next(tensors, None) is not None:
-        raise ValueError(f"more tensors than the {len(metadata)} the receivers were told of")
+    tensor.check_exhausted()
     return sent
 
 
+def _send_ring(group: Any, ring: Ring, pairs: Iterable[tuple[str, torch.Tensor]], metadata: Sequence[Meta]) -> int:
+    """Each chunk cast into its slot once every receiver has read the slot's previous chunk; then "chunk i is in"
+    (a broadcast of i) and "chunk i was read" (an all-reduce, waited for before the slot is filled again)."""
+    tensor = _Fetched(pairs, metadata)
+    window: deque[tuple[dist.Work, dist.Work, torch.Tensor, torch.Tensor]] = deque()
+    sent = 0
+    current: tuple[int, torch.Tensor] | None = None  # (metadata index, flat elements) of the tensor being sent
+    for i, chunk in enumerate(stream_plan(metadata, ring.slot_bytes)):
+        if len(window) == ring.slots:
+            _wait_slot(*window.popleft())
+        slot = ring.slot(i)
+        for index, start, offset, length in chunk.parts:
+            if current is None or current[0] != index:
+                current = (index, _flat(tensor(index)))
+            dtype = metadata[index][1]
+            size = dtype.itemsize
+            slot[offset : offset + length].view(dtype).copy_(current[1][start // size : (start + length) // size])
+        signal, flag = torch.tensor([i], dtype=torch.int64), torch.ones(1, dtype=torch.int32)
+        window.append((_broadcast(group, signal), _all_reduce(group, flag), signal, flag))
+        sent += chunk.size
+    while window:
+        _wait_slot(*window.popleft())
+    tensor.check_exhausted()
+    return sent
+
+
+def _wait_slot(filled: dist.Work, read: dist.Work, *_tensors: torch.Tensor) -> None:
+    filled.wait()
+    read.wait()
+
+
+# ---- receiving -------------------------------------------------------------------------------------------------------
+
+
 def receive(
-    group: dist.ProcessGroupGloo,
+    link: Link,
     metadata: Sequence[Meta],
     load: Callable[[list[tuple[str, torch.Tensor]]], object],
+    keep: bool = True,
 ) -> int:
-    """A receiver: the tensors of `metadata` as rank 0 broadcasts them, handed to `load` (lists of (name, tensor),
-    whole tensors only, in the order they complete; packed ones are views of their message's buffer, which `load`
-    may keep); returns the bytes received."""
+    """A receiver: the tensors of `metadata` as rank 0 sends them, handed to `load` (lists of (name, tensor), whole
+    tensors only, in the order they complete), which may keep them; returns the bytes received. Over TCP, packed
+    tensors are views of their message's buffer. Through the ring they are copies, unless `keep` is False: then
+    tensors that lie whole in a slot are views of it, valid only until `load` returns (the slot is reused)."""
+    if link.ring is not None:
+        return _receive_ring(link.group, link.ring, metadata, load, keep)
+    return _receive(link.group, metadata, load)
+
+
+def _receive(group: Any, metadata: Sequence[Meta], load: Callable[[list[tuple[str, torch.Tensor]]], object]) -> int:
     tensors: dict[int, torch.Tensor] = {}  # direct tensors being received
     remaining = {i: nbytes(meta) for i, meta in enumerate(metadata)}
     window: deque[tuple[dist.Work, Message, torch.Tensor]] = deque()
@@ -223,10 +525,70 @@ def receive(
     return received
 
 
+def _receive_ring(
+    group: Any,
+    ring: Ring,
+    metadata: Sequence[Meta],
+    load: Callable[[list[tuple[str, torch.Tensor]]], object],
+    keep: bool,
+) -> int:
+    tensors: dict[int, torch.Tensor] = {}  # tensors over several slots, being assembled
+    remaining = {i: nbytes(meta) for i, meta in enumerate(metadata)}
+    read: deque[tuple[dist.Work, torch.Tensor]] = deque()
+    received = 0
+    for i, chunk in enumerate(stream_plan(metadata, ring.slot_bytes)):
+        signal = torch.tensor([-1], dtype=torch.int64)
+        _broadcast(group, signal).wait()
+        if signal.item() != i:
+            raise RuntimeError(f"the sender announced chunk {signal.item()} where this receiver expected {i}")
+        slot = ring.slot(i)
+        done = []
+        for index, start, offset, length in chunk.parts:
+            name, dtype, shape = metadata[index]
+            piece = slot[offset : offset + length]
+            if length == remaining[index] and start == 0:  # whole in this slot
+                whole = piece.view(dtype).view(shape)
+                done.append((name, whole.clone() if keep else whole))
+                continue
+            if index not in tensors:
+                tensors[index] = torch.empty(shape, dtype=dtype)
+            _flat_bytes(tensors[index])[start : start + length].copy_(piece)
+            remaining[index] -= length
+            if remaining[index] == 0:
+                done.append((name, tensors.pop(index)))
+        if keep:  # everything is copied out: the slot goes back before the load
+            read.append(_read(group))
+        if done:
+            load(done)
+        if not keep:
+            read.append(_read(group))
+        while len(read) > ring.slots:
+            read.popleft()[0].wait()
+        received += chunk.size
+    while read:
+        read.popleft()[0].wait()
+    return received
+
+
+def _read(group: Any) -> tuple[dist.Work, torch.Tensor]:
+    """This receiver's "the slot is read" (its share of the sender's all-reduce)."""
+    flag = torch.ones(1, dtype=torch.int32)
+    return _all_reduce(group, flag), flag
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------------------
+
+
 def _broadcast(group: Any, payload: torch.Tensor) -> dist.Work:
     options = dist.BroadcastOptions()
     options.rootRank = 0
     return group.broadcast([payload], options)
+
+
+def _all_reduce(group: Any, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> dist.Work:
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    return group.allreduce([tensor], options)
 
 
 def _checked(pairs: Iterable[tuple[str, torch.Tensor]], metadata: Sequence[Meta]) -> Iterator[torch.Tensor]:
@@ -247,6 +609,12 @@ def _as_bytes(tensor: torch.Tensor, meta: Meta) -> torch.Tensor:
     """The tensor's flat bytes in its wire dtype, in this machine's memory: itself when it already is so."""
     wire = tensor.detach().to("cpu", meta[1])
     return _flat_bytes(wire if wire.is_contiguous() else wire.contiguous())
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements, flat, in its own dtype and device (a copy only when it is not contiguous)."""
+    tensor = tensor.detach()
+    return (tensor if tensor.is_contiguous() else tensor.contiguous()).reshape(-1)
 
 
 def _pack(target: torch.Tensor, tensor: torch.Tensor, meta: Meta) -> None:

@@ -77,7 +77,10 @@ def _worker_classes() -> dict:
         WeightTransferInitInfo,
         WeightTransferUpdateInfo,
     )
+    from vllm.logger import init_logger
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    worker_logger = init_logger("vllm.grpo")  # vLLM's handlers: the line reaches the server's log
 
     @dataclasses.dataclass
     class GlooInitInfo(WeightTransferInitInfo):
@@ -114,8 +117,7 @@ def _worker_classes() -> dict:
 
         def __init__(self, config, vllm_config, device, model) -> None:
             super().__init__(config, vllm_config, device, model)
-            self.group: Any = None
-            self.store: Any = None
+            self.link: Any = None  # gloo.Link
             self.session, self.run = "", ""
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
@@ -123,7 +125,7 @@ def _worker_classes() -> dict:
             self.shutdown()  # a run connecting takes the connection over
             parallel = self.parallel_config
             rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
-            self.group, self.store = gloo.connect(
+            self.link = gloo.connect(
                 init_info.master_address,
                 init_info.master_port,
                 rank,
@@ -132,7 +134,12 @@ def _worker_classes() -> dict:
                 init_info.timeout_s,
             )
             self.session, self.run = init_info.session, init_info.run
-            logger.info("Weight transfer (gloo): connected to run %s as rank %d.", init_info.run, rank)
+            worker_logger.info(
+                "Weight transfer (gloo): connected to run %s as rank %d, weights through %s.",
+                init_info.run,
+                rank,
+                self.link.transport,
+            )
 
         def _check_model(self, init_info: GlooInitInfo) -> None:
             mine = model_facts(self.model_config.hf_config)
@@ -149,7 +156,7 @@ def _worker_classes() -> dict:
             initialize_layerwise_reload(self.model)
 
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-            if self.group is None:
+            if self.link is None:
                 raise RuntimeError("no run is connected: /init_weight_transfer_engine comes first")
             if update_info.session != self.session:
                 raise ValueError(
@@ -161,7 +168,8 @@ def _worker_classes() -> dict:
                 for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes)
             ]
             model: Any = self.model
-            gloo.receive(self.group, metadata, model.load_weights)
+            # vLLM's layerwise reload keeps a layer's tensors until the layer is whole: `load` keeps what it gets
+            gloo.receive(self.link, metadata, model.load_weights, keep=True)
 
         def finish_weight_update(self) -> None:
             finalize_layerwise_reload(self.model, self.model_config)
@@ -169,9 +177,9 @@ def _worker_classes() -> dict:
             repack(self.model, tied)
 
         def shutdown(self) -> None:
-            if self.group is not None:
-                self.group.shutdown()
-            self.group = self.store = None
+            if self.link is not None:
+                self.link.shutdown()
+            self.link = None
 
     return dict(Worker=GlooWeightTransferEngine, InitInfo=GlooInitInfo, UpdateInfo=GlooUpdateInfo)
 
@@ -204,9 +212,9 @@ def _trainer_classes() -> dict:
 
         init_info_cls = GlooTrainerInitInfo
 
-        def __init__(self, *, client, source, group, store, session) -> None:
+        def __init__(self, *, client, source, link, session) -> None:
             super().__init__(client=client, source=source, is_sender=True)
-            self.group, self.store, self.session = group, store, session
+            self.link, self.session = link, session
 
         @classmethod
         def trainer_init(cls, init_info, *, client, source=None):
@@ -221,7 +229,7 @@ def _trainer_classes() -> dict:
                 model=init_info.model,
             )
             answered = _background(client.init_weight_transfer_engine, worker_info)
-            group, store = _racing(
+            link = _racing(
                 answered,
                 lambda: gloo.connect(
                     init_info.master_address,
@@ -233,7 +241,8 @@ def _trainer_classes() -> dict:
                     peer=init_info.peer or None,
                 ),
             )
-            return cls(client=client, source=source, group=group, store=store, session=init_info.session)
+            logger.info("Weight transfer (gloo): connected to the server, weights through %s.", link.transport)
+            return cls(client=client, source=source, link=link, session=init_info.session)
 
         def send_weights(self) -> None:
             source = self.source
@@ -249,16 +258,16 @@ def _trainer_classes() -> dict:
             self.client.start_weight_update()
             answered = _background(self.client.update_weights, update)
             try:
-                _racing(answered, lambda: gloo.send(self.group, iter(source), metadata))
+                _racing(answered, lambda: gloo.send(self.link, source.uncast(), metadata))
             except BaseException:
                 self.shutdown()  # the server gave up on this push (or the broadcast failed): no receiver
                 raise
             self.client.finish_weight_update()
 
         def shutdown(self) -> None:
-            if self.group is not None:
-                self.group.shutdown()
-            self.group = self.store = None
+            if self.link is not None:
+                self.link.shutdown()
+            self.link = None
 
     return dict(Trainer=GlooTrainerWeightTransferEngine, TrainerInitInfo=GlooTrainerInitInfo)
 
@@ -286,6 +295,11 @@ def _source_class() -> type:
         def __iter__(self):
             for name, tensor in self.pairs:
                 yield name, tensor.detach().to(self._wire(tensor))
+
+        def uncast(self):
+            """The pairs as they are (grpo's wire casts each straight into its place: no copy in between)."""
+            for name, tensor in self.pairs:
+                yield name, tensor.detach()
 
     return PushSource
 
