@@ -258,7 +258,9 @@ def _trainer_classes() -> dict:
             self.client.start_weight_update()
             answered = _background(self.client.update_weights, update)
             try:
-                _racing(answered, lambda: gloo.send(self.link, source.uncast(), metadata))
+                # grpo's own source hands its tensors uncast (the wire casts each into its place); another casts them
+                pairs = source.uncast() if hasattr(source, "uncast") else iter(source)
+                _racing(answered, lambda: gloo.send(self.link, pairs, metadata))
             except BaseException:
                 self.shutdown()  # the server gave up on this push (or the broadcast failed): no receiver
                 raise
