@@ -266,8 +266,24 @@ def test_another_file_of_the_same_name_is_not_taken_for_the_segment(monkeypatch)
     sent = _tensors()
     _, _, used = _push(sent.items(), _meta(sent, torch.float32))
     assert opened and used == ["TCP"] * 2
-    with pytest.raises(ValueError, match="not one grpo makes"):
-        gloo._segment_path("../../etc/passwd")
+
+
+def test_an_offer_a_receiver_cannot_read_is_a_refusal_not_an_error():
+    good = dict(name=f"grpo-weights-1-{'0' * 32}", nonce="00" * 16, boot=gloo._boot_id(), slots=2, slot_bytes=1024)
+    for bad in (
+        {},
+        {"name": "../../etc/passwd"},
+        {"name": "/dev/shm/x"},
+        {"slot_bytes": 0},
+        {"slot_bytes": 1000},
+        {"slots": "x"},
+        {"nonce": "zz"},
+        {"boot": "another"},
+        {"name": None},
+    ):
+        assert gloo._open_segment({**good, **bad} if bad else bad) is None, bad
+    assert gloo._open_segment(good) is None  # no such segment
+    assert gloo._segment_path("../../etc/passwd") is None
 
 
 def test_a_full_dev_shm_gets_a_smaller_ring_or_tcp(monkeypatch):

@@ -290,33 +290,35 @@ def _create_segment(slots: int, slot_bytes: int) -> tuple[str, mmap.mmap, int] |
 
 def _open_segment(offer: dict) -> mmap.mmap | None:
     """A receiver: rank 0's segment mapped, when this process is on rank 0's host (the same kernel) and sees the
-    very file rank 0 made (its nonce), else None (another host, another container's /dev/shm, another user)."""
-    if offer.get("boot") != _boot_id():
-        return None
-    size = offer["slots"] * offer["slot_bytes"]
+    very file rank 0 made (its nonce), else None (another host, another container's /dev/shm, another user, an
+    offer it cannot read)."""
     try:
-        fd = os.open(_segment_path(offer["name"]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+        path, slots, slot_bytes = _segment_path(offer["name"]), int(offer["slots"]), int(offer["slot_bytes"])
+        nonce = bytes.fromhex(offer["nonce"])
+        if path is None or offer.get("boot") != _boot_id() or slots < 1 or slot_bytes < 1 or slot_bytes % _ALIGN:
+            return None
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (OSError, KeyError, TypeError, ValueError):
         return None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+        if not stat.S_ISREG(info.st_mode) or info.st_size != slots * slot_bytes:
             return None
-        memory = mmap.mmap(fd, size)
-    except OSError:
+        memory = mmap.mmap(fd, slots * slot_bytes)
+    except (OSError, ValueError):
         return None
     finally:
         os.close(fd)
-    nonce = bytes.fromhex(offer["nonce"])
-    if memory[: len(nonce)] != nonce:
+    if len(nonce) != 16 or memory[: len(nonce)] != nonce:
         memory.close()
         return None
     return memory
 
 
-def _segment_path(name: str) -> str:
-    if not _SEGMENT_NAME.fullmatch(name):
-        raise ValueError(f"rank 0 offered a shared-memory segment named {name!r}, not one grpo makes")
+def _segment_path(name: Any) -> str | None:
+    """The path of a segment named `name` in `SHM_DIR`, if `name` is one that grpo makes (else None)."""
+    if not isinstance(name, str) or not _SEGMENT_NAME.fullmatch(name):
+        return None
     return os.path.join(SHM_DIR, name)
 
 
@@ -352,9 +354,12 @@ def _agree_on_ring(group: Any, rank: int, transport: str) -> Ring | None:
                 offer[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         _broadcast(group, offer).wait()
         text = bytes(offer.numpy()).rstrip(b"\0")
-        terms = json.loads(text) if text else None
-        if rank != 0 and terms is not None:
-            path = _segment_path(terms["name"])
+        try:
+            terms = json.loads(text) if text else None
+        except ValueError:
+            terms = None
+        if rank != 0 and isinstance(terms, dict):
+            path = _segment_path(terms.get("name"))
             memory = _open_segment(terms) if transport == "auto" else None
         agreed = torch.tensor([1 if memory is not None else 0], dtype=torch.int32)
         _all_reduce(group, agreed, dist.ReduceOp.MIN).wait()

@@ -245,7 +245,7 @@ def _trainer_classes() -> dict:
             return cls(client=client, source=source, link=link, session=init_info.session)
 
         def send_weights(self) -> None:
-            source = self.source
+            source: Any = self.source  # a PushSource (`uncast`)
             assert source is not None  # a full-resync engine: trainer_engine gives it its source
             meta = source.metadata()
             metadata = [(m.name, m.dtype, tuple(m.shape)) for m in meta]
