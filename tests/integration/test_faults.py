@@ -498,6 +498,7 @@ def test_sigterm_ends_a_long_generation_at_the_next_token(which):
     makes either engine raise `Preempted` at the next token, not at the end of a 4000-token rollout."""
     import signal
 
+    from grpo.algo.sampling import SamplingSettings
     from grpo.base.records import Request
     from grpo.data.prompts import end_of_turn_ids, make_prompt
     from grpo.rollout.fast import FastEngine
@@ -507,7 +508,7 @@ def test_sigterm_ends_a_long_generation_at_the_next_token(which):
     tok = make_tokenizer()
     model = make_model(tok).eval()
     model.config.max_position_embeddings = 8192
-    args = GRPOConfig(output_dir="x", max_completion_length=4000, per_device_train_batch_size=2, num_generations=2)
+    args = SamplingSettings(max_completion_length=4000)
     stops = torch.tensor(end_of_turn_ids(tok, model.generation_config.eos_token_id))
     forwards = []
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import trl_suite  # noqa: E402
 
 
-def tests_folder(tmp_path, import_line=trl_suite.IMPORT_LINE):
+def make_tests_folder(tmp_path, import_line=trl_suite.IMPORT_LINE):
     folder = tmp_path / "trl-tests"
     folder.mkdir(parents=True)
     (folder / "__init__.py").write_text("")
@@ -24,7 +24,7 @@ def tests_folder(tmp_path, import_line=trl_suite.IMPORT_LINE):
 
 
 def test_only_the_trainer_import_changes(tmp_path):
-    folder = tests_folder(tmp_path)
+    folder = make_tests_folder(tmp_path)
     grpo_file = trl_suite.prepare(folder, tmp_path / "work", "grpo")
     trl_file = trl_suite.prepare(folder, tmp_path / "work", "trl")
     original = (folder / "test_grpo_trainer.py").read_text()
@@ -34,7 +34,7 @@ def test_only_the_trainer_import_changes(tmp_path):
     )
     assert (grpo_file.parent / "testing_utils.py").read_text() == "X = 1\n"
     with pytest.raises(SystemExit, match="no line"):
-        trl_suite.prepare(tests_folder(tmp_path / "other", "from trl import GRPOTrainer"), tmp_path / "w2", "grpo")
+        trl_suite.prepare(make_tests_folder(tmp_path / "other", "from trl import GRPOTrainer"), tmp_path / "w2", "grpo")
 
 
 def test_outcomes_and_the_table(tmp_path):
