@@ -380,8 +380,8 @@ def test_completions_are_capped_at_the_positions_a_prompt_leaves(tmp_path, caplo
     args = cfg(tmp_path, max_completion_length=8, max_steps=1, shuffle_dataset=False)
     trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=length_reward, train_dataset=data, args=args)
     seen = []
-    take = trainer.rounds._take
-    trainer.rounds._take = lambda *a: (produced := take(*a), seen.append(produced.scored.rollout))[0]
+    take = trainer.parts.rounds._take
+    trainer.parts.rounds._take = lambda *a: (produced := take(*a), seen.append(produced.scored.rollout))[0]
     with caplog.at_level("WARNING", logger="grpo"):
         trainer.train()
     assert trainer.state.global_step == 1

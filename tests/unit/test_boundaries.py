@@ -145,7 +145,8 @@ LAYERS = [
     {"checkpoint"},  # saving and loading a run (above everything it saves); in-flight rounds; the Hub
     {"learner"},  # the training batch and pass, the micro-step loop, the optimizer, the accelerator
     {"rounds"},  # generation rounds: produced, grouped and scored, asynchronous; evaluation; preemption
-    {"trainer", "async_trainer", "trl_surface", "assembly"},  # the public trainers and how one is assembled
+    {"assembly"},  # a trainer's parts, built once
+    {"trainer", "async_trainer"},  # the public trainers
     {"cli", "train_cli", "apps"},  # the command line and the demos
 ]
 
@@ -285,8 +286,8 @@ def test_the_documented_layout_table_matches_the_tree():
 
 
 def test_the_trainer_constructor_stays_short():
-    """`GRPOTrainer.__init__` reads in one screen (at most 60 lines, signature included): its parts are named
-    builders (`_build_policy`, `_build_rounds`, `_build_bookkeeping`)."""
+    """`GRPOTrainer.__init__` reads in one screen (at most 60 lines, signature included): its parts are built by
+    `grpo.assembly.assemble`."""
     tree = ast.parse((SRC / "trainer.py").read_text())
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer")
     init = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")

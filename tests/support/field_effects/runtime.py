@@ -445,7 +445,7 @@ def _per_device_train_batch_size(s: Setting):
 def _gradient_accumulation_steps(s: Setting):
     recorder = Recorder()
     trainer = s.train(reward_funcs=recorder)
-    assert trainer.loop.micro_step == 2 and trainer.state.global_step == 1
+    assert trainer.parts.loop.micro_step == 2 and trainer.state.global_step == 1
     assert [len(c["completion_ids"]) for c in recorder.calls] == [16]  # one generation feeds both micro-steps
 
 
@@ -554,7 +554,7 @@ def _chat_template_kwargs(s: Setting):
             args=config,
             processing_class=tokenizer,
         )
-        return tokenizer.decode(trainer.prompts[0].ids)
+        return tokenizer.decode(trainer.parts.prompts[0].ids)
 
     assert first_prompt(s.config()).startswith("THINK<|im_start|>user")
     assert first_prompt(s.default_config()).startswith("<|im_start|>user")
