@@ -107,22 +107,23 @@ class Parts:
 
 
 class Part(Generic[T]):
-    """A trainer attribute that is one of its parts (of the same name, or `name`), read-only as a property is:
-    TRL's `trainer.model` is `trainer.parts.model`."""
+    """A trainer attribute read from its parts, read-only as a property is: the part of the same name (TRL's
+    `trainer.model` is `trainer.parts.model`), or what `of` reads from them."""
 
-    def __init__(self, name: str | None = None) -> None:
-        self.name = name
+    def __init__(self, of: Callable[[Parts], T] | None = None) -> None:
+        self.of = of
+        self.name = ""
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
+        self.name = name
 
     def __get__(self, trainer: Any, owner: type | None = None) -> T:
         if trainer is None:  # on the class: the descriptor, as a property is
             return self  # type: ignore[return-value]
-        return getattr(trainer.parts, str(self.name))
+        return self.of(trainer.parts) if self.of is not None else getattr(trainer.parts, self.name)
 
     def __set__(self, trainer: Any, value: Any) -> None:
-        raise AttributeError(f"{self.name} is one of the trainer's parts, built once (`grpo.assembly.assemble`)")
+        raise AttributeError(f"{self.name} is read from the trainer's parts, built once (`grpo.assembly.assemble`)")
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ def assemble(
     args: ResolvedConfig,
     state: TrainerState,
     trainer: Any,
+    *,
     model: Any,
     reward_funcs: Any,
     train_dataset: Any,

@@ -50,7 +50,7 @@ from typing import Any, NoReturn
 
 import torch
 from accelerate import Accelerator
-from transformers import PreTrainedModel, TrainerState
+from transformers import PreTrainedModel, TrainerControl, TrainerState
 
 from grpo import checkpoint
 from grpo.agent import Environments
@@ -112,9 +112,22 @@ class GRPOTrainer:
         run_dir.check_output_dir(resolved.output_dir)
         self.state = TrainerState()  # the HF Trainer's: step, epoch, log history, best checkpoint (only we write it)
         self.parts: Parts = assemble(
-            resolved, self.state, self, model, reward_funcs, train_dataset, eval_dataset, processing_class,
-            reward_processing_classes, callbacks, optimizers, peft_config, tools, rollout_func, environment_factory,
-        )  # fmt: skip
+            resolved,
+            self.state,
+            self,
+            model=model,
+            reward_funcs=reward_funcs,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )
         self.state.max_steps = self.parts.max_steps
         self.policy_version = 0  # a new number whenever the policy's weights change (the producer syncs on it)
         self.step_applied = False  # whether the current step's optimizer step has been applied
@@ -122,9 +135,8 @@ class GRPOTrainer:
         self.latest_batch: tuple[Scored, torch.Tensor] | None = None  # the last generation batch and its advantages
         self._fire("init_end")
 
-    # ---- TRL's attributes ------------------------------------------------------------------------------------
+    # ---- TRL's attributes, read from the parts ---------------------------------------------------------------
 
-    # the parts TRL's trainer and the HF Trainer have as attributes (read-only: `trainer.model` is `parts.model`)
     args = Part[ResolvedConfig]()
     accelerator = Part[Accelerator]()
     model = Part[torch.nn.Module]()  # the policy as prepared: wrapped, sharded or DeepSpeed's engine
@@ -134,34 +146,25 @@ class GRPOTrainer:
     lr_scheduler = Part[Any]()
     train_dataset = Part[Any]()  # the training rows as read (a stream: by position)
     eval_dataset = Part[Any]()
-    environments = Part[Environments | None]()  # the latest rollouts' environments, one per row, as TRL's
-    callback_handler = Part[Callbacks]("callbacks")
-    # grpo's: the policy unwrapped, the training pass (`grpo.learner.forward`)
+    environments = Part[Environments | None]()  # environment_factory's: the latest rollouts', one per row
+    callback_handler = Part[Callbacks](lambda p: p.callbacks)
+    control = Part[TrainerControl](lambda p: p.callbacks.control)
+    # the reward functions as called (reward models as callables, an environment's get_reward last), their names
+    # (their metrics': a function's __name__, a reward model's last path part, an environment's class name), their
+    # weights (an environment's get_reward: 1) and tokenizers (a reward model's; None for a function), as TRL's
+    reward_funcs = Part[list[Callable]](lambda p: list(p.rewards.funcs))
+    reward_func_names = Part[list[str]](lambda p: list(p.rewards.names))
+    reward_weights = Part[torch.Tensor](lambda p: p.rewards.weights)
+    reward_processing_classes = Part[list[Any]](lambda p: [getattr(f, "tokenizer", None) for f in p.rewards.funcs])
+    # whether a mixture-of-experts router's load-balancing loss is added (logged as aux_loss); the entropy bonus's
+    # coefficient now (it moves with use_adaptive_entropy; 0 when the bonus is off)
+    aux_loss_enabled = Part[bool](lambda p: p.loss_terms.router_aux)
+    entropy_coef = Part[float](lambda p: p.loss_terms.entropy.coef if p.loss_terms.entropy is not None else 0.0)
+    # grpo's: the policy unwrapped, the training pass (`grpo.learner.forward`), the parts of the run that save and
+    # load themselves in checkpoints (a component added there is saved with every checkpoint, restored on resume)
     unwrapped_model = Part[PreTrainedModel]()
     training_pass = Part[TrainingPass]()
-
-    @property
-    def reward_func_names(self) -> list[str]:
-        """The reward functions' names, as their metrics (rewards/<name>/mean) and TRL name them: a function's
-        __name__, a reward model's name (the last part of its path), an environment's get_reward its class name."""
-        return list(self.parts.rewards.names)
-
-    @property
-    def reward_funcs(self) -> list[Callable]:
-        """The reward functions as called: reward models as callables, an environment's get_reward last (a function
-        of `environments=[...]`, None for another class's rollouts), as TRL holds them."""
-        return list(self.parts.rewards.funcs)
-
-    @property
-    def reward_weights(self) -> torch.Tensor:
-        """Each reward function's weight (reward_weights, 1 for an environment's get_reward), as TRL holds them."""
-        return self.parts.rewards.weights
-
-    @property
-    def reward_processing_classes(self) -> list[Any]:
-        """Each reward function's tokenizer, as TRL holds them: a reward model's (given or its own), None for a plain
-        function."""
-        return [getattr(func, "tokenizer", None) for func in self.parts.rewards.funcs]
+    state_components = Part[list[checkpoint.StateComponent]](lambda p: p.saved.components)
 
     @property
     def tools(self) -> list[Callable]:
@@ -170,17 +173,6 @@ class GRPOTrainer:
         given = [tool.fn for tool in self.parts.rollouts.tools.tools.values()]
         methods = self.environments.methods if self.environments is not None else {}
         return given + [getattr(cls, tool.name) for cls, tools in methods.items() for tool in tools]
-
-    @property
-    def aux_loss_enabled(self) -> bool:
-        """Whether a mixture-of-experts router's load-balancing loss is added to the loss (logged as `aux_loss`)."""
-        return self.parts.loss_terms.router_aux
-
-    @property
-    def entropy_coef(self) -> float:
-        """The entropy bonus's coefficient now (it moves with use_adaptive_entropy; 0 when the bonus is off)."""
-        entropy = self.parts.loss_terms.entropy
-        return entropy.coef if entropy is not None else 0.0
 
     @property
     def _logs(self) -> dict[str, Any]:
@@ -200,8 +192,6 @@ class GRPOTrainer:
             everyone = collectives.gather_values(everyone, self.accelerator)
         return entropy_cut_mask(entropies, mask, everyone, threshold)
 
-    # ---- grpo's handles: the engine, what checkpoints hold ------------------------------------------------------
-
     @property
     def engine(self) -> Any:
         """The generation engine (`grpo.rollout`); settable (tests give scripted ones)."""
@@ -211,17 +201,7 @@ class GRPOTrainer:
     def engine(self, engine: Any) -> None:
         self.parts.rollouts.engine = engine
 
-    @property
-    def state_components(self) -> list[checkpoint.StateComponent]:
-        """The parts of the run that save and load themselves in checkpoints; a component added here is saved with
-        every checkpoint and restored on resume."""
-        return self.parts.saved.components
-
     # ---- the HF Trainer's user methods -----------------------------------------------------------------------
-
-    @property
-    def control(self) -> Any:
-        return self.parts.callbacks.control
 
     def add_callback(self, callback: Any) -> None:
         self.parts.callbacks.add(callback)

@@ -452,8 +452,8 @@ def _gradient_accumulation_steps(s: Setting):
 @effect("num_train_epochs", 2.0)
 def _num_train_epochs(s: Setting):
     # 8 prompts, 2 per generation of 8 completions: 4 steps an epoch
-    assert s.trainer(max_steps=-1).max_steps == 8
-    assert s.default_trainer(max_steps=-1).max_steps == 12
+    assert s.trainer(max_steps=-1).parts.max_steps == 8
+    assert s.default_trainer(max_steps=-1).parts.max_steps == 12
 
 
 @effect("max_steps", 2)
