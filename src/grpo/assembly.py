@@ -145,6 +145,21 @@ class _Policy:
     flop_parameters: int
 
 
+@dataclass(frozen=True)
+class _Generation:
+    """The engine, prompts, tool loop, producer and rounds, and the training pass and loop they feed."""
+
+    engine_on: Callable[[torch.nn.Module, ResolvedConfig], Any]
+    stop_ids: list[int]
+    training_pass: TrainingPass
+    prompts: data.PromptSource
+    rollouts: Rollouts
+    producer: Producer
+    loop: LoopState
+    buffer: RolloutBuffer
+    rounds: Rounds
+
+
 def assemble(
     args: ResolvedConfig,
     state: TrainerState,
@@ -178,77 +193,8 @@ def assemble(
     rewards = RewardFunctions.build(reward_funcs, args, reward_processing_classes, acc.device, env_rewards)
     seeding.seed_run(args.seed, args.full_determinism)  # full_determinism: deterministic algorithms too
     policy = _policy(args, acc, rows, model, processing_class, peft_config, optimizers)
-    unwrapped = acc.unwrap_model(policy.model)
-    stop_ids = data.end_of_turn_ids(policy.tokenizer, generation_eos(unwrapped))
-    engine_on = functools.partial(_engine, tokenizer=policy.tokenizer, stop_ids=stop_ids, acc=acc, pixels=policy.pixels)
-    engine = engine_on(unwrapped, args)
-    attention.use_grouped_heads(policy.model)
-    training_pass = TrainingPass(policy.model, args, acc.autocast, acc.mixed_precision, policy.pixels)
-    prompts = _prompts(args, rows, policy, unwrapped)
-    everywhere = functools.partial(collectives.any_process_or_preempted, acc)  # a tool loop's
-    rollouts = Rollouts(engine, prompts, args, stop_ids, everywhere, tools, environments, rollout_func, trainer)
-    producer = Producer(rollouts, rewards, rows, args, acc.process_index, acc.num_processes, state)
-    loop = LoopState()
-    buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
-    learner = (producer, policy.model, training_pass, policy.tokenizer.pad_token_id, loop, engine_on)
-    rounds = asynchronous.rounds_of(asynchronous.Learner(args, acc, *learner), policy.snapshot)  # in turn, or async
-    loss_terms = LossTerms(args, training_pass.router_aux_coef)
-    record = components.TrainingRecord(loop, buffer, loss_terms, _run_facts(args, acc, rows, policy))
-    extra = [*ref_sync.MixedReference.of(args, policy.ref_model, acc), *([rounds] if args.async_generation else [])]
-    handles = policy.model, policy.optimizer, policy.lr_scheduler
-    state_components = components.of(args, acc, *handles, (buffer, loop), extra)
-    evaluations = evaluation.build(eval_dataset, args, prompts, acc.num_processes)
-    engine_with = functools.partial(engine_on, unwrapped)  # eval_greedy's engine on the policy
-    evaluator = evaluation.Evaluator(args, acc, producer, rounds, prompts, engine_with)  # what evaluate() runs on
-    diagnosis = Diagnosis(Limits.of(args))
-    facts = run_facts(unwrapped, rewards.names, rollouts.tool_names, policy.max_steps, acc.num_processes)
-    report = RunReport(args.output_dir, bool(args.run_report), facts, diagnosis, acc.is_main_process)
-    hub = Hub(HubSettings.of(args), acc.is_main_process)
-    card = ModelCard.of(unwrapped, rows, rewards, args)
-    hub.create_repo()  # with push_to_hub, as the HF Trainer: at construction
-    callback_handler = Callbacks(callbacks, policy.model, policy.processing_class, *handles[1:])
-    saved = _saved(args, acc, policy, state, card, callback_handler, record, state_components, bool(evaluations))
-    return Parts(
-        args=args,
-        accelerator=acc,
-        train_dataset=rows,
-        eval_dataset=eval_dataset,
-        environments=environments,
-        rewards=rewards,
-        model=policy.model,
-        processing_class=policy.processing_class,
-        tokenizer=policy.tokenizer,
-        ref_model=policy.ref_model,
-        ref_from_adapters=policy.ref_from_adapters,
-        pixels=policy.pixels,
-        optimizer=policy.optimizer,
-        lr_scheduler=policy.lr_scheduler,
-        max_steps=policy.max_steps,
-        steps_per_epoch=policy.steps_per_epoch,
-        flop_parameters=policy.flop_parameters,
-        engine_on=engine_on,
-        stop_ids=stop_ids,
-        prompts=prompts,
-        rollouts=rollouts,
-        producer=producer,
-        rounds=rounds,
-        training_pass=training_pass,
-        loop=loop,
-        buffer=buffer,
-        loss_params=LossParams.of(args),
-        loss_terms=loss_terms,
-        correction=SamplingCorrection.of(args, rollouts.engine),
-        gradient_check=optimization.GradientCheck(args.max_grad_norm),
-        callbacks=callback_handler,
-        saved=saved,
-        evaluations=evaluations,
-        evaluator=evaluator,
-        completion_log=CompletionLog.of(args, rewards.names) if args.log_completions else None,
-        diagnosis=diagnosis,
-        run_report=report,
-        card=card,
-        hub=hub,
-    )
+    generation = _generation(args, acc, state, rows, rewards, environments, policy, tools, rollout_func, trainer)
+    return _parts(args, acc, state, rows, eval_dataset, environments, rewards, policy, generation, callbacks)
 
 
 def _training_data(
@@ -310,6 +256,110 @@ def _policy(
         max_steps,
         steps_per_epoch,
         flop_parameters,
+    )
+
+
+def _generation(
+    args: ResolvedConfig,
+    acc: Accelerator,
+    state: TrainerState,
+    rows: Any,
+    rewards: RewardFunctions,
+    environments: Environments | None,
+    policy: _Policy,
+    tools: Any,
+    rollout_func: Any,
+    trainer: Any,
+) -> _Generation:
+    """The engine, prompts, tool loop and producer; the training pass; the rounds (in turn, or async)."""
+    unwrapped = acc.unwrap_model(policy.model)
+    stop_ids = data.end_of_turn_ids(policy.tokenizer, generation_eos(unwrapped))
+    engine_on = functools.partial(_engine, tokenizer=policy.tokenizer, stop_ids=stop_ids, acc=acc, pixels=policy.pixels)
+    engine = engine_on(unwrapped, args)
+    attention.use_grouped_heads(policy.model)
+    training_pass = TrainingPass(policy.model, args, acc.autocast, acc.mixed_precision, policy.pixels)
+    prompts = _prompts(args, rows, policy, unwrapped)
+    everywhere = functools.partial(collectives.any_process_or_preempted, acc)  # a tool loop's
+    rollouts = Rollouts(engine, prompts, args, stop_ids, everywhere, tools, environments, rollout_func, trainer)
+    producer = Producer(rollouts, rewards, rows, args, acc.process_index, acc.num_processes, state)
+    loop = LoopState()
+    buffer = RolloutBuffer(args.steps_per_generation, args.num_iterations, args.seed)
+    learner = (producer, policy.model, training_pass, policy.tokenizer.pad_token_id, loop, engine_on)
+    rounds = asynchronous.rounds_of(asynchronous.Learner(args, acc, *learner), policy.snapshot)  # in turn, or async
+    return _Generation(engine_on, stop_ids, training_pass, prompts, rollouts, producer, loop, buffer, rounds)
+
+
+def _parts(
+    args: ResolvedConfig,
+    acc: Accelerator,
+    state: TrainerState,
+    rows: Any,
+    eval_dataset: Any,
+    environments: Environments | None,
+    rewards: RewardFunctions,
+    policy: _Policy,
+    g: _Generation,
+    callbacks: Any,
+) -> Parts:
+    """The bookkeeping (the loss's parts, what checkpoints hold, evaluation, the report, the Hub, the callbacks),
+    and all the parts together."""
+    unwrapped = acc.unwrap_model(policy.model)
+    loss_terms = LossTerms(args, g.training_pass.router_aux_coef)  # entropy bonus, router loss
+    record = components.TrainingRecord(g.loop, g.buffer, loss_terms, _run_facts(args, acc, rows, policy))
+    extra = [*ref_sync.MixedReference.of(args, policy.ref_model, acc), *([g.rounds] if args.async_generation else [])]
+    handles = policy.model, policy.optimizer, policy.lr_scheduler
+    state_components = components.of(args, acc, *handles, (g.buffer, g.loop), extra)
+    evaluations = evaluation.build(eval_dataset, args, g.prompts, acc.num_processes)
+    engine_with = functools.partial(g.engine_on, unwrapped)  # eval_greedy's engine on the policy
+    evaluator = evaluation.Evaluator(args, acc, g.producer, g.rounds, g.prompts, engine_with)
+    diagnosis = Diagnosis(Limits.of(args))
+    facts = run_facts(unwrapped, rewards.names, g.rollouts.tool_names, policy.max_steps, acc.num_processes)
+    report = RunReport(args.output_dir, bool(args.run_report), facts, diagnosis, acc.is_main_process)
+    hub = Hub(HubSettings.of(args), acc.is_main_process)
+    card = ModelCard.of(unwrapped, rows, rewards, args)
+    hub.create_repo()  # with push_to_hub, as the HF Trainer: at construction
+    callback_handler = Callbacks(callbacks, policy.model, policy.processing_class, *handles[1:])
+    saved = _saved(args, acc, policy, state, card, callback_handler, record, state_components, bool(evaluations))
+    return Parts(
+        args=args,
+        accelerator=acc,
+        train_dataset=rows,
+        eval_dataset=eval_dataset,
+        environments=environments,
+        rewards=rewards,
+        model=policy.model,
+        processing_class=policy.processing_class,
+        tokenizer=policy.tokenizer,
+        ref_model=policy.ref_model,
+        ref_from_adapters=policy.ref_from_adapters,
+        pixels=policy.pixels,
+        optimizer=policy.optimizer,
+        lr_scheduler=policy.lr_scheduler,
+        max_steps=policy.max_steps,
+        steps_per_epoch=policy.steps_per_epoch,
+        flop_parameters=policy.flop_parameters,
+        engine_on=g.engine_on,
+        stop_ids=g.stop_ids,
+        prompts=g.prompts,
+        rollouts=g.rollouts,
+        producer=g.producer,
+        rounds=g.rounds,
+        training_pass=g.training_pass,
+        loop=g.loop,
+        buffer=g.buffer,
+        loss_params=LossParams.of(args),
+        loss_terms=loss_terms,
+        correction=SamplingCorrection.of(args, g.rollouts.engine),  # sampling/* metrics, vLLM's IS weight, OPSM
+        gradient_check=optimization.GradientCheck(args.max_grad_norm),
+        callbacks=callback_handler,
+        saved=saved,
+        evaluations=evaluations,
+        evaluator=evaluator,
+        completion_log=CompletionLog.of(args, rewards.names) if args.log_completions else None,
+        diagnosis=diagnosis,
+        run_report=report,
+        card=card,
+        hub=hub,
     )
 
 
