@@ -498,6 +498,7 @@ def test_sigterm_ends_a_long_generation_at_the_next_token(which):
     makes either engine raise `Preempted` at the next token, not at the end of a 4000-token rollout."""
     import signal
 
+    from grpo.algo.sampling import SamplingSettings
     from grpo.data.prompts import end_of_turn_ids, make_prompt
     from grpo.rollout import Request
     from grpo.rollout.fast import FastEngine
@@ -519,7 +520,8 @@ def test_sigterm_ends_a_long_generation_at_the_next_token(which):
 
     model.lm_head.register_forward_hook(hook)
     engine_type = FastEngine if which == "fast" else TransformersEngine
-    engine = engine_type(model, tok, args, end_of_turn_ids(tok), **({"lean": False} if which == "fast" else {}))
+    sampling = SamplingSettings.of(args)  # what the engines take (the plain one reads generation_kwargs from it)
+    engine = engine_type(model, tok, sampling, end_of_turn_ids(tok), **({"lean": False} if which == "fast" else {}))
     with preemption_guard(), pytest.raises(Preempted):
         engine.generate([Request(make_prompt("Tell me a long story.", tok), num_samples=2)])
     assert len(forwards) <= 7  # the signal's token, and at most one more
