@@ -98,7 +98,6 @@ class Parts:
     completion_log: CompletionLog | None  # log_completions
     diagnosis: Diagnosis  # what the logged metrics say is going wrong: one warning each
     run_report: RunReport  # <output_dir>/report.html
-    card: ModelCard  # README.md of a saved model
     hub: Hub
 
     @property
@@ -358,7 +357,6 @@ def _parts(
         completion_log=CompletionLog.of(args, rewards.names) if args.log_completions else None,
         diagnosis=diagnosis,
         run_report=report,
-        card=card,
         hub=hub,
     )
 

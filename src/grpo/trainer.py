@@ -225,14 +225,11 @@ class GRPOTrainer:
         """Save the model and its card to output_dir and push them to hub_model_id (`grpo.checkpoint.hub`)."""
         p = self.parts
         main = p.accelerator.is_main_process
-        return p.hub.push(commit_message, blocking, self.save_model, self._write_card, main, **card)
+        return p.hub.push(commit_message, blocking, self.save_model, p.saved.write_card, main, **card)
 
     def end(self) -> None:
         """Finish the trackers and end the process group: once, at the very end of a script (as the HF Trainer)."""
         end_run(self.accelerator)
-
-    def _write_card(self, directory: str, **card: Any) -> str:
-        return self.parts.card.write(self.state, directory, **card)
 
     @property
     def _window(self) -> MetricsLogger:
@@ -268,7 +265,7 @@ class GRPOTrainer:
                     if a.eval_on_start and p.evaluations:
                         self.evaluate()
                     while self.state.global_step < p.max_steps and not self.control.should_training_stop:
-                        step_start = StepStart.capture(p.loop, p.buffer, self.metrics, self.state.num_input_tokens_seen)
+                        step_start = StepStart.capture(p.loop, p.buffer, self._window, self.state.num_input_tokens_seen)
                         total_loss += self._step()
                         if collectives.any_process(p.accelerator, preempted.is_set()):
                             self._save_and_exit(None)
@@ -500,7 +497,7 @@ class GRPOTrainer:
                 path = self._save(step)
         if path is not None:
             # hub_strategy (main process, in the background)
-            p.hub.after_checkpoint(path, step, p.processing_class, self._write_card)
+            p.hub.after_checkpoint(path, step, p.processing_class, p.saved.write_card)
             self._fire("save")
 
     def _save(self, step: int) -> str:

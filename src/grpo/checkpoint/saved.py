@@ -47,7 +47,7 @@ class Saved:
     model: torch.nn.Module  # as prepared: wrapped, sharded or DeepSpeed's engine
     optimizer: torch.optim.Optimizer  # a sharded model's shards hold it; else the `Optimization` component
     processing_class: Any
-    write_card: Callable[[str], str]  # README.md into a model directory; returns its path
+    write_card: Callable[..., str]  # (directory, **card fields) -> README.md written there
     state: TrainerState
     callbacks: Callbacks  # states() / restore()
     record: TrainingRecord  # trainer_state.json's record of the run
