@@ -99,9 +99,9 @@ def rollouts(turn_context: str, seed: int):
         tools=[multiply],
     )
     trainer.engine = Sampler(tok, seed)
-    trainer.producer.sync(trainer.unwrapped_model, trainer.policy_version)
+    trainer.parts.producer.sync(trainer.unwrapped_model, trainer.policy_version)
     rows = [k for k in range(PROMPTS) for _ in range(GROUP)]
-    rollout = trainer.producer.generate(rows).rollout
+    rollout = trainer.parts.producer.generate(rows).rollout
     group = torch.tensor(rows)
     batch = collate(rollout, torch.randn(len(rows)), tok.pad_token_id, False, group=group)
     return trainer, batch
@@ -121,7 +121,7 @@ def appended_tokens(batch) -> int:
 def main() -> None:
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     trainer, rendered = rollouts("auto", seed)
-    assert trainer.rollouts.loop.rendered, "the stripping template should make turn_context='auto' render turns"
+    assert trainer.parts.rollouts.loop.rendered, "the stripping template should make turn_context='auto' render turns"
     _, appended = rollouts("appended", seed)
     trees = int(tree.layout(rendered).real.sum())
     forked, plain = forked_tokens(rendered), appended_tokens(appended)

@@ -54,7 +54,7 @@ def main() -> None:
     )
     counter = StepCounter(reward, args.num_generations)
     trainer = GRPOTrainer(model=model, reward_funcs=counter, train_dataset=prompts, args=args, peft_config=peft_config)
-    counter.tokenizer = trainer.tokenizer
+    counter.tokenizer = trainer.parts.tokenizer
     # vLLM starts in the constructor (as TRL's does): its start-up counts with the run, its warm-up is in train()
     seconds = timed(trainer.train) + getattr(trainer.engine, "startup_s", 0.0)
     rows = trainer.state.log_history
@@ -76,8 +76,8 @@ def main() -> None:
             "training_tokens_per_s": counter.tokens / max(seconds - generation, 1e-9),
             "engine": type(trainer.engine).__name__,
             "isa": cpu_isa(),
-            "report_s": trainer.run_report.spent,
-            "report_builds": trainer.run_report.builds,
+            "report_s": trainer.parts.run_report.spent,
+            "report_builds": trainer.parts.run_report.builds,
             "generation_s": [r["timing/generation_s"] for r in rows],
             "decode_steps": counter.decode_steps,
             "completion_tokens": counter.completion_tokens,

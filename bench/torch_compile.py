@@ -12,6 +12,7 @@ their completions differ; `tests/integration/test_runtime_fields.py` checks that
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -62,7 +63,8 @@ def interleaved(trainers: dict, steps: int) -> dict:
     """One step of each trainer in turn (so that a busy machine slows both alike)."""
     for step in range(1, steps + 1):
         for trainer, _ in trainers.values():
-            trainer.max_steps = trainer.state.max_steps = step
+            trainer.parts = dataclasses.replace(trainer.parts, max_steps=step)  # one more step each train()
+            trainer.state.max_steps = step
             trainer.train()
     out = {}
     for key, (trainer, passes) in trainers.items():

@@ -202,7 +202,7 @@ def test_tool_tokens_give_exactly_zero_gradient_but_are_attended(tmp_path):
     rollout = generate(trainer, GROUPS).rollout
     batch = collate(rollout, torch.linspace(-1, 1, 8), trainer.processing_class.pad_token_id, False)
     logps = trainer.training_pass.train(trainer.model, batch, entropy_grad=False).logps
-    loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, trainer.loss_params)
+    loss, _ = policy_loss(logps, None, batch.advantages, batch.mask, trainer.parts.loss_params)
     (grad,) = torch.autograd.grad(loss, logps)
     tool = (batch.completion_attention == 1) & (batch.mask == 0)
     assert tool.sum() > 0 and (grad[tool] == 0).all() and (grad[batch.mask == 1] != 0).any()
@@ -303,7 +303,7 @@ def test_environment_factory_tools_reset_and_reward(tmp_path):
         environment_factory=Counter,
     )
     trainer.engine = TurnScript(tok, script)
-    assert trainer.rewards.names == ["record", "Counter"] and trainer.rewards.weights.tolist() == [1.0, 1.0]
+    assert trainer.parts.rewards.names == ["record", "Counter"] and trainer.parts.rewards.weights.tolist() == [1.0, 1.0]
     trainer.train()
     # one instance per rollout (the probe included), each reset from its row and driven by its own calls
     assert Counter.made == 8 and [e.count for e in seen["environments"]] == [0, 1, 2, 3, 1, 2, 3, 4]
@@ -333,7 +333,7 @@ def test_environments_by_row_and_their_errors(tmp_path):
         environment_factory={"a": Counter, "b": Other},
         args=dict(shuffle_dataset=False),
     )
-    assert trainer.rewards.names == ["Counter", "Other"]
+    assert trainer.parts.rewards.names == ["Counter", "Other"]
     trainer.train()
     row = trainer.state.log_history[-1]
     assert row["rewards/Counter/mean"] == 1.0 and row["rewards/Other/mean"] == -1.0

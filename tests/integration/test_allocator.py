@@ -53,13 +53,13 @@ def test_freed_blocks_are_reused_without_faulting_again():
 
 
 def test_the_trainer_applies_the_policy_unless_turned_off(tiny_model_dir, tmp_path, monkeypatch):
-    import grpo.trainer
+    import grpo.assembly
     from grpo import GRPOTrainer
     from support.rewards import token_count_reward
     from support.runs import cfg, chat_dataset
 
     calls = []
-    monkeypatch.setattr(grpo.trainer.allocator, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(grpo.assembly.allocator, "keep_freed_memory", lambda: calls.append(1) or True)
     GRPOTrainer(model=tiny_model_dir, reward_funcs=token_count_reward, train_dataset=chat_dataset(), args=cfg(tmp_path))
     assert calls == [1]
     GRPOTrainer(

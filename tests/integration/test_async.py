@@ -56,7 +56,7 @@ def assert_same_run(a, b, resumed=False):
 def jittered(trainer):
     """Random sleeps in the producer's generations and the learner's micro-steps: other timings, same run."""
     jitter = random.Random(1)
-    engine = trainer.rounds.producer.engine
+    engine = trainer.parts.rounds.producer.engine
     generate, loss = engine.generate, trainer._loss_and_backward
     engine.generate = lambda requests: time.sleep(jitter.uniform(0, 0.05)) or generate(requests)
     trainer._loss_and_backward = lambda batch: time.sleep(jitter.uniform(0, 0.05)) or loss(batch)
@@ -104,14 +104,14 @@ def test_the_learner_trains_on_the_behaviour_log_probs_not_its_own(tmp_path):
     original = trainer._add_old_and_ref_logps
     trainer._add_old_and_ref_logps = lambda batch, old=True: taken.append(original(batch, old)) or taken[-1]
     passes = []
-    for training_pass in (trainer.training_pass, trainer.rounds.training_pass):  # the learner's, the producer's
+    for training_pass in (trainer.training_pass, trainer.parts.rounds.training_pass):  # the learner's, the producer's
         logps = training_pass.logps
         training_pass.logps = lambda model, *a, logps=logps: passes.append(model) or logps(model, *a)
     trainer.train()
     batch = taken[0]
     assert batch.old_logps is not None and batch.old_logps.shape == batch.completion_ids.shape
     assert trainer.model not in passes  # the producer scored the snapshot; the learner ran no old-policy pass
-    assert trainer.rounds.snapshot in passes
+    assert trainer.parts.rounds.snapshot in passes
 
 
 def test_the_samplers_log_probs_as_the_behaviour_policy_skip_the_producers_pass(tmp_path):
@@ -124,7 +124,7 @@ def test_the_samplers_log_probs_as_the_behaviour_policy_skip_the_producers_pass(
     taken, passes = [], []
     original = trainer._add_old_and_ref_logps
     trainer._add_old_and_ref_logps = lambda batch, old=True: taken.append(original(batch, old)) or taken[-1]
-    for training_pass in (trainer.training_pass, trainer.rounds.training_pass):  # the learner's, the producer's
+    for training_pass in (trainer.training_pass, trainer.parts.rounds.training_pass):  # the learner's, the producer's
         logps = training_pass.logps
         training_pass.logps = lambda model, *a, logps=logps: passes.append(model) or logps(model, *a)
     trainer.train()
@@ -178,7 +178,7 @@ def test_a_reward_function_that_raises_in_the_producer_stops_training_naming_it(
 
 def test_a_producer_that_makes_no_progress_stops_training_after_the_heartbeat(tmp_path):
     def stall(trainer):
-        engine = trainer.rounds.producer.engine
+        engine = trainer.parts.rounds.producer.engine
         generate = engine.generate
         calls = []
 
@@ -244,7 +244,7 @@ def test_a_stateful_reward_with_evaluations_gives_the_same_run_whatever_the_timi
         trainer._loss_and_backward = lambda batch: time.sleep(0.3) or loss(batch)
 
     def slow_producer(trainer):
-        engine = trainer.rounds.producer.engine
+        engine = trainer.parts.rounds.producer.engine
         generate = engine.generate
         engine.generate = lambda requests: time.sleep(0.3) or generate(requests)
 
@@ -417,7 +417,7 @@ def test_tools_and_environments_run_in_the_producer(tmp_path):
             tools=[multiply],
             environment_factory=Counter,
         )
-        trainer.rounds.producer.own_engine = TurnScript(tok, script)  # the producer's engine, scripted
+        trainer.parts.rounds.producer.own_engine = TurnScript(tok, script)  # the producer's engine, scripted
         trainer.train()
         return trainer
 
@@ -427,7 +427,7 @@ def test_tools_and_environments_run_in_the_producer(tmp_path):
     assert rows and rows[0]["tools/call_frequency"] == 1.0  # every completion called `add` once
     # the producer's tool loop asks only its own process whether rows still call tools: the learner's loop asks
     # every process (a collective, which a producer thread must not make beside the learner's)
-    loop, learners = first.rounds.producer.rollouts.loop, first.rollouts.loop
+    loop, learners = first.parts.rounds.producer.rollouts.loop, first.parts.rollouts.loop
     assert loop is not learners and loop.any_process is bool and learners.any_process is not bool
 
 
@@ -442,7 +442,7 @@ def test_image_prompts_train_async_on_the_plain_engine(tmp_path):
         trainer = GRPOTrainer(
             model=model, processing_class=processor, reward_funcs=length_reward, train_dataset=image_rows(), args=args
         )
-        assert trainer.rounds.lock_rng  # transformers' generate draws from torch's global generator
+        assert trainer.parts.rounds.lock_rng  # transformers' generate draws from torch's global generator
         if prepare is not None:
             prepare(trainer)
         trainer.train()
@@ -523,9 +523,9 @@ def test_torch_compile_trains_async_with_a_compiled_snapshot_and_reproducibly(tm
     """The producer's behaviour pass runs the snapshot's own compiled stack (inductor), never swapping the
     learner's forward from its thread; on-policy the importance weight is 1 up to rounding; timing changes nothing."""
     first = run(tmp_path, "a", max_steps=3, max_staleness=0, torch_compile=True)
-    learner, producer = first.training_pass.compiled, first.rounds.training_pass.compiled
+    learner, producer = first.training_pass.compiled, first.parts.rounds.training_pass.compiled
     assert producer is not None and producer.module is not learner.module
-    assert any(m is producer.module for m in first.rounds.snapshot.modules())
+    assert any(m is producer.module for m in first.parts.rounds.snapshot.modules())
     assert "forward" not in vars(learner.module) and "forward" not in vars(producer.module)  # swapped back
     rows = [row for row in first.state.log_history if "sample/importance_weight_max" in row]
     assert len(rows) == 3 and all(abs(row["sample/importance_weight_max"] - 1) < 1e-4 for row in rows)

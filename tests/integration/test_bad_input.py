@@ -243,9 +243,9 @@ def test_nonfinite_loss_stops_before_the_update(tiny_model_dir, tmp_path):
 def emulate_fp16_loss_scaling(monkeypatch):
     """Trainers made after this get accelerate's CUDA fp16 setup on the CPU: a GradScaler (torch's CPU one, starting
     at 2^24, which overflows float16 gradients here) and fp16 autocast."""
-    import grpo.trainer
+    import grpo.assembly
 
-    make = grpo.trainer.make_accelerator
+    make = grpo.assembly.make_accelerator
 
     def fp16_with_loss_scaling(args):
         accelerator = make(args)
@@ -253,7 +253,7 @@ def emulate_fp16_loss_scaling(monkeypatch):
         accelerator.native_amp, accelerator.state._mixed_precision = True, "fp16"
         return accelerator
 
-    monkeypatch.setattr(grpo.trainer, "make_accelerator", fp16_with_loss_scaling)
+    monkeypatch.setattr(grpo.assembly, "make_accelerator", fp16_with_loss_scaling)
 
 
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])

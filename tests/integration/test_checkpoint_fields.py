@@ -117,7 +117,7 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path, limit, best, kept):
 def test_epoch_saves_at_the_end_of_every_epoch_and_at_the_last_step(tiny_model_dir, tmp_path):
     # 4 prompts, 2 per generation: an epoch is 2 optimizer steps
     trainer = run(tiny_model_dir, tmp_path, dataset=chat_dataset(4), max_steps=5, save_strategy="epoch")
-    assert trainer.steps_per_epoch == 2
+    assert trainer.parts.steps_per_epoch == 2
     assert saved(tmp_path) == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
 
 
@@ -298,7 +298,7 @@ def test_a_model_only_checkpoint_holds_the_model_and_cannot_resume(tiny_model_di
 
 def test_save_on_each_node_still_writes_on_one_node(tiny_model_dir, tmp_path):
     trainer = run(tiny_model_dir, tmp_path, max_steps=1, save_strategy="steps", save_steps=1, save_on_each_node=True)
-    assert strategy.writer(trainer) and saved(tmp_path) == ["checkpoint-1"]
+    assert strategy.writer(trainer.args, trainer.accelerator) and saved(tmp_path) == ["checkpoint-1"]
 
 
 @pytest.mark.parametrize("value", ["true", "checkpoint-1"])
@@ -307,7 +307,7 @@ def test_train_without_an_argument_resumes_from_the_config(tiny_model_dir, tmp_p
     target = value if value == "true" else str(tmp_path / "out" / value)
     trainer = run(tiny_model_dir, tmp_path, max_steps=2, resume_from_checkpoint=target)
     assert trainer.state.global_step == 2 and [r["step"] for r in trainer.state.log_history] == [1, 2]
-    assert trainer.loop.data_position == 2  # the first run's generation and this one's
+    assert trainer.parts.loop.data_position == 2  # the first run's generation and this one's
 
 
 def prompts_seen(seen):
@@ -345,10 +345,10 @@ def test_data_seed_seeds_the_prompt_order_only(tiny_model_dir, tmp_path):
     seeded = build(data_seed=5)
     assert torch.equal(torch.get_rng_state(), after_plain)  # `seed` still seeds the generators
     rows = [generation_prompt_indices(k, 8, 2, 5, True) for k in range(4)]
-    assert [sorted(set(seeded.producer.rows(k))) for k in range(4)] == [sorted(r) for r in rows]
+    assert [sorted(set(seeded.parts.producer.rows(k))) for k in range(4)] == [sorted(r) for r in rows]
     rows = [generation_prompt_indices(k, 8, 2, 0, True) for k in range(4)]  # data_seed None: seed 0
-    assert [sorted(set(plain.producer.rows(k))) for k in range(4)] == [sorted(r) for r in rows]
-    assert [plain.producer.rows(k) for k in range(4)] != [seeded.producer.rows(k) for k in range(4)]
+    assert [sorted(set(plain.parts.producer.rows(k))) for k in range(4)] == [sorted(r) for r in rows]
+    assert [plain.parts.producer.rows(k) for k in range(4)] != [seeded.parts.producer.rows(k) for k in range(4)]
 
 
 def test_full_determinism_switches_torch_to_deterministic_algorithms(tiny_model_dir, tmp_path, restores_determinism):

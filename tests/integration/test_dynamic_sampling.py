@@ -84,8 +84,8 @@ def test_dynamic_sampling_trains_only_groups_with_spread(tiny_model_dir, tmp_pat
     args = cfg(tmp_path, dynamic_sampling=True, dynamic_sampling_max_attempts=8, max_steps=3)
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=kind_reward, train_dataset=mixed_dataset(), args=args)
     drawn = []  # every round scored (one process: this process's round is the whole round)
-    take = trainer.rounds._take
-    trainer.rounds._take = lambda *a: (produced := take(*a), drawn.append(produced.scored))[0]
+    take = trainer.parts.rounds._take
+    trainer.parts.rounds._take = lambda *a: (produced := take(*a), drawn.append(produced.scored))[0]
     batches = train_and_watch(trainer)
     data = mixed_dataset()
     for batch in batches:
@@ -100,7 +100,7 @@ def test_dynamic_sampling_trains_only_groups_with_spread(tiny_model_dir, tmp_pat
     all_equal = sum(bool((g == g[0]).all()) for g in groups)
     assert sum(r["dynamic_sampling/groups_dropped"] for r in rows) == all_equal >= flat > 0
     # the data position moved by every round run, more than one per step
-    assert trainer.loop.data_position == len(drawn) == sum(r["dynamic_sampling/rounds"] for r in rows) > 3
+    assert trainer.parts.loop.data_position == len(drawn) == sum(r["dynamic_sampling/rounds"] for r in rows) > 3
 
 
 def test_dynamic_sampling_short_batch_trains_on_what_it_has(tiny_model_dir, tmp_path, caplog):

@@ -36,7 +36,7 @@ def test_evaluate_returns_the_eval_metrics_and_moves_nothing(tiny_model_dir, tmp
     # ScriptedEngine: sample j of a prompt has 1 + (sum(ids) + 3j) % 8 letters; count them per prompt here
     lengths, passed = [], []
     for i in range(4):
-        ids = trainer.evaluations[None].source[i].ids
+        ids = trainer.parts.evaluations[None].source[i].ids
         group = [1 + (sum(ids) + 3 * j) % 8 for j in range(4)]
         lengths += group
         passed.append(any(n >= 5 for n in group))
@@ -100,7 +100,8 @@ def test_evaluation_errors(tiny_model_dir, tmp_path):
         trainer_for(tiny_model_dir, tmp_path, per_device_eval_batch_size=6)
     with pytest.raises(ValueError, match="eval_dataset has no 'prompt'|no 'prompt' column"):
         trainer_for(tiny_model_dir, tmp_path, eval_dataset=Dataset.from_list([{"q": "x"}]))
-    trainer = trainer_for(tiny_model_dir, tmp_path)
-    trainer.evaluations = {}
+    trainer = GRPOTrainer(
+        model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=cfg(tmp_path)
+    )
     with pytest.raises(ValueError, match="evaluate\\(\\) needs an eval_dataset"):
         trainer.evaluate()

@@ -380,8 +380,8 @@ def test_completions_are_capped_at_the_positions_a_prompt_leaves(tmp_path, caplo
     args = cfg(tmp_path, max_completion_length=8, max_steps=1, shuffle_dataset=False)
     trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=length_reward, train_dataset=data, args=args)
     seen = []
-    take = trainer.rounds._take
-    trainer.rounds._take = lambda *a: (produced := take(*a), seen.append(produced.scored.rollout))[0]
+    take = trainer.parts.rounds._take
+    trainer.parts.rounds._take = lambda *a: (produced := take(*a), seen.append(produced.scored.rollout))[0]
     with caplog.at_level("WARNING", logger="grpo"):
         trainer.train()
     assert trainer.state.global_step == 1
@@ -520,7 +520,8 @@ def test_sigterm_ends_a_long_generation_at_the_next_token(which):
 
     model.lm_head.register_forward_hook(hook)
     engine_type = FastEngine if which == "fast" else TransformersEngine
-    engine = engine_type(model, tok, args, end_of_turn_ids(tok), **({"lean": False} if which == "fast" else {}))
+    sampling = SamplingSettings.of(args)  # what the engines take (the plain one reads generation_kwargs from it)
+    engine = engine_type(model, tok, sampling, end_of_turn_ids(tok), **({"lean": False} if which == "fast" else {}))
     with preemption_guard(), pytest.raises(Preempted):
         engine.generate([Request(make_prompt("Tell me a long story.", tok), num_samples=2)])
     assert len(forwards) <= 7  # the signal's token, and at most one more

@@ -77,7 +77,7 @@ def test_epoch_strategy_logs_each_epoch_with_the_mean_of_its_steps(tiny_model_di
     args = cfg(tmp_path, max_steps=6, logging_strategy="epoch")
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
     # 8 prompts, 2 per generation batch (8 completions / 4 per group), one batch per step: 4 steps an epoch
-    assert trainer.steps_per_epoch == 4
+    assert trainer.parts.steps_per_epoch == 4
     losses = []
     trainer._update = _recording(trainer._update, losses)
     trainer.train()
@@ -146,12 +146,12 @@ def test_tokens_seen_hand_counted(tmp_path, mode, seen):
     rollout = _rollout()
     batch = collate(rollout, torch.zeros(4), pad_id=0, mask_truncated=False)
     accelerator = SimpleNamespace(device=torch.device("cpu"), reduce=lambda t, reduction: t)
-    state = SimpleNamespace(num_input_tokens_seen=0)
     metrics = MetricsLogger(None, SimpleNamespace(is_main_process=True, trackers=[]), 1, False)
+    seen_so_far = 0
     for _ in range(2):  # two generation batches: running totals
-        reporting.count_tokens(state, metrics, rollout, batch, accelerator, mode)
+        seen_so_far = reporting.count_tokens(metrics, seen_so_far, rollout, batch, accelerator, mode)
     # without padding 3+5+2+2 prompt + 4+1+0+6 completion tokens = 23; padded, 4 rows x (5 + 6) = 44
-    assert state.num_input_tokens_seen == 46
+    assert seen_so_far == 46
     row = metrics.log(step=1, epoch=0.0)
     assert row["num_tokens"] == 46
     assert row.get("num_input_tokens_seen") == (None if seen is None else 2 * seen)

@@ -55,7 +55,7 @@ def test_only_adapters_train(tiny_model_dir, tmp_path, checkpointing):
 
 def test_reference_is_the_base_model_with_adapters_disabled(tiny_model_dir, tmp_path):
     trainer = lora_trainer(tiny_model_dir, tmp_path, beta=0.1, max_steps=2)
-    assert trainer.ref_model is None and trainer.ref_from_adapters
+    assert trainer.ref_model is None and trainer.parts.ref_from_adapters
     seen = []
     original = trainer._add_old_and_ref_logps
 
@@ -99,7 +99,7 @@ def test_a_peft_model_as_model(tiny_model_dir, tmp_path):
         train_dataset=chat_dataset(),
         args=cfg(tmp_path, beta=0.1),
     )
-    assert trainer.ref_model is None and trainer.ref_from_adapters
+    assert trainer.ref_model is None and trainer.parts.ref_from_adapters
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()
     for name, p in model.named_parameters():  # the given model is the one trained: only its adapters move
@@ -124,12 +124,12 @@ def test_fast_engine_on_the_adapted_model_matches_plain_generate(tiny_model_dir,
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.5)
-    prompts = trainer.prompts.requests([0, 0, 1, 1])
+    prompts = trainer.parts.prompts.requests([0, 0, 1, 1])
     tok = trainer.processing_class
     sampling = SamplingSettings.of(trainer.args)
-    fast = FastEngine(model, tok, sampling, trainer.stop_ids, sampler=lambda logprobs: logprobs.argmax(-1))
+    fast = FastEngine(model, tok, sampling, trainer.parts.stop_ids, sampler=lambda logprobs: logprobs.argmax(-1))
     greedy = SamplingSettings.of(cfg(tmp_path, generation_kwargs={"do_sample": False}))
-    plain = TransformersEngine(model, tok, greedy, trainer.stop_ids)
+    plain = TransformersEngine(model, tok, greedy, trainer.parts.stop_ids)
     expected = plain.generate(prompts).completion_ids
     assert fast.generate(prompts).completion_ids == expected
     with model.disable_adapter():  # and the adapters do change what is generated

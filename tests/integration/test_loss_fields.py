@@ -128,7 +128,7 @@ def test_adaptive_entropy_in_training(tmp_path):
     applied = [0.0, 0.15, 0.2]
     for row, coef in zip(rows, applied):  # GA = 1: loss = policy_loss - coef * mean entropy
         assert row["loss"] == pytest.approx(row["policy_loss"] - coef * row["entropy"], abs=1e-6)
-    assert trainer.loss_terms.entropy.last_world_entropy == pytest.approx(rows[-1]["entropy"], rel=1e-6)
+    assert trainer.parts.loss_terms.entropy.last_world_entropy == pytest.approx(rows[-1]["entropy"], rel=1e-6)
     # above the target (0): it shrinks to entropy_coef_min and no step applies a bonus
     rows = _entropy_run(tmp_path, "down", entropy_target=0.0, max_steps=3).state.log_history
     assert [r["entropy_coef"] for r in rows] == pytest.approx([0.05, 0.0, 0.0])
@@ -482,7 +482,7 @@ def test_pad_to_multiple_of_in_training(tmp_path):
         )
         trainer.engine = ScriptedEngine(tok)
         trainer.train()
-        batch = trainer.buffer.slices[0]
+        batch = trainer.parts.buffer.slices[0]
         rows[n] = trainer.state.log_history
         if n:  # the batch the steps trained on, its old and reference log-probs too
             for t in (batch.prompt_ids, batch.completion_ids, batch.old_logps, batch.ref_logps):

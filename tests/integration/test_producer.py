@@ -29,7 +29,7 @@ def test_weights_are_pushed_once_per_version_not_once_per_step(tiny_model_dir, t
     calls = counting_syncs(trainer)
     trainer.train()
     assert calls == [0, 2, 4] and trainer.policy_version == 5
-    assert trainer.producer.version == 4  # the weights of the last generation, not of the last step
+    assert trainer.parts.producer.version == 4  # the weights of the last generation, not of the last step
     trainer.evaluate(chat_dataset(2))  # the policy's current weights: version 5 is pushed now, once
     trainer.evaluate(chat_dataset(2))
     assert calls == [0, 2, 4, 5]
@@ -42,16 +42,16 @@ def test_a_produced_round_is_this_processs_rows_scored_with_its_version_and_logs
 
     args = cfg(tmp_path)
     trainer = GRPOTrainer(model=tiny_model_dir, reward_funcs=logging_reward, train_dataset=chat_dataset(), args=args)
-    trainer.producer.sync(trainer.unwrapped_model, 7)
-    produced = trainer.producer.produce(0)
-    assert produced.scored.rows == trainer.producer.rows(0) and produced.version == 7
+    trainer.parts.producer.sync(trainer.unwrapped_model, 7)
+    produced = trainer.parts.producer.produce(0)
+    assert produced.scored.rows == trainer.parts.producer.rows(0) and produced.version == 7
     assert len(produced.scored.rollout.completion_ids) == len(produced.scored.rows) == produced.scored.rewards.shape[0]
     assert produced.logged == (("my_metric", 3.0),)
     assert produced.generation_s > 0 and produced.scoring_s > 0
     assert trainer.metrics is None  # no learner's window yet: what was logged travels with the round
     calls = counting_syncs(trainer)
-    trainer.producer.sync(trainer.unwrapped_model, 7)  # the same version: nothing pushed
-    trainer.producer.sync(trainer.unwrapped_model, 8)
+    trainer.parts.producer.sync(trainer.unwrapped_model, 7)  # the same version: nothing pushed
+    trainer.parts.producer.sync(trainer.unwrapped_model, 8)
     assert calls == [0]  # pushed once, for version 8 (the trainer's own counter is still 0: the test numbers)
 
 

@@ -109,7 +109,7 @@ def test_the_template_table_script_names_what_auto_picks(tmp_path):
 def test_each_turn_is_sampled_after_the_rendered_history_and_scored_after_it(tmp_path):
     trainer = make(tmp_path)
     tok, engine = trainer.processing_class, trainer.engine
-    assert trainer.rollouts.loop.rendered  # auto: the template strips earlier reasoning
+    assert trainer.parts.rollouts.loop.rendered  # auto: the template strips earlier reasoning
     rollout = generate(trainer, GROUPS).rollout
     first, second = engine.turn_ids(THINK + CALL), engine.turn_ids("<think>so</think>6")
 
@@ -121,7 +121,7 @@ def test_each_turn_is_sampled_after_the_rendered_history_and_scored_after_it(tmp
             {"role": "tool", "name": "multiply", "content": "6"},
         ]
         text = tok.apply_chat_template(
-            conversation, tools=trainer.rollouts.tools.schemas, tokenize=False, add_generation_prompt=True
+            conversation, tools=trainer.parts.rollouts.tools.schemas, tokenize=False, add_generation_prompt=True
         )
         return tok(text, add_special_tokens=False)["input_ids"]
 
@@ -172,7 +172,7 @@ def test_rendered_turns_equal_appended_ones_where_the_rendering_continues_the_to
     appended rows."""
     rendered = make(tmp_path / "r", template=CHATML_TOOLS, turn_context="rendered")
     appended = make(tmp_path / "a", template=CHATML_TOOLS, turn_context="appended")
-    assert rendered.rollouts.loop.rendered and not appended.rollouts.loop.rendered
+    assert rendered.parts.rollouts.loop.rendered and not appended.parts.rollouts.loop.rendered
     one, other = generate(rendered, GROUPS).rollout, generate(appended, GROUPS).rollout
     assert one.completion_ids == other.completion_ids and one.loss_mask == other.loss_mask
     assert all(t is None for t in one.turns)
@@ -246,7 +246,7 @@ def test_async_generation_trains_rendered_turns(tmp_path):
     """async_generation: the producer runs the tool loop with rendered turns and scores its rows' behaviour
     log-probs on its snapshot (turns and all); the learner trains them as trees."""
     trainer = make(tmp_path, async_generation=True, packing="tree", logging_steps=1)
-    producer = trainer.rounds.producer
+    producer = trainer.parts.rounds.producer
     producer.own_engine = TurnScript(trainer.processing_class, reason_call_answer)  # the producer's, scripted
     assert producer.rollouts.loop.rendered
     before = params(trainer.model)

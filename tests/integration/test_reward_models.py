@@ -83,7 +83,7 @@ def test_reward_model_directory_trains_next_to_a_function(tiny_model_dir, classi
         train_dataset=chat_dataset(),
         args=cfg(tmp_path, reward_weights=[0.0, 1.0]),
     )
-    judge = trainer.rewards.funcs[1]
+    judge = trainer.parts.rewards.funcs[1]
     assert isinstance(judge, RewardModel) and judge.__name__ == "judge0"
     seen = {}
     original = judge.__call__
@@ -93,7 +93,7 @@ def test_reward_model_directory_trains_next_to_a_function(tiny_model_dir, classi
         seen["texts"] = judge.texts(kwargs["prompts"], kwargs["completions"])
         return seen["rewards"]
 
-    trainer.rewards.funcs[1] = spy
+    trainer.parts.rewards.funcs[1] = spy
     trainer.train()
     row = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
     with torch.no_grad():
@@ -113,7 +113,7 @@ def test_reward_model_module_with_processing_class(tiny_model_dir, tmp_path):
         args=cfg(tmp_path),
         reward_processing_classes=[tok],
     )
-    judge = trainer.rewards.funcs[0]
+    judge = trainer.parts.rewards.funcs[0]
     assert judge.tokenizer.pad_token == tok.eos_token and module.config.pad_token_id == tok.eos_token_id
     seen = {}
     original = judge.__call__
@@ -123,7 +123,7 @@ def test_reward_model_module_with_processing_class(tiny_model_dir, tmp_path):
         seen["texts"] = [p + c for p, c in zip(kwargs["prompts"], kwargs["completions"])]
         return seen["rewards"]
 
-    trainer.rewards.funcs[0] = spy
+    trainer.parts.rewards.funcs[0] = spy
     trainer.train()
     with torch.no_grad():
         expected = one_by_one(module, tok, seen["texts"])

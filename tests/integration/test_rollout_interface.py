@@ -103,8 +103,10 @@ def test_weights_are_synced_lazily_before_generating(tiny_model_dir, tmp_path):
     resumed.engine = again = ScriptedEngine(resumed.processing_class)
     resumed.train(resume_from_checkpoint=True)  # from checkpoint-3, mid-cycle: step 4 trains on buffered rows
     assert again.syncs == 0 and resumed.state.global_step == 4
-    resumed.args.max_steps = resumed.max_steps = 5
-    resumed.train(resume_from_checkpoint=True)  # step 4 (from checkpoint-3) and step 5, which generates
+    args.max_steps = 5  # a longer run from the newest checkpoint: its step 5 generates
+    longer = GRPOTrainer(model=tiny_model_dir, reward_funcs=length_reward, train_dataset=chat_dataset(), args=args)
+    longer.engine = again = ScriptedEngine(longer.processing_class)
+    longer.train(resume_from_checkpoint=True)
     assert again.syncs == 1
 
 

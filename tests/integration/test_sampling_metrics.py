@@ -19,13 +19,13 @@ def trainer(model_dir, tmp_path, **cfg):
 
 def mismatch(t, perturbation: float) -> dict[str, float]:
     """The sampling/* metrics of one generation batch whose policy moved by `perturbation` after sampling."""
-    rollout = generate(t, t.producer.rows(0)).rollout
+    rollout = generate(t, t.parts.producer.rows(0)).rollout
     batch = collate(rollout, torch.zeros(len(rollout)), t.processing_class.pad_token_id, mask_truncated=False)
     with torch.no_grad():
         for p in t.unwrapped_model.parameters():
             p.add_(torch.randn_like(p) * perturbation)
     logps = t.training_pass.train(t.model, batch, entropy_grad=False).logps
-    rho, sampler, stats = t.correction(logps, batch.old_logps, batch.sampling_logps, batch.mask)
+    rho, sampler, stats = t.parts.correction(logps, batch.old_logps, batch.sampling_logps, batch.mask)
     assert rho is None and sampler is None  # in-process engines: metrics only
     return {name: stat.local() for name, stat in stats.items()}
 

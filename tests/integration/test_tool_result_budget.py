@@ -76,7 +76,7 @@ def test_rollouts_equal_tokenizing_every_result_whole(tmp_path):
     """Results on both sides of what fits (budget 200) and of where the length alone decides: the same rollout
     with the bound as without it, and the bound decided the long ones without tokenizing them."""
     trainer = make_trainer(tmp_path, None, tools=(dump, words))
-    loop, engine = trainer.rollouts.loop, trainer.engine
+    loop, engine = trainer.parts.rollouts.loop, trainer.engine
     assert loop.span == Span(len("<|im_start|>"))  # a character-level vocabulary: its longest added token
     lengths = record_tokenized(trainer.processing_class)
     for tool in ("dump", "words"):

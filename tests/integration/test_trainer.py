@@ -78,9 +78,9 @@ def test_conversational_completions_are_messages_and_stop_at_end_of_turn(tiny_mo
     trainer.train()
     assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in seen["completions"])
     im_end = make_tokenizer().convert_tokens_to_ids("<|im_end|>")
-    assert im_end in trainer.stop_ids
+    assert im_end in trainer.parts.stop_ids
     for ids in seen["ids"]:  # a completion never runs past a stop token
-        assert all(t not in trainer.stop_ids for t in ids[:-1])
+        assert all(t not in trainer.parts.stop_ids for t in ids[:-1])
 
 
 def test_multiple_weighted_multitask_and_async_rewards(tiny_model_dir, tmp_path):

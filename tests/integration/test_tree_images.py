@@ -51,7 +51,7 @@ def run(trainer, batch, as_trees, chunk_size=None):
 def sampled_batch(trainer, rows):
     """Completions of dataset rows `rows` as a training batch, the rows of one dataset row a group."""
     rollout = generate(trainer, rows).rollout
-    pad = trainer.tokenizer.pad_token_id
+    pad = trainer.parts.tokenizer.pad_token_id
     return collate(rollout, torch.zeros(len(rows)), pad, False, group=torch.tensor(rows))
 
 
@@ -400,7 +400,8 @@ def test_a_run_over_rendered_turns_with_pictures_trains_like_forked_rows(tmp_pat
 
     (padded, initial), (trees, _) = trained("padded"), trained("tree")
     assert trees.training_pass.laid_out["trees"] > 0 and "trees" not in padded.training_pass.laid_out
-    assert trees.rollouts.loop.rendered and padded.engine.follow_ups  # turns were sampled after rendered histories
+    # turns were sampled after rendered histories
+    assert trees.parts.rollouts.loop.rendered and padded.engine.follow_ups
     tree_params = params(trees.model)
     assert any(not torch.equal(initial[n], v) for n, v in tree_params.items())
     for name, value in params(padded.model).items():

@@ -124,7 +124,7 @@ def test_eval_loss_is_the_on_policy_loss_of_the_eval_batches(tiny_model_dir, tmp
     for first in (0, 2):  # two batches of 2 prompts x 4 completions
         lengths, advantages = [], []
         for i in (first, first + 1):
-            ids = trainer.evaluations[None].source[i].ids
+            ids = trainer.parts.evaluations[None].source[i].ids
             letters = torch.tensor([1 + (sum(ids) + 3 * j) % 8 for j in range(4)], dtype=torch.float64)
             rewards = letters / 8.0
             advantages.append((rewards - rewards.mean()) / (rewards.std() + 1e-4))

@@ -50,7 +50,7 @@ def sampled_batch(trainer, rows):
     """Completions of `rows` from the trainer's engine, as a training batch."""
     generated = generate(trainer, rows)
     n = len(generated.rollout)
-    return collate(generated.rollout, torch.zeros(n), trainer.tokenizer.pad_token_id, False), generated.rollout
+    return collate(generated.rollout, torch.zeros(n), trainer.parts.tokenizer.pad_token_id, False), generated.rollout
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -164,7 +164,7 @@ def test_image_paths_and_lists_of_images(tmp_path):
     trainer = trainer_for("idefics3", tmp_path, rows, max_steps=2, log_completions=True)
     trainer.args.num_completions_to_print = 0
     trainer.train()
-    assert len(trainer.prompts[0].images) == 2 and trainer.prompts[2].images is None
+    assert len(trainer.parts.prompts[0].images) == 2 and trainer.parts.prompts[2].images is None
     files = sorted(glob.glob(os.path.join(trainer.args.output_dir, "completions", "*.parquet")))
     names = set(pd.concat(pd.read_parquet(f) for f in files)["image"].dropna())
     assert names <= {"photo0.png, photo1.png", "photo2.png", "photo0.png", ""} and "photo0.png, photo1.png" in names
@@ -216,7 +216,7 @@ def test_dataset_of_image_features(tmp_path):
     assert type(dataset.features["image"]).__name__ == "Image"
     trainer = trainer_for("qwen2.5-vl", tmp_path, dataset, max_steps=1)
     trainer.train()
-    assert trainer.prompts[0].images[0].size == rows[0]["image"].size
+    assert trainer.parts.prompts[0].images[0].size == rows[0]["image"].size
 
 
 def multiply(a: int, b: int) -> int:
@@ -236,12 +236,12 @@ def test_tool_turns_see_the_prompts_image(tmp_path):
     args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=120)
     rows = image_rows(2)
     trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[multiply])
-    trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
+    trainer.engine = CallFirst(trainer.engine, trainer.parts.tokenizer)
     rollout = generate(trainer, [0, 0, 1, 1]).rollout
     follow_ups = trainer.engine.follow_ups[0]
     assert [r.prompt.images for r in follow_ups] == [(rows[0]["image"],)] * 2 + [(rows[1]["image"],)] * 2
     assert all(rollout.tool_calls) and rollout.vision[0].images == (rows[0]["image"],)
-    batch = collate(rollout, torch.zeros(4), trainer.tokenizer.pad_token_id, False)
+    batch = collate(rollout, torch.zeros(4), trainer.parts.tokenizer.pad_token_id, False)
     sampled = batch.mask.bool() & (batch.sampling_logps != 0)  # the real engine's turn (the script's logps are 0)
     assert sampled.sum() > 0
     logps = trainer.training_pass.logps(trainer.model, batch, 2)
@@ -259,7 +259,7 @@ def test_rendered_turns_hold_the_pictures_and_score_as_sampled(tmp_path):
     args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=200)
     rows = image_rows(2, with_images={0})
     trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[picture])
-    assert trainer.rollouts.loop.rendered  # turn_context="auto": the template strips earlier reasoning
+    assert trainer.parts.rollouts.loop.rendered  # turn_context="auto": the template strips earlier reasoning
     trainer.engine = CallFirst(trainer.engine, tok)
     call = '<think>first I look</think><tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>'
     trainer.engine.call = tok(call)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
@@ -337,7 +337,7 @@ def test_a_tools_image_reaches_the_next_turn_and_the_training_pass(tmp_path):
     image_token = trainer.unwrapped_model.config.image_token_id
     assert all(image_token in ids for ids in rollout.completion_ids)  # the tool's image tokens, in the completion
     assert [len(p.images) for p in rollout.vision] == [2, 2, 1, 1]
-    batch = collate(rollout, torch.zeros(4), trainer.tokenizer.pad_token_id, False)
+    batch = collate(rollout, torch.zeros(4), trainer.parts.tokenizer.pad_token_id, False)
     sampled = batch.mask.bool() & (batch.sampling_logps != 0)
     assert sampled[:, :].sum(-1).min() > 0
     logps = trainer.training_pass.logps(trainer.model, batch, 2)
@@ -381,7 +381,7 @@ def test_a_vision_model_loads_from_its_directory_with_its_processor(tmp_path):
     processor.save_pretrained(tmp_path / "idefics3")
     trainer = GRPOTrainer(str(tmp_path / "idefics3"), length_reward, cfg(tmp_path, max_steps=1), image_rows())
     assert type(trainer.unwrapped_model).__name__ == "Idefics3ForConditionalGeneration"
-    assert type(trainer.processing_class).__name__ == "Idefics3Processor" and trainer.pixels is not None
+    assert type(trainer.processing_class).__name__ == "Idefics3Processor" and trainer.parts.pixels is not None
     trainer.train()
 
 
@@ -442,7 +442,7 @@ def test_only_recent_image_prompts_stay_decoded(tmp_path, monkeypatch):
     again is equal to the first (the same ids, text and pixels)."""
     monkeypatch.setattr(data, "IMAGE_PROMPTS_KEPT", 2)
     trainer = trainer_for("qwen2.5-vl", tmp_path)
-    first = [trainer.prompts[row] for row in range(4)]
-    assert len(trainer.prompts._image_cache) == 2
-    again = trainer.prompts[0]
+    first = [trainer.parts.prompts[row] for row in range(4)]
+    assert len(trainer.parts.prompts._image_cache) == 2
+    again = trainer.parts.prompts[0]
     assert again is not first[0] and again == first[0] and again.text == first[0].text

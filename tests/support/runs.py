@@ -54,8 +54,8 @@ def text_dataset(n=8):
 def generate(trainer, rows):
     """Completions of dataset rows `rows` (tool rounds included) from the trainer's current policy: its producer,
     synced to the policy's weights first, as a training round does."""
-    trainer.producer.sync(trainer.unwrapped_model, trainer.policy_version)
-    return trainer.producer.generate(rows)
+    trainer.parts.producer.sync(trainer.unwrapped_model, trainer.policy_version)
+    return trainer.parts.producer.generate(rows)
 
 
 def params(model):

@@ -95,9 +95,11 @@ def picture_trainer(tmp_path, rows, name="x"):
     processor.chat_template = processor.tokenizer.chat_template = QWEN_TOOLS
     args = cfg(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=200)
     trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[picture])
-    trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
+    trainer.engine = CallFirst(trainer.engine, trainer.parts.tokenizer)
     call = f'<tool_call>{{"name": "picture", "arguments": {{"name": "{name}"}}}}</tool_call>'
-    trainer.engine.call = trainer.tokenizer(call)["input_ids"] + [trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    trainer.engine.call = trainer.parts.tokenizer(call)["input_ids"] + [
+        trainer.parts.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ]
     return trainer
 
 

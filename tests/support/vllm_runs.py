@@ -51,7 +51,7 @@ def policy_logps(trainer, prompt: list[int], completion: list[int], processors=N
 
 
 def fixed_completion(trainer) -> tuple[list[int], list[int]]:
-    prompt = list(trainer.prompts[0].ids)
+    prompt = list(trainer.parts.prompts[0].ids)
     return prompt, [trainer.processing_class.convert_tokens_to_ids(c) for c in "The answer is 42."]
 
 

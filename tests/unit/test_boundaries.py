@@ -126,6 +126,46 @@ def test_only_process_env_writes_the_environment():
     assert found, "the rule checks nothing: process_env.py should write os.environ"
 
 
+# the fields of transformers' TrainerState that grpo keeps (step, epoch, tokens seen, FLOPs, logs, best checkpoint)
+TRAINER_STATE = {"global_step", "epoch", "max_steps", "num_input_tokens_seen", "total_flos", "log_history"}
+TRAINER_STATE |= {"best_metric", "best_global_step", "best_model_checkpoint", "stateful_callbacks"}
+
+
+def test_only_the_trainer_writes_its_trainer_state():
+    """The trainer's TrainerState has one writer, `grpo/trainer.py`: checkpoints, preemption, the report and the
+    reward functions' copies read it, and what changes comes back as a value. A write is an assignment to one of its
+    fields (`state.global_step += 1`, `trainer.state.best_metric = ...`), `setattr` on it, or a change to its log
+    history in place (`state.log_history.append(...)`)."""
+
+    def on_state(node):
+        return isinstance(node, ast.Attribute) and ast.unparse(node.value).split(".")[-1] in ("state", "trainer_state")
+
+    def writes(tree):
+        for node in ast.walk(tree):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
+            for target in targets:
+                for t in ast.walk(target):
+                    if on_state(t) and t.attr in TRAINER_STATE:
+                        yield node.lineno
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                if on_state(owner) and owner.attr == "log_history" and node.func.attr != "copy":
+                    yield node.lineno
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and node.args:
+                if ast.unparse(node.args[0]).split(".")[-1] in ("state", "trainer_state"):
+                    yield node.lineno
+
+    found = [(name(p), line) for p in modules() for line in writes(ast.parse(p.read_text()))]
+    assert {module for module, _ in found} <= {"trainer.py"}, found
+    assert len(found) >= 5, "the rule checks nothing: the trainer should write its state"
+
+
 # ---- grpo's own layers ----------------------------------------------------------------------------------------
 # A unit is a package of grpo (rollout/, agent/, ...) or a module at its top level (trainer.py -> "trainer"); the
 # packages are the layers, and every unit is placed here. Lower layers never import higher ones, and the units'
@@ -145,7 +185,8 @@ LAYERS = [
     {"checkpoint"},  # saving and loading a run (above everything it saves); in-flight rounds; the Hub
     {"learner"},  # the training batch and pass, the micro-step loop, the optimizer, the accelerator
     {"rounds"},  # generation rounds: produced, grouped and scored, asynchronous; evaluation; preemption
-    {"trainer", "async_trainer", "trl_surface", "assembly"},  # the public trainers and how one is assembled
+    {"assembly"},  # a trainer's parts, built once
+    {"trainer", "async_trainer"},  # the public trainers
     {"cli", "train_cli", "apps"},  # the command line and the demos
 ]
 
@@ -295,8 +336,8 @@ def test_the_documented_layout_table_matches_the_tree():
 
 
 def test_the_trainer_constructor_stays_short():
-    """`GRPOTrainer.__init__` reads in one screen (at most 60 lines, signature included): its parts are named
-    builders (`_build_policy`, `_build_rounds`, `_build_bookkeeping`)."""
+    """`GRPOTrainer.__init__` reads in one screen (at most 60 lines, signature included): its parts are built by
+    `grpo.assembly.assemble`."""
     tree = ast.parse((SRC / "trainer.py").read_text())
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GRPOTrainer")
     init = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")

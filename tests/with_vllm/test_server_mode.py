@@ -42,7 +42,7 @@ def server(servers):
 
 def served(trainer, completion_len=12):
     """One completion sampled by the server(s) with its log-probs, and the policy's log-probs of the same tokens."""
-    request_ = Request(trainer.prompts[0], num_samples=1, max_tokens=completion_len)
+    request_ = Request(trainer.parts.prompts[0], num_samples=1, max_tokens=completion_len)
     rollout = trainer.engine.generate([request_])
     tokens = rollout.completion_ids[0]
     return torch.tensor(rollout.sampling_logps[0]), policy_logps(trainer, list(rollout.prompt_ids[0]), tokens)
@@ -165,7 +165,7 @@ def test_a_keyed_bfloat16_server_refuses_a_trainer_without_its_key_and_takes_a_l
     assert trainer.engine.info["dtype"] == "bfloat16"
     trainer.train()
     trainer.engine.sync_weights(trainer.unwrapped_model)
-    rollout = trainer.engine.generate([Request(trainer.prompts[0], num_samples=1, max_tokens=12)])
+    rollout = trainer.engine.generate([Request(trainer.parts.prompts[0], num_samples=1, max_tokens=12)])
     prompt, tokens = list(rollout.prompt_ids[0]), rollout.completion_ids[0]
     server_logps = torch.tensor(rollout.sampling_logps[0])
     diff = (server_logps - policy_logps(trainer, prompt, tokens)).abs()

@@ -38,7 +38,7 @@ def test_follow_up_turns_are_sampled_by_vllm(tools_model_dir, tmp_path, mode, se
     extra = {"vllm_mode": "server", "vllm_server_port": servers.open} if mode == "server" else {}
 
     def first_turns(prompts, trainer):
-        schemas = trainer.rollouts.tools.schemas
+        schemas = trainer.parts.rollouts.tools.schemas
         call = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
         prompt_ids = [list(make_prompt(p, tok, tools=schemas).ids) for p in prompts]
         logps = [policy_logps(trainer, ids, call).tolist() for ids in prompt_ids]

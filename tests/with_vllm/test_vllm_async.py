@@ -54,7 +54,7 @@ def test_colocated_async_runs_are_reproducible(vllm_model_dir, tmp_path):
     runs = []
     for name in ("a", "b"):
         trainer = make_trainer(vllm_model_dir, tmp_path / name, max_steps=3, async_generation=True)
-        assert trainer.rounds.lock_rng
+        assert trainer.parts.rounds.lock_rng
         trainer.train()
         runs.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
     assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])

@@ -163,13 +163,13 @@ def test_completions_stop_at_eos_and_end_of_turn_keep_the_stop_token_and_respect
         # make the chat template's end of turn likely, so both ways of ending occur
         generation_kwargs={"logit_bias": {5: 2.5}},
     )
-    stops = set(trainer.stop_ids)
+    stops = set(trainer.parts.stop_ids)
     rollout = generate(trainer, list(range(8)) * 2).rollout
     assert any(not t for t in rollout.truncated) and all(len(c) <= 24 for c in rollout.completion_ids)
     for ids, truncated in zip(rollout.completion_ids, rollout.truncated):
         assert truncated == (ids[-1] not in stops)
         assert not stops & set(ids[:-1])  # nothing after the first stop token
-    short = trainer.engine.generate([Request(trainer.prompts[0], num_samples=3, max_tokens=2)])
+    short = trainer.engine.generate([Request(trainer.parts.prompts[0], num_samples=3, max_tokens=2)])
     assert [len(c) <= 2 for c in short.completion_ids] == [True] * 3 and len(short) == 3
 
 

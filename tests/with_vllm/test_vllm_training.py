@@ -29,7 +29,7 @@ def test_training_with_vllm_moves_every_parameter_and_logs_the_sampling_metrics(
         assert row["sampling/sampling_logp_difference/max"] < FP32_TOL
         assert abs(row["sampling/importance_sampling_ratio/mean"] - 1) < 1e-2
         assert row["sampling/importance_sampling_ratio/clipped_fraction"] == 0.0
-    assert trainer.correction.apply
+    assert trainer.parts.correction.apply
     # the engine holds the final weights once synced: the next generation would sample the trained policy
     trainer.engine.sync_weights(trainer.unwrapped_model)
     prompt, completion = fixed_completion(trainer)
@@ -82,7 +82,7 @@ def test_resume_with_vllm_continues_from_the_checkpoint(vllm_model_dir, tmp_path
     and its engine samples from the checkpoint's weights."""
     first = make_trainer(vllm_model_dir, tmp_path, max_steps=3, save_strategy="steps", save_steps=2)
     first.train()
-    position = first.loop.data_position
+    position = first.parts.loop.data_position
     resumed = make_trainer(vllm_model_dir, tmp_path, max_steps=3, save_strategy="steps", save_steps=2)
     checkpoint = os.path.join(str(tmp_path / "out"), "checkpoint-2")
     synced = []
@@ -94,7 +94,7 @@ def test_resume_with_vllm_continues_from_the_checkpoint(vllm_model_dir, tmp_path
 
     resumed.engine.sync_weights = recording_sync
     resumed.train(resume_from_checkpoint=checkpoint)
-    assert resumed.state.global_step == 3 and resumed.loop.data_position == position
+    assert resumed.state.global_step == 3 and resumed.parts.loop.data_position == position
     # the first sync after resume carried the checkpoint's weights (saved in model.safetensors)
     from safetensors.torch import load_file
 

@@ -58,7 +58,7 @@ def assert_engine_matches_training_pass(t):
     t.engine.sync_weights(t.unwrapped_model)
     generated = generate(t, ROWS)
     assert [bool(p.images) for p in generated.rollout.vision] == [True, True, False, False, True, True, True, True]
-    batch = collate(generated.rollout, torch.zeros(len(ROWS)), t.tokenizer.pad_token_id, False)
+    batch = collate(generated.rollout, torch.zeros(len(ROWS)), t.parts.tokenizer.pad_token_id, False)
     mask = batch.completion_attention.bool()
     logps = t.training_pass.logps(t.model, batch, 4)
     assert (logps[mask] - batch.sampling_logps[mask]).abs().max() < 1e-4
@@ -135,15 +135,17 @@ def test_a_tools_image_reaches_vllms_next_turn(tmp_path, turn_context):
     )
     rows = image_rows(2, with_images={0})
     trainer = GRPOTrainer(model, length_reward, args, rows, processing_class=processor, tools=[picture])
-    trainer.engine = CallFirst(trainer.engine, trainer.tokenizer)
+    trainer.engine = CallFirst(trainer.engine, trainer.parts.tokenizer)
     think = "<think>first I look</think>" if rendered else ""  # appended, it would leave no room for the picture
     call = think + '<tool_call>{"name": "picture", "arguments": {"name": "x"}}</tool_call>'
-    trainer.engine.call = trainer.tokenizer(call)["input_ids"] + [trainer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    trainer.engine.call = trainer.parts.tokenizer(call)["input_ids"] + [
+        trainer.parts.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ]
     trainer.engine.sync_weights(trainer.unwrapped_model)
     rollout = generate(trainer, [0, 0, 1, 1]).rollout
     assert [len(p.images) for p in rollout.vision] == [2, 2, 1, 1]
     assert all((turns is not None) == rendered for turns in rollout.turns)
-    batch = collate(rollout, torch.zeros(4), trainer.tokenizer.pad_token_id, False)
+    batch = collate(rollout, torch.zeros(4), trainer.parts.tokenizer.pad_token_id, False)
     sampled = batch.mask.bool() & (batch.sampling_logps != 0)  # vLLM's turn (the script's log-probs are 0)
     assert sampled.sum(-1).min() > 0
     for packing in ("tree", "padded"):

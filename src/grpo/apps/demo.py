@@ -220,7 +220,7 @@ def run(model_path: str, output_dir: str, seed: int, steps: int, **overrides: An
     trainer = GRPOTrainer(
         model=model_path, reward_funcs=correctness_reward, train_dataset=train_dataset(seed), args=args
     )
-    model, tokenizer = trainer.unwrapped_model, trainer.tokenizer
+    model, tokenizer = trainer.unwrapped_model, trainer.parts.tokenizer
     before = evaluate(model, tokenizer, "before training")
     print(
         f"Before training: greedy accuracy {before['train'][0]:.3f} (trained phrasing), "

@@ -25,7 +25,8 @@ to resume from.
 
 When to save, the best checkpoint (trainer_state.json names it: best_metric, best_global_step,
 best_model_checkpoint), rotation (`save_total_limit`: never the newest nor the best) and which processes write
-are decided in `strategy`.
+are decided in `strategy`. Every function here takes the run's values (`Saved`), never the trainer: it reads the
+trainer state and never writes it (`load` returns what the trainer sets, `Resumed`).
 """
 
 from __future__ import annotations
@@ -42,18 +43,20 @@ from safetensors import SafetensorError
 
 from grpo.checkpoint import files, strategy
 from grpo.checkpoint.files import CheckpointError, CheckpointMismatchError, checkpoints
-from grpo.checkpoint.run import CheckpointedRun, StateComponent
+from grpo.checkpoint.saved import Resumed, Saved, StateComponent
 from grpo.distributed import collectives, sharding, zero
 from grpo.models import lora
 
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
-    "CheckpointedRun",
+    "Resumed",
+    "Saved",
     "StateComponent",
     "add_evaluation",
     "checkpoints",
     "load",
+    "path_of",
     "resolve",
     "save",
 ]
@@ -68,71 +71,76 @@ class CheckpointWriteError(OSError):
     names the newest complete checkpoint."""
 
 
-def model_state(trainer: CheckpointedRun) -> dict[str, torch.Tensor]:
-    """The policy's whole state dict on the main process. Every process must call it: for a sharded model it
-    gathers the shards (to CPU)."""
-    if sharding.is_sharded(trainer.model):
-        return sharding.full_state_dict(trainer.model)
-    module = trainer.accelerator.unwrap_model(trainer.model)
+def model_state(model: torch.nn.Module, accelerator: Any) -> dict[str, torch.Tensor]:
+    """The policy's whole state dict on the main process (`model`: as prepared). Every process must call it: for
+    a sharded model it gathers the shards (to CPU)."""
+    if sharding.is_sharded(model):
+        return sharding.full_state_dict(model)
+    module = accelerator.unwrap_model(model)
     if zero.is_partitioned(module):  # whatever stage3_gather_16bit_weights_on_model_save says
-        return zero.full_state_dict(module, trainer.accelerator.is_main_process)
-    return trainer.accelerator.get_state_dict(trainer.model)
+        return zero.full_state_dict(module, accelerator.is_main_process)
+    return accelerator.get_state_dict(model)
 
 
-def save_pretrained(trainer: CheckpointedRun, output_dir: str, state_dict: dict[str, torch.Tensor]) -> None:
-    """The policy (or its adapter), tokenizer and model card (the trainer's `write_model_card`) as a Hugging Face
-    model directory (main process only), from `model_state`."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
+def save_pretrained(run: Saved, output_dir: str, state_dict: dict[str, torch.Tensor]) -> None:
+    """The policy (or its adapter), tokenizer and model card (`run.write_card`) as a Hugging Face model directory
+    (main process only), from `model_state`."""
+    model = run.accelerator.unwrap_model(run.model)
     model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-    trainer.processing_class.save_pretrained(output_dir)
-    trainer.write_model_card(output_dir)
+    run.processing_class.save_pretrained(output_dir)
+    run.write_card(output_dir)
 
 
-def save(trainer: CheckpointedRun, step: int) -> str:
-    """Write checkpoint-<step> (every process takes part); returns its path."""
-    acc, root = trainer.accelerator, trainer.args.output_dir
-    final, tmp = os.path.join(root, f"checkpoint-{step}"), os.path.join(root, f".tmp-checkpoint-{step}")
+def path_of(output_dir: str, step: int) -> str:
+    """Where checkpoint-<step> is (or will be)."""
+    return os.path.join(output_dir, f"checkpoint-{step}")
+
+
+def save(run: Saved, step: int, window: dict[str, list[float]]) -> str:
+    """Write checkpoint-<step> (every process takes part), with `window`, the unfinished logging window (the
+    metrics logger's `state_dict`); returns its path. The trainer state already names it when it is the best
+    (`strategy.new_best`)."""
+    acc, root = run.accelerator, run.args.output_dir
+    final, tmp = path_of(root, step), os.path.join(root, f".tmp-checkpoint-{step}")
     acc.wait_for_everyone()
-    writer = strategy.writer(trainer)  # the main process, or each node's with save_on_each_node
-    strategy.record_best(trainer, step, final)  # before trainer_state.json is written: it names the best
-    _phase(trainer, step, tmp, lambda: _fresh_directory(tmp) if writer else None)
-    state_dict = model_state(trainer)  # a collective for sharded models
-    _phase(trainer, step, tmp, lambda: _write_process_files(trainer, tmp))
-    _phase(trainer, step, tmp, lambda: _write_main_files(trainer, step, tmp, final, state_dict) if writer else None)
+    writer = strategy.writer(run.args, acc)  # the main process, or each node's with save_on_each_node
+    _phase(run, step, tmp, lambda: _fresh_directory(tmp) if writer else None)
+    state_dict = model_state(run.model, acc)  # a collective for sharded models
+    _phase(run, step, tmp, lambda: _write_process_files(run, tmp))
+    _phase(run, step, tmp, lambda: _write_main_files(run, step, window, tmp, final, state_dict) if writer else None)
     acc.wait_for_everyone()
     return final
 
 
-def add_evaluation(trainer: CheckpointedRun, path: str) -> None:
+def add_evaluation(run: Saved, path: str) -> None:
     """After the evaluation of a step whose checkpoint was written before it (`GRPOTrainer._checkpoint`):
-    the evaluation's row, the best checkpoint it makes and the callbacks' states after on_evaluate go into the
-    checkpoint's trainer_state.json, replaced atomically (a crash meanwhile leaves the complete checkpoint as it
-    was); rotation then sees the new best. Every process calls it."""
-    step = trainer.state.global_step
-    strategy.record_best(trainer, step, path)
-    error = _add_to_state(trainer, path) if strategy.writer(trainer) else None
-    if collectives.any_process(trainer.accelerator, error is not None):
+    the evaluation's row, the best checkpoint it makes (the trainer state names it: `strategy.new_best`) and the
+    callbacks' states after on_evaluate go into the checkpoint's trainer_state.json, replaced atomically (a crash
+    meanwhile leaves the complete checkpoint as it was); rotation then sees the new best. Every process calls
+    it."""
+    step = run.state.global_step
+    writer = strategy.writer(run.args, run.accelerator)
+    error = _add_to_state(run, path) if writer else None
+    if collectives.any_process(run.accelerator, error is not None):
         detail = f"{type(error).__name__}: {error}" if error else "another process could not write its copy"
         raise CheckpointWriteError(
             f"Could not add the evaluation of step {step} to {os.path.join(path, STATE)} ({detail}); the "
             "checkpoint itself is complete and resumes (without that evaluation's row)."
         ) from error
-    if strategy.writer(trainer):
-        strategy.rotate(
-            trainer.args.output_dir, trainer.args.save_total_limit, path, trainer.state.best_model_checkpoint
-        )
-    trainer.accelerator.wait_for_everyone()
+    if writer:
+        strategy.rotate(run.args.output_dir, run.args.save_total_limit, path, run.state.best_model_checkpoint)
+    run.accelerator.wait_for_everyone()
 
 
-def _add_to_state(trainer: CheckpointedRun, path: str) -> OSError | None:
+def _add_to_state(run: Saved, path: str) -> OSError | None:
     file, tmp = os.path.join(path, STATE), os.path.join(path, STATE + ".tmp")
     try:
         with open(file) as f:
             state = json.load(f)
         state.update(
-            log_history=trainer.state.log_history,
-            stateful_callbacks=trainer.callback_handler.states(),
-            **strategy.best_state(trainer.state),
+            log_history=run.state.log_history,
+            stateful_callbacks=run.callbacks.states(),
+            **strategy.best_state(run.state),
         )
         with open(tmp, "w") as f:
             json.dump(state, f, indent=1)
@@ -149,38 +157,36 @@ def _fresh_directory(path: str) -> None:
     os.makedirs(path)
 
 
-def _write_process_files(trainer: CheckpointedRun, tmp: str) -> None:
+def _write_process_files(run: Saved, tmp: str) -> None:
     """What every process writes: its shards, and its state components (its generator states, its buffered
     rollouts, the mixed reference: `components`); none of it with save_only_model."""
-    acc = trainer.accelerator
-    if trainer.args.save_only_model:
+    acc = run.accelerator
+    if run.args.save_only_model:
         return
-    if sharding.is_sharded(trainer.model):
-        sharding.save_shards(trainer.model, trainer.optimizer, os.path.join(tmp, SHARDED))
+    if sharding.is_sharded(run.model):
+        sharding.save_shards(run.model, run.optimizer, os.path.join(tmp, SHARDED))
     elif zero.in_use(acc):  # DeepSpeed's own engine checkpoint: every process writes its optimizer partition
         zero.save(acc, os.path.join(tmp, zero.STATE_DIR))
-    for component in trainer.state_components:  # parts of the run that save themselves (StateComponent)
+    for component in run.components:  # parts of the run that save themselves (StateComponent)
         component.save(tmp)
 
 
 def _write_main_files(
-    trainer: CheckpointedRun, step: int, tmp: str, final: str, state_dict: dict[str, torch.Tensor]
+    run: Saved, step: int, window: dict[str, list[float]], tmp: str, final: str, state_dict: dict[str, torch.Tensor]
 ) -> None:
-    """What the main process writes: the model directory and trainer_state.json (the components' `fields`, the
-    best checkpoint, the callbacks' states); then the rename that makes the checkpoint exist, and the rotation."""
-    save_pretrained(trainer, tmp, state_dict)
-    state: dict[str, Any] = {"global_step": step}
-    for component in trainer.state_components:  # the run's record (components.TrainingRecord)
-        state.update(component.fields() if hasattr(component, "fields") else {})
+    """What the main process writes: the model directory and trainer_state.json (the run's record, the best
+    checkpoint, the callbacks' states); then the rename that makes the checkpoint exist, and the rotation."""
+    save_pretrained(run, tmp, state_dict)
+    state: dict[str, Any] = {"global_step": step, **run.record.fields(run.state, window)}
     state.update(
-        save_only_model=trainer.args.save_only_model,
-        **strategy.best_state(trainer.state),
-        stateful_callbacks=trainer.callback_handler.states(),
+        save_only_model=run.args.save_only_model,
+        **strategy.best_state(run.state),
+        stateful_callbacks=run.callbacks.states(),
     )
     with open(os.path.join(tmp, STATE), "w") as f:
         json.dump(state, f, indent=1)
     _replace(tmp, final)  # the checkpoint exists only once it is complete
-    strategy.rotate(trainer.args.output_dir, trainer.args.save_total_limit, final, trainer.state.best_model_checkpoint)
+    strategy.rotate(run.args.output_dir, run.args.save_total_limit, final, run.state.best_model_checkpoint)
 
 
 def _replace(tmp: str, final: str) -> None:
@@ -199,7 +205,7 @@ def _replace(tmp: str, final: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _phase(trainer: CheckpointedRun, step: int, tmp: str, work: Any) -> None:
+def _phase(run: Saved, step: int, tmp: str, work: Any) -> None:
     """Run one part of writing a checkpoint (every process calls it); if it fails on any process, every process
     raises a CheckpointWriteError after the temporary directory is removed, so that none waits for the others."""
     error = None
@@ -207,11 +213,11 @@ def _phase(trainer: CheckpointedRun, step: int, tmp: str, work: Any) -> None:
         work()
     except (OSError, RuntimeError, SafetensorError) as err:  # torch.save reports a full disk as RuntimeError
         error = err  # ("... unexpected pos"), safetensors as SafetensorError ("No space left on device")
-    if not collectives.any_process(trainer.accelerator, error is not None):
+    if not collectives.any_process(run.accelerator, error is not None):
         return
-    if strategy.writer(trainer):
+    if strategy.writer(run.args, run.accelerator):
         shutil.rmtree(tmp, ignore_errors=True)
-    raise CheckpointWriteError(_write_failure(trainer.args.output_dir, step, error)) from error
+    raise CheckpointWriteError(_write_failure(run.args.output_dir, step, error)) from error
 
 
 def _write_failure(root: str, step: int, error: BaseException | None) -> str:
@@ -252,12 +258,12 @@ def resolve(resume_from_checkpoint: str | bool, output_dir: str) -> str:
     return path
 
 
-def load(trainer: CheckpointedRun, path: str) -> None:
-    """Restore everything `save` wrote into this trainer (every process). Nothing is changed in the trainer
-    until every file has been read and checked."""
-    acc, args = trainer.accelerator, trainer.args
+def load(run: Saved, path: str) -> Resumed:
+    """Restore everything `save` wrote into the run's parts (every process), and return what the trainer sets in
+    its state and metrics window. Nothing is changed until every file has been read and checked."""
+    acc, args = run.accelerator, run.args
     files.check_files(path)  # only regular files, before any library reads one (a FIFO would block it)
-    state = files.read_state(path, trainer.max_steps, args.gradient_accumulation_steps)
+    state = files.read_state(path, run.max_steps, args.gradient_accumulation_steps)
     if state.get("save_only_model"):
         raise CheckpointError(
             f"{path} was saved with save_only_model=True: it holds the model only (no optimizer, schedule, random "
@@ -266,33 +272,34 @@ def load(trainer: CheckpointedRun, path: str) -> None:
             "save_only_model=False."
         )
     # read and checked, not applied (the record first: whether the checkpoint fits this run at all)
-    components = [(c, c.read(path, state)) for c in trainer.state_components]
+    record = run.record.read(path, state)
+    components = [(c, c.read(path, state)) for c in run.components]
     best = strategy.read_best(state, path)
     if args.restore_callback_states_from_checkpoint:
         saved = state.get("stateful_callbacks") or {}
-        files.apply(path, STATE, lambda: trainer.callback_handler.restore(saved))  # a state a callback cannot take
-    _load_model(trainer, path, sharding.is_sharded(trainer.model), zero.in_use(acc))
-    for name, value in best.items():
-        setattr(trainer.state, name, value)
-    for component, value in components:  # the record first, the generators last (`components.of_run`)
+        files.apply(path, STATE, lambda: run.callbacks.restore(saved))  # a state a callback cannot take
+    _load_model(run, path, sharding.is_sharded(run.model), zero.in_use(acc))
+    resumed = run.record.restore(record)  # the record first, the generators last (`components.of`)
+    for component, value in components:
         component.restore(value)
+    return Resumed({**resumed.state, **best}, resumed.metrics_window)
 
 
-def load_model_weights(trainer: CheckpointedRun, path: str) -> None:
-    """The model weights of checkpoint `path` into the trainer's model (every process), as a resume loads them:
+def load_model_weights(run: Saved, path: str) -> None:
+    """The model weights of checkpoint `path` into the run's model (every process), as a resume loads them:
     load_best_model_at_end."""
     files.check_files(path)
-    _load_model(trainer, path, sharding.is_sharded(trainer.model), zero.in_use(trainer.accelerator))
+    _load_model(run, path, sharding.is_sharded(run.model), zero.in_use(run.accelerator))
 
 
-def _load_model(trainer: CheckpointedRun, path: str, sharded: bool, deepspeed: bool) -> None:
-    acc = trainer.accelerator
-    model = acc.unwrap_model(trainer.model)
+def _load_model(run: Saved, path: str, sharded: bool, deepspeed: bool) -> None:
+    acc = run.accelerator
+    model = acc.unwrap_model(run.model)
     if sharded:  # the shards hold the whole trainable state, adapters included, and the optimizer's
         files.read(
             os.path.join(path, SHARDED),
             "sharded model and optimizer state",
-            lambda p: sharding.load_shards(trainer.model, trainer.optimizer, p),
+            lambda p: sharding.load_shards(run.model, run.optimizer, p),
         )
     elif deepspeed:  # DeepSpeed's engine checkpoint: the module, and this process's optimizer partition
         try:

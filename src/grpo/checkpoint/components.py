@@ -1,22 +1,25 @@
-"""The parts of a run's state that save and load themselves in checkpoints (`grpo.checkpoint.StateComponent`).
+"""The run's record in trainer_state.json (`TrainingRecord`) and the parts of a run's state that save and load
+themselves in checkpoints (`grpo.checkpoint.StateComponent`).
 
 `grpo.checkpoint.save` calls each component's `save` with the checkpoint being written (on every process, unless
-save_only_model); `load` calls every `read` before changing anything, then every `restore`, in the list's order,
-after the model, optimizer and trainer state: the random generators come last, so nothing restored after them
-draws from them. Components hold what they save, not the trainer.
+save_only_model); `load` calls every `read` before changing anything, then the record's `restore`, then every
+component's, in the list's order, after the model and optimizer: the random generators come last, so nothing
+restored after them draws from them. Components hold what they save, not the trainer; the record hands back what
+belongs to the trainer's state (`Resumed`), which the trainer sets.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from grpo.checkpoint import files, strategy
-from grpo.checkpoint.run import PreemptibleRun
+from grpo.checkpoint.saved import Resumed, StateComponent
+from grpo.config import ResolvedConfig
 from grpo.distributed import sharding, zero
 
 OPTIMIZER, SCHEDULER, SCALER = "optimizer.pt", "scheduler.pt", "scaler.pt"
@@ -40,42 +43,32 @@ class TrainingRecord:
     """The run's record in trainer_state.json: the loop's position (micro-step, data position), tokens seen, FLOPs,
     the log history and the unfinished logging window, the entropy control, whether rollouts were buffered, and
     what a resume must keep (the run's geometry, world size and dataset size, and the config). `fields` is what the
-    checkpoint's writer puts in trainer_state.json; `read` checks that the checkpoint fits this run (the error names
-    every difference); `restore` applies the record. Given the objects it records at construction, not the
-    trainer: `metrics` returns the run's metrics logger (made when training starts)."""
+    checkpoint's writer puts in trainer_state.json, from the trainer state and the logging window it is given;
+    `read` checks that the checkpoint fits this run (the error names every difference); `restore` applies the
+    loop's position and the entropy control, and returns what the trainer sets (`Resumed`). Given the objects it
+    records at construction, not the trainer."""
 
     name = "trainer state"
 
-    def __init__(
-        self,
-        state: Any,
-        loop: Any,
-        buffer: Any,
-        loss_terms: Any,
-        metrics: Callable[[], Any],
-        run: dict[str, Any],
-    ) -> None:
-        self.state, self.loop, self.buffer, self.loss_terms, self.metrics = state, loop, buffer, loss_terms, metrics
+    def __init__(self, loop: Any, buffer: Any, loss_terms: Any, run: dict[str, Any]) -> None:
+        self.loop, self.buffer, self.loss_terms = loop, buffer, loss_terms
         # max_steps, steps_per_epoch, num_processes, dataset_size (None: a stream), args (the config), resume_at
         self.run = run
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self, state: Any, window: dict[str, list[float]]) -> dict[str, Any]:
         return {
             **self.loop.state_dict(),
             "max_steps": self.run["max_steps"],
-            "num_input_tokens_seen": self.state.num_input_tokens_seen,
-            "total_flos": self.state.total_flos,
-            "log_history": self.state.log_history,
-            "metrics_window": self.metrics().state_dict(),
+            "num_input_tokens_seen": state.num_input_tokens_seen,
+            "total_flos": state.total_flos,
+            "log_history": state.log_history,
+            "metrics_window": window,
             "entropy_control": self.loss_terms.state_dict(),  # use_adaptive_entropy: coefficient, last entropy
             "rollouts": self.buffer.mid_cycle(self.loop.micro_step),
             "num_processes": self.run["num_processes"],
             "dataset_size": self.run["dataset_size"],
             "config": {k: v for k, v in self.run["args"].to_dict().items() if _jsonable(v)},
         }
-
-    def save(self, directory: str) -> None:
-        """Nothing of its own: its fields go into trainer_state.json."""
 
     def read(self, checkpoint: str, state: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         config, now = state["config"], self.run["args"].to_dict()
@@ -94,17 +87,19 @@ class TrainingRecord:
             )
         return checkpoint, state
 
-    def restore(self, value: tuple[str, dict[str, Any]]) -> None:
+    def restore(self, value: tuple[str, dict[str, Any]]) -> Resumed:
         checkpoint, state = value
-        self.state.global_step = state["global_step"]
-        self.state.num_input_tokens_seen = state["num_input_tokens_seen"]
-        self.state.total_flos = float(state.get("total_flos", 0.0))
-        self.state.log_history = state["log_history"]
-        self.state.epoch = state["global_step"] / self.run["steps_per_epoch"]
         self.loop.load_state_dict(state)
         self.loop.data_position = self.run["resume_at"](self.loop.data_position)
-        self.metrics().load_state_dict(state["metrics_window"])
         files.apply(checkpoint, files.STATE, lambda: self.loss_terms.load_state_dict(state.get("entropy_control")))
+        trainer_state = {
+            "global_step": state["global_step"],
+            "num_input_tokens_seen": state["num_input_tokens_seen"],
+            "total_flos": float(state.get("total_flos", 0.0)),
+            "log_history": state["log_history"],
+            "epoch": state["global_step"] / self.run["steps_per_epoch"],
+        }
+        return Resumed(trainer_state, state["metrics_window"])
 
 
 class Optimization:
@@ -200,33 +195,25 @@ class BufferedRollouts:
         self.buffer.load_state_dict(value, self.device)
 
 
-def of_run(
-    trainer: PreemptibleRun, extra: Sequence[Any], dataset_size: int | None, resume_at: Callable[[int], int]
-) -> list[Any]:
-    """A run's components, from a trainer being built (after `prepare`): its record (trainer_state.json; the
-    training set has `dataset_size` rows, None for a stream; `resume_at` maps a checkpoint's data position to the
-    one a resume draws from), its optimization, its buffered rollouts, the `extra` ones (the mixed reference,
-    in-flight rounds), its generators last."""
-    acc = trainer.accelerator
-    run = dict(
-        max_steps=trainer.max_steps,
-        steps_per_epoch=trainer.steps_per_epoch,
-        num_processes=acc.num_processes,
-        dataset_size=dataset_size,
-        args=trainer.args,
-        resume_at=resume_at,
-    )
-    record = TrainingRecord(
-        trainer.state, trainer.loop, trainer.buffer, trainer.loss_terms, lambda: trainer.metrics, run
-    )
+def of(
+    args: ResolvedConfig,
+    accelerator: Any,
+    model: Any,
+    optimizer: Any,
+    lr_scheduler: Any,
+    rollouts: tuple[Any, Any],
+    extra: Sequence[Any],
+) -> list[StateComponent]:
+    """A run's components, from its parts once built (after `prepare`): its optimization, its buffered rollouts
+    (`rollouts`: the buffer and the loop position it is read at), the `extra` ones (the mixed reference, in-flight
+    rounds), its generators last."""
     # where saved tensors go: accelerate numbers CPU processes' devices ("cpu:1"), which torch.load rejects
-    device = "cpu" if acc.device.type == "cpu" else acc.device
-    own_file = not sharding.is_sharded(trainer.model) and not zero.in_use(acc)  # else the shards hold it
-    optimization = Optimization(
-        trainer.optimizer, trainer.lr_scheduler, acc.scaler, own_file, strategy.writer(trainer), device
-    )
-    rollouts = BufferedRollouts(trainer.buffer, trainer.loop, acc.process_index, device)
-    return [record, optimization, rollouts, *extra, GeneratorStates(acc.process_index)]
+    device = "cpu" if accelerator.device.type == "cpu" else accelerator.device
+    own_file = not sharding.is_sharded(model) and not zero.in_use(accelerator)  # else the shards hold it
+    writer = strategy.writer(args, accelerator)
+    optimization = Optimization(optimizer, lr_scheduler, accelerator.scaler, own_file, writer, device)
+    buffered = BufferedRollouts(*rollouts, accelerator.process_index, device)
+    return [optimization, buffered, *extra, GeneratorStates(accelerator.process_index)]
 
 
 def _jsonable(value: Any) -> bool:

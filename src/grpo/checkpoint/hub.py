@@ -31,11 +31,13 @@ import logging
 import math
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import huggingface_hub
+import torch
 
 from grpo.base import secrets
 from grpo.config import ResolvedConfig
@@ -59,22 +61,6 @@ PUSHED = (
     *("configuration_*.py", "modeling_*.py", "tokenization_*.py", "processing_*.py", "image_processing_*.py"),
 )
 SKIPPED = ["_*", ".*", "checkpoint-*", ".tmp-checkpoint-*"]
-
-
-class PublishedRun(Protocol):
-    """What the Hub pushes and the model card read of a run (the trainer is one)."""
-
-    args: ResolvedConfig
-    accelerator: Any
-    processing_class: Any
-    state: Any  # the HF TrainerState: step, log history
-    train_dataset: Any
-    rewards: Any  # `grpo.rewards.calling.RewardFunctions`: names, weights
-
-    @property
-    def unwrapped_model(self) -> Any: ...
-
-    def save_model(self, output_dir: str | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -170,8 +156,11 @@ class Hub:
                     "Uploading the last completions to %s failed: %s", self.settings.log_completions_hub_repo, err
                 )
 
-    def after_checkpoint(self, trainer: PublishedRun, checkpoint_dir: str) -> None:
-        """hub_strategy's background pushes after a checkpoint was written."""
+    def after_checkpoint(
+        self, checkpoint_dir: str, step: int, processing_class: Any, write_card: Callable[[str], str]
+    ) -> None:
+        """hub_strategy's background pushes after checkpoint-<step> was written at `checkpoint_dir` (the output
+        directory gets its model files, `processing_class` and the card `write_card` writes)."""
         a = self.settings
         if not self.active or a.hub_strategy == "end":
             return
@@ -180,9 +169,9 @@ class Hub:
         self.create_repo()
         for name in _matching(checkpoint_dir, MODEL_FILES):  # the model as of this checkpoint, beside the card
             shutil.copy(os.path.join(checkpoint_dir, name), os.path.join(a.output_dir, name))
-        trainer.processing_class.save_pretrained(a.output_dir)
-        write_model_card(trainer, a.output_dir)
-        message = f"Training in progress, step {trainer.state.global_step}"
+        processing_class.save_pretrained(a.output_dir)
+        write_card(a.output_dir)
+        message = f"Training in progress, step {step}"
         try:
             self.jobs = [self._upload(a.output_dir, message, future=True)]
             if a.hub_strategy in ("checkpoint", "all_checkpoints"):
@@ -193,12 +182,21 @@ class Hub:
         except Exception as err:  # the checkpoint is on disk: a push that cannot start does not stop training
             logger.warning("Pushing checkpoint %s to the Hub failed (%s); training goes on.", checkpoint_dir, err)
 
-    def push(self, trainer: PublishedRun, commit_message: str, blocking: bool, **card: Any) -> Any:
-        """trainer.push_to_hub: the final model and its card, after the background pushes."""
-        if not self.active and trainer.accelerator.is_main_process:
+    def push(
+        self,
+        commit_message: str,
+        blocking: bool,
+        save_model: Callable[[], None],
+        write_card: Callable[..., str],
+        is_main_process: bool,
+        **card: Any,
+    ) -> Any:
+        """trainer.push_to_hub: the final model (`save_model`, every process) and its card (`write_card(directory,
+        **card)`), after the background pushes."""
+        if not self.active and is_main_process:
             self.active = True  # push_to_hub() called with push_to_hub=False: push anyway, as the HF Trainer
-        trainer.save_model()
-        if not trainer.accelerator.is_main_process:
+        save_model()
+        if not is_main_process:
             return None
         self.create_repo()
         for job in self.jobs:
@@ -207,7 +205,7 @@ class Hub:
             except Exception as err:
                 logger.warning("A background push to the Hub had failed: %s", err)
         self.jobs = []
-        write_model_card(trainer, self.settings.output_dir, **card)
+        write_card(self.settings.output_dir, **card)
         return self._upload(self.settings.output_dir, commit_message, future=not blocking)
 
     def _upload(self, folder: str, message: str, future: bool, path_in_repo: str | None = None) -> Any:
@@ -234,34 +232,52 @@ def _matching(directory: str, patterns: tuple[str, ...]) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
-def write_model_card(trainer: PublishedRun, directory: str, dataset_name: str | None = None, **extra: Any) -> str:
-    """README.md in `directory`, from what the trainer knows; returns its path."""
-    config = getattr(trainer.unwrapped_model, "config", None)
-    base = getattr(config, "_name_or_path", None) or None
-    dataset = dataset_name or _dataset_name(trainer.train_dataset)
-    data = huggingface_hub.ModelCardData(
-        base_model=base if base and not os.path.isabs(base) else None,
-        datasets=[dataset] if dataset else None,
-        library_name="transformers",
-        tags=["grpo", "trl", "reinforcement-learning", *extra.pop("tags", [])],
-    )
-    rewards = "\n".join(
-        f"| `{name}` | {weight:g} |" for name, weight in zip(trainer.rewards.names, trainer.rewards.weights.tolist())
-    )
-    last: dict[str, Any] = next(
-        (row for row in reversed(trainer.state.log_history) if "loss" in row or "eval_reward" in row), {}
-    )
-    metrics = "\n".join(f"| `{k}` | {_cell(v)} |" for k, v in last.items())
-    versions = record.versions()
-    body = f"""---
+@dataclass(frozen=True)
+class ModelCard:
+    """What a run's model card (README.md) says besides its progress: the base model (its config's
+    `_name_or_path`; None for a model built in code), the training dataset's name, the reward functions' names and
+    weights, and the config (its output_dir and the settings that differ from TRL 1.16's defaults, read when the
+    card is written)."""
+
+    base_model: str | None
+    dataset: str | None
+    reward_names: list[str]
+    reward_weights: torch.Tensor
+    args: ResolvedConfig
+
+    @classmethod
+    def of(cls, model: Any, train_dataset: Any, rewards: Any, args: ResolvedConfig) -> ModelCard:
+        """`model`: the policy, unwrapped; `rewards`: the `grpo.rewards.calling.RewardFunctions`."""
+        config = getattr(model, "config", None)
+        base = getattr(config, "_name_or_path", None) or None
+        return cls(base, _dataset_name(train_dataset), list(rewards.names), rewards.weights, args)
+
+    def write(self, state: Any, directory: str, dataset_name: str | None = None, **extra: Any) -> str:
+        """README.md in `directory`, with the trainer state's step and last logged metrics; returns its path."""
+        base, args = self.base_model, self.args
+        dataset = dataset_name or self.dataset
+        data = huggingface_hub.ModelCardData(
+            base_model=base if base and not os.path.isabs(base) else None,
+            datasets=[dataset] if dataset else None,
+            library_name="transformers",
+            tags=["grpo", "trl", "reinforcement-learning", *extra.pop("tags", [])],
+        )
+        weights = self.reward_weights.tolist()
+        rewards = "\n".join(f"| `{name}` | {weight:g} |" for name, weight in zip(self.reward_names, weights))
+        last: dict[str, Any] = next(
+            (row for row in reversed(state.log_history) if "loss" in row or "eval_reward" in row), {}
+        )
+        metrics = "\n".join(f"| `{k}` | {_cell(v)} |" for k, v in last.items())
+        versions = record.versions()
+        body = f"""---
 {data.to_yaml()}
 ---
 
-# {Path(trainer.args.output_dir).name}
+# {Path(args.output_dir).name}
 
 Trained with [grpo](https://pypi.org/project/grpo/) {versions.get("grpo", "unknown")}: GRPO (Group Relative Policy
 Optimization, [DeepSeekMath, arXiv:2402.03300](https://arxiv.org/abs/2402.03300)),
-{trainer.state.global_step} optimizer steps from `{base or "a model object"}`{f" on `{dataset}`" if dataset else ""}.
+{state.global_step} optimizer steps from `{base or "a model object"}`{f" on `{dataset}`" if dataset else ""}.
 
 ## Reward functions
 
@@ -272,7 +288,7 @@ Optimization, [DeepSeekMath, arXiv:2402.03300](https://arxiv.org/abs/2402.03300)
 ## Settings that differ from TRL 1.16's defaults
 
 ```json
-{json.dumps(record.non_default(trainer.args.to_dict()), indent=1, default=str)}
+{json.dumps(record.non_default(args.to_dict()), indent=1, default=str)}
 ```
 
 ## Last logged metrics
@@ -285,11 +301,11 @@ Optimization, [DeepSeekMath, arXiv:2402.03300](https://arxiv.org/abs/2402.03300)
 
 {", ".join(f"{name} {version}" for name, version in versions.items())}
 """
-    path = os.path.join(directory, "README.md")
-    os.makedirs(directory, exist_ok=True)
-    with open(path, "w") as f:
-        f.write(secrets.redact_text(body))  # the settings come redacted; a token passed in a card field is too
-    return path
+        path = os.path.join(directory, "README.md")
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(secrets.redact_text(body))  # the settings come redacted; a token passed in a card field is too
+        return path
 
 
 def _dataset_name(dataset: Any) -> str | None:

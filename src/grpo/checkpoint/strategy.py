@@ -26,7 +26,8 @@ import shutil
 from typing import Any
 
 from grpo.checkpoint.files import CheckpointError, checkpoints
-from grpo.checkpoint.run import CheckpointedRun
+from grpo.checkpoint.saved import Saved
+from grpo.config import ResolvedConfig
 from grpo.distributed import collectives, sharding, zero
 from grpo.observe import reporting
 
@@ -72,17 +73,17 @@ def writes_files(save_on_each_node: bool, is_main_process: bool, is_local_main_p
     return is_local_main_process if save_on_each_node else is_main_process
 
 
-def writer(trainer: CheckpointedRun) -> bool:
-    acc = trainer.accelerator
-    return writes_files(trainer.args.save_on_each_node, acc.is_main_process, acc.is_local_main_process)
+def writer(args: ResolvedConfig, accelerator: Any) -> bool:
+    """Whether this process writes the shared files (`writes_files`)."""
+    return writes_files(args.save_on_each_node, accelerator.is_main_process, accelerator.is_local_main_process)
 
 
 # ---- construction: settings that could never do what they say ------------------------------------------------
 
 
-def check(trainer: CheckpointedRun) -> None:
-    """Refuse, before any step, settings under which the best checkpoint could not be known or loaded."""
-    a = trainer.args
+def check(a: ResolvedConfig, max_steps: int, steps_per_epoch: int, model: Any, accelerator: Any) -> None:
+    """Refuse, before any step, settings under which the best checkpoint could not be known or loaded (`model`: the
+    policy as prepared)."""
     needs_metric = a.save_strategy == "best" or a.load_best_model_at_end
     if needs_metric and a.logging_strategy == "no":
         raise ValueError(
@@ -97,8 +98,8 @@ def check(trainer: CheckpointedRun) -> None:
             "GRPOConfig.load_best_model_at_end=True loads the best checkpoint, but save_strategy='no' writes none: "
             "set save_strategy to 'best', 'steps' or 'epoch'."
         )
-    _check_saves_are_logged(a, trainer.max_steps, trainer.steps_per_epoch)
-    if a.save_only_model and (sharding.is_sharded(trainer.model) or zero.in_use(trainer.accelerator)):
+    _check_saves_are_logged(a, max_steps, steps_per_epoch)
+    if a.save_only_model and (sharding.is_sharded(model) or zero.in_use(accelerator)):
         raise ValueError(
             "GRPOConfig.load_best_model_at_end with save_only_model=True is not supported for a sharded model "
             "(FSDP, DeepSpeed): its weights are loaded back from the shards, which save_only_model leaves out. "
@@ -106,7 +107,7 @@ def check(trainer: CheckpointedRun) -> None:
         )
 
 
-def _check_saves_are_logged(a: Any, max_steps: int, steps_per_epoch: int) -> None:
+def _check_saves_are_logged(a: ResolvedConfig, max_steps: int, steps_per_epoch: int) -> None:
     """A checkpoint is ranked by the metric logged at its step: every save must fall on a logging step (the HF
     Trainer asks the same of save_steps and eval_steps)."""
     if a.save_strategy == "best":
@@ -131,18 +132,17 @@ def _check_saves_are_logged(a: Any, max_steps: int, steps_per_epoch: int) -> Non
 # ---- during training --------------------------------------------------------------------------------------------
 
 
-def metric_at(trainer: CheckpointedRun, step: int) -> float | None:
+def metric_at(run: Saved, step: int) -> float | None:
     """metric_for_best_model as logged at `step` (None when unset, not logged then, or not finite), the same on
     every process (the mean of the processes' values). A name no logged row has ever had is an error naming
     the logged metrics."""
-    name = trainer.args.metric_for_best_model
-    rows = trainer.state.log_history
+    name = run.args.metric_for_best_model
+    rows = run.state.log_history
     if name is None or not rows or rows[-1].get("step") != step:
         return None
     row = rows[-1]
-    evaluated = bool(getattr(trainer, "evaluations", None)) and name.startswith("eval_")
-    if evaluated:  # with an eval dataset, eval_ names the evaluation's metric, read at the steps it runs
-        return _number(trainer, row.get(name))
+    if run.evaluated and name.startswith("eval_"):  # with an eval dataset, the evaluation's, read when it runs
+        return _number(run.accelerator, row.get(name))
     key = metric_key(name, row)
     if key is None and not any(metric_key(name, r) for r in rows[:-1]):
         available = ", ".join(sorted(k for k in row if k not in ("step", "epoch")))
@@ -150,38 +150,39 @@ def metric_at(trainer: CheckpointedRun, step: int) -> float | None:
             f"GRPOConfig.metric_for_best_model={name!r} is not a logged metric (step {step} logged: {available}). "
             "Set it to one of these (an 'eval_' prefix is accepted)."
         )
-    return _number(trainer, row.get(key) if key is not None else None)
+    return _number(run.accelerator, row.get(key) if key is not None else None)
 
 
-def _number(trainer: CheckpointedRun, value: Any) -> float | None:
+def _number(accelerator: Any, value: Any) -> float | None:
     """A logged value as a finite float the same on every process (their mean), or None."""
     number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-    number = collectives.process_mean(trainer.accelerator, number)
+    number = collectives.process_mean(accelerator, number)
     return number if math.isfinite(number) else None
 
 
-def should_save(trainer: CheckpointedRun) -> bool:
+def should_save(run: Saved) -> bool:
     """Whether the step just finished (and logged) ends with a checkpoint (every process calls it)."""
-    a, state = trainer.args, trainer.state
+    a, state = run.args, run.state
     step = state.global_step
-    new_best = improves(metric_at(trainer, step), state.best_metric, a.greater_is_better)
+    new_best = improves(metric_at(run, step), state.best_metric, a.greater_is_better)
     return save_due(
         a.save_strategy,
         step,
-        reporting.interval(a.save_steps, trainer.max_steps),
-        trainer.steps_per_epoch,
-        trainer.max_steps,
+        reporting.interval(a.save_steps, run.max_steps),
+        run.steps_per_epoch,
+        run.max_steps,
         new_best,
     )
 
 
-def record_best(trainer: CheckpointedRun, step: int, path: str) -> None:
-    """Before checkpoint-<step> is written (every process): if the metric logged at its step beats the best
-    saved so far, it becomes the best checkpoint (its trainer_state.json already says so)."""
-    value = metric_at(trainer, step)
-    state = trainer.state
-    if improves(value, state.best_metric, trainer.args.greater_is_better):
-        state.best_metric, state.best_global_step, state.best_model_checkpoint = value, step, path
+def new_best(run: Saved, step: int, path: str) -> dict[str, Any] | None:
+    """Before checkpoint-<step> is written at `path` (every process): the best-checkpoint fields of the trainer
+    state when the metric logged at its step beats the best saved so far (it becomes the best checkpoint, and its
+    trainer_state.json already says so), else None."""
+    value = metric_at(run, step)
+    if not improves(value, run.state.best_metric, run.args.greater_is_better):
+        return None
+    return dict(zip(BEST_FIELDS, (value, step, path)))
 
 
 def best_state(state: Any) -> dict[str, Any]:
@@ -237,21 +238,19 @@ def resume_target(argument: str | bool | None, config_value: str | None) -> str 
     return value or None
 
 
-def load_best_model(trainer: CheckpointedRun, load_model: Any) -> bool:
-    """load_best_model_at_end: the best checkpoint's model weights into the trainer's model (every process);
-    whether it loaded them (the policy's weights then changed)."""
-    state = trainer.state
-    if not trainer.args.load_best_model_at_end:
-        return False
+def best_to_load(run: Saved) -> str | None:
+    """load_best_model_at_end: the best checkpoint, whose model weights end the run (every process calls it), or
+    None (not asked for, or no checkpoint was ranked)."""
+    state, name = run.state, run.args.metric_for_best_model
+    if not run.args.load_best_model_at_end:
+        return None
     best = state.best_model_checkpoint
-    if collectives.any_process(trainer.accelerator, best is None or not os.path.isdir(best)):
+    if collectives.any_process(run.accelerator, best is None or not os.path.isdir(best)):
         logger.warning(
             "load_best_model_at_end: no saved checkpoint has a logged %s, so the model stays as the last step left it.",
-            trainer.args.metric_for_best_model,
+            name,
         )
-        return False
-    logger.info(
-        "Loading the best model from %s (%s = %s).", best, trainer.args.metric_for_best_model, state.best_metric
-    )
-    load_model(trainer, best)
-    return True
+        return None
+    assert best is not None  # every process has it
+    logger.info("Loading the best model from %s (%s = %s).", best, name, state.best_metric)
+    return best

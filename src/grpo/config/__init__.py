@@ -207,12 +207,13 @@ GRPOConfig.__init__ = _reject_unknown_kwargs(GRPOConfig.__init__)  # type: ignor
 
 
 def warn_odd_combinations(a: GRPOConfig) -> None:
-    """Combinations the reference accepts with a warning (shared spec §1.7)."""
+    """Combinations the reference accepts with a warning (shared spec §1.7), pointing at the GRPOTrainer(...) call
+    (through `grpo.assembly.assemble`)."""
     if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
-        warnings.warn("loss_type='luspo' is meant for importance_sampling_level='sequence'.", stacklevel=3)
+        warnings.warn("loss_type='luspo' is meant for importance_sampling_level='sequence'.", stacklevel=4)
     if a.loss_type == "vespo" and a.importance_sampling_level != "token":
         warnings.warn(
-            "loss_type='vespo' computes its own sequence weight; use importance_sampling_level='token'.", stacklevel=3
+            "loss_type='vespo' computes its own sequence weight; use importance_sampling_level='token'.", stacklevel=4
         )
     if a.importance_sampling_level == "sequence" and a.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
         logging.getLogger("grpo").warning(  # logged, as TRL logs it (its users' tests read it with caplog)
@@ -223,7 +224,7 @@ def warn_odd_combinations(a: GRPOConfig) -> None:
     assert a.epsilon_high is not None  # __post_init__: epsilon's value by default
     if a.delta is not None and a.delta <= 1 + a.epsilon_high:
         warnings.warn(
-            f"delta={a.delta} is not above 1 + epsilon_high; it will also cap the clipped branch.", stacklevel=3
+            f"delta={a.delta} is not above 1 + epsilon_high; it will also cap the clipped branch.", stacklevel=4
         )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,28 +28,19 @@ from grpo.models.modeling import unwrap
 REFERENCE = os.path.join("reference", "model.safetensors")
 
 
-class ReferencedRun(Protocol):
-    """What the reference's syncing reads of a run (the trainer is one)."""
-
-    args: ResolvedConfig  # sync_ref_model, ref_model_sync_steps, ref_model_mixup_alpha
-    model: torch.nn.Module  # the policy, as prepared
-    ref_model: torch.nn.Module | None
-    ref_from_adapters: bool  # the reference is the policy with its adapters disabled (LoRA)
-    state: Any  # the HF TrainerState
-
-
-def check(trainer: ReferencedRun) -> None:
-    """Refuse sync_ref_model where there is no reference model of its own to mix into (after `prepare`)."""
-    if not trainer.args.sync_ref_model:
+def check(args: ResolvedConfig, ref_model: torch.nn.Module | None, ref_from_adapters: bool) -> None:
+    """Refuse sync_ref_model where there is no reference model of its own to mix into (after `prepare`;
+    `ref_from_adapters`: the reference is the policy with its adapters disabled, LoRA)."""
+    if not args.sync_ref_model:
         return
-    if trainer.ref_from_adapters:
+    if ref_from_adapters:
         raise NotImplementedError(
             "GRPOConfig.sync_ref_model=True is not supported with a PEFT (LoRA) model: the reference is the policy "
             "with its adapters disabled, so there is no separate reference model to mix the policy into. Set "
             "sync_ref_model=False, or train without peft_config to get a reference model of its own."
         )
-    assert trainer.ref_model is not None  # beta > 0 (GRPOConfig refuses sync_ref_model with beta=0), no adapters
-    if sharding.is_sharded(trainer.ref_model):
+    assert ref_model is not None  # beta > 0 (GRPOConfig refuses sync_ref_model with beta=0), no adapters
+    if sharding.is_sharded(ref_model):
         raise NotImplementedError(
             "GRPOConfig.sync_ref_model=True is not supported under FSDP: the mixed reference could not be saved in "
             "checkpoints, so a resumed run would silently use the initial one. Use DDP or DeepSpeed ZeRO-3, or "
@@ -67,13 +58,12 @@ def mix(policy: torch.nn.Module, reference: torch.nn.Module, alpha: float) -> No
             ref.mul_(1.0 - alpha).add_(theta.to(ref.dtype), alpha=alpha)
 
 
-def after_step(trainer: ReferencedRun) -> bool:
-    """At the end of an optimizer step: mix the policy into the reference when the step is a sync step (every
-    process calls it). Returns whether it did."""
-    a = trainer.args
-    if not a.sync_ref_model or trainer.ref_model is None or trainer.state.global_step % a.ref_model_sync_steps:
+def after_step(a: ResolvedConfig, model: torch.nn.Module, ref_model: torch.nn.Module | None, step: int) -> bool:
+    """At the end of optimizer step `step`: mix the policy (`model`, as prepared) into the reference when the step is
+    a sync step (every process calls it). Returns whether it did."""
+    if not a.sync_ref_model or ref_model is None or step % a.ref_model_sync_steps:
         return False
-    policy, reference = unwrap(trainer.model), unwrap(trainer.ref_model)
+    policy, reference = unwrap(model), unwrap(ref_model)
     with _whole(policy), _whole(reference, modifier_rank=0):
         mix(policy, reference, a.ref_model_mixup_alpha)
     return True

@@ -196,7 +196,7 @@ def start_trackers(accelerator: Any, args: ResolvedConfig) -> None:
         warnings.warn(
             f"run_name={args.run_name!r} is not passed to {', '.join(unnamed)} (accelerate gives them the project "
             "only); name the run with that tracker's own setting (e.g. an environment variable).",
-            stacklevel=4,  # the GRPOTrainer(...) call
+            stacklevel=5,  # the GRPOTrainer(...) call (through assemble)
         )
     plain = (int, float, str, bool)
     config = {k: v if isinstance(v, plain) or v is None else str(v) for k, v in args.to_dict().items()}

@@ -5,7 +5,7 @@ memory back: the logging fields of `GRPOConfig`, with the HF Trainer's meaning (
   (`steps_per_epoch` optimizer steps), "no" never; "steps" and "epoch" also log the last step (the run's
   summary, `train()`'s metrics), `logging_first_step` also step 1 (with "no" too, as in the HF Trainer). A
   logged step appends one row to `state.log_history` and metrics.jsonl; evaluations append theirs, and `train()`
-  adds the HF Trainer's summary record to the last row (`add_summary`; not in metrics.jsonl).
+  adds the HF Trainer's summary record to the last row (`with_summary`; not in metrics.jsonl).
 - `log_level` / `log_level_replica`: the level of the "grpo" logger and of transformers' logging on a process
   that is a main process for logging, and on the others; "passive" leaves it as it is. With
   `log_on_each_node` (the default) each node's first process is a main one, otherwise only the global first.
@@ -94,23 +94,25 @@ def warn_unlogged(args: ResolvedConfig) -> None:
         warnings.warn(
             "log_completions=True shows and saves completions at logging steps, and logging_strategy='no' has "
             "none; set logging_strategy='steps' (or logging_first_step=True) to see them.",
-            stacklevel=4,  # the GRPOTrainer(...) call
+            stacklevel=5,  # the GRPOTrainer(...) call (through assemble)
         )
 
 
-def count_tokens(state: Any, metrics: Any, rollout: Any, batch: Any, accelerator: Any, mode: str) -> None:
-    """Count one generation batch's input tokens: `state.num_input_tokens_seen` and the `num_tokens` column
-    always (TRL's count: the rows of `rollout`, every process's, without padding, tool results not counted); the
-    `num_input_tokens_seen` column as `mode` asks, "all" from `batch`, this process's collated share (padding
+def count_tokens(metrics: Any, seen: int, rollout: Any, batch: Any, accelerator: Any, mode: str) -> int:
+    """Count one generation batch's input tokens after `seen` (the trainer state's `num_input_tokens_seen`), and
+    return the new count, which the trainer sets there (TRL's count: the rows of `rollout`, every process's,
+    without padding, tool results not counted). The `num_tokens` column is that count, always; the
+    `num_input_tokens_seen` column is as `mode` asks, "all" from `batch`, this process's collated share (padding
     included), summed over the processes."""
-    state.num_input_tokens_seen += sum(len(p) + sum(m) for p, m in zip(rollout.prompt_ids, rollout.loss_mask))
-    metrics.set_total("num_tokens", state.num_input_tokens_seen)
+    seen += sum(len(p) + sum(m) for p, m in zip(rollout.prompt_ids, rollout.loss_mask))
+    metrics.set_total("num_tokens", seen)
     if mode == "non_padding":
-        metrics.set_total(TOKENS_SEEN, state.num_input_tokens_seen)
+        metrics.set_total(TOKENS_SEEN, seen)
     elif mode == "all":
         local = torch.tensor(batch.prompt_ids.numel() + batch.completion_ids.numel(), device=accelerator.device)
         padded = int(accelerator.reduce(local, reduction="sum").item())
         metrics.set_total(TOKENS_SEEN, metrics.totals.get(TOKENS_SEEN, 0) + padded)
+    return seen
 
 
 def release_cached_memory(args: ResolvedConfig, step: int, device: Any) -> bool:
@@ -142,21 +144,21 @@ def train_summary(
     }
 
 
-def add_summary(rows: list[dict[str, Any]], summary: dict[str, float], step: int) -> dict[str, Any]:
-    """End log_history with the HF Trainer's end-of-training record (`train_loss`, `train_runtime`, `total_flos`,
-    ..., `epoch`, `step`), so `log_history[-1]` holds it, as the HF Trainer's and TRL's do. grpo always logs the last
-    step, so the record completes that step's row (which thus also holds the run's last metrics, as TRL's record
-    holds those logged since its last row); a run whose last row is not that step's training row (an evaluation
-    after it, a run resumed at its end) gets a row of its own with the latest training metrics. Returns the record,
-    for the callbacks' on_log."""
+def with_summary(
+    rows: list[dict[str, Any]], summary: dict[str, float], step: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """log_history ended with the HF Trainer's end-of-training record (`train_loss`, `train_runtime`, `total_flos`,
+    ..., `epoch`, `step`), so `log_history[-1]` holds it, as the HF Trainer's and TRL's do; and the record, for the
+    callbacks' on_log. grpo always logs the last step, so the record completes that step's row (which thus also
+    holds the run's last metrics, as TRL's record holds those logged since its last row); a run whose last row is
+    not that step's training row (an evaluation after it, a run resumed at its end) gets a row of its own with the
+    latest training metrics. `rows` is left as it is: the trainer sets the new history."""
     record = {**summary, "step": step}
     if rows and rows[-1].get("step") == step and "loss" in rows[-1]:
-        rows[-1].update(record)
-        return record
+        return [*rows[:-1], {**rows[-1], **record}], record
     latest: dict[str, Any] = next((r for r in reversed(rows) if "loss" in r), {})
     skip = ("loss", "grad_norm", "learning_rate", "step", "epoch")
-    rows.append({**{k: v for k, v in latest.items() if k not in skip}, **record})
-    return record
+    return [*rows, {**{k: v for k, v in latest.items() if k not in skip}, **record}], record
 
 
 def non_embedding_parameters(model: Any) -> int:

@@ -280,15 +280,12 @@ KEPT_COLUMNS = ("image", "images")
 
 def copy_state(trainer_state: Any) -> Any:
     """A deep copy of a TrainerState whose log_history rows (numbers only) are copied as new dicts, not deep-copied
-    (the history grows with the run)."""
-    history = trainer_state.log_history
-    trainer_state.log_history = []
-    try:
-        state = copy.deepcopy(trainer_state)
-    finally:
-        trainer_state.log_history = history
-    state.log_history = [dict(row) for row in history]
-    return state
+    (the history grows with the run). The trainer's state is only read."""
+    shallow = copy.copy(trainer_state)
+    shallow.log_history = []  # the copy's: the history is copied row by row below
+    copied = copy.deepcopy(shallow)
+    copied.log_history = [dict(row) for row in trainer_state.log_history]
+    return copied
 
 
 class RewardFunctions:

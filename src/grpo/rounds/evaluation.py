@@ -42,6 +42,9 @@ from grpo.observe.metrics import reward_and_tool_stats
 from grpo.rounds.groups import Scored, gather_scored
 from grpo.rounds.producer import Producer
 
+# the policy loss of one evaluation batch: (every process's batch, group size) -> eval loss; None: none
+EvalLoss = Callable[[Scored, int], float | None]
+
 
 @contextlib.contextmanager
 def random_state_kept() -> Iterator[None]:
@@ -132,8 +135,8 @@ class Evaluation:
         every = max(math.ceil(every * max_steps), 1) if every < 1 else int(every)
         return step % every == 0
 
-    def run(self, evaluator: Evaluator, engine: Any) -> dict[str, float | None]:
-        """The eval_ metrics (the same on every process; None where not finite)."""
+    def run(self, evaluator: Evaluator, engine: Any, loss: EvalLoss) -> dict[str, float | None]:
+        """The eval_ metrics (the same on every process; None where not finite); `loss`: each batch's eval_loss."""
         acc = evaluator.accelerator
         start = time.perf_counter()
         logged: dict[str, list[float]] = {}
@@ -148,7 +151,7 @@ class Evaluation:
                 make = functools.partial(self.share, evaluator.producer, mine, examples, engine, logged)
                 local = agreed_or_none(make, acc.num_processes > 1)  # None: SIGTERM here, agreed at the gather
                 parts.append(gather_scored(local, acc))
-                losses.append(evaluator.loss(parts[-1], self.k))
+                losses.append(loss(parts[-1], self.k))
         producer = evaluator.producer
         metrics = self.metrics(Scored.concat(parts), producer.rewards, producer.rollouts.uses_tools)
         done = [loss for loss in losses if loss is not None]
@@ -189,15 +192,15 @@ class Evaluation:
 class Evaluator:
     """What an evaluation needs, and no more: the settings and processes, the producer (its engine, rewards and
     tool loop; evaluation generates and scores through it), the rounds (an asynchronous producer is paused while
-    evaluating), the training prompts' settings (for an `eval_dataset` given to `evaluate`), the policy loss of
-    an evaluation batch (`eval_loss`: the learner's) and a builder of an engine from other settings (eval_greedy)."""
+    evaluating), the training prompts' settings (for an `eval_dataset` given to `evaluate`) and a builder of an
+    engine from other settings (eval_greedy). `run` is given the policy loss of an evaluation batch (`eval_loss`:
+    the learner's)."""
 
     args: ResolvedConfig
     accelerator: Any
     producer: Producer
     rounds: Any  # `grpo.rounds.sequential.Rounds`
     prompts: data.PromptSource
-    loss: Callable[[Scored, int], float | None]  # (every process's batch, group size) -> eval loss; None: none
     engine_with: Callable[[ResolvedConfig], Any]  # settings -> an engine on the policy (eval_greedy's top_k=1 copy)
 
     def due(self, runs: dict[str | None, Evaluation], step: int, max_steps: int, steps_per_epoch: int) -> bool:
@@ -205,10 +208,17 @@ class Evaluator:
         return any(e.due(step, max_steps, steps_per_epoch) for e in runs.values())
 
     def run(
-        self, runs: dict[str | None, Evaluation], prefix: str, model: torch.nn.Module, version: int, step: int
+        self,
+        runs: dict[str | None, Evaluation],
+        prefix: str,
+        model: torch.nn.Module,
+        version: int,
+        step: int,
+        loss: EvalLoss,
     ) -> dict[str, float | None]:
         """Every eval dataset's metrics (`runs`: the trainer's, or an `eval_dataset`'s built by `build`), from
-        `model`'s weights (`version`), after optimizer step `step` (the generator's seed when async)."""
+        `model`'s weights (`version`), after optimizer step `step` (the generator's seed when async), with each
+        batch's `loss`."""
         if not runs:
             raise ValueError("evaluate() needs an eval_dataset: pass one to GRPOTrainer(eval_dataset=...) or here.")
         with self.rounds.paused(step):  # async_generation: the producer between rounds
@@ -219,5 +229,6 @@ class Evaluator:
             metrics: dict[str, float | None] = {}
             for name, run in runs.items():
                 label = prefix + (f"_{name}" if name else "")
-                metrics.update({label + key[len("eval") :]: value for key, value in run.run(self, engine).items()})
+                found = run.run(self, engine, loss)
+                metrics.update({label + key[len("eval") :]: value for key, value in found.items()})
         return metrics

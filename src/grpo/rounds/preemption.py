@@ -17,23 +17,31 @@ A preempted run exits with status `EXIT_STATUS` (143, the shell's status for "te
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from grpo import checkpoint
 from grpo.base.sigterm import Preempted, check, preemption_guard, requested
 from grpo.checkpoint import files
-from grpo.checkpoint.run import PreemptibleRun
 from grpo.distributed.accelerator import end_training, settle_processes
 
-__all__ = ["EXIT_STATUS", "Preempted", "StepStart", "check", "preemption_guard", "requested", "save_and_exit"]
+__all__ = [
+    "EXIT_STATUS",
+    "Preempted",
+    "StepStart",
+    "check",
+    "preemption_guard",
+    "requested",
+    "safe_to_save",
+    "save_and_exit",
+]
 
 logger = logging.getLogger("grpo")
 EXIT_STATUS = 143
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepStart:
     """What a step changes before its optimizer step (generators, loop position, buffered rollouts, the metrics
     window, tokens seen), as the step found it."""
@@ -45,46 +53,51 @@ class StepStart:
     tokens_seen: int
 
     @classmethod
-    def capture(cls, trainer: PreemptibleRun) -> StepStart:
-        return cls(
-            files.rng_state(),
-            trainer.loop.state_dict(),
-            list(trainer.buffer.slices),
-            trainer.metrics.state_dict(),
-            trainer.state.num_input_tokens_seen,
-        )
+    def capture(cls, loop: Any, buffer: Any, metrics: Any, tokens_seen: int) -> StepStart:
+        """`loop` (`grpo.learner.loop.LoopState`), `buffer` (its `RolloutBuffer`) and `metrics` (the metrics
+        logger) as they are now, this process's generators, and the trainer state's tokens seen."""
+        return cls(files.rng_state(), loop.state_dict(), list(buffer.slices), metrics.state_dict(), tokens_seen)
 
-    def restore(self, trainer: PreemptibleRun) -> None:
+    def restore(self, loop: Any, buffer: Any, metrics: Any) -> None:
+        """Put the generators, `loop`, `buffer` and `metrics` back as `capture` found them (the trainer puts its
+        state's `tokens_seen` back)."""
         files.set_rng_state(self.rng)
-        trainer.loop.load_state_dict(self.loop)
-        trainer.buffer.slices = self.buffer
-        trainer.metrics.load_state_dict(self.metrics)
-        trainer.state.num_input_tokens_seen = self.tokens_seen
+        loop.load_state_dict(self.loop)
+        buffer.slices = self.buffer
+        metrics.load_state_dict(self.metrics)
 
 
-def save_and_exit(trainer: PreemptibleRun, step_start: StepStart | None, agreed: bool = False) -> NoReturn:
-    """After SIGTERM: save the state at the end of the last complete step when that is safe, and exit with status
-    143. Between steps (`step_start` None) it is. Inside a step it is while no optimizer step has been applied in
-    it (the model and optimizer are as the last step left them; `step_start` puts the rest back), on one process,
-    or on several that stopped together (`agreed`: at a round's gather or a tool loop's check, `grpo.base.sigterm`);
-    several that stopped apart save nothing then."""
-    trainer.rounds.halt()  # an asynchronous producer stops before anything is saved or settled
-    step = trainer.state.global_step
-    mid_step = step_start is not None
-    apart = trainer.accelerator.num_processes > 1 and not agreed
-    safe = step > 0 and not (mid_step and (trainer.step_applied or apart))
-    if safe and step_start is not None:
-        step_start.restore(trainer)
-    if safe and not os.path.exists(os.path.join(trainer.args.output_dir, f"checkpoint-{step}")):
-        checkpoint.save(trainer, step)
-    trainer.metrics.close()
-    end_training(trainer.accelerator)  # the group torn down at exit, settled, not left to interpreter shutdown
-    settle_processes(trainer.accelerator)
-    newest = checkpoint.checkpoints(trainer.args.output_dir)
+def safe_to_save(step: int, mid_step: bool, step_applied: bool, num_processes: int, agreed: bool) -> bool:
+    """Whether the state at the end of the last complete step, `step`, can be saved after SIGTERM. Between steps
+    it can. Inside a step (`mid_step`) it can while no optimizer step has been applied in it (the model and
+    optimizer are as the last step left them; its `StepStart` puts the rest back), on one process, or on several
+    that stopped together (`agreed`: at a round's gather or a tool loop's check, `grpo.base.sigterm`); several
+    that stopped apart save nothing then."""
+    apart = num_processes > 1 and not agreed
+    return step > 0 and not (mid_step and (step_applied or apart))
+
+
+def save_and_exit(
+    save: Callable[[], Any] | None,
+    metrics: Any,
+    accelerator: Any,
+    output_dir: str,
+    save_only_model: bool,
+    mid_step: bool,
+) -> NoReturn:
+    """After SIGTERM: `save` (the trainer's save of the last complete step; None where `safe_to_save` says it
+    cannot be saved), then exit with status 143: the metrics logger closed, the process group torn down and
+    settled, the newest checkpoint named."""
+    if save is not None:
+        save()
+    metrics.close()
+    end_training(accelerator)  # the group torn down at exit, settled, not left to interpreter shutdown
+    settle_processes(accelerator)
+    newest = checkpoint.checkpoints(output_dir)
     where = f"the newest checkpoint is {newest[-1][1]}" if newest else "no checkpoint was written"
     how = (
         "Checkpoints hold the model only (save_only_model=True): none can resume the run."
-        if trainer.args.save_only_model
+        if save_only_model
         else "Resume with trainer.train(resume_from_checkpoint=True)."
     )
     logger.warning(

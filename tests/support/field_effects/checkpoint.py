@@ -22,7 +22,7 @@ def saved(s: Setting) -> list[int]:
 @effect("save_strategy", "epoch")
 def _save_strategy(s: Setting):
     trainer = s.train(dataset=chat_dataset(4, tasks=False), max_steps=3)  # 4 prompts, 2 a generation: 2 steps an epoch
-    assert trainer.steps_per_epoch == 2 and saved(s) == [2, 3]  # each epoch's end, and the last step
+    assert trainer.parts.steps_per_epoch == 2 and saved(s) == [2, 3]  # each epoch's end, and the last step
 
 
 @effect("save_steps", 2)
@@ -92,14 +92,14 @@ def _save_on_each_node(s: Setting):
     assert strategy.writes_files(s.config().save_on_each_node, is_main_process=False, is_local_main_process=True)
     assert not strategy.writes_files(s.default_config().save_on_each_node, False, True)
     trainer = s.train(save_strategy="steps", save_steps=1)  # on one node: written as always
-    assert strategy.writer(trainer) and saved(s) == [1]
+    assert strategy.writer(trainer.args, trainer.accelerator) and saved(s) == [1]
 
 
 @effect("resume_from_checkpoint", "true")
 def _resume_from_checkpoint(s: Setting):
     s.default_trainer(save_strategy="steps", save_steps=1).train()
     trainer = s.train(max_steps=2)  # train() without an argument: resumed at step 1, trains step 2 only
-    assert [r["step"] for r in trainer.state.log_history] == [1, 2] and trainer.loop.data_position == 2
+    assert [r["step"] for r in trainer.state.log_history] == [1, 2] and trainer.parts.loop.data_position == 2
 
 
 @effect("ignore_data_skip", True)
@@ -107,7 +107,7 @@ def _ignore_data_skip(s: Setting):
     s.default_trainer(save_strategy="steps", save_steps=1).train()
     trainer = s.trainer(max_steps=2)
     trainer.train(resume_from_checkpoint=True)
-    assert trainer.loop.data_position == 1  # step 2 drew the first prompts again (without the field: 2)
+    assert trainer.parts.loop.data_position == 1  # step 2 drew the first prompts again (without the field: 2)
 
 
 @effect("data_seed", 7)
@@ -115,7 +115,7 @@ def _data_seed(s: Setting):
     from grpo.data.prompts import generation_prompt_indices
 
     trainer = s.trainer()
-    order = [sorted(set(trainer.producer.rows(k))) for k in range(4)]
+    order = [sorted(set(trainer.parts.producer.rows(k))) for k in range(4)]
     assert order == [sorted(generation_prompt_indices(k, 8, 2, 7, True)) for k in range(4)]
     assert order != [sorted(generation_prompt_indices(k, 8, 2, 0, True)) for k in range(4)]  # seed's order
 

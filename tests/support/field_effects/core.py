@@ -41,7 +41,7 @@ def _num_completions_to_print(s: Setting):
     trainer = s.trainer(log_completions=True)
     trainer.train()  # the log is flushed at the logging step; flush the recorded rows again to a captured console
     console = Console(record=True, width=200)
-    trainer.completion_log.flush(1, console)
+    trainer.parts.completion_log.flush(1, console)
     printed = console.export_text()
     frame = pd.read_parquet(s.tmp_path / "out" / "completions" / "completions_00001.parquet")
     assert len(frame) == 8  # every row is saved, two are printed: rows are separated by lines starting with ├

@@ -143,7 +143,7 @@ def _log_unique_prompts(s: Setting):
 
     trainer = s.train(log_completions=True)
     console = Grab()
-    trainer.completion_log.flush(1, console)
+    trainer.parts.completion_log.flush(1, console)
     assert console.table.row_count == 2  # 8 completions of 2 prompts: each prompt once
 
 

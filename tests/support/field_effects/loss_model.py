@@ -120,7 +120,7 @@ def _max_completion_length(s: Setting):
     # differs on purpose (256, TRL 512): completions stop at 16 tokens; dr_grpo divides by it
     _loss_differs(s, loss_type="dr_grpo")
     trainer = s.train()
-    assert trainer.buffer.slices[0].completion_ids.shape[1] == 16  # the untrained model rarely stops by itself
+    assert trainer.parts.buffer.slices[0].completion_ids.shape[1] == 16  # the untrained model rarely stops by itself
 
 
 # ---- advantages ---------------------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def _num_iterations(s: Setting):
 def _mask_truncated_completions(s: Setting):
     trainer = _scripted(s.trainer())
     trainer.train()
-    batch = trainer.buffer.slices[0]
+    batch = trainer.parts.buffer.slices[0]
     end = trainer.processing_class.convert_tokens_to_ids("<|im_end|>")
     truncated = ~(batch.completion_ids == end).any(-1)  # 8 letters without the end-of-turn token
     assert truncated.any() and (~truncated).any()
@@ -363,13 +363,13 @@ def _router_aux_loss_coef(s: Setting):
     trainer = s.trainer(model=str(moe))
     trainer.train()
     row = trainer.state.log_history[-1]
-    assert trainer.loss_terms.aux_coef == 0.5 and row["aux_loss"] > 0  # default: the config's own 0.001
+    assert trainer.parts.loss_terms.aux_coef == 0.5 and row["aux_loss"] > 0  # default: the config's own 0.001
 
 
 @effect("pad_to_multiple_of", 16)
 def _pad_to_multiple_of(s: Setting):
     trainer = _scripted(s.trainer(beta=0.1))
     trainer.train()
-    batch = trainer.buffer.slices[0]
+    batch = trainer.parts.buffer.slices[0]
     for t in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.mask, batch.ref_logps):
         assert t.shape[1] % 16 == 0  # default ("auto"): no padding beyond the longest row

@@ -446,15 +446,15 @@ def _per_device_train_batch_size(s: Setting):
 def _gradient_accumulation_steps(s: Setting):
     recorder = Recorder()
     trainer = s.train(reward_funcs=recorder)
-    assert trainer.loop.micro_step == 2 and trainer.state.global_step == 1
+    assert trainer.parts.loop.micro_step == 2 and trainer.state.global_step == 1
     assert [len(c["completion_ids"]) for c in recorder.calls] == [16]  # one generation feeds both micro-steps
 
 
 @effect("num_train_epochs", 2.0)
 def _num_train_epochs(s: Setting):
     # 8 prompts, 2 per generation of 8 completions: 4 steps an epoch
-    assert s.trainer(max_steps=-1).max_steps == 8
-    assert s.default_trainer(max_steps=-1).max_steps == 12
+    assert s.trainer(max_steps=-1).parts.max_steps == 8
+    assert s.default_trainer(max_steps=-1).parts.max_steps == 12
 
 
 @effect("max_steps", 2)
@@ -555,7 +555,7 @@ def _chat_template_kwargs(s: Setting):
             args=config,
             processing_class=tokenizer,
         )
-        return tokenizer.decode(trainer.prompts[0].ids)
+        return tokenizer.decode(trainer.parts.prompts[0].ids)
 
     assert first_prompt(s.config()).startswith("THINK<|im_start|>user")
     assert first_prompt(s.default_config()).startswith("<|im_start|>user")

@@ -87,7 +87,7 @@ def _use_vllm(s: Setting):
     # the stand-in's mismatch is corrected: a sequence ratio of exp(0.1 x tokens) per row, none above 3 here
     assert row["sampling/importance_sampling_ratio/mean"] > 1.05
     assert abs(row["sampling/sampling_logp_difference/mean"] - SHIFT) < 1e-4
-    assert trainer.correction.apply and trainer.correction.external
+    assert trainer.parts.correction.apply and trainer.parts.correction.external
 
 
 @effect("vllm_model_impl", "transformers")
@@ -142,7 +142,7 @@ def _max_model_length(s: Setting):
     assert _engine_kwargs(s)["max_model_len"] == 64
     with with_recording_vllm():
         trainer = s.trainer(use_vllm=True)
-    assert trainer.prompts.context == 64  # a longer prompt is refused, naming its row
+    assert trainer.parts.prompts.context == 64  # a longer prompt is refused, naming its row
 
 
 @effect("vllm_importance_sampling_correction", False)

@@ -132,7 +132,7 @@ def run(out: str, rendered: bool = False) -> None:
                     **trainer.state.log_history[-1],
                     "world": world,
                     "engine_calls": calls,
-                    "rendered": trainer.rollouts.loop.rendered,
+                    "rendered": trainer.parts.rollouts.loop.rendered,
                     "tree": trainer.training_pass.tree,
                     "kept_reasoning": trainer.engine.kept_reasoning,
                 },

@@ -57,7 +57,7 @@ def main() -> None:
         model=model, reward_funcs=slow_length_reward, train_dataset=data, args=args, callbacks=[Started()]
     )
     trainer.train(resume_from_checkpoint=resume or None)
-    torch.save(ckpt.model_state(trainer), os.path.join(out, "final_params.pt"))
+    torch.save(ckpt.model_state(trainer.model, trainer.accelerator), os.path.join(out, "final_params.pt"))
     with open(os.path.join(out, "log_history.json"), "w") as f:
         json.dump(trainer.state.log_history, f)
     sys.exit(0)

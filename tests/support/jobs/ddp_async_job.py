@@ -112,7 +112,9 @@ def run(out: str, model_dir: str, mode: str, resume: str | None = None) -> None:
     rank = trainer.accelerator.process_index
     with open(os.path.join(out, f"seen_{rank}.json"), "w") as f:
         json.dump(SEEN, f)
-    final = whole(trainer.unwrapped_model) if sharded else ckpt.model_state(trainer)  # whole: a collective
+    final = (
+        whole(trainer.unwrapped_model) if sharded else ckpt.model_state(trainer.model, trainer.accelerator)
+    )  # whole: a collective
     if trainer.accelerator.is_main_process:
         torch.save(final, os.path.join(out, "final_params.pt"))
         with open(os.path.join(out, "log_history.json"), "w") as f:

@@ -81,8 +81,8 @@ def main() -> None:
     if o.pause_after or o.stop_after:
         save = ckpt.save
 
-        def save_then_pause(trainer, step):
-            path = save(trainer, step)
+        def save_then_pause(run, step, window):
+            path = save(run, step, window)
             if step == o.pause_after:
                 hang("SAVED")
             if step == o.stop_after:
@@ -93,8 +93,8 @@ def main() -> None:
     if o.block_writing:
         save_pretrained = ckpt.save_pretrained
 
-        def write_then_block(trainer, output_dir, state_dict):
-            save_pretrained(trainer, output_dir, state_dict)
+        def write_then_block(run, output_dir, state_dict):
+            save_pretrained(run, output_dir, state_dict)
             if f"tmp-checkpoint-{o.block_writing}" in output_dir:
                 hang("WRITING")
 
@@ -111,7 +111,7 @@ def main() -> None:
 
         trainer._step = step_with_sigterm
     trainer.train(resume_from_checkpoint=bool(o.resume) or None)
-    state = ckpt.model_state(trainer)  # every process: gathered when partitioned
+    state = ckpt.model_state(trainer.model, trainer.accelerator)  # every process: gathered when partitioned
     if trainer.accelerator.is_main_process:
         torch.save(state, os.path.join(o.out, "final_params.pt"))
     sys.exit(0)

@@ -51,7 +51,7 @@ def main() -> None:
         model=model, processing_class=processor, reward_funcs=length_reward, train_dataset=rows, args=args
     )
     assert trainer.args.ddp_find_unused_parameters is True
-    local = trainer.producer.rows(0)
+    local = trainer.parts.producer.rows(0)
     trainer.train()
     rank = dist.get_rank()
     state = {n: p.detach().clone() for n, p in trainer.unwrapped_model.named_parameters()}

@@ -111,7 +111,7 @@ def main() -> None:
     }
     if parallel and not asynchronous:  # process i asks for i + 1 prompts, 2 samples each
         rank = trainer.accelerator.process_index
-        rollout = trainer.engine.generate([Request(trainer.prompts[i], 2) for i in range(rank + 1)])
+        rollout = trainer.engine.generate([Request(trainer.parts.prompts[i], 2) for i in range(rank + 1)])
         samples = list(zip(rollout.prompt_ids, rollout.completion_ids))
         # as many policy passes in every process (a sharded policy's are collective): the last row's repeated
         policy = [policy_logps(trainer, *samples[min(i, len(samples) - 1)]).tolist() for i in range(2 * world)]
@@ -119,7 +119,7 @@ def main() -> None:
             {"prompt": p, "completion": c, "sampling": s, "policy": policy[i]}
             for i, (p, c, s) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids, rollout.sampling_logps))
         ]
-        row["asked"] = [list(trainer.prompts[i].ids) for i in range(rank + 1)]
+        row["asked"] = [list(trainer.parts.prompts[i].ids) for i in range(rank + 1)]
     with open(os.path.join(out, f"rank{trainer.accelerator.process_index}.json"), "w") as f:
         json.dump(row, f)
 

@@ -19,9 +19,8 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
-from grpo.config import ResolvedConfig
 from grpo.models.modeling import model_name
 from grpo.observe import diagnostics, run_dir
 from grpo.observe.report import record
@@ -125,24 +124,22 @@ def rebuild(output_dir: str, path: str | None = None) -> str:
     return write(output_dir, run, path)
 
 
-class ReportedRun(Protocol):
-    """What the report's facts are read from (the trainer is one)."""
-
-    args: ResolvedConfig  # output_dir, run_report
-    accelerator: Any
-    rewards: Any  # `grpo.rewards.calling.RewardFunctions`: names
-    rollouts: Any  # `grpo.agent.Rollouts`: tool_names
-    max_steps: int
-    diagnosis: Any  # `grpo.observe.diagnostics.Diagnosis`
-
-    @property
-    def unwrapped_model(self) -> Any: ...
+def run_facts(model: Any, reward_names: list[str], tool_names: list[str], max_steps: int, processes: int) -> dict:
+    """What run_info.json says of a run besides its configuration, starts and end: the model's name (`model`:
+    the policy, unwrapped), the reward functions' and tools' names, the run's length and its processes."""
+    return {
+        "model": model.config._name_or_path or model_name(model),
+        "reward_names": list(reward_names),
+        "tools": tool_names,
+        "max_steps": max_steps,
+        "processes": processes,
+    }
 
 
 class RunReport:
     """The live report of one trainer: `running` around train(), `refresh` at each logging step. It writes in
     `output_dir`; `enabled`: run_report (the page; run_info.json is written either way); `facts`: what
-    run_info.json says of the run besides its configuration, starts and end (`of`)."""
+    run_info.json says of the run besides its configuration, starts and end (`run_facts`)."""
 
     def __init__(
         self,
@@ -163,20 +160,6 @@ class RunReport:
         self.failed = False
         self.cache: dict = {}
         self.state: Any = None
-
-    @classmethod
-    def of(cls, trainer: ReportedRun) -> RunReport:
-        facts = {
-            "model": trainer.unwrapped_model.config._name_or_path or model_name(trainer.unwrapped_model),
-            "reward_names": list(trainer.rewards.names),
-            "tools": trainer.rollouts.tool_names,
-            "max_steps": trainer.max_steps,
-            "processes": trainer.accelerator.num_processes,
-        }
-        args = trainer.args
-        return cls(
-            args.output_dir, bool(args.run_report), facts, trainer.diagnosis, trainer.accelerator.is_main_process
-        )
 
     @contextlib.contextmanager
     def running(self, state: Any, resumed_from: str | None, config: dict[str, Any]) -> Iterator[None]:
