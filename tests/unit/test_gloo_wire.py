@@ -410,8 +410,10 @@ def _receiver_elsewhere(prefix):
         link = gloo.connect("127.0.0.1", port, 0, 2, "test", 30)
         try:
             gloo.send(link, _filled(metadata), metadata)
-        finally:
+        except RuntimeError as e:  # the receiver failed: its own error says why
             out, err = peer.communicate(timeout=60)
+            raise AssertionError(f"the receiver failed ({e}):\n{err}") from e
+        out, err = peer.communicate(timeout=60)
     finally:
         peer.kill()
     assert peer.returncode == 0, err

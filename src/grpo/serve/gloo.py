@@ -323,9 +323,11 @@ def _segment_path(name: Any) -> str | None:
 
 
 def _unlink(path: str) -> None:
+    """Remove a segment's name: every rank that knows it tries, so that it goes even when rank 0 is lost; a rank
+    that may not (another user's, in the sticky /dev/shm, before rank 0 has removed it) leaves it to rank 0."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):
         pass
 
 
