@@ -49,11 +49,11 @@ test: $(STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff format --check src tests examples setup.py
 	# byte-compiled once here: the tests start hundreds of processes, which write no cache where PYTHONDONTWRITEBYTECODE is set
 	$(PY) -m compileall -q -j 0 src tests >/dev/null
-	$(PY) -m pytest -q -m "not slow" --ignore=tests/with_vllm
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/with_vllm --durations=30
 	# the vLLM tests in a process of their own (an in-process vLLM engine sets process-wide state)
-	$(PY) -m pytest -q -m "not slow" tests/with_vllm
+	$(PY) -m pytest -q -m "not slow" tests/with_vllm --durations=15
 
-# the unit tier: no trainer is built, about a minute on 2 cores (the fast paths' equivalence tests are tests/equivalence)
+# the unit tier: no trainer is built and no process started, under a minute on 2 cores (the fast paths' equivalence tests are tests/equivalence)
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 

@@ -508,7 +508,7 @@ def test_sigterm_ends_a_long_generation_at_the_next_token(which):
     tok = make_tokenizer()
     model = make_model(tok).eval()
     model.config.max_position_embeddings = 8192
-    args = SamplingSettings(max_completion_length=4000)
+    sampling = SamplingSettings(max_completion_length=4000)  # what the engines take
     stops = torch.tensor(end_of_turn_ids(tok, model.generation_config.eos_token_id))
     forwards = []
 
@@ -520,7 +520,6 @@ def test_sigterm_ends_a_long_generation_at_the_next_token(which):
 
     model.lm_head.register_forward_hook(hook)
     engine_type = FastEngine if which == "fast" else TransformersEngine
-    sampling = SamplingSettings.of(args)  # what the engines take (the plain one reads generation_kwargs from it)
     engine = engine_type(model, tok, sampling, end_of_turn_ids(tok), **({"lean": False} if which == "fast" else {}))
     with preemption_guard(), pytest.raises(Preempted):
         engine.generate([Request(make_prompt("Tell me a long story.", tok), num_samples=2)])

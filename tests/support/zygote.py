@@ -14,6 +14,13 @@ a job given other values is refused (`fork` raises), and such a test starts a fr
 subject is the launcher itself (torchrun's signal forwarding, the `grpo` command under torchrun) keep starting real
 ones.
 
+Why not the standard library's forkserver (`multiprocessing.get_context("forkserver")` with
+`set_forkserver_preload` and `runpy` in the target), which would fork from a preloaded process at the same cost: a
+multiprocessing child ends with `os._exit`, so its `atexit` handlers never run (checked on Python 3.11: a handler a
+forkserver child registers does not run when the target returns). grpo tears a run's process group down from one
+(`grpo.distributed.accelerator.end_training`), as torch and accelerate do from theirs, and the distributed jobs forked
+here are the tests of that exit; a job here returns from `runpy` into a normal interpreter exit, as `python JOB` does.
+
     python tests/support/zygote.py SOCKET    # the zygote (what `fork` starts)
 """
 

@@ -3,15 +3,13 @@
 base64 images are held to `grpo.models.vision.MAX_IMAGE_PIXELS`; PIL's decompression-bomb warning and error become the
 same one error; every row's images are checked when the trainer is built (the size from the header before any pixel
 is decoded, then each image decoded once and dropped: a truncated file is found before step 1), each problem named
-by row and path (those tests build a trainer: tests/integration/test_image_budget_at_build.py)."""
+by row and path (those tests build a trainer: tests/integration/test_image_budget_at_build.py; the memory each check
+takes is measured in fresh processes: tests/integration/test_image_memory.py)."""
 
 from __future__ import annotations
 
 import base64
 import io
-import json
-import subprocess
-import sys
 
 import pytest
 from datasets import Dataset
@@ -67,27 +65,6 @@ def test_an_image_within_the_budget_decodes_as_before(tmp_path):
     assert vision.decode_image(vision.encode_image(loaded), "x").tobytes() == loaded.tobytes()
 
 
-def test_refusing_a_bomb_costs_no_memory(bombs):
-    """Measured in a fresh process: the peak resident memory grows by less than 50 MB while the 12000x12000 PNG
-    (which PIL alone would decode to 144 MB, 432 MB as RGB) is refused."""
-    code = (
-        "import json, resource, sys\n"
-        "from grpo.models import vision\n"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "try:\n"
-        "    vision.load_image(sys.argv[1], 0)\n"
-        "    error = None\n"
-        "except ValueError as err:\n"
-        "    error = str(err)\n"
-        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "print(json.dumps({'grown_kb': after - before, 'error': error}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code, bombs[12000]], capture_output=True, text=True, check=True)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["error"] and "12000x12000" in result["error"]
-    assert result["grown_kb"] < 50_000, result
-
-
 def test_a_datasets_image_column_of_bytes_is_checked_when_the_trainer_is_built(tmp_path, bombs):
     """A datasets.Image column holds undecoded bytes: each row's image is read when the trainer is built (a bomb
     refused from its header)."""
@@ -108,22 +85,3 @@ def test_a_datasets_image_column_of_bytes_is_checked_when_the_trainer_is_built(t
         assert type(dataset.features["image"]).__name__ == "Image"
         with pytest.raises(ValueError, match=message):
             data.check_images(dataset, BUILDERS["qwen2.5-vl"](0)[1])
-
-
-def test_checking_every_image_holds_one_at_a_time(tmp_path):
-    """Measured in a fresh process: checking 40 images of 2000x1500 (8.6 MB each decoded, 344 MB together) grows
-    the peak resident memory by far less than all of them would take."""
-    for i in range(40):
-        Image.new("RGB", (2000, 1500), (i, 2 * i, 3 * i)).save(tmp_path / f"{i}.png")
-    code = (
-        "import json, resource, sys\n"
-        "from grpo.models import vision\n"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "for i in range(40):\n"
-        "    vision.check_image_file(f'{sys.argv[1]}/{i}.png', i)\n"
-        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "print(json.dumps({'grown_kb': after - before}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
-    grown = json.loads(out.stdout.strip().splitlines()[-1])["grown_kb"]
-    assert grown < 100_000, grown
