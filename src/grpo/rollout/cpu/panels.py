@@ -25,7 +25,8 @@ it, on other CPUs, or when the file cannot be loaded (logged once), the lean dec
 (`elf_problem`: every segment and the section headers within the file), since a file cut short (a half-copied
 environment) would be mapped all the same and kill the process with SIGBUS at the first page past its end. It is
 found by Python's import system in grpo's own package directory (`grpo.rollout.cpu.__path__`) only: a copy in the
-working directory, on PYTHONPATH or in a temporary or cache directory is never loaded (tests/integration/test_kernel_file.py).
+working directory, on PYTHONPATH or in a temporary or cache directory is never loaded
+(tests/integration/test_kernel_file.py).
 """
 
 from __future__ import annotations
