@@ -96,16 +96,17 @@ def test_no_function_level_imports_of_grpo():
     assert late == []
 
 
+def _assigned(node):
+    """What an assignment statement writes (its targets), or [] for any other node."""
+    if isinstance(node, ast.Assign):
+        return node.targets
+    return [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+
+
 def test_only_process_env_writes_the_environment():
     def writes(tree):
         for node in ast.walk(tree):
-            targets = (
-                node.targets
-                if isinstance(node, ast.Assign)
-                else [node.target]
-                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
-                else []
-            )
+            targets = _assigned(node)
             for target in targets:
                 if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "os.environ":
                     yield node.lineno
@@ -142,13 +143,7 @@ def test_only_the_trainer_writes_its_trainer_state():
 
     def writes(tree):
         for node in ast.walk(tree):
-            targets = (
-                node.targets
-                if isinstance(node, ast.Assign)
-                else [node.target]
-                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
-                else []
-            )
+            targets = _assigned(node)
             for target in targets:
                 for t in ast.walk(target):
                     if on_state(t) and t.attr in TRAINER_STATE:
