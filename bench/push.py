@@ -53,7 +53,7 @@ sys.path.insert(0, HERE)
 
 from grpo.perf.allocator import keep_freed_memory  # noqa: E402
 from grpo.rollout.weights import checkpoint_weights  # noqa: E402
-from grpo.serve import gloo  # noqa: E402
+from grpo.serve import gloo, segment  # noqa: E402
 
 REPEATS = 3
 
@@ -134,14 +134,16 @@ VARIANTS = {  # the ring's, measured as gloo_wire
 
 @contextlib.contextmanager
 def gloo_settings(settings: dict):
-    saved = {name: getattr(gloo, name) for name in settings}
+    """The wire's settings (`grpo.serve.gloo`'s, or the ring's in `grpo.serve.segment`) set for a variant."""
+    owners = {name: segment if hasattr(segment, name) else gloo for name in settings}
+    saved = {name: getattr(owners[name], name) for name in settings}
     try:
         for name, value in settings.items():
-            setattr(gloo, name, value)
+            setattr(owners[name], name, value)
         yield
     finally:
         for name, value in saved.items():
-            setattr(gloo, name, value)
+            setattr(owners[name], name, value)
 
 
 def wires(pairs, dtype, contenders: dict, rounds: int = REPEATS) -> dict[str, float]:

@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.serve import gloo
+from grpo.serve import gloo, segment
 
 SRC = str(Path(gloo.__file__).resolve().parents[2])  # this checkout's src/: the subprocesses import the same grpo
-SHM_DIR = gloo.SHM_DIR
+SHM_DIR = segment.SHM_DIR
 
 
 @pytest.fixture(autouse=True)
@@ -41,9 +41,9 @@ def small_limits(monkeypatch):
     monkeypatch.setattr(gloo, "PACK_BYTES", 3000)
     monkeypatch.setattr(gloo, "MAX_MESSAGE_BYTES", 8000)
     monkeypatch.setattr(gloo, "IN_FLIGHT_BYTES", 10000)
-    monkeypatch.setattr(gloo, "SLOT_BYTES", 1024)
-    monkeypatch.setattr(gloo, "SLOTS", 3)
-    monkeypatch.setattr(gloo, "_MIN_SLOT_BYTES", 256)
+    monkeypatch.setattr(segment, "SLOT_BYTES", 1024)
+    monkeypatch.setattr(segment, "SLOTS", 3)
+    monkeypatch.setattr(segment, "MIN_SLOT_BYTES", 256)
     monkeypatch.delenv(gloo.TRANSPORT_ENV, raising=False)
 
 
@@ -204,7 +204,7 @@ def test_the_stream_covers_every_byte_once_within_the_slots():
     for chunk in chunks:
         assert 0 < chunk.size <= slot or all(n == 0 for *_, n in chunk.parts)
         for index, start, offset, length in chunk.parts:
-            assert offset % gloo._ALIGN == 0 or start > 0  # a tensor starts aligned; a piece starts a slot
+            assert offset % segment.ALIGN == 0 or start > 0  # a tensor starts aligned; a piece starts a slot
             assert offset + length <= slot and offset % metadata[index][1].itemsize == 0
             covered.setdefault(index, []).append((start, length))
     assert sorted(covered) == list(range(len(metadata)))
@@ -239,11 +239,11 @@ def test_any_rank_that_cannot_share_memory_makes_the_link_tcp(monkeypatch, tmp_p
     elif cause == "tcp on a receiver":
         transports[2] = "tcp"
     elif cause == "no /dev/shm on rank 0":
-        monkeypatch.setattr(gloo, "SHM_DIR", str(tmp_path / "missing"))
+        monkeypatch.setattr(segment, "SHM_DIR", str(tmp_path / "missing"))
     elif cause == "a receiver cannot open it":
-        monkeypatch.setattr(gloo, "_open_segment", _in_thread("rank2", lambda offer: None, gloo._open_segment))
+        monkeypatch.setattr(segment, "open_offered", _in_thread("rank2", lambda offer: None, segment.open_offered))
     else:
-        monkeypatch.setattr(gloo, "_boot_id", _in_thread("rank2", lambda: "another-kernel", gloo._boot_id))
+        monkeypatch.setattr(segment, "boot_id", _in_thread("rank2", lambda: "another-kernel", segment.boot_id))
     sent = _tensors()
     metadata = _meta(sent, torch.bfloat16)
     received, _, used = _push(sent.items(), metadata, tuple(transports))
@@ -256,20 +256,20 @@ def test_any_rank_that_cannot_share_memory_makes_the_link_tcp(monkeypatch, tmp_p
 def test_another_file_of_the_same_name_is_not_taken_for_the_segment(monkeypatch):
     """A receiver that opens a file of the offered name but another nonce (another /dev/shm that happens to hold
     one) does not use it."""
-    opened, open_segment = [], gloo._open_segment
+    opened, open_segment = [], segment.open_offered
 
     def elsewhere(offer):
         opened.append(offer["name"])
         return open_segment({**offer, "nonce": "00" * 16})
 
-    monkeypatch.setattr(gloo, "_open_segment", elsewhere)
+    monkeypatch.setattr(segment, "open_offered", elsewhere)
     sent = _tensors()
     _, _, used = _push(sent.items(), _meta(sent, torch.float32))
     assert opened and used == ["TCP"] * 2
 
 
 def test_an_offer_a_receiver_cannot_read_is_a_refusal_not_an_error():
-    good = dict(name=f"grpo-weights-1-{'0' * 32}", nonce="00" * 16, boot=gloo._boot_id(), slots=2, slot_bytes=1024)
+    good = dict(name=f"grpo-weights-1-{'0' * 32}", nonce="00" * 16, boot=segment.boot_id(), slots=2, slot_bytes=1024)
     for bad in (
         {},
         {"name": "../../etc/passwd"},
@@ -281,9 +281,9 @@ def test_an_offer_a_receiver_cannot_read_is_a_refusal_not_an_error():
         {"boot": "another"},
         {"name": None},
     ):
-        assert gloo._open_segment({**good, **bad} if bad else bad) is None, bad
-    assert gloo._open_segment(good) is None  # no such segment
-    assert gloo._segment_path("../../etc/passwd") is None
+        assert segment.open_offered({**good, **bad} if bad else bad) is None, bad
+    assert segment.open_offered(good) is None  # no such segment
+    assert segment.path_of("../../etc/passwd") is None
 
 
 def test_a_full_dev_shm_gets_a_smaller_ring_or_tcp(monkeypatch):
@@ -320,7 +320,7 @@ def test_a_ring_closed_while_a_slot_is_in_use_stays_mapped_until_it_is_done():
     """A link shut down while its send still runs (the server's error came first): the slot the sending thread
     writes stays mapped (no crash), and the mapping goes with the last view."""
     memory = mmap.mmap(-1, 4096)
-    ring = gloo.Ring(memory, 2, 2048)
+    ring = segment.Ring(memory, 2, 2048)
     slot = ring.slot(1)
     ring.close()
     assert not memory.closed
@@ -344,7 +344,7 @@ def test_tensors_other_than_announced_are_an_error_before_they_are_sent():
     metadata = _meta(sent, torch.float32)
     renamed = [("other" if n == "embed" else n, t) for n, t in sent.items()]
     reshaped = [(n, t.reshape(-1) if n == "embed" else t) for n, t in sent.items()]
-    ring = gloo.Ring(mmap.mmap(-1, 2048), 2, 1024)
+    ring = segment.Ring(mmap.mmap(-1, 2048), 2, 1024)
     for link in (gloo.Link(None), gloo.Link(None, ring=ring)):  # no group: nothing was sent
         with pytest.raises(ValueError, match="tensor 0 is other .* receivers were told embed"):
             gloo.send(link, renamed, metadata)
@@ -358,14 +358,14 @@ def test_tensors_other_than_announced_are_an_error_before_they_are_sent():
 PEER = r"""
 import json, os, signal, sys, time
 import torch
-from grpo.serve import gloo
+from grpo.serve import gloo, segment
 role, port, transport, metadata, die, timeout = sys.argv[1:]
 port, metadata, timeout = int(port), json.loads(metadata), float(timeout)
 gloo.DIRECT_BYTES, gloo.PACK_BYTES, gloo.MAX_MESSAGE_BYTES, gloo.IN_FLIGHT_BYTES = 4000, 3000, 8000, 10000
-gloo.SLOT_BYTES, gloo.SLOTS, gloo._MIN_SLOT_BYTES = 1024, 3, 256  # the limits of `small_limits`
+segment.SLOT_BYTES, segment.SLOTS, segment.MIN_SLOT_BYTES = 1024, 3, 256  # the limits of `small_limits`
 metadata = [(n, getattr(torch, d), tuple(s)) for n, d, s in metadata]
 if die == "in the handshake":
-    gloo._open_segment = lambda offer: os.kill(os.getpid(), signal.SIGKILL)
+    segment.open_offered = lambda offer: os.kill(os.getpid(), signal.SIGKILL)
 link = gloo.connect("127.0.0.1", port, 0 if role == "send" else 1, 2, "test", timeout, transport=transport)
 print(json.dumps({"transport": link.transport, "pid": os.getpid()}), flush=True)
 if die == "stalls":

@@ -10,13 +10,13 @@ ranks and receive. Plain torch, no vLLM: both sides import it.
 What travels is fixed by `metadata` alone (names, dtypes, shapes), so both sides cut the stream the same way.
 
 On one host (every rank sees the segment rank 0 made, `_agree_on_ring`), the bytes go through shared memory, as
-NCCL's intra-node transport does: a ring of `SLOTS` slots of `SLOT_BYTES` that every rank maps once, when it
-connects. The sender casts each tensor straight into its place in a slot (`stream_plan`: the tensors one after the
-other, cut at the slots' ends), the group carries only a tiny broadcast per slot ("slot filled") and an all-reduce
-("slot read by every receiver"), so casting, reading and loading overlap over the ring. A receiver copies each
-tensor out of the ring before the slot is handed back (`load` may keep what it gets: vLLM's layerwise reload keeps
-a layer's tensors until the layer is whole). The segment's name is gone from the file system as soon as every rank
-has it mapped (or has failed to): nothing is left behind by a push, a crash or a timeout.
+NCCL's intra-node transport does: a ring of `SLOTS` slots of `SLOT_BYTES` (`grpo.serve.segment`) that every rank
+maps once, when it connects. The sender casts each tensor straight into its place in a slot (`stream_plan`: the
+tensors one after the other, cut at the slots' ends), the group carries only a tiny broadcast per slot ("slot
+filled") and an all-reduce ("slot read by every receiver"), so casting, reading and loading overlap over the ring. A
+receiver copies each tensor out of the ring before the slot is handed back (`load` may keep what it gets: vLLM's
+layerwise reload keeps a layer's tensors until the layer is whole). The segment's name is gone from the file system
+as soon as every rank has it mapped (or has failed to): nothing is left behind by a push, a crash or a timeout.
 
 Across hosts (or containers with their own /dev/shm, or another user, or `GRPO_WEIGHTS_TRANSPORT=tcp` on either
 side), the bytes go over the group's TCP connections (`plan`): a tensor of `DIRECT_BYTES` or more goes as
@@ -32,21 +32,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import errno
 import json
-import mmap
 import os
-import re
 import secrets
 import socket
-import stat
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
+
+from grpo.serve import segment
 
 DIRECT_BYTES = 16 << 20  # tensors at least this large are broadcast on their own (no packing copy)
 PACK_BYTES = 128 << 20  # the buffers the smaller ones are packed into
@@ -55,18 +52,13 @@ MAX_MESSAGE_BYTES = 256 << 20  # a larger tensor goes in pieces of at most this
 # the wire 2.85 GB/s against 2.2 on both: bench/push.py)
 _CAST_THREADS = max(1, (os.cpu_count() or 1) // 4)
 IN_FLIGHT_BYTES = 512 << 20  # broadcasts posted before the oldest is waited for
-_ALIGN = 16  # packed tensors start at multiples of this (every dtype's element size divides it)
+_ALIGN = segment.ALIGN  # packed tensors start at multiples of this (every dtype's element size divides it)
 _CONNECTIONS = 2  # gloo devices: TCP connections (and threads) the broadcasts share
 
 # Shared memory, on one host
 TRANSPORT_ENV = "GRPO_WEIGHTS_TRANSPORT"  # "tcp": never shared memory (either side); "auto" (the default): on one host
 TRANSPORTS = ("auto", "tcp")
-SHM_DIR = "/dev/shm"
-SLOT_BYTES = 32 << 20  # a slot of the ring (halved, down to `_MIN_SLOT_BYTES`, where /dev/shm is smaller)
-SLOTS = 4
-_MIN_SLOT_BYTES = 1 << 20
 _OFFER_BYTES = 512  # rank 0's offer of a segment (JSON, zero-padded)
-_SEGMENT_NAME = re.compile(r"grpo-weights-[0-9]+-[0-9a-f]{32}")
 _PROTOCOL = "v2"  # in the store's prefix: a peer speaking another version never joins the group (a timeout)
 
 Meta = tuple[str, torch.dtype, tuple[int, ...]]  # (name, wire dtype, shape)
@@ -83,30 +75,6 @@ class Message:
     direct: bool
 
 
-class Ring:
-    """`slots` slots of `slot_bytes` in a shared-memory segment that every rank of a link has mapped."""
-
-    def __init__(self, memory: mmap.mmap, slots: int, slot_bytes: int) -> None:
-        self.memory, self.slots, self.slot_bytes = memory, slots, slot_bytes
-        # through numpy: its array holds the mapping's buffer, and every view of the tensor holds the array, so the
-        # mapping cannot go (`close`, or the mmap collected) while a thread still writes or reads a slot
-        # (torch.frombuffer holds nothing: a view of it would outlive the mapping)
-        self.buffer: torch.Tensor | None = torch.from_numpy(np.frombuffer(memory, dtype=np.uint8))
-
-    def slot(self, chunk: int) -> torch.Tensor:
-        """The bytes of the slot that the `chunk`-th chunk of a push goes through."""
-        assert self.buffer is not None, "the ring was closed"
-        start = (chunk % self.slots) * self.slot_bytes
-        return self.buffer[start : start + self.slot_bytes]
-
-    def close(self) -> None:
-        self.buffer = None
-        try:
-            self.memory.close()
-        except BufferError:  # a view of it is still alive (a send or receive still running): unmapped after it
-            pass
-
-
 @dataclasses.dataclass
 class Link:
     """A connected group of rank 0 (the sender) and the receivers: the gloo group, its store (hosted by rank 0's),
@@ -114,7 +82,7 @@ class Link:
 
     group: Any
     store: Any = None
-    ring: Ring | None = None
+    ring: segment.Ring | None = None
 
     @property
     def transport(self) -> str:
@@ -248,90 +216,7 @@ def connect(
     return Link(group, store, ring)
 
 
-# ---- the ring's segment ----------------------------------------------------------------------------------------------
-
-
-def _boot_id() -> str:
-    """This kernel's boot id: the same for every process (and container) on one host, different on another."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _create_segment(slots: int, slot_bytes: int) -> tuple[str, mmap.mmap, int] | None:
-    """Rank 0: a new segment in `SHM_DIR` (a random name, only this user may open it), its pages reserved (so a
-    full /dev/shm is a refusal here, never a SIGBUS later; a smaller ring is tried down to `_MIN_SLOT_BYTES`
-    slots), mapped: (its path, the mapping, the slots' size). None where this machine has no room, no /dev/shm
-    or no way to reserve pages: the link is then TCP."""
-    fallocate = getattr(os, "posix_fallocate", None)
-    while fallocate is not None and slot_bytes >= _MIN_SLOT_BYTES:
-        path = os.path.join(SHM_DIR, f"grpo-weights-{os.getpid()}-{secrets.token_hex(16)}")  # `_SEGMENT_NAME`
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return None
-        try:
-            fallocate(fd, 0, slots * slot_bytes)
-            return path, mmap.mmap(fd, slots * slot_bytes), slot_bytes
-        except OSError as err:
-            _unlink(path)
-            if err.errno != errno.ENOSPC:
-                return None
-            slot_bytes = slot_bytes // 2 // _ALIGN * _ALIGN  # no room: a ring half the size
-        except BaseException:
-            _unlink(path)
-            raise
-        finally:
-            os.close(fd)
-    return None
-
-
-def _open_segment(offer: dict) -> mmap.mmap | None:
-    """A receiver: rank 0's segment mapped, when this process is on rank 0's host (the same kernel) and sees the
-    very file rank 0 made (its nonce), else None (another host, another container's /dev/shm, another user, an
-    offer it cannot read)."""
-    try:
-        path, slots, slot_bytes = _segment_path(offer["name"]), int(offer["slots"]), int(offer["slot_bytes"])
-        nonce = bytes.fromhex(offer["nonce"])
-        if path is None or offer.get("boot") != _boot_id() or slots < 1 or slot_bytes < 1 or slot_bytes % _ALIGN:
-            return None
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except (OSError, KeyError, TypeError, ValueError):
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != slots * slot_bytes:
-            return None
-        memory = mmap.mmap(fd, slots * slot_bytes)
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    if len(nonce) != 16 or memory[: len(nonce)] != nonce:
-        memory.close()
-        return None
-    return memory
-
-
-def _segment_path(name: Any) -> str | None:
-    """The path of a segment named `name` in `SHM_DIR`, if `name` is one that grpo makes (else None)."""
-    if not isinstance(name, str) or not _SEGMENT_NAME.fullmatch(name):
-        return None
-    return os.path.join(SHM_DIR, name)
-
-
-def _unlink(path: str) -> None:
-    """Remove a segment's name: every rank that knows it tries, so that it goes even when rank 0 is lost; a rank
-    that may not (another user's, in the sticky /dev/shm, before rank 0 has removed it) leaves it to rank 0."""
-    try:
-        os.unlink(path)
-    except (FileNotFoundError, PermissionError):
-        pass
-
-
-def _agree_on_ring(group: Any, rank: int, transport: str) -> Ring | None:
+def _agree_on_ring(group: Any, rank: int, transport: str) -> segment.Ring | None:
     """Every rank of `group`: the ring when all of them have mapped rank 0's new segment, else None (TCP), agreed
     by all (a broadcast of rank 0's offer, an all-reduce of each rank's answer). The segment's name is removed by
     every rank that knows it as soon as the answers are in, or when this fails (a peer lost, a timeout)."""
@@ -339,7 +224,7 @@ def _agree_on_ring(group: Any, rank: int, transport: str) -> Ring | None:
     path, memory = None, None
     try:
         if rank == 0:
-            created = _create_segment(SLOTS, SLOT_BYTES) if transport == "auto" else None
+            created = segment.create(segment.SLOTS, segment.SLOT_BYTES) if transport == "auto" else None
             if created is not None:
                 path, memory, slot_bytes = created
                 nonce = secrets.token_bytes(16)
@@ -348,8 +233,8 @@ def _agree_on_ring(group: Any, rank: int, transport: str) -> Ring | None:
                     dict(
                         name=os.path.basename(path),
                         nonce=nonce.hex(),
-                        boot=_boot_id(),
-                        slots=SLOTS,
+                        boot=segment.boot_id(),
+                        slots=segment.SLOTS,
                         slot_bytes=slot_bytes,
                     )
                 ).encode()
@@ -361,19 +246,19 @@ def _agree_on_ring(group: Any, rank: int, transport: str) -> Ring | None:
         except ValueError:
             terms = None
         if rank != 0 and isinstance(terms, dict):
-            path = _segment_path(terms.get("name"))
-            memory = _open_segment(terms) if transport == "auto" else None
+            path = segment.path_of(terms.get("name"))
+            memory = segment.open_offered(terms) if transport == "auto" else None
         agreed = torch.tensor([1 if memory is not None else 0], dtype=torch.int32)
         _all_reduce(group, agreed, dist.ReduceOp.MIN).wait()
     finally:
         if path is not None:
-            _unlink(path)
+            segment.unlink(path)
     if not agreed.item():
         if memory is not None:
             memory.close()
         return None
     assert memory is not None and terms is not None
-    return Ring(memory, terms["slots"], terms["slot_bytes"])
+    return segment.Ring(memory, terms["slots"], terms["slot_bytes"])
 
 
 # ---- sending ---------------------------------------------------------------------------------------------------------
@@ -442,7 +327,9 @@ def _send(group: Any, pairs: Iterable[tuple[str, torch.Tensor]], metadata: Seque
     return sent
 
 
-def _send_ring(group: Any, ring: Ring, pairs: Iterable[tuple[str, torch.Tensor]], metadata: Sequence[Meta]) -> int:
+def _send_ring(
+    group: Any, ring: segment.Ring, pairs: Iterable[tuple[str, torch.Tensor]], metadata: Sequence[Meta]
+) -> int:
     """Each chunk cast into its slot once every receiver has read the slot's previous chunk; then "chunk i is in"
     (a broadcast of i) and "chunk i was read" (an all-reduce, waited for before the slot is filled again)."""
     tensor = _Fetched(pairs, metadata)
@@ -534,7 +421,7 @@ def _receive(group: Any, metadata: Sequence[Meta], load: Callable[[list[tuple[st
 
 def _receive_ring(
     group: Any,
-    ring: Ring,
+    ring: segment.Ring,
     metadata: Sequence[Meta],
     load: Callable[[list[tuple[str, torch.Tensor]]], object],
     keep: bool,
