@@ -12,6 +12,7 @@ one host (a ring every rank maps) and TCP broadcasts (across hosts, or `GRPO_WEI
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import mmap
@@ -527,3 +528,38 @@ def test_a_receiver_killed_in_the_handshake_leaves_nothing():
     finally:
         peer.kill()
     assert _leftovers() == []
+
+
+def test_a_connection_given_up_ends_at_once_and_one_nobody_joins_times_out():
+    """Rank 0 waits for its receivers in short polls: a caller that gives the connection up (its server answered
+    with an error) gets an error within a poll, not after the timeout, so no thread is left waiting in torch's store
+    (one that woke at its timeout while the interpreter shut down aborted the process); nobody joining is an error
+    after the timeout that counts who came."""
+    cancelled = threading.Event()
+    threading.Timer(0.3, cancelled.set).start()
+    start = time.monotonic()
+    with pytest.raises(gloo.JoinError, match="given up"):
+        gloo.connect("127.0.0.1", gloo.free_port(43000), 0, 3, "test", 60, cancelled=cancelled)
+    assert time.monotonic() - start < 5
+    with pytest.raises(gloo.JoinError, match="timed out after 1 s: 0 of the 2 receivers joined"):
+        gloo.connect("127.0.0.1", gloo.free_port(43000), 0, 3, "test", 1)
+
+
+def test_the_server_s_error_cancels_the_work_it_races():
+    from grpo.serve.vllm_plugin import _racing
+
+    answered: concurrent.futures.Future = concurrent.futures.Future()
+    answered.set_exception(RuntimeError("the server refused"))
+    seen = []
+
+    def work(cancelled):
+        seen.append(cancelled.wait(30))
+        return "late"
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="the server refused"):
+        _racing(answered, work)
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [True] and time.monotonic() - start < 5

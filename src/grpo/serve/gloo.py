@@ -36,6 +36,8 @@ import json
 import os
 import secrets
 import socket
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -59,7 +61,7 @@ _CONNECTIONS = 2  # gloo devices: TCP connections (and threads) the broadcasts s
 TRANSPORT_ENV = "GRPO_WEIGHTS_TRANSPORT"  # "tcp": never shared memory (either side); "auto" (the default): on one host
 TRANSPORTS = ("auto", "tcp")
 _OFFER_BYTES = 512  # rank 0's offer of a segment (JSON, zero-padded)
-_PROTOCOL = "v2"  # in the store's prefix: a peer speaking another version never joins the group (a timeout)
+_PROTOCOL = "v3"  # in the store's prefix: a peer speaking another version never joins the group (a timeout)
 
 Meta = tuple[str, torch.dtype, tuple[int, ...]]  # (name, wire dtype, shape)
 
@@ -192,12 +194,15 @@ def connect(
     timeout_s: float,
     peer: str | None = None,
     transport: str | None = None,
+    cancelled: threading.Event | None = None,
 ) -> Link:
     """The group of rank 0 (which hosts its TCP store at `address:port`) and the receivers, each op of which fails
     after `timeout_s`. Blocks until all `world_size` ranks have joined and agreed on the transport (or raises after
     `timeout_s`). `peer`: an address of the other side, to bind this rank's gloo device to the interface that
     reaches it (default: `address`). `transport`: "auto" (shared memory when every rank can map rank 0's segment)
-    or "tcp" (default: `GRPO_WEIGHTS_TRANSPORT`, else "auto"); any rank's "tcp" makes the link TCP."""
+    or "tcp" (default: `GRPO_WEIGHTS_TRANSPORT`, else "auto"); any rank's "tcp" makes the link TCP. `cancelled`:
+    set by a caller that no longer waits (rank 0: its server answered with an error), the connection ends at once
+    with an error instead of waiting out `timeout_s` (`_join`)."""
     transport = transport_setting(transport)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
@@ -207,6 +212,7 @@ def connect(
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=address_here) for _ in range(_CONNECTIONS)]
     options._threads = _CONNECTIONS
     prefix = dist.PrefixStore(f"grpo-weights/{_PROTOCOL}/{session}", store)
+    _join(prefix, rank, world_size, timeout_s, cancelled)
     group = dist.ProcessGroupGloo(prefix, rank, world_size, options)
     try:
         ring = _agree_on_ring(group, rank, transport)
@@ -214,6 +220,29 @@ def connect(
         group.shutdown()
         raise
     return Link(group, store, ring)
+
+
+class JoinError(RuntimeError):
+    """The receivers did not all join rank 0's group in time, or the caller gave the connection up."""
+
+
+def _join(store: Any, rank: int, world_size: int, timeout_s: float, cancelled: threading.Event | None) -> None:
+    """Every rank says it has come; rank 0 waits until all have, in short polls of the store, before gloo's
+    rendezvous (which waits inside torch, out of reach). So a connection its caller gave up on ends within a poll: a
+    thread left waiting in torch's store would wake at its timeout, maybe while the interpreter shuts down, and abort
+    the process (a trainer whose server refused the connection, then exited)."""
+    store.set(f"joined/{rank}", "1")
+    if rank != 0:
+        return
+    keys = [f"joined/{r}" for r in range(1, world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if cancelled is not None and cancelled.is_set():
+            raise JoinError("the connection was given up before the receivers joined")
+        if time.monotonic() > deadline:
+            came = sum(store.check([key]) for key in keys)
+            raise JoinError(f"timed out after {timeout_s:g} s: {came} of the {len(keys)} receivers joined")
+        time.sleep(0.02)
 
 
 def _agree_on_ring(group: Any, rank: int, transport: str) -> segment.Ring | None:

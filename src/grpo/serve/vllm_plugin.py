@@ -231,7 +231,7 @@ def _trainer_classes() -> dict:
             answered = _background(client.init_weight_transfer_engine, worker_info)
             link = _racing(
                 answered,
-                lambda: gloo.connect(
+                lambda cancelled: gloo.connect(
                     init_info.master_address,
                     init_info.master_port,
                     0,
@@ -239,6 +239,7 @@ def _trainer_classes() -> dict:
                     init_info.session,
                     init_info.timeout_s,
                     peer=init_info.peer or None,
+                    cancelled=cancelled,
                 ),
             )
             logger.info("Weight transfer (gloo): connected to the server, weights through %s.", link.transport)
@@ -260,7 +261,7 @@ def _trainer_classes() -> dict:
             try:
                 # grpo's own source hands its tensors uncast (the wire casts each into its place); another casts them
                 pairs = source.uncast() if hasattr(source, "uncast") else iter(source)
-                _racing(answered, lambda: gloo.send(self.link, pairs, metadata))
+                _racing(answered, lambda cancelled: gloo.send(self.link, pairs, metadata))
             except BaseException:
                 self.shutdown()  # the server gave up on this push (or the broadcast failed): no receiver
                 raise
@@ -322,15 +323,16 @@ def _background(call: Any, *args: Any) -> concurrent.futures.Future:
 
 
 def _racing(answered: concurrent.futures.Future, work: Any) -> Any:
-    """`work()`'s result, run on a thread of its own while the server answers the request behind `answered`: the
-    server's error is raised as soon as it comes (the work, waiting on a peer that gave up, is left to its
-    timeout), and so is the work's. Both must succeed."""
+    """`work(cancelled)`'s result, run on a thread of its own while the server answers the request behind
+    `answered`: the server's error is raised as soon as it comes, and so is the work's. Both must succeed. On the
+    server's error `cancelled` (a threading.Event) is set: a connection ends at once (`gloo.connect`); a send,
+    waiting on receivers that gave up, is left to the group's timeout (gloo's wait cannot be interrupted)."""
     outcome: dict[str, Any] = {}
-    done = threading.Event()
+    done, cancelled = threading.Event(), threading.Event()
 
     def run() -> None:
         try:
-            outcome["value"] = work()
+            outcome["value"] = work(cancelled)
         except BaseException as err:  # handed to the waiting thread
             outcome["error"] = err
         finally:
@@ -339,6 +341,7 @@ def _racing(answered: concurrent.futures.Future, work: Any) -> Any:
     threading.Thread(target=run, daemon=True, name="grpo-weight-transfer").start()
     while not done.wait(0.2):
         if answered.done() and answered.exception() is not None:
+            cancelled.set()
             raise answered.exception()  # type: ignore[misc]
     if "error" in outcome:
         raise outcome["error"]
