@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.serve import gloo, segment
+from grpo.serve import gloo, messages, segment
 
 SRC = str(Path(gloo.__file__).resolve().parents[2])  # this checkout's src/: the subprocesses import the same grpo
 SHM_DIR = segment.SHM_DIR
@@ -38,9 +38,9 @@ SHM_DIR = segment.SHM_DIR
 @pytest.fixture(autouse=True)
 def small_limits(monkeypatch):
     """Limits of a few KB: packs, direct tensors, pieces and a ring of small slots on small tensors."""
-    monkeypatch.setattr(gloo, "DIRECT_BYTES", 4000)
-    monkeypatch.setattr(gloo, "PACK_BYTES", 3000)
-    monkeypatch.setattr(gloo, "MAX_MESSAGE_BYTES", 8000)
+    monkeypatch.setattr(messages, "DIRECT_BYTES", 4000)
+    monkeypatch.setattr(messages, "PACK_BYTES", 3000)
+    monkeypatch.setattr(messages, "MAX_MESSAGE_BYTES", 8000)
     monkeypatch.setattr(gloo, "IN_FLIGHT_BYTES", 10000)
     monkeypatch.setattr(segment, "SLOT_BYTES", 1024)
     monkeypatch.setattr(segment, "SLOTS", 3)
@@ -359,10 +359,11 @@ def test_tensors_other_than_announced_are_an_error_before_they_are_sent():
 PEER = r"""
 import json, os, signal, sys, time
 import torch
-from grpo.serve import gloo, segment
+from grpo.serve import gloo, messages, segment
 role, port, transport, metadata, die, timeout = sys.argv[1:]
 port, metadata, timeout = int(port), json.loads(metadata), float(timeout)
-gloo.DIRECT_BYTES, gloo.PACK_BYTES, gloo.MAX_MESSAGE_BYTES, gloo.IN_FLIGHT_BYTES = 4000, 3000, 8000, 10000
+messages.DIRECT_BYTES, messages.PACK_BYTES, messages.MAX_MESSAGE_BYTES = 4000, 3000, 8000
+gloo.IN_FLIGHT_BYTES = 10000
 segment.SLOT_BYTES, segment.SLOTS, segment.MIN_SLOT_BYTES = 1024, 3, 256  # the limits of `small_limits`
 metadata = [(n, getattr(torch, d), tuple(s)) for n, d, s in metadata]
 if die == "in the handshake":

@@ -19,9 +19,9 @@ layerwise reload keeps a layer's tensors until the layer is whole). The segment'
 as soon as every rank has it mapped (or has failed to): nothing is left behind by a push, a crash or a timeout.
 
 Across hosts (or containers with their own /dev/shm, or another user, or `GRPO_WEIGHTS_TRANSPORT=tcp` on either
-side), the bytes go over the group's TCP connections (`plan`): a tensor of `DIRECT_BYTES` or more goes as
-broadcasts of its own bytes (no copy on either side when it is already contiguous in its wire dtype; over
-`MAX_MESSAGE_BYTES` in several pieces), smaller ones are packed into buffers of up to `PACK_BYTES` (the sender
+side), the bytes go over the group's TCP connections (`plan`, in `grpo.serve.messages`): a tensor of `DIRECT_BYTES`
+or more goes as broadcasts of its own bytes (no copy on either side when it is already contiguous in its wire dtype;
+over `MAX_MESSAGE_BYTES` in several pieces), smaller ones are packed into buffers of up to `PACK_BYTES` (the sender
 casts each straight into its place; the receiver hands views of the buffer on, no copy). Few, large messages: each
 broadcast costs a round of gloo's protocol, and loopback TCP reached 2.2 GB/s with 32 MiB messages against 3-3.7
 GB/s with 128 MiB on a 2-core machine. Up to `IN_FLIGHT_BYTES` are in flight at once, over two connections (gloo
@@ -46,15 +46,12 @@ import torch
 import torch.distributed as dist
 
 from grpo.serve import segment
+from grpo.serve.messages import Message, Meta, nbytes, plan, stream_plan
 
-DIRECT_BYTES = 16 << 20  # tensors at least this large are broadcast on their own (no packing copy)
-PACK_BYTES = 128 << 20  # the buffers the smaller ones are packed into
-MAX_MESSAGE_BYTES = 256 << 20  # a larger tensor goes in pieces of at most this
 # the sender's casting threads: gloo's connections need cores of their own (on 2 cores, casting on one thread made
 # the wire 2.85 GB/s against 2.2 on both: bench/push.py)
 _CAST_THREADS = max(1, (os.cpu_count() or 1) // 4)
 IN_FLIGHT_BYTES = 512 << 20  # broadcasts posted before the oldest is waited for
-_ALIGN = segment.ALIGN  # packed tensors start at multiples of this (every dtype's element size divides it)
 _CONNECTIONS = 2  # gloo devices: TCP connections (and threads) the broadcasts share
 
 # Shared memory, on one host
@@ -62,19 +59,6 @@ TRANSPORT_ENV = "GRPO_WEIGHTS_TRANSPORT"  # "tcp": never shared memory (either s
 TRANSPORTS = ("auto", "tcp")
 _OFFER_BYTES = 512  # rank 0's offer of a segment (JSON, zero-padded)
 _PROTOCOL = "v3"  # in the store's prefix: a peer speaking another version never joins the group (a timeout)
-
-Meta = tuple[str, torch.dtype, tuple[int, ...]]  # (name, wire dtype, shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class Message:
-    """One broadcast (or one slot of the ring): `size` bytes carrying byte ranges of tensors, `(index in metadata,
-    first byte of the tensor, first byte in the message, length)`; `direct`: the bytes of one tensor, sent from (and
-    received into) the tensor itself."""
-
-    size: int
-    parts: tuple[tuple[int, int, int, int], ...]
-    direct: bool
 
 
 @dataclasses.dataclass
@@ -96,62 +80,6 @@ class Link:
         if self.ring is not None:
             self.ring.close()
         self.group = self.store = self.ring = None
-
-
-def nbytes(meta: Meta) -> int:
-    _, dtype, shape = meta
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count * dtype.itemsize
-
-
-def plan(metadata: Sequence[Meta]) -> list[Message]:
-    """The broadcasts that carry `metadata`'s tensors over TCP, in order (the same on both sides)."""
-    messages: list[Message] = []
-    packed: list[tuple[int, int, int, int]] = []
-    used = 0
-    for index, meta in enumerate(metadata):
-        size = nbytes(meta)
-        if size >= DIRECT_BYTES:
-            for start in range(0, size, MAX_MESSAGE_BYTES):
-                length = min(MAX_MESSAGE_BYTES, size - start)
-                messages.append(Message(length, ((index, start, 0, length),), True))
-            continue
-        offset = -(-used // _ALIGN) * _ALIGN
-        if packed and offset + size > PACK_BYTES:
-            messages.append(Message(used, tuple(packed), False))
-            packed, offset = [], 0
-        packed.append((index, 0, offset, size))
-        used = offset + size
-    if packed:
-        messages.append(Message(used, tuple(packed), False))
-    return messages
-
-
-def stream_plan(metadata: Sequence[Meta], slot_bytes: int) -> list[Message]:
-    """The chunks that carry `metadata`'s tensors through a ring of `slot_bytes` slots, in order (the same on both
-    sides): the tensors one after the other, each from a multiple of `_ALIGN`, cut at the slots' ends (always at an
-    element's boundary: `slot_bytes` is a multiple of `_ALIGN`)."""
-    if slot_bytes <= 0 or slot_bytes % _ALIGN:
-        raise ValueError(f"a slot of {slot_bytes} bytes: not a positive multiple of {_ALIGN}")
-    chunks: list[list[tuple[int, int, int, int]]] = []
-    position = 0  # in the stream
-    for index, meta in enumerate(metadata):
-        size = nbytes(meta)
-        position = -(-position // _ALIGN) * _ALIGN
-        start = 0
-        while True:
-            chunk, offset = divmod(position, slot_bytes)
-            length = min(size - start, slot_bytes - offset)
-            while len(chunks) <= chunk:
-                chunks.append([])
-            chunks[chunk].append((index, start, offset, length))
-            start += length
-            position += length
-            if start >= size:
-                break
-    return [Message(max(o + n for _, _, o, n in parts), tuple(parts), False) for parts in chunks]
 
 
 def local_address(peer: str) -> str:
