@@ -22,8 +22,22 @@ def pytest_addoption(parser):
     )
 
 
+def _share_the_cores() -> None:
+    """Under pytest-xdist (`make test` runs the main tiers on two workers), each worker takes its share of the cores
+    for torch's threads and its children's (OMP_NUM_THREADS): OpenMP threads outnumbering the cores spin against each
+    other. On 2 cores, 2 workers at one thread each ran the main tiers in 563 s (15.6 CPU-minutes), against 977 s
+    (29.5 CPU-minutes) at two threads each and 923 s in one process (bench/RESULTS.md, test-suite). Tests whose
+    subject is several threads set their own count (`test_lean_decode`'s kernel across thread counts)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max((os.cpu_count() or 1) // workers, 1)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "device: an equivalence test that runs on --device / GRPO_TEST_DEVICE")
+    _share_the_cores()
     if config.getoption("--device"):
         os.environ["GRPO_TEST_DEVICE"] = config.getoption("--device")
     on_device.device()  # a device this machine lacks stops the run here, with one message

@@ -327,6 +327,31 @@ def test_fused_steps_equal_the_per_operator_steps_within_float32_rounding(monkey
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
 
 
+@needs_panels
+def test_the_kernel_gives_the_same_bits_on_any_number_of_threads():
+    """The kernel splits its panels (and the fused step its heads) over OpenMP threads, each output computed whole
+    by one thread: the matmul and a fused rollout are bitwise the same on 1, 2 and 3 threads (the suite's workers
+    run on one thread each: this test is where several meet)."""
+    model = make_model(make_tokenizer(), hidden=64, layers=3).eval()
+    prompts, owner = [[5, 9, 11, 13, 7], [8, 3]], torch.tensor([0, 0, 0, 1, 1, 1])
+    ids, mask = left_pad(prompts, 0)
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(960, 576, generator=g), torch.randn(16, 576, generator=g)
+    tokens = torch.randint(5, 60, (12, 6), generator=g)
+    before, runs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            dec = LeanDecoder(model, torch.float32)
+            out = [dec.prefill(ids, mask, owner, max_new=20)] + [dec.step(t) for t in tokens]
+            assert dec.fused is not None
+            runs.append((panels.panel_linear([weight], None)(x), torch.stack(out)))
+    finally:
+        torch.set_num_threads(before)
+    for matmul, rollout in runs[1:]:
+        assert torch.equal(matmul, runs[0][0]) and torch.equal(rollout, runs[0][1])
+
+
 def test_unsupported_models_are_named():
     from peft import LoraConfig, get_peft_model
 

@@ -33,6 +33,9 @@ from grpo.serve import gloo, messages, segment
 
 SRC = str(Path(gloo.__file__).resolve().parents[2])  # this checkout's src/: the subprocesses import the same grpo
 SHM_DIR = segment.SHM_DIR
+# where this test process looks for free ports: pytest-xdist's workers (gw0, gw1, ...) each from a range of their own,
+# so that two workers' groups never race for one port between the probe and the bind
+PORTS = 40000 + 2000 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +126,7 @@ def _push(pairs, metadata, transports=("auto", "auto"), keep=True, links=None):
     """Rank 0 (this thread) sends `pairs` to the other ranks (threads named rank1, rank2, ...; one per entry of
     `transports` after the first, each rank's transport setting): (what each receiver got, how many loads each
     had, each rank's transport)."""
-    port = gloo.free_port(41000)
+    port = gloo.free_port(PORTS + 1000)
     world = len(transports)
     received = [{} for _ in range(world)]
     loads = [0] * world
@@ -297,7 +300,7 @@ def test_a_full_dev_shm_gets_a_smaller_ring_or_tcp(monkeypatch):
         fallocate(fd, offset, length)
 
     monkeypatch.setattr(os, "posix_fallocate", limited)
-    port = gloo.free_port(41000)
+    port = gloo.free_port(PORTS + 1000)
     rings = []
 
     def receiver():
@@ -351,7 +354,7 @@ def test_tensors_other_than_announced_are_an_error_before_they_are_sent():
             gloo.send(link, renamed, metadata)
         with pytest.raises(ValueError, match=r"tensor 0 is embed \(12000,\)"):
             gloo.send(link, reshaped, metadata)
-    assert gloo.free_port(gloo.free_port(40000)) >= 40000
+    assert gloo.free_port(gloo.free_port(PORTS)) >= PORTS
 
 
 # ---- other processes: other containers and users, crashes, timeouts -------------------------------------------------
@@ -406,7 +409,7 @@ def _filled(metadata):
 def _receiver_elsewhere(prefix):
     """A receiver in another process, started under `prefix`: (its transport, the sums it received)."""
     metadata = _meta(_tensors(), torch.float32)
-    port = gloo.free_port(43000)
+    port = gloo.free_port(PORTS + 1500)
     peer = _peer("receive", port, metadata, prefix=prefix)
     try:
         link = gloo.connect("127.0.0.1", port, 0, 2, "test", 30)
@@ -474,7 +477,7 @@ def test_a_receiver_of_another_user_goes_over_tcp():
 @pytest.mark.parametrize("who", ["receiver", "sender"])
 def test_a_peer_killed_midway_is_an_error_in_seconds_and_leaves_nothing(transport, who):
     metadata = _meta({f"w{i}": torch.zeros(100, 10) for i in range(8)}, torch.float32)  # 4 KB each
-    port = gloo.free_port(43000)
+    port = gloo.free_port(PORTS + 1500)
     peer = _peer("receive" if who == "receiver" else "send", port, metadata, transport, die="midway")
     try:
         link = gloo.connect("127.0.0.1", port, 1 if who == "sender" else 0, 2, "test", 10, transport=transport)
@@ -496,7 +499,7 @@ def test_a_peer_killed_midway_is_an_error_in_seconds_and_leaves_nothing(transpor
 @pytest.mark.parametrize("who", ["receiver", "sender"])
 def test_a_stalled_peer_is_an_error_after_the_timeout(who):
     metadata = _meta({f"w{i}": torch.zeros(100, 10) for i in range(8)}, torch.float32)
-    port = gloo.free_port(43000)
+    port = gloo.free_port(PORTS + 1500)
     timeout = 8  # room for the peer's start (importing torch) on a busy machine
     peer = _peer("receive" if who == "receiver" else "send", port, metadata, die="stalls", timeout=timeout)
     try:
@@ -519,7 +522,7 @@ def test_a_receiver_killed_in_the_handshake_leaves_nothing():
     """Rank 0's segment is named while the receivers open it: a receiver killed then fails rank 0's connect (the
     group's error, in seconds), and the name is gone."""
     metadata = _meta(_tensors(), torch.float32)
-    port = gloo.free_port(43000)
+    port = gloo.free_port(PORTS + 1500)
     peer = _peer("receive", port, metadata, die="in the handshake")
     try:
         start = time.monotonic()
@@ -540,10 +543,10 @@ def test_a_connection_given_up_ends_at_once_and_one_nobody_joins_times_out():
     threading.Timer(0.3, cancelled.set).start()
     start = time.monotonic()
     with pytest.raises(gloo.JoinError, match="given up"):
-        gloo.connect("127.0.0.1", gloo.free_port(43000), 0, 3, "test", 60, cancelled=cancelled)
+        gloo.connect("127.0.0.1", gloo.free_port(PORTS + 1500), 0, 3, "test", 60, cancelled=cancelled)
     assert time.monotonic() - start < 5
     with pytest.raises(gloo.JoinError, match="timed out after 1 s: 0 of the 2 receivers joined"):
-        gloo.connect("127.0.0.1", gloo.free_port(43000), 0, 3, "test", 1)
+        gloo.connect("127.0.0.1", gloo.free_port(PORTS + 1500), 0, 3, "test", 1)
 
 
 def test_the_server_s_error_cancels_the_work_it_races():
