@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# pytest-xdist's workers for the main tiers (and test-newest's): each takes its share of the cores (tests/conftest.py)
+TEST_WORKERS ?= 2
 DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo demo-agent test test-unit test-newest test-slow bench bench-full gpu-wheels lint docs install install-demo clean
@@ -44,14 +46,14 @@ $(CHROMIUM):
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; \
 	else echo "no apt-get here: install Chromium at $(CHROMIUM) for the report's browser test (skipped without it)"; fi
 
-TEST_WORKERS ?= 2
 test: $(STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff check src tests examples setup.py
 	$(VENV)/bin/ruff format --check src tests examples setup.py
 	# byte-compiled once here: the tests start hundreds of processes, which write no cache where PYTHONDONTWRITEBYTECODE is set
 	$(PY) -m compileall -q -j 0 src tests >/dev/null
-	# two workers (pytest-xdist), each on its share of the cores (tests/conftest.py): 563 s against 923 s in one process
-	$(PY) -m pytest -q -m "not slow" --ignore=tests/with_vllm -n $(TEST_WORKERS) --dist worksteal --durations=30
+	# two workers (pytest-xdist), each on its share of the cores, the process-driven tiers first (tests/conftest.py):
+	# 563 s against 923 s in one process on 2 cores
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/with_vllm -n $(TEST_WORKERS) --dist load --durations=30
 	# the vLLM tests in a process of their own (an in-process vLLM engine sets process-wide state)
 	$(PY) -m pytest -q -m "not slow" tests/with_vllm --durations=15
 
@@ -73,7 +75,7 @@ $(NEWEST)/.installed: pyproject.toml setup.py src/grpo/rollout/cpu/panel_gemm.c
 
 test-newest: $(NEWEST)/.installed
 	$(NEWEST)/bin/python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-	$(NEWEST)/bin/python -m pytest -q tests/unit tests/equivalence tests/integration/test_model_families.py
+	$(NEWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist load tests/unit tests/equivalence tests/integration/test_model_families.py
 
 # the tests marked slow (minutes each: real learning runs on the bundled model); not part of `make test`
 test-slow: $(STAMP)

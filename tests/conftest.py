@@ -30,9 +30,26 @@ def _share_the_cores() -> None:
     subject is several threads set their own count (`test_lean_decode`'s kernel across thread counts)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        threads = max((os.cpu_count() or 1) // workers, 1)
+        threads = max(torch.get_num_threads() // workers, 1)  # OpenMP's default: the cores this process may use
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+
+
+# the tiers in the order two workers take them up (`--dist load`: each takes the next test when it is free), the
+# process-driven ones first: the unit and equivalence tiers' ~2000 short tests are left to fill the end, so neither
+# worker waits long on the other's last test (a 45 s test begun last had the other idle for as long)
+FIRST_TO_LAST = ("distributed", "integration", "equivalence", "unit")
+
+
+def pytest_collection_modifyitems(config, items):
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1) > 1:
+        here = os.path.dirname(__file__)
+
+        def tier(item) -> int:
+            top = os.path.relpath(str(item.path), here).split(os.sep)[0]
+            return FIRST_TO_LAST.index(top) if top in FIRST_TO_LAST else len(FIRST_TO_LAST)
+
+        items.sort(key=tier)  # stable: each tier keeps its own order
 
 
 def pytest_configure(config):
