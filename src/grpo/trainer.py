@@ -54,6 +54,7 @@ from transformers import PreTrainedModel, TrainerControl, TrainerState
 
 from grpo import checkpoint
 from grpo.agent import Environments
+from grpo.algo import sampling_correction
 from grpo.algo.advantages import Advantages, compute_advantages
 from grpo.algo.losses import (
     LossScale,
@@ -79,7 +80,7 @@ from grpo.models.modeling import model_name
 from grpo.observe import reporting, run_dir
 from grpo.observe.callbacks import Callbacks
 from grpo.observe.metrics import MetricsLogger, generation_metrics, trl_logs
-from grpo.rounds import asynchronous, evaluation, preemption
+from grpo.rounds import evaluation, preemption
 from grpo.rounds.groups import GenerationBatch, Scored
 from grpo.rounds.preemption import Preempted, StepStart, preemption_guard
 
@@ -411,7 +412,7 @@ class GRPOTrainer:
         backward(acc, loss)
         stats = dict(metrics.stats, **sampling, **extra, entropy=masked_mean_stat(entropies.detach(), batch.mask))
         if self.args.async_generation:  # the weight against the behaviour policy that sampled (old_logps)
-            stats.update(asynchronous.importance_stats(logps.detach(), batch.old_logps, batch.mask))
+            stats.update(sampling_correction.importance_stats(logps.detach(), batch.old_logps, batch.mask))
         self._window.add_many(collectives.reduce_stats(stats, acc))
         self._window.add("timing/training_tokens_per_s", tokens / max(time.perf_counter() - t0, 1e-9))
         if self.training_pass.tree:  # packing "tree" or "auto": the share of the pass's pieces laid out as trees

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from grpo.algo.losses import Stat, _nan_extreme, off_policy_mask
+from grpo.algo.losses import Stat, _nan_extreme, masked_mean_stat, off_policy_mask
 from grpo.config import ResolvedConfig
 from grpo.config.grpo_fields import IS_MODES
 
@@ -151,3 +151,16 @@ class SamplingCorrection:
         rho, outside = sampling_ratio(trainer, sampling_logps, mask, self.mode, self.clip_min, self.clip_max)
         stats = sampling_stats(trainer, sampling_logps, mask, rho, outside)
         return (rho if self.apply else None), (sampling_logps if self.external else None), stats
+
+
+def importance_stats(logps: torch.Tensor, old: torch.Tensor | None, mask: torch.Tensor) -> dict[str, Stat]:
+    """Async generation's importance weight exp(logp - old) against the behaviour policy that sampled (old: the
+    producer's log-probs, `grpo.rounds.asynchronous`) over trained tokens: its mean and max."""
+    if old is None:
+        return {}
+    weights = torch.exp(logps.float() - old.float())
+    top = weights[mask.bool()].max() if mask.any() else weights.new_tensor(float("nan"))
+    return {
+        "sample/importance_weight_mean": masked_mean_stat(weights, mask),
+        "sample/importance_weight_max": Stat("max", top),
+    }

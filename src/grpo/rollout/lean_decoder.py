@@ -65,7 +65,7 @@ from grpo.perf.kernels import Linear, fixed_linear
 from grpo.rollout import lean_families
 from grpo.rollout.cpu import packed, panels
 from grpo.rollout.held import HeldWeights, cast_stacked
-from grpo.rollout.lean_families import norm_eps
+from grpo.rollout.lean_families import layer_norms, norm_eps
 from grpo.rollout.lean_ops import gemma_norm, grouped_attention, head_norms, llama_norm, olmo_norm, rotated, same
 
 # the linears packed for MKL (with the head): packing qkv and o too costs several times their weights' memory for a
@@ -131,7 +131,7 @@ class LeanDecoder:
                 before: dict[str, Any] = dict(norm1=same, norm2=same, norm1_weight=None, norm2_weight=None)
                 after = (olmo_norm, layer.post_attention_layernorm, layer.post_feedforward_layernorm)
             else:
-                norm1, norm2 = (active_module(n) for n in _layer_norms(layer, self.gemma))
+                norm1, norm2 = (active_module(n) for n in layer_norms(layer, self.gemma))
                 if self.gemma:
                     before = dict(norm1=gemma_norm(norm1), norm2=gemma_norm(norm2))
                 else:
@@ -165,7 +165,7 @@ class LeanDecoder:
                 )
             )
         self.eps = {
-            norm_eps(active_module(n)) for layer in inner.layers for n in _layer_norms(layer, self.gemma, self.olmo)
+            norm_eps(active_module(n)) for layer in inner.layers for n in layer_norms(layer, self.gemma, self.olmo)
         }
         final = active_module(inner.norm)
         self.norm = (
@@ -492,14 +492,6 @@ def _stacked_bias(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> to
     if all(bias is None for _, bias in linears):
         return None
     return torch.cat([bias if bias is not None else weight.new_zeros(weight.shape[0]) for weight, bias in linears])
-
-
-def _layer_norms(layer: Any, gemma: bool = False, olmo: bool = False) -> tuple[Any, Any]:
-    """The norms before attention and before the MLP (Gemma's post_attention_layernorm follows attention); OLMo 2's
-    after them (it has none before)."""
-    if olmo:
-        return layer.post_attention_layernorm, layer.post_feedforward_layernorm
-    return layer.input_layernorm, layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
 
 
 def _listed(linear: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor | None]:

@@ -1,6 +1,7 @@
 """Which models the lean decoder (`grpo.rollout.lean_decoder`) runs, read from their configs and modules: the
 families it knows (`SUPPORTED`), why it cannot run a model (`unsupported_reason`), why the fixed-shape loop cannot
-(`fixed_shape_reason`), and the facts of a layer it reads (its sliding window, its linears, a norm's epsilon)."""
+(`fixed_shape_reason`), and the facts of a layer it reads (its sliding window, its linears, its norms and a norm's
+epsilon)."""
 
 from __future__ import annotations
 
@@ -212,6 +213,14 @@ def window(attn: Any, config: Any) -> int | None:
     if getattr(config, "model_type", None) in ("mistral", "phi3"):
         return getattr(config, "sliding_window", None) or None
     return getattr(attn, "sliding_window", None) or None
+
+
+def layer_norms(layer: Any, gemma: bool = False, olmo: bool = False) -> tuple[Any, Any]:
+    """The norms before attention and before the MLP (Gemma's post_attention_layernorm follows attention); OLMo 2's
+    after them (it has none before)."""
+    if olmo:
+        return layer.post_attention_layernorm, layer.post_feedforward_layernorm
+    return layer.input_layernorm, layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
 
 
 def norm_eps(norm: Any) -> float:

@@ -58,7 +58,6 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
 from grpo.agent import Rollouts
-from grpo.algo.losses import Stat, masked_mean_stat
 from grpo.base import sigterm
 from grpo.checkpoint import inflight
 from grpo.checkpoint.inflight import Publication
@@ -446,18 +445,6 @@ class AsyncRounds(Rounds):
                 self.weights[renumber[key]] = tensors
             for p, pub in pubs.items():  # versions are the saving process's numbers: never this one's
                 self.pubs[p] = dataclasses.replace(pub, weights=renumber[pub.weights], version=None)
-
-
-def importance_stats(logps: torch.Tensor, old: torch.Tensor | None, mask: torch.Tensor) -> dict[str, Stat]:
-    """The importance weight exp(logp - old) against the behaviour policy over trained tokens: mean and max."""
-    if old is None:
-        return {}
-    weights = torch.exp(logps.float() - old.float())
-    top = weights[mask.bool()].max() if mask.any() else weights.new_tensor(float("nan"))
-    return {
-        "sample/importance_weight_mean": masked_mean_stat(weights, mask),
-        "sample/importance_weight_max": Stat("max", top),
-    }
 
 
 def refuse(learner: Learner) -> None:
