@@ -36,7 +36,7 @@ def _share_the_cores() -> None:
 
 
 # the tiers in the order two workers take them up (`--dist load`: each takes the next test when it is free), the
-# process-driven ones first: the unit and equivalence tiers' ~2000 short tests are left to fill the end, so neither
+# process-driven ones first: the unit and equivalence tiers' ~1100 short tests are left to fill the end, so neither
 # worker waits long on the other's last test (a 45 s test begun last had the other idle for as long)
 FIRST_TO_LAST = ("distributed", "integration", "equivalence", "unit")
 
