@@ -470,7 +470,7 @@ class GRPOTrainer:
             p.run_report.refresh()  # report.html, when due
         elif p.args.logging_strategy == "no":
             self._window.discard()  # no row will ever average this window
-        reporting.release_cached_memory(p.args, step, p.accelerator.device)  # torch_empty_cache_steps
+        reporting.release_memory_on_schedule(p.args, step, p.accelerator.device)  # torch_empty_cache_steps
 
     def _checkpoint(self, evaluate: bool) -> None:
         """The end of an optimizer step (every process): its checkpoint when due, then its evaluation when due, in

@@ -10,7 +10,10 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grpo.config import GRPOConfig
 
 FIELD_LIST = Path(__file__).with_name("trl_1_16_fields.md")
 STATUSES = ("works", "differs on purpose", "not applicable: warns", "not applicable: refuses", "grpo only")
@@ -45,7 +48,7 @@ def field_list() -> dict[str, FieldEntry]:
     return entries
 
 
-def check_unsupported(config: Any) -> None:
+def check_unsupported(config: GRPOConfig) -> None:
     """Refuse (one error naming every such field) or warn about values grpo cannot honour."""
     defaults = {f.name: _default(f) for f in dataclasses.fields(config)}
     refused: list[str] = []

@@ -115,7 +115,7 @@ def count_tokens(metrics: Any, seen: int, rollout: Any, batch: Any, accelerator:
     return seen
 
 
-def release_cached_memory(args: ResolvedConfig, step: int, device: Any) -> bool:
+def release_memory_on_schedule(args: ResolvedConfig, step: int, device: Any) -> bool:
     """Every `torch_empty_cache_steps` optimizer steps, hand the allocator's cached free memory back; returns
     whether it did."""
     every = args.torch_empty_cache_steps
