@@ -55,7 +55,15 @@ def model_logps(model, prompt: list[int], completion: list[int]) -> torch.Tensor
     return torch.log_softmax(logits, -1)[torch.arange(len(completion)), torch.tensor(completion)]
 
 
+def weights_from_disk(port: int) -> None:
+    """Put the session server back on its model's saved weights: a run of test_server_mode.py pushes its trained
+    ones (through the weight transfer) into the same server, and the cached prefixes hold their keys and values."""
+    assert request(port, "POST", "/collective_rpc", {"method": "reload_weights"})[0] == 200
+    assert request(port, "POST", "/reset_prefix_cache")[0] == 200
+
+
 def test_the_server_samples_the_models_log_probs_and_has_the_weight_transfer(servers, vllm_model_dir):
+    weights_from_disk(servers.open)
     status, answer = completions(servers.open, model=vllm_model_dir)
     assert status == 200, answer
     reference = AutoModelForCausalLM.from_pretrained(vllm_model_dir, torch_dtype=torch.float32).eval()
