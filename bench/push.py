@@ -53,7 +53,7 @@ sys.path.insert(0, HERE)
 
 from grpo.perf.allocator import keep_freed_memory  # noqa: E402
 from grpo.rollout.weights import checkpoint_weights  # noqa: E402
-from grpo.serve import gloo, segment  # noqa: E402
+from grpo.serve import gloo, messages, segment  # noqa: E402
 
 REPEATS = 3
 
@@ -110,7 +110,7 @@ def http_body(pairs, dtype) -> float:
             request.add_header("Content-Type", "application/octet-stream")
             urllib.request.urlopen(request).read()
 
-        return best_rate(sum(gloo.nbytes(m) for m in metadata(pairs, dtype)), push)
+        return best_rate(sum(messages.nbytes(m) for m in metadata(pairs, dtype)), push)
     finally:
         sink.kill()
 
@@ -152,7 +152,7 @@ def wires(pairs, dtype, contenders: dict, rounds: int = REPEATS) -> dict[str, fl
     pushes once over each wire; the best of `rounds` each. On a shared machine a busy spell then slows all of
     them, not one."""
     meta = metadata(pairs, dtype)
-    nbytes = sum(gloo.nbytes(m) for m in meta)
+    nbytes = sum(messages.nbytes(m) for m in meta)
     links, receivers = {}, []
     try:
         for name, (transport, keep, threads, settings) in contenders.items():
@@ -206,7 +206,7 @@ def gloo_vllm(model, tokenizer, model_dir: str, dtype: torch.dtype) -> float:
         config = model.config.get_text_config()
         engine = ServerEngine(tokenizer, sampling, servers, [], accelerator, model.config, config.vocab_size)
         engine.sync_weights(model)  # connects
-        nbytes = sum(gloo.nbytes(m) for m in metadata(wire_pairs(model), dtype))
+        nbytes = sum(messages.nbytes(m) for m in metadata(wire_pairs(model), dtype))
         return best_rate(nbytes, lambda: engine.sync_weights(model))
     finally:
         server.terminate()
@@ -272,7 +272,7 @@ def measure(
     if not wire_only:
         rates["gloo_vllm"] = gloo_vllm(model, tokenizer, path, dtype)
     rates.update(measured)
-    size = sum(gloo.nbytes(m) for m in metadata(pairs, dtype)) / 1e9
+    size = sum(messages.nbytes(m) for m in metadata(pairs, dtype)) / 1e9
     line = f"push_{name}: " + " ".join(f"{k}_gb_s={v:.2f}" for k, v in rates.items())
     if "http_body" in rates:
         line += f" gloo_vs_http={rates['gloo_wire'] / rates['http_body']:.2f}"

@@ -22,13 +22,18 @@ def pytest_addoption(parser):
     )
 
 
+def _xdist_workers() -> int:
+    """How many pytest-xdist workers run this session (1 without xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+
+
 def _share_the_cores() -> None:
     """Under pytest-xdist (`make test` runs the main tiers on two workers), each worker takes its share of the cores
     for torch's threads and its children's (OMP_NUM_THREADS): OpenMP threads outnumbering the cores spin against each
     other. On 2 cores, 2 workers at one thread each ran the main tiers in 563 s (15.6 CPU-minutes), against 977 s
     (29.5 CPU-minutes) at two threads each and 923 s in one process (bench/RESULTS.md, test-suite). Tests whose
     subject is several threads set their own count (`test_lean_decode`'s kernel across thread counts)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    workers = _xdist_workers()
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         threads = max(torch.get_num_threads() // workers, 1)  # OpenMP's default: the cores this process may use
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -42,7 +47,7 @@ FIRST_TO_LAST = ("distributed", "integration", "equivalence", "unit")
 
 
 def pytest_collection_modifyitems(config, items):
-    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1) > 1:
+    if _xdist_workers() > 1:
         here = os.path.dirname(__file__)
 
         def tier(item) -> int:

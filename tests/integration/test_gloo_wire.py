@@ -169,7 +169,7 @@ def _push(pairs, metadata, transports=("auto", "auto"), keep=True, links=None):
 def test_every_tensor_arrives_whole_bit_for_bit(transport, dtype, receivers):
     sent = {**_tensors(), **_many_tensors()}
     metadata = _meta(sent, dtype)
-    kinds = {(m.direct, len(m.parts)) for m in gloo.plan(metadata)}
+    kinds = {(m.direct, len(m.parts)) for m in messages.plan(metadata)}
     assert (True, 1) in kinds and any(not direct and parts > 1 for direct, parts in kinds)
     received, loads, used = _push(sent.items(), metadata, (transport,) * (1 + receivers))
     assert used == ["shared memory" if transport == "auto" else "TCP"] * (1 + receivers)
@@ -217,7 +217,7 @@ def test_the_stream_covers_every_byte_once_within_the_slots():
         for start, length in pieces:
             assert start == position
             position += length
-        assert position == gloo.nbytes(metadata[index])
+        assert position == messages.nbytes(metadata[index])
     with pytest.raises(ValueError, match="multiple of 16"):
         gloo.stream_plan(metadata, 1000)
 
