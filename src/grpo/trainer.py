@@ -15,27 +15,8 @@ the sequential and the asynchronous loop); the trainer is the learner. Its parts
 `grpo.assembly.assemble`, and held as one frozen record (`parts`); TRL's attributes read them. The trainer alone
 writes its `TrainerState`: checkpoints, preemption and the report take values and return what changes.
 
-Where grpo departs from the reference (TRL 1.16, shared spec):
-- a completion stops at the chat template's end-of-turn token as well as EOS (reference quirk 10);
-- a reward of float NaN/inf is an error (None is how a function says "does not apply");
-- the prompt order of generation k is a pure function of (seed, k), so resuming needs no sampler state;
-- position ids follow the attention mask in the training pass as in generation (the reference lets left
-  padding shift positions there);
-- generation runs with the model in eval mode (dropout off, KV cache on under gradient checkpointing);
-- `bf16=None` turns bfloat16 on only where the hardware computes it fast (the reference: always);
-- `dynamic_sampling` (DAPO, which the reference lacks) drops groups without reward spread and draws more prompts;
-- async reward functions run while the sync ones do (the reference awaits them after the sync ones);
-- `average_tokens_across_devices=False` divides each process's token-sum loss by its own tokens (the HF
-  Trainer's meaning; the reference always counts every process's);
-- the sampling/* metrics are logged for every engine; on-policy, vLLM's importance weight compares with the
-  training pass's own log-probs (the reference runs an extra old-policy pass for it);
-- a tensor-parallel vLLM engine (`vllm_tensor_parallel_size` > 1) samples each generation under a seed its
-  processes agree on, and they may bring different numbers of rows (the reference relies on the engine's seed
-  alone, which the training between generations can desynchronize, and assumes equal numbers);
-- image prompts (`grpo.models.vision`): the image placeholder token, which generation never samples (as the reference),
-  has probability 0 in the training pass too, so the importance weight compares the same distribution;
-- tool calls (`grpo.agent`): the `<tool_call>` format is read where the tokenizer has no response parser, each
-  call runs under `tool_call_timeout`, and a failing call becomes an error message to the model.
+Where grpo departs from the reference (TRL 1.16) is one list, for users and developers alike: docs/trl.md
+("Coming from TRL"); the shared spec's first section records the decisions behind it.
 """
 
 from __future__ import annotations
